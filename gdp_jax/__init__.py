@@ -1,0 +1,6 @@
+"""gdp-jax: gated delta product linear attention for JAX (DESIGN §1)."""
+
+from gdp_jax.operator import gated_delta_product
+
+__all__ = ["gated_delta_product"]
+__version__ = "0.1.0"

@@ -1,0 +1,180 @@
+"""`gated_delta_product`: argument checks, normalisation and implementation dispatch.
+
+The public operator of DESIGN §1. Every implementation receives the same normalised inputs:
+T padded to a multiple of the chunk (padding tokens have beta = 0, g = 0: exact no-ops), the mask
+as a 5-D array [Bm, Tm, Hm, r, r] that broadcasts against [B, T, H, r, r], and a float32 state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdp_jax import reference as _reference
+from gdp_jax import xla as _xla
+
+IMPLEMENTATIONS = ("reference", "xla")
+CHUNK_SIZES = (16, 32, 64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------
+
+def _shape(x):
+  return tuple(np.shape(x))
+
+
+def check_float(name, x):
+  """A TypeError unless x is an array of a real floating dtype."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{name} must have a floating dtype (float32, bfloat16 or float16), "
+                    f"got {dtype} with shape {_shape(x)}")
+
+
+def check_shape(name, x, expected, what):
+  if _shape(x) != tuple(expected):
+    raise ValueError(f"{name} has shape {_shape(x)}, expected {tuple(expected)} ({what})")
+
+
+def normalize_mask(mask, batch, t_len, heads, dim_k):
+  """Check a mask and return it as [Bm, Tm, Hm, r, r] plus r.
+
+  Accepted: None (r = 1), [r, r] (shared), [H, r, r] (per head), [B, T, H, r, r] (per token).
+  """
+  if mask is None:
+    return jnp.ones((1, 1, 1, 1, 1), jnp.float32), 1
+  check_float("mask", mask)
+  shape = _shape(mask)
+  if len(shape) not in (2, 3, 5):
+    raise ValueError(f"mask has shape {shape}; expected [r, r], [H, r, r] = [{heads}, r, r] "
+                     f"or [B, T, H, r, r] = [{batch}, {t_len}, {heads}, r, r]")
+  r = shape[-1]
+  if shape[-2] != r:
+    raise ValueError(f"mask must be square in its last two axes (r x r), got shape {shape}")
+  if r < 1:
+    raise ValueError(f"mask has r = {r}; need r >= 1")
+  if len(shape) == 3 and shape[0] != heads:
+    raise ValueError(f"mask has shape {shape}; a per-head mask must be [H, r, r] = "
+                     f"[{heads}, {r}, {r}]")
+  if len(shape) == 5 and shape[:3] != (batch, t_len, heads):
+    raise ValueError(f"mask has shape {shape}; a per-token mask must be [B, T, H, r, r] = "
+                     f"[{batch}, {t_len}, {heads}, {r}, {r}]")
+  if dim_k % r != 0:
+    raise ValueError(f"the key dimension K = {dim_k} (q and k last axis) must be divisible by "
+                     f"the number of key blocks r = {r} (mask shape {shape})")
+  if len(shape) == 2:
+    mask = mask[None, None, None]
+  elif len(shape) == 3:
+    mask = mask[None, None]
+  return mask, r
+
+
+def check_inputs(q, k, v, g, beta, mask, initial_state):
+  """Validate the operator's arguments; returns (B, T, H, K, V, normalised mask, r)."""
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    check_float(name, x)
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, T, H, K] (rank 4), got shape {_shape(q)}")
+  batch, t_len, heads, dim_k = q.shape
+  check_shape("k", k, q.shape, "k must match q: [B, T, H, K]")
+  if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
+    raise ValueError(f"v has shape {_shape(v)}, expected [B, T, H, V] = "
+                     f"[{batch}, {t_len}, {heads}, V] (B, T, H as q)")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, "
+                    f"v {v.dtype}")
+  if t_len < 1:
+    raise ValueError(f"q has T = {t_len} tokens (shape {_shape(q)}); need T >= 1")
+  dim_v = v.shape[-1]
+  if beta is None:
+    raise ValueError("beta is required: the write strength, shape [B, T, H] = "
+                     f"[{batch}, {t_len}, {heads}]")
+  check_float("beta", beta)
+  check_shape("beta", beta, (batch, t_len, heads), "[B, T, H] as q")
+  if g is not None:
+    check_float("g", g)
+    check_shape("g", g, (batch, t_len, heads), "[B, T, H] as q: the log-decay")
+  mask5, r = normalize_mask(mask, batch, t_len, heads, dim_k)
+  if initial_state is not None:
+    check_float("initial_state", initial_state)
+    check_shape("initial_state", initial_state, (batch, heads, dim_k, dim_v),
+                "[B, H, K, V]")
+  return batch, t_len, heads, dim_k, dim_v, mask5, r
+
+
+def default_implementation():
+  """The fastest implementation available on the default backend."""
+  return "xla"
+
+
+def _pad_time(x, t_pad):
+  if x.shape[1] == t_pad:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, t_pad - x.shape[1])
+  return jnp.pad(x, widths)
+
+
+# ----------------------------------------------------------------------------------------------
+# The operator
+# ----------------------------------------------------------------------------------------------
+
+def gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, scale=None,
+                        initial_state=None, output_final_state=False, chunk_size=64,
+                        implementation=None):
+  """Block-masked gated delta product linear attention (DESIGN §1).
+
+  Per batch row and head a float32 state S [K, V] evolves as
+    S' = exp(g_t) S_{t-1};  u_a = beta_t (v_t - sum_d M_t[a,d] k_t^(d)T S'^(d));
+    S_t^(a) = S'^(a) + k_t^(a) u_a^T;  o_t = scale q_t^T S_t
+  with the key dimension split into r blocks (r = mask size).
+
+  Args:
+    q, k: [B, T, H, K]. v: [B, T, H, V]. One floating dtype for all three.
+    g: [B, T, H] log-decay (<= 0), or None for no decay.
+    beta: [B, T, H] write strength (required).
+    mask: None (r = 1), [r, r], [H, r, r] or per token [B, T, H, r, r]; K % r == 0.
+    scale: output scale, default K ** -0.5.
+    initial_state: [B, H, K, V] or None (zeros).
+    output_final_state: also return the final state [B, H, K, V] float32.
+    chunk_size: tokens per chunk of the chunked forms, one of 16, 32, 64.
+    implementation: "reference" (recurrence over time), "xla" (chunked jnp), or None for the
+      fastest one available on the backend.
+
+  Returns:
+    (o [B, T, H, V] in q.dtype, final_state [B, H, K, V] float32 or None).
+  """
+  batch, t_len, heads, dim_k, dim_v, mask5, r = check_inputs(
+      q, k, v, g, beta, mask, initial_state)
+  if implementation is None:
+    implementation = default_implementation()
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
+                     f"got {implementation!r}")
+  if chunk_size not in CHUNK_SIZES:
+    raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
+  if scale is None:
+    scale = dim_k ** -0.5
+  if g is None:
+    g = jnp.zeros((batch, t_len, heads), jnp.float32)
+  if initial_state is None:
+    initial_state = jnp.zeros((batch, heads, dim_k, dim_v), jnp.float32)
+  initial_state = initial_state.astype(jnp.float32)
+
+  if implementation == "reference":
+    o, final = _reference.gated_delta_product_reference(
+        q, k, v, g, beta, mask5, initial_state, scale)
+  else:
+    t_pad = -(-t_len // chunk_size) * chunk_size
+    padded = [_pad_time(x, t_pad) for x in (q, k, v, g, beta)]
+    mask_p = mask5
+    if mask5.shape[1] != 1:
+      mask_p = _pad_time(mask5, t_pad)
+    o, final = _xla.gated_delta_product_xla(*padded, mask_p, initial_state, scale, chunk_size)
+    o = o[:, :t_len]
+  return o.astype(q.dtype), (final if output_final_state else None)

@@ -1,0 +1,229 @@
+"""The chunked (WY) form of DESIGN §2 in plain jnp: the `"xla"` implementation.
+
+Each stage here is the jnp counterpart of one Pallas kernel in `pallas_kernels/`, in the same array
+layout, so the kernels are tested stage by stage against these functions:
+
+  q, k       [B, Tp, H, K]   the caller's time-major layout, T padded to a multiple of the chunk
+  v          [B, Tp, H, V]
+  beta, gcum [B, H, Tp]      float32, head-major (small; kernels read them as rows)
+  mask       [Bm, Tm, Hm, r, r] with Bm in {1, B}, Tm in {1, Tp}, Hm in {1, H} (broadcast)
+  A, Ai      [B, H, Tp*r, N]  one N x N block per chunk, N = chunk * r, rows (t, a) token-major
+  w          [B, H, Tp*r, K]  rows (t, a) token-major, as [B, H, Tp, r, K] flattened
+  u, v_new   [B, H, Tp*r, V]
+  h          [B, H, NT, K, V] float32 state at the start of each state chunk
+  o          [B, Tp, H, V]
+
+Everything is computed in float32 with HIGHEST matmul precision: this is ground truth, also on GPU.
+Padding tokens carry beta = 0 and g = 0, which makes them exact no-ops (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+f32 = jnp.float32
+
+
+def _einsum(spec, *xs):
+  return jnp.einsum(spec, *xs, precision=HIGHEST)
+
+
+def _chunks(x, chunk, axis):
+  """Split `axis` (length Tp) into (Tp // chunk, chunk)."""
+  shape = x.shape
+  return x.reshape(shape[:axis] + (shape[axis] // chunk, chunk) + shape[axis + 1:])
+
+
+def _head_major_chunks(x, chunk):
+  """[B, Tp, H, D] -> [B, H, NT, chunk, D] float32."""
+  x = jnp.moveaxis(x.astype(f32), 2, 1)
+  return _chunks(x, chunk, 2)
+
+
+def _mask_chunks(mask, batch, heads, t_len, chunk):
+  """[Bm, Tm, Hm, r, r] -> [B, H, NT, chunk, r, r] float32 (broadcast)."""
+  r = mask.shape[-1]
+  mask = jnp.broadcast_to(mask.astype(f32), (batch, t_len, heads, r, r))
+  return _chunks(jnp.moveaxis(mask, 2, 1), chunk, 2)
+
+
+def _decay(gc, inclusive):
+  """exp(gamma_t - gamma_s) where s < t (s <= t if inclusive), else exactly 0: [..., C, C].
+
+  The exponent is masked before `exp`, so no positive argument is ever exponentiated (DESIGN §2).
+  """
+  c = gc.shape[-1]
+  t = jnp.arange(c)[:, None]
+  s = jnp.arange(c)[None, :]
+  causal = (t >= s) if inclusive else (t > s)
+  diff = gc[..., :, None] - gc[..., None, :]
+  return jnp.exp(jnp.where(causal, diff, -jnp.inf))
+
+
+# ----------------------------------------------------------------------------------------------
+# Stages
+# ----------------------------------------------------------------------------------------------
+
+def chunk_local_cumsum(g, chunk):
+  """gamma: the cumulative sum of g from each chunk's start (inclusive). g: [B, H, Tp]."""
+  return _chunks(g.astype(f32), chunk, 2).cumsum(-1).reshape(g.shape)
+
+
+def chunk_kkt(k, beta, mask, gcum, chunk):
+  """A[(t,a),(s,b)] = beta_t M_t[a,b] <k_t^(b), k_s^(b)> exp(gamma_t - gamma_s), t > s, else 0.
+
+  This is the gated matrix `Ag` of DESIGN §2; it is the only one the forward needs, since
+  w = (I + Ag)^-1 (exp(gamma) W~) equals exp(gamma) (I + A)^-1 W~ (DESIGN §2, `Au = D Aw D^-1`).
+  Returns [B, H, Tp*r, N] float32.
+  """
+  bsz, t_len, heads, dim_k = k.shape
+  r = mask.shape[-1]
+  kc = _head_major_chunks(k, chunk).reshape(bsz, heads, t_len // chunk, chunk, r, dim_k // r)
+  mc = _mask_chunks(mask, bsz, heads, t_len, chunk)                  # [B,H,NT,C,r,r]
+  bc = _chunks(beta.astype(f32), chunk, 2)                           # [B,H,NT,C]
+  dec = _decay(_chunks(gcum, chunk, 2), inclusive=False)             # [B,H,NT,C,C]
+  kk = _einsum("zyntbd,zynsbd->zyntsb", kc, kc)                      # <k_t^(b), k_s^(b)>
+  a = (bc[..., :, None, None, None] * mc[..., :, :, None, :]         # [B,H,NT,t,a,s,b]
+       * (kk * dec[..., None])[..., :, None, :, :])
+  n = chunk * r
+  return a.reshape(bsz, heads, t_len * r, n)
+
+
+def solve_tril(a, chunk_rows):
+  """(I + A)^-1 for each strictly lower-triangular [N, N] chunk block. [B, H, Tp*r, N]."""
+  bsz, heads, rows, n = a.shape
+  assert n == chunk_rows
+  blocks = a.reshape(bsz, heads, rows // n, n, n)
+  eye = jnp.eye(n, dtype=f32)
+  inv = jax.scipy.linalg.solve_triangular(
+      eye + blocks, jnp.broadcast_to(eye, blocks.shape), lower=True, unit_diagonal=True)
+  return inv.reshape(a.shape)
+
+
+def _masked_keys(k, mask, chunk):
+  """W~ / beta: row (t,a) = [M_t[a,0] k_t^(0), ..., M_t[a,r-1] k_t^(r-1)]. [B,H,NT,C,r,K]."""
+  bsz, t_len, heads, dim_k = k.shape
+  r = mask.shape[-1]
+  kc = _head_major_chunks(k, chunk).reshape(bsz, heads, t_len // chunk, chunk, r, dim_k // r)
+  mc = _mask_chunks(mask, bsz, heads, t_len, chunk)
+  kw = mc[..., :, :, :, None] * kc[..., :, None, :, :]               # [.., t, a, d, dk]
+  return kw.reshape(bsz, heads, t_len // chunk, chunk, r, dim_k)
+
+
+def recompute_w_u(k, v, beta, mask, gcum, ai, chunk):
+  """w = Ai (exp(gamma) beta Kw), u = Ai (beta v) per chunk (DESIGN §2, "recompute w/u")."""
+  bsz, t_len, heads, dim_k = k.shape
+  dim_v = v.shape[-1]
+  r = mask.shape[-1]
+  n = chunk * r
+  nt = t_len // chunk
+  bc = _chunks(beta.astype(f32), chunk, 2)
+  gc = _chunks(gcum, chunk, 2)
+  w_tilde = (bc * jnp.exp(gc))[..., None, None] * _masked_keys(k, mask, chunk)
+  u_tilde = bc[..., None, None] * _head_major_chunks(v, chunk)[..., :, None, :]
+  u_tilde = jnp.broadcast_to(u_tilde, (bsz, heads, nt, chunk, r, dim_v))
+  aic = ai.reshape(bsz, heads, nt, n, n)
+  w = _einsum("zynij,zynjk->zynik", aic, w_tilde.reshape(bsz, heads, nt, n, dim_k))
+  u = _einsum("zynij,zynjv->zyniv", aic, u_tilde.reshape(bsz, heads, nt, n, dim_v))
+  return w.reshape(bsz, heads, t_len * r, dim_k), u.reshape(bsz, heads, t_len * r, dim_v)
+
+
+def chunk_state(k, w, u, gcum, initial_state, chunk, state_chunk):
+  """The state recurrence over chunks (DESIGN §2).
+
+  Runs over chunks of `chunk` tokens (`gcum` is their local cumsum) and keeps the state at the
+  start of every `state_chunk` tokens (a multiple of `chunk`): the Pallas kernel solves small WY
+  chunks but stores states only per output chunk.
+  Returns h [B, H, Tp/state_chunk, K, V], v_new [B, H, Tp*r, V], final state [B, H, K, V].
+  """
+  bsz, t_len, heads, dim_k = k.shape
+  dim_v = u.shape[-1]
+  r = w.shape[2] // t_len
+  dk = dim_k // r
+  n = chunk * r
+  nt = t_len // chunk
+  per = state_chunk // chunk
+  kc = _head_major_chunks(k, chunk).reshape(bsz, heads, nt, chunk, r, dk)
+  gc = _chunks(gcum, chunk, 2)
+  wc = w.astype(f32).reshape(bsz, heads, nt, n, dim_k)
+  uc = u.astype(f32).reshape(bsz, heads, nt, n, dim_v)
+
+  def one_chunk(state, xs):
+    k_c, g_c, w_c, u_c = xs                                          # [B,H,C,r,dk] [B,H,C] ...
+    v_new = u_c - _einsum("zyik,zykv->zyiv", w_c, state)            # [B,H,N,V]
+    g_last = g_c[..., -1]
+    k_dec = k_c * jnp.exp(g_last[..., None] - g_c)[..., None, None]
+    upd = _einsum("zytad,zytav->zyadv", k_dec, v_new.reshape(bsz, heads, chunk, r, dim_v))
+    state = jnp.exp(g_last)[..., None, None] * state + upd.reshape(bsz, heads, dim_k, dim_v)
+    return state, v_new
+
+  def one_state_chunk(state, xs):
+    start = state
+    outs = []
+    for j in range(per):
+      state, v_new = one_chunk(state, tuple(x[j] for x in xs))
+      outs.append(v_new)
+    return state, (start, jnp.stack(outs))
+
+  # scan axis first: [NT/per, per, ...]
+  def scan_major(x):
+    x = jnp.moveaxis(x, 2, 0)
+    return x.reshape((nt // per, per) + x.shape[1:])
+
+  xs = tuple(scan_major(x) for x in (kc, gc, wc, uc))
+  final, (h, v_new) = jax.lax.scan(one_state_chunk, initial_state.astype(f32), xs)
+  h = jnp.moveaxis(h, 0, 2)                                          # [B,H,NTs,K,V]
+  v_new = v_new.reshape((nt,) + v_new.shape[2:])                     # [NT,B,H,N,V]
+  v_new = jnp.moveaxis(v_new, 0, 2).reshape(bsz, heads, t_len * r, dim_v)
+  return h, v_new, final
+
+
+def chunk_output(q, k, v_new, h, gcum, scale, chunk):
+  """o_t = scale (exp(g_t) q_t^T S0 + sum_{s<=t} sum_a exp(g_t - g_s) <q_t^(a), k_s^(a)> v_new[(s,a)]).
+
+  `chunk` here is the state chunk (h holds one state per chunk). Returns [B, Tp, H, V] float32.
+  """
+  bsz, t_len, heads, dim_k = q.shape
+  dim_v = v_new.shape[-1]
+  r = v_new.shape[2] // t_len
+  nt = t_len // chunk
+  qc = _head_major_chunks(q, chunk)
+  kc = _head_major_chunks(k, chunk)
+  gc = _chunks(gcum, chunk, 2)
+  vc = v_new.astype(f32).reshape(bsz, heads, nt, chunk, r, dim_v)
+  inter = jnp.exp(gc)[..., None] * _einsum("zyntk,zynkv->zyntv", qc, h)
+  qk = _einsum("zyntad,zynsad->zyntsa",
+               qc.reshape(qc.shape[:-1] + (r, dim_k // r)),
+               kc.reshape(kc.shape[:-1] + (r, dim_k // r)))
+  qk = qk * _decay(gc, inclusive=True)[..., None]
+  intra = _einsum("zyntsa,zynsav->zyntv", qk, vc)
+  o = scale * (inter + intra)                                        # [B,H,NT,C,V]
+  return jnp.moveaxis(o.reshape(bsz, heads, t_len, dim_v), 1, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole forward
+# ----------------------------------------------------------------------------------------------
+
+def to_head_major(x):
+  """[B, T, H] -> [B, H, T] float32."""
+  return jnp.moveaxis(x.astype(f32), 1, 2)
+
+
+def gated_delta_product_xla(q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+  """The chunked form over already padded inputs (Tp % chunk_size == 0).
+
+  q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; g, beta: [B, Tp, H]; mask: [Bm, Tm, Hm, r, r].
+  Returns (o [B, Tp, H, V] float32, final_state [B, H, K, V] float32).
+  """
+  r = mask.shape[-1]
+  gcum = chunk_local_cumsum(to_head_major(g), chunk_size)
+  beta_hm = to_head_major(beta)
+  a = chunk_kkt(k, beta_hm, mask, gcum, chunk_size)
+  ai = solve_tril(a, chunk_size * r)
+  w, u = recompute_w_u(k, v, beta_hm, mask, gcum, ai, chunk_size)
+  h, v_new, final = chunk_state(k, w, u, gcum, initial_state, chunk_size, chunk_size)
+  o = chunk_output(q, k, v_new, h, gcum, scale, chunk_size)
+  return o, final

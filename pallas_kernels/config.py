@@ -1,0 +1,63 @@
+"""The one place that decides how Pallas kernels run (DESIGN §4).
+
+- On a GPU backend kernels compile through the Triton lowering with `pltriton.CompilerParams`.
+- Anywhere else (CI's CPUs) they run with `interpret=True`.
+- `GDP_PALLAS_INTERPRET=1` forces interpret mode (for debugging on a GPU machine).
+
+jax 0.11+ marks the Pallas Triton backend deprecated (warning id `jax-pallas-triton`); we use it on
+purpose and keep that warning out of users' output. Every kernel calls `pallas_call` from here, so
+a later move (Mosaic GPU, or jax-triton) touches this module only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+warnings.filterwarnings(
+    "ignore", message=r"The Pallas Triton backend is deprecated", category=DeprecationWarning)
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def interpret_mode() -> bool:
+  """True when kernels should run in the Pallas interpreter instead of compiling for a GPU."""
+  if os.environ.get("GDP_PALLAS_INTERPRET", "") not in ("", "0"):
+    return True
+  return jax.default_backend() != "gpu"
+
+
+def pallas_call(kernel, *, num_warps=4, num_stages=2, **kwargs):
+  """`pl.pallas_call` with our backend choice: Triton params on GPU, interpret mode elsewhere."""
+  if interpret_mode():
+    return pl.pallas_call(kernel, interpret=True, **kwargs)
+  params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  return pl.pallas_call(kernel, compiler_params=params, **kwargs)
+
+
+def dot(a, b, *, trans_a=False, trans_b=False, precise=False):
+  """2-D matmul with float32 accumulation (the only dot the Triton lowering has).
+
+  `precise=True` asks for full float32 products (IEEE) when the operands are float32; otherwise
+  float32 operands may run as TF32 on the GPU. Low-precision operands always use tensor cores.
+  """
+  ca = 0 if trans_a else 1
+  cb = 1 if trans_b else 0
+  precision = HIGHEST if (precise and a.dtype == jnp.float32) else None
+  return jax.lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+@functools.cache
+def next_power_of_2(n: int) -> int:
+  return 1 if n <= 1 else 1 << (n - 1).bit_length()

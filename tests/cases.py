@@ -1,0 +1,115 @@
+"""Shared test inputs and dtype-scaled tolerances (one place for every test module)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Relative error allowed, measured as max|x - ref| / max(max|ref|, 1e-6) over the whole array.
+# float32 runs with full-precision matmuls and is tight; half types get a few of their ulps.
+TOLERANCE = {
+    jnp.float32: 2e-5,
+    jnp.bfloat16: 3e-2,
+    jnp.float16: 6e-3,
+}
+# Gradients go through one more chunked pass (and a triangular solve): a little looser.
+GRAD_TOLERANCE = {
+    jnp.float32: 1e-4,
+    jnp.bfloat16: 5e-2,
+    jnp.float16: 1e-2,
+}
+
+
+def tol(dtype, table=TOLERANCE):
+  return table[jnp.dtype(dtype).type]
+
+
+def rel_err(x, ref):
+  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+  assert x.shape == ref.shape, (x.shape, ref.shape)
+  assert np.all(np.isfinite(x)), "non-finite values"
+  return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-6))
+
+
+def assert_close(x, ref, rtol, what=""):
+  err = rel_err(x, ref)
+  assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:.3g}"
+
+
+def make_inputs(seed, B=2, T=40, H=3, K=32, V=16, r=2, mask_kind="head", dtype=jnp.float32,
+                with_state=True):
+  """Random operator inputs in the regime the layer produces: L2-normalised q and k, beta in
+  (0, 1), g <= 0 with realistic decays, and an arbitrary real mask."""
+  rng = np.random.default_rng(seed)
+  def normal(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+  q = normal(B, T, H, K)
+  k = normal(B, T, H, K)
+  # Normalise each key block (the operator's natural regime; keeps (I + A) well conditioned).
+  kb = k.reshape(B, T, H, r, K // r)
+  k = (kb / np.linalg.norm(kb, axis=-1, keepdims=True)).reshape(B, T, H, K)
+  q = q / np.linalg.norm(q, axis=-1, keepdims=True)
+  v = normal(B, T, H, V)
+  g = -np.abs(normal(B, T, H)) * 0.2 - 0.01
+  beta = 1.0 / (1.0 + np.exp(-normal(B, T, H)))
+  if mask_kind is None:
+    mask = None
+  elif mask_kind == "shared":
+    mask = normal(r, r) * 0.5 + np.eye(r, dtype=np.float32)
+  elif mask_kind == "head":
+    mask = normal(H, r, r) * 0.5 + np.eye(r, dtype=np.float32)
+  elif mask_kind == "token":
+    mask = normal(B, T, H, r, r) * 0.5 + np.eye(r, dtype=np.float32)
+  else:
+    raise ValueError(mask_kind)
+  h0 = normal(B, H, K, V) * 0.5 if with_state else None
+  cast = lambda x: None if x is None else jnp.asarray(x, dtype)
+  return dict(q=cast(q), k=cast(k), v=cast(v), g=jnp.asarray(g), beta=jnp.asarray(beta),
+              mask=None if mask is None else jnp.asarray(mask),
+              initial_state=None if h0 is None else jnp.asarray(h0))
+
+
+def cotangents(seed, o_shape, state_shape):
+  rng = np.random.default_rng(seed + 1000)
+  return (jnp.asarray(rng.standard_normal(o_shape), jnp.float32),
+          jnp.asarray(rng.standard_normal(state_shape), jnp.float32))
+
+
+def loss_and_grads(fn, inputs, seed=0):
+  """Gradient of <o, do> + <final, dfinal> with respect to every array input of `fn`."""
+  names = [n for n in ("q", "k", "v", "g", "beta", "mask", "initial_state")
+           if inputs.get(n) is not None]
+  q = inputs["q"]
+  B, T, H, K = q.shape
+  V = inputs["v"].shape[-1]
+  do, dfinal = cotangents(seed, (B, T, H, V), (B, H, K, V))
+
+  def loss(*arrays):
+    kw = dict(inputs)
+    kw.update(zip(names, arrays))
+    o, final = fn(**kw)
+    return (jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * dfinal))
+
+  grads = jax.grad(loss, argnums=tuple(range(len(names))))(*[inputs[n] for n in names])
+  return dict(zip(names, grads))
+
+
+# ---- independent float64 numpy recurrences (no code of ours) ----------------------------------
+
+def np_gated_delta_rule(q, k, v, g, beta, scale, h0=None):
+  """Gated DeltaNet: S = exp(g) S; S += beta k (v - k^T S)^T; o = scale q^T S. [B,T,H,*]."""
+  q, k, v, g, beta = (np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+                      for x in (q, k, v, g, beta))
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  S = np.zeros((B, H, K, V)) if h0 is None else np.array(h0, np.float64)
+  o = np.zeros((B, T, H, V))
+  for t in range(T):
+    S = np.exp(g[:, t])[..., None, None] * S
+    pred = np.einsum("bhk,bhkv->bhv", k[:, t], S)
+    u = beta[:, t][..., None] * (v[:, t] - pred)
+    S = S + k[:, t][..., :, None] * u[..., None, :]
+    o[:, t] = scale * np.einsum("bhk,bhkv->bhv", q[:, t], S)
+  return o, S

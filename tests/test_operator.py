@@ -1,0 +1,218 @@
+"""`gated_delta_product`: the chunked jnp form against the recurrence, independent numpy checks,
+state threading, odd lengths, and the argument checks at the boundary."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdp_jax import gated_delta_product
+from tests.cases import (GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs,
+                         np_gated_delta_rule, tol)
+
+
+def run(implementation, chunk_size=64, **inputs):
+  return gated_delta_product(**inputs, output_final_state=True, chunk_size=chunk_size,
+                             implementation=implementation)
+
+
+# ---- xla against reference: forward ----------------------------------------------------------
+
+@pytest.mark.parametrize("mask_kind,r", [(None, 1), ("shared", 2), ("head", 4), ("token", 2)])
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+def test_xla_forward_matches_reference(mask_kind, r, chunk_size):
+  inputs = make_inputs(0, T=37, r=r, mask_kind=mask_kind)
+  o_ref, f_ref = run("reference", **inputs)
+  o, f = run("xla", chunk_size=chunk_size, **inputs)
+  assert o.dtype == jnp.float32 and f.dtype == jnp.float32
+  assert_close(o, o_ref, tol(jnp.float32), "o")
+  assert_close(f, f_ref, tol(jnp.float32), "final state")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_xla_forward_half_precision(dtype):
+  inputs = make_inputs(1, T=50, r=2, mask_kind="head", dtype=dtype)
+  o_ref, f_ref = run("reference", **inputs)
+  o, f = run("xla", chunk_size=32, **inputs)
+  assert o.dtype == dtype and f.dtype == jnp.float32
+  assert_close(o, o_ref, tol(dtype), "o")
+  assert_close(f, f_ref, tol(dtype), "final state")
+  # and against the float32 computation on the same (rounded) inputs
+  o32, _ = run("reference", **{n: (x.astype(jnp.float32) if x is not None else None)
+                                for n, x in inputs.items()})
+  assert_close(o, o32, tol(dtype), "o vs float32")
+
+
+# ---- xla against reference: gradients of every input ------------------------------------------
+
+@pytest.mark.parametrize("mask_kind,r,with_state", [
+    (None, 1, True), ("shared", 2, False), ("head", 2, True), ("token", 4, True)])
+def test_xla_gradients_match_reference(mask_kind, r, with_state):
+  inputs = make_inputs(2, T=21, K=16, V=8, r=r, mask_kind=mask_kind, with_state=with_state)
+  g_ref = loss_and_grads(functools.partial(run, "reference"), inputs)
+  g_xla = loss_and_grads(functools.partial(run, "xla", 16), inputs)
+  assert set(g_ref) == set(g_xla)
+  for name in g_ref:
+    assert g_xla[name].shape == inputs[name].shape, name
+    assert_close(g_xla[name], g_ref[name], GRAD_TOLERANCE[jnp.float32], f"d{name}")
+
+
+def test_xla_gradients_bfloat16():
+  inputs = make_inputs(3, T=24, K=16, V=8, r=2, mask_kind="head", dtype=jnp.bfloat16)
+  g_ref = loss_and_grads(functools.partial(run, "reference"), inputs)
+  g_xla = loss_and_grads(functools.partial(run, "xla", 16), inputs)
+  for name in g_ref:
+    assert g_xla[name].dtype == inputs[name].dtype, name
+    assert_close(g_xla[name], g_ref[name], GRAD_TOLERANCE[jnp.bfloat16], f"d{name}")
+
+
+# ---- independent checks (numpy recurrences written in the tests) ------------------------------
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+@pytest.mark.parametrize("r", [1, 2, 4])
+def test_all_ones_mask_is_gated_delta_rule(implementation, r):
+  inputs = make_inputs(4, T=19, r=r, mask_kind=None)
+  k = inputs["k"] / np.sqrt(r)              # one unit-norm key (blocks were normalised)
+  inputs["k"] = k
+  inputs["mask"] = jnp.ones((r, r)) if r > 1 else None
+  o, f = run(implementation, chunk_size=16, **inputs)
+  K = k.shape[-1]
+  o_np, f_np = np_gated_delta_rule(inputs["q"], k, inputs["v"], inputs["g"], inputs["beta"],
+                                   K ** -0.5, inputs["initial_state"])
+  assert_close(o, o_np, tol(jnp.float32), "o")
+  assert_close(f, f_np, tol(jnp.float32), "final")
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+def test_identity_mask_is_independent_block_rules(implementation):
+  r = 2
+  inputs = make_inputs(5, T=23, K=32, r=r, mask_kind=None)
+  inputs["mask"] = jnp.eye(r)
+  o, f = run(implementation, chunk_size=16, **inputs)
+  K = inputs["k"].shape[-1]
+  dk = K // r
+  o_sum = 0.0
+  finals = []
+  for a in range(r):
+    sl = slice(a * dk, (a + 1) * dk)
+    o_a, f_a = np_gated_delta_rule(inputs["q"][..., sl], inputs["k"][..., sl], inputs["v"],
+                                   inputs["g"], inputs["beta"], K ** -0.5,
+                                   inputs["initial_state"][:, :, sl])
+    o_sum = o_sum + o_a
+    finals.append(f_a)
+  assert_close(o, o_sum, tol(jnp.float32), "o")
+  assert_close(f, np.concatenate(finals, axis=2), tol(jnp.float32), "final")
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+def test_no_decay_is_delta_rule(implementation):
+  inputs = make_inputs(6, T=30, r=1, mask_kind=None)
+  zeros = jnp.zeros_like(inputs["g"])
+  o_none, f_none = run(implementation, chunk_size=16, **{**inputs, "g": None})
+  o_zero, f_zero = run(implementation, chunk_size=16, **{**inputs, "g": zeros})
+  K = inputs["k"].shape[-1]
+  o_np, f_np = np_gated_delta_rule(inputs["q"], inputs["k"], inputs["v"], zeros, inputs["beta"],
+                                   K ** -0.5, inputs["initial_state"])
+  for o, f in ((o_none, f_none), (o_zero, f_zero)):
+    assert_close(o, o_np, tol(jnp.float32), "o")
+    assert_close(f, f_np, tol(jnp.float32), "final")
+
+
+def test_default_scale_and_explicit_scale():
+  inputs = make_inputs(7, T=9, r=1, mask_kind=None)
+  o1, _ = run("xla", **inputs)
+  o2 = gated_delta_product(**inputs, scale=2.0 * inputs["q"].shape[-1] ** -0.5)[0]
+  assert_close(o2, 2.0 * o1, tol(jnp.float32), "scale")
+
+
+# ---- state threading, lengths, mask shapes ----------------------------------------------------
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+def test_two_halves_thread_the_state(implementation):
+  inputs = make_inputs(8, T=45, r=2, mask_kind="token")
+  o_full, f_full = run(implementation, chunk_size=16, **inputs)
+  cut = 20
+  first = {n: (x[:, :cut] if n in ("q", "k", "v", "g", "beta", "mask") else x)
+           for n, x in inputs.items()}
+  second = {n: (x[:, cut:] if n in ("q", "k", "v", "g", "beta", "mask") else x)
+            for n, x in inputs.items()}
+  o1, f1 = run(implementation, chunk_size=16, **first)
+  second["initial_state"] = f1
+  o2, f2 = run(implementation, chunk_size=16, **second)
+  assert_close(jnp.concatenate([o1, o2], axis=1), o_full, tol(jnp.float32), "o")
+  assert_close(f2, f_full, tol(jnp.float32), "final")
+
+
+@pytest.mark.parametrize("T", [1, 5, 16, 33, 64, 65])
+@pytest.mark.parametrize("mask_kind", ["shared", "head", "token"])
+def test_lengths_and_mask_shapes(T, mask_kind):
+  inputs = make_inputs(9, B=1, T=T, H=2, K=16, V=8, r=2, mask_kind=mask_kind)
+  o_ref, f_ref = run("reference", **inputs)
+  o, f = run("xla", chunk_size=32, **inputs)
+  assert o.shape == (1, T, 2, 8)
+  assert_close(o, o_ref, tol(jnp.float32), "o")
+  assert_close(f, f_ref, tol(jnp.float32), "final")
+
+
+def test_final_state_only_when_asked():
+  inputs = make_inputs(10, T=8, r=1, mask_kind=None)
+  o, f = gated_delta_product(**inputs)
+  assert f is None and o.shape == inputs["v"].shape
+
+
+def test_jit_and_vmap():
+  inputs = make_inputs(11, T=20, r=2, mask_kind="head")
+  f = jax.jit(lambda q, k, v, g, beta, mask, h0: gated_delta_product(
+      q, k, v, g, beta, mask, initial_state=h0, output_final_state=True, chunk_size=16))
+  args = [inputs[n] for n in ("q", "k", "v", "g", "beta", "mask", "initial_state")]
+  o, fin = f(*args)
+  o_ref, f_ref = run("reference", **inputs)
+  assert_close(o, o_ref, tol(jnp.float32), "jit o")
+  # vmap over an extra leading axis of two copies
+  stacked = [jnp.stack([a, a]) for a in args]
+  o2, _ = jax.vmap(f)(*stacked)
+  assert_close(o2[1], o_ref, tol(jnp.float32), "vmap o")
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+def _good():
+  return make_inputs(12, B=2, T=8, H=3, K=16, V=8, r=2, mask_kind="head")
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (dict(q=jnp.zeros((2, 8, 3))), ValueError, "q must be [B, T, H, K]"),
+    (dict(k=jnp.zeros((2, 8, 3, 8))), ValueError, "k has shape (2, 8, 3, 8)"),
+    (dict(v=jnp.zeros((2, 9, 3, 8))), ValueError, "v has shape (2, 9, 3, 8)"),
+    (dict(g=jnp.zeros((2, 8, 4))), ValueError, "g has shape (2, 8, 4)"),
+    (dict(beta=jnp.zeros((2, 8))), ValueError, "beta has shape (2, 8)"),
+    (dict(beta=None), ValueError, "beta is required"),
+    (dict(mask=jnp.zeros((2, 3))), ValueError, "square"),
+    (dict(mask=jnp.zeros((4, 2, 2))), ValueError, "[H, r, r] = [3, 2, 2]"),
+    (dict(mask=jnp.zeros((2, 8, 3, 2))), ValueError, "mask has shape (2, 8, 3, 2)"),
+    (dict(mask=jnp.zeros((1, 8, 3, 2, 2))), ValueError, "[B, T, H, r, r]"),
+    (dict(mask=jnp.zeros((3, 3))), ValueError, "divisible by the number of key blocks r = 3"),
+    (dict(initial_state=jnp.zeros((2, 3, 16, 4))), ValueError, "initial_state has shape"),
+    (dict(q=jnp.zeros((2, 8, 3, 16), jnp.int32)), TypeError, "q must have a floating dtype"),
+    (dict(beta=jnp.zeros((2, 8, 3), jnp.int32)), TypeError, "beta must have a floating dtype"),
+    (dict(mask=jnp.ones((2, 2), jnp.int32)), TypeError, "mask must have a floating dtype"),
+    (dict(v=jnp.zeros((2, 8, 3, 8), jnp.bfloat16)), TypeError, "share one dtype"),
+])
+def test_bad_inputs_raise(change, error, words):
+  inputs = _good()
+  inputs.update(change)
+  with pytest.raises(error) as info:
+    gated_delta_product(**inputs)
+  assert words in str(info.value)
+
+
+def test_bad_implementation_and_chunk_size():
+  inputs = _good()
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    gated_delta_product(**inputs, implementation="cuda")
+  with pytest.raises(ValueError, match="chunk_size must be one of"):
+    gated_delta_product(**inputs, chunk_size=48)
