@@ -14,7 +14,7 @@ import numpy as np
 from gdp_jax import reference as _reference
 from gdp_jax import xla as _xla
 
-IMPLEMENTATIONS = ("reference", "xla")
+IMPLEMENTATIONS = ("reference", "xla", "pallas")
 CHUNK_SIZES = (16, 32, 64)
 
 
@@ -108,8 +108,8 @@ def check_inputs(q, k, v, g, beta, mask, initial_state):
 
 
 def default_implementation():
-  """The fastest implementation available on the default backend."""
-  return "xla"
+  """The fastest implementation available on the default backend: Pallas kernels on a GPU."""
+  return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 def _pad_time(x, t_pad):
@@ -143,8 +143,9 @@ def gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, scale=None,
     initial_state: [B, H, K, V] or None (zeros).
     output_final_state: also return the final state [B, H, K, V] float32.
     chunk_size: tokens per chunk of the chunked forms, one of 16, 32, 64.
-    implementation: "reference" (recurrence over time), "xla" (chunked jnp), or None for the
-      fastest one available on the backend.
+    implementation: "reference" (recurrence over time), "xla" (chunked jnp), "pallas" (GPU
+      kernels; interpreted on CPU, slowly), or None for the fastest one available on the
+      backend ("pallas" on GPU, "xla" elsewhere).
 
   Returns:
     (o [B, T, H, V] in q.dtype, final_state [B, H, K, V] float32 or None).
@@ -175,6 +176,12 @@ def gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, scale=None,
     mask_p = mask5
     if mask5.shape[1] != 1:
       mask_p = _pad_time(mask5, t_pad)
-    o, final = _xla.gated_delta_product_xla(*padded, mask_p, initial_state, scale, chunk_size)
+    if implementation == "xla":
+      o, final = _xla.gated_delta_product_xla(
+          *padded, mask_p, initial_state, scale, chunk_size)
+    else:
+      from gdp_jax import pallas_impl
+      o, final = pallas_impl.gated_delta_product_pallas(
+          *padded, mask_p, initial_state, scale, chunk_size)
     o = o[:, :t_len]
   return o.astype(q.dtype), (final if output_final_state else None)

@@ -41,11 +41,11 @@ def pallas_call(kernel, *, num_warps=4, num_stages=2, **kwargs):
   return pl.pallas_call(kernel, compiler_params=params, **kwargs)
 
 
-def dot(a, b, *, trans_a=False, trans_b=False, precise=False):
+def dot(a, b, *, trans_a=False, trans_b=False, precise=True):
   """2-D matmul with float32 accumulation (the only dot the Triton lowering has).
 
-  `precise=True` asks for full float32 products (IEEE) when the operands are float32; otherwise
-  float32 operands may run as TF32 on the GPU. Low-precision operands always use tensor cores.
+  Float32 operands get full float32 products (IEEE) unless `precise=False`, which lets the GPU
+  use TF32. Half-precision operands always use the tensor cores with float32 accumulation.
   """
   ca = 0 if trans_a else 1
   cb = 1 if trans_b else 0

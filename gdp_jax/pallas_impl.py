@@ -1,0 +1,82 @@
+"""`implementation="pallas"`: the chunked form of DESIGN §2 as Pallas kernels (pallas_kernels/).
+
+Inputs arrive validated and padded in time by `gdp_jax.operator`. Here they are also padded in
+the feature axes so every kernel tile is a power of two of at least 16 (the Triton dot's minimum):
+each key block of dk = K / r columns to dkp, and V to Vp, with zeros, which changes nothing (a
+zero key column never touches the state; a zero value column stays zero).
+
+The pallas chunk: a chunk of BT tokens makes [BT*r, BT*r] chunk matrices that live in registers,
+so the kernels use BT = min(chunk_size, 128 // r) tokens (64 for r = 1, 2; 32 for r = 4; 16 for
+r = 8). The result is the same function; only rounding differs.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels import chunk_h, chunk_o, config, cumsum, kkt, solve_tril, wy
+
+MAX_CHUNK_ROWS = 128
+
+
+def pallas_chunk(chunk_size: int, r: int) -> int:
+  """Tokens per chunk the kernels use for a requested chunk size and r key blocks."""
+  return max(16, min(chunk_size, MAX_CHUNK_ROWS // r))
+
+
+def padded_dims(dim_k: int, dim_v: int, r: int) -> tuple[int, int]:
+  """(dkp, Vp): each key block and the value dimension padded to a power of two >= 16."""
+  return (max(16, config.next_power_of_2(dim_k // r)), max(16, config.next_power_of_2(dim_v)))
+
+
+def pad_key_blocks(x, r, dkp):
+  """[..., K] -> [..., r * dkp]: zero-pad each of the r key blocks to dkp columns."""
+  dk = x.shape[-1] // r
+  if dk == dkp:
+    return x
+  x = x.reshape(x.shape[:-1] + (r, dk))
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dkp - dk)])
+  return x.reshape(x.shape[:-2] + (r * dkp,))
+
+
+def unpad_key_blocks(x, r, dk, axis):
+  """Inverse of pad_key_blocks along `axis`."""
+  dkp = x.shape[axis] // r
+  if dk == dkp:
+    return x
+  x = jnp.moveaxis(x, axis, -1)
+  x = x.reshape(x.shape[:-1] + (r, dkp))[..., :dk]
+  return jnp.moveaxis(x.reshape(x.shape[:-2] + (r * dk,)), -1, axis)
+
+
+def _pad_last(x, size):
+  if x.shape[-1] == size:
+    return x
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+def gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+  """q, k [B, Tp, H, K]; v [B, Tp, H, V]; g, beta [B, Tp, H]; mask [Bm, Tm, Hm, r, r];
+  initial_state [B, H, K, V] f32 -> (o [B, Tp, H, V] in q's dtype, final [B, H, K, V] f32)."""
+  dim_k, dim_v = q.shape[-1], v.shape[-1]
+  r = mask.shape[-1]
+  bt = pallas_chunk(chunk_size, r)
+  dkp, vp = padded_dims(dim_k, dim_v, r)
+  q = pad_key_blocks(q, r, dkp)
+  k = pad_key_blocks(k, r, dkp)
+  v = _pad_last(v, vp)
+  h0 = _pad_last(pad_key_blocks(initial_state.swapaxes(-1, -2), r, dkp).swapaxes(-1, -2), vp)
+  mask = mask.astype(jnp.float32)
+
+  g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)                  # [B, H, Tp]
+  beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
+  gcum = cumsum.chunk_local_cumsum(g_hm, bt)
+  a = kkt.chunk_kkt(k, beta_hm, mask, gcum, bt)
+  ai = solve_tril.solve_tril(a, bt * r, out_dtype=q.dtype)
+  w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, bt)
+  h, v_new, final = chunk_h.chunk_state(k, w, u, gcum, h0, bt)
+  o = chunk_o.chunk_output(q, k, v_new, h, gcum, scale, bt)
+
+  o = o[..., :dim_v]
+  final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
+  return o, final

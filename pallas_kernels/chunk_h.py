@@ -1,0 +1,97 @@
+"""The state recurrence over chunks (DESIGN §2), one program per (V block, batch, head).
+
+For each chunk c, with S the state at its start (kept in registers as r row blocks [dk, BV]):
+  h[c] = S
+  v_new[(t,a)] = u[(t,a)] - sum_d w[(t,a), block d] S^(d)
+  S^(d) = exp(gamma_last) S^(d) + sum_t exp(gamma_last - gamma_t) k_t^(d)T v_new[(t,d)]
+Rows of one block a are read straight from the refs viewed as [Tp, r, D] (strided loads), so no
+value is ever sliced (DESIGN §4).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import config
+
+
+def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_ref, *,
+                    r, chunk, num_chunks):
+  dim_k = k_ref.shape[-1]
+  dk = dim_k // r
+  dtype = k_ref.dtype
+  last = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
+  cols = lambda d: pl.ds(d * dk, dk)
+
+  def body(c, state):
+    t0 = pl.multiple_of(c * chunk, chunk)
+    tok = pl.ds(t0, chunk)
+    for d in range(r):
+      h_ref[c, cols(d), :] = state[d].astype(h_ref.dtype)
+    g = g_ref[tok]
+    g_last = jnp.sum(jnp.where(last, g, 0.0))
+    v_new = []
+    for a in range(r):
+      pred = None
+      for d in range(r):
+        term = config.dot(w_ref[tok, a, cols(d)], state[d].astype(dtype))
+        pred = term if pred is None else pred + term
+      vn = (u_ref[tok, a, :].astype(jnp.float32) - pred).astype(dtype)
+      v_new_ref[tok, a, :] = vn.astype(v_new_ref.dtype)
+      v_new.append(vn)
+    decay = jnp.exp(g_last - g)[:, None]
+    out = []
+    for d in range(r):
+      k_dec = (k_ref[tok, cols(d)].astype(jnp.float32) * decay).astype(dtype)
+      out.append(jnp.exp(g_last) * state[d] + config.dot(k_dec, v_new[d], trans_a=True))
+    return tuple(out)
+
+  state = tuple(h0_ref[cols(d), :].astype(jnp.float32) for d in range(r))
+  state = jax.lax.fori_loop(0, num_chunks, body, state)
+  for d in range(r):
+    final_ref[cols(d), :] = state[d]
+
+
+def chunk_state(k, w, u, gcum, initial_state, chunk, *, block_v=64, num_warps=4, num_stages=2,
+                h_dtype=None):
+  """k [B, Tp, H, K]; w [B, H, Tp*r, K]; u [B, H, Tp*r, V]; gcum [B, H, Tp] f32;
+  initial_state [B, H, K, V] f32 ->
+  h [B, H, NT, K, V] (h_dtype, default k's dtype), v_new [B, H, Tp*r, V] (k's dtype),
+  final state [B, H, K, V] float32."""
+  bsz, t_len, heads, dim_k = k.shape
+  dim_v = u.shape[-1]
+  r = w.shape[2] // t_len
+  nt = t_len // chunk
+  bv = min(block_v, dim_v)
+  h_dtype = k.dtype if h_dtype is None else h_dtype
+  w5 = w.reshape(bsz, heads, t_len, r, dim_k)
+  u5 = u.reshape(bsz, heads, t_len, r, dim_v)
+  state_spec = pl.BlockSpec((None, None, dim_k, bv), lambda iv, b, h: (b, h, 0, iv))
+  per_row_v = pl.BlockSpec((None, None, t_len, r, bv), lambda iv, b, h: (b, h, 0, 0, iv))
+  h, v_new, final = config.pallas_call(
+      lambda *refs: _chunk_h_kernel(*refs, r=r, chunk=chunk, num_chunks=nt),
+      grid=(dim_v // bv, bsz, heads),
+      in_specs=[
+          pl.BlockSpec((None, t_len, None, dim_k), lambda iv, b, h: (b, 0, h, 0)),
+          pl.BlockSpec((None, None, t_len, r, dim_k), lambda iv, b, h: (b, h, 0, 0, 0)),
+          per_row_v,
+          pl.BlockSpec((None, None, t_len), lambda iv, b, h: (b, h, 0)),
+          state_spec,
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, nt, dim_k, bv), lambda iv, b, h: (b, h, 0, 0, iv)),
+          per_row_v,
+          state_spec,
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), h_dtype),
+          jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype),
+          jax.ShapeDtypeStruct((bsz, heads, dim_k, dim_v), jnp.float32),
+      ],
+      num_warps=num_warps,
+      num_stages=num_stages,
+      name="gdp_chunk_h",
+  )(k, w5, u5, gcum, initial_state)
+  return h, v_new.reshape(bsz, heads, t_len * r, dim_v), final

@@ -1,0 +1,43 @@
+"""The chunk KKT with the r x r block mask and the gate (DESIGN §2).
+
+A[(t,a),(s,b)] = beta_t M_t[a,b] <k_t^(b), k_s^(b)> exp(gamma_t - gamma_s) for t > s, else 0,
+computed as one [N, K] x [K, N] matmul of the masked keys Kw and the block keys Kb.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import config, rows, specs
+
+
+def _kkt_kernel(k_ref, beta_ref, g_ref, mask_ref, a_ref, *, r):
+  k = k_ref[...]
+  bt = k.shape[0]
+  n = bt * r
+  kw = rows.masked_keys(k, mask_ref, r).astype(k.dtype)
+  kb = rows.block_keys(k, r).astype(k.dtype)
+  kkt = config.dot(kw, kb, trans_b=True)                           # [N, N] float32
+  tok = rows.row_tokens(n, r)
+  g = rows.per_row(g_ref[...], r)
+  beta = rows.per_row(beta_ref[...].astype(jnp.float32), r)
+  decay = rows.causal_decay(g, g, tok, tok, strict=True)
+  a_ref[...] = (beta[:, None] * kkt * decay).astype(a_ref.dtype)
+
+
+def chunk_kkt(k, beta, mask, gcum, chunk, *, out_dtype=jnp.float32, num_warps=4):
+  """k [B, Tp, H, K]; beta, gcum [B, H, Tp]; mask [Bm, Tm, Hm, r, r] -> A [B, H, Tp*r, N]."""
+  bsz, t_len, heads, dim_k = k.shape
+  r = mask.shape[-1]
+  n = chunk * r
+  return config.pallas_call(
+      lambda *refs: _kkt_kernel(*refs, r=r),
+      grid=(t_len // chunk, bsz, heads),
+      in_specs=[specs.tokens(chunk, dim_k), specs.scalars(chunk), specs.scalars(chunk),
+                specs.mask(mask.shape, chunk)],
+      out_specs=specs.rows(n, n),
+      out_shape=jax.ShapeDtypeStruct((bsz, heads, t_len * r, n), out_dtype),
+      num_warps=num_warps,
+      name="gdp_chunk_kkt",
+  )(k, beta, gcum, mask)

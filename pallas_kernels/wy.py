@@ -1,0 +1,43 @@
+"""The w/u recompute (DESIGN §2): w = Ai (exp(gamma) beta Kw), u = Ai (beta v), per chunk.
+
+With Ai = (I + Ag)^-1 the gated inverse, w equals exp(gamma) (I + A)^-1 W~, so one inverse serves
+both and no exp of a positive argument is formed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import config, rows, specs
+
+
+def _wy_kernel(k_ref, v_ref, beta_ref, g_ref, mask_ref, ai_ref, w_ref, u_ref, *, r):
+  k = k_ref[...]
+  dtype = k.dtype
+  ai = ai_ref[...].astype(dtype)
+  beta = beta_ref[...].astype(jnp.float32)
+  scale_w = rows.per_row(beta * jnp.exp(g_ref[...]), r)
+  w_tilde = (scale_w[:, None] * rows.masked_keys(k, mask_ref, r)).astype(dtype)
+  w_ref[...] = config.dot(ai, w_tilde).astype(w_ref.dtype)
+  u_tilde = rows.repeat_rows((beta[:, None] * v_ref[...].astype(jnp.float32)).astype(dtype), r)
+  u_ref[...] = config.dot(ai, u_tilde).astype(u_ref.dtype)
+
+
+def recompute_w_u(k, v, beta, mask, gcum, ai, chunk, *, num_warps=4):
+  """-> w [B, H, Tp*r, K], u [B, H, Tp*r, V] in k's dtype."""
+  bsz, t_len, heads, dim_k = k.shape
+  dim_v = v.shape[-1]
+  r = mask.shape[-1]
+  n = chunk * r
+  return config.pallas_call(
+      lambda *refs: _wy_kernel(*refs, r=r),
+      grid=(t_len // chunk, bsz, heads),
+      in_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_v), specs.scalars(chunk),
+                specs.scalars(chunk), specs.mask(mask.shape, chunk), specs.rows(n, n)],
+      out_specs=[specs.rows(n, dim_k), specs.rows(n, dim_v)],
+      out_shape=[jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_k), k.dtype),
+                 jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_v), k.dtype)],
+      num_warps=num_warps,
+      name="gdp_recompute_w_u",
+  )(k, v, beta, gcum, mask, ai)

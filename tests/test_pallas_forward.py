@@ -1,0 +1,140 @@
+"""Pallas forward kernels: each stage against its jnp counterpart in gdp_jax/xla.py, and the whole
+`implementation="pallas"` forward against the recurrent reference.
+
+On CPU the kernels run in interpret mode (pallas_kernels/config.py); on a GPU the same tests run the
+compiled kernels, plus the large shapes marked `gpu_only`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from gdp_jax import gated_delta_product, xla
+from gdp_jax.operator import normalize_mask
+from pallas_kernels import chunk_h, chunk_o, cumsum, kkt, solve_tril, wy
+from tests.cases import assert_close, make_inputs, tol
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="large shapes run compiled on the GPU only")
+
+
+def stage_inputs(r, mask_kind, chunk, B=2, T=64, H=2, K=64, V=32, dtype=jnp.float32, seed=0):
+  inp = make_inputs(seed, B=B, T=T, H=H, K=K, V=V, r=r, mask_kind=mask_kind, dtype=dtype)
+  mask, _ = normalize_mask(inp["mask"], B, T, H, K)
+  g = xla.to_head_major(inp["g"])
+  beta = xla.to_head_major(inp["beta"])
+  gcum = xla.chunk_local_cumsum(g, chunk)
+  return dict(inp, mask=mask, g_hm=g, beta_hm=beta, gcum=gcum, chunk=chunk, r=r)
+
+
+STAGE_CASES = [(1, None, 32), (2, "head", 32), (4, "token", 16), (2, "shared", 16)]
+
+
+@pytest.mark.parametrize("r,mask_kind,chunk", STAGE_CASES)
+def test_stages_match_xla(r, mask_kind, chunk):
+  s = stage_inputs(r, mask_kind, chunk)
+  k, v, beta, mask, gcum = s["k"], s["v"], s["beta_hm"], s["mask"], s["gcum"]
+  f32 = tol(jnp.float32)
+
+  assert_close(cumsum.chunk_local_cumsum(s["g_hm"], chunk), gcum, f32, "cumsum")
+  rev_ref = jnp.flip(xla.chunk_local_cumsum(jnp.flip(s["g_hm"], -1), chunk), -1)
+  if s["g_hm"].shape[-1] == chunk:
+    assert_close(cumsum.chunk_local_cumsum(s["g_hm"], chunk, reverse=True), rev_ref, f32,
+                 "reverse cumsum")
+
+  a_ref = xla.chunk_kkt(k, beta, mask, gcum, chunk)
+  assert_close(kkt.chunk_kkt(k, beta, mask, gcum, chunk), a_ref, f32, "kkt")
+
+  ai_ref = xla.solve_tril(a_ref, chunk * r)
+  assert_close(solve_tril.solve_tril(a_ref, chunk * r), ai_ref, f32, "solve_tril")
+
+  w_ref, u_ref = xla.recompute_w_u(k, v, beta, mask, gcum, ai_ref, chunk)
+  w, u = wy.recompute_w_u(k, v, beta, mask, gcum, ai_ref, chunk)
+  assert_close(w, w_ref, f32, "w")
+  assert_close(u, u_ref, f32, "u")
+
+  h0 = s["initial_state"]
+  h_ref, vn_ref, fin_ref = xla.chunk_state(k, w_ref, u_ref, gcum, h0, chunk, chunk)
+  h, vn, fin = chunk_h.chunk_state(k, w_ref, u_ref, gcum, h0, chunk, block_v=16)
+  assert_close(h, h_ref, f32, "h")
+  assert_close(vn, vn_ref, f32, "v_new")
+  assert_close(fin, fin_ref, f32, "final state")
+
+  o_ref = xla.chunk_output(s["q"], k, vn_ref, h_ref, gcum, 0.3, chunk)
+  o = chunk_o.chunk_output(s["q"], k, vn_ref, h_ref, gcum, 0.3, chunk, block_v=16)
+  assert_close(o, o_ref, f32, "o")
+
+
+def test_reverse_cumsum_within_chunks():
+  g = -jnp.abs(jax.random.normal(jax.random.key(0), (2, 3, 64)))
+  rev = cumsum.chunk_local_cumsum(g, 16, reverse=True)
+  chunks = g.reshape(2, 3, 4, 16)
+  expected = jnp.flip(jnp.cumsum(jnp.flip(chunks, -1), -1), -1).reshape(g.shape)
+  assert_close(rev, expected, tol(jnp.float32), "reverse cumsum")
+
+
+def test_solve_tril_is_the_inverse():
+  """(I + A) @ solve_tril(A) = I on a random strictly lower-triangular matrix (N = 64)."""
+  n = 64
+  a = jax.random.normal(jax.random.key(1), (1, 1, n, n)) * 0.2
+  a = jnp.where(jnp.tril(jnp.ones((n, n), bool), -1), a, 0.0)
+  ai = solve_tril.solve_tril(a, n)
+  prod = jnp.einsum("ij,jk->ik", jnp.eye(n) + a[0, 0], ai[0, 0],
+                    precision=jax.lax.Precision.HIGHEST)
+  assert_close(prod, jnp.eye(n), 1e-5, "(I + A) Ai")
+
+
+def run(implementation, **inputs):
+  return gated_delta_product(**inputs, output_final_state=True, implementation=implementation)
+
+
+@pytest.mark.parametrize("r,mask_kind,T", [
+    (1, None, 45), (2, "shared", 37), (2, "head", 64), (4, "token", 50), (4, "head", 9)])
+def test_forward_matches_reference(r, mask_kind, T):
+  inputs = make_inputs(3, B=2, T=T, H=2, K=32, V=16, r=r, mask_kind=mask_kind)
+  o_ref, f_ref = run("reference", **inputs)
+  o, f = run("pallas", **inputs)
+  assert o.dtype == jnp.float32 and f.dtype == jnp.float32
+  assert_close(o, o_ref, tol(jnp.float32), "o")
+  assert_close(f, f_ref, tol(jnp.float32), "final state")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_forward_half_precision(dtype):
+  inputs = make_inputs(4, B=1, T=40, H=2, K=32, V=32, r=2, mask_kind="head", dtype=dtype)
+  o_ref, f_ref = run("reference", **inputs)
+  o, f = run("pallas", **inputs)
+  assert o.dtype == dtype
+  assert_close(o, o_ref, tol(dtype), "o")
+  assert_close(f, f_ref, tol(dtype), "final state")
+
+
+def test_forward_without_state_and_odd_dims():
+  """No initial state; V not a power of two and dk = 4 < 16 (both padded inside); r = 8."""
+  inputs = make_inputs(5, B=1, T=20, H=1, K=32, V=24, r=8, mask_kind="shared",
+                       with_state=False)
+  o_ref, f_ref = run("reference", **inputs)
+  o, f = run("pallas", **inputs)
+  assert_close(o, o_ref, tol(jnp.float32), "o")
+  assert_close(f, f_ref, tol(jnp.float32), "final state")
+
+
+def test_forward_under_jit():
+  inputs = make_inputs(6, B=1, T=33, H=2, K=32, V=16, r=2, mask_kind="token")
+  fn = jax.jit(lambda **kw: run("pallas", **kw))
+  o, f = fn(**inputs)
+  o_ref, f_ref = run("reference", **inputs)
+  assert_close(o, o_ref, tol(jnp.float32), "o")
+  assert_close(f, f_ref, tol(jnp.float32), "final")
+
+
+@gpu_only
+@pytest.mark.parametrize("r,dtype", [(1, jnp.bfloat16), (2, jnp.bfloat16), (4, jnp.float32)])
+def test_forward_large_on_gpu(r, dtype):
+  inputs = make_inputs(7, B=2, T=4096, H=4, K=128, V=128, r=r, mask_kind="head", dtype=dtype)
+  o_ref, f_ref = run("xla", **inputs)
+  o, f = run("pallas", **inputs)
+  assert_close(o, o_ref, tol(dtype), "o")
+  assert_close(f, f_ref, tol(dtype), "final state")
