@@ -6,17 +6,22 @@ each key block of dk = K / r columns to dkp, and V to Vp, with zeros, which chan
 zero key column never touches the state; a zero value column stays zero).
 
 The pallas chunk: a chunk of BT tokens makes [BT*r, BT*r] chunk matrices that live in registers,
-so the kernels use BT = min(chunk_size, 128 // r) tokens (64 for r = 1, 2; 32 for r = 4; 16 for
-r = 8). The result is the same function; only rounding differs.
+so the kernels use BT = min(chunk_size, 64 // r) tokens, at least 16 (64 for r = 1, 32 for r = 2,
+16 for r = 4 and 8): at most 64 rows, 128 for r = 8. The result is the same function; only
+rounding differs.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
+from gdp_jax import xla
 from pallas_kernels import chunk_h, chunk_o, config, cumsum, kkt, solve_tril, wy
 
-MAX_CHUNK_ROWS = 128
+MAX_CHUNK_ROWS = 64
 
 
 def pallas_chunk(chunk_size: int, r: int) -> int:
@@ -55,19 +60,9 @@ def _pad_last(x, size):
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size):
-  """q, k [B, Tp, H, K]; v [B, Tp, H, V]; g, beta [B, Tp, H]; mask [Bm, Tm, Hm, r, r];
-  initial_state [B, H, K, V] f32 -> (o [B, Tp, H, V] in q's dtype, final [B, H, K, V] f32)."""
-  dim_k, dim_v = q.shape[-1], v.shape[-1]
+def _forward(q, k, v, g, beta, mask, h0, scale, bt):
+  """The forward kernels on feature-padded inputs. Returns (o, final, residuals)."""
   r = mask.shape[-1]
-  bt = pallas_chunk(chunk_size, r)
-  dkp, vp = padded_dims(dim_k, dim_v, r)
-  q = pad_key_blocks(q, r, dkp)
-  k = pad_key_blocks(k, r, dkp)
-  v = _pad_last(v, vp)
-  h0 = _pad_last(pad_key_blocks(initial_state.swapaxes(-1, -2), r, dkp).swapaxes(-1, -2), vp)
-  mask = mask.astype(jnp.float32)
-
   g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)                  # [B, H, Tp]
   beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
   gcum = cumsum.chunk_local_cumsum(g_hm, bt)
@@ -76,7 +71,53 @@ def gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chu
   w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, bt)
   h, v_new, final = chunk_h.chunk_state(k, w, u, gcum, h0, bt)
   o = chunk_o.chunk_output(q, k, v_new, h, gcum, scale, bt)
+  return o, final, (gcum, ai)
 
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _gdp_core(q, k, v, g, beta, mask, h0, scale, bt):
+  o, final, _ = _forward(q, k, v, g, beta, mask, h0, scale, bt)
+  return o, final
+
+
+def _gdp_core_fwd(q, k, v, g, beta, mask, h0, scale, bt):
+  # Residuals: the inputs (the caller holds them anyway) and nothing else the backward cannot
+  # recompute cheaply: w, u, h and v_new are recomputed there.
+  o, final, _ = _forward(q, k, v, g, beta, mask, h0, scale, bt)
+  return (o, final), (q, k, v, g, beta, mask, h0)
+
+
+def _gdp_core_bwd(scale, bt, residuals, cotangents):
+  q, k, v, g, beta, mask, h0 = residuals
+  do, dfinal = cotangents
+  # Interim backward: the vjp of the chunked jnp form (same function, float32). The Pallas
+  # backward kernels replace it.
+  def f(q, k, v, g, beta, mask, h0):
+    o, final = xla.gated_delta_product_xla(q, k, v, g, beta, mask, h0, scale, bt)
+    return o, final
+  _, vjp = jax.vjp(f, q, k, v, g, beta, mask, h0)
+  grads = vjp((do.astype(jnp.float32), dfinal.astype(jnp.float32)))
+  return tuple(gr.astype(x.dtype) for gr, x in zip(grads, residuals))
+
+
+_gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
+
+
+def gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+  """q, k [B, Tp, H, K]; v [B, Tp, H, V]; g, beta [B, Tp, H]; mask [Bm, Tm, Hm, r, r];
+  initial_state [B, H, K, V] f32 -> (o [B, Tp, H, V] in q's dtype, final [B, H, K, V] f32).
+
+  Differentiable in every input (jax.custom_vjp); the padding around the kernels is plain jnp.
+  """
+  dim_k, dim_v = q.shape[-1], v.shape[-1]
+  r = mask.shape[-1]
+  bt = pallas_chunk(chunk_size, r)
+  dkp, vp = padded_dims(dim_k, dim_v, r)
+  q = pad_key_blocks(q, r, dkp)
+  k = pad_key_blocks(k, r, dkp)
+  v = _pad_last(v, vp)
+  h0 = _pad_last(pad_key_blocks(initial_state.swapaxes(-1, -2), r, dkp).swapaxes(-1, -2), vp)
+  o, final = _gdp_core(q, k, v, g, beta, mask.astype(jnp.float32), h0, scale, bt)
   o = o[..., :dim_v]
   final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
   return o, final

@@ -19,28 +19,30 @@ from pallas_kernels import config, specs
 BLOCK = 16
 
 
-def _invert_unit_lower_16(blocks):
-  """(I + A)^-1 for a tuple of strictly lower [16, 16] float32 blocks, side by side.
+def _invert_diagonal_blocks(a_ref, nb):
+  """(I + A_ii)^-1 for the nb strictly lower [16, 16] diagonal blocks, as float32 values.
 
-  Row i of X - I is -A[i] + sum_k (-A[i, k]) (X - I)[k] over the rows k < i already done
-  (forward substitution; rows are picked with where + sum, the seed's way).
+  Forward substitution, one row per step for all blocks at once: with X = I + Y,
+    Y[j] = -A[j] + sum_k (-A[j, k]) Y[k]   (k < j; rows of Y above j are done).
+  Row j of A comes straight from the ref (a dynamic row load), so each step needs one reduction.
   """
   idx = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
-  lower = idx > jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
-  neg = tuple(jnp.where(lower, -a, 0.0) for a in blocks)
+  col = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
+  blk = lambda i: pl.ds(i * BLOCK, BLOCK)
+  ys = tuple(jnp.where(idx > col, -a_ref[blk(i), blk(i)].astype(jnp.float32), 0.0)
+             for i in range(nb))
 
-  def body(i, ms):
+  def body(j, ys):
     out = []
-    for m in ms:
-      pick = idx == i
-      row = jnp.sum(jnp.where(pick, m, 0.0), axis=0)                # [16]
-      row = row + jnp.sum(row[:, None] * m, axis=0)
-      out.append(jnp.where(pick, row[None, :], m))
+    for i, y in enumerate(ys):
+      row = -a_ref[i * BLOCK + j, blk(i)].astype(jnp.float32)      # [16], zero from column j on
+      row = row + jnp.sum(row[:, None] * y, axis=0)
+      out.append(jnp.where(idx == j, row[None, :], y))
     return tuple(out)
 
-  ms = jax.lax.fori_loop(1, BLOCK, body, neg)
-  eye = (idx == jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)).astype(jnp.float32)
-  return tuple(m + eye for m in ms)
+  ys = jax.lax.fori_loop(1, BLOCK, body, ys)
+  eye = (idx == col).astype(jnp.float32)
+  return tuple(y + eye for y in ys)
 
 
 def _solve_tril_kernel(a_ref, ai_ref):
@@ -48,8 +50,9 @@ def _solve_tril_kernel(a_ref, ai_ref):
   nb = n // BLOCK
   blk = lambda i: pl.ds(i * BLOCK, BLOCK)
   load = lambda i, j: a_ref[blk(i), blk(j)].astype(jnp.float32)
-  diag = _invert_unit_lower_16(tuple(load(i, i) for i in range(nb)))
+  diag = _invert_diagonal_blocks(a_ref, nb)
   x = {}
+  zeros = jnp.zeros((BLOCK, BLOCK), ai_ref.dtype)
   for i in range(nb):
     x[i, i] = diag[i]
     for j in range(i - 1, -1, -1):
@@ -58,13 +61,11 @@ def _solve_tril_kernel(a_ref, ai_ref):
         term = config.dot(load(i, k), x[k, j])
         acc = term if acc is None else acc + term
       x[i, j] = -config.dot(x[i, i], acc)
-  zeros = jnp.zeros((BLOCK, BLOCK), ai_ref.dtype)
-  for i in range(nb):
-    for j in range(nb):
+    for j in range(nb):                                              # row block i is final
       ai_ref[blk(i), blk(j)] = x[i, j].astype(ai_ref.dtype) if j <= i else zeros
 
 
-def solve_tril(a, chunk_rows, *, out_dtype=jnp.float32, num_warps=4):
+def solve_tril(a, chunk_rows, *, out_dtype=jnp.float32, num_warps=2):
   """a [B, H, Tp*r, N] (N = chunk_rows, a multiple of 16) -> (I + A)^-1 blockwise, same shape."""
   bsz, heads, total_rows, n = a.shape
   if n != chunk_rows or n % BLOCK:

@@ -138,3 +138,21 @@ def test_forward_large_on_gpu(r, dtype):
   o, f = run("pallas", **inputs)
   assert_close(o, o_ref, tol(dtype), "o")
   assert_close(f, f_ref, tol(dtype), "final state")
+
+
+@pytest.mark.parametrize("r,mask_kind,K,V,dtype", [
+    (1, None, 128, 128, jnp.bfloat16), (2, "head", 128, 128, jnp.bfloat16),
+    (4, "token", 64, 32, jnp.float32), (8, "shared", 32, 24, jnp.bfloat16)])
+def test_forward_lowers_to_triton(monkeypatch, r, mask_kind, K, V, dtype):
+  """Every forward kernel goes through the Pallas Triton lowering for an H200 (no GPU needed)."""
+  from tests.triton_lowering import lower_for_h200
+  inputs = make_inputs(8, B=1, T=64, H=2, K=K, V=V, r=r, mask_kind=mask_kind, dtype=dtype)
+  names = [n for n in ("q", "k", "v", "g", "beta", "mask", "initial_state")
+           if inputs[n] is not None]
+  avals = [jax.ShapeDtypeStruct(inputs[n].shape, inputs[n].dtype) for n in names]
+
+  def fwd(*arrays):
+    return run("pallas", **dict(zip(names, arrays)))
+  modules = lower_for_h200(monkeypatch, fwd, *avals)
+  assert len(modules) == 6                       # cumsum, kkt, solve_tril, wy, chunk_h, chunk_o
+  assert all("tt.func" in m for m in modules)

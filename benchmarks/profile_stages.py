@@ -1,0 +1,90 @@
+"""Time each Pallas forward stage alone (median of repeated loops) at one shape, per r.
+
+  python benchmarks/profile_stages.py --out stages.json [--shape B,T,H,K,V] [--rs 1,2,4]
+
+Stage times tell where the forward goes; their sum is close to the whole forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.bench_operator import DTYPES, make_inputs, time_jax  # noqa: E402
+from gdp_jax import pallas_impl  # noqa: E402
+from gdp_jax.operator import normalize_mask  # noqa: E402
+from pallas_kernels import chunk_h, chunk_o, cumsum, kkt, solve_tril, wy  # noqa: E402
+
+
+def stages(inputs, r, chunk_size=64, **overrides):
+  q, k, v = inputs["q"], inputs["k"], inputs["v"]
+  B, T, H, K = q.shape
+  mask, _ = normalize_mask(inputs["mask"], B, T, H, K)
+  bt = overrides.get("bt", pallas_impl.pallas_chunk(chunk_size, r))
+  g = jnp.moveaxis(inputs["g"], 1, 2)
+  beta = jnp.moveaxis(inputs["beta"], 1, 2)
+  h0 = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32)
+  gcum = cumsum.chunk_local_cumsum(g, bt)
+  a = kkt.chunk_kkt(k, beta, mask, gcum, bt)
+  ai = solve_tril.solve_tril(a, bt * r, out_dtype=q.dtype)
+  w, u = wy.recompute_w_u(k, v, beta, mask, gcum, ai, bt)
+  h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, bt)
+  return {
+      "cumsum": (jax.jit(lambda g: cumsum.chunk_local_cumsum(g, bt)), (g,)),
+      "kkt": (jax.jit(lambda k, b, m, gc: kkt.chunk_kkt(k, b, m, gc, bt)), (k, beta, mask, gcum)),
+      "solve_tril": (jax.jit(lambda a: solve_tril.solve_tril(a, bt * r, out_dtype=q.dtype)), (a,)),
+      "wy": (jax.jit(lambda k, v, b, m, gc, ai: wy.recompute_w_u(k, v, b, m, gc, ai, bt)),
+             (k, v, beta, mask, gcum, ai)),
+      "chunk_h": (jax.jit(lambda k, w, u, gc, h0: chunk_h.chunk_state(k, w, u, gc, h0, bt)),
+                  (k, w, u, gcum, h0)),
+      "chunk_o": (jax.jit(lambda q, k, vn, h, gc: chunk_o.chunk_output(q, k, vn, h, gc, 0.1, bt)),
+                  (q, k, v_new, h, gcum)),
+  }
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", required=True)
+  p.add_argument("--shape", default="8,4096,16,128,128")
+  p.add_argument("--rs", default="1,2,4")
+  p.add_argument("--dtype", default="bf16")
+  p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--inner", type=int, default=5)
+  args = p.parse_args(argv)
+  B, T, H, K, V = (int(x) for x in args.shape.split(","))
+  res = dict(shape=args.shape, dtype=args.dtype, device=str(jax.devices()[0]), stages=[])
+  for r in (int(x) for x in args.rs.split(",")):
+    inputs = make_inputs(B, T, H, K, V, r, DTYPES[args.dtype])
+    try:
+      fns = stages(inputs, r)
+    except Exception as e:
+      res["stages"].append(dict(r=r, error=f"{type(e).__name__}: {e}"[:3000],
+                                traceback=traceback.format_exc()[-4000:]))
+      print(f"r={r} setup ERROR {type(e).__name__}: {str(e)[:1500]}", flush=True)
+      continue
+    total = 0.0
+    for name, (fn, fargs) in fns.items():
+      try:
+        ms = time_jax(fn, fargs, args.reps, args.inner)[0]
+        total += ms
+        res["stages"].append(dict(r=r, stage=name, ms=ms))
+        print(f"r={r} {name:10s} {ms:8.3f} ms", flush=True)
+      except Exception as e:
+        res["stages"].append(dict(r=r, stage=name, error=f"{type(e).__name__}: {e}"[:3000]))
+        print(f"r={r} {name:10s} ERROR {type(e).__name__}: {str(e)[:1500]}", flush=True)
+    print(f"r={r} sum of stages {total:.3f} ms", flush=True)
+  with open(args.out, "w") as f:
+    json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
