@@ -184,6 +184,15 @@ def test_zero_and_overlong_lengths(implementation):
 
 
 @pytest.mark.parametrize("implementation", IMPLS)
+def test_empty_cache_gives_zeros(implementation):
+  q = jnp.ones((2, 4, 8), jnp.float32)
+  kc = jnp.ones((2, 0, 2, 8), jnp.bfloat16)
+  out = gqa_decode(q, kc, kc, jnp.array([0, 3]), implementation=implementation)
+  assert out.shape == (2, 4, 8) and out.dtype == jnp.float32
+  assert np.all(np.asarray(out) == 0.0)
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
 def test_scale(implementation):
   q, kc, vc, lengths, _ = make_case(5, B=2, S=16, G=2, D=16, stale=None)
   ref = np_gqa(q, kc, vc, np.asarray(lengths), scale=0.3)
@@ -255,7 +264,9 @@ def test_large_on_gpu(cache_dtype):
   q, kc, vc, lengths, ref = make_case(9, B=4, S=4096, Hkv=4, G=4, D=128, dtype=cache_dtype,
                                       lengths=[4096, 1, 2049, 0], stale=1e30)
   out = gqa_decode(q, kc, vc, lengths, implementation="pallas")
-  assert_close(out, ref, CACHE_TOL[cache_dtype], "pallas, large")
+  # D = 128 sums 128 products whose query factor carries the ~2^-18 error of its bf16 split.
+  big_tol = 5e-4 if cache_dtype == jnp.bfloat16 else CACHE_TOL[cache_dtype]
+  assert_close(out, ref, big_tol, "pallas, large")
   out = gqa_decode(q, kc, vc, lengths, implementation="xla")
   assert_close(out, ref, CACHE_TOL[cache_dtype], "xla, large")
 

@@ -4,6 +4,8 @@ plus dtypes, defaults, in-place updates inside a jitted loop, and argument check
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,11 +29,13 @@ def step_mask(mask, t):
 def run_steps(inputs, implementation, **kw):
   q, k, v, g, beta, mask = (inputs[n] for n in ("q", "k", "v", "g", "beta", "mask"))
   state = inputs["initial_state"]
+  step = jax.jit(functools.partial(gated_delta_product_step, implementation=implementation,
+                                   **kw))                          # one compilation
   outs = []
   for t in range(q.shape[1]):
-    o, state = gated_delta_product_step(
+    o, state = step(
         q[:, t], k[:, t], v[:, t], None if g is None else g[:, t], beta[:, t],
-        step_mask(mask, t), state, implementation=implementation, **kw)
+        step_mask(mask, t), state)
     outs.append(o)
   return jnp.stack(outs, axis=1), state
 
