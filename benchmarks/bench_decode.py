@@ -292,7 +292,7 @@ def main(argv=None):
   p.add_argument("--out", required=True)
   p.add_argument("--tiny", action="store_true", help="small shapes for a CPU smoke run")
   p.add_argument("--reps", type=int, default=7)
-  p.add_argument("--inner", type=int, default=20)
+  p.add_argument("--inner", type=int, default=50)
   p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
   p.add_argument("--impls", default="pallas,xla,jax_gqa")
   p.add_argument("--step-impls", default="xla,pallas,pallas_copy")
