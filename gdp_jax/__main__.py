@@ -1,4 +1,4 @@
-"""Command line: `python -m gdp_jax demo`."""
+"""Command line: `python -m gdp_jax demo` and `python -m gdp_jax bench`."""
 
 from __future__ import annotations
 
@@ -52,8 +52,15 @@ def main(argv=None) -> int:
   sub = parser.add_subparsers(dest="command", required=True)
   p = sub.add_parser("demo", help="run the operator forward and backward and check it")
   p.add_argument("--implementation", default=None, choices=["reference", "xla"])
+  p.set_defaults(func=demo)
+  from gdp_jax import bench
+  p = sub.add_parser("bench", help="time the operator forward and forward + backward across "
+                     "implementations: table (ms, TFLOP/s, GB/s), JSON and PNG",
+                     description=bench.__doc__.split("\n\n")[0])
+  bench.add_arguments(p)
+  p.set_defaults(func=bench.run)
   args = parser.parse_args(argv)
-  return demo(args)
+  return args.func(args)
 
 
 if __name__ == "__main__":
