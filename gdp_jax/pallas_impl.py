@@ -18,8 +18,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import xla
-from pallas_kernels import chunk_h, chunk_o, config, cumsum, kkt, solve_tril, wy
+from gdp_jax.xla_backward import reduce_dmask
+from pallas_kernels import (bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy, chunk_h, chunk_o, config,
+                            cumsum, kkt, solve_tril, wy)
 
 MAX_CHUNK_ROWS = 64
 
@@ -65,8 +66,7 @@ def _forward(q, k, v, g, beta, mask, h0, scale, bt):
   r = mask.shape[-1]
   g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)                  # [B, H, Tp]
   beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
-  gcum = cumsum.chunk_local_cumsum(g_hm, bt)
-  a = kkt.chunk_kkt(k, beta_hm, mask, gcum, bt)
+  a, gcum = kkt.chunk_kkt(k, beta_hm, mask, g_hm, bt, from_g=True)
   ai = solve_tril.solve_tril(a, bt * r, out_dtype=q.dtype)
   w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, bt)
   h, v_new, final = chunk_h.chunk_state(k, w, u, gcum, h0, bt)
@@ -81,23 +81,31 @@ def _gdp_core(q, k, v, g, beta, mask, h0, scale, bt):
 
 
 def _gdp_core_fwd(q, k, v, g, beta, mask, h0, scale, bt):
-  # Residuals: the inputs (the caller holds them anyway) and nothing else the backward cannot
-  # recompute cheaply: w, u, h and v_new are recomputed there.
-  o, final, _ = _forward(q, k, v, g, beta, mask, h0, scale, bt)
-  return (o, final), (q, k, v, g, beta, mask, h0)
+  # Residuals: the inputs (the caller holds them anyway), gamma ([B, H, Tp] float32) and the
+  # chunk inverses Ai ([B, H, Tp*r, N] in the input dtype: as much memory as one [B, T, H, N]
+  # activation). The backward recomputes w, u (wy.py) and h, v_new (chunk_h.py) from them.
+  o, final, (gcum, ai) = _forward(q, k, v, g, beta, mask, h0, scale, bt)
+  return (o, final), (q, k, v, g, beta, mask, h0, gcum, ai)
 
 
 def _gdp_core_bwd(scale, bt, residuals, cotangents):
-  q, k, v, g, beta, mask, h0 = residuals
+  q, k, v, g, beta, mask, h0, gcum, ai = residuals
   do, dfinal = cotangents
-  # Interim backward: the vjp of the chunked jnp form (same function, float32). The Pallas
-  # backward kernels replace it.
-  def f(q, k, v, g, beta, mask, h0):
-    o, final = xla.gated_delta_product_xla(q, k, v, g, beta, mask, h0, scale, bt)
-    return o, final
-  _, vjp = jax.vjp(f, q, k, v, g, beta, mask, h0)
-  grads = vjp((do.astype(jnp.float32), dfinal.astype(jnp.float32)))
-  return tuple(gr.astype(x.dtype) for gr, x in zip(grads, residuals))
+  r = mask.shape[-1]
+  beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
+  w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, bt)
+  h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, bt)
+  dv_local = bwd_dv_local.chunk_bwd_dv_local(q, k, gcum, do, scale, bt, r)
+  dh, dh0, dv_new = bwd_dhu.chunk_bwd_dhu(q, k, w, gcum, do, dv_local,
+                                          dfinal.astype(jnp.float32), scale, bt)
+  dq, dk1, dw, dg1 = bwd_dqkwg.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, bt)
+  dk2, dv, dbeta, dmask_tok, dg2 = bwd_wy.wy_bwd(k, v, beta_hm, mask, gcum, ai, dw, dv_new, bt)
+  dg = cumsum.chunk_local_cumsum(dg1 + dg2, bt, reverse=True)
+  dmask = reduce_dmask(dmask_tok, mask.shape)
+  time_major = lambda x: jnp.moveaxis(x, 1, 2)                      # [B, H, Tp] -> [B, Tp, H]
+  return (dq.astype(q.dtype), (dk1 + dk2).astype(k.dtype), dv.astype(v.dtype),
+          time_major(dg).astype(g.dtype), time_major(dbeta).astype(beta.dtype),
+          dmask.astype(mask.dtype), dh0.astype(h0.dtype))
 
 
 _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)

@@ -54,7 +54,8 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_
     final_ref[cols(d), :] = state[d]
 
 
-def chunk_state(k, w, u, gcum, initial_state, chunk, *, block_v=64, num_warps=4, num_stages=2,
+def chunk_state(k, w, u, gcum, initial_state, chunk, *, block_v=64, num_warps=4,
+                num_stages=3,
                 h_dtype=None):
   """k [B, Tp, H, K]; w [B, H, Tp*r, K]; u [B, H, Tp*r, V]; gcum [B, H, Tp] f32;
   initial_state [B, H, K, V] f32 ->

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from pallas_kernels import config, rows, specs
 
 
-def _kkt_kernel(k_ref, beta_ref, g_ref, mask_ref, a_ref, *, r):
+def _kkt_kernel(k_ref, beta_ref, g_ref, mask_ref, a_ref, *gcum_ref, r):
   k = k_ref[...]
   bt = k.shape[0]
   n = bt * r
@@ -20,24 +20,38 @@ def _kkt_kernel(k_ref, beta_ref, g_ref, mask_ref, a_ref, *, r):
   kb = rows.block_keys(k, r).astype(k.dtype)
   kkt = config.dot(kw, kb, trans_b=True)                           # [N, N] float32
   tok = rows.row_tokens(n, r)
-  g = rows.per_row(g_ref[...], r)
+  g = g_ref[...].astype(jnp.float32)
+  if gcum_ref:                       # fused chunk-local cumsum: g_ref holds g, not gamma
+    g = jnp.cumsum(g)
+    gcum_ref[0][...] = g
+  g = rows.per_row(g, r)
   beta = rows.per_row(beta_ref[...].astype(jnp.float32), r)
   decay = rows.causal_decay(g, g, tok, tok, strict=True)
   a_ref[...] = (beta[:, None] * kkt * decay).astype(a_ref.dtype)
 
 
-def chunk_kkt(k, beta, mask, gcum, chunk, *, out_dtype=jnp.float32, num_warps=4):
-  """k [B, Tp, H, K]; beta, gcum [B, H, Tp]; mask [Bm, Tm, Hm, r, r] -> A [B, H, Tp*r, N]."""
+def chunk_kkt(k, beta, mask, gcum, chunk, *, out_dtype=jnp.float32, num_warps=4,
+              from_g=False):
+  """k [B, Tp, H, K]; beta, gcum [B, H, Tp]; mask [Bm, Tm, Hm, r, r] -> A [B, H, Tp*r, N].
+
+  from_g=True: the third argument is g itself; the kernel also does the chunk-local cumsum
+  (one launch less) and returns (A, gamma [B, H, Tp] float32).
+  """
   bsz, t_len, heads, dim_k = k.shape
   r = mask.shape[-1]
   n = chunk * r
+  a_shape = jax.ShapeDtypeStruct((bsz, heads, t_len * r, n), out_dtype)
+  out_specs, out_shape = specs.rows(n, n), a_shape
+  if from_g:
+    out_specs = [out_specs, specs.scalars(chunk)]
+    out_shape = [a_shape, jax.ShapeDtypeStruct(gcum.shape, jnp.float32)]
   return config.pallas_call(
       lambda *refs: _kkt_kernel(*refs, r=r),
       grid=(t_len // chunk, bsz, heads),
       in_specs=[specs.tokens(chunk, dim_k), specs.scalars(chunk), specs.scalars(chunk),
                 specs.mask(mask.shape, chunk)],
-      out_specs=specs.rows(n, n),
-      out_shape=jax.ShapeDtypeStruct((bsz, heads, t_len * r, n), out_dtype),
+      out_specs=out_specs,
+      out_shape=out_shape,
       num_warps=num_warps,
       name="gdp_chunk_kkt",
   )(k, beta, gcum, mask)

@@ -33,7 +33,7 @@ from pallas_kernels import config
 f32 = jnp.float32
 
 # Defaults for an H200; the benchmark sweeps them (benchmarks/bench_decode.py).
-BLOCK_V = 32
+BLOCK_V = 64
 NUM_WARPS = 4
 NUM_STAGES = 1
 

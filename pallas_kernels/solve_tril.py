@@ -65,7 +65,7 @@ def _solve_tril_kernel(a_ref, ai_ref):
       ai_ref[blk(i), blk(j)] = x[i, j].astype(ai_ref.dtype) if j <= i else zeros
 
 
-def solve_tril(a, chunk_rows, *, out_dtype=jnp.float32, num_warps=2):
+def solve_tril(a, chunk_rows, *, out_dtype=jnp.float32, num_warps=1):
   """a [B, H, Tp*r, N] (N = chunk_rows, a multiple of 16) -> (I + A)^-1 blockwise, same shape."""
   bsz, heads, total_rows, n = a.shape
   if n != chunk_rows or n % BLOCK:

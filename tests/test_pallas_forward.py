@@ -46,6 +46,9 @@ def test_stages_match_xla(r, mask_kind, chunk):
 
   a_ref = xla.chunk_kkt(k, beta, mask, gcum, chunk)
   assert_close(kkt.chunk_kkt(k, beta, mask, gcum, chunk), a_ref, f32, "kkt")
+  a_fused, gcum_fused = kkt.chunk_kkt(k, beta, mask, s["g_hm"], chunk, from_g=True)
+  assert_close(a_fused, a_ref, f32, "kkt with fused cumsum")
+  assert_close(gcum_fused, gcum, f32, "fused cumsum")
 
   ai_ref = xla.solve_tril(a_ref, chunk * r)
   assert_close(solve_tril.solve_tril(a_ref, chunk * r), ai_ref, f32, "solve_tril")
@@ -154,5 +157,5 @@ def test_forward_lowers_to_triton(monkeypatch, r, mask_kind, K, V, dtype):
   def fwd(*arrays):
     return run("pallas", **dict(zip(names, arrays)))
   modules = lower_for_h200(monkeypatch, fwd, *avals)
-  assert len(modules) == 6                       # cumsum, kkt, solve_tril, wy, chunk_h, chunk_o
+  assert len(modules) == 5                       # kkt (+cumsum), solve_tril, wy, chunk_h, chunk_o
   assert all("tt.func" in m for m in modules)

@@ -1,0 +1,102 @@
+"""Backward stage 2 (DESIGN §2, backward): the state gradient, backward over chunks.
+
+One program per (V block, batch, head). dS (the gradient of the state at the end of the current
+chunk, kept in registers as r row blocks [dk, BV], float32) starts at d final_state; per chunk,
+last to first:
+  dh[c]          = dS
+  dv_new[(t,a)]  = dv_local[(t,a)] + exp(gamma_L - gamma_t) k_t^(a) dS^(a)
+  dS^(d)         = exp(gamma_L) dS^(d) + scale (exp(gamma) q^(d))^T do - sum_a w[(.,a), d]^T dv_new_a
+and the dS left after chunk 0 is d initial_state. jnp counterpart: `xla_backward.chunk_bwd_dhu`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import config
+
+
+def _dhu_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref,
+                dh_ref, dv_new_ref, dh0_ref, *, r, chunk, num_chunks, scale):
+  dim_k = k_ref.shape[-1]
+  dk = dim_k // r
+  dtype = k_ref.dtype
+  last = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
+  cols = lambda d: pl.ds(d * dk, dk)
+
+  def body(i, ds):
+    c = num_chunks - 1 - i
+    tok = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    for d in range(r):
+      dh_ref[c, cols(d), :] = ds[d].astype(dh_ref.dtype)
+    g = g_ref[tok]
+    g_last = jnp.sum(jnp.where(last, g, 0.0))
+    k_dec = jnp.exp(g_last - g)[:, None]
+    dv_new = []
+    for a in range(r):
+      kd = (k_ref[tok, cols(a)].astype(jnp.float32) * k_dec).astype(dtype)
+      dvn = dvl_ref[tok, a, :] + config.dot(kd, ds[a].astype(dtype))
+      dv_new_ref[tok, a, :] = dvn.astype(dv_new_ref.dtype)
+      dv_new.append(dvn.astype(dtype))
+    q_dec = (scale * jnp.exp(g))[:, None]
+    do = do_ref[tok, :].astype(dtype)
+    out = []
+    for d in range(r):
+      qd = (q_ref[tok, cols(d)].astype(jnp.float32) * q_dec).astype(dtype)
+      nxt = jnp.exp(g_last) * ds[d] + config.dot(qd, do, trans_a=True)
+      for a in range(r):
+        nxt = nxt - config.dot(w_ref[tok, a, cols(d)], dv_new[a], trans_a=True)
+      out.append(nxt)
+    return tuple(out)
+
+  ds = tuple(dfinal_ref[cols(d), :].astype(jnp.float32) for d in range(r))
+  ds = jax.lax.fori_loop(0, num_chunks, body, ds)
+  for d in range(r):
+    dh0_ref[cols(d), :] = ds[d]
+
+
+def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, *, block_v=64,
+                  num_warps=4, num_stages=2, dh_dtype=None):
+  """q, k [B, Tp, H, K]; w [B, H, Tp*r, K]; gcum [B, H, Tp]; do [B, Tp, H, V];
+  dv_local [B, H, Tp*r, V]; dfinal [B, H, K, V] f32 ->
+  dh [B, H, NT, K, V] (dh_dtype, default float32), d initial_state [B, H, K, V] f32,
+  dv_new [B, H, Tp*r, V] f32."""
+  bsz, t_len, heads, dim_k = q.shape
+  dim_v = do.shape[-1]
+  r = w.shape[2] // t_len
+  nt = t_len // chunk
+  bv = min(block_v, dim_v)
+  dh_dtype = jnp.float32 if dh_dtype is None else dh_dtype
+  w5 = w.reshape(bsz, heads, t_len, r, dim_k)
+  dvl5 = dv_local.reshape(bsz, heads, t_len, r, dim_v)
+  seq = lambda dim: pl.BlockSpec((None, t_len, None, dim), lambda iv, b, h: (b, 0, h, 0))
+  per_row_v = pl.BlockSpec((None, None, t_len, r, bv), lambda iv, b, h: (b, h, 0, 0, iv))
+  state = pl.BlockSpec((None, None, dim_k, bv), lambda iv, b, h: (b, h, 0, iv))
+  dh, dv_new, dh0 = config.pallas_call(
+      lambda *refs: _dhu_kernel(*refs, r=r, chunk=chunk, num_chunks=nt, scale=scale),
+      grid=(dim_v // bv, bsz, heads),
+      in_specs=[
+          seq(dim_k), seq(dim_k),
+          pl.BlockSpec((None, None, t_len, r, dim_k), lambda iv, b, h: (b, h, 0, 0, 0)),
+          pl.BlockSpec((None, None, t_len), lambda iv, b, h: (b, h, 0)),
+          pl.BlockSpec((None, t_len, None, bv), lambda iv, b, h: (b, 0, h, iv)),
+          per_row_v,
+          state,
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, nt, dim_k, bv), lambda iv, b, h: (b, h, 0, 0, iv)),
+          per_row_v,
+          state,
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), dh_dtype),
+          jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), jnp.float32),
+          jax.ShapeDtypeStruct((bsz, heads, dim_k, dim_v), jnp.float32),
+      ],
+      num_warps=num_warps,
+      num_stages=num_stages,
+      name="gdp_bwd_dhu",
+  )(q, k, w5, gcum, do, dvl5, dfinal)
+  return dh, dh0, dv_new.reshape(bsz, heads, t_len * r, dim_v)

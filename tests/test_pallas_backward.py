@@ -1,0 +1,150 @@
+"""Pallas backward kernels and the custom_vjp: each backward stage against its jnp counterpart in
+gdp_jax/xla_backward.py, and every gradient of `implementation="pallas"` against jax.grad of the
+"reference" and "xla" implementations. On CPU the kernels run in interpret mode; on a GPU the
+same tests run compiled, plus the large shapes marked gpu_only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdp_jax import gated_delta_product, xla
+from gdp_jax import xla_backward as xb
+from pallas_kernels import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
+from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs, tol
+from tests.test_pallas_forward import stage_inputs
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="large shapes run compiled on the GPU only")
+F32 = tol(jnp.float32)
+
+
+@pytest.mark.parametrize("r,mask_kind,chunk", [(1, None, 32), (2, "head", 16), (4, "token", 16),
+                                               (2, "shared", 32)])
+def test_backward_stages_match_xla(r, mask_kind, chunk):
+  s = stage_inputs(r, mask_kind, chunk)
+  q, k, v, beta, mask, gcum = s["q"], s["k"], s["v"], s["beta_hm"], s["mask"], s["gcum"]
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  rng = np.random.default_rng(1)
+  do = jnp.asarray(rng.standard_normal((B, T, H, V)), jnp.float32)
+  dfinal = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
+  ai = xla.solve_tril(xla.chunk_kkt(k, beta, mask, gcum, chunk), chunk * r)
+  w, u = xla.recompute_w_u(k, v, beta, mask, gcum, ai, chunk)
+  h, v_new, _ = xla.chunk_state(k, w, u, gcum, s["initial_state"], chunk, chunk)
+
+  dvl = xb.chunk_bwd_dv_local(q, k, gcum, do, 0.3, chunk, r)
+  assert_close(bwd_dv_local.chunk_bwd_dv_local(q, k, gcum, do, 0.3, chunk, r), dvl, F32,
+               "dv_local")
+
+  dh, dh0, dvn = xb.chunk_bwd_dhu(q, k, w, gcum, do, dvl, dfinal, 0.3, chunk)
+  for got, ref, name in zip(
+      bwd_dhu.chunk_bwd_dhu(q, k, w, gcum, do, dvl, dfinal, 0.3, chunk, block_v=16),
+      (dh, dh0, dvn), ("dh", "dh0", "dv_new")):
+    assert_close(got, ref, F32, name)
+
+  ref3 = xb.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, 0.3, chunk)
+  got3 = bwd_dqkwg.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, 0.3, chunk)
+  for got, ref, name in zip(got3, ref3, ("dq", "dk", "dw", "dgamma")):
+    assert_close(got, ref, F32, name)
+
+  dw = ref3[2]
+  ref4 = xb.wy_bwd(k, v, beta, mask, gcum, ai, dw, dvn, chunk)
+  got4 = list(bwd_wy.wy_bwd(k, v, beta, mask, gcum, ai, dw, dvn, chunk))
+  got4[3] = xb.reduce_dmask(got4[3], mask.shape)
+  for got, ref, name in zip(got4, ref4, ("dk", "dv", "dbeta", "dmask", "dgamma")):
+    # dmask sums per-token terms over whatever the mask broadcasts: a longer float32 sum
+    assert_close(got, ref, GRAD_TOLERANCE[jnp.float32] if name == "dmask" else F32, name)
+
+
+def run(implementation, **inputs):
+  return gated_delta_product(**inputs, output_final_state=True, implementation=implementation)
+
+
+@pytest.mark.parametrize("r,mask_kind,T,with_state", [
+    (1, None, 45, True), (2, "shared", 37, False), (2, "head", 64, True), (4, "token", 50, True),
+    (4, "head", 20, False)])
+def test_gradients_match_reference(r, mask_kind, T, with_state):
+  inputs = make_inputs(11, B=2, T=T, H=2, K=32, V=16, r=r, mask_kind=mask_kind,
+                       with_state=with_state)
+  g_ref = loss_and_grads(functools.partial(run, "reference"), inputs)
+  g_pal = loss_and_grads(functools.partial(run, "pallas"), inputs)
+  assert set(g_pal) == set(g_ref)
+  for name in g_ref:
+    assert g_pal[name].shape == inputs[name].shape, name
+    assert g_pal[name].dtype == inputs[name].dtype, name
+    assert_close(g_pal[name], g_ref[name], GRAD_TOLERANCE[jnp.float32], f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gradients_half_precision(dtype):
+  inputs = make_inputs(12, B=1, T=40, H=2, K=32, V=32, r=2, mask_kind="head", dtype=dtype)
+  g_xla = loss_and_grads(functools.partial(run, "xla"), inputs)
+  g_pal = loss_and_grads(functools.partial(run, "pallas"), inputs)
+  for name in g_xla:
+    assert g_pal[name].dtype == inputs[name].dtype, name
+    assert_close(g_pal[name], g_xla[name], GRAD_TOLERANCE[dtype], f"d{name}")
+
+
+def test_transformations_compose():
+  """value_and_grad under jit, checkpoint, and vmap over an extra leading axis."""
+  inputs = make_inputs(13, B=1, T=24, H=2, K=32, V=16, r=2, mask_kind="token")
+  names = ("q", "k", "v", "g", "beta", "mask", "initial_state")
+  args = [inputs[n] for n in names]
+
+  def loss(impl, *a):
+    o, f = gated_delta_product(*a[:6], initial_state=a[6], output_final_state=True,
+                               implementation=impl)
+    return jnp.sum(o * o) + jnp.sum(jnp.sin(f))
+
+  argnums = tuple(range(1, 8))
+  ref_val, ref_grads = jax.value_and_grad(loss, argnums=argnums)(
+      "reference", *args)
+  val, grads = jax.jit(jax.value_and_grad(jax.checkpoint(loss, static_argnums=0),
+                                          argnums=argnums), static_argnums=0)("pallas", *args)
+  assert_close(val, ref_val, F32, "loss")
+  for gr, ref, name in zip(grads, ref_grads, names):
+    assert_close(gr, ref, GRAD_TOLERANCE[jnp.float32], f"d{name}")
+  stacked = [jnp.stack([a, 0.5 * a]) for a in args]
+  vgrads = jax.vmap(jax.grad(functools.partial(loss, "pallas"), argnums=(0, 2)))(*stacked)
+  assert_close(vgrads[0][0], ref_grads[0], GRAD_TOLERANCE[jnp.float32], "vmap dq")
+  assert_close(vgrads[1][0], ref_grads[2], GRAD_TOLERANCE[jnp.float32], "vmap dv")
+
+
+@pytest.mark.parametrize("r,mask_kind,K,V,dtype", [
+    (1, None, 128, 128, jnp.bfloat16), (2, "head", 64, 64, jnp.float32),
+    (4, "token", 64, 32, jnp.bfloat16)])
+def test_backward_lowers_to_triton(monkeypatch, r, mask_kind, K, V, dtype):
+  """Forward and backward kernels of jax.grad go through the Triton lowering (no GPU needed)."""
+  from tests.triton_lowering import lower_for_h200
+  inputs = make_inputs(14, B=1, T=64, H=2, K=K, V=V, r=r, mask_kind=mask_kind, dtype=dtype)
+  names = [n for n in ("q", "k", "v", "g", "beta", "mask", "initial_state")
+           if inputs[n] is not None]
+  avals = [jax.ShapeDtypeStruct(inputs[n].shape, inputs[n].dtype) for n in names]
+
+  def grads(*arrays):
+    def loss(*a):
+      o, f = run("pallas", **dict(zip(names, a)))
+      return jnp.sum(o.astype(jnp.float32)) + jnp.sum(f)
+    return jax.grad(loss, argnums=tuple(range(len(names))))(*arrays)
+  modules = lower_for_h200(monkeypatch, grads, *avals)
+  names = {m.split("tt.func public @")[1].split("(")[0] for m in modules}
+  expected = {"gdp_chunk_kkt", "gdp_solve_tril", "gdp_recompute_w_u", "gdp_chunk_h",
+              "gdp_bwd_dv_local", "gdp_bwd_dhu", "gdp_bwd_dqkwg", "gdp_bwd_wy",
+              "gdp_chunk_cumsum"}
+  assert expected <= names, sorted(names)
+
+
+@gpu_only
+@pytest.mark.parametrize("r,dtype", [(1, jnp.bfloat16), (2, jnp.float32)])
+def test_gradients_large_on_gpu(r, dtype):
+  inputs = make_inputs(15, B=1, T=4096, H=2, K=128, V=128, r=r, mask_kind="head", dtype=dtype)
+  g_xla = loss_and_grads(functools.partial(run, "xla"), inputs)
+  g_pal = loss_and_grads(functools.partial(run, "pallas"), inputs)
+  for name in g_xla:
+    assert_close(g_pal[name], g_xla[name], GRAD_TOLERANCE[dtype], f"d{name}")
