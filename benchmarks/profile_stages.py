@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks.bench_operator import DTYPES, make_inputs, time_jax  # noqa: E402
+from gdp_jax.bench import DTYPES, make_inputs, time_jax  # noqa: E402
 from gdp_jax import pallas_impl  # noqa: E402
 from gdp_jax.operator import normalize_mask  # noqa: E402
-from pallas_kernels import chunk_h, chunk_o, cumsum, kkt, solve_tril, wy  # noqa: E402
+from pallas_kernels import (bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy, chunk_h, chunk_o,  # noqa
+                            cumsum, kkt, solve_tril, wy)
 
 
 def stages(inputs, r, chunk_size=64, **overrides):
@@ -38,7 +39,21 @@ def stages(inputs, r, chunk_size=64, **overrides):
   ai = solve_tril.solve_tril(a, bt * r, out_dtype=q.dtype)
   w, u = wy.recompute_w_u(k, v, beta, mask, gcum, ai, bt)
   h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, bt)
-  return {
+  do = jnp.ones_like(v)
+  dvl = bwd_dv_local.chunk_bwd_dv_local(q, k, gcum, do, 0.1, bt, r)
+  dh, _, dvn = bwd_dhu.chunk_bwd_dhu(q, k, w, gcum, do, dvl, h0, 0.1, bt)
+  dw = bwd_dqkwg.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, 0.1, bt)[2]
+  backward = {
+      "bwd_dv_local": (jax.jit(lambda *x: bwd_dv_local.chunk_bwd_dv_local(*x, 0.1, bt, r)),
+                       (q, k, gcum, do)),
+      "bwd_dhu": (jax.jit(lambda *x: bwd_dhu.chunk_bwd_dhu(*x, 0.1, bt)),
+                  (q, k, w, gcum, do, dvl, h0)),
+      "bwd_dqkwg": (jax.jit(lambda *x: bwd_dqkwg.chunk_bwd_dqkwg(*x, 0.1, bt)),
+                    (q, k, v_new, gcum, h, dh, do, dvn)),
+      "bwd_wy": (jax.jit(lambda *x: bwd_wy.wy_bwd(*x, bt)), (k, v, beta, mask, gcum, ai, dw, dvn)),
+      "bwd_cumsum": (jax.jit(lambda x: cumsum.chunk_local_cumsum(x, bt, reverse=True)), (g,)),
+  }
+  return backward | {
       "cumsum": (jax.jit(lambda g: cumsum.chunk_local_cumsum(g, bt)), (g,)),
       "kkt": (jax.jit(lambda k, b, m, gc: kkt.chunk_kkt(k, b, m, gc, bt)), (k, beta, mask, gcum)),
       "solve_tril": (jax.jit(lambda a: solve_tril.solve_tril(a, bt * r, out_dtype=q.dtype)), (a,)),
