@@ -303,25 +303,30 @@ def plot(results, path):
   """A bar chart of ms per case (one panel per mode); returns the path, or None without
   matplotlib."""
   try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib  # noqa: F401
   except ImportError:
     print("plot skipped: matplotlib is not installed (pip install matplotlib)")
     return None
-  fig = plot_figure(results, plt)
+  fig = plot_figure(results)       # a bare Figure: no pyplot, no change of backend
   fig.savefig(path, dpi=120, bbox_inches="tight")
-  plt.close(fig)
   return path
 
 
 def plot_figure(results, plt=None, title=None):
-  """The bench figure for a results dict (also used by notebooks/04_benchmarks.ipynb)."""
-  if plt is None:
-    import matplotlib.pyplot as plt
+  """The bench figure for a results dict (also used by notebooks/04_benchmarks.ipynb).
+
+  With `plt` (matplotlib.pyplot) the figure is made by pyplot (shown inline in a notebook);
+  without, it is a bare matplotlib Figure (for saving).
+  """
   cases = [c for c in normalize_cases(results) if c.get("status", "ok") == "ok" and "ms" in c]
   modes = [m for m in MODES if any(c["mode"] == m for c in cases)] or ["fwd"]
-  fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+  size = (6 * len(modes), 4)
+  if plt is None:
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=size)
+    axes = fig.subplots(1, len(modes), squeeze=False)
+  else:
+    fig, axes = plt.subplots(1, len(modes), figsize=size, squeeze=False)
   impls = [i for i in ALL_IMPLS if any(c["impl"] == i for c in cases)]
   impls += sorted({c["impl"] for c in cases} - set(impls))
   colors = {impl: f"C{i}" for i, impl in enumerate(impls)}

@@ -1,0 +1,55 @@
+"""Execute every notebook in notebooks/ top to bottom (CPU, small sizes), as a user would.
+
+Each runs in a fresh Jupyter kernel of this Python (ipykernel and nbclient come with the test
+extras), with notebooks/ as the working directory. GDP_NOTEBOOK_SMOKE=1 tells a notebook it runs
+in CI: those that train cut their step counts (the notebooks say where).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import time
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
+PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
+CELL_TIMEOUT_S = 300
+
+
+def test_there_are_notebooks():
+  names = [p.stem for p in PATHS]
+  for expected in ("01_quickstart", "04_benchmarks"):
+    assert expected in names
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
+def test_notebook_runs(path, monkeypatch):
+  nb = nbformat.read(path, as_version=4)
+  first = nb.cells[0]
+  assert first.cell_type == "markdown" and "colab.research.google.com/github/" in first.source
+  assert f"notebooks/{path.name}" in first.source, "the Colab badge points at another notebook"
+  install = nb.cells[1]
+  assert install.cell_type == "code" and "import gdp_jax" in install.source
+  assert "except ImportError" in install.source, "the install cell must be a no-op when installed"
+
+  # The kernel inherits this environment: CPU, quiet, the smoke sizes, no GPU preallocation.
+  monkeypatch.setenv("GDP_NOTEBOOK_SMOKE", "1")
+  monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
+  monkeypatch.setenv("PYTHONWARNINGS", "ignore::DeprecationWarning")
+  client = nbclient.NotebookClient(
+      nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+      resources={"metadata": {"path": str(NOTEBOOKS)}})
+  # The kernel is this interpreter (jupyter_client maps "python3" to sys.executable).
+  assert pathlib.Path(sys.executable).exists()
+  t0 = time.perf_counter()
+  client.execute()
+  print(f"{path.name}: {time.perf_counter() - t0:.1f} s")
+  errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+            if o.get("output_type") == "error"]
+  assert not errors, errors
