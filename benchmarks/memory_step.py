@@ -31,9 +31,9 @@ def loss(*a):
 step = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))
 args = [inputs[n] for n in names]
 jax.block_until_ready(args)
-before = jax.devices()[0].memory_stats() or {}
+before = jax.devices()[0].memory_stats() or dict()
 grads = jax.block_until_ready(step(*args))
-stats = jax.devices()[0].memory_stats() or {}
+stats = jax.devices()[0].memory_stats() or dict()
 in_bytes = sum(a.nbytes for a in args)
 print(json.dumps(dict(impl={impl!r}, r={r}, peak_bytes=stats.get("peak_bytes_in_use"),
                       inputs_bytes=in_bytes, grads_bytes=sum(g.nbytes for g in grads),

@@ -97,7 +97,8 @@ def _gdp_core_bwd(scale, bt, residuals, cotangents):
   h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, bt)
   dv_local = bwd_dv_local.chunk_bwd_dv_local(q, k, gcum, do, scale, bt, r)
   dh, dh0, dv_new = bwd_dhu.chunk_bwd_dhu(q, k, w, gcum, do, dv_local,
-                                          dfinal.astype(jnp.float32), scale, bt)
+                                          dfinal.astype(jnp.float32), scale, bt,
+                                          dh_dtype=q.dtype)
   dq, dk1, dw, dg1 = bwd_dqkwg.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, bt)
   dk2, dv, dbeta, dmask_tok, dg2 = bwd_wy.wy_bwd(k, v, beta_hm, mask, gcum, ai, dw, dv_new, bt)
   dg = cumsum.chunk_local_cumsum(dg1 + dg2, bt, reverse=True)

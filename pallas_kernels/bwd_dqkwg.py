@@ -20,6 +20,16 @@ from jax.experimental import pallas as pl
 from pallas_kernels import config, rows, specs
 
 
+def _inner(h_ref, dh_ref, cols, dim_v, piece=32):
+  """<h^(a), dh^(a)> over a [dk, V] block, read in column pieces (few registers live)."""
+  total = jnp.zeros((), jnp.float32)
+  for v0 in range(0, dim_v, min(piece, dim_v)):
+    vs = pl.ds(v0, min(piece, dim_v))
+    total = total + jnp.sum(h_ref[cols, vs].astype(jnp.float32)
+                            * dh_ref[cols, vs].astype(jnp.float32))
+  return total
+
+
 def _dqkwg_kernel(q_ref, k_ref, vn_ref, g_ref, h_ref, dh_ref, do_ref, dvn_ref,
                   dq_ref, dk_ref, dw_ref, dg_ref, *, r, scale):
   chunk, dim_k = q_ref.shape
@@ -43,8 +53,8 @@ def _dqkwg_kernel(q_ref, k_ref, vn_ref, g_ref, h_ref, dh_ref, do_ref, dvn_ref,
     qa = q_ref[:, cols]
     ka = k_ref[:, cols]
     vna = vn_ref[:, a, :].astype(dtype)
-    ha = h_ref[cols, :]
-    dha = dh_ref[cols, :]
+    ha = h_ref[cols, :].astype(dtype)
+    dha = dh_ref[cols, :].astype(dtype)
     ds = decay * config.dot(do, vna, trans_b=True)                # [t, s]
     dq_inter = q_scale * config.dot(do, ha.astype(dtype), trans_b=True)
     dk_state = k_scale * config.dot(vna, dha.astype(dtype), trans_b=True)
@@ -55,7 +65,7 @@ def _dqkwg_kernel(q_ref, k_ref, vn_ref, g_ref, h_ref, dh_ref, do_ref, dvn_ref,
     kds = jnp.sum(dk_state * ka.astype(f32), axis=1)
     dg = (dg + jnp.sum(z, axis=1) - jnp.sum(z, axis=0)
           + jnp.sum(dq_inter * qa.astype(f32), axis=1) - kds)
-    last = last + jnp.sum(kds) + jnp.exp(g_last) * jnp.sum(ha.astype(f32) * dha.astype(f32))
+    last = last + jnp.sum(kds) + jnp.exp(g_last) * _inner(h_ref, dh_ref, cols, dim_v)
     dw_ref[:, cols] = (-config.dot(dvn, ha.astype(dtype), trans_b=True)).astype(dw_ref.dtype)
   dg_ref[...] = dg + jnp.where(is_last, last, 0.0)
 

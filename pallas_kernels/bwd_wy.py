@@ -8,7 +8,7 @@ G = dAg D (D = exp(gamma_t - gamma_s), t > s) and KK = Kw Kb^T:
   dgamma (per row) = rowsum(Z) - colsum(Z) + <dW~, W~>,     Z = beta G KK
   dv = beta sum_a dU~[(t,a)]
 and dKw, dKb map back to dk and the per-token dmask through the block structure of the keys
-(rows.py). w and u are recomputed from Ai here (two matmuls) instead of being read back.
+(rows.py). dAg is formed as -Ai^T (dw W~^T + du U~^T) Ai^T, which needs neither w nor u.
 jnp counterpart: `gdp_jax.xla_backward.wy_bwd` (which returns dmask already reduced).
 """
 
@@ -28,6 +28,8 @@ def _per_token(x, chunk, r):
 
 def _wy_bwd_kernel(k_ref, v_ref, beta_ref, g_ref, mask_ref, ai_ref, dw_ref, du_ref,
                    dk_ref, dv_ref, dbeta_ref, dmask_ref, dg_ref, *, r):
+  # Ordered to keep few [N, K] tiles live at once (registers): the dw part, the du part, then
+  # the Ag part, each consuming its products as soon as they are formed.
   k = k_ref[...]
   chunk, dim_k = k.shape
   dim_v = v_ref.shape[-1]
@@ -37,34 +39,47 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, g_ref, mask_ref, ai_ref, dw_ref, du_r
   beta = beta_ref[...].astype(f32)
   g = g_ref[...]
   beta_r = rows.per_row(beta, r)
-  scale_w = rows.per_row(beta * jnp.exp(g), r)
-  v = v_ref[...].astype(f32)
+  eg_r = rows.per_row(jnp.exp(g), r)
+  scale_w = beta_r * eg_r
   kw = rows.masked_keys(k, mask_ref, r)                               # [N, K] f32
-  kb = rows.block_keys(k, r)
+  kw_c = kw.astype(dtype)
+  kb_c = rows.block_keys(k, r).astype(dtype)
   ai = ai_ref[...].astype(dtype)
-  w_tilde = scale_w[:, None] * kw
-  u_tilde = rows.repeat_rows(beta[:, None] * v, r)
-  w = config.dot(ai, w_tilde.astype(dtype))
-  u = config.dot(ai, u_tilde.astype(dtype))
-  dwt = config.dot(ai, dw_ref[...].astype(dtype), trans_a=True)      # Ai^T dw   [N, K]
-  dut = config.dot(ai, du_ref[...].astype(dtype), trans_a=True)      # Ai^T du   [N, V]
-  dag = -(config.dot(dwt.astype(dtype), w.astype(dtype), trans_b=True)
-          + config.dot(dut.astype(dtype), u.astype(dtype), trans_b=True))
+
+  # w = Ai W~ with W~ = beta exp(gamma) Kw:  dW~ = Ai^T dw
+  dw = dw_ref[...].astype(dtype)
+  dwt = config.dot(ai, dw, trans_a=True)                              # [N, K]
+  s_w = jnp.sum(dwt * kw, axis=1)                                     # <dW~, Kw> per row
+  dkw = scale_w[:, None] * dwt
+  x = config.dot(dw, (scale_w[:, None] * kw).astype(dtype), trans_b=True)   # dw W~^T  [N, N]
+
+  # u = Ai U~ with U~ = beta v (per token, repeated over a):  dU~ = Ai^T du
+  v = v_ref[...].astype(f32)
+  du = du_ref[...].astype(dtype)
+  dut = config.dot(ai, du, trans_a=True)                              # [N, V]
+  dut_sum = dut if r == 1 else jnp.sum(dut.reshape(chunk, r, dim_v), axis=1)
+  dv_ref[...] = (beta[:, None] * dut_sum).astype(dv_ref.dtype)
+  dbeta_u = jnp.sum(dut_sum * v, axis=1)
+  u_tilde = rows.repeat_rows((beta[:, None] * v).astype(dtype), r)
+  x = x + config.dot(du, u_tilde, trans_b=True)                       # + du U~^T
+
+  # Ai = (I + Ag)^-1:  dAg = -Ai^T (dw W~^T + du U~^T) Ai^T on token-strictly-lower entries
+  xa = config.dot(ai, x.astype(dtype), trans_a=True)
+  dag = -config.dot(xa.astype(dtype), ai, trans_b=True)
   tok = rows.row_tokens(n, r)
   g_r = rows.per_row(g, r)
   gd = dag * rows.causal_decay(g_r, g_r, tok, tok, strict=True)     # G
-  kk = config.dot(kw.astype(dtype), kb.astype(dtype), trans_b=True)  # Kw Kb^T
-  gb = (beta_r[:, None] * gd).astype(dtype)
-  dkw = config.dot(gb, kb.astype(dtype)) + scale_w[:, None] * dwt
-  dkb = config.dot(gb, kw.astype(dtype), trans_a=True)
+  kk = config.dot(kw_c, kb_c, trans_b=True)                          # Kw Kb^T
   gkk = gd * kk
   z = beta_r[:, None] * gkk
-  dbeta_r = jnp.sum(gkk, axis=1) + rows.per_row(jnp.exp(g), r) * jnp.sum(dwt * kw, axis=1)
-  dg_r = jnp.sum(z, axis=1) - jnp.sum(z, axis=0) + jnp.sum(dwt * w_tilde, axis=1)
-  dut_sum = dut if r == 1 else jnp.sum(dut.reshape(chunk, r, dim_v), axis=1)
-  dv_ref[...] = (beta[:, None] * dut_sum).astype(dv_ref.dtype)
-  dbeta_ref[...] = _per_token(dbeta_r, chunk, r) + jnp.sum(dut_sum * v, axis=1)
+  dbeta_r = jnp.sum(gkk, axis=1) + eg_r * s_w
+  dg_r = jnp.sum(z, axis=1) - jnp.sum(z, axis=0) + scale_w * s_w
+  gb = (beta_r[:, None] * gd).astype(dtype)
+  dkw = dkw + config.dot(gb, kb_c)
+  dkb = config.dot(gb, kw_c, trans_a=True)
+  dbeta_ref[...] = _per_token(dbeta_r, chunk, r) + dbeta_u
   dg_ref[...] = _per_token(dg_r, chunk, r)
+
   kf = k.astype(f32)
   if r == 1:
     dk_ref[...] = (dkw * mask_ref[:, :, 0].astype(f32) + dkb).astype(dk_ref.dtype)
