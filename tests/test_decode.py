@@ -13,6 +13,7 @@ from gdp_jax import gqa_decode
 from gdp_jax import decode as decode_mod
 from pallas_kernels import decode_attention
 from tests.cases import assert_close, tol
+from tests.triton_lowering import lower_for_h200
 
 IMPLS = ["xla", "pallas"]
 # bfloat16 caches hold exact values; only the float32 arithmetic (and, in the kernel, the
@@ -272,43 +273,6 @@ def test_large_on_gpu(cache_dtype):
 
 
 # ---- the Triton lowering, without a GPU ------------------------------------------------------
-
-def lower_for_h200(monkeypatch, fn, *avals, clear=()):
-  """Lower `fn` for CUDA through the Pallas Triton lowering (no compilation, no GPU needed):
-  catches primitives the lowering lacks, non-power-of-two tiles and bad dots in CI. Returns the
-  verified Triton modules' text. `clear`: jitted kernel wrappers whose trace caches must not keep
-  (or reuse) an interpret-mode trace."""
-  try:
-    from jax._src.pallas.triton import gpu_info
-    from jax._src.pallas.triton import lowering as triton_lowering
-    from jax._src.pallas.triton import pallas_call_registration as registration
-  except ImportError as e:  # private modules: another jax may lay them out differently
-    pytest.skip(f"Pallas Triton lowering internals not importable here: {e}")
-  from pallas_kernels import config
-  monkeypatch.setattr(config, "interpret_mode", lambda: False)
-  if jax.default_backend() != "gpu":
-    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info", lambda: h200)
-  modules = []
-  original = triton_lowering.lower_jaxpr_to_triton_module
-
-  def lower_and_verify(*args, **kwargs):
-    result = original(*args, **kwargs)
-    assert result.module.operation.verify(), "the Triton module does not verify"
-    modules.append(result.module.operation.get_asm())
-    return result
-
-  monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
-  for f in clear:
-    f.clear_cache()
-  try:
-    jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
-  finally:
-    for f in clear:
-      f.clear_cache()
-  assert modules, "no Pallas kernel went through the Triton lowering"
-  return modules
-
 
 @pytest.mark.parametrize("B,S,Hq,Hkv,D,cache_dtype", [
     (32, 32768, 32, 8, 128, jnp.bfloat16),     # the benchmark shape
