@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The project's GPU run (NVIDIA H200 through the device tool; CI never has a GPU).
 #
-#   scripts/gpu_check.sh [tests] [bench] [decode] [all]    (default: all)
+#   scripts/gpu_check.sh [tests] [bench] [stages] [memory] [decode] [all]   (default: all)
 #
-# Runs the test suite with compiled kernels (the same tests CI runs in interpret mode, plus the
-# large shapes marked gpu_only) and the benchmarks, side by side with the peers installed from
-# wheels in .whl/ (flash-linear-attention, jax-linear-attention; see README "GPU checks").
-# Everything lands in $OUT (default /tmp/gdp_gpu_out): pytest logs, benchmark JSON files.
+#   tests   the kernel tests with compiled kernels (the tests CI runs in interpret mode, plus
+#           the large shapes marked gpu_only); compiling every small variant takes minutes
+#   bench   `python -m gdp_jax bench`: forward and forward + backward at the H200 shape, ours
+#           side by side with flash-linear-attention and jax-linear-attention (from .whl/)
+#   stages  each forward and backward kernel timed alone (benchmarks/profile_stages.py)
+#   memory  peak GPU memory of one training step (benchmarks/memory_step.py)
+#   decode  gqa_decode and the recurrent step (benchmarks/bench_decode.py)
+# Everything lands in $OUT (default /tmp/gdp_gpu_out): logs and JSON files. A device command may
+# run 10 minutes at most: call the script with a few sections at a time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gdp_gpu_out}"
@@ -30,13 +35,22 @@ fi
 
 status=0
 if want tests; then
-  "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests \
-      2>&1 | tee "$OUT/pytest.log" | tail -40
+  "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning --durations=10 \
+      tests/test_pallas_forward.py tests/test_pallas_backward.py tests/test_decode.py \
+      tests/test_step.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -v "^E[0-9]" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want bench; then
-  "$PY" benchmarks/bench_operator.py --out "$OUT/bench_operator.json" ${BENCH_ARGS:-} \
+  "$PY" -m gdp_jax bench --shape 8,4096,16,128,128 --rs 1,2,4 --impls pallas,fla,jla,xla \
+      --modes fwd,fwdbwd --no-progress --out "$OUT/bench_operator.json" ${BENCH_ARGS:-} \
       2>&1 | tee "$OUT/bench_operator.log" | grep -v "^E[0-9]" | tail -40
+fi
+if want stages; then
+  "$PY" benchmarks/profile_stages.py --out "$OUT/stages.json" 2>&1 | grep -v "^E[0-9]" \
+      | tee "$OUT/stages.log"
+fi
+if want memory; then
+  "$PY" benchmarks/memory_step.py --out "$OUT/memory.json" 2>&1 | tee "$OUT/memory.log"
 fi
 if want decode && [ -f benchmarks/bench_decode.py ]; then
   "$PY" benchmarks/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 \
