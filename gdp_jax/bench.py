@@ -355,6 +355,7 @@ def plot_figure(results, plt=None, title=None):
                         + f"r={k[5]} {k[6]}" for k in groups], fontsize=8)
     ax.set_ylabel("ms (median, lower is better)")
     ax.set_yscale("log")
+    _plain_log_ticks(ax)
     ax.set_title({"fwd": "forward", "fwdbwd": "forward + backward"}[mode])
     ax.legend(fontsize=8)
   if title is None:
@@ -367,6 +368,15 @@ def plot_figure(results, plt=None, title=None):
   fig.suptitle(title)
   fig.tight_layout()
   return fig
+
+
+def _plain_log_ticks(ax):
+  """Tick labels 0.5, 1, 2 rather than 5x10^-1 on a log axis."""
+  from matplotlib.ticker import FuncFormatter
+  fmt = FuncFormatter(lambda y, _: f"{y:g}")
+  ax.yaxis.set_major_formatter(fmt)
+  ax.yaxis.set_minor_formatter(fmt)
+  ax.tick_params(axis="y", which="minor", labelsize=7)
 
 
 def normalize_cases(results):
@@ -428,6 +438,15 @@ def resolve_impls(spec, backend):
   return impls
 
 
+def command_line():
+  """The command as typed: `python -m gdp_jax bench ...` rather than the path of __main__.py."""
+  argv = list(sys.argv)
+  if argv and os.path.basename(argv[0]) == "__main__.py" and \
+      os.path.basename(os.path.dirname(os.path.abspath(argv[0]))) == "gdp_jax":
+    return " ".join(["python -m gdp_jax"] + argv[1:])
+  return " ".join(["python"] + argv)
+
+
 def add_arguments(p, out_required=False):
   p.add_argument("--out", required=out_required, default=None if out_required else "bench.json",
                  help="JSON file to write" + ("" if out_required else " (default: bench.json)"))
@@ -484,7 +503,7 @@ def run(args) -> int:
 
   dev = jax.devices()[0]
   results = dict(
-      schema=SCHEMA, tool="python -m gdp_jax bench", command=" ".join(sys.argv),
+      schema=SCHEMA, tool="python -m gdp_jax bench", command=command_line(),
       date=time.strftime("%Y-%m-%d %H:%M:%S"), device=str(dev),
       device_kind=getattr(dev, "device_kind", str(dev)), backend=backend,
       jax_version=jax.__version__, gdp_jax_version=gdp_jax.__version__,
