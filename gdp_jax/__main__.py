@@ -1,4 +1,5 @@
-"""Command line: `python -m gdp_jax demo` and `python -m gdp_jax bench`."""
+"""Command line: `python -m gdp_jax demo` (the main job), `python -m gdp_jax check` (the operator
+against the reference) and `python -m gdp_jax bench`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 import time
 
 
-def demo(args) -> int:
+def check(args) -> int:
   """A small forward and gradient of the operator, checked against the recurrent reference."""
   import jax
   import jax.numpy as jnp
@@ -50,9 +51,16 @@ def demo(args) -> int:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m gdp_jax")
   sub = parser.add_subparsers(dest="command", required=True)
-  p = sub.add_parser("demo", help="run the operator forward and backward and check it")
-  p.add_argument("--implementation", default=None, choices=["reference", "xla"])
-  p.set_defaults(func=demo)
+  from gdp_jax import demo
+  p = sub.add_parser("demo", help="train a small hybrid LM on a permutation word problem, "
+                     "block mask versus mask = ones, then generate",
+                     description=demo.__doc__.split("\n\n")[0])
+  demo.add_arguments(p)
+  p.set_defaults(func=demo.run)
+  p = sub.add_parser("check", help="run the operator forward and backward under jax.jit and "
+                     "check both against the recurrent reference")
+  p.add_argument("--implementation", default=None, choices=["reference", "xla", "pallas"])
+  p.set_defaults(func=check)
   from gdp_jax import bench
   p = sub.add_parser("bench", help="time the operator forward and forward + backward across "
                      "implementations: table (ms, TFLOP/s, GB/s), JSON and PNG",

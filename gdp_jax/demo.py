@@ -1,0 +1,317 @@
+"""The main job, `python -m gdp_jax demo`: train the small hybrid LM on a permutation word
+problem, the block-masked model next to the same model with mask = ones, then generate.
+
+The task (state tracking, the DeltaProduct paper's kind): the input is a sequence of random
+elements x_1..x_T of a permutation group (S3 by default: 6 tokens) and the target at every
+position t is the running product y_t = x_1 x_2 ... x_t (composed left to right: x_1 acts first).
+The model reads x_1..x_t and predicts y_t (cross-entropy at every position).
+
+Three models of one size are trained on the same batches:
+  - the block-masked gated delta product (static mask, r = 2), beta in (0, 2);
+  - the same model with mask = ones (Gated DeltaNet), beta in (0, 2);
+  - mask = ones with beta in (0, 1) (the control: no negative eigenvalues).
+Besides the accuracy over all positions and at the last one, the report gives the accuracy of the
+*sign* (parity) of the predicted permutation at the last position: S3 = Z3 x| Z2, and the sign is
+the Z2 part. Tracking it needs a transition with eigenvalue -1 (Grazzi et al. 2024); the Z3 part
+(3-cycles) needs a rotation. The layer's per-token transition I - beta Kb M Kb^T is symmetric for
+the seed's symmetric mask, so its eigenvalues are real: expect the sign to be tracked at every
+length with beta in (0, 2) and not with beta in (0, 1), and the 3-cycles to be tracked only over
+the first few positions (the short convolution and the attention layer see those), by any of
+the three.
+
+Generation: the model's answer fed back as the next input is still a valid word, so greedy
+generation from prompts of different lengths continues with the running products of the prompt
+plus what was generated; the demo checks each generated token against that product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import itertools
+import math
+import sys
+import time
+
+import numpy as np
+
+GROUPS = ("S3", "S4", "S5", "A4", "A5", "Z6", "Z2^2", "Z2^3", "Z2^4")
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress bar (no dependency)
+# ----------------------------------------------------------------------------------------------
+
+class Progress:
+  """A one-line progress bar on a terminal (redrawn with \\r), or a few plain lines when the
+  output is a file or a pipe. `update(n, **stats)` then `close()`."""
+
+  def __init__(self, total: int, desc: str = "", file=None, width: int = 24):
+    self.total, self.desc, self.width = max(int(total), 1), desc, width
+    self.file = sys.stderr if file is None else file
+    self.tty = hasattr(self.file, "isatty") and self.file.isatty()
+    self.n, self.start, self.last = 0, time.perf_counter(), -1.0
+    self.stats = ""
+
+  def _line(self):
+    frac = self.n / self.total
+    fill = int(frac * self.width)
+    bar = "#" * fill + "-" * (self.width - fill)
+    elapsed = time.perf_counter() - self.start
+    rate = self.n / elapsed if elapsed > 0 else 0.0
+    eta = (self.total - self.n) / rate if rate > 0 else float("nan")
+    eta_s = f"{eta:4.0f}s" if math.isfinite(eta) else "   ?s"
+    return (f"{self.desc} [{bar}] {self.n:>{len(str(self.total))}}/{self.total} "
+            f"{elapsed:5.1f}s<{eta_s} {self.stats}")
+
+  def update(self, n: int = 1, **stats):
+    self.n = min(self.n + n, self.total)
+    if stats:
+      self.stats = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in stats.items())
+    now = time.perf_counter()
+    if self.tty:
+      if now - self.last >= 0.1 or self.n == self.total:
+        self.file.write("\r" + self._line())
+        self.file.flush()
+        self.last = now
+    elif self.n == self.total or self.n * 4 // self.total != (self.n - n) * 4 // self.total:
+      self.file.write(self._line() + "\n")          # 25%, 50%, 75%, 100% in a log
+      self.file.flush()
+
+  def close(self):
+    if self.tty:
+      self.file.write("\r" + self._line() + "\n")
+      self.file.flush()
+
+
+# ----------------------------------------------------------------------------------------------
+# The task
+# ----------------------------------------------------------------------------------------------
+
+def _parity(p):
+  inv = sum(1 for i in range(len(p)) for j in range(i + 1, len(p)) if p[i] > p[j])
+  return inv % 2
+
+
+def permutation_group(name: str):
+  """(elements [n, m] int, table [n, n]) with table[i, j] = index of "x_i then x_j"."""
+  if name == "Z6":                                   # cyclic: rotations of 6 points
+    elems = [tuple((i + s) % 6 for i in range(6)) for s in range(6)]
+  elif name.startswith("Z2^"):                       # n switches: swaps of disjoint pairs
+    n = int(name[3:])
+    elems = []
+    for bits in range(2 ** n):
+      p = list(range(2 * n))
+      for i in range(n):
+        if bits >> i & 1:
+          p[2 * i], p[2 * i + 1] = 2 * i + 1, 2 * i
+      elems.append(tuple(p))
+  else:
+    m = int(name[1:])
+    elems = list(itertools.permutations(range(m)))
+    if name[0] == "A":
+      elems = [p for p in elems if _parity(p) == 0]
+    elif name[0] != "S":
+      raise ValueError(f"group must be one of {GROUPS}, got {name!r}")
+  index = {p: i for i, p in enumerate(elems)}
+  # "apply a first, then b": position i goes to b[a[i]].
+  table = np.array([[index[tuple(b[a[i]] for i in range(len(a)))] for b in elems]
+                    for a in elems], np.int32)
+  return np.array(elems), table
+
+
+def signs_of(elems):
+  """The sign (parity) of each permutation: 0 even, 1 odd."""
+  return np.array([_parity(tuple(p)) for p in elems], np.int32)
+
+
+def running_products(table, x):
+  """y[:, t] = x[:, 0] x[:, 1] ... x[:, t] under `table`."""
+  y = np.empty_like(x)
+  y[:, 0] = x[:, 0]
+  for t in range(1, x.shape[1]):
+    y[:, t] = table[y[:, t - 1], x[:, t]]
+  return y
+
+
+def make_batch(rng, table, batch, seq_len):
+  x = rng.integers(0, table.shape[0], (batch, seq_len)).astype(np.int32)
+  return x, running_products(table, x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class RunResult:
+  name: str
+  loss: float
+  accuracy: np.ndarray        # held-out accuracy per position [T]
+  sign_last: float            # accuracy of the sign of the prediction at the last position
+  seconds: float
+  model: object
+
+
+def train(config, table, *, steps, batch, seq_len, lr, seed, eval_batch, name, signs=None,
+          quiet=False):
+  """Train `HybridLM(config)` with AdamW (warm-up + cosine decay) on fresh random words and
+  evaluate on `eval_batch` held-out ones. The same seed gives the same batches to every model."""
+  import jax
+  import optax
+  from flax import nnx
+
+  from gdp_jax.models import HybridLM
+
+  t0 = time.perf_counter()
+  model = HybridLM(config, rngs=nnx.Rngs(seed))
+  graphdef, params = nnx.split(model)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), max(steps, 1),
+                                                lr * 0.05)
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   optax.adamw(schedule, b2=0.98, weight_decay=0.01))
+  opt_state = tx.init(params)
+
+  def loss_fn(params, x, y):
+    logits = nnx.merge(graphdef, params)(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
+
+  @jax.jit
+  def train_step(params, opt_state, x, y):
+    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    acc = (logits.argmax(-1) == y).mean()
+    return optax.apply_updates(params, updates), opt_state, loss, acc
+
+  @jax.jit
+  def predict(params, x, y):
+    loss, logits = loss_fn(params, x, y)
+    return loss, logits.argmax(-1)
+
+  rng = np.random.default_rng(seed)
+  bar = Progress(steps, desc=f"{name:>24}", file=io.StringIO() if quiet else None)
+  avg = None
+  for _ in range(steps):
+    x, y = make_batch(rng, table, batch, seq_len)
+    params, opt_state, loss, acc = train_step(params, opt_state, x, y)
+    now = np.array([float(loss), float(acc)])
+    avg = now if avg is None else 0.9 * avg + 0.1 * now          # smoothed for the display
+    bar.update(1, loss=float(avg[0]), acc=float(avg[1]))
+  bar.close()
+  x, y = make_batch(np.random.default_rng(10_000 + seed), table, eval_batch, seq_len)
+  loss, pred = predict(params, x, y)
+  pred = np.asarray(pred)
+  signs = np.zeros(table.shape[0], np.int32) if signs is None else signs
+  return RunResult(name, float(loss), (pred == y).mean(axis=0),
+                   float((signs[pred[:, -1]] == signs[y[:, -1]]).mean()),
+                   time.perf_counter() - t0, nnx.merge(graphdef, params))
+
+
+# ----------------------------------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------------------------------
+
+def add_arguments(p):
+  """The demo's options (defaults finish in about two minutes on a 2-core CPU)."""
+  bool_flag = argparse.BooleanOptionalAction
+  p.add_argument("--group", default="S3", choices=GROUPS,
+                 help="permutation group of the word problem (default S3)")
+  p.add_argument("--seq-len", type=int, default=32, help="word length T (32)")
+  p.add_argument("--steps", type=int, default=500, help="training steps per model (500)")
+  p.add_argument("--batch", type=int, default=32, help="words per step (32)")
+  p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (1e-2)")
+  p.add_argument("--layers", default="DDA",
+                 help="layer pattern, D = gated delta product, A = attention (DDA)")
+  p.add_argument("--hidden", type=int, default=64, help="model width (64)")
+  p.add_argument("--heads", type=int, default=2, help="delta product heads (2)")
+  p.add_argument("--head-dim", type=int, default=32, help="key dim K per head (32)")
+  p.add_argument("--blocks", type=int, default=2, help="key blocks r (2)")
+  p.add_argument("--mask-mode", default="static", choices=["static", "token"],
+                 help="block mask per head or per token (static)")
+  p.add_argument("--chunk-size", type=int, default=16, choices=[16, 32, 64],
+                 help="operator chunk (16: the fastest on CPU)")
+  p.add_argument("--baseline", default=True, action=bool_flag,
+                 help="also train mask = ones with beta in (0, 2) (default on)")
+  p.add_argument("--control", default=True, action=bool_flag,
+                 help="also train mask = ones with beta in (0, 1) (default on)")
+  p.add_argument("--generate", type=int, default=8, help="tokens generated per prompt (8)")
+  p.add_argument("--eval-batch", type=int, default=512, help="held-out words (512)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--implementation", default=None, choices=["xla", "pallas"],
+                 help="operator implementation (default: Pallas on a GPU, xla elsewhere)")
+
+
+def _positions(seq_len):
+  """1-based positions to show: 1, 2, 4, ... and T."""
+  shown, p = [], 1
+  while p < seq_len:
+    shown.append(p)
+    p *= 2
+  return shown + [seq_len]
+
+
+def run(args) -> int:
+  import jax
+
+  from gdp_jax.models import HybridConfig, generate
+
+  start = time.perf_counter()
+  elems, table = permutation_group(args.group)
+  signs = signs_of(elems)
+  base = HybridConfig(
+      vocab_size=len(elems), hidden_size=args.hidden, layer_pattern=args.layers,
+      num_heads=args.heads, head_dim=args.head_dim, num_blocks=args.blocks,
+      mask_mode=args.mask_mode, allow_neg_eigval=True, attn_num_heads=2, attn_num_kv_heads=1,
+      mlp_ratio=2, chunk_size=args.chunk_size, implementation=args.implementation)
+  impl = args.implementation or ("pallas" if jax.default_backend() == "gpu" else "xla")
+  print(f"gdp-jax demo: the {args.group} word problem ({len(elems)} permutations): predict the "
+        f"running product at each of T = {args.seq_len} positions")
+  print(f"backend {jax.default_backend()}, operator implementation {impl}; layers "
+        f"{args.layers!r} (D = gated delta product, A = attention), width {args.hidden}, "
+        f"{args.heads} heads x K = {args.head_dim}; {args.steps} steps of {args.batch} words")
+  models = [(f"{args.mask_mode} mask r={args.blocks}, b<2", base)]
+  if args.baseline:
+    models.append(("mask = ones, b<2", dataclasses.replace(base, mask_mode="ones")))
+  if args.control:
+    models.append(("mask = ones, b<1", dataclasses.replace(base, mask_mode="ones",
+                                                           allow_neg_eigval=False)))
+  common = dict(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+                seed=args.seed, eval_batch=args.eval_batch, signs=signs)
+  runs = [train(config, table, name=name, **common) for name, config in models]
+
+  shown = _positions(args.seq_len)
+  has_sign = bool(signs.any())
+  print(f"\nheld-out accuracy on {args.eval_batch} words (chance {1 / len(elems):.3f}"
+        + (", sign: 0.5" if has_sign else "") + "), b = beta:")
+  head = f"  {'model':<24} {'all':>5}  " + " ".join(f"{'t=' + str(p):>5}" for p in shown)
+  print(head + ("  sign at t=T" if has_sign else "") + "   time")
+  for r in runs:
+    line = (f"  {r.name:<24} {r.accuracy.mean():5.3f}  "
+            + " ".join(f"{r.accuracy[p - 1]:5.3f}" for p in shown))
+    print(line + (f"  {r.sign_last:11.3f}" if has_sign else "") + f"  {r.seconds:5.1f}s")
+
+  if args.generate > 0:
+    model = runs[0].model
+    rng = np.random.default_rng(args.seed + 1)
+    lens = sorted({3, max(1, args.seq_len // 4), max(1, args.seq_len // 2)})
+    prompts = [rng.integers(0, len(elems), n).tolist() for n in lens]
+    t0 = time.perf_counter()
+    out = np.asarray(generate(model, prompts, args.generate))
+    dt = time.perf_counter() - t0
+    print(f"\ngreedy generation, {runs[0].name} model, prompts of {lens} tokens ({dt:.1f}s, "
+          f"prefill + jit-ed decode loop): each new token should be the running product of "
+          f"the prompt and the tokens generated before it")
+    ok = total = 0
+    for p, o in zip(prompts, out):
+      seq = np.asarray([p + o.tolist()])
+      want = running_products(table, seq)[0, len(p) - 1:len(p) - 1 + len(o)]
+      ok, total = ok + int((want == o).sum()), total + len(o)
+      shown_p = " ".join(map(str, p)) if len(p) <= 6 else \
+          " ".join(map(str, p[:3])) + " ... " + " ".join(map(str, p[-2:]))
+      print(f"  {shown_p:<22} -> {' '.join(map(str, o))}   (products: "
+            f"{' '.join(map(str, want))})")
+    print(f"  {ok}/{total} generated tokens correct")
+  print(f"\ndone in {time.perf_counter() - start:.1f}s")
+  return 0

@@ -1,0 +1,524 @@
+"""Flax (`flax.nnx`) layers: the gated delta product token mixer and grouped-query attention.
+
+Both layers run in two modes that agree with each other:
+
+- the whole sequence, `layer(x, lengths=None, *, return_cache=False)`: the chunked operator
+  (Pallas kernels on a GPU, `implementation=None`) or causal attention; with
+  `return_cache=True` it also returns the cache after each sequence's first `lengths[b]` tokens
+  (a prefill of right-padded prompts of different lengths);
+- one token per sequence, `layer.step(x_t, cache) -> (y_t, cache)`, through
+  `gated_delta_product_step` or `gqa_decode`; `layer.init_cache(...)` is the empty cache.
+
+Caches are plain pytrees (NamedTuples) passed in and returned, never stored in the module, so a
+decode loop can carry them through `jax.lax.scan` / `jax.jit`.
+
+From `flax.linen` code use `flax.nnx.bridge.to_linen(GatedDeltaProduct, ...)` (see
+`tests/test_layers.py::test_linen_bridge`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdp_jax.decode import gated_delta_product_step, gqa_decode
+from gdp_jax.operator import CHUNK_SIZES, gated_delta_product
+
+MASK_MODES = ("static", "token", "ones")
+KEY_NORMS = ("block", "full")
+f32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# Small pieces
+# ----------------------------------------------------------------------------------------------
+
+def l2norm(x, axis=-1, eps=1e-6):
+  """x / sqrt(sum x^2 + eps) along `axis`, computed in float32 (as flash-linear-attention)."""
+  x = x.astype(f32)
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + eps)
+
+
+def block_mask(w):
+  """mask = l2norm(|W|) @ l2norm(|W|)^T over the last two axes [..., r, r].
+
+  Rows of |W| are normalised, so the mask is a Gram matrix of unit non-negative vectors:
+  symmetric, positive semi-definite, diagonal 1 (up to the l2norm eps), entries in [0, 1].
+  """
+  n = l2norm(jnp.abs(w.astype(f32)))
+  return jnp.einsum("...ad,...bd->...ab", n, n, precision=jax.lax.Precision.HIGHEST)
+
+
+def _check_positive_int(name, value):
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_choice(name, value, choices):
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_lengths(lengths, batch, t_len):
+  if lengths is None:
+    return None
+  lengths = jnp.asarray(lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"lengths must be integers (int32), got dtype {lengths.dtype}")
+  if lengths.shape != (batch,):
+    raise ValueError(f"lengths has shape {lengths.shape}, expected [B] = [{batch}] "
+                     f"(one length per sequence, each in [0, T = {t_len}])")
+  return lengths.astype(jnp.int32)
+
+
+def _check_x(x, hidden_size, rank, what):
+  if x.ndim != rank or x.shape[-1] != hidden_size:
+    raise ValueError(f"x has shape {tuple(x.shape)}, expected {what} with D = hidden_size = "
+                     f"{hidden_size}")
+
+
+class GatedRMSNorm(nnx.Module):
+  """RMSNorm over the last axis, times a learned weight, optionally times silu(gate)
+  (Gated DeltaNet's output norm). Computed in float32; returns `dtype` or x.dtype."""
+
+  def __init__(self, num_features: int, *, eps: float = 1e-5, param_dtype=f32):
+    self.eps = eps
+    self.weight = nnx.Param(jnp.ones((num_features,), param_dtype))
+
+  def __call__(self, x, gate=None):
+    y = x.astype(f32)
+    y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.eps)
+    y = y * self.weight[...].astype(f32)
+    if gate is not None:
+      y = y * jax.nn.silu(gate.astype(f32))
+    return y.astype(x.dtype)
+
+
+class ShortConv(nnx.Module):
+  """Causal depthwise convolution over time (kernel `size`) followed by SiLU.
+
+  Whole sequence: x [B, T, C] -> [B, T, C] (zeros before the first token).
+  Step: `step(x_t [B, C], state [B, size-1, C])`, the state holding the previous inputs.
+  """
+
+  def __init__(self, channels: int, size: int = 4, *, param_dtype=f32, rngs: nnx.Rngs):
+    self.size = size
+    bound = 1.0 / math.sqrt(size)             # PyTorch Conv1d's default for a depthwise kernel
+    self.weight = nnx.Param(jax.random.uniform(rngs.params(), (size, channels), param_dtype,
+                                               -bound, bound))
+
+  def __call__(self, x):
+    w = self.weight[...].astype(x.dtype)
+    t_len = x.shape[1]
+    xp = jnp.pad(x, ((0, 0), (self.size - 1, 0), (0, 0)))
+    y = sum(xp[:, i:i + t_len] * w[i] for i in range(self.size))
+    return jax.nn.silu(y)
+
+  def state_after(self, x, lengths):
+    """The step state after `lengths[b]` tokens of x [B, T, C] (None: all T): [B, size-1, C]."""
+    batch, t_len, _ = x.shape
+    xp = jnp.pad(x, ((0, 0), (self.size - 1, 0), (0, 0)))
+    if lengths is None:
+      return xp[:, t_len:]
+    idx = lengths[:, None] + jnp.arange(self.size - 1)[None, :]     # xp index of token l-(s-1)+i
+    return jnp.take_along_axis(xp, idx[:, :, None], axis=1)
+
+  def step(self, x, state):
+    window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1)   # [B, size, C]
+    y = jnp.sum(window * self.weight[...].astype(x.dtype)[None], axis=1)
+    return jax.nn.silu(y), window[:, 1:]
+
+
+# ----------------------------------------------------------------------------------------------
+# Gated delta product layer
+# ----------------------------------------------------------------------------------------------
+
+class GatedDeltaProductCache(NamedTuple):
+  """Decode cache of one `GatedDeltaProduct` layer.
+
+  conv: [B, conv_size - 1, 2*H*K + H*V] the last inputs of the short convolution (q | k | v
+    channels), or None without the convolution. state: [B, H, K, V] float32 recurrent state.
+  """
+  conv: Any
+  state: jax.Array
+
+
+class GatedDeltaProduct(nnx.Module):
+  """Block-masked gated delta product token mixer (DESIGN §1), built like Gated DeltaNet.
+
+  Per head: q, k = L2-normalised projections of x (after an optional causal short convolution
+  + SiLU), v = projection (value dim V = head_dim * expand_v), beta = sigmoid(b_proj(x)) (times 2
+  with `allow_neg_eigval`), g = -exp(A_log) * softplus(a_proj(x) + dt_bias), and the r x r block
+  mask M = l2norm(|W|) l2norm(|W|)^T (rows of |W| normalised: symmetric, PSD, diagonal 1,
+  entries in [0, 1]) with W a parameter [H, r, r] ("static") or a projection of x to H*r*r
+  ("token": one mask per token). The operator's output is RMS-normalised per head (times
+  silu(g_proj(x)) with `use_gate`, Gated DeltaNet's gated RMSNorm) and projected back to D.
+
+  Normalisation (`key_norm="block"`, the default). q and k are L2-normalised per key block of
+  dk = K / r, so each block is a unit key, and the write strength given to the operator is
+  beta / rho(M) with rho(M) = max_a sum_b M[a, b] (>= the largest eigenvalue of M; `beta_norm`).
+  Then the per-token transition I - beta/rho * Kb M Kb^T (Kb = block-diagonal of the unit key
+  blocks) has eigenvalues 1 - beta * lambda_i(M) / rho(M), all in [1 - beta, 1]: the same range
+  as Gated DeltaNet for any r and any mask, so `allow_neg_eigval` gives [-1, 1], never beyond,
+  and the chunk matrices (I + A) stay well conditioned. The two ends of the mask are the known
+  models: M = I (rho = 1) is r independent Gated DeltaNets on disjoint key blocks that share
+  the value (a rank-r update per token, like DeltaProduct's r Householder steps, but all reading
+  the same state); M = ones (rho = r) is exactly one Gated DeltaNet with the unit key k / sqrt(r).
+  Without `beta_norm` the eigenvalues reach 1 - beta * r at M = ones (unstable for
+  beta * r > 2).
+  `key_norm="full"` normalises q and k over the whole K instead (Gated DeltaNet's own
+  convention; beta is left as is since the eigenvalues are already in [1 - beta, 1]): the r
+  blocks then share one unit of write strength, so M = I is a weaker memory than above.
+
+  `mask_mode="ones"` is the gated delta rule itself (Gated DeltaNet): the operator runs with
+  r = 1 and the unit keys above (k / sqrt(r) after the per-block normalisation, or the full
+  normalisation), which is exactly what "static"/"token" compute at M = ones. It has no mask
+  parameters; use it as the baseline of the same size.
+
+  Args:
+    hidden_size: D, the model width.
+    num_heads: H.
+    head_dim: K, the key dimension per head; K % num_blocks == 0.
+    expand_v: value dim V = head_dim * expand_v (a whole number).
+    num_blocks: r, the number of key blocks (the mask is r x r).
+    mask_mode: "static" | "token" | "ones".
+    key_norm: "block" | "full" (see above).
+    beta_norm: divide beta by rho(M) ("block" normalisation only; see above).
+    use_short_conv, conv_size: causal depthwise convolution + SiLU on q, k, v (else SiLU only).
+    use_gate: output gate silu(g_proj(x)) in the RMSNorm (else a plain RMSNorm).
+    allow_neg_eigval: beta = 2 sigmoid(.) in (0, 2) instead of (0, 1): eigenvalues down to -1,
+      what state tracking needs (Grazzi et al. 2024).
+    norm_eps: RMSNorm epsilon.
+    chunk_size, implementation: passed to `gated_delta_product` / `gated_delta_product_step`
+      (None: the Pallas kernels on a GPU, the jnp forms elsewhere).
+    dtype: computation dtype of projections, q, k, v (None: x's dtype); param_dtype: parameters.
+    rngs: `nnx.Rngs`.
+  """
+
+  def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, expand_v=1,
+               num_blocks: int = 2, mask_mode: str = "static", key_norm: str = "block",
+               use_short_conv: bool = True, conv_size: int = 4, use_gate: bool = True,
+               allow_neg_eigval: bool = False, beta_norm: bool = True, norm_eps: float = 1e-5,
+               chunk_size: int = 64,
+               implementation: str | None = None, dtype=None, param_dtype=f32,
+               rngs: nnx.Rngs):
+    _check_positive_int("hidden_size", hidden_size)
+    _check_positive_int("num_heads", num_heads)
+    _check_positive_int("head_dim", head_dim)
+    _check_positive_int("num_blocks", num_blocks)
+    if head_dim % num_blocks != 0:
+      raise ValueError(f"head_dim = {head_dim} must be divisible by num_blocks = {num_blocks} "
+                       f"(the key dimension is split into num_blocks equal blocks)")
+    value_dim = head_dim * expand_v
+    if (isinstance(expand_v, bool) or not isinstance(expand_v, (int, float))
+        or value_dim <= 0 or value_dim != int(value_dim)):
+      raise ValueError(f"expand_v = {expand_v!r} must be a positive number with head_dim * "
+                       f"expand_v a whole number (head_dim = {head_dim})")
+    _check_choice("mask_mode", mask_mode, MASK_MODES)
+    _check_choice("key_norm", key_norm, KEY_NORMS)
+    if use_short_conv:
+      _check_positive_int("conv_size", conv_size)
+    if chunk_size not in CHUNK_SIZES:
+      raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
+    if implementation not in (None, "xla", "pallas", "reference"):
+      raise ValueError(f"implementation must be None, 'xla', 'pallas' or 'reference', got "
+                       f"{implementation!r}")
+    self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+    self.value_dim = int(value_dim)
+    self.num_blocks, self.mask_mode, self.key_norm = num_blocks, mask_mode, key_norm
+    self.use_short_conv, self.conv_size, self.use_gate = use_short_conv, conv_size, use_gate
+    self.allow_neg_eigval, self.beta_norm = allow_neg_eigval, beta_norm
+    self.chunk_size, self.implementation = chunk_size, implementation
+    self.dtype = dtype
+
+    H, K, V, r, D = num_heads, head_dim, self.value_dim, num_blocks, hidden_size
+    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                  rngs=rngs)
+    self.q_proj, self.k_proj, self.v_proj = lin(D, H * K), lin(D, H * K), lin(D, H * V)
+    self.a_proj, self.b_proj = lin(D, H), lin(D, H)
+    # Mamba-2 / Gated DeltaNet initialisation: A in [1, 16], dt in [1e-3, 1e-1].
+    self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), f32, 1.0, 16.0))
+                           .astype(param_dtype))
+    dt = jnp.exp(jax.random.uniform(rngs.params(), (H,), f32, math.log(1e-3), math.log(1e-1)))
+    dt = jnp.maximum(dt, 1e-4)
+    self.dt_bias = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(param_dtype))  # softplus^-1
+    # Mask parameters: W = I + small positive noise (no exact zeros: d|w|/dw = 0 there).
+    w0 = jnp.eye(r, dtype=f32) + 0.1 * jax.random.uniform(rngs.params(), (H, r, r), f32,
+                                                          0.1, 1.0)
+    if mask_mode == "static":
+      self.mask_weight = nnx.Param(w0.astype(param_dtype))
+    elif mask_mode == "token":
+      self.mask_proj = nnx.Linear(
+          D, H * r * r, use_bias=True, dtype=dtype, param_dtype=param_dtype,
+          kernel_init=nnx.initializers.normal(0.02),
+          bias_init=lambda *_: w0.reshape(H * r * r).astype(param_dtype), rngs=rngs)
+    if use_short_conv:
+      self.conv = ShortConv(2 * H * K + H * V, conv_size, param_dtype=param_dtype, rngs=rngs)
+    if use_gate:
+      self.g_proj = lin(D, H * V)
+    self.o_norm = GatedRMSNorm(V, eps=norm_eps, param_dtype=param_dtype)
+    self.o_proj = lin(H * V, D)
+
+  # -- pieces shared by both modes -------------------------------------------------------------
+
+  def _mask(self, x):
+    """[H, r, r] (static), [..., H, r, r] (token, from x [..., D]), or None (ones: r = 1)."""
+    H, r = self.num_heads, self.num_blocks
+    if self.mask_mode == "static":
+      return block_mask(self.mask_weight[...])
+    if self.mask_mode == "token":
+      w = self.mask_proj(x).astype(f32)
+      return block_mask(w.reshape(x.shape[:-1] + (H, r, r)))
+    return None
+
+  def _qk_norm(self, x):
+    """l2norm per key block ("block") or over the whole key ("full"); x [..., H*K]. In "ones"
+    mode the block-normalised key is divided by sqrt(r): a unit key."""
+    H, K, r = self.num_heads, self.head_dim, self.num_blocks
+    blocks = r if self.key_norm == "block" else 1
+    y = l2norm(x.reshape(x.shape[:-1] + (H, blocks, K // blocks)))
+    if self.mask_mode == "ones" and blocks > 1:
+      y = y * (1.0 / math.sqrt(blocks))
+    return y.reshape(x.shape[:-1] + (H, K))
+
+  def _gates(self, x):
+    """g (log-decay) and beta, float32 [..., H]."""
+    a = self.a_proj(x).astype(f32) + self.dt_bias[...].astype(f32)
+    g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(a)
+    beta = jax.nn.sigmoid(self.b_proj(x).astype(f32))
+    if self.allow_neg_eigval:
+      beta = 2.0 * beta
+    return g, beta
+
+  def _scale_beta(self, beta, mask):
+    """beta / rho(M), rho(M) = max_a sum_b M[a, b] ([H] or per token), with "block" keys."""
+    if not self.beta_norm or mask is None or self.key_norm != "block":
+      return beta
+    return beta / jnp.max(jnp.sum(mask, axis=-1), axis=-1)
+
+  def _split_qkv(self, qkv):
+    HK = self.num_heads * self.head_dim
+    q, k, v = qkv[..., :HK], qkv[..., HK:2 * HK], qkv[..., 2 * HK:]
+    dtype = qkv.dtype
+    q, k = self._qk_norm(q).astype(dtype), self._qk_norm(k).astype(dtype)
+    return q, k, v.reshape(v.shape[:-1] + (self.num_heads, self.value_dim))
+
+  def _project_in(self, x):
+    return jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+
+  def _output(self, o, x):
+    """o [..., H, V] -> [..., D]."""
+    gate = None
+    if self.use_gate:
+      gate = self.g_proj(x).reshape(o.shape)
+    o = self.o_norm(o, gate)
+    return self.o_proj(o.reshape(o.shape[:-2] + (self.num_heads * self.value_dim,)))
+
+  # -- whole sequence ---------------------------------------------------------------------------
+
+  def __call__(self, x, lengths=None, *, return_cache: bool = False):
+    """The whole sequence through the chunked operator.
+
+    Args:
+      x: [B, T, D].
+      lengths: None (every token is real) or [B] int: sequence b holds tokens [0, lengths[b])
+        and the rest is right padding. Padding tokens leave the state untouched (beta = g = 0);
+        their outputs are meaningless.
+      return_cache: also return the `GatedDeltaProductCache` after lengths[b] tokens.
+
+    Returns:
+      y [B, T, D], or (y, cache) with `return_cache`.
+    """
+    _check_x(x, self.hidden_size, 3, "[B, T, D]")
+    batch, t_len, _ = x.shape
+    lengths = _check_lengths(lengths, batch, t_len)
+    if self.dtype is not None:
+      x = x.astype(self.dtype)
+    pre = self._project_in(x)
+    qkv = self.conv(pre) if self.use_short_conv else jax.nn.silu(pre)
+    q, k, v = self._split_qkv(qkv)
+    g, beta = self._gates(x)
+    if lengths is not None:
+      real = (jnp.arange(t_len)[None, :] < lengths[:, None])[..., None]      # [B, T, 1]
+      g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
+    mask = self._mask(x)
+    beta = self._scale_beta(beta, mask)
+    o, final = gated_delta_product(
+        q, k, v, g, beta, mask, output_final_state=return_cache,
+        chunk_size=self.chunk_size, implementation=self.implementation)
+    y = self._output(o, x)
+    if not return_cache:
+      return y
+    conv = self.conv.state_after(pre, lengths) if self.use_short_conv else None
+    return y, GatedDeltaProductCache(conv, final)
+
+  # -- one token --------------------------------------------------------------------------------
+
+  def init_cache(self, batch_size: int, dtype=None) -> GatedDeltaProductCache:
+    """The empty cache: zero convolution inputs (in `dtype`, default the layer's dtype or f32)
+    and a zero float32 state."""
+    H, K, V = self.num_heads, self.head_dim, self.value_dim
+    conv = None
+    if self.use_short_conv:
+      conv = jnp.zeros((batch_size, self.conv_size - 1, 2 * H * K + H * V),
+                       dtype or self.dtype or f32)
+    return GatedDeltaProductCache(conv, jnp.zeros((batch_size, H, K, V), f32))
+
+  def step(self, x, cache: GatedDeltaProductCache):
+    """One token per sequence: x [B, D] -> (y [B, D], new cache)."""
+    _check_x(x, self.hidden_size, 2, "[B, D] (one token per sequence)")
+    if self.dtype is not None:
+      x = x.astype(self.dtype)
+    pre = self._project_in(x)
+    conv = None
+    if self.use_short_conv:
+      qkv, conv = self.conv.step(pre, cache.conv)
+      conv = conv.astype(cache.conv.dtype)
+    else:
+      qkv = jax.nn.silu(pre)
+    q, k, v = self._split_qkv(qkv)
+    g, beta = self._gates(x)
+    impl = self.implementation if self.implementation != "reference" else "xla"
+    mask = self._mask(x)
+    beta = self._scale_beta(beta, mask)
+    o, state = gated_delta_product_step(q, k, v, g, beta, mask, cache.state,
+                                        implementation=impl)
+    return self._output(o, x), GatedDeltaProductCache(conv, state)
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped-query attention
+# ----------------------------------------------------------------------------------------------
+
+class KVCache(NamedTuple):
+  """Decode cache of one attention layer: key, value [B, S, Hkv, D] (keys already rotated) and
+  lengths [B] int32, the number of tokens each sequence holds (slots >= length are stale)."""
+  key: jax.Array
+  value: jax.Array
+  lengths: jax.Array
+
+
+def apply_rope(x, positions, theta):
+  """Rotary embedding, rotate-half convention. x [..., T?, H, D] with positions broadcasting
+  against x.shape[:-2] (e.g. [T] for [B, T, H, D], [B] for [B, H, D])."""
+  dim = x.shape[-1]
+  freqs = theta ** (-jnp.arange(0, dim // 2, dtype=f32) * 2.0 / dim)
+  angles = positions.astype(f32)[..., None] * freqs                 # [..., D/2]
+  cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
+  x1, x2 = jnp.split(x.astype(f32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class GroupedQueryAttention(nnx.Module):
+  """Causal multi-head attention with grouped key/value heads and RoPE.
+
+  Whole sequence: `layer(x, lengths=None, *, return_cache=False, cache_size=None)` (causal
+  softmax attention; with right padding the real tokens never see padding). One token:
+  `layer.step(x_t, cache)`, which writes the new key/value at slot `cache.lengths[b]` of a
+  fixed-size cache and attends through `gqa_decode` with the traced lengths (no recompilation
+  as lengths change). A token written past the cache's size S is dropped: size the cache for
+  prompt + generated tokens.
+
+  Args:
+    hidden_size: D. num_heads: query heads Hq. num_kv_heads: Hkv (divides Hq; default Hq).
+    head_dim: per head (even, for RoPE; default D / Hq). rope_theta: RoPE base.
+    cache_dtype: dtype of the KV cache (default float32; bfloat16 halves decode traffic).
+    implementation: for `gqa_decode` (None: Pallas on GPU).
+    dtype, param_dtype, rngs: as usual.
+  """
+
+  def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
+               head_dim: int | None = None, *, rope_theta: float = 10000.0, cache_dtype=f32,
+               implementation: str | None = None, dtype=None, param_dtype=f32,
+               rngs: nnx.Rngs):
+    _check_positive_int("hidden_size", hidden_size)
+    _check_positive_int("num_heads", num_heads)
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _check_positive_int("num_kv_heads", num_kv_heads)
+    if num_heads % num_kv_heads != 0:
+      raise ValueError(f"num_heads = {num_heads} must be a multiple of num_kv_heads = "
+                       f"{num_kv_heads} (query head h reads key/value head h // "
+                       f"(num_heads // num_kv_heads))")
+    if head_dim is None:
+      if hidden_size % num_heads != 0:
+        raise ValueError(f"hidden_size = {hidden_size} is not divisible by num_heads = "
+                         f"{num_heads}; pass head_dim explicitly")
+      head_dim = hidden_size // num_heads
+    _check_positive_int("head_dim", head_dim)
+    if head_dim % 2 != 0:
+      raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    if implementation not in (None, "xla", "pallas"):
+      raise ValueError(f"implementation must be None, 'xla' or 'pallas', got "
+                       f"{implementation!r}")
+    self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
+    self.head_dim, self.rope_theta = head_dim, float(rope_theta)
+    self.cache_dtype, self.implementation, self.dtype = cache_dtype, implementation, dtype
+    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                  rngs=rngs)
+    self.q_proj = lin(hidden_size, num_heads * head_dim)
+    self.k_proj = lin(hidden_size, num_kv_heads * head_dim)
+    self.v_proj = lin(hidden_size, num_kv_heads * head_dim)
+    self.o_proj = lin(num_heads * head_dim, hidden_size)
+
+  def _qkv(self, x):
+    shape = x.shape[:-1]
+    q = self.q_proj(x).reshape(shape + (self.num_heads, self.head_dim))
+    k = self.k_proj(x).reshape(shape + (self.num_kv_heads, self.head_dim))
+    v = self.v_proj(x).reshape(shape + (self.num_kv_heads, self.head_dim))
+    return q, k, v
+
+  def init_cache(self, batch_size: int, cache_size: int, dtype=None) -> KVCache:
+    """An empty cache of `cache_size` slots per sequence."""
+    _check_positive_int("cache_size", cache_size)
+    shape = (batch_size, cache_size, self.num_kv_heads, self.head_dim)
+    dtype = dtype or self.cache_dtype
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   jnp.zeros((batch_size,), jnp.int32))
+
+  def __call__(self, x, lengths=None, *, return_cache: bool = False, cache_size=None):
+    """Causal attention over x [B, T, D] -> y [B, T, D]; with `return_cache`, also the KVCache
+    of `cache_size` slots (default T) holding each sequence's first lengths[b] tokens."""
+    _check_x(x, self.hidden_size, 3, "[B, T, D]")
+    batch, t_len, _ = x.shape
+    lengths = _check_lengths(lengths, batch, t_len)
+    if self.dtype is not None:
+      x = x.astype(self.dtype)
+    q, k, v = self._qkv(x)
+    pos = jnp.arange(t_len)
+    q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    y = self.o_proj(o.reshape(batch, t_len, self.num_heads * self.head_dim))
+    if not return_cache:
+      return y
+    cache_size = t_len if cache_size is None else cache_size
+    if cache_size < t_len:
+      raise ValueError(f"cache_size = {cache_size} is smaller than the sequence (T = {t_len})")
+    cache = self.init_cache(batch, cache_size)
+    cache = KVCache(jax.lax.dynamic_update_slice_in_dim(cache.key, k.astype(cache.key.dtype),
+                                                        0, axis=1),
+                    jax.lax.dynamic_update_slice_in_dim(cache.value,
+                                                        v.astype(cache.value.dtype), 0, axis=1),
+                    jnp.full((batch,), t_len, jnp.int32) if lengths is None else lengths)
+    return y, cache
+
+  def step(self, x, cache: KVCache):
+    """One token per sequence at position cache.lengths[b]: x [B, D] -> (y [B, D], cache)."""
+    _check_x(x, self.hidden_size, 2, "[B, D] (one token per sequence)")
+    batch = x.shape[0]
+    if self.dtype is not None:
+      x = x.astype(self.dtype)
+    q, k, v = self._qkv(x)                                            # [B, H, Dh]
+    pos = cache.lengths
+    q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
+    rows = jnp.arange(batch)
+    key = cache.key.at[rows, pos].set(k.astype(cache.key.dtype), mode="drop")
+    value = cache.value.at[rows, pos].set(v.astype(cache.value.dtype), mode="drop")
+    lengths = pos + 1
+    o = gqa_decode(q, key, value, lengths, implementation=self.implementation)
+    y = self.o_proj(o.astype(x.dtype).reshape(batch, self.num_heads * self.head_dim))
+    return y, KVCache(key, value, lengths)

@@ -1,0 +1,296 @@
+"""A small hybrid causal language model (gated delta product + grouped-query attention layers)
+and `generate` for a batch of prompts of different lengths.
+
+    config = HybridConfig(vocab_size=256, hidden_size=128, layer_pattern="DDA")
+    model = HybridLM(config, rngs=nnx.Rngs(0))
+    logits = model(tokens)                                 # [B, T, vocab] float32
+    new_tokens = generate(model, [[1, 2, 3], [4, 5]], 8)   # [B, 8] int32, greedy
+
+Prefill runs the whole (right-padded) prompts through the chunked operator and causal attention;
+the decode loop is one `jax.jit`-ed `lax.scan` of `HybridLM.step` with the per-sequence lengths
+traced, so prompts of new lengths reuse the compiled loop (shapes are rounded up to multiples of
+`pad_to`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gdp_jax.layers import (GatedDeltaProduct, GatedRMSNorm, GroupedQueryAttention,
+                            MASK_MODES, KEY_NORMS)
+
+f32 = jnp.float32
+LAYER_KINDS = {"D": "gated delta product", "A": "grouped-query attention"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridConfig:
+  """Configuration of `HybridLM`.
+
+  layer_pattern: one letter per layer, "D" (GatedDeltaProduct) or "A" (GroupedQueryAttention),
+    e.g. "DDA" = two delta product layers then one attention layer.
+  Delta product layers: num_heads, head_dim (K), expand_v, num_blocks (r), mask_mode, key_norm,
+    use_short_conv, use_gate, allow_neg_eigval, chunk_size (see `layers.GatedDeltaProduct`).
+  Attention layers: attn_num_heads, attn_num_kv_heads, attn_head_dim (default
+    hidden_size // attn_num_heads), rope_theta.
+  mlp_ratio: SwiGLU hidden size = mlp_ratio * hidden_size (0: no MLP).
+  implementation: for the operator and decode steps (None: Pallas on a GPU).
+  """
+  vocab_size: int
+  hidden_size: int = 64
+  layer_pattern: str = "DA"
+  num_heads: int = 2
+  head_dim: int = 32
+  expand_v: Any = 1
+  num_blocks: int = 2
+  mask_mode: str = "static"
+  key_norm: str = "block"
+  use_short_conv: bool = True
+  use_gate: bool = True
+  allow_neg_eigval: bool = False
+  beta_norm: bool = True
+  chunk_size: int = 64
+  attn_num_heads: int = 2
+  attn_num_kv_heads: int = 1
+  attn_head_dim: int | None = None
+  rope_theta: float = 10000.0
+  mlp_ratio: int = 4
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  implementation: str | None = None
+  dtype: Any = None
+
+  def __post_init__(self):
+    if not isinstance(self.layer_pattern, str) or not self.layer_pattern:
+      raise ValueError(f"layer_pattern must be a non-empty string of 'D' (gated delta product) "
+                       f"and 'A' (attention) letters, got {self.layer_pattern!r}")
+    bad = sorted(set(self.layer_pattern) - set(LAYER_KINDS))
+    if bad:
+      raise ValueError(f"layer_pattern = {self.layer_pattern!r} has unknown letters {bad}; "
+                       f"expected only 'D' (gated delta product) and 'A' (attention)")
+    for name in ("vocab_size", "hidden_size"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if self.mask_mode not in MASK_MODES:
+      raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {self.mask_mode!r}")
+    if self.key_norm not in KEY_NORMS:
+      raise ValueError(f"key_norm must be one of {KEY_NORMS}, got {self.key_norm!r}")
+    if not isinstance(self.mlp_ratio, int) or self.mlp_ratio < 0:
+      raise ValueError(f"mlp_ratio must be a non-negative integer, got {self.mlp_ratio!r}")
+
+
+class SwiGLU(nnx.Module):
+  def __init__(self, hidden_size, intermediate_size, *, dtype=None, rngs):
+    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
+    self.gate, self.up = lin(hidden_size, intermediate_size), lin(hidden_size, intermediate_size)
+    self.down = lin(intermediate_size, hidden_size)
+
+  def __call__(self, x):
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, kind: str, c: HybridConfig, *, rngs: nnx.Rngs):
+    self.kind = kind
+    self.mixer_norm = GatedRMSNorm(c.hidden_size, eps=c.norm_eps)
+    if kind == "D":
+      self.mixer = GatedDeltaProduct(
+          c.hidden_size, c.num_heads, c.head_dim, expand_v=c.expand_v, num_blocks=c.num_blocks,
+          mask_mode=c.mask_mode, key_norm=c.key_norm, use_short_conv=c.use_short_conv,
+          use_gate=c.use_gate, allow_neg_eigval=c.allow_neg_eigval, beta_norm=c.beta_norm,
+          norm_eps=c.norm_eps,
+          chunk_size=c.chunk_size, implementation=c.implementation, dtype=c.dtype, rngs=rngs)
+    else:
+      self.mixer = GroupedQueryAttention(
+          c.hidden_size, c.attn_num_heads, c.attn_num_kv_heads, c.attn_head_dim,
+          rope_theta=c.rope_theta, implementation=None if c.implementation == "reference"
+          else c.implementation, dtype=c.dtype, rngs=rngs)
+    self.use_mlp = bool(c.mlp_ratio)
+    if self.use_mlp:
+      self.mlp_norm = GatedRMSNorm(c.hidden_size, eps=c.norm_eps)
+      self.mlp = SwiGLU(c.hidden_size, c.mlp_ratio * c.hidden_size, dtype=c.dtype, rngs=rngs)
+
+  def _mlp(self, x):
+    return x + self.mlp(self.mlp_norm(x)) if self.use_mlp else x
+
+  def __call__(self, x, lengths=None, *, return_cache=False, cache_size=None):
+    kw = dict(cache_size=cache_size) if self.kind == "A" and return_cache else {}
+    out = self.mixer(self.mixer_norm(x), lengths, return_cache=return_cache, **kw)
+    y, cache = out if return_cache else (out, None)
+    x = self._mlp(x + y.astype(x.dtype))
+    return (x, cache) if return_cache else x
+
+  def step(self, x, cache):
+    y, cache = self.mixer.step(self.mixer_norm(x), cache)
+    return self._mlp(x + y.astype(x.dtype)), cache
+
+
+class HybridLM(nnx.Module):
+  """Embedding, `len(layer_pattern)` residual blocks, final RMSNorm, vocabulary projection.
+
+  `model(tokens [B, T], lengths=None) -> logits [B, T, vocab]` (float32);
+  `model.prefill(tokens, lengths, cache_size) -> (logits, cache)`;
+  `model.step(token [B], cache) -> (logits [B, vocab], cache)`;
+  `model.init_cache(batch_size, cache_size)`. The cache is a tuple with one entry per layer
+  (`GatedDeltaProductCache` or `KVCache`).
+  """
+
+  def __init__(self, config: HybridConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    c = config
+    self.embed = nnx.Embed(c.vocab_size, c.hidden_size, embedding_init=nnx.initializers.normal(
+        1.0), rngs=rngs)
+    self.blocks = nnx.List([Block(kind, c, rngs=rngs) for kind in c.layer_pattern]) \
+        if hasattr(nnx, "List") else [Block(kind, c, rngs=rngs) for kind in c.layer_pattern]
+    self.final_norm = GatedRMSNorm(c.hidden_size, eps=c.norm_eps)
+    if not c.tie_embeddings:
+      self.lm_head = nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, rngs=rngs)
+
+  def _logits(self, x):
+    x = self.final_norm(x).astype(f32)
+    if self.config.tie_embeddings:
+      return x @ self.embed.embedding[...].astype(f32).T
+    return self.lm_head(x).astype(f32)
+
+  def _embed(self, tokens):
+    x = self.embed(tokens)
+    return x if self.config.dtype is None else x.astype(self.config.dtype)
+
+  def __call__(self, tokens, lengths=None):
+    x = self._embed(tokens)
+    for block in self.blocks:
+      x = block(x, lengths)
+    return self._logits(x)
+
+  def prefill(self, tokens, lengths=None, cache_size=None):
+    """The whole right-padded prompts [B, T] (sequence b holds lengths[b] tokens): the logits
+    [B, T, vocab] and the cache after each sequence's tokens (attention caches of
+    `cache_size` slots, default T)."""
+    x = self._embed(tokens)
+    caches = []
+    for block in self.blocks:
+      x, cache = block(x, lengths, return_cache=True, cache_size=cache_size)
+      caches.append(cache)
+    return self._logits(x), tuple(caches)
+
+  def init_cache(self, batch_size: int, cache_size: int):
+    """The empty cache (no tokens yet); attention layers get `cache_size` slots."""
+    return tuple(b.mixer.init_cache(batch_size) if b.kind == "D"
+                 else b.mixer.init_cache(batch_size, cache_size) for b in self.blocks)
+
+  def step(self, token, cache):
+    """One token per sequence: token [B] int -> (logits [B, vocab] float32, new cache)."""
+    x = self._embed(token)
+    new = []
+    for block, c in zip(self.blocks, cache):
+      x, c = block.step(x, c)
+      new.append(c)
+    return self._logits(x), tuple(new)
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------------------------
+
+def _round_up(n, m):
+  return max(m, -(-n // m) * m)
+
+
+def _pick(logits, key, temperature):
+  if temperature == 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_size", "temperature"))
+def _prefill(graphdef, state, tokens, lengths, key, cache_size, temperature):
+  model = nnx.merge(graphdef, state)
+  logits, cache = model.prefill(tokens, lengths, cache_size)
+  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  return _pick(last, key, temperature), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "temperature"))
+def _decode(graphdef, state, first, cache, key, steps, temperature):
+  model = nnx.merge(graphdef, state)
+
+  def body(carry, key):
+    token, cache = carry
+    logits, cache = model.step(token, cache)
+    nxt = _pick(logits, key, temperature)
+    return (nxt, cache), nxt
+
+  (_, cache), rest = jax.lax.scan(body, (first, cache), jax.random.split(key, steps))
+  return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
+def generate(model: HybridLM, prompts, max_new_tokens: int, *, lengths=None,
+             temperature: float = 0.0, rng=None, pad_to: int = 64):
+  """Continue a batch of prompts of different lengths.
+
+  Args:
+    model: a `HybridLM`.
+    prompts: a list of token-id sequences (lengths may differ, each >= 1), or an int array
+      [B, T] of right-padded prompts together with `lengths` [B].
+    max_new_tokens: tokens to generate per prompt (>= 1).
+    temperature: 0 (default) for greedy decoding, else sampling from softmax(logits / t).
+    rng: a `jax.random` key for sampling (default key 0).
+    pad_to: prompts and the KV cache are padded to a multiple of this, so calls with other
+      prompt lengths reuse the compiled prefill and decode loop.
+
+  Returns:
+    int32 [B, max_new_tokens]: the generated tokens of each prompt (all of them: there is no
+    end-of-sequence stop).
+
+  The prompt is prefilled with the chunked operator / causal attention in one call, then a
+  `jax.jit`-ed `lax.scan` of `max_new_tokens - 1` decode steps runs with the lengths traced.
+  """
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+      or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+  if temperature < 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+  if lengths is None:
+    if isinstance(prompts, (jax.Array, np.ndarray)):
+      prompts = np.asarray(prompts)
+      if prompts.ndim != 2:
+        raise ValueError(f"prompts as an array must be [B, T], got shape {prompts.shape}")
+      lengths = np.full((prompts.shape[0],), prompts.shape[1], np.int32)
+      tokens = prompts
+    else:
+      seqs = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+      if not seqs or min(len(s) for s in seqs) < 1:
+        raise ValueError("prompts must be a non-empty list of non-empty token sequences")
+      lengths = np.array([len(s) for s in seqs], np.int32)
+      tokens = np.zeros((len(seqs), int(lengths.max())), np.int32)
+      for i, s in enumerate(seqs):
+        tokens[i, :len(s)] = s
+  else:
+    tokens, lengths = np.asarray(prompts), np.asarray(lengths, np.int32)
+    if tokens.ndim != 2 or lengths.shape != (tokens.shape[0],):
+      raise ValueError(f"prompts [B, T] and lengths [B] expected, got shapes {tokens.shape} "
+                       f"and {lengths.shape}")
+    if lengths.min() < 1 or lengths.max() > tokens.shape[1]:
+      raise ValueError(f"lengths must lie in [1, T = {tokens.shape[1]}], got {lengths}")
+  vocab = model.config.vocab_size
+  if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+    raise ValueError(f"prompt tokens must lie in [0, vocab_size = {vocab})")
+  t_pad = _round_up(tokens.shape[1], pad_to)
+  tokens = np.pad(tokens, ((0, 0), (0, t_pad - tokens.shape[1])))
+  cache_size = _round_up(t_pad + max_new_tokens, pad_to)
+  key = jax.random.key(0) if rng is None else rng
+  k1, k2 = jax.random.split(key)
+  graphdef, state = nnx.split(model)
+  first, cache = _prefill(graphdef, state, jnp.asarray(tokens, jnp.int32),
+                          jnp.asarray(lengths), k1, cache_size, float(temperature))
+  return _decode(graphdef, state, first, cache, k2, max_new_tokens - 1, float(temperature))

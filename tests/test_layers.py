@@ -1,0 +1,279 @@
+"""Flax layers: GatedDeltaProduct and GroupedQueryAttention. Whole sequence versus token by token
+(from an empty cache and after a ragged prefill), shapes and dtypes, gradients to every
+parameter, use from flax.linen, and configuration errors."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from flax.nnx import bridge
+
+from gdp_jax import layers
+from gdp_jax.layers import GatedDeltaProduct, GroupedQueryAttention, block_mask
+from tests.cases import assert_close
+
+D, H, K = 16, 2, 8
+
+
+def gdp(**kw):
+  args = dict(num_blocks=2, expand_v=2, chunk_size=16, implementation="xla")
+  args.update(kw)
+  return GatedDeltaProduct(D, H, K, rngs=nnx.Rngs(0), **args)
+
+
+def x_of(seed, B=2, T=7, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), (B, T, D), jnp.float32).astype(dtype)
+
+
+def run_steps(layer, x, cache):
+  step = jax.jit(lambda x_t, c: layer.step(x_t, c))        # one compilation per layer
+  ys = []
+  for t in range(x.shape[1]):
+    y, cache = step(x[:, t], cache)
+    ys.append(y)
+  return jnp.stack(ys, axis=1), cache
+
+
+# ---- the block mask ---------------------------------------------------------------------------
+
+def test_block_mask_properties():
+  w = jax.random.normal(jax.random.key(0), (3, 4, 4))
+  m = np.asarray(block_mask(w))
+  np.testing.assert_allclose(m, np.swapaxes(m, -1, -2), atol=1e-6)
+  np.testing.assert_allclose(np.diagonal(m, axis1=-2, axis2=-1), 1.0, atol=1e-4)  # eps 1e-6
+  assert m.min() >= 0.0 and m.max() <= 1.0 + 1e-6
+  assert np.all(np.linalg.eigvalsh(m) > -1e-5)                      # a Gram matrix: PSD
+
+
+# ---- GatedDeltaProduct --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gdp_shapes_and_dtypes(dtype):
+  layer = gdp(dtype=dtype)
+  x = x_of(0, dtype=dtype)
+  y, cache = layer(x, return_cache=True)
+  assert y.shape == x.shape and y.dtype == dtype
+  assert cache.state.shape == (2, H, K, 2 * K) and cache.state.dtype == jnp.float32
+  assert cache.conv.shape == (2, 3, 2 * H * K + H * 2 * K) and cache.conv.dtype == dtype
+  y1, cache1 = layer.step(x[:, 0], layer.init_cache(2))
+  assert y1.shape == (2, D) and y1.dtype == dtype
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), cache1) == \
+      jax.tree.map(lambda a: (a.shape, a.dtype), cache)
+  assert np.all(np.isfinite(np.asarray(y, np.float32)))
+
+
+@pytest.mark.parametrize("mask_mode,use_short_conv,use_gate", [
+    ("static", True, True), ("static", False, False), ("token", True, False),
+    ("token", False, True), ("ones", True, True)])
+def test_gdp_sequence_matches_steps(mask_mode, use_short_conv, use_gate):
+  layer = gdp(mask_mode=mask_mode, use_short_conv=use_short_conv, use_gate=use_gate)
+  x = x_of(1)
+  y, cache = layer(x, return_cache=True)
+  y_steps, cache_steps = run_steps(layer, x, layer.init_cache(2))
+  assert_close(y_steps, y, 2e-5, "outputs")
+  assert_close(cache_steps.state, cache.state, 2e-5, "state")
+  if use_short_conv:
+    np.testing.assert_array_equal(cache_steps.conv, cache.conv)
+  else:
+    assert cache.conv is None and cache_steps.conv is None
+
+
+@pytest.mark.parametrize("kw", [dict(key_norm="full", allow_neg_eigval=True, num_blocks=4),
+                                dict(key_norm="full", mask_mode="ones", num_blocks=1)])
+def test_gdp_variants_match_steps(kw):
+  layer = gdp(**kw)
+  x = x_of(2, T=5)
+  y_steps, _ = run_steps(layer, x, layer.init_cache(2))
+  assert_close(y_steps, layer(x), 2e-5, f"outputs {kw}")
+
+
+def test_gdp_ragged_prefill_then_steps():
+  """Right-padded prompts of lengths (3, 6): the prefill's cache continued token by token gives
+  the whole-sequence outputs of each sequence; padding never touches the cache."""
+  layer = gdp(mask_mode="token")
+  T = 9
+  x = x_of(3, T=T)
+  lengths = jnp.array([3, 6], jnp.int32)
+  garbage = 100.0 * x_of(4, T=T)                                    # padding content is ignored
+  pad = jnp.arange(T)[None, :, None] >= lengths[:, None, None]
+  _, cache = layer(jnp.where(pad, garbage, x), lengths, return_cache=True)
+  y_full = layer(x)
+  for b in range(2):
+    n = int(lengths[b])
+    row = jax.tree.map(lambda a: a[b:b + 1], cache)
+    y_rest, _ = run_steps(layer, x[b:b + 1, n:], row)
+    assert_close(y_rest, y_full[b:b + 1, n:], 2e-5, f"row {b} continued after {n} tokens")
+
+
+def test_gdp_mask_ones_is_the_gated_delta_rule():
+  """A static mask of all ones (W = ones) computes exactly what mask_mode="ones" computes (the
+  r = 1 gated delta rule with unit keys): beta / rho(M) with rho = r undoes the r-fold key norm."""
+  static, ones = gdp(mask_mode="static", num_blocks=4), gdp(mask_mode="ones", num_blocks=4)
+  static.mask_weight[...] = jnp.ones_like(static.mask_weight[...])
+  params = {k: v for k, v in nnx.state(static).items() if k != "mask_weight"}
+  nnx.update(ones, nnx.State(params))
+  x = x_of(11)
+  assert_close(static(x), ones(x), 2e-5, "W = ones versus mask_mode='ones'")
+
+
+@pytest.mark.parametrize("r", [2, 4])
+def test_gdp_transition_eigenvalues_stay_in_range(r):
+  """With block-normalised keys and beta / rho(M), the per-token transition
+  I - beta/rho Kb M Kb^T has eigenvalues in [1 - beta, 1] for any mask of the layer's form."""
+  layer = GatedDeltaProduct(D, H, 4 * r, num_blocks=r, mask_mode="token",
+                            allow_neg_eigval=True, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(r)
+  w = jnp.asarray(rng.standard_normal((64, r, r)) * 2.0, jnp.float32)
+  mask = block_mask(w)                                               # [64, r, r]
+  scaled = layer._scale_beta(jnp.full((64,), 2.0), mask)            # beta = 2, the extreme
+  kb = layer._qk_norm(jnp.asarray(rng.standard_normal((64, H * 4 * r)), jnp.float32))
+  kb = np.asarray(kb)[:, 0].reshape(64, r, 4)                       # head 0's key blocks
+  for i in range(64):
+    blocks = np.zeros((4 * r, r))
+    for a in range(r):
+      blocks[4 * a:4 * a + 4, a] = kb[i, a]
+    trans = np.eye(4 * r) - float(scaled[i]) * blocks @ np.asarray(mask[i]) @ blocks.T
+    eig = np.linalg.eigvalsh(trans)
+    assert eig.min() >= -1 - 1e-5 and eig.max() <= 1 + 1e-5, eig
+
+
+@pytest.mark.parametrize("mask_mode", ["static", "token"])
+def test_gdp_gradients_reach_every_parameter(mask_mode):
+  layer = gdp(mask_mode=mask_mode)
+  x = x_of(5)
+
+  def loss(layer):
+    return jnp.sum(jnp.sin(layer(x)))
+
+  grads = nnx.grad(loss)(layer)
+  leaves = jax.tree_util.tree_leaves_with_path(nnx.state(grads, nnx.Param))
+  names = {jax.tree_util.keystr(p) for p, _ in leaves}
+  assert any("mask" in n for n in names) and any("conv" in n for n in names), names
+  for path, g in leaves:
+    assert np.all(np.isfinite(g)), jax.tree_util.keystr(path)
+    assert np.any(np.asarray(g) != 0), f"zero gradient for {jax.tree_util.keystr(path)}"
+
+
+def test_linen_bridge():
+  """The nnx layer inside a flax.linen model through flax.nnx.bridge.to_linen."""
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(D)(x)
+      x = x + bridge.to_linen(GatedDeltaProduct, D, H, K, num_blocks=2, chunk_size=16,
+                              implementation="xla", name="mixer")(x)
+      return nn.Dense(3)(x)
+
+  net = Net()
+  x = x_of(6)
+  variables = net.init(jax.random.key(0), x)
+  y = jax.jit(net.apply)(variables, x)
+  assert y.shape == (2, 7, 3) and np.all(np.isfinite(y))
+  assert "mixer" in variables["params"]
+  grads = jax.grad(lambda v: jnp.sum(net.apply(v, x) ** 2))(variables)
+  mixer = jax.tree.leaves(grads["params"]["mixer"])
+  assert mixer and all(np.any(np.asarray(g) != 0) for g in mixer)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_blocks=3), "head_dim = 8 must be divisible by num_blocks = 3"),
+    (dict(mask_mode="dynamic"), r"mask_mode must be one of \('static', 'token', 'ones'\)"),
+    (dict(key_norm="l1"), "key_norm must be one of"),
+    (dict(expand_v=0.3), "expand_v"),
+    (dict(num_blocks=0), "num_blocks must be a positive integer"),
+    (dict(chunk_size=48), "chunk_size must be one of"),
+    (dict(implementation="cuda"), "implementation must be"),
+])
+def test_gdp_bad_configuration(kw, match):
+  with pytest.raises(ValueError, match=match):
+    gdp(**kw)
+
+
+def test_gdp_bad_inputs():
+  layer = gdp()
+  with pytest.raises(ValueError, match="hidden_size = 16"):
+    layer(jnp.zeros((2, 5, 12)))
+  with pytest.raises(ValueError, match=r"lengths has shape \(3,\)"):
+    layer(jnp.zeros((2, 5, D)), jnp.array([1, 2, 3]))
+  with pytest.raises(ValueError, match="one token per sequence"):
+    layer.step(jnp.zeros((2, 5, D)), layer.init_cache(2))
+  with pytest.raises(ValueError, match="num_heads must be a positive integer"):
+    GatedDeltaProduct(D, 0, K, rngs=nnx.Rngs(0))
+
+
+# ---- GroupedQueryAttention ----------------------------------------------------------------------
+
+def attn(**kw):
+  return GroupedQueryAttention(D, 4, 2, 8, implementation="xla", rngs=nnx.Rngs(1), **kw)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_attention_shapes_and_dtypes(dtype):
+  layer = attn(dtype=dtype, cache_dtype=dtype)
+  x = x_of(7, dtype=dtype)
+  y, cache = layer(x, return_cache=True, cache_size=12)
+  assert y.shape == x.shape and y.dtype == dtype
+  assert cache.key.shape == (2, 12, 2, 8) and cache.key.dtype == dtype
+  np.testing.assert_array_equal(cache.lengths, [7, 7])
+  y1, cache1 = layer.step(x[:, 0], cache)
+  assert y1.shape == (2, D) and y1.dtype == dtype
+  np.testing.assert_array_equal(cache1.lengths, [8, 8])
+
+
+def test_attention_sequence_matches_steps():
+  layer = attn()
+  x = x_of(8)
+  y_steps, cache = run_steps(layer, x, layer.init_cache(2, 16))
+  assert_close(y_steps, layer(x), 2e-5, "outputs")
+  np.testing.assert_array_equal(cache.lengths, [7, 7])
+
+
+def test_attention_ragged_prefill_then_steps():
+  """Prefill of right-padded prompts (lengths 2 and 5) into a 16-slot cache, then steps: the
+  stale slots (prompt padding filled with huge values) get no weight."""
+  layer = attn()
+  T = 9
+  x = x_of(9, T=T)
+  lengths = jnp.array([2, 5], jnp.int32)
+  pad = jnp.arange(T)[None, :, None] >= lengths[:, None, None]
+  _, cache = layer(jnp.where(pad, 1e4, x), lengths, return_cache=True, cache_size=16)
+  np.testing.assert_array_equal(cache.lengths, lengths)
+  y_full = layer(x)
+  for b in range(2):
+    n = int(lengths[b])
+    row = jax.tree.map(lambda a: a[b:b + 1], cache)
+    y_rest, row = run_steps(layer, x[b:b + 1, n:], row)
+    assert_close(y_rest, y_full[b:b + 1, n:], 2e-5, f"row {b}")
+    assert int(row.lengths[0]) == T
+
+
+def test_attention_lengths_are_traced():
+  layer = attn()
+  calls = []
+
+  @jax.jit
+  def step(x_t, cache):
+    calls.append(1)
+    return layer.step(x_t, cache)
+
+  cache = layer.init_cache(2, 8)
+  for t in range(3):
+    _, cache = step(x_of(10)[:, t], cache._replace(lengths=cache.lengths + t))
+  assert len(calls) == 1
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_heads=4, num_kv_heads=3), "num_heads = 4 must be a multiple of num_kv_heads = 3"),
+    (dict(num_heads=4, head_dim=7), "head_dim must be even for RoPE"),
+    (dict(num_heads=3), "hidden_size = 16 is not divisible by num_heads = 3"),
+])
+def test_attention_bad_configuration(kw, match):
+  with pytest.raises(ValueError, match=match):
+    GroupedQueryAttention(D, rngs=nnx.Rngs(0), **kw)

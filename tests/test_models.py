@@ -1,0 +1,192 @@
+"""The hybrid LM and `generate`: whole sequence versus token by token, ragged prefill then decode,
+greedy generation versus recomputing the full sequence, gradients, a training step, config
+errors, and the demo command with tiny settings."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from gdp_jax import demo
+from gdp_jax.__main__ import main
+from gdp_jax.models import HybridConfig, HybridLM, generate
+from tests.cases import assert_close
+
+VOCAB = 13
+
+
+def tiny(**kw):
+  args = dict(vocab_size=VOCAB, hidden_size=16, layer_pattern="DAD", num_heads=2, head_dim=8,
+              num_blocks=2, mask_mode="token", attn_num_heads=2, attn_num_kv_heads=1,
+              mlp_ratio=2, chunk_size=16, implementation="xla")
+  args.update(kw)
+  return HybridLM(HybridConfig(**args), rngs=nnx.Rngs(0))
+
+
+def tokens_of(seed, B=2, T=7):
+  return jax.random.randint(jax.random.key(seed), (B, T), 0, VOCAB, jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny()
+
+
+@nnx.jit
+def forward(model, tokens):
+  return model(tokens)
+
+
+@nnx.jit
+def step(model, token, cache):
+  return model.step(token, cache)
+
+
+def test_shapes_and_dtypes(model):
+  tokens = tokens_of(0)
+  logits = forward(model, tokens)
+  assert logits.shape == (2, 7, VOCAB) and logits.dtype == jnp.float32
+  logits, cache = nnx.jit(lambda m, t: m.prefill(t, cache_size=16))(model, tokens)
+  assert len(cache) == 3 and cache[1].key.shape == (2, 16, 1, 8)
+  assert cache[0].state.shape == (2, 2, 8, 8) and cache[0].state.dtype == jnp.float32
+  step_logits, _ = step(model, tokens[:, 0], model.init_cache(2, 16))
+  assert step_logits.shape == (2, VOCAB) and step_logits.dtype == jnp.float32
+
+
+def test_bfloat16_model_runs():
+  m = tiny(dtype=jnp.bfloat16, layer_pattern="DA")
+  logits = m(tokens_of(1))
+  assert logits.dtype == jnp.float32 and np.all(np.isfinite(logits))
+
+
+def test_sequence_matches_steps(model):
+  tokens = tokens_of(2)
+  cache = model.init_cache(2, 16)
+  outs = []
+  for t in range(tokens.shape[1]):
+    logits, cache = step(model, tokens[:, t], cache)
+    outs.append(logits)
+  assert_close(jnp.stack(outs, axis=1), forward(model, tokens), 2e-5, "logits")
+
+
+def test_ragged_prefill_then_steps(model):
+  """Prompts of lengths 2 and 5 right-padded to 9 (padding = another token); decoding on from
+  the prefill's cache, both rows in one batch, gives the whole-sequence logits."""
+  tokens = tokens_of(3, T=9)
+  lengths = jnp.array([2, 5], jnp.int32)
+  padded = jnp.where(jnp.arange(9)[None] < lengths[:, None], tokens, VOCAB - 1)
+  _, cache = nnx.jit(lambda m, t, n: m.prefill(t, n, cache_size=16))(model, padded, lengths)
+  full = forward(model, tokens)
+  rows = jnp.arange(2)
+  for i in range(9 - 5):                        # each row is fed its own next token
+    logits, cache = step(model, tokens[rows, lengths + i], cache)
+    assert_close(logits, full[rows, lengths + i], 2e-5, f"decode step {i}")
+
+
+def test_greedy_generation_equals_full_recompute(model):
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+  n_new = 5
+  out = np.asarray(generate(model, prompts, n_new, pad_to=16))
+  assert out.shape == (3, n_new) and out.dtype == np.int32
+  seqs = [list(p) + list(o) for p, o in zip(prompts, out)]
+  width = max(map(len, seqs))
+  batch = jnp.asarray([s + [0] * (width - len(s)) for s in seqs], jnp.int32)  # causal: pad at end
+  logits = np.asarray(forward(model, batch))
+  for b, (p, o) in enumerate(zip(prompts, out)):
+    # Recomputing the full sequence, the argmax at each generating position is the next token.
+    np.testing.assert_array_equal(np.argmax(logits[b, len(p) - 1:len(p) + n_new - 1], -1), o)
+
+
+def test_generate_array_prompts_and_sampling(model):
+  tokens = np.asarray(tokens_of(4, B=2, T=6))
+  greedy_list = generate(model, [tokens[0, :4].tolist(), tokens[1].tolist()], 3, pad_to=16)
+  greedy_arr = generate(model, tokens, 3, lengths=[4, 6], pad_to=16)
+  np.testing.assert_array_equal(greedy_list, greedy_arr)
+  sampled = generate(model, tokens, 3, temperature=1.0, rng=jax.random.key(3), pad_to=16)
+  assert sampled.shape == (2, 3) and np.all((0 <= sampled) & (sampled < VOCAB))
+  with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+    generate(model, tokens, 0)
+  with pytest.raises(ValueError, match="lengths must lie in"):
+    generate(model, tokens, 2, lengths=[0, 3])
+
+
+def test_gradients_reach_every_parameter():
+  m = tiny(mask_mode="static", layer_pattern="DA")
+  tokens = tokens_of(5)
+
+  def loss(m):
+    return optax.softmax_cross_entropy_with_integer_labels(m(tokens), tokens).mean()
+
+  grads = nnx.state(nnx.jit(nnx.grad(loss))(m), nnx.Param)
+  leaves = jax.tree_util.tree_leaves_with_path(grads)
+  assert len(leaves) == len(jax.tree.leaves(nnx.state(m, nnx.Param)))
+  for path, g in leaves:
+    assert np.all(np.isfinite(g)), jax.tree_util.keystr(path)
+    assert np.any(np.asarray(g) != 0), f"zero gradient for {jax.tree_util.keystr(path)}"
+
+
+def test_training_step_lowers_loss():
+  m = tiny(layer_pattern="DA")
+  tokens = tokens_of(6, B=4, T=12)
+  x, y = tokens[:, :-1], tokens[:, 1:]
+  graphdef, params = nnx.split(m)
+  tx = optax.adam(1e-2)
+  opt = tx.init(params)
+
+  def loss(p):
+    return optax.softmax_cross_entropy_with_integer_labels(nnx.merge(graphdef, p)(x), y).mean()
+
+  @jax.jit
+  def step(p, opt):
+    value, g = jax.value_and_grad(loss)(p)
+    updates, opt = tx.update(g, opt, p)
+    return optax.apply_updates(p, updates), opt, value
+
+  first = None
+  for _ in range(5):
+    params, opt, value = step(params, opt)
+    first = float(value) if first is None else first
+  assert float(loss(params)) < 0.9 * first
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(layer_pattern="DXA"), r"unknown letters \['X'\]"),
+    (dict(layer_pattern=""), "layer_pattern must be a non-empty string"),
+    (dict(mask_mode="full"), "mask_mode must be one of"),
+    (dict(vocab_size=0), "vocab_size must be a positive integer"),
+    (dict(head_dim=6, num_blocks=4), "head_dim = 6 must be divisible by num_blocks = 4"),
+])
+def test_bad_configuration(kw, match):
+  with pytest.raises(ValueError, match=match):
+    tiny(**kw)
+
+
+def test_permutation_task():
+  elems, table = demo.permutation_group("S3")
+  assert elems.shape == (6, 3)
+  e = [tuple(p) for p in elems].index((0, 1, 2))
+  assert np.all(table[e] == np.arange(6)) and np.all(table[:, e] == np.arange(6))
+  assert all(sorted(row) == list(range(6)) for row in table)        # a Latin square
+  x = np.array([[1, 2, 3, 4]])
+  y = demo.running_products(table, x)
+  assert y[0, 3] == table[table[table[1, 2], 3], 4]
+  assert demo.permutation_group("A5")[0].shape == (60, 5)
+
+
+def test_demo_command_runs(capsys):
+  rc = main(["demo", "--steps", "3", "--seq-len", "16", "--batch", "4", "--eval-batch", "8",
+             "--layers", "DA", "--hidden", "16", "--head-dim", "8", "--generate", "2",
+             "--no-control"])
+  out = capsys.readouterr().out
+  assert rc == 0
+  assert "held-out accuracy" in out and "mask = ones" in out and "b<1" not in out
+  assert "generated tokens correct" in out
+
+
+def test_check_command_runs(capsys):
+  assert main(["check", "--implementation", "xla"]) == 0
+  assert "check: OK" in capsys.readouterr().out
