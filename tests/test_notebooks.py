@@ -24,8 +24,7 @@ CELL_TIMEOUT_S = 300
 
 def test_there_are_notebooks():
   names = [p.stem for p in PATHS]
-  for expected in ("01_quickstart", "04_benchmarks"):
-    assert expected in names
+  assert names == ["01_quickstart", "02_train_layer", "03_inference", "04_benchmarks"]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
