@@ -462,8 +462,10 @@ def add_arguments(p, out_required=False):
   p.add_argument("--modes", default="fwd,fwdbwd", help="fwd, fwdbwd (forward + backward)")
   p.add_argument("--impls", default="auto",
                  help=f"comma separated from {', '.join(ALL_IMPLS)}, or auto (default)")
-  p.add_argument("--reps", type=int, default=15, help="timed runs per case (the median is kept)")
-  p.add_argument("--inner", type=int, default=5, help="calls per timed run")
+  p.add_argument("--reps", type=int, default=None,
+                 help="timed runs per case, the median is kept (default 15 on a GPU, 5 elsewhere)")
+  p.add_argument("--inner", type=int, default=None,
+                 help="calls per timed run (default 5 on a GPU, 1 elsewhere)")
   p.add_argument("--reference-max-gb", type=float, default=8.0,
                  help="run the reference's forward + backward only when its saved states "
                       "(B*T*H*K*V float32) fit in this many GB")
@@ -481,6 +483,10 @@ def run(args) -> int:
   import gdp_jax
 
   backend = jax.default_backend()
+  if args.reps is None:
+    args.reps = 15 if backend == "gpu" else 5
+  if args.inner is None:
+    args.inner = 5 if backend == "gpu" else 1
   if args.tiny:
     args.shape, args.reps, args.inner = [TINY_SHAPE], 2, 1
   shapes = parse_shapes(args.shape or [GPU_SHAPE if backend == "gpu" else CPU_SHAPE])
