@@ -91,14 +91,29 @@ def chunk_kkt(k, beta, mask, gcum, chunk):
   return a.reshape(bsz, heads, t_len * r, n)
 
 
+def _unit_lower_inverse(m):
+  """m^-1 for unit lower-triangular m [..., n, n], by recursive 2 x 2 block inversion:
+  [[M11, 0], [M21, M22]]^-1 = [[X11, 0], [-X22 M21 X11, X22]], with triangular solves for the
+  blocks of at most 16 rows (the kernel's merge, solve_tril.py). XLA's batched triangular solve
+  on CPU is slow from 32 rows on; this keeps the work in batched matmuls."""
+  n = m.shape[-1]
+  if n <= 16:
+    eye = jnp.broadcast_to(jnp.eye(n, dtype=m.dtype), m.shape)
+    return jax.scipy.linalg.solve_triangular(m, eye, lower=True, unit_diagonal=True)
+  h = n // 2
+  x11 = _unit_lower_inverse(m[..., :h, :h])
+  x22 = _unit_lower_inverse(m[..., h:, h:])
+  x21 = -_einsum("...ij,...jk,...kl->...il", x22, m[..., h:, :h], x11)
+  top = jnp.concatenate([x11, jnp.zeros(x11.shape[:-1] + (n - h,), m.dtype)], axis=-1)
+  return jnp.concatenate([top, jnp.concatenate([x21, x22], axis=-1)], axis=-2)
+
+
 def solve_tril(a, chunk_rows):
   """(I + A)^-1 for each strictly lower-triangular [N, N] chunk block. [B, H, Tp*r, N]."""
   bsz, heads, rows, n = a.shape
   assert n == chunk_rows
   blocks = a.reshape(bsz, heads, rows // n, n, n)
-  eye = jnp.eye(n, dtype=f32)
-  inv = jax.scipy.linalg.solve_triangular(
-      eye + blocks, jnp.broadcast_to(eye, blocks.shape), lower=True, unit_diagonal=True)
+  inv = _unit_lower_inverse(jnp.eye(n, dtype=f32) + blocks)
   return inv.reshape(a.shape)
 
 
