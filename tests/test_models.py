@@ -130,7 +130,7 @@ def test_gradients_reach_every_parameter():
 
 
 def test_training_step_lowers_loss():
-  m = tiny(layer_pattern="DA")
+  m = tiny(layer_pattern="DA", mask_mode="static")
   tokens = tokens_of(6, B=4, T=12)
   x, y = tokens[:, :-1], tokens[:, 1:]
   graphdef, params = nnx.split(m)
@@ -174,7 +174,11 @@ def test_permutation_task():
   x = np.array([[1, 2, 3, 4]])
   y = demo.running_products(table, x)
   assert y[0, 3] == table[table[table[1, 2], 3], 4]
+  signs = demo.signs_of(elems)
+  assert signs.sum() == 3 and signs[e] == 0
+  assert np.all(signs[table] == signs[:, None] ^ signs[None, :])   # the sign is a homomorphism
   assert demo.permutation_group("A5")[0].shape == (60, 5)
+  assert not demo.signs_of(demo.permutation_group("A4")[0]).any()
 
 
 def test_demo_command_runs(capsys):
