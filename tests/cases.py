@@ -77,10 +77,18 @@ def cotangents(seed, o_shape, state_shape):
           jnp.asarray(rng.standard_normal(state_shape), jnp.float32))
 
 
+OPERATOR_ARRAYS = ("q", "k", "v", "g", "beta", "mask", "initial_state")
+
+
+def present_arrays(inputs):
+  """(names, avals) of the operator's array inputs that are not None, in signature order."""
+  names = [n for n in OPERATOR_ARRAYS if inputs.get(n) is not None]
+  return names, [jax.ShapeDtypeStruct(inputs[n].shape, inputs[n].dtype) for n in names]
+
+
 def loss_and_grads(fn, inputs, seed=0):
   """Gradient of <o, do> + <final, dfinal> with respect to every array input of `fn`."""
-  names = [n for n in ("q", "k", "v", "g", "beta", "mask", "initial_state")
-           if inputs.get(n) is not None]
+  names, _ = present_arrays(inputs)
   q = inputs["q"]
   B, T, H, K = q.shape
   V = inputs["v"].shape[-1]

@@ -16,7 +16,8 @@ import pytest
 from gdp_jax import gated_delta_product, xla
 from gdp_jax import xla_backward as xb
 from pallas_kernels import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
-from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs, tol
+from tests.cases import (GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs,
+                         present_arrays, tol)
 from tests.test_pallas_forward import stage_inputs
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -123,9 +124,7 @@ def test_backward_lowers_to_triton(monkeypatch, r, mask_kind, K, V, dtype):
   """Forward and backward kernels of jax.grad go through the Triton lowering (no GPU needed)."""
   from tests.triton_lowering import lower_for_h200
   inputs = make_inputs(14, B=1, T=64, H=2, K=K, V=V, r=r, mask_kind=mask_kind, dtype=dtype)
-  names = [n for n in ("q", "k", "v", "g", "beta", "mask", "initial_state")
-           if inputs[n] is not None]
-  avals = [jax.ShapeDtypeStruct(inputs[n].shape, inputs[n].dtype) for n in names]
+  names, avals = present_arrays(inputs)
 
   def grads(*arrays):
     def loss(*a):

@@ -14,7 +14,7 @@ import pytest
 from gdp_jax import gated_delta_product, xla
 from gdp_jax.operator import normalize_mask
 from pallas_kernels import chunk_h, chunk_o, cumsum, kkt, solve_tril, wy
-from tests.cases import assert_close, make_inputs, tol
+from tests.cases import assert_close, make_inputs, present_arrays, tol
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="large shapes run compiled on the GPU only")
@@ -150,9 +150,7 @@ def test_forward_lowers_to_triton(monkeypatch, r, mask_kind, K, V, dtype):
   """Every forward kernel goes through the Pallas Triton lowering for an H200 (no GPU needed)."""
   from tests.triton_lowering import lower_for_h200
   inputs = make_inputs(8, B=1, T=64, H=2, K=K, V=V, r=r, mask_kind=mask_kind, dtype=dtype)
-  names = [n for n in ("q", "k", "v", "g", "beta", "mask", "initial_state")
-           if inputs[n] is not None]
-  avals = [jax.ShapeDtypeStruct(inputs[n].shape, inputs[n].dtype) for n in names]
+  names, avals = present_arrays(inputs)
 
   def fwd(*arrays):
     return run("pallas", **dict(zip(names, arrays)))
