@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import config
+from pallas_kernels import config, specs
 
 
 def _dhu_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref,
@@ -71,25 +71,14 @@ def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, *, block_v=
   dh_dtype = jnp.float32 if dh_dtype is None else dh_dtype
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   dvl5 = dv_local.reshape(bsz, heads, t_len, r, dim_v)
-  seq = lambda dim: pl.BlockSpec((None, t_len, None, dim), lambda iv, b, h: (b, 0, h, 0))
-  per_row_v = pl.BlockSpec((None, None, t_len, r, bv), lambda iv, b, h: (b, h, 0, 0, iv))
-  state = pl.BlockSpec((None, None, dim_k, bv), lambda iv, b, h: (b, h, 0, iv))
+  per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
   dh, dv_new, dh0 = config.pallas_call(
       lambda *refs: _dhu_kernel(*refs, r=r, chunk=chunk, num_chunks=nt, scale=scale),
       grid=(dim_v // bv, bsz, heads),
-      in_specs=[
-          seq(dim_k), seq(dim_k),
-          pl.BlockSpec((None, None, t_len, r, dim_k), lambda iv, b, h: (b, h, 0, 0, 0)),
-          pl.BlockSpec((None, None, t_len), lambda iv, b, h: (b, h, 0)),
-          pl.BlockSpec((None, t_len, None, bv), lambda iv, b, h: (b, 0, h, iv)),
-          per_row_v,
-          state,
-      ],
-      out_specs=[
-          pl.BlockSpec((None, None, nt, dim_k, bv), lambda iv, b, h: (b, h, 0, 0, iv)),
-          per_row_v,
-          state,
-      ],
+      in_specs=[specs.seq_tokens(t_len, dim_k), specs.seq_tokens(t_len, dim_k),
+                specs.seq_rows(t_len, r, dim_k), specs.seq_scalars(t_len),
+                specs.seq_tokens(t_len, bv, v_block=True), per_row_v, specs.state(dim_k, bv)],
+      out_specs=[specs.chunk_states(nt, dim_k, bv), per_row_v, specs.state(dim_k, bv)],
       out_shape=[
           jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), dh_dtype),
           jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), jnp.float32),

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import config
+from pallas_kernels import config, specs
 
 
 def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_ref, *,
@@ -69,23 +69,13 @@ def chunk_state(k, w, u, gcum, initial_state, chunk, *, block_v=64, num_warps=4,
   h_dtype = k.dtype if h_dtype is None else h_dtype
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   u5 = u.reshape(bsz, heads, t_len, r, dim_v)
-  state_spec = pl.BlockSpec((None, None, dim_k, bv), lambda iv, b, h: (b, h, 0, iv))
-  per_row_v = pl.BlockSpec((None, None, t_len, r, bv), lambda iv, b, h: (b, h, 0, 0, iv))
+  per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
   h, v_new, final = config.pallas_call(
       lambda *refs: _chunk_h_kernel(*refs, r=r, chunk=chunk, num_chunks=nt),
       grid=(dim_v // bv, bsz, heads),
-      in_specs=[
-          pl.BlockSpec((None, t_len, None, dim_k), lambda iv, b, h: (b, 0, h, 0)),
-          pl.BlockSpec((None, None, t_len, r, dim_k), lambda iv, b, h: (b, h, 0, 0, 0)),
-          per_row_v,
-          pl.BlockSpec((None, None, t_len), lambda iv, b, h: (b, h, 0)),
-          state_spec,
-      ],
-      out_specs=[
-          pl.BlockSpec((None, None, nt, dim_k, bv), lambda iv, b, h: (b, h, 0, 0, iv)),
-          per_row_v,
-          state_spec,
-      ],
+      in_specs=[specs.seq_tokens(t_len, dim_k), specs.seq_rows(t_len, r, dim_k), per_row_v,
+                specs.seq_scalars(t_len), specs.state(dim_k, bv)],
+      out_specs=[specs.chunk_states(nt, dim_k, bv), per_row_v, specs.state(dim_k, bv)],
       out_shape=[
           jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), h_dtype),
           jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype),

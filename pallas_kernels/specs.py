@@ -1,4 +1,4 @@
-"""BlockSpecs shared by the chunk-parallel kernels, whose grid is (chunk t, batch b, head h).
+"""BlockSpecs shared by the kernels. Chunk-parallel kernels have the grid (chunk t, batch b, head h).
 
 Layouts (see gdp_jax/xla.py): q, k [B, Tp, H, K]; v [B, Tp, H, V]; per-token scalars [B, H, Tp];
 mask [Bm, Tm, Hm, r, r] broadcast against [B, Tp, H, r, r]; chunk matrices [B, H, Tp*r, N].
@@ -31,3 +31,35 @@ def mask(mask_shape, bt):
   return pl.BlockSpec(
       (None, x, None, r, r),
       lambda t, b, h: (b if bm > 1 else 0, t if tm > 1 else 0, h if hm > 1 else 0, 0, 0))
+
+
+# The sequential kernels (chunk_h.py, bwd_dhu.py) walk the whole sequence in one program; their
+# grid is (V block iv, batch b, head h) and their blocks span all Tp tokens.
+
+def seq_tokens(t_len, dim, *, v_block=False):
+  """All [Tp, D] tokens of a [B, Tp, H, D] array (D split in blocks of `dim` if v_block)."""
+  if v_block:
+    return pl.BlockSpec((None, t_len, None, dim), lambda iv, b, h: (b, 0, h, iv))
+  return pl.BlockSpec((None, t_len, None, dim), lambda iv, b, h: (b, 0, h, 0))
+
+
+def seq_rows(t_len, r, dim, *, v_block=False):
+  """All [Tp, r, D] rows of a [B, H, Tp, r, D] array (D in blocks of `dim` if v_block)."""
+  if v_block:
+    return pl.BlockSpec((None, None, t_len, r, dim), lambda iv, b, h: (b, h, 0, 0, iv))
+  return pl.BlockSpec((None, None, t_len, r, dim), lambda iv, b, h: (b, h, 0, 0, 0))
+
+
+def seq_scalars(t_len):
+  """All [Tp] per-token scalars of a [B, H, Tp] array."""
+  return pl.BlockSpec((None, None, t_len), lambda iv, b, h: (b, h, 0))
+
+
+def state(dim_k, bv):
+  """A [K, BV] block of a [B, H, K, V] state."""
+  return pl.BlockSpec((None, None, dim_k, bv), lambda iv, b, h: (b, h, 0, iv))
+
+
+def chunk_states(nt, dim_k, bv):
+  """[NT, K, BV] of a [B, H, NT, K, V] array of per-chunk states."""
+  return pl.BlockSpec((None, None, nt, dim_k, bv), lambda iv, b, h: (b, h, 0, 0, iv))
