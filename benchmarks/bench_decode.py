@@ -35,9 +35,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from gdp_jax import gated_delta_product_step, gqa_decode  # noqa: E402
-from pallas_kernels import config  # noqa: E402
-from pallas_kernels import decode_attention as da  # noqa: E402
-from pallas_kernels import recurrent_step as rs  # noqa: E402
+from pallas_kernels.common import backend  # noqa: E402
+from pallas_kernels.inference import decode_attention as da  # noqa: E402
+from pallas_kernels.inference import recurrent_step as rs  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 
@@ -326,7 +326,7 @@ def main(argv=None):
     decode_configs, step_configs = [], []
 
   results = dict(device=str(jax.devices()[0]), backend=jax.default_backend(),
-                 jax_version=jax.__version__, interpret_mode=config.interpret_mode(),
+                 jax_version=jax.__version__, interpret_mode=backend.interpret_mode(),
                  date=time.strftime("%Y-%m-%d %H:%M:%S"), command=" ".join(sys.argv),
                  reps=args.reps, inner=args.inner, bars=dict(
                      decode_GBps_at_B32_S32768=3000, step_GBps_at_B64_H16_K128_V128=2500),

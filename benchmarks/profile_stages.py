@@ -22,8 +22,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from gdp_jax.bench import DTYPES, make_inputs, time_jax  # noqa: E402
 from gdp_jax import pallas_impl  # noqa: E402
 from gdp_jax.operator import normalize_mask  # noqa: E402
-from pallas_kernels import (bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy, chunk_h, chunk_o,  # noqa
-                            cumsum, kkt, solve_tril, wy)
+from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy  # noqa: E402
+from pallas_kernels.common import backend, cumsum  # noqa: E402
+from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy  # noqa: E402
 
 
 def stages(inputs, r, chunk_size=64, **overrides):

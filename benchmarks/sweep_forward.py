@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from gdp_jax.bench import DTYPES, make_inputs, time_jax  # noqa: E402
 from gdp_jax import pallas_impl  # noqa: E402
 from gdp_jax.operator import normalize_mask  # noqa: E402
-from pallas_kernels import chunk_h, chunk_o, cumsum, kkt, solve_tril, wy  # noqa: E402
+from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy  # noqa: E402
+from pallas_kernels.common import cumsum  # noqa: E402
 
 VARIANTS = {
     "kkt": [dict(num_warps=w) for w in (2, 4, 8)],

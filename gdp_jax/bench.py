@@ -479,7 +479,7 @@ def add_arguments(p, out_required=False):
 def run(args) -> int:
   # Share the GPU with PyTorch (fla): read when the backend starts, which is after this.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  from pallas_kernels import config
+  from pallas_kernels.common import backend as kernel_backend
   import gdp_jax
 
   backend = jax.default_backend()
@@ -513,7 +513,7 @@ def run(args) -> int:
       date=time.strftime("%Y-%m-%d %H:%M:%S"), device=str(dev),
       device_kind=getattr(dev, "device_kind", str(dev)), backend=backend,
       jax_version=jax.__version__, gdp_jax_version=gdp_jax.__version__,
-      interpret_mode=config.interpret_mode(), reps=args.reps, inner=args.inner,
+      interpret_mode=kernel_backend.interpret_mode(), reps=args.reps, inner=args.inner,
       shapes=[dict(zip("BTHKV", s)) for s in shapes], rs=rs, dtypes=dtypes, modes=modes,
       impls=impls, timing=("median over reps of (wall time of `inner` back-to-back calls) / "
                            "inner, after compile and 2 warm-up calls; ms per call"),

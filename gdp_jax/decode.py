@@ -138,7 +138,7 @@ def gqa_decode(query, key_cache, value_cache, lengths, *, scale=None, implementa
   if implementation == "xla":
     return gqa_decode_xla(query, key_cache, value_cache, lengths,
                           static if dynamic is None else dynamic)
-  from pallas_kernels import decode_attention
+  from pallas_kernels.inference import decode_attention
   if dynamic is not None:
     query = query.astype(jnp.float32) * dynamic
   return decode_attention.gqa_decode(query, key_cache, value_cache, lengths, scale=static)
@@ -230,7 +230,7 @@ def gated_delta_product_step(q, k, v, g, beta, mask, state, *, scale=None, imple
     o, new = _recurrent_step(q, k, v, g, beta, mask_b, state,
                              static if dynamic is None else dynamic)
     return o.astype(q.dtype), new
-  from pallas_kernels import recurrent_step as _kernel
+  from pallas_kernels.inference import recurrent_step as _kernel
   if dynamic is None:
     return _kernel.recurrent_step(q, k, v, g, beta, mask4, state, scale=static,
                                   in_place=in_place)

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax.xla_backward import reduce_dmask
-from pallas_kernels import (bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy, chunk_h, chunk_o, config,
-                            cumsum, kkt, solve_tril, wy)
+from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
+from pallas_kernels.common import backend, cumsum
+from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy
 
 MAX_CHUNK_ROWS = 64
 
@@ -32,7 +33,7 @@ def pallas_chunk(chunk_size: int, r: int) -> int:
 
 def padded_dims(dim_k: int, dim_v: int, r: int) -> tuple[int, int]:
   """(dkp, Vp): each key block and the value dimension padded to a power of two >= 16."""
-  return (max(16, config.next_power_of_2(dim_k // r)), max(16, config.next_power_of_2(dim_v)))
+  return (max(16, backend.next_power_of_2(dim_k // r)), max(16, backend.next_power_of_2(dim_v)))
 
 
 def pad_key_blocks(x, r, dkp):

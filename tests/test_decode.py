@@ -11,7 +11,7 @@ import pytest
 
 from gdp_jax import gqa_decode
 from gdp_jax import decode as decode_mod
-from pallas_kernels import decode_attention
+from pallas_kernels.inference import decode_attention
 from tests.cases import assert_close, tol
 from tests.triton_lowering import lower_for_h200
 

@@ -15,7 +15,7 @@ import pytest
 
 from gdp_jax import gated_delta_product, xla
 from gdp_jax import xla_backward as xb
-from pallas_kernels import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
+from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
 from tests.cases import (GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs,
                          present_arrays, tol)
 from tests.test_pallas_forward import stage_inputs

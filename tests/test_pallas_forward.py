@@ -13,7 +13,8 @@ import pytest
 
 from gdp_jax import gated_delta_product, xla
 from gdp_jax.operator import normalize_mask
-from pallas_kernels import chunk_h, chunk_o, cumsum, kkt, solve_tril, wy
+from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy
+from pallas_kernels.common import cumsum
 from tests.cases import assert_close, make_inputs, present_arrays, tol
 
 ON_GPU = jax.default_backend() == "gpu"

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import config, rows, specs
+from pallas_kernels.common import backend, rows, specs
 
 
 def _inner(h_ref, dh_ref, cols, dim_v, piece=32):
@@ -55,18 +55,18 @@ def _dqkwg_kernel(q_ref, k_ref, vn_ref, g_ref, h_ref, dh_ref, do_ref, dvn_ref,
     vna = vn_ref[:, a, :].astype(dtype)
     ha = h_ref[cols, :].astype(dtype)
     dha = dh_ref[cols, :].astype(dtype)
-    ds = decay * config.dot(do, vna, trans_b=True)                # [t, s]
-    dq_inter = q_scale * config.dot(do, ha.astype(dtype), trans_b=True)
-    dk_state = k_scale * config.dot(vna, dha.astype(dtype), trans_b=True)
-    dq_ref[:, cols] = (config.dot(ds.astype(dtype), ka) + dq_inter).astype(dq_ref.dtype)
-    dk_ref[:, cols] = (config.dot(ds.astype(dtype), qa, trans_a=True)
+    ds = decay * backend.dot(do, vna, trans_b=True)                # [t, s]
+    dq_inter = q_scale * backend.dot(do, ha.astype(dtype), trans_b=True)
+    dk_state = k_scale * backend.dot(vna, dha.astype(dtype), trans_b=True)
+    dq_ref[:, cols] = (backend.dot(ds.astype(dtype), ka) + dq_inter).astype(dq_ref.dtype)
+    dk_ref[:, cols] = (backend.dot(ds.astype(dtype), qa, trans_a=True)
                        + dk_state).astype(dk_ref.dtype)
-    z = ds * config.dot(qa, ka, trans_b=True)
+    z = ds * backend.dot(qa, ka, trans_b=True)
     kds = jnp.sum(dk_state * ka.astype(f32), axis=1)
     dg = (dg + jnp.sum(z, axis=1) - jnp.sum(z, axis=0)
           + jnp.sum(dq_inter * qa.astype(f32), axis=1) - kds)
     last = last + jnp.sum(kds) + jnp.exp(g_last) * _inner(h_ref, dh_ref, cols, dim_v)
-    dw_ref[:, cols] = (-config.dot(dvn, ha.astype(dtype), trans_b=True)).astype(dw_ref.dtype)
+    dw_ref[:, cols] = (-backend.dot(dvn, ha.astype(dtype), trans_b=True)).astype(dw_ref.dtype)
   dg_ref[...] = dg + jnp.where(is_last, last, 0.0)
 
 
@@ -81,7 +81,7 @@ def chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk, *, num_w
   per_row = pl.BlockSpec((None, None, chunk, r, dim_v), lambda t, b, h: (b, h, t, 0, 0))
   state = pl.BlockSpec((None, None, None, dim_k, dim_v), lambda t, b, h: (b, h, t, 0, 0))
   f32 = jnp.float32
-  return config.pallas_call(
+  return backend.pallas_call(
       lambda *refs: _dqkwg_kernel(*refs, r=r, scale=scale),
       grid=(t_len // chunk, bsz, heads),
       in_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_k), per_row,

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import config
+from pallas_kernels.common import backend
 
 f32 = jnp.float32
 
@@ -60,7 +60,7 @@ def default_num_splits(batch, kv_heads, seq_len, block_s=BLOCK_S):
   """Splits of the cache positions per (sequence, cache head): about TARGET_PROGRAMS programs
   in all, each split at least MIN_BLOCKS_PER_SPLIT blocks of S long."""
   pairs = max(batch * kv_heads, 1)
-  want = config.cdiv(TARGET_PROGRAMS, pairs)
+  want = backend.cdiv(TARGET_PROGRAMS, pairs)
   most = max(1, seq_len // (MIN_BLOCKS_PER_SPLIT * block_s))
   return int(max(1, min(want, most)))
 
@@ -101,16 +101,16 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, seq_len, group
 
   def scores(k):
     if split_bf16:
-      return (config.dot(q_hi, k, trans_b=True, precise=False)
-              + config.dot(q_lo, k, trans_b=True, precise=False))
-    return config.dot(q, k.astype(f32), trans_b=True, precise=True)
+      return (backend.dot(q_hi, k, trans_b=True, precise=False)
+              + backend.dot(q_lo, k, trans_b=True, precise=False))
+    return backend.dot(q, k.astype(f32), trans_b=True, precise=True)
 
   def weighted(p, v):
     if split_bf16:
       p_hi = p.astype(jnp.bfloat16)
       p_lo = (p - p_hi.astype(f32)).astype(jnp.bfloat16)
-      return (config.dot(p_hi, v, precise=False) + config.dot(p_lo, v, precise=False))
-    return config.dot(p, v.astype(f32), precise=True)
+      return (backend.dot(p_hi, v, precise=False) + backend.dot(p_lo, v, precise=False))
+    return backend.dot(p, v.astype(f32), precise=True)
 
   def body(i, carry):
     acc, m, l = carry
@@ -172,11 +172,11 @@ def gqa_decode(query, key_cache, value_cache, lengths, *, scale, block_s=None, n
   batch, q_heads, dim = query.shape
   _, seq_len, kv_heads, _ = key_cache.shape
   group = q_heads // kv_heads
-  gp = max(16, config.next_power_of_2(group))
-  dp = max(16, config.next_power_of_2(dim))
+  gp = max(16, backend.next_power_of_2(group))
+  dp = max(16, backend.next_power_of_2(dim))
   if block_s is None:
     block_s = BLOCK_S if key_cache.dtype.itemsize <= 2 else BLOCK_S_4BYTE
-    block_s = min(block_s, max(16, config.next_power_of_2(seq_len)))
+    block_s = min(block_s, max(16, backend.next_power_of_2(seq_len)))
   if block_s < 16 or block_s & (block_s - 1):
     raise ValueError(f"block_s must be a power of two >= 16, got {block_s}")
   if num_splits is None:
@@ -187,7 +187,7 @@ def gqa_decode(query, key_cache, value_cache, lengths, *, scale, block_s=None, n
       _kernel, seq_len=seq_len, group=group, dim=dim, gp=gp, dp=dp, block_s=block_s,
       num_splits=num_splits, scale=float(scale), split_bf16=split_bf16)
   cache_spec = pl.BlockSpec((None, seq_len, None, dim), lambda b, h, j: (b, 0, h, 0))
-  acc, m, l = config.pallas_call(
+  acc, m, l = backend.pallas_call(
       kernel,
       num_warps=num_warps,
       num_stages=num_stages,

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import config, rows, specs
+from pallas_kernels.common import backend, rows, specs
 
 
 def _dv_local_kernel(q_ref, k_ref, g_ref, do_ref, dv_ref, *, r, scale):
@@ -25,15 +25,15 @@ def _dv_local_kernel(q_ref, k_ref, g_ref, do_ref, dv_ref, *, r, scale):
   do = do_ref[...].astype(dtype)
   for a in range(r):
     cols = pl.ds(a * dk, dk)
-    p = config.dot(q_ref[:, cols], k_ref[:, cols], trans_b=True) * decay
-    dv_ref[:, a, :] = config.dot(p.astype(dtype), do, trans_a=True).astype(dv_ref.dtype)
+    p = backend.dot(q_ref[:, cols], k_ref[:, cols], trans_b=True) * decay
+    dv_ref[:, a, :] = backend.dot(p.astype(dtype), do, trans_a=True).astype(dv_ref.dtype)
 
 
 def chunk_bwd_dv_local(q, k, gcum, do, scale, chunk, r, *, num_warps=4):
   """q, k [B, Tp, H, K]; gcum [B, H, Tp]; do [B, Tp, H, V] -> dv_local [B, H, Tp*r, V] f32."""
   bsz, t_len, heads, dim_k = q.shape
   dim_v = do.shape[-1]
-  out = config.pallas_call(
+  out = backend.pallas_call(
       lambda *refs: _dv_local_kernel(*refs, r=r, scale=scale),
       grid=(t_len // chunk, bsz, heads),
       in_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_k), specs.scalars(chunk),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import config, rows, specs
+from pallas_kernels.common import backend, rows, specs
 
 
 def _kkt_kernel(k_ref, beta_ref, g_ref, mask_ref, a_ref, *gcum_ref, r):
@@ -18,7 +18,7 @@ def _kkt_kernel(k_ref, beta_ref, g_ref, mask_ref, a_ref, *gcum_ref, r):
   n = bt * r
   kw = rows.masked_keys(k, mask_ref, r).astype(k.dtype)
   kb = rows.block_keys(k, r).astype(k.dtype)
-  kkt = config.dot(kw, kb, trans_b=True)                           # [N, N] float32
+  kkt = backend.dot(kw, kb, trans_b=True)                           # [N, N] float32
   tok = rows.row_tokens(n, r)
   g = g_ref[...].astype(jnp.float32)
   if gcum_ref:                       # fused chunk-local cumsum: g_ref holds g, not gamma
@@ -45,7 +45,7 @@ def chunk_kkt(k, beta, mask, gcum, chunk, *, out_dtype=jnp.float32, num_warps=4,
   if from_g:
     out_specs = [out_specs, specs.scalars(chunk)]
     out_shape = [a_shape, jax.ShapeDtypeStruct(gcum.shape, jnp.float32)]
-  return config.pallas_call(
+  return backend.pallas_call(
       lambda *refs: _kkt_kernel(*refs, r=r),
       grid=(t_len // chunk, bsz, heads),
       in_specs=[specs.tokens(chunk, dim_k), specs.scalars(chunk), specs.scalars(chunk),

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import config
+from pallas_kernels.common import backend
 
 f32 = jnp.float32
 
@@ -125,13 +125,13 @@ def recurrent_step(q, k, v, g, beta, mask, state, *, scale, out_dtype=None, bloc
   batch, heads, dim_k = q.shape
   dim_v = v.shape[-1]
   bm, hm, r, _ = mask.shape
-  kp = max(16, config.next_power_of_2(dim_k))
+  kp = max(16, backend.next_power_of_2(dim_k))
   if block_v is None:
-    block_v = min(BLOCK_V, max(16, config.next_power_of_2(dim_v)))
+    block_v = min(BLOCK_V, max(16, backend.next_power_of_2(dim_v)))
   if block_v < 16 or block_v & (block_v - 1):
     raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
   out_dtype = q.dtype if out_dtype is None else out_dtype
-  n_v = config.cdiv(dim_v, block_v)
+  n_v = backend.cdiv(dim_v, block_v)
 
   kernel = functools.partial(_kernel, dim_k=dim_k, dim_v=dim_v, kp=kp, block_v=block_v, r=r,
                              scale=float(scale))
@@ -140,7 +140,7 @@ def recurrent_step(q, k, v, g, beta, mask, state, *, scale, out_dtype=None, bloc
   mask_spec = pl.BlockSpec(
       (None, None, r, r), lambda b, h, j: (b if bm > 1 else 0, h if hm > 1 else 0, 0, 0))
   state_spec = pl.BlockSpec((None, None, dim_k, dim_v), lambda b, h, j: (b, h, 0, 0))
-  o, new_state = config.pallas_call(
+  o, new_state = backend.pallas_call(
       kernel,
       num_warps=num_warps,
       num_stages=num_stages,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import config, rows, specs
+from pallas_kernels.common import backend, rows, specs
 
 
 def _wy_kernel(k_ref, v_ref, beta_ref, g_ref, mask_ref, ai_ref, w_ref, u_ref, *, r):
@@ -19,9 +19,9 @@ def _wy_kernel(k_ref, v_ref, beta_ref, g_ref, mask_ref, ai_ref, w_ref, u_ref, *,
   beta = beta_ref[...].astype(jnp.float32)
   scale_w = rows.per_row(beta * jnp.exp(g_ref[...]), r)
   w_tilde = (scale_w[:, None] * rows.masked_keys(k, mask_ref, r)).astype(dtype)
-  w_ref[...] = config.dot(ai, w_tilde).astype(w_ref.dtype)
+  w_ref[...] = backend.dot(ai, w_tilde).astype(w_ref.dtype)
   u_tilde = rows.repeat_rows((beta[:, None] * v_ref[...].astype(jnp.float32)).astype(dtype), r)
-  u_ref[...] = config.dot(ai, u_tilde).astype(u_ref.dtype)
+  u_ref[...] = backend.dot(ai, u_tilde).astype(u_ref.dtype)
 
 
 def recompute_w_u(k, v, beta, mask, gcum, ai, chunk, *, num_warps=4):
@@ -30,7 +30,7 @@ def recompute_w_u(k, v, beta, mask, gcum, ai, chunk, *, num_warps=4):
   dim_v = v.shape[-1]
   r = mask.shape[-1]
   n = chunk * r
-  return config.pallas_call(
+  return backend.pallas_call(
       lambda *refs: _wy_kernel(*refs, r=r),
       grid=(t_len // chunk, bsz, heads),
       in_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_v), specs.scalars(chunk),

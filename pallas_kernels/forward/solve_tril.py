@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import config, specs
+from pallas_kernels.common import backend, specs
 
 BLOCK = 16
 
@@ -58,9 +58,9 @@ def _solve_tril_kernel(a_ref, ai_ref):
     for j in range(i - 1, -1, -1):
       acc = None
       for k in range(j, i):
-        term = config.dot(load(i, k), x[k, j])
+        term = backend.dot(load(i, k), x[k, j])
         acc = term if acc is None else acc + term
-      x[i, j] = -config.dot(x[i, i], acc)
+      x[i, j] = -backend.dot(x[i, i], acc)
     for j in range(nb):                                              # row block i is final
       ai_ref[blk(i), blk(j)] = x[i, j].astype(ai_ref.dtype) if j <= i else zeros
 
@@ -71,7 +71,7 @@ def solve_tril(a, chunk_rows, *, out_dtype=jnp.float32, num_warps=1):
   if n != chunk_rows or n % BLOCK:
     raise ValueError(f"solve_tril needs [.., N] blocks with N = {chunk_rows} a multiple of "
                      f"{BLOCK}, got shape {a.shape}")
-  return config.pallas_call(
+  return backend.pallas_call(
       _solve_tril_kernel,
       grid=(total_rows // n, bsz, heads),
       in_specs=[specs.rows(n, n)],

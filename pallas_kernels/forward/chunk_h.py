@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import config, specs
+from pallas_kernels.common import backend, specs
 
 
 def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_ref, *,
@@ -36,7 +36,7 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_
     for a in range(r):
       pred = None
       for d in range(r):
-        term = config.dot(w_ref[tok, a, cols(d)], state[d].astype(dtype))
+        term = backend.dot(w_ref[tok, a, cols(d)], state[d].astype(dtype))
         pred = term if pred is None else pred + term
       vn = (u_ref[tok, a, :].astype(jnp.float32) - pred).astype(dtype)
       v_new_ref[tok, a, :] = vn.astype(v_new_ref.dtype)
@@ -45,7 +45,7 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_
     out = []
     for d in range(r):
       k_dec = (k_ref[tok, cols(d)].astype(jnp.float32) * decay).astype(dtype)
-      out.append(jnp.exp(g_last) * state[d] + config.dot(k_dec, v_new[d], trans_a=True))
+      out.append(jnp.exp(g_last) * state[d] + backend.dot(k_dec, v_new[d], trans_a=True))
     return tuple(out)
 
   state = tuple(h0_ref[cols(d), :].astype(jnp.float32) for d in range(r))
@@ -70,7 +70,7 @@ def chunk_state(k, w, u, gcum, initial_state, chunk, *, block_v=64, num_warps=4,
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   u5 = u.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
-  h, v_new, final = config.pallas_call(
+  h, v_new, final = backend.pallas_call(
       lambda *refs: _chunk_h_kernel(*refs, r=r, chunk=chunk, num_chunks=nt),
       grid=(dim_v // bv, bsz, heads),
       in_specs=[specs.seq_tokens(t_len, dim_k), specs.seq_rows(t_len, r, dim_k), per_row_v,

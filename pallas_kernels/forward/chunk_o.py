@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import config, rows
+from pallas_kernels.common import backend, rows
 
 
 def _chunk_o_kernel(q_ref, k_ref, v_new_ref, h_ref, g_ref, o_ref, *, r, scale):
@@ -22,13 +22,13 @@ def _chunk_o_kernel(q_ref, k_ref, v_new_ref, h_ref, g_ref, o_ref, *, r, scale):
   dtype = q_ref.dtype
   g = g_ref[...]
   q = q_ref[...]
-  o = jnp.exp(g)[:, None] * config.dot(q, h_ref[...].astype(dtype))
+  o = jnp.exp(g)[:, None] * backend.dot(q, h_ref[...].astype(dtype))
   tok = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
   decay = rows.causal_decay(g, g, tok, tok, strict=False)
   for a in range(r):
     cols = pl.ds(a * dk, dk)
-    p = config.dot(q_ref[:, cols], k_ref[:, cols], trans_b=True) * decay
-    o = o + config.dot(p.astype(dtype), v_new_ref[:, a, :])
+    p = backend.dot(q_ref[:, cols], k_ref[:, cols], trans_b=True) * decay
+    o = o + backend.dot(p.astype(dtype), v_new_ref[:, a, :])
   o_ref[...] = (scale * o).astype(o_ref.dtype)
 
 
@@ -44,7 +44,7 @@ def chunk_output(q, k, v_new, h, gcum, scale, chunk, *, block_v=128, num_warps=4
   nv = dim_v // bv
   out_dtype = q.dtype if out_dtype is None else out_dtype
   v5 = v_new.reshape(bsz, heads, t_len, r, dim_v)
-  return config.pallas_call(
+  return backend.pallas_call(
       lambda *refs: _chunk_o_kernel(*refs, r=r, scale=scale),
       grid=(nt * nv, bsz, heads),
       in_specs=[

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import config, rows, specs
+from pallas_kernels.common import backend, rows, specs
 
 
 def _per_token(x, chunk, r):
@@ -48,35 +48,35 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, g_ref, mask_ref, ai_ref, dw_ref, du_r
 
   # w = Ai W~ with W~ = beta exp(gamma) Kw:  dW~ = Ai^T dw
   dw = dw_ref[...].astype(dtype)
-  dwt = config.dot(ai, dw, trans_a=True)                              # [N, K]
+  dwt = backend.dot(ai, dw, trans_a=True)                              # [N, K]
   s_w = jnp.sum(dwt * kw, axis=1)                                     # <dW~, Kw> per row
   dkw = scale_w[:, None] * dwt
-  x = config.dot(dw, (scale_w[:, None] * kw).astype(dtype), trans_b=True)   # dw W~^T  [N, N]
+  x = backend.dot(dw, (scale_w[:, None] * kw).astype(dtype), trans_b=True)   # dw W~^T  [N, N]
 
   # u = Ai U~ with U~ = beta v (per token, repeated over a):  dU~ = Ai^T du
   v = v_ref[...].astype(f32)
   du = du_ref[...].astype(dtype)
-  dut = config.dot(ai, du, trans_a=True)                              # [N, V]
+  dut = backend.dot(ai, du, trans_a=True)                              # [N, V]
   dut_sum = dut if r == 1 else jnp.sum(dut.reshape(chunk, r, dim_v), axis=1)
   dv_ref[...] = (beta[:, None] * dut_sum).astype(dv_ref.dtype)
   dbeta_u = jnp.sum(dut_sum * v, axis=1)
   u_tilde = rows.repeat_rows((beta[:, None] * v).astype(dtype), r)
-  x = x + config.dot(du, u_tilde, trans_b=True)                       # + du U~^T
+  x = x + backend.dot(du, u_tilde, trans_b=True)                       # + du U~^T
 
   # Ai = (I + Ag)^-1:  dAg = -Ai^T (dw W~^T + du U~^T) Ai^T on token-strictly-lower entries
-  xa = config.dot(ai, x.astype(dtype), trans_a=True)
-  dag = -config.dot(xa.astype(dtype), ai, trans_b=True)
+  xa = backend.dot(ai, x.astype(dtype), trans_a=True)
+  dag = -backend.dot(xa.astype(dtype), ai, trans_b=True)
   tok = rows.row_tokens(n, r)
   g_r = rows.per_row(g, r)
   gd = dag * rows.causal_decay(g_r, g_r, tok, tok, strict=True)     # G
-  kk = config.dot(kw_c, kb_c, trans_b=True)                          # Kw Kb^T
+  kk = backend.dot(kw_c, kb_c, trans_b=True)                          # Kw Kb^T
   gkk = gd * kk
   z = beta_r[:, None] * gkk
   dbeta_r = jnp.sum(gkk, axis=1) + eg_r * s_w
   dg_r = jnp.sum(z, axis=1) - jnp.sum(z, axis=0) + scale_w * s_w
   gb = (beta_r[:, None] * gd).astype(dtype)
-  dkw = dkw + config.dot(gb, kb_c)
-  dkb = config.dot(gb, kw_c, trans_a=True)
+  dkw = dkw + backend.dot(gb, kb_c)
+  dkb = backend.dot(gb, kw_c, trans_a=True)
   dbeta_ref[...] = _per_token(dbeta_r, chunk, r) + dbeta_u
   dg_ref[...] = _per_token(dg_r, chunk, r)
 
@@ -110,7 +110,7 @@ def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, *, num_warps=8, num_stages
   r = mask.shape[-1]
   n = chunk * r
   f32 = jnp.float32
-  return config.pallas_call(
+  return backend.pallas_call(
       lambda *refs: _wy_bwd_kernel(*refs, r=r),
       grid=(t_len // chunk, bsz, heads),
       in_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_v), specs.scalars(chunk),

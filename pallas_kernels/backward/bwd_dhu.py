@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import config, specs
+from pallas_kernels.common import backend, specs
 
 
 def _dhu_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref,
@@ -37,7 +37,7 @@ def _dhu_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref,
     dv_new = []
     for a in range(r):
       kd = (k_ref[tok, cols(a)].astype(jnp.float32) * k_dec).astype(dtype)
-      dvn = dvl_ref[tok, a, :] + config.dot(kd, ds[a].astype(dtype))
+      dvn = dvl_ref[tok, a, :] + backend.dot(kd, ds[a].astype(dtype))
       dv_new_ref[tok, a, :] = dvn.astype(dv_new_ref.dtype)
       dv_new.append(dvn.astype(dtype))
     q_dec = (scale * jnp.exp(g))[:, None]
@@ -45,9 +45,9 @@ def _dhu_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref,
     out = []
     for d in range(r):
       qd = (q_ref[tok, cols(d)].astype(jnp.float32) * q_dec).astype(dtype)
-      nxt = jnp.exp(g_last) * ds[d] + config.dot(qd, do, trans_a=True)
+      nxt = jnp.exp(g_last) * ds[d] + backend.dot(qd, do, trans_a=True)
       for a in range(r):
-        nxt = nxt - config.dot(w_ref[tok, a, cols(d)], dv_new[a], trans_a=True)
+        nxt = nxt - backend.dot(w_ref[tok, a, cols(d)], dv_new[a], trans_a=True)
       out.append(nxt)
     return tuple(out)
 
@@ -72,7 +72,7 @@ def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, *, block_v=
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   dvl5 = dv_local.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
-  dh, dv_new, dh0 = config.pallas_call(
+  dh, dv_new, dh0 = backend.pallas_call(
       lambda *refs: _dhu_kernel(*refs, r=r, chunk=chunk, num_chunks=nt, scale=scale),
       grid=(dim_v // bv, bsz, heads),
       in_specs=[specs.seq_tokens(t_len, dim_k), specs.seq_tokens(t_len, dim_k),

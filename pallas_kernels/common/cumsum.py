@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import config
+from pallas_kernels.common import backend
 
 
 def _cumsum_kernel(g_ref, out_ref, *, reverse):
@@ -25,7 +25,7 @@ def chunk_local_cumsum(g, chunk, *, reverse=False):
   """
   bsz, heads, t_len = g.shape
   spec = pl.BlockSpec((None, None, chunk), lambda t, b, h: (b, h, t))
-  return config.pallas_call(
+  return backend.pallas_call(
       lambda g_ref, o_ref: _cumsum_kernel(g_ref, o_ref, reverse=reverse),
       grid=(t_len // chunk, bsz, heads),
       in_specs=[spec],
