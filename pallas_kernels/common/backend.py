@@ -41,16 +41,32 @@ def pallas_call(kernel, *, num_warps=4, num_stages=2, **kwargs):
   return pl.pallas_call(kernel, compiler_params=params, **kwargs)
 
 
-def dot(a, b, *, trans_a=False, trans_b=False, precise=True):
+# Float32 matmul precisions (half-precision operands always use the tensor cores with float32
+# accumulation). See docs/precision.md.
+PRECISIONS = ("tf32", "tf32x3", "ieee")
+_GPU_ALGORITHM = {
+    "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
+    "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+    "ieee": jax.lax.DotAlgorithmPreset.F32_F32_F32,
+}
+
+
+def dot(a, b, *, trans_a=False, trans_b=False, precision="ieee"):
   """2-D matmul with float32 accumulation (the only dot the Triton lowering has).
 
-  Float32 operands get full float32 products (IEEE) unless `precise=False`, which lets the GPU
-  use TF32. Half-precision operands always use the tensor cores with float32 accumulation.
+  `precision` applies when an operand is float32: "tf32" (tensor cores, 10-bit mantissa inputs),
+  "tf32x3" (three TF32 products, close to float32) or "ieee" (float32 on the CUDA cores). In
+  interpret mode (CPU) float32 dots are always computed in full float32. Half-precision
+  operands always use the tensor cores with float32 accumulation.
   """
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
   ca = 0 if trans_a else 1
   cb = 1 if trans_b else 0
-  precision = HIGHEST if (precise and a.dtype == jnp.float32) else None
-  return jax.lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=precision,
+  algorithm = None
+  if a.dtype == jnp.float32:
+    algorithm = HIGHEST if interpret_mode() else _GPU_ALGORITHM[precision]
+  return jax.lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=algorithm,
                              preferred_element_type=jnp.float32)
 
 

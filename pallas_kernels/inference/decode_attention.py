@@ -101,16 +101,16 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, seq_len, group
 
   def scores(k):
     if split_bf16:
-      return (backend.dot(q_hi, k, trans_b=True, precise=False)
-              + backend.dot(q_lo, k, trans_b=True, precise=False))
-    return backend.dot(q, k.astype(f32), trans_b=True, precise=True)
+      return (backend.dot(q_hi, k, trans_b=True, precision="tf32")
+              + backend.dot(q_lo, k, trans_b=True, precision="tf32"))
+    return backend.dot(q, k.astype(f32), trans_b=True, precision="ieee")
 
   def weighted(p, v):
     if split_bf16:
       p_hi = p.astype(jnp.bfloat16)
       p_lo = (p - p_hi.astype(f32)).astype(jnp.bfloat16)
-      return (backend.dot(p_hi, v, precise=False) + backend.dot(p_lo, v, precise=False))
-    return backend.dot(p, v.astype(f32), precise=True)
+      return (backend.dot(p_hi, v, precision="tf32") + backend.dot(p_lo, v, precision="tf32"))
+    return backend.dot(p, v.astype(f32), precision="ieee")
 
   def body(i, carry):
     acc, m, l = carry
