@@ -135,8 +135,8 @@ def decode_section(results, save, shapes, dtype, impls, reps, inner, tiny):
             case["max_abs_diff_vs_xla"] = float(jnp.max(jnp.abs(out - ref)))
           if impl == "pallas":
             case["num_splits"] = da.default_num_splits(B, Hkv, S)
-            case["defaults"] = dict(block_s=da.BLOCK_S, num_warps=da.NUM_WARPS,
-                                    num_stages=da.NUM_STAGES)
+            case["defaults"] = dict(block_s=da.DEFAULTS.block_s, num_warps=da.DEFAULTS.num_warps,
+                                    num_stages=da.DEFAULTS.num_stages)
         except Exception as e:
           case["error"] = f"{type(e).__name__}: {e}"[:2000]
           case["traceback"] = traceback.format_exc()[-4000:]
@@ -240,8 +240,8 @@ def step_section(results, save, shape, rs_list, impls, sweep, reps, inner):
               float(jnp.max(jnp.abs(new - ref[0]))),
               float(jnp.max(jnp.abs(o.astype(jnp.float32) - ref[1].astype(jnp.float32)))))
         if impl.startswith("pallas") and knobs is None:
-          case["defaults"] = dict(block_v=rs.BLOCK_V, num_warps=rs.NUM_WARPS,
-                                  num_stages=rs.NUM_STAGES)
+          case["defaults"] = dict(block_v=rs.DEFAULTS.block_v, num_warps=rs.DEFAULTS.num_warps,
+                                  num_stages=rs.DEFAULTS.num_stages)
       except Exception as e:
         case["error"] = f"{type(e).__name__}: {e}"[:2000]
         case["traceback"] = traceback.format_exc()[-4000:]
@@ -316,8 +316,8 @@ def main(argv=None):
     ns = da.default_num_splits(32, 8, 32768)
     decode_configs = [dict(block_s=bs, num_warps=w, num_stages=st)
                       for bs in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
-    decode_configs += [dict(block_s=da.BLOCK_S, num_warps=da.NUM_WARPS,
-                            num_stages=da.NUM_STAGES, num_splits=n)
+    decode_configs += [dict(block_s=da.DEFAULTS.block_s, num_warps=da.DEFAULTS.num_warps,
+                            num_stages=da.DEFAULTS.num_stages, num_splits=n)
                        for n in sorted({max(1, ns // 4), max(1, ns // 2), ns * 2})]
     step_shape = (64, 16, 128, 128)
     step_configs = [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) for w in (2, 4, 8)

@@ -32,37 +32,40 @@ def stages(inputs, r, chunk_size=64, **overrides):
   B, T, H, K = q.shape
   mask, _ = normalize_mask(inputs["mask"], B, T, H, K)
   bt = overrides.get("bt", pallas_impl.pallas_chunk(chunk_size, r))
+  cr = dict(chunk=bt, key_blocks=r)
   g = jnp.moveaxis(inputs["g"], 1, 2)
   beta = jnp.moveaxis(inputs["beta"], 1, 2)
   h0 = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32)
   gcum = cumsum.chunk_local_cumsum(g, bt)
-  a = kkt.chunk_kkt(k, beta, mask, gcum, bt)
-  ai = solve_tril.solve_tril(a, bt * r, out_dtype=q.dtype)
-  w, u = wy.recompute_w_u(k, v, beta, mask, gcum, ai, bt)
-  h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, bt)
+  a = kkt.chunk_kkt(k, beta, mask, gcum, **cr)
+  ai = solve_tril.solve_tril(a, chunk_rows=bt * r, out_dtype=q.dtype)
+  w, u = wy.recompute_w_u(k, v, beta, mask, gcum, ai, **cr)
+  h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, **cr)
   do = jnp.ones_like(v)
-  dvl = bwd_dv_local.chunk_bwd_dv_local(q, k, gcum, do, 0.1, bt, r)
-  dh, _, dvn = bwd_dhu.chunk_bwd_dhu(q, k, w, gcum, do, dvl, h0, 0.1, bt)
-  dw = bwd_dqkwg.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, 0.1, bt)[2]
+  dvl = bwd_dv_local.chunk_bwd_dv_local(q, k, gcum, do, scale=0.1, **cr)
+  dh, _, dvn = bwd_dhu.chunk_bwd_dhu(q, k, w, gcum, do, dvl, h0, scale=0.1, **cr)
+  dw = bwd_dqkwg.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, scale=0.1, **cr)[2]
   backward = {
-      "bwd_dv_local": (jax.jit(lambda *x: bwd_dv_local.chunk_bwd_dv_local(*x, 0.1, bt, r)),
+      "bwd_dv_local": (jax.jit(lambda *x: bwd_dv_local.chunk_bwd_dv_local(*x, scale=0.1, **cr)),
                        (q, k, gcum, do)),
-      "bwd_dhu": (jax.jit(lambda *x: bwd_dhu.chunk_bwd_dhu(*x, 0.1, bt)),
+      "bwd_dhu": (jax.jit(lambda *x: bwd_dhu.chunk_bwd_dhu(*x, scale=0.1, **cr)),
                   (q, k, w, gcum, do, dvl, h0)),
-      "bwd_dqkwg": (jax.jit(lambda *x: bwd_dqkwg.chunk_bwd_dqkwg(*x, 0.1, bt)),
+      "bwd_dqkwg": (jax.jit(lambda *x: bwd_dqkwg.chunk_bwd_dqkwg(*x, scale=0.1, **cr)),
                     (q, k, v_new, gcum, h, dh, do, dvn)),
-      "bwd_wy": (jax.jit(lambda *x: bwd_wy.wy_bwd(*x, bt)), (k, v, beta, mask, gcum, ai, dw, dvn)),
+      "bwd_wy": (jax.jit(lambda *x: bwd_wy.wy_bwd(*x, **cr)), (k, v, beta, mask, gcum, ai, dw, dvn)),
       "bwd_cumsum": (jax.jit(lambda x: cumsum.chunk_local_cumsum(x, bt, reverse=True)), (g,)),
   }
   return backward | {
       "cumsum": (jax.jit(lambda g: cumsum.chunk_local_cumsum(g, bt)), (g,)),
-      "kkt": (jax.jit(lambda k, b, m, gc: kkt.chunk_kkt(k, b, m, gc, bt)), (k, beta, mask, gcum)),
-      "solve_tril": (jax.jit(lambda a: solve_tril.solve_tril(a, bt * r, out_dtype=q.dtype)), (a,)),
-      "wy": (jax.jit(lambda k, v, b, m, gc, ai: wy.recompute_w_u(k, v, b, m, gc, ai, bt)),
+      "kkt": (jax.jit(lambda k, b, m, gc: kkt.chunk_kkt(k, b, m, gc, **cr)), (k, beta, mask, gcum)),
+      "solve_tril": (jax.jit(lambda a: solve_tril.solve_tril(a, chunk_rows=bt * r,
+                                                             out_dtype=q.dtype)), (a,)),
+      "wy": (jax.jit(lambda k, v, b, m, gc, ai: wy.recompute_w_u(k, v, b, m, gc, ai, **cr)),
              (k, v, beta, mask, gcum, ai)),
-      "chunk_h": (jax.jit(lambda k, w, u, gc, h0: chunk_h.chunk_state(k, w, u, gc, h0, bt)),
+      "chunk_h": (jax.jit(lambda k, w, u, gc, h0: chunk_h.chunk_state(k, w, u, gc, h0, **cr)),
                   (k, w, u, gcum, h0)),
-      "chunk_o": (jax.jit(lambda q, k, vn, h, gc: chunk_o.chunk_output(q, k, vn, h, gc, 0.1, bt)),
+      "chunk_o": (jax.jit(lambda q, k, vn, h, gc: chunk_o.chunk_output(q, k, vn, h, gc, scale=0.1,
+                                                                       **cr)),
                   (q, k, v_new, h, gcum)),
   }
 

@@ -23,6 +23,7 @@ from gdp_jax import pallas_impl  # noqa: E402
 from gdp_jax.operator import normalize_mask  # noqa: E402
 from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy  # noqa: E402
 from pallas_kernels.common import cumsum  # noqa: E402
+from pallas_kernels.common.options import Launch  # noqa: E402
 
 VARIANTS = {
     "kkt": [dict(num_warps=w) for w in (2, 4, 8)],
@@ -52,23 +53,24 @@ def main(argv=None):
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     mask, _ = normalize_mask(inputs["mask"], B, T, H, K)
     bt = pallas_impl.pallas_chunk(64, r)
+    cr = dict(chunk=bt, key_blocks=r)
     g = jnp.moveaxis(inputs["g"], 1, 2)
     beta = jnp.moveaxis(inputs["beta"], 1, 2)
     h0 = jnp.zeros((B, H, K, V), jnp.float32)
     gcum = cumsum.chunk_local_cumsum(g, bt)
-    a = kkt.chunk_kkt(k, beta, mask, gcum, bt)
-    ai = solve_tril.solve_tril(a, bt * r, out_dtype=q.dtype)
-    w, u = wy.recompute_w_u(k, v, beta, mask, gcum, ai, bt)
-    h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, bt)
+    a = kkt.chunk_kkt(k, beta, mask, gcum, **cr)
+    ai = solve_tril.solve_tril(a, chunk_rows=bt * r, out_dtype=q.dtype)
+    w, u = wy.recompute_w_u(k, v, beta, mask, gcum, ai, **cr)
+    h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, **cr)
     calls = {
-        "kkt": lambda p: (jax.jit(lambda *x: kkt.chunk_kkt(*x, bt, **p)), (k, beta, mask, gcum)),
+        "kkt": lambda p: (jax.jit(lambda *x: kkt.chunk_kkt(*x, **cr, launch=Launch(**p))), (k, beta, mask, gcum)),
         "solve_tril": lambda p: (jax.jit(lambda x: solve_tril.solve_tril(
-            x, bt * r, out_dtype=q.dtype, **p)), (a,)),
-        "wy": lambda p: (jax.jit(lambda *x: wy.recompute_w_u(*x, bt, **p)),
+            x, chunk_rows=bt * r, out_dtype=q.dtype, launch=Launch(**p))), (a,)),
+        "wy": lambda p: (jax.jit(lambda *x: wy.recompute_w_u(*x, **cr, launch=Launch(**p))),
                          (k, v, beta, mask, gcum, ai)),
-        "chunk_h": lambda p: (jax.jit(lambda *x: chunk_h.chunk_state(*x, bt, **p)),
+        "chunk_h": lambda p: (jax.jit(lambda *x: chunk_h.chunk_state(*x, **cr, launch=Launch(**p))),
                               (k, w, u, gcum, h0)),
-        "chunk_o": lambda p: (jax.jit(lambda *x: chunk_o.chunk_output(*x, 0.1, bt, **p)),
+        "chunk_o": lambda p: (jax.jit(lambda *x: chunk_o.chunk_output(*x, scale=0.1, **cr, launch=Launch(**p))),
                               (q, k, v_new, h, gcum)),
     }
     for stage in args.stages.split(","):

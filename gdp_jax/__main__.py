@@ -51,7 +51,7 @@ def check(args) -> int:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m gdp_jax")
   sub = parser.add_subparsers(dest="command", required=True)
-  from gdp_jax import demo
+  from gdp_jax import demo, dispatch
   p = sub.add_parser("demo", help="train a small hybrid LM on a permutation word problem, "
                      "block mask versus mask = ones, then generate",
                      description=demo.__doc__.split("\n\n")[0])
@@ -59,7 +59,8 @@ def main(argv=None) -> int:
   p.set_defaults(func=demo.run)
   p = sub.add_parser("check", help="run the operator forward and backward under jax.jit and "
                      "check both against the recurrent reference")
-  p.add_argument("--implementation", default=None, choices=["reference", "xla", "pallas"])
+  p.add_argument("--implementation", default=None,
+                 choices=list(dispatch.implementations("gated_delta_product")))
   p.set_defaults(func=check)
   from gdp_jax import bench
   p = sub.add_parser("bench", help="time the operator forward and forward + backward across "

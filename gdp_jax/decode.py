@@ -3,8 +3,8 @@ the gated delta product.
 
 Public functions check their arguments, normalise them and dispatch to an implementation:
 "xla" (jnp, any backend; the ground truth for the kernels) or "pallas" (GPU kernels in
-`pallas_kernels/`, interpreted on CPU, slowly). `implementation=None` picks "pallas" on a GPU
-backend and "xla" elsewhere.
+`pallas_kernels/inference/`, interpreted on CPU, slowly), through the table in
+gdp_jax/dispatch.py: `implementation=None` picks "pallas" on a supported GPU and "xla" elsewhere.
 """
 
 from __future__ import annotations
@@ -13,26 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdp_jax import dispatch
 from gdp_jax.operator import check_float, check_shape, normalize_mask
 from gdp_jax.reference import recurrent_step as _recurrent_step
 
-IMPLEMENTATIONS = ("xla", "pallas")
 CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def default_implementation():
-  """Pallas kernels on a GPU backend, the jnp version elsewhere."""
-  return "pallas" if jax.default_backend() == "gpu" else "xla"
-
-
-def _pick(implementation):
-  if implementation is None:
-    return default_implementation()
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
-                     f"got {implementation!r}")
-  return implementation
 
 
 def _static_scale(scale, default):
@@ -84,6 +70,15 @@ def _check_gqa(query, key_cache, value_cache, lengths):
   return lengths
 
 
+def gqa_decode_pallas(query, key_cache, value_cache, lengths, scale):
+  """The Pallas kernel (pallas_kernels/inference/decode_attention.py); scale a float or array."""
+  from pallas_kernels.inference import decode_attention
+  if isinstance(scale, jax.Array):
+    query = query.astype(jnp.float32) * scale
+    scale = 1.0
+  return decode_attention.gqa_decode(query, key_cache, value_cache, lengths, scale=scale)
+
+
 def gqa_decode_xla(query, key_cache, value_cache, lengths, scale):
   """The jnp version: query [B, Hq, D], caches [B, S, Hkv, D], lengths [B] int -> f32 [B, Hq, D].
 
@@ -121,13 +116,13 @@ def gqa_decode(query, key_cache, value_cache, lengths, *, scale=None, implementa
       get exactly zero weight whatever they hold. lengths[b] <= 0 gives a zero output row;
       lengths[b] > S behaves as S.
     scale: score scale, default D ** -0.5 (a number, or an array: then folded in at run time).
-    implementation: "xla", "pallas" or None ("pallas" on a GPU backend, else "xla").
+    implementation: "xla", "pallas" or None ("pallas" on a supported GPU, else "xla").
 
   Returns:
     float32 [B, Hq, D].
   """
   lengths = _check_gqa(query, key_cache, value_cache, lengths)
-  implementation = _pick(implementation)
+  implementation = dispatch.resolve("gqa_decode", implementation)
   query, key_cache, value_cache = (jnp.asarray(x) for x in (query, key_cache, value_cache))
   lengths = jnp.asarray(lengths).astype(jnp.int32)
   batch, q_heads, dim = query.shape
@@ -135,13 +130,8 @@ def gqa_decode(query, key_cache, value_cache, lengths, *, scale=None, implementa
   if 0 in (batch, q_heads, dim, seq_len):
     return jnp.zeros((batch, q_heads, dim), jnp.float32)
   static, dynamic = _static_scale(scale, dim ** -0.5)
-  if implementation == "xla":
-    return gqa_decode_xla(query, key_cache, value_cache, lengths,
-                          static if dynamic is None else dynamic)
-  from pallas_kernels.inference import decode_attention
-  if dynamic is not None:
-    query = query.astype(jnp.float32) * dynamic
-  return decode_attention.gqa_decode(query, key_cache, value_cache, lengths, scale=static)
+  run = dispatch.entry("gqa_decode", implementation)
+  return run(query, key_cache, value_cache, lengths, static if dynamic is None else dynamic)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,7 +200,7 @@ def gated_delta_product_step(q, k, v, g, beta, mask, state, *, scale=None, imple
     mask: None (r = 1), [r, r], [H, r, r] or [B, H, r, r]; K % r == 0.
     state: [B, H, K, V] (computed in float32), or None for zeros.
     scale: output scale, default K ** -0.5.
-    implementation: "xla", "pallas" or None ("pallas" on a GPU backend, else "xla").
+    implementation: "xla", "pallas" or None ("pallas" on a supported GPU, else "xla").
     in_place: "pallas" only: write the new state into the state's buffer (no copy when the state
       is carried through a jitted loop or donated; otherwise XLA copies it first).
 
@@ -218,22 +208,33 @@ def gated_delta_product_step(q, k, v, g, beta, mask, state, *, scale=None, imple
     (o [B, H, V] in q.dtype, new_state [B, H, K, V] float32).
   """
   batch, heads, dim_k, dim_v, mask4, r = _check_step(q, k, v, g, beta, mask, state)
-  implementation = _pick(implementation)
+  implementation = dispatch.resolve("gated_delta_product_step", implementation)
   if g is None:
     g = jnp.zeros((batch, heads), jnp.float32)
   if state is None:
     state = jnp.zeros((batch, heads, dim_k, dim_v), jnp.float32)
   state = jnp.asarray(state).astype(jnp.float32)
   static, dynamic = _static_scale(scale, dim_k ** -0.5)
-  if implementation == "xla":
-    mask_b = jnp.broadcast_to(mask4, (batch, heads, r, r))
-    o, new = _recurrent_step(q, k, v, g, beta, mask_b, state,
-                             static if dynamic is None else dynamic)
-    return o.astype(q.dtype), new
+  run = dispatch.entry("gated_delta_product_step", implementation)
+  return run(q, k, v, g, beta, mask4, state, static if dynamic is None else dynamic,
+             in_place=in_place)
+
+
+def gated_delta_product_step_xla(q, k, v, g, beta, mask, state, scale, *, in_place=True):
+  """The jnp step (gdp_jax/reference.py's recurrent_step); in_place has no meaning here."""
+  del in_place
+  batch, heads = q.shape[:2]
+  r = mask.shape[-1]
+  mask_b = jnp.broadcast_to(mask, (batch, heads, r, r))
+  o, new = _recurrent_step(q, k, v, g, beta, mask_b, state, scale)
+  return o.astype(q.dtype), new
+
+
+def gated_delta_product_step_pallas(q, k, v, g, beta, mask, state, scale, *, in_place=True):
+  """The Pallas kernel (pallas_kernels/inference/recurrent_step.py); scale a float or array."""
   from pallas_kernels.inference import recurrent_step as _kernel
-  if dynamic is None:
-    return _kernel.recurrent_step(q, k, v, g, beta, mask4, state, scale=static,
-                                  in_place=in_place)
-  o, new = _kernel.recurrent_step(q, k, v, g, beta, mask4, state, scale=1.0,
+  if not isinstance(scale, jax.Array):
+    return _kernel.recurrent_step(q, k, v, g, beta, mask, state, scale=scale, in_place=in_place)
+  o, new = _kernel.recurrent_step(q, k, v, g, beta, mask, state, scale=1.0,
                                   out_dtype=jnp.float32, in_place=in_place)
-  return (o * dynamic).astype(q.dtype), new
+  return (o * scale).astype(q.dtype), new

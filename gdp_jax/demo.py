@@ -40,6 +40,8 @@ import time
 
 import numpy as np
 
+from gdp_jax import dispatch
+
 GROUPS = ("S3", "S4", "S5", "A4", "A5", "Z6", "Z2^2", "Z2^3", "Z2^4")
 
 
@@ -245,8 +247,10 @@ def add_arguments(p):
   p.add_argument("--generate", type=int, default=8, help="tokens generated per prompt (8)")
   p.add_argument("--eval-batch", type=int, default=512, help="held-out words (512)")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--implementation", default=None, choices=["xla", "pallas"],
-                 help="operator implementation (default: Pallas on a GPU, xla elsewhere)")
+  p.add_argument("--implementation", default=None,
+                 choices=list(dispatch.implementations("gated_delta_product_step")),
+                 help="operator implementation (default: Pallas on a supported GPU, xla "
+                      "elsewhere)")
 
 
 def _positions(seq_len):
@@ -272,7 +276,7 @@ def run(args) -> int:
       mask_mode=args.mask_mode, allow_neg_eigval=True, use_short_conv=args.short_conv,
       attn_num_heads=2, attn_num_kv_heads=1,
       mlp_ratio=2, chunk_size=args.chunk_size, implementation=args.implementation)
-  impl = args.implementation or ("pallas" if jax.default_backend() == "gpu" else "xla")
+  impl = dispatch.resolve("gated_delta_product", args.implementation)
   print(f"gdp-jax demo: the {args.group} word problem ({len(elems)} permutations): predict the "
         f"running product at each of T = {args.seq_len} positions")
   print(f"backend {jax.default_backend()}, operator implementation {impl}; layers "

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gdp_jax import dispatch
 from gdp_jax.decode import gated_delta_product_step, gqa_decode
 from gdp_jax.operator import CHUNK_SIZES, gated_delta_product
 
@@ -224,9 +225,8 @@ class GatedDeltaProduct(nnx.Module):
       _check_positive_int("conv_size", conv_size)
     if chunk_size not in CHUNK_SIZES:
       raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
-    if implementation not in (None, "xla", "pallas", "reference"):
-      raise ValueError(f"implementation must be None, 'xla', 'pallas' or 'reference', got "
-                       f"{implementation!r}")
+    if implementation is not None:
+      dispatch.resolve("gated_delta_product", implementation)      # a clear error if unknown
     self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
     self.value_dim = int(value_dim)
     self.num_blocks, self.mask_mode, self.key_norm = num_blocks, mask_mode, key_norm
@@ -382,7 +382,9 @@ class GatedDeltaProduct(nnx.Module):
       qkv = jax.nn.silu(pre)
     q, k, v = self._split_qkv(qkv)
     g, beta = self._gates(x)
-    impl = self.implementation if self.implementation != "reference" else "xla"
+    impl = self.implementation
+    if impl not in (None, *dispatch.implementations("gated_delta_product_step")):
+      impl = "xla"                                 # "reference" has no step of its own
     mask = self._mask(x)
     beta = self._scale_beta(beta, mask)
     o, state = gated_delta_product_step(q, k, v, g, beta, mask, cache.state,
@@ -452,9 +454,8 @@ class GroupedQueryAttention(nnx.Module):
     _check_positive_int("head_dim", head_dim)
     if head_dim % 2 != 0:
       raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
-    if implementation not in (None, "xla", "pallas"):
-      raise ValueError(f"implementation must be None, 'xla' or 'pallas', got "
-                       f"{implementation!r}")
+    if implementation is not None:
+      dispatch.resolve("gqa_decode", implementation)               # a clear error if unknown
     self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
     self.head_dim, self.rope_theta = head_dim, float(rope_theta)
     self.cache_dtype, self.implementation, self.dtype = cache_dtype, implementation, dtype

@@ -11,10 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdp_jax import reference as _reference
-from gdp_jax import xla as _xla
+from gdp_jax import dispatch
 
-IMPLEMENTATIONS = ("reference", "xla", "pallas")
+IMPLEMENTATIONS = dispatch.implementations("gated_delta_product")
 CHUNK_SIZES = (16, 32, 64)
 
 
@@ -107,11 +106,6 @@ def check_inputs(q, k, v, g, beta, mask, initial_state):
   return batch, t_len, heads, dim_k, dim_v, mask5, r
 
 
-def default_implementation():
-  """The fastest implementation available on the default backend: Pallas kernels on a GPU."""
-  return "pallas" if jax.default_backend() == "gpu" else "xla"
-
-
 def _pad_time(x, t_pad):
   if x.shape[1] == t_pad:
     return x
@@ -126,7 +120,7 @@ def _pad_time(x, t_pad):
 
 def gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, scale=None,
                         initial_state=None, output_final_state=False, chunk_size=64,
-                        implementation=None):
+                        implementation=None, backward="pallas", options=None):
   """Block-masked gated delta product linear attention (DESIGN §1).
 
   Per batch row and head a float32 state S [K, V] evolves as
@@ -145,18 +139,19 @@ def gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, scale=None,
     chunk_size: tokens per chunk of the chunked forms, one of 16, 32, 64.
     implementation: "reference" (recurrence over time), "xla" (chunked jnp), "pallas" (GPU
       kernels; interpreted on CPU, slowly), or None for the fastest one available on the
-      backend ("pallas" on GPU, "xla" elsewhere).
+      device ("pallas" on a supported GPU, "xla" elsewhere; see gdp_jax/dispatch.py).
+    backward: with implementation "pallas": "pallas" (its kernels) or "xla" (the jnp backward of
+      the chunked form behind the Pallas forward: a debugging switch).
+    options: with implementation "pallas": a `pallas_kernels.common.options.KernelOptions`
+      (matmul precision and launch parameters); None picks them by heuristic.
 
   Returns:
     (o [B, T, H, V] in q.dtype, final_state [B, H, K, V] float32 or None).
   """
   batch, t_len, heads, dim_k, dim_v, mask5, r = check_inputs(
       q, k, v, g, beta, mask, initial_state)
-  if implementation is None:
-    implementation = default_implementation()
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
-                     f"got {implementation!r}")
+  implementation = dispatch.resolve("gated_delta_product", implementation)
+  dispatch.check_backward(backward, implementation)
   if chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
   if scale is None:
@@ -167,21 +162,18 @@ def gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, scale=None,
     initial_state = jnp.zeros((batch, heads, dim_k, dim_v), jnp.float32)
   initial_state = initial_state.astype(jnp.float32)
 
+  run = dispatch.entry("gated_delta_product", implementation)
   if implementation == "reference":
-    o, final = _reference.gated_delta_product_reference(
-        q, k, v, g, beta, mask5, initial_state, scale)
+    o, final = run(q, k, v, g, beta, mask5, initial_state, scale)
   else:
     t_pad = -(-t_len // chunk_size) * chunk_size
     padded = [_pad_time(x, t_pad) for x in (q, k, v, g, beta)]
     mask_p = mask5
     if mask5.shape[1] != 1:
       mask_p = _pad_time(mask5, t_pad)
-    if implementation == "xla":
-      o, final = _xla.gated_delta_product_xla(
-          *padded, mask_p, initial_state, scale, chunk_size)
-    else:
-      from gdp_jax import pallas_impl
-      o, final = pallas_impl.gated_delta_product_pallas(
-          *padded, mask_p, initial_state, scale, chunk_size)
+    extra = {}
+    if implementation == "pallas":
+      extra = dict(options=options, backward=backward)
+    o, final = run(*padded, mask_p, initial_state, scale, chunk_size, **extra)
     o = o[:, :t_len]
   return o.astype(q.dtype), (final if output_final_state else None)

@@ -17,10 +17,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
+from gdp_jax import xla_backward
 from gdp_jax.xla_backward import reduce_dmask
 from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
-from pallas_kernels.common import backend, cumsum
+from pallas_kernels.common import cumsum
+from pallas_kernels.common import options as kernel_options
 from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy
 
 MAX_CHUNK_ROWS = 64
@@ -33,7 +36,7 @@ def pallas_chunk(chunk_size: int, r: int) -> int:
 
 def padded_dims(dim_k: int, dim_v: int, r: int) -> tuple[int, int]:
   """(dkp, Vp): each key block and the value dimension padded to a power of two >= 16."""
-  return (max(16, backend.next_power_of_2(dim_k // r)), max(16, backend.next_power_of_2(dim_v)))
+  return (max(16, pl.next_power_of_2(dim_k // r)), max(16, pl.next_power_of_2(dim_v)))
 
 
 def pad_key_blocks(x, r, dkp):
@@ -62,46 +65,56 @@ def _pad_last(x, size):
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def _forward(q, k, v, g, beta, mask, h0, scale, bt):
+def _forward(q, k, v, g, beta, mask, h0, scale, bt, opts):
   """The forward kernels on feature-padded inputs. Returns (o, final, residuals)."""
   r = mask.shape[-1]
+  common = dict(chunk=bt, key_blocks=r)
+  prec = dict(precision=opts.precision)
   g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)                  # [B, H, Tp]
   beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
-  a, gcum = kkt.chunk_kkt(k, beta_hm, mask, g_hm, bt, from_g=True)
-  ai = solve_tril.solve_tril(a, bt * r, out_dtype=q.dtype)
-  w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, bt)
-  h, v_new, final = chunk_h.chunk_state(k, w, u, gcum, h0, bt)
-  o = chunk_o.chunk_output(q, k, v_new, h, gcum, scale, bt)
+  a, gcum = kkt.chunk_kkt(k, beta_hm, mask, g_hm, from_g=True, launch=opts.kkt, **common, **prec)
+  ai = solve_tril.solve_tril(a, chunk_rows=bt * r, out_dtype=q.dtype, launch=opts.solve_tril,
+                             **prec)
+  w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, launch=opts.wy, **common, **prec)
+  h, v_new, final = chunk_h.chunk_state(k, w, u, gcum, h0, launch=opts.chunk_h, **common, **prec)
+  o = chunk_o.chunk_output(q, k, v_new, h, gcum, scale=scale, launch=opts.chunk_o, **common,
+                           **prec)
   return o, final, (gcum, ai)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _gdp_core(q, k, v, g, beta, mask, h0, scale, bt):
-  o, final, _ = _forward(q, k, v, g, beta, mask, h0, scale, bt)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _gdp_core(q, k, v, g, beta, mask, h0, scale, bt, opts):
+  o, final, _ = _forward(q, k, v, g, beta, mask, h0, scale, bt, opts)
   return o, final
 
 
-def _gdp_core_fwd(q, k, v, g, beta, mask, h0, scale, bt):
+def _gdp_core_fwd(q, k, v, g, beta, mask, h0, scale, bt, opts):
   # Residuals: the inputs (the caller holds them anyway), gamma ([B, H, Tp] float32) and the
   # chunk inverses Ai ([B, H, Tp*r, N] in the input dtype: as much memory as one [B, T, H, N]
   # activation). The backward recomputes w, u (wy.py) and h, v_new (chunk_h.py) from them.
-  o, final, (gcum, ai) = _forward(q, k, v, g, beta, mask, h0, scale, bt)
+  o, final, (gcum, ai) = _forward(q, k, v, g, beta, mask, h0, scale, bt, opts)
   return (o, final), (q, k, v, g, beta, mask, h0, gcum, ai)
 
 
-def _gdp_core_bwd(scale, bt, residuals, cotangents):
+def _gdp_core_bwd(scale, bt, opts, residuals, cotangents):
   q, k, v, g, beta, mask, h0, gcum, ai = residuals
   do, dfinal = cotangents
   r = mask.shape[-1]
+  common = dict(chunk=bt, key_blocks=r)
+  prec = dict(precision=opts.precision)
   beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
-  w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, bt)
-  h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, bt)
-  dv_local = bwd_dv_local.chunk_bwd_dv_local(q, k, gcum, do, scale, bt, r)
+  w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, launch=opts.wy, **common, **prec)
+  h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, launch=opts.chunk_h, **common, **prec)
+  dv_local = bwd_dv_local.chunk_bwd_dv_local(q, k, gcum, do, scale=scale,
+                                             launch=opts.bwd_dv_local, **common, **prec)
   dh, dh0, dv_new = bwd_dhu.chunk_bwd_dhu(q, k, w, gcum, do, dv_local,
-                                          dfinal.astype(jnp.float32), scale, bt,
-                                          dh_dtype=q.dtype)
-  dq, dk1, dw, dg1 = bwd_dqkwg.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, bt)
-  dk2, dv, dbeta, dmask_tok, dg2 = bwd_wy.wy_bwd(k, v, beta_hm, mask, gcum, ai, dw, dv_new, bt)
+                                          dfinal.astype(jnp.float32), scale=scale,
+                                          dh_dtype=q.dtype, launch=opts.bwd_dhu, **common,
+                                          **prec)
+  dq, dk1, dw, dg1 = bwd_dqkwg.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale=scale,
+                                               launch=opts.bwd_dqkwg, **common, **prec)
+  dk2, dv, dbeta, dmask_tok, dg2 = bwd_wy.wy_bwd(k, v, beta_hm, mask, gcum, ai, dw, dv_new,
+                                                 launch=opts.bwd_wy, **common, **prec)
   dg = cumsum.chunk_local_cumsum(dg1 + dg2, bt, reverse=True)
   dmask = reduce_dmask(dmask_tok, mask.shape)
   time_major = lambda x: jnp.moveaxis(x, 1, 2)                      # [B, H, Tp] -> [B, Tp, H]
@@ -113,12 +126,19 @@ def _gdp_core_bwd(scale, bt, residuals, cotangents):
 _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
 
 
-def gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+def gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size, *,
+                               options=None, backward="pallas"):
   """q, k [B, Tp, H, K]; v [B, Tp, H, V]; g, beta [B, Tp, H]; mask [Bm, Tm, Hm, r, r];
   initial_state [B, H, K, V] f32 -> (o [B, Tp, H, V] in q's dtype, final [B, H, K, V] f32).
 
   Differentiable in every input (jax.custom_vjp); the padding around the kernels is plain jnp.
+  options: a `KernelOptions` (precision, launch parameters); None picks the heuristic's.
+  backward: "pallas" (the backward kernels) or "xla" (the jnp backward of gdp_jax/xla_backward.py
+    behind the Pallas forward, for debugging).
   """
+  if backward == "xla":
+    return _pallas_forward_xla_backward(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
+                                        options)
   dim_k, dim_v = q.shape[-1], v.shape[-1]
   r = mask.shape[-1]
   bt = pallas_chunk(chunk_size, r)
@@ -127,7 +147,33 @@ def gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chu
   k = pad_key_blocks(k, r, dkp)
   v = _pad_last(v, vp)
   h0 = _pad_last(pad_key_blocks(initial_state.swapaxes(-1, -2), r, dkp).swapaxes(-1, -2), vp)
-  o, final = _gdp_core(q, k, v, g, beta, mask.astype(jnp.float32), h0, scale, bt)
+  if options is None:
+    options = kernel_options.heuristic_options(r=r, dim_k=dim_k, dim_v=dim_v, dtype=q.dtype)
+  o, final = _gdp_core(q, k, v, g, beta, mask.astype(jnp.float32), h0, scale, bt, options)
   o = o[..., :dim_v]
   final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
   return o, final
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _pallas_forward_xla_backward(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
+                                 options):
+  """The Pallas forward with the jnp backward of the chunked form (`backward="xla"`)."""
+  return gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
+                                    options=options)
+
+
+def _pallas_forward_xla_backward_fwd(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
+                                     options):
+  out = gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
+                                   options=options)
+  return out, (q, k, v, g, beta, mask, initial_state)
+
+
+def _pallas_forward_xla_backward_bwd(scale, chunk_size, options, residuals, cotangents):
+  do, dfinal = cotangents
+  return xla_backward.gated_delta_product_xla_bwd(*residuals, scale, chunk_size, do, dfinal)
+
+
+_pallas_forward_xla_backward.defvjp(_pallas_forward_xla_backward_fwd,
+                                    _pallas_forward_xla_backward_bwd)

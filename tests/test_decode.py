@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gdp_jax import gqa_decode
-from gdp_jax import decode as decode_mod
+from gdp_jax import dispatch
 from pallas_kernels.inference import decode_attention
 from tests.cases import assert_close, tol
 from tests.triton_lowering import lower_for_h200
@@ -149,7 +149,7 @@ def test_default_num_splits():
   assert decode_attention.default_num_splits(32, 8, 32768) >= 4
   assert decode_attention.default_num_splits(1, 1, 10) == 1
   ns = decode_attention.default_num_splits(8, 8, 8192, 64)
-  assert 1 <= ns <= 8192 // (decode_attention.MIN_BLOCKS_PER_SPLIT * 64)
+  assert 1 <= ns <= 8192 // (decode_attention.DEFAULTS.min_blocks_per_split * 64)
 
 
 # ---- lengths: traced, no recompilation, edges -----------------------------------------------
@@ -204,8 +204,8 @@ def test_scale(implementation):
 
 
 def test_default_implementation_and_lists():
-  assert decode_mod.default_implementation() == (
-      "pallas" if jax.default_backend() == "gpu" else "xla")
+  assert dispatch.resolve("gqa_decode", None) == (
+      "pallas" if dispatch.pallas_supported() else "xla")
   ex = EXAMPLES[0]
   out = gqa_decode(jnp.asarray(ex["query"], jnp.float32), jnp.asarray(ex["key_cache"], jnp.float32),
                    jnp.asarray(ex["value_cache"], jnp.float32), [2])      # a list of lengths

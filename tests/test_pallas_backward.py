@@ -16,6 +16,7 @@ import pytest
 from gdp_jax import gated_delta_product, xla
 from gdp_jax import xla_backward as xb
 from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
+from pallas_kernels.common.options import Launch
 from tests.cases import (GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs,
                          present_arrays, tol)
 from tests.test_pallas_forward import stage_inputs
@@ -40,23 +41,26 @@ def test_backward_stages_match_xla(r, mask_kind, chunk):
   h, v_new, _ = xla.chunk_state(k, w, u, gcum, s["initial_state"], chunk, chunk)
 
   dvl = xb.chunk_bwd_dv_local(q, k, gcum, do, 0.3, chunk, r)
-  assert_close(bwd_dv_local.chunk_bwd_dv_local(q, k, gcum, do, 0.3, chunk, r), dvl, F32,
+  assert_close(bwd_dv_local.chunk_bwd_dv_local(q, k, gcum, do, scale=0.3, chunk=chunk,
+                                               key_blocks=r), dvl, F32,
                "dv_local")
 
   dh, dh0, dvn = xb.chunk_bwd_dhu(q, k, w, gcum, do, dvl, dfinal, 0.3, chunk)
   for got, ref, name in zip(
-      bwd_dhu.chunk_bwd_dhu(q, k, w, gcum, do, dvl, dfinal, 0.3, chunk, block_v=16),
+      bwd_dhu.chunk_bwd_dhu(q, k, w, gcum, do, dvl, dfinal, scale=0.3, chunk=chunk, key_blocks=r,
+                            launch=Launch(block_v=16)),
       (dh, dh0, dvn), ("dh", "dh0", "dv_new")):
     assert_close(got, ref, F32, name)
 
   ref3 = xb.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, 0.3, chunk)
-  got3 = bwd_dqkwg.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, 0.3, chunk)
+  got3 = bwd_dqkwg.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, scale=0.3, chunk=chunk,
+                                   key_blocks=r)
   for got, ref, name in zip(got3, ref3, ("dq", "dk", "dw", "dgamma")):
     assert_close(got, ref, F32, name)
 
   dw = ref3[2]
   ref4 = xb.wy_bwd(k, v, beta, mask, gcum, ai, dw, dvn, chunk)
-  got4 = list(bwd_wy.wy_bwd(k, v, beta, mask, gcum, ai, dw, dvn, chunk))
+  got4 = list(bwd_wy.wy_bwd(k, v, beta, mask, gcum, ai, dw, dvn, chunk=chunk, key_blocks=r))
   got4[3] = xb.reduce_dmask(got4[3], mask.shape)
   for got, ref, name in zip(got4, ref4, ("dk", "dv", "dbeta", "dmask", "dgamma")):
     # dmask sums per-token terms over whatever the mask broadcasts: a longer float32 sum

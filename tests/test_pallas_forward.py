@@ -15,6 +15,7 @@ from gdp_jax import gated_delta_product, xla
 from gdp_jax.operator import normalize_mask
 from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy
 from pallas_kernels.common import cumsum
+from pallas_kernels.common.options import Launch
 from tests.cases import assert_close, make_inputs, present_arrays, tol
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -46,28 +47,31 @@ def test_stages_match_xla(r, mask_kind, chunk):
                  "reverse cumsum")
 
   a_ref = xla.chunk_kkt(k, beta, mask, gcum, chunk)
-  assert_close(kkt.chunk_kkt(k, beta, mask, gcum, chunk), a_ref, f32, "kkt")
-  a_fused, gcum_fused = kkt.chunk_kkt(k, beta, mask, s["g_hm"], chunk, from_g=True)
+  assert_close(kkt.chunk_kkt(k, beta, mask, gcum, chunk=chunk, key_blocks=r), a_ref, f32, "kkt")
+  a_fused, gcum_fused = kkt.chunk_kkt(k, beta, mask, s["g_hm"], chunk=chunk, key_blocks=r,
+                                          from_g=True)
   assert_close(a_fused, a_ref, f32, "kkt with fused cumsum")
   assert_close(gcum_fused, gcum, f32, "fused cumsum")
 
   ai_ref = xla.solve_tril(a_ref, chunk * r)
-  assert_close(solve_tril.solve_tril(a_ref, chunk * r), ai_ref, f32, "solve_tril")
+  assert_close(solve_tril.solve_tril(a_ref, chunk_rows=chunk * r), ai_ref, f32, "solve_tril")
 
   w_ref, u_ref = xla.recompute_w_u(k, v, beta, mask, gcum, ai_ref, chunk)
-  w, u = wy.recompute_w_u(k, v, beta, mask, gcum, ai_ref, chunk)
+  w, u = wy.recompute_w_u(k, v, beta, mask, gcum, ai_ref, chunk=chunk, key_blocks=r)
   assert_close(w, w_ref, f32, "w")
   assert_close(u, u_ref, f32, "u")
 
   h0 = s["initial_state"]
   h_ref, vn_ref, fin_ref = xla.chunk_state(k, w_ref, u_ref, gcum, h0, chunk, chunk)
-  h, vn, fin = chunk_h.chunk_state(k, w_ref, u_ref, gcum, h0, chunk, block_v=16)
+  h, vn, fin = chunk_h.chunk_state(k, w_ref, u_ref, gcum, h0, chunk=chunk, key_blocks=r,
+                                     launch=Launch(block_v=16))
   assert_close(h, h_ref, f32, "h")
   assert_close(vn, vn_ref, f32, "v_new")
   assert_close(fin, fin_ref, f32, "final state")
 
   o_ref = xla.chunk_output(s["q"], k, vn_ref, h_ref, gcum, 0.3, chunk)
-  o = chunk_o.chunk_output(s["q"], k, vn_ref, h_ref, gcum, 0.3, chunk, block_v=16)
+  o = chunk_o.chunk_output(s["q"], k, vn_ref, h_ref, gcum, scale=0.3, chunk=chunk, key_blocks=r,
+                           launch=Launch(block_v=16))
   assert_close(o, o_ref, f32, "o")
 
 
@@ -84,7 +88,7 @@ def test_solve_tril_is_the_inverse():
   n = 64
   a = jax.random.normal(jax.random.key(1), (1, 1, n, n)) * 0.2
   a = jnp.where(jnp.tril(jnp.ones((n, n), bool), -1), a, 0.0)
-  ai = solve_tril.solve_tril(a, n)
+  ai = solve_tril.solve_tril(a, chunk_rows=n)
   prod = jnp.einsum("ij,jk->ik", jnp.eye(n) + a[0, 0], ai[0, 0],
                     precision=jax.lax.Precision.HIGHEST)
   assert_close(prod, jnp.eye(n), 1e-5, "(I + A) Ai")

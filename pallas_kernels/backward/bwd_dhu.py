@@ -11,15 +11,18 @@ and the dS left after chunk 0 is d initial_state. jnp counterpart: `xla_backward
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import backend, specs
+from pallas_kernels.common import backend, options, specs
 
 
 def _dhu_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref,
-                dh_ref, dv_new_ref, dh0_ref, *, r, chunk, num_chunks, scale):
+                dh_ref, dv_new_ref, dh0_ref, *, r, chunk, num_chunks, scale, precision):
+  dot = functools.partial(backend.dot, precision=precision)
   dim_k = k_ref.shape[-1]
   dk = dim_k // r
   dtype = k_ref.dtype
@@ -37,7 +40,7 @@ def _dhu_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref,
     dv_new = []
     for a in range(r):
       kd = (k_ref[tok, cols(a)].astype(jnp.float32) * k_dec).astype(dtype)
-      dvn = dvl_ref[tok, a, :] + backend.dot(kd, ds[a].astype(dtype))
+      dvn = dvl_ref[tok, a, :] + dot(kd, ds[a].astype(dtype))
       dv_new_ref[tok, a, :] = dvn.astype(dv_new_ref.dtype)
       dv_new.append(dvn.astype(dtype))
     q_dec = (scale * jnp.exp(g))[:, None]
@@ -45,9 +48,9 @@ def _dhu_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref,
     out = []
     for d in range(r):
       qd = (q_ref[tok, cols(d)].astype(jnp.float32) * q_dec).astype(dtype)
-      nxt = jnp.exp(g_last) * ds[d] + backend.dot(qd, do, trans_a=True)
+      nxt = jnp.exp(g_last) * ds[d] + dot(qd, do, trans_a=True)
       for a in range(r):
-        nxt = nxt - backend.dot(w_ref[tok, a, cols(d)], dv_new[a], trans_a=True)
+        nxt = nxt - dot(w_ref[tok, a, cols(d)], dv_new[a], trans_a=True)
       out.append(nxt)
     return tuple(out)
 
@@ -57,23 +60,23 @@ def _dhu_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref,
     dh0_ref[cols(d), :] = ds[d]
 
 
-def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, *, block_v=64,
-                  num_warps=4, num_stages=2, dh_dtype=None):
+def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, *, scale, chunk, key_blocks,
+                  dh_dtype=None, launch=options.DEFAULT.bwd_dhu, precision="ieee"):
   """q, k [B, Tp, H, K]; w [B, H, Tp*r, K]; gcum [B, H, Tp]; do [B, Tp, H, V];
   dv_local [B, H, Tp*r, V]; dfinal [B, H, K, V] f32 ->
   dh [B, H, NT, K, V] (dh_dtype, default float32), d initial_state [B, H, K, V] f32,
   dv_new [B, H, Tp*r, V] f32."""
   bsz, t_len, heads, dim_k = q.shape
   dim_v = do.shape[-1]
-  r = w.shape[2] // t_len
+  r = key_blocks
   nt = t_len // chunk
-  bv = min(block_v, dim_v)
+  bv = min(launch.block_v, dim_v)
   dh_dtype = jnp.float32 if dh_dtype is None else dh_dtype
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   dvl5 = dv_local.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
   dh, dv_new, dh0 = backend.pallas_call(
-      lambda *refs: _dhu_kernel(*refs, r=r, chunk=chunk, num_chunks=nt, scale=scale),
+      lambda *refs: _dhu_kernel(*refs, precision=precision, r=r, chunk=chunk, num_chunks=nt, scale=scale),
       grid=(dim_v // bv, bsz, heads),
       in_specs=[specs.seq_tokens(t_len, dim_k), specs.seq_tokens(t_len, dim_k),
                 specs.seq_rows(t_len, r, dim_k), specs.seq_scalars(t_len),
@@ -84,8 +87,8 @@ def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, *, block_v=
           jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), jnp.float32),
           jax.ShapeDtypeStruct((bsz, heads, dim_k, dim_v), jnp.float32),
       ],
-      num_warps=num_warps,
-      num_stages=num_stages,
+      num_warps=launch.num_warps,
+      num_stages=launch.num_stages,
       name="gdp_bwd_dhu",
   )(q, k, w5, gcum, do, dvl5, dfinal)
   return dh, dh0, dv_new.reshape(bsz, heads, t_len * r, dim_v)

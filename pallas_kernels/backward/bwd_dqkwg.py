@@ -13,11 +13,13 @@ jnp counterpart: `gdp_jax.xla_backward.chunk_bwd_dqkwg`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import backend, rows, specs
+from pallas_kernels.common import backend, options, rows, specs
 
 
 def _inner(h_ref, dh_ref, cols, dim_v, piece=32):
@@ -31,7 +33,8 @@ def _inner(h_ref, dh_ref, cols, dim_v, piece=32):
 
 
 def _dqkwg_kernel(q_ref, k_ref, vn_ref, g_ref, h_ref, dh_ref, do_ref, dvn_ref,
-                  dq_ref, dk_ref, dw_ref, dg_ref, *, r, scale):
+                  dq_ref, dk_ref, dw_ref, dg_ref, *, r, scale, precision):
+  dot = functools.partial(backend.dot, precision=precision)
   chunk, dim_k = q_ref.shape
   dim_v = do_ref.shape[-1]
   dk = dim_k // r
@@ -55,34 +58,34 @@ def _dqkwg_kernel(q_ref, k_ref, vn_ref, g_ref, h_ref, dh_ref, do_ref, dvn_ref,
     vna = vn_ref[:, a, :].astype(dtype)
     ha = h_ref[cols, :].astype(dtype)
     dha = dh_ref[cols, :].astype(dtype)
-    ds = decay * backend.dot(do, vna, trans_b=True)                # [t, s]
-    dq_inter = q_scale * backend.dot(do, ha.astype(dtype), trans_b=True)
-    dk_state = k_scale * backend.dot(vna, dha.astype(dtype), trans_b=True)
-    dq_ref[:, cols] = (backend.dot(ds.astype(dtype), ka) + dq_inter).astype(dq_ref.dtype)
-    dk_ref[:, cols] = (backend.dot(ds.astype(dtype), qa, trans_a=True)
+    ds = decay * dot(do, vna, trans_b=True)                # [t, s]
+    dq_inter = q_scale * dot(do, ha.astype(dtype), trans_b=True)
+    dk_state = k_scale * dot(vna, dha.astype(dtype), trans_b=True)
+    dq_ref[:, cols] = (dot(ds.astype(dtype), ka) + dq_inter).astype(dq_ref.dtype)
+    dk_ref[:, cols] = (dot(ds.astype(dtype), qa, trans_a=True)
                        + dk_state).astype(dk_ref.dtype)
-    z = ds * backend.dot(qa, ka, trans_b=True)
+    z = ds * dot(qa, ka, trans_b=True)
     kds = jnp.sum(dk_state * ka.astype(f32), axis=1)
     dg = (dg + jnp.sum(z, axis=1) - jnp.sum(z, axis=0)
           + jnp.sum(dq_inter * qa.astype(f32), axis=1) - kds)
     last = last + jnp.sum(kds) + jnp.exp(g_last) * _inner(h_ref, dh_ref, cols, dim_v)
-    dw_ref[:, cols] = (-backend.dot(dvn, ha.astype(dtype), trans_b=True)).astype(dw_ref.dtype)
+    dw_ref[:, cols] = (-dot(dvn, ha.astype(dtype), trans_b=True)).astype(dw_ref.dtype)
   dg_ref[...] = dg + jnp.where(is_last, last, 0.0)
 
 
-def chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk, *, num_warps=8,
-                    num_stages=2):
+def chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, *, scale, chunk, key_blocks,
+                    launch=options.DEFAULT.bwd_dqkwg, precision="ieee"):
   """q, k [B, Tp, H, K]; v_new, dv_new [B, H, Tp*r, V]; gcum [B, H, Tp]; h, dh [B, H, NT, K, V];
   do [B, Tp, H, V] -> dq, dk [B, Tp, H, K], dw [B, H, Tp*r, K], dgamma [B, H, Tp], float32."""
   bsz, t_len, heads, dim_k = q.shape
   dim_v = do.shape[-1]
-  r = v_new.shape[2] // t_len
+  r = key_blocks
   n = chunk * r
   per_row = pl.BlockSpec((None, None, chunk, r, dim_v), lambda t, b, h: (b, h, t, 0, 0))
   state = pl.BlockSpec((None, None, None, dim_k, dim_v), lambda t, b, h: (b, h, t, 0, 0))
   f32 = jnp.float32
   return backend.pallas_call(
-      lambda *refs: _dqkwg_kernel(*refs, r=r, scale=scale),
+      lambda *refs: _dqkwg_kernel(*refs, precision=precision, r=r, scale=scale),
       grid=(t_len // chunk, bsz, heads),
       in_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_k), per_row,
                 specs.scalars(chunk), state, state, specs.tokens(chunk, dim_v), per_row],
@@ -91,8 +94,8 @@ def chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk, *, num_w
       out_shape=[jax.ShapeDtypeStruct(q.shape, f32), jax.ShapeDtypeStruct(q.shape, f32),
                  jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_k), f32),
                  jax.ShapeDtypeStruct(gcum.shape, f32)],
-      num_warps=num_warps,
-      num_stages=num_stages,
+      num_warps=launch.num_warps,
+      num_stages=launch.num_stages,
       name="gdp_bwd_dqkwg",
   )(q, k, v_new.reshape(bsz, heads, t_len, r, dim_v), gcum, h, dh, do,
     dv_new.reshape(bsz, heads, t_len, r, dim_v))

@@ -8,14 +8,17 @@ one [BT, BT] score tile and one [BT, BT] x [BT, V] product per key block a; jnp 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import backend, rows, specs
+from pallas_kernels.common import backend, options, rows, specs
 
 
-def _dv_local_kernel(q_ref, k_ref, g_ref, do_ref, dv_ref, *, r, scale):
+def _dv_local_kernel(q_ref, k_ref, g_ref, do_ref, dv_ref, *, r, scale, precision):
+  dot = functools.partial(backend.dot, precision=precision)
   chunk, dim_k = q_ref.shape
   dk = dim_k // r
   dtype = q_ref.dtype
@@ -25,22 +28,25 @@ def _dv_local_kernel(q_ref, k_ref, g_ref, do_ref, dv_ref, *, r, scale):
   do = do_ref[...].astype(dtype)
   for a in range(r):
     cols = pl.ds(a * dk, dk)
-    p = backend.dot(q_ref[:, cols], k_ref[:, cols], trans_b=True) * decay
-    dv_ref[:, a, :] = backend.dot(p.astype(dtype), do, trans_a=True).astype(dv_ref.dtype)
+    p = dot(q_ref[:, cols], k_ref[:, cols], trans_b=True) * decay
+    dv_ref[:, a, :] = dot(p.astype(dtype), do, trans_a=True).astype(dv_ref.dtype)
 
 
-def chunk_bwd_dv_local(q, k, gcum, do, scale, chunk, r, *, num_warps=4):
+def chunk_bwd_dv_local(q, k, gcum, do, *, scale, chunk, key_blocks,
+                       launch=options.DEFAULT.bwd_dv_local, precision="ieee"):
   """q, k [B, Tp, H, K]; gcum [B, H, Tp]; do [B, Tp, H, V] -> dv_local [B, H, Tp*r, V] f32."""
   bsz, t_len, heads, dim_k = q.shape
   dim_v = do.shape[-1]
+  r = key_blocks
   out = backend.pallas_call(
-      lambda *refs: _dv_local_kernel(*refs, r=r, scale=scale),
+      lambda *refs: _dv_local_kernel(*refs, precision=precision, r=r, scale=scale),
       grid=(t_len // chunk, bsz, heads),
       in_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_k), specs.scalars(chunk),
                 specs.tokens(chunk, dim_v)],
       out_specs=pl.BlockSpec((None, None, chunk, r, dim_v), lambda t, b, h: (b, h, t, 0, 0)),
       out_shape=jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), jnp.float32),
-      num_warps=num_warps,
+      num_warps=launch.num_warps,
+      num_stages=launch.num_stages,
       name="gdp_bwd_dv_local",
   )(q, k, gcum, do)
   return out.reshape(bsz, heads, t_len * r, dim_v)

@@ -14,11 +14,13 @@ jnp counterpart: `gdp_jax.xla_backward.wy_bwd` (which returns dmask already redu
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import backend, rows, specs
+from pallas_kernels.common import backend, options, rows, specs
 
 
 def _per_token(x, chunk, r):
@@ -27,7 +29,8 @@ def _per_token(x, chunk, r):
 
 
 def _wy_bwd_kernel(k_ref, v_ref, beta_ref, g_ref, mask_ref, ai_ref, dw_ref, du_ref,
-                   dk_ref, dv_ref, dbeta_ref, dmask_ref, dg_ref, *, r):
+                   dk_ref, dv_ref, dbeta_ref, dmask_ref, dg_ref, *, r, precision):
+  dot = functools.partial(backend.dot, precision=precision)
   # Ordered to keep few [N, K] tiles live at once (registers): the dw part, the du part, then
   # the Ag part, each consuming its products as soon as they are formed.
   k = k_ref[...]
@@ -48,35 +51,35 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, g_ref, mask_ref, ai_ref, dw_ref, du_r
 
   # w = Ai W~ with W~ = beta exp(gamma) Kw:  dW~ = Ai^T dw
   dw = dw_ref[...].astype(dtype)
-  dwt = backend.dot(ai, dw, trans_a=True)                              # [N, K]
+  dwt = dot(ai, dw, trans_a=True)                              # [N, K]
   s_w = jnp.sum(dwt * kw, axis=1)                                     # <dW~, Kw> per row
   dkw = scale_w[:, None] * dwt
-  x = backend.dot(dw, (scale_w[:, None] * kw).astype(dtype), trans_b=True)   # dw W~^T  [N, N]
+  x = dot(dw, (scale_w[:, None] * kw).astype(dtype), trans_b=True)   # dw W~^T  [N, N]
 
   # u = Ai U~ with U~ = beta v (per token, repeated over a):  dU~ = Ai^T du
   v = v_ref[...].astype(f32)
   du = du_ref[...].astype(dtype)
-  dut = backend.dot(ai, du, trans_a=True)                              # [N, V]
+  dut = dot(ai, du, trans_a=True)                              # [N, V]
   dut_sum = dut if r == 1 else jnp.sum(dut.reshape(chunk, r, dim_v), axis=1)
   dv_ref[...] = (beta[:, None] * dut_sum).astype(dv_ref.dtype)
   dbeta_u = jnp.sum(dut_sum * v, axis=1)
   u_tilde = rows.repeat_rows((beta[:, None] * v).astype(dtype), r)
-  x = x + backend.dot(du, u_tilde, trans_b=True)                       # + du U~^T
+  x = x + dot(du, u_tilde, trans_b=True)                       # + du U~^T
 
   # Ai = (I + Ag)^-1:  dAg = -Ai^T (dw W~^T + du U~^T) Ai^T on token-strictly-lower entries
-  xa = backend.dot(ai, x.astype(dtype), trans_a=True)
-  dag = -backend.dot(xa.astype(dtype), ai, trans_b=True)
+  xa = dot(ai, x.astype(dtype), trans_a=True)
+  dag = -dot(xa.astype(dtype), ai, trans_b=True)
   tok = rows.row_tokens(n, r)
   g_r = rows.per_row(g, r)
   gd = dag * rows.causal_decay(g_r, g_r, tok, tok, strict=True)     # G
-  kk = backend.dot(kw_c, kb_c, trans_b=True)                          # Kw Kb^T
+  kk = dot(kw_c, kb_c, trans_b=True)                          # Kw Kb^T
   gkk = gd * kk
   z = beta_r[:, None] * gkk
   dbeta_r = jnp.sum(gkk, axis=1) + eg_r * s_w
   dg_r = jnp.sum(z, axis=1) - jnp.sum(z, axis=0) + scale_w * s_w
   gb = (beta_r[:, None] * gd).astype(dtype)
-  dkw = dkw + backend.dot(gb, kb_c)
-  dkb = backend.dot(gb, kw_c, trans_a=True)
+  dkw = dkw + dot(gb, kb_c)
+  dkb = dot(gb, kw_c, trans_a=True)
   dbeta_ref[...] = _per_token(dbeta_r, chunk, r) + dbeta_u
   dg_ref[...] = _per_token(dg_r, chunk, r)
 
@@ -100,18 +103,20 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, g_ref, mask_ref, ai_ref, dw_ref, du_r
   dmask_ref[...] = dmask
 
 
-def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, *, num_warps=8, num_stages=2):
+def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, *, chunk, key_blocks,
+           launch=options.DEFAULT.bwd_wy, precision="ieee"):
   """k [B, Tp, H, K]; v [B, Tp, H, V]; beta, gcum [B, H, Tp]; mask [Bm, Tm, Hm, r, r];
   ai [B, H, Tp*r, N]; dw [B, H, Tp*r, K]; du [B, H, Tp*r, V] ->
   dk [B, Tp, H, K], dv [B, Tp, H, V], dbeta [B, H, Tp], per-token dmask [B, H, Tp, r, r],
   dgamma [B, H, Tp]; all float32."""
   bsz, t_len, heads, dim_k = k.shape
   dim_v = v.shape[-1]
-  r = mask.shape[-1]
+  r = key_blocks
+  specs.check_key_blocks(mask, r)
   n = chunk * r
   f32 = jnp.float32
   return backend.pallas_call(
-      lambda *refs: _wy_bwd_kernel(*refs, r=r),
+      lambda *refs: _wy_bwd_kernel(*refs, precision=precision, r=r),
       grid=(t_len // chunk, bsz, heads),
       in_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_v), specs.scalars(chunk),
                 specs.scalars(chunk), specs.mask(mask.shape, chunk), specs.rows(n, n),
@@ -123,7 +128,7 @@ def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, *, num_warps=8, num_stages
                  jax.ShapeDtypeStruct(beta.shape, f32),
                  jax.ShapeDtypeStruct((bsz, heads, t_len, r, r), f32),
                  jax.ShapeDtypeStruct(gcum.shape, f32)],
-      num_warps=num_warps,
-      num_stages=num_stages,
+      num_warps=launch.num_warps,
+      num_stages=launch.num_stages,
       name="gdp_bwd_wy",
   )(k, v, beta, gcum, mask, ai, dw, du)

@@ -11,7 +11,6 @@ a later move (Mosaic GPU, or jax-triton) touches this module only.
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 
@@ -68,12 +67,3 @@ def dot(a, b, *, trans_a=False, trans_b=False, precision="ieee"):
     algorithm = HIGHEST if interpret_mode() else _GPU_ALGORITHM[precision]
   return jax.lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=algorithm,
                              preferred_element_type=jnp.float32)
-
-
-def cdiv(a: int, b: int) -> int:
-  return -(-a // b)
-
-
-@functools.cache
-def next_power_of_2(n: int) -> int:
-  return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -63,3 +63,10 @@ def state(dim_k, bv):
 def chunk_states(nt, dim_k, bv):
   """[NT, K, BV] of a [B, H, NT, K, V] array of per-chunk states."""
   return pl.BlockSpec((None, None, nt, dim_k, bv), lambda iv, b, h: (b, h, 0, 0, iv))
+
+
+def check_key_blocks(mask, key_blocks):
+  """The mask's r x r must match the key blocks a kernel was asked to use."""
+  if mask.shape[-1] != key_blocks or mask.shape[-2] != key_blocks:
+    raise ValueError(f"mask has shape {mask.shape}; expected [..., {key_blocks}, {key_blocks}] "
+                     f"for key_blocks = {key_blocks}")

@@ -10,15 +10,18 @@ value is ever sliced (DESIGN §4).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import backend, specs
+from pallas_kernels.common import backend, options, specs
 
 
 def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_ref, *,
-                    r, chunk, num_chunks):
+                    r, chunk, num_chunks, precision):
+  dot = functools.partial(backend.dot, precision=precision)
   dim_k = k_ref.shape[-1]
   dk = dim_k // r
   dtype = k_ref.dtype
@@ -36,7 +39,7 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_
     for a in range(r):
       pred = None
       for d in range(r):
-        term = backend.dot(w_ref[tok, a, cols(d)], state[d].astype(dtype))
+        term = dot(w_ref[tok, a, cols(d)], state[d].astype(dtype))
         pred = term if pred is None else pred + term
       vn = (u_ref[tok, a, :].astype(jnp.float32) - pred).astype(dtype)
       v_new_ref[tok, a, :] = vn.astype(v_new_ref.dtype)
@@ -45,7 +48,7 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_
     out = []
     for d in range(r):
       k_dec = (k_ref[tok, cols(d)].astype(jnp.float32) * decay).astype(dtype)
-      out.append(jnp.exp(g_last) * state[d] + backend.dot(k_dec, v_new[d], trans_a=True))
+      out.append(jnp.exp(g_last) * state[d] + dot(k_dec, v_new[d], trans_a=True))
     return tuple(out)
 
   state = tuple(h0_ref[cols(d), :].astype(jnp.float32) for d in range(r))
@@ -54,24 +57,23 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_
     final_ref[cols(d), :] = state[d]
 
 
-def chunk_state(k, w, u, gcum, initial_state, chunk, *, block_v=64, num_warps=4,
-                num_stages=3,
-                h_dtype=None):
+def chunk_state(k, w, u, gcum, initial_state, *, chunk, key_blocks, h_dtype=None,
+                launch=options.DEFAULT.chunk_h, precision="ieee"):
   """k [B, Tp, H, K]; w [B, H, Tp*r, K]; u [B, H, Tp*r, V]; gcum [B, H, Tp] f32;
   initial_state [B, H, K, V] f32 ->
   h [B, H, NT, K, V] (h_dtype, default k's dtype), v_new [B, H, Tp*r, V] (k's dtype),
   final state [B, H, K, V] float32."""
   bsz, t_len, heads, dim_k = k.shape
   dim_v = u.shape[-1]
-  r = w.shape[2] // t_len
+  r = key_blocks
   nt = t_len // chunk
-  bv = min(block_v, dim_v)
+  bv = min(launch.block_v, dim_v)
   h_dtype = k.dtype if h_dtype is None else h_dtype
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   u5 = u.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
   h, v_new, final = backend.pallas_call(
-      lambda *refs: _chunk_h_kernel(*refs, r=r, chunk=chunk, num_chunks=nt),
+      lambda *refs: _chunk_h_kernel(*refs, precision=precision, r=r, chunk=chunk, num_chunks=nt),
       grid=(dim_v // bv, bsz, heads),
       in_specs=[specs.seq_tokens(t_len, dim_k), specs.seq_rows(t_len, r, dim_k), per_row_v,
                 specs.seq_scalars(t_len), specs.state(dim_k, bv)],
@@ -81,8 +83,8 @@ def chunk_state(k, w, u, gcum, initial_state, chunk, *, block_v=64, num_warps=4,
           jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype),
           jax.ShapeDtypeStruct((bsz, heads, dim_k, dim_v), jnp.float32),
       ],
-      num_warps=num_warps,
-      num_stages=num_stages,
+      num_warps=launch.num_warps,
+      num_stages=launch.num_stages,
       name="gdp_chunk_h",
   )(k, w5, u5, gcum, initial_state)
   return h, v_new.reshape(bsz, heads, t_len * r, dim_v), final

@@ -10,11 +10,13 @@ which for two blocks is the seed's merge Ai21 = -Ai22 A21 Ai11. Every block is l
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import backend, specs
+from pallas_kernels.common import backend, options, specs
 
 BLOCK = 16
 
@@ -45,7 +47,8 @@ def _invert_diagonal_blocks(a_ref, nb):
   return tuple(y + eye for y in ys)
 
 
-def _solve_tril_kernel(a_ref, ai_ref):
+def _solve_tril_kernel(a_ref, ai_ref, *, precision):
+  dot = functools.partial(backend.dot, precision=precision)
   n = a_ref.shape[0]
   nb = n // BLOCK
   blk = lambda i: pl.ds(i * BLOCK, BLOCK)
@@ -58,25 +61,27 @@ def _solve_tril_kernel(a_ref, ai_ref):
     for j in range(i - 1, -1, -1):
       acc = None
       for k in range(j, i):
-        term = backend.dot(load(i, k), x[k, j])
+        term = dot(load(i, k), x[k, j])
         acc = term if acc is None else acc + term
-      x[i, j] = -backend.dot(x[i, i], acc)
+      x[i, j] = -dot(x[i, i], acc)
     for j in range(nb):                                              # row block i is final
       ai_ref[blk(i), blk(j)] = x[i, j].astype(ai_ref.dtype) if j <= i else zeros
 
 
-def solve_tril(a, chunk_rows, *, out_dtype=jnp.float32, num_warps=1):
+def solve_tril(a, *, chunk_rows, out_dtype=jnp.float32, launch=options.DEFAULT.solve_tril,
+               precision="ieee"):
   """a [B, H, Tp*r, N] (N = chunk_rows, a multiple of 16) -> (I + A)^-1 blockwise, same shape."""
   bsz, heads, total_rows, n = a.shape
   if n != chunk_rows or n % BLOCK:
     raise ValueError(f"solve_tril needs [.., N] blocks with N = {chunk_rows} a multiple of "
                      f"{BLOCK}, got shape {a.shape}")
   return backend.pallas_call(
-      _solve_tril_kernel,
+      functools.partial(_solve_tril_kernel, precision=precision),
       grid=(total_rows // n, bsz, heads),
       in_specs=[specs.rows(n, n)],
       out_specs=specs.rows(n, n),
       out_shape=jax.ShapeDtypeStruct(a.shape, out_dtype),
-      num_warps=num_warps,
+      num_warps=launch.num_warps,
+      num_stages=launch.num_stages,
       name="gdp_solve_tril",
   )(a)

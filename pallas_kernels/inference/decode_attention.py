@@ -39,29 +39,26 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import backend
+from pallas_kernels.common import backend, options
 
 f32 = jnp.float32
 
-# Defaults for an H200 (132 SMs); the benchmark sweeps them (benchmarks/bench_decode.py).
-# block_s keeps a [block_s, 128] tile at 16 KB: 64 rows of a 2-byte cache, 32 of a 4-byte one
-# (compiled offline for sm_90 with Triton 3.9: bf16 64/4 warps/3 stages uses 128 registers and
-# 78 KB of shared memory, no spills; float32 at 64 rows and 4 warps spills, at 32 it does not).
-BLOCK_S = 64
+# Launch defaults live in pallas_kernels/common/options.py (DecodeOptions); the benchmark sweeps
+# them (benchmarks/bench_decode.py). block_s keeps a [block_s, 128] tile at 16 KB: 64 rows of a
+# 2-byte cache, 32 of a 4-byte one (compiled offline for sm_90 with Triton 3.9: bf16 64/4 warps/
+# 3 stages uses 128 registers and 78 KB of shared memory, no spills; float32 at 64 rows and 4 warps
+# spills, at 32 it does not).
+DEFAULTS = options.DecodeOptions()
 BLOCK_S_4BYTE = 32
-NUM_WARPS = 4
-NUM_STAGES = 3
-NUM_SMS = 132
-TARGET_PROGRAMS = 16 * NUM_SMS     # enough programs for a few waves and a short tail
-MIN_BLOCKS_PER_SPLIT = 4
 
 
-def default_num_splits(batch, kv_heads, seq_len, block_s=BLOCK_S):
-  """Splits of the cache positions per (sequence, cache head): about TARGET_PROGRAMS programs
-  in all, each split at least MIN_BLOCKS_PER_SPLIT blocks of S long."""
+def default_num_splits(batch, kv_heads, seq_len, block_s=DEFAULTS.block_s, sm_count=None):
+  """Splits of the cache positions per (sequence, cache head): about `programs_per_sm` programs
+  per SM of the device in all, each split at least `min_blocks_per_split` blocks of S long."""
+  sm_count = options.device_info().sm_count if sm_count is None else sm_count
   pairs = max(batch * kv_heads, 1)
-  want = backend.cdiv(TARGET_PROGRAMS, pairs)
-  most = max(1, seq_len // (MIN_BLOCKS_PER_SPLIT * block_s))
+  want = pl.cdiv(DEFAULTS.programs_per_sm * sm_count, pairs)
+  most = max(1, seq_len // (DEFAULTS.min_blocks_per_split * block_s))
   return int(max(1, min(want, most)))
 
 
@@ -162,7 +159,7 @@ def combine_splits(acc, m, l):
 @functools.partial(jax.jit, static_argnames=(
     "scale", "block_s", "num_splits", "num_warps", "num_stages"))
 def gqa_decode(query, key_cache, value_cache, lengths, *, scale, block_s=None, num_splits=None,
-               num_warps=NUM_WARPS, num_stages=NUM_STAGES):
+               num_warps=DEFAULTS.num_warps, num_stages=DEFAULTS.num_stages):
   """Flash-decoding GQA step. query [B, Hq, D]; caches [B, S, Hkv, D] (one dtype);
   lengths [B] int32 (clamped to [0, S] in the kernel); scale a Python float.
 
@@ -172,11 +169,11 @@ def gqa_decode(query, key_cache, value_cache, lengths, *, scale, block_s=None, n
   batch, q_heads, dim = query.shape
   _, seq_len, kv_heads, _ = key_cache.shape
   group = q_heads // kv_heads
-  gp = max(16, backend.next_power_of_2(group))
-  dp = max(16, backend.next_power_of_2(dim))
+  gp = max(16, pl.next_power_of_2(group))
+  dp = max(16, pl.next_power_of_2(dim))
   if block_s is None:
-    block_s = BLOCK_S if key_cache.dtype.itemsize <= 2 else BLOCK_S_4BYTE
-    block_s = min(block_s, max(16, backend.next_power_of_2(seq_len)))
+    block_s = DEFAULTS.block_s if key_cache.dtype.itemsize <= 2 else BLOCK_S_4BYTE
+    block_s = min(block_s, max(16, pl.next_power_of_2(seq_len)))
   if block_s < 16 or block_s & (block_s - 1):
     raise ValueError(f"block_s must be a power of two >= 16, got {block_s}")
   if num_splits is None:

@@ -28,14 +28,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import backend
+from pallas_kernels.common import backend, options
 
 f32 = jnp.float32
 
-# Defaults for an H200; the benchmark sweeps them (benchmarks/bench_decode.py).
-BLOCK_V = 64
-NUM_WARPS = 4
-NUM_STAGES = 1
+# Launch defaults: pallas_kernels/common/options.py (StepOptions); the benchmark sweeps them
+# (benchmarks/bench_decode.py).
+DEFAULTS = options.StepOptions()
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, mask_ref, state_ref, o_ref, new_ref, *,
@@ -115,7 +114,7 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, mask_ref, state_ref, o_ref, ne
 @functools.partial(jax.jit, static_argnames=(
     "scale", "out_dtype", "block_v", "num_warps", "num_stages", "in_place"))
 def recurrent_step(q, k, v, g, beta, mask, state, *, scale, out_dtype=None, block_v=None,
-                   num_warps=NUM_WARPS, num_stages=NUM_STAGES, in_place=True):
+                   num_warps=DEFAULTS.num_warps, num_stages=DEFAULTS.num_stages, in_place=True):
   """One token for every (b, h). Shapes in the module docstring; scale a Python float.
 
   Returns (o [B, H, V] in out_dtype (default q.dtype), new state [B, H, K, V] float32).
@@ -125,13 +124,13 @@ def recurrent_step(q, k, v, g, beta, mask, state, *, scale, out_dtype=None, bloc
   batch, heads, dim_k = q.shape
   dim_v = v.shape[-1]
   bm, hm, r, _ = mask.shape
-  kp = max(16, backend.next_power_of_2(dim_k))
+  kp = max(16, pl.next_power_of_2(dim_k))
   if block_v is None:
-    block_v = min(BLOCK_V, max(16, backend.next_power_of_2(dim_v)))
+    block_v = min(DEFAULTS.block_v, max(16, pl.next_power_of_2(dim_v)))
   if block_v < 16 or block_v & (block_v - 1):
     raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
   out_dtype = q.dtype if out_dtype is None else out_dtype
-  n_v = backend.cdiv(dim_v, block_v)
+  n_v = pl.cdiv(dim_v, block_v)
 
   kernel = functools.partial(_kernel, dim_k=dim_k, dim_v=dim_v, kp=kp, block_v=block_v, r=r,
                              scale=float(scale))
