@@ -1,4 +1,5 @@
-"""Time the inference steps: `gqa_decode` and `gated_delta_product_step` (DESIGN §3, §6).
+"""Time the inference steps: `gqa_decode` and `gated_delta_product_step`
+(docs/inference.md, docs/performance.md#inference-steps).
 
   python benchmarks/bench_decode.py --out results.json            # the H200 shapes
   python benchmarks/bench_decode.py --tiny --out /tmp/tiny.json   # a smoke run on CPU

@@ -1,4 +1,4 @@
-"""gdp-jax: gated delta product linear attention for JAX (DESIGN §1)."""
+"""gdp-jax: gated delta product linear attention for JAX (docs/operator.md)."""
 
 from gdp_jax.decode import gated_delta_product_step, gqa_decode
 from gdp_jax.operator import gated_delta_product

@@ -48,13 +48,13 @@ SCHEMA = "gdp_jax.bench/1"
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 MODES = ("fwd", "fwdbwd")
 ALL_IMPLS = ("pallas", "xla", "reference", "fla", "jla")
-GPU_SHAPE = "8,4096,16,128,128"   # the H200 reference shape (DESIGN §6)
+GPU_SHAPE = "8,4096,16,128,128"   # the H200 benchmark shape (docs/performance.md)
 CPU_SHAPE = "1,512,4,64,64"       # default when no GPU: seconds, not hours
 TINY_SHAPE = "1,64,2,32,32"
 FLOP_ROWS = 64                    # rows per chunk (C * r) in the nominal FLOP count
 
 FLOPS_DOC = (
-    "Nominal matmul FLOPs of the chunked (WY) form (DESIGN §2), the same for every "
+    "Nominal matmul FLOPs of the chunked (WY) form (docs/chunked_form.md), the same for every "
     "implementation. Chunks of C = max(16, 64 // r) tokens (N = C*r = 64 rows for r <= 4, as "
     "the Pallas kernels use), dk = K / r, per chunk and (batch, head): "
     "KKT 2*N*N*dk + triangular inverse N^3/3 + w and u 2*N*N*(K + V) "
@@ -180,7 +180,8 @@ def fla_case(mode, shape, dtype, reps, tick=None):
   import fla.ops.common.chunk_o as fla_chunk_o
   import triton
   # flash-linear-attention 0.6.0 refuses its gated backward on Hopper with triton < 3.7.1 (a
-  # compiler bug); for timing only (never as a reference) we let it run (DESIGN §5).
+  # compiler bug); for timing only (never as a reference) we let it run
+  # (docs/performance.md#peers-for-side-by-side-timing).
   fla_chunk_o.TRITON_ABOVE_3_7_1 = True
   B, T, H, K, V = shape
   tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16,

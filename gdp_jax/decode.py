@@ -1,5 +1,5 @@
-"""Inference steps (DESIGN §3): grouped-query decode over a KV cache, and one recurrent token of
-the gated delta product.
+"""Inference steps (docs/inference.md): grouped-query decode over a KV cache, and one
+recurrent token of the gated delta product.
 
 Public functions check their arguments, normalise them and dispatch to an implementation:
 "xla" (jnp, any backend; the ground truth for the kernels) or "pallas" (GPU kernels in
@@ -188,7 +188,7 @@ def _check_step(q, k, v, g, beta, mask, state):
 
 def gated_delta_product_step(q, k, v, g, beta, mask, state, *, scale=None, implementation=None,
                              in_place=True):
-  """One token of the block-masked gated delta product for every sequence (DESIGN §1, §3).
+  """One token of the block-masked gated delta product for every sequence (docs/inference.md).
 
     S' = exp(g) S;  u_a = beta (v - sum_d M[a,d] k^(d)T S'^(d));  S_new^(a) = S'^(a) + k^(a) u_a^T;
     o = scale q^T S_new

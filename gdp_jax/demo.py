@@ -14,7 +14,7 @@ Besides the accuracy over all positions and by position, the report gives the ac
 *sign* (parity) of the predicted permutation at the last position: S3 = Z3 x| Z2, and the sign is
 the Z2 part. Tracking it needs a transition with eigenvalue -1 (Grazzi et al. 2024); the Z3 part
 (3-cycles) needs a rotation. The layer's per-token transition I - beta Kb M Kb^T is symmetric for
-the seed's symmetric mask, so its eigenvalues are real: expect the sign to be tracked at every
+the layer's symmetric mask, so its eigenvalues are real: expect the sign to be tracked at every
 length with beta in (0, 2) and not with beta in (0, 1), and the 3-cycles only over the first
 few positions (the attention layer can do those directly), by any of the three. That is what
 runs show (seeds 0 to 3): the block mask gives a rank-r update per token, not a rotation.

@@ -149,7 +149,7 @@ class GatedDeltaProductCache(NamedTuple):
 
 
 class GatedDeltaProduct(nnx.Module):
-  """Block-masked gated delta product token mixer (DESIGN §1), built like Gated DeltaNet.
+  """Block-masked gated delta product token mixer (docs/operator.md), built like Gated DeltaNet.
 
   Per head: q, k = L2-normalised projections of x (after an optional causal short convolution
   + SiLU), v = projection (value dim V = head_dim * expand_v), beta = sigmoid(b_proj(x)) (times 2

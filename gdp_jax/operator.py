@@ -1,6 +1,6 @@
 """`gated_delta_product`: argument checks, normalisation and implementation dispatch.
 
-The public operator of DESIGN §1. Every implementation receives the same normalised inputs:
+The public operator (docs/operator.md). Every implementation receives the same normalised inputs:
 T padded to a multiple of the chunk (padding tokens have beta = 0, g = 0: exact no-ops), the mask
 as a 5-D array [Bm, Tm, Hm, r, r] that broadcasts against [B, T, H, r, r], and a float32 state.
 """
@@ -121,7 +121,7 @@ def _pad_time(x, t_pad):
 def gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, scale=None,
                         initial_state=None, output_final_state=False, chunk_size=64,
                         implementation=None, backward="pallas", options=None):
-  """Block-masked gated delta product linear attention (DESIGN §1).
+  """Block-masked gated delta product linear attention (docs/operator.md).
 
   Per batch row and head a float32 state S [K, V] evolves as
     S' = exp(g_t) S_{t-1};  u_a = beta_t (v_t - sum_d M_t[a,d] k_t^(d)T S'^(d));

@@ -1,4 +1,5 @@
-"""`implementation="pallas"`: the chunked form of DESIGN §2 as Pallas kernels (pallas_kernels/).
+"""`implementation="pallas"`: the chunked form (docs/chunked_form.md) as Pallas kernels
+(pallas_kernels/, docs/kernels.md).
 
 Inputs arrive validated and padded in time by `gdp_jax.operator`. Here they are also padded in
 the feature axes so every kernel tile is a power of two of at least 16 (the Triton dot's minimum):

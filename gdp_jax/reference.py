@@ -1,4 +1,5 @@
-"""The recurrent reference: the gated delta product token by token (DESIGN §1).
+"""The recurrent reference: the gated delta product token by token
+(docs/operator.md#the-recurrence).
 
 Ground truth for every other implementation. Plain `lax.scan` over time, float32 throughout, no
 chunking. Inputs are already validated and normalised by `gdp_jax.operator`:
@@ -16,7 +17,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def recurrent_step(q, k, v, g, beta, mask, state, scale):
-  """One token of DESIGN §1 for every (batch, head).
+  """One token of the recurrence (docs/operator.md#the-recurrence) for every (batch, head).
 
   q, k: [B, H, K]; v: [B, H, V]; g, beta: [B, H]; mask: [B, H, r, r]; state: [B, H, K, V] (f32).
   Returns (o [B, H, V] f32, new state [B, H, K, V] f32).

@@ -1,4 +1,4 @@
-"""The chunked (WY) form of DESIGN §2 in plain jnp: the `"xla"` implementation.
+"""The chunked (WY) form (docs/chunked_form.md) in plain jnp: the `"xla"` implementation.
 
 Each stage here is the jnp counterpart of one Pallas kernel in `pallas_kernels/`, in the same array
 layout, so the kernels are tested stage by stage against these functions:
@@ -14,7 +14,8 @@ layout, so the kernels are tested stage by stage against these functions:
   o          [B, Tp, H, V]
 
 Everything is computed in float32 with HIGHEST matmul precision: this is ground truth, also on GPU.
-Padding tokens carry beta = 0 and g = 0, which makes them exact no-ops (DESIGN §2).
+Padding tokens carry beta = 0 and g = 0, which makes them exact no-ops
+(docs/chunked_form.md#padding).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def _mask_chunks(mask, batch, heads, t_len, chunk):
 def _decay(gc, inclusive):
   """exp(gamma_t - gamma_s) where s < t (s <= t if inclusive), else exactly 0: [..., C, C].
 
-  The exponent is masked before `exp`, so no positive argument is ever exponentiated (DESIGN §2).
+  The exponent is masked before `exp`, so no positive argument is ever exponentiated
+  (docs/chunked_form.md#safe-exp).
   """
   c = gc.shape[-1]
   t = jnp.arange(c)[:, None]
@@ -74,8 +76,9 @@ def chunk_local_cumsum(g, chunk):
 def chunk_kkt(k, beta, mask, gcum, chunk):
   """A[(t,a),(s,b)] = beta_t M_t[a,b] <k_t^(b), k_s^(b)> exp(gamma_t - gamma_s), t > s, else 0.
 
-  This is the gated matrix `Ag` of DESIGN §2; it is the only one the forward needs, since
-  w = (I + Ag)^-1 (exp(gamma) W~) equals exp(gamma) (I + A)^-1 W~ (DESIGN §2, `Au = D Aw D^-1`).
+  This is the gated chunk matrix `Ag` (docs/chunked_form.md#the-chunk-matrix-a); it is the
+  only one the forward needs, since w = (I + Ag)^-1 (exp(gamma) W~) equals
+  exp(gamma) (I + A)^-1 W~ (docs/chunked_form.md#one-inverse-for-w-and-u).
   Returns [B, H, Tp*r, N] float32.
   """
   bsz, t_len, heads, dim_k = k.shape
@@ -128,7 +131,7 @@ def _masked_keys(k, mask, chunk):
 
 
 def recompute_w_u(k, v, beta, mask, gcum, ai, chunk):
-  """w = Ai (exp(gamma) beta Kw), u = Ai (beta v) per chunk (DESIGN §2, "recompute w/u")."""
+  """w = Ai (exp(gamma) beta Kw), u = Ai (beta v) per chunk (docs/chunked_form.md#w-and-u)."""
   bsz, t_len, heads, dim_k = k.shape
   dim_v = v.shape[-1]
   r = mask.shape[-1]
@@ -146,7 +149,7 @@ def recompute_w_u(k, v, beta, mask, gcum, ai, chunk):
 
 
 def chunk_state(k, w, u, gcum, initial_state, chunk, state_chunk):
-  """The state recurrence over chunks (DESIGN §2).
+  """The state recurrence over chunks (docs/chunked_form.md#the-state-update-and-the-output).
 
   Runs over chunks of `chunk` tokens (`gcum` is their local cumsum) and keeps the state at the
   start of every `state_chunk` tokens (a multiple of `chunk`): the Pallas kernel solves small WY

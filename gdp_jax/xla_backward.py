@@ -1,4 +1,5 @@
-"""The backward of the chunked (WY) form, stage by stage, in plain jnp (DESIGN §2, "Backward").
+"""The backward of the chunked (WY) form, stage by stage, in plain jnp
+(docs/chunked_form.md#the-backward).
 
 Each stage is the jnp counterpart of one Pallas backward kernel and keeps the array layouts of
 `gdp_jax.xla` (see its docstring): q, k [B,Tp,H,K]; v [B,Tp,H,V]; beta, gcum [B,H,Tp] float32;
@@ -48,19 +49,18 @@ Residuals. The backward takes the primal inputs and recomputes what it needs: gc
 w, u (`recompute_w_u`), h, v_new (`chunk_state`, the forward state kernel). Ai may be passed in
 (saved by the forward, [B,H,Tp*r,N] float32) or recomputed (`chunk_kkt` + `solve_tril`); nothing
 else is saved. Because w carries exp(gamma) (it is built from the gated inverse), the gamma
-dependence of w is handled entirely in stage 4, so stage 3 needs no w (unlike the seed, whose w
-has no exp(gamma) and whose dqkw kernel therefore adds -<w, dw exp(gamma)> to dg).
+dependence of w is handled entirely in stage 4, so stage 3 needs no w (a formulation with an
+ungated w, v_new = u - exp(gamma) w S0, would add -<w, dw exp(gamma)> to dg in stage 3 instead).
 
 Exactness: every exp of a gamma difference that could be positive is masked before `exp`
 (`xla._decay`); padded tokens (beta = 0, g = 0) give exact zeros wherever they should.
 
-Where the seed's backward kernels (seeds/gated_deltaproduct_triton.txt) differ, this module is the
-one checked against autodiff: the seed's WY backward rebuilds A for the dg term with its r x r
-block transposed (it pairs dAg[(t,a),(s,b)] with beta M[b,a] <k_t^(a),k_s^(a)> instead of
-beta M[a,b] <k_t^(b),k_s^(b)>: wrong dg for r > 1, even for a symmetric mask); its dqkw kernel runs
-one program per key block but all r of them store dg to the same row (a race: dg must be summed
-over blocks); its dh recurrence starts from zero (no dfinal) and returns no d initial_state; its
-masks are shared [r, r] only; its WY kernel unpacks three program ids into two names.
+Pitfalls this module avoids, each checked against autodiff (docs/chunked_form.md#pitfalls): the dg
+term of Ag pairs dAg[(t,a),(s,b)] with beta M[a,b] <k_t^(b),k_s^(b)>, not with the r x r block
+transposed (beta M[b,a] <k_t^(a),k_s^(a)> gives a wrong dg for r > 1, even for a symmetric mask);
+dg sums over the key blocks (programs that each handle one block must add their parts, not store
+them to the same row); the dh recurrence starts from dfinal and ends with d initial_state; masks
+may be shared, per head or per token.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 This runs the Pallas -> Triton IR lowering (where "Unimplemented primitive", non-power-of-two
 tiles and bad dots fail) and verifies the Triton module; it does not run Triton's own compiler,
-so a kernel is still done only once it has compiled on the GPU (DESIGN §4).
+so a kernel is still done only once it has compiled on the GPU (docs/pallas_triton.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Backward stage 2 (DESIGN §2, backward): the state gradient, backward over chunks.
+"""Backward stage 2 (docs/chunked_form.md#the-backward): the state gradient, backward over chunks.
 
 One program per (V block, batch, head). dS (the gradient of the state at the end of the current
 chunk, kept in registers as r row blocks [dk, BV], float32) starts at d final_state; per chunk,

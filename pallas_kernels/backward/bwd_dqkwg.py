@@ -1,5 +1,6 @@
-"""Backward stage 3 (DESIGN §2, backward): dq, dk, dw and the per-token dgamma from o and the
-state updates, one program per (chunk, batch, head); chunks are independent given h, dh.
+"""Backward stage 3 (docs/chunked_form.md#the-backward): dq, dk, dw and the per-token dgamma
+from o and the state updates, one program per (chunk, batch, head); chunks are independent
+given h, dh.
 
 For each key block a (dh[c]: gradient of the state at the END of chunk c):
   ds_a     = scale D (do v_new_a^T)                        D[t,s] = exp(gamma_t - gamma_s), s <= t

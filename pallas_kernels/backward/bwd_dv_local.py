@@ -1,4 +1,4 @@
-"""Backward stage 1 (DESIGN §2, backward): the intra-chunk part of dv_new,
+"""Backward stage 1 (docs/chunked_form.md#the-backward): the intra-chunk part of dv_new,
 
   dv_local[(s,a)] = scale sum_{t>=s in chunk} exp(gamma_t - gamma_s) <q_t^(a), k_s^(a)> do_t
 

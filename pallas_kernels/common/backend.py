@@ -1,4 +1,4 @@
-"""The one place that decides how Pallas kernels run (DESIGN §4).
+"""The one place that decides how Pallas kernels run (docs/pallas_triton.md).
 
 - On a GPU backend kernels compile through the Triton lowering with `pltriton.CompilerParams`.
 - Anywhere else (CI's CPUs) they run with `interpret=True`.

@@ -1,4 +1,4 @@
-"""Chunk-local cumulative sum of the log-decay g (DESIGN §2: gamma)."""
+"""Chunk-local cumulative sum of the log-decay g: gamma (docs/chunked_form.md#gamma)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""In-kernel helpers for the chunk matrices' (t, a) row layout (DESIGN §2).
+"""In-kernel helpers for the chunk matrices' (t, a) row layout (docs/chunked_form.md#notation).
 
 A chunk of BT tokens and r key blocks has N = BT * r rows, ordered token-major: row (t, a) is
 t * r + a. Tiles are built by broadcasting a [BT, ...] token tile to [BT, r, ...] and merging the
 two leading axes (a reshape that does not reorder, which the Triton lowering accepts).
-These run inside kernels only; they never slice a loaded value (DESIGN §4).
+These run inside kernels only; they never slice a loaded value (docs/pallas_triton.md).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def repeat_rows(x, r):
 def causal_decay(g_i, g_j, tok_i, tok_j, strict):
   """exp(g_i - g_j) where token i > token j (>= if not strict), else exactly 0: [I, J].
 
-  The exponent is masked before `exp`: a positive argument is never exponentiated (DESIGN §2).
+  The exponent is masked before `exp`: a positive argument is never exponentiated
+  (docs/chunked_form.md#safe-exp).
   """
   causal = (tok_i[:, None] > tok_j[None, :]) if strict else (tok_i[:, None] >= tok_j[None, :])
   return jnp.exp(jnp.where(causal, g_i[:, None] - g_j[None, :], -jnp.inf))

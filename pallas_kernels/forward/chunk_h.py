@@ -1,11 +1,12 @@
-"""The state recurrence over chunks (DESIGN §2), one program per (V block, batch, head).
+"""The state recurrence over chunks (docs/chunked_form.md#the-state-update-and-the-output),
+one program per (V block, batch, head).
 
 For each chunk c, with S the state at its start (kept in registers as r row blocks [dk, BV]):
   h[c] = S
   v_new[(t,a)] = u[(t,a)] - sum_d w[(t,a), block d] S^(d)
   S^(d) = exp(gamma_last) S^(d) + sum_t exp(gamma_last - gamma_t) k_t^(d)T v_new[(t,d)]
 Rows of one block a are read straight from the refs viewed as [Tp, r, D] (strided loads), so no
-value is ever sliced (DESIGN §4).
+value is ever sliced (docs/pallas_triton.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The output (DESIGN §2), one program per (chunk and V block, batch, head):
+"""The output (docs/chunked_form.md#the-state-update-and-the-output), one program per
+(chunk and V block, batch, head):
 
   o_t = scale ( exp(gamma_t) q_t^T h[c]
               + sum_a sum_{s<=t} exp(gamma_t - gamma_s) <q_t^(a), k_s^(a)> v_new[(s,a)] )

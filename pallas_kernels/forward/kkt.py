@@ -1,4 +1,5 @@
-"""The chunk KKT with the r x r block mask and the gate (DESIGN §2).
+"""The chunk KKT with the r x r block mask and the gate
+(docs/chunked_form.md#the-chunk-matrix-a).
 
 A[(t,a),(s,b)] = beta_t M_t[a,b] <k_t^(b), k_s^(b)> exp(gamma_t - gamma_s) for t > s, else 0,
 computed as one [N, K] x [K, N] matmul of the masked keys Kw and the block keys Kb.

@@ -1,11 +1,12 @@
-"""(I + A)^-1 of each chunk's strictly lower-triangular [N, N] matrix (DESIGN §2, "solve_tril").
+"""(I + A)^-1 of each chunk's strictly lower-triangular [N, N] matrix
+(docs/chunked_form.md#the-inverse-by-16-row-blocks).
 
 N = BT * r rows in (t, a) order; A is strictly lower triangular in that order (zero on and above
 each token's diagonal r x r block). Blocks of 16 rows are inverted by forward substitution; the
 full inverse follows by block forward substitution with matmuls:
   X_ii = (I + A_ii)^-1,   X_ij = -X_ii sum_{j <= k < i} A_ik X_kj   (i > j)
-which for two blocks is the seed's merge Ai21 = -Ai22 A21 Ai11. Every block is loaded from the ref
-(a loaded value cannot be sliced in the Triton lowering, DESIGN §4).
+which for two blocks is the merge Ai21 = -Ai22 A21 Ai11. Every block is loaded from the ref
+(a loaded value cannot be sliced in the Triton lowering, docs/pallas_triton.md).
 """
 
 from __future__ import annotations

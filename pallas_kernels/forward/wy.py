@@ -1,4 +1,5 @@
-"""The w/u recompute (DESIGN §2): w = Ai (exp(gamma) beta Kw), u = Ai (beta v), per chunk.
+"""The w/u recompute (docs/chunked_form.md#w-and-u): w = Ai (exp(gamma) beta Kw),
+u = Ai (beta v), per chunk.
 
 With Ai = (I + Ag)^-1 the gated inverse, w equals exp(gamma) (I + A)^-1 W~, so one inverse serves
 both and no exp of a positive argument is formed.

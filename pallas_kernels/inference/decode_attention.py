@@ -1,4 +1,4 @@
-"""Grouped-query decode attention over a KV cache, flash-decoding style (DESIGN §3).
+"""Grouped-query decode attention over a KV cache, flash-decoding style (docs/inference.md).
 
 Arrays in, arrays out (no autodiff, no argument checks: `gdp_jax.decode` does those).
 
@@ -26,8 +26,9 @@ bf16 low part, and the bf16 cache values are exact): about 16 mantissa bits, nea
 at tensor-core speed (full float32 FMA dots would make this memory-bound kernel compute-bound
 at G = 16 rows). Other cache dtypes are converted to float32 and use IEEE float32 dots.
 
-Triton-lowering constraints honoured (DESIGN §4): every loaded/stored tile has power-of-two
-dims >= 16 (G and D are padded with masks), dots are 2-D, no slicing of loaded values.
+Triton-lowering constraints honoured (docs/pallas_triton.md): every loaded/stored tile has
+power-of-two dims >= 16 (G and D are padded with masks), dots are 2-D, no slicing of loaded
+values.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One recurrent token of the block-masked gated delta product (DESIGN §1, §3).
+"""One recurrent token of the block-masked gated delta product (docs/operator.md,
+docs/inference.md).
 
 Arrays in, arrays out (no autodiff, no argument checks: `gdp_jax.decode` does those).
 
@@ -16,7 +17,8 @@ program (b, h, j) reads the [K, block_v] column tile of the state once, updates 
 and writes it once (in place when `in_place`: the state buffer is aliased to the new state),
 and writes its own block_v entries of o. No dots (r can be 1, 2, ... and dots need dims >= 16):
 the block structure is handled with row masks (`where(blk == d)`) and column reductions, all on
-one 2-D tile (DESIGN §4: no slicing of loaded values). The mask entries are scalar loads.
+one 2-D tile (docs/pallas_triton.md: no slicing of loaded values).
+The mask entries are scalar loads.
 """
 
 from __future__ import annotations
