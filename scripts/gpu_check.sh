@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's GPU run (NVIDIA H200 through the device tool; CI never has a GPU).
+# The project's GPU run, on a machine with an NVIDIA GPU (CI never has one).
 #
 #   scripts/gpu_check.sh [tests] [bench] [stages] [memory] [decode] [all]   (default: all)
 #
@@ -10,8 +10,8 @@
 #   stages  each forward and backward kernel timed alone (benchmarks/profile_stages.py)
 #   memory  peak GPU memory of one training step (benchmarks/memory_step.py)
 #   decode  gqa_decode and the recurrent step (benchmarks/bench_decode.py)
-# Everything lands in $OUT (default /tmp/gdp_gpu_out): logs and JSON files. A device command may
-# run 10 minutes at most: call the script with a few sections at a time.
+# Everything lands in $OUT (default /tmp/gdp_gpu_out): logs and JSON files. Sections can be run
+# a few at a time where commands are time-limited.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gdp_gpu_out}"
