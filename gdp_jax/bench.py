@@ -41,6 +41,7 @@ import time
 import traceback
 
 import jax
+import tqdm
 import jax.numpy as jnp
 import numpy as np
 
@@ -236,41 +237,8 @@ class _Skip(Exception):
 
 
 # ----------------------------------------------------------------------------------------------
-# Progress bar and table
+# Table
 # ----------------------------------------------------------------------------------------------
-
-class Progress:
-  """A one-line text progress bar on stderr (redrawn in place on a terminal, else silent)."""
-
-  def __init__(self, total, enabled=None, width=28, stream=None):
-    self.total, self.done, self.width = max(1, total), 0, width
-    self.stream = stream or sys.stderr
-    self.enabled = (self.stream.isatty() if enabled is None else enabled)
-    self.label = ""
-    self.t0 = time.perf_counter()
-
-  def set(self, label):
-    self.label = label
-    self._draw()
-
-  def tick(self, n=1):
-    self.done = min(self.total, self.done + n)
-    self._draw()
-
-  def _draw(self):
-    if not self.enabled:
-      return
-    frac = self.done / self.total
-    bar = "#" * int(frac * self.width) + "." * (self.width - int(frac * self.width))
-    el = time.perf_counter() - self.t0
-    self.stream.write(f"\r[{bar}] {100 * frac:3.0f}% {el:6.1f}s  {self.label[:60]:60s}")
-    self.stream.flush()
-
-  def clear(self):
-    if self.enabled:
-      self.stream.write("\r" + " " * (self.width + 80) + "\r")
-      self.stream.flush()
-
 
 def case_label(c):
   return (f"{c['mode']:6s} B={c['B']} T={c['T']} H={c['H']} K={c['K']} V={c['V']} r={c['r']} "
@@ -524,8 +492,10 @@ def run(args) -> int:
 
   plan = [(m, s, r, d, i) for s in shapes for d in dtypes for r in rs for m in modes
           for i in impls]
-  show_bar = (not args.no_progress) and (True if args.progress else None)
-  bar = Progress(len(plan) * args.reps, enabled=False if args.no_progress else show_bar)
+  # tqdm draws on a terminal; --progress forces it into a log, --no-progress turns it off.
+  disable = True if args.no_progress else (False if args.progress else None)
+  bar = tqdm.tqdm(total=len(plan) * args.reps, disable=disable, leave=False, unit="run",
+                  dynamic_ncols=True)
 
   if args.out and os.path.dirname(args.out):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -544,8 +514,8 @@ def run(args) -> int:
     dtype = DTYPES[dname]
     case = dict(impl=impl, mode=mode, B=B, T=T, H=H, K=K, V=V, r=r,
                 dtype=jnp.dtype(dtype).name, status="ok")
-    bar.set(case_label(case))
-    done_before = bar.done
+    bar.set_description(case_label(case))
+    done_before = bar.n
     try:
       if (shape, r, dname) != inputs_key:
         inputs_key, inputs = None, None
@@ -558,7 +528,7 @@ def run(args) -> int:
           raise _Skip(f"the scan's backward would keep {B * T * H * K * V * 4 / 1e9:.1f} GB "
                       f"of states (> --reference-max-gb {args.reference_max_gb:g})")
         fn, fargs = ours(impl, mode, inputs)
-        case["ms"], case["all_ms"] = time_jax(fn, fargs, args.reps, args.inner, bar.tick)
+        case["ms"], case["all_ms"] = time_jax(fn, fargs, args.reps, args.inner, bar.update)
         if mode == "fwd":
           fwd_outs.setdefault(inputs_key, {})[impl] = (case, fn(*fargs))
           record_diffs(fwd_outs[inputs_key])
@@ -570,7 +540,7 @@ def run(args) -> int:
           import torch  # noqa: F401
         except ImportError as e:
           raise _Skip(f"flash-linear-attention is not installed ({e})")
-        case["ms"], case["all_ms"] = fla_case(mode, shape, dtype, args.reps, bar.tick)
+        case["ms"], case["all_ms"] = fla_case(mode, shape, dtype, args.reps, bar.update)
         case["peer_impl"] = "flash-linear-attention chunk_gated_delta_rule"
       elif impl == "jla":
         if r != 1:
@@ -580,7 +550,7 @@ def run(args) -> int:
         except ImportError as e:
           raise _Skip(f"jax-linear-attention is not installed ({e})")
         case["ms"], case["all_ms"], which = jla_case(mode, inputs, args.reps, args.inner,
-                                                     bar.tick)
+                                                     bar.update)
         case["peer_impl"] = f"jax-linear-attention gated_deltanet impl={which}"
     except _Skip as e:
       case["status"], case["reason"] = "skipped", str(e)
@@ -595,10 +565,10 @@ def run(args) -> int:
       case["bytes"] = traffic_bytes(mode, B, T, H, K, V, r, dtype)
       case["tflops"] = case["flops"] / (case["ms"] * 1e-3) / 1e12
       case["gbps"] = case["bytes"] / (case["ms"] * 1e-3) / 1e9
-    bar.tick(args.reps - (bar.done - done_before))
+    bar.update(args.reps - (bar.n - done_before))
     results["cases"].append(case)
     save()
-  bar.clear()
+  bar.close()
   inputs = fwd_outs = None
 
   print(format_table(results["cases"]))

@@ -32,64 +32,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import itertools
-import math
-import sys
 import time
 
 import numpy as np
+import tqdm
 
 from gdp_jax import dispatch
 
 GROUPS = ("S3", "S4", "S5", "A4", "A5", "Z6", "Z2^2", "Z2^3", "Z2^4")
-
-
-# ----------------------------------------------------------------------------------------------
-# Progress bar (no dependency)
-# ----------------------------------------------------------------------------------------------
-
-class Progress:
-  """A one-line progress bar on a terminal (redrawn with \\r), or a few plain lines when the
-  output is a file or a pipe. `update(n, **stats)` then `close()`."""
-
-  def __init__(self, total: int, desc: str = "", file=None, width: int = 24):
-    self.total, self.desc, self.width = max(int(total), 1), desc, width
-    self.file = sys.stderr if file is None else file
-    self.tty = hasattr(self.file, "isatty") and self.file.isatty()
-    self.n, self.start, self.last = 0, time.perf_counter(), -1.0
-    self.stats = ""
-
-  def _line(self):
-    frac = self.n / self.total
-    fill = int(frac * self.width)
-    bar = "#" * fill + "-" * (self.width - fill)
-    elapsed = time.perf_counter() - self.start
-    rate = self.n / elapsed if elapsed > 0 else 0.0
-    eta = (self.total - self.n) / rate if rate > 0 else float("nan")
-    eta_s = f"{eta:4.0f}s" if math.isfinite(eta) else "   ?s"
-    return (f"{self.desc} [{bar}] {self.n:>{len(str(self.total))}}/{self.total} "
-            f"{elapsed:5.1f}s<{eta_s} {self.stats}")
-
-  def update(self, n: int = 1, **stats):
-    self.n = min(self.n + n, self.total)
-    if stats:
-      self.stats = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                            for k, v in stats.items())
-    now = time.perf_counter()
-    if self.tty:
-      if now - self.last >= 0.1 or self.n == self.total:
-        self.file.write("\r" + self._line())
-        self.file.flush()
-        self.last = now
-    elif self.n == self.total or self.n * 4 // self.total != (self.n - n) * 4 // self.total:
-      self.file.write(self._line() + "\n")          # 25%, 50%, 75%, 100% in a log
-      self.file.flush()
-
-  def close(self):
-    if self.tty:
-      self.file.write("\r" + self._line() + "\n")
-      self.file.flush()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,14 +148,16 @@ def train(config, table, *, steps, batch, seq_len, lr, seed, eval_batch, name, s
     return loss, logits.argmax(-1)
 
   rng = np.random.default_rng(seed)
-  bar = Progress(steps, desc=f"{name:>24}", file=io.StringIO() if quiet else None)
+  bar = tqdm.tqdm(total=steps, desc=f"{name:>24}", disable=quiet, mininterval=0.2,
+                  dynamic_ncols=True)
   avg = None
   for _ in range(steps):
     x, y = make_batch(rng, table, batch, seq_len)
     params, opt_state, loss, acc = train_step(params, opt_state, x, y)
     now = np.array([float(loss), float(acc)])
     avg = now if avg is None else 0.9 * avg + 0.1 * now          # smoothed for the display
-    bar.update(1, loss=float(avg[0]), acc=float(avg[1]))
+    bar.set_postfix(loss=f"{float(avg[0]):.3f}", acc=f"{float(avg[1]):.3f}", refresh=False)
+    bar.update(1)
   bar.close()
   x, y = make_batch(np.random.default_rng(10_000 + seed), table, eval_batch, seq_len)
   loss, pred = predict(params, x, y)

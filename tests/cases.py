@@ -6,6 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdp_jax import xla
+from gdp_jax.operator import normalize_mask
+
 # Relative error allowed, measured as max|x - ref| / max(max|ref|, 1e-6) over the whole array.
 # float32 runs with full-precision matmuls and is tight; half types get a few of their ulps.
 TOLERANCE = {
@@ -69,6 +72,15 @@ def make_inputs(seed, B=2, T=40, H=3, K=32, V=16, r=2, mask_kind="head", dtype=j
   return dict(q=cast(q), k=cast(k), v=cast(v), g=jnp.asarray(g), beta=jnp.asarray(beta),
               mask=None if mask is None else jnp.asarray(mask),
               initial_state=None if h0 is None else jnp.asarray(h0))
+
+
+def stage_inputs(r, mask_kind, chunk, B=2, T=64, H=2, K=64, V=32, dtype=jnp.float32, seed=0):
+  inp = make_inputs(seed, B=B, T=T, H=H, K=K, V=V, r=r, mask_kind=mask_kind, dtype=dtype)
+  mask, _ = normalize_mask(inp["mask"], B, T, H, K)
+  g = xla.to_head_major(inp["g"])
+  beta = xla.to_head_major(inp["beta"])
+  gcum = xla.chunk_local_cumsum(g, chunk)
+  return dict(inp, mask=mask, g_hm=g, beta_hm=beta, gcum=gcum, chunk=chunk, r=r)
 
 
 def cotangents(seed, o_shape, state_shape):

@@ -258,8 +258,7 @@ def test_bad_implementation():
 
 # ---- large shapes, compiled, on a GPU only ---------------------------------------------------
 
-@pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="large shapes run compiled on the GPU only")
+@pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float32])
 def test_large_on_gpu(cache_dtype):
   q, kc, vc, lengths, ref = make_case(9, B=4, S=4096, Hkv=4, G=4, D=128, dtype=cache_dtype,

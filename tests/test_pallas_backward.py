@@ -1,7 +1,7 @@
 """Pallas backward kernels and the custom_vjp: each backward stage against its jnp counterpart in
 gdp_jax/xla_backward.py, and every gradient of `implementation="pallas"` against jax.grad of the
 "reference" and "xla" implementations. On CPU the kernels run in interpret mode; on a GPU the
-same tests run compiled, plus the large shapes marked gpu_only.
+same tests run compiled, plus the large shapes marked `gpu` (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -18,11 +18,8 @@ from gdp_jax import xla_backward as xb
 from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
 from pallas_kernels.common.options import Launch
 from tests.cases import (GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs,
-                         present_arrays, tol)
-from tests.test_pallas_forward import stage_inputs
+                         present_arrays, stage_inputs, tol)
 
-ON_GPU = jax.default_backend() == "gpu"
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="large shapes run compiled on the GPU only")
 F32 = tol(jnp.float32)
 
 
@@ -143,7 +140,7 @@ def test_backward_lowers_to_triton(monkeypatch, r, mask_kind, K, V, dtype):
   assert expected <= names, sorted(names)
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("r,dtype", [(1, jnp.bfloat16), (2, jnp.float32)])
 def test_gradients_large_on_gpu(r, dtype):
   inputs = make_inputs(15, B=1, T=4096, H=2, K=128, V=128, r=r, mask_kind="head", dtype=dtype)

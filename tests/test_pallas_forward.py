@@ -2,7 +2,7 @@
 `implementation="pallas"` forward against the recurrent reference.
 
 On CPU the kernels run in interpret mode (pallas_kernels/config.py); on a GPU the same tests run the
-compiled kernels, plus the large shapes marked `gpu_only`.
+compiled kernels, plus the large shapes marked `gpu` (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -16,20 +16,7 @@ from gdp_jax.operator import normalize_mask
 from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy
 from pallas_kernels.common import cumsum
 from pallas_kernels.common.options import Launch
-from tests.cases import assert_close, make_inputs, present_arrays, tol
-
-ON_GPU = jax.default_backend() == "gpu"
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="large shapes run compiled on the GPU only")
-
-
-def stage_inputs(r, mask_kind, chunk, B=2, T=64, H=2, K=64, V=32, dtype=jnp.float32, seed=0):
-  inp = make_inputs(seed, B=B, T=T, H=H, K=K, V=V, r=r, mask_kind=mask_kind, dtype=dtype)
-  mask, _ = normalize_mask(inp["mask"], B, T, H, K)
-  g = xla.to_head_major(inp["g"])
-  beta = xla.to_head_major(inp["beta"])
-  gcum = xla.chunk_local_cumsum(g, chunk)
-  return dict(inp, mask=mask, g_hm=g, beta_hm=beta, gcum=gcum, chunk=chunk, r=r)
-
+from tests.cases import assert_close, make_inputs, present_arrays, stage_inputs, tol
 
 STAGE_CASES = [(1, None, 32), (2, "head", 32), (4, "token", 16), (2, "shared", 16)]
 
@@ -138,7 +125,7 @@ def test_forward_under_jit():
   assert_close(f, f_ref, tol(jnp.float32), "final")
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("r,dtype", [(1, jnp.bfloat16), (2, jnp.bfloat16), (4, jnp.float32)])
 def test_forward_large_on_gpu(r, dtype):
   inputs = make_inputs(7, B=2, T=4096, H=4, K=128, V=128, r=r, mask_kind="head", dtype=dtype)

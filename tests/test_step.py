@@ -214,8 +214,7 @@ def test_bad_implementation():
 
 # ---- large shapes, compiled, on a GPU only ---------------------------------------------------
 
-@pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="large shapes run compiled on the GPU only")
+@pytest.mark.gpu
 @pytest.mark.parametrize("r,mask_kind", [(1, None), (2, "head"), (4, "token")])
 def test_large_on_gpu(r, mask_kind):
   inputs = make_inputs(37, B=4, T=3, H=4, K=128, V=128, r=r, mask_kind=mask_kind)
