@@ -13,7 +13,7 @@ Groups: operator_a, operator_b, operator_c (the sharded operator, forward, final
 gradient, plus the compiled program's collectives), pallas (one case on the Pallas kernels),
 step (the one-token step), model (the Flax layer with the sequence split, and a training step of
 the hybrid model on a 2 x 4 data x model mesh), api (ShardingConfig, placement, Explicit meshes,
-errors). Each check prints one JSON line {"group", "name", "ok", "detail", "seconds"}; the exit
+errors), bench (`python -m gdp_jax bench --devices 4`). Each check prints one JSON line {"group", "name", "ok", "detail", "seconds"}; the exit
 status is 0 when every check passed.
 """
 
@@ -363,7 +363,35 @@ def group_api(impl):
   record("api", "errors", errors)
 
 
-GROUPS = ("operator_a", "operator_b", "operator_c", "pallas", "step", "model", "api")
+def group_bench(impl):
+  def bench_devices():
+    import tempfile
+    from gdp_jax import bench
+    with tempfile.TemporaryDirectory() as tmp:
+      out = os.path.join(tmp, "bench.json")
+      rc = bench.main(["--devices", "4", "--shape", "2,64,2,32,32", "--rs", "2", "--modes",
+                       "fwd,fwdbwd", "--impls", impl, "--reps", "1", "--no-plot",
+                       "--no-progress", "--out", out])
+      assert rc == 0, rc
+      with open(out) as f:
+        res = json.load(f)
+    assert res["devices"] == 4
+    by = {(c["impl"], c["mode"]): c for c in res["cases"]}
+    assert set(by) == {(f"{impl}{sfx}", m) for sfx in ("", " bh2x2", " cp4")
+                       for m in ("fwd", "fwdbwd")}, sorted(by)
+    for (name, mode), c in by.items():
+      assert c["status"] == "ok" and c["ms"] > 0, c
+    assert by[(f"{impl} cp4", "fwd")]["mesh"] == {"seq": 4}
+    assert by[(f"{impl} bh2x2", "fwd")]["mesh"] == {"data": 2, "model": 2}
+    diffs = {n: by[(n, "fwd")].get("max_abs_diff_vs_xla", 0.0)
+             for n in (f"{impl} bh2x2", f"{impl} cp4")}
+    assert max(diffs.values()) < 2e-2, diffs           # bf16 outputs against one device
+    return f"bench --devices 4: one device, bh2x2, cp4 all timed; |o - xla| {diffs}"
+  record("bench", f"{impl} python -m gdp_jax bench --devices 4", bench_devices)
+
+
+GROUPS = ("operator_a", "operator_b", "operator_c", "pallas", "step", "model", "api",
+          "bench")
 
 
 def main(argv=None):

@@ -8,7 +8,8 @@ file; in short: forward, final state and every gradient equal one device for r =
 [r, r], [H, r, r], [B, T, H, r, r], with and without an initial state, batch / head parallel and
 the sequence split into 2, 4 and 8 pieces; the compiled programs move no q, k or v between
 devices; one case on the Pallas kernels (interpreted); the one-token step; the Flax layer with
-the sequence split; a training step of the hybrid model on a 2 x 4 (data x model) mesh.
+the sequence split; a training step of the hybrid model on a 2 x 4 (data x model) mesh;
+`python -m gdp_jax bench --devices 4`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def run_group(group):
 
 
 @pytest.mark.parametrize("group", ["operator_a", "operator_b", "operator_c", "pallas", "step",
-                                   "model", "api"])
+                                   "model", "api", "bench"])
 def test_sharding_group(group):
   proc, results = run_group(group)
   failed = [r for r in results if r["ok"] is False]
