@@ -12,7 +12,7 @@ H, as many on the batch as divide it) and context parallel (the sequence in N pi
 column reads e.g. `pallas bh2x4` or `pallas cp8`. Off a GPU the N devices are simulated CPU
 devices (set up before jax starts; the figures then say nothing about speed). TFLOP/s and GB/s
 count the whole problem (all devices together); the forward output is compared with the
-one-device xla output.
+one-device output of the same implementation (and with xla's when xla runs).
 
   python -m gdp_jax bench --devices 8 --shape 8,4096,16,128,128 --rs 1 --impls pallas
 
@@ -303,6 +303,8 @@ def format_table(cases):
       note = c.get("peer_impl", "")
       if "max_abs_diff_vs_xla" in c:
         note = f"|o - xla| {c['max_abs_diff_vs_xla']:.1e}"
+      if "max_abs_diff_vs_one_device" in c:
+        note += f"{'; ' if note else ''}|o - 1 device| {c['max_abs_diff_vs_one_device']:.1e}"
       lines.append(f"{left} {c['ms']:10.3f} {c['tflops']:8.2f} {c['gbps']:8.1f}  {note}")
     else:
       why = c.get("reason") or c.get("error", "")
@@ -467,12 +469,12 @@ def sharded_layout(layout, n, shape):
       return None, "bh", f"B = {B} and H = {H} do not split over {n} devices"
     nb, nh = splits[0]
     label = f"bh{nb}x{nh}"
-    mesh = jax.make_mesh((nb, nh), ("data", "model"), (AUTO, AUTO), devices=devices)
+    mesh = jax.make_mesh((nb, nh), ("data", "model"), axis_types=(AUTO, AUTO), devices=devices)
     return ShardingConfig(mesh, batch="data", heads="model"), label, ""
   label = f"cp{n}"
   if T % n:
     return None, label, f"T = {T} is not divisible by {n} devices"
-  mesh = jax.make_mesh((n,), ("seq",), (AUTO,), devices=devices)
+  mesh = jax.make_mesh((n,), ("seq",), axis_types=(AUTO,), devices=devices)
   return ShardingConfig(mesh, sequence="seq"), label, ""
 
 
@@ -635,8 +637,13 @@ def run(args) -> int:
         fn, fargs = ours(impl, mode, inputs, sharding)
         case["ms"], case["all_ms"] = time_jax(fn, fargs, args.reps, args.inner, bar.tick)
         if mode == "fwd":
-          fwd_outs.setdefault(inputs_key, {})[case["impl"]] = (case, fn(*fargs))
-          record_diffs(fwd_outs[inputs_key])
+          outs = fwd_outs.setdefault(inputs_key, {})
+          outs[case["impl"]] = (case, fn(*fargs))
+          record_diffs(outs)
+          if layout is not None and impl in outs:      # against the same impl on one device
+            one = outs[impl][1].astype(jnp.float32)
+            case["max_abs_diff_vs_one_device"] = float(
+                jnp.max(jnp.abs(outs[case["impl"]][1].astype(jnp.float32) - one)))
       elif impl == "fla":
         if r != 1:
           raise _Skip("flash-linear-attention's chunk_gated_delta_rule is the r = 1 case")

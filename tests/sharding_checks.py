@@ -13,8 +13,8 @@ Groups: operator_a, operator_b, operator_c (the sharded operator, forward, final
 gradient, plus the compiled program's collectives), pallas (one case on the Pallas kernels),
 step (the one-token step), model (the Flax layer with the sequence split, and a training step of
 the hybrid model on a 2 x 4 data x model mesh), api (ShardingConfig, placement, Explicit meshes,
-errors), bench (`python -m gdp_jax bench --devices 4`). Each check prints one JSON line {"group", "name", "ok", "detail", "seconds"}; the exit
-status is 0 when every check passed.
+errors), bench (`python -m gdp_jax bench --devices 4`). Each check prints one JSON line
+{"group", "name", "ok", "detail", "seconds"}; the exit status is 0 when every check passed.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ CASES = {
 }
 
 RESULTS = []
+REAL = "--real" in sys.argv
 
 
 def record(group, name, fn):
@@ -94,8 +95,19 @@ class _Skip(Exception):
   pass
 
 
+def fit(layout, n):
+  """With fewer than the layout's devices (--real): halve its largest split until it fits."""
+  layout = dict(layout)
+  while int(np.prod(list(layout.values()) or [1])) > n:
+    role = max(layout, key=layout.get)
+    layout[role] //= 2
+  return {r: s for r, s in layout.items() if s > 1}
+
+
 def make_config(layout, explicit=False):
   """A mesh of exactly the devices the layout needs, its axes named by role."""
+  if REAL:
+    layout = fit(layout, jax.device_count())
   roles = [r for r in ("batch", "sequence", "heads") if layout.get(r, 1) > 1]
   sizes = [layout[r] for r in roles] or [1]
   names = [ROLE_AXES[r] for r in roles] or ["data"]
@@ -103,7 +115,8 @@ def make_config(layout, explicit=False):
   if need > jax.device_count():
     raise _Skip(f"needs {need} devices, {jax.device_count()} here")
   types = (AxisType.Explicit if explicit else AxisType.Auto,) * len(names)
-  mesh = jax.make_mesh(tuple(sizes), tuple(names), types, devices=jax.devices()[:need])
+  mesh = jax.make_mesh(tuple(sizes), tuple(names), axis_types=types,
+                       devices=jax.devices()[:need])
   return ShardingConfig(mesh, **{r: ROLE_AXES[r] for r in roles})
 
 
@@ -149,6 +162,8 @@ def check_collectives(hlo, sequence_split):
 
 def run_case(group, case, impl, seed):
   r, mask_kind, with_state, layout = case
+  if REAL:
+    layout = fit(layout, jax.device_count())
   name = (f"{impl} r={r} mask={mask_kind or 'none'} state={'yes' if with_state else 'no'} "
           f"{layout_name(layout)}")
 
@@ -307,7 +322,7 @@ def group_api(impl):
   record("api", "ShardingConfig specs and placement", placement_and_specs)
 
   def tuple_axes_and_explicit():
-    mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), (AxisType.Explicit,) * 3)
+    mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Explicit,) * 3)
     cfg = ShardingConfig(mesh, batch=None, heads=("a", "b"), sequence="c")
     assert cfg.size("heads") == 4 and cfg.spec_for("q", 4) == P(None, "c", ("a", "b"), None)
     inp = make_inputs(1, B=B, T=T, H=H, K=K, V=V, r=2, mask_kind="token")
@@ -364,30 +379,35 @@ def group_api(impl):
 
 
 def group_bench(impl):
+  n = min(4, jax.device_count())
+  impls = ["xla"] if impl == "xla" else ["xla", impl]      # xla on one device: the yardstick
+  bh = {4: "bh2x2", 2: "bh2x1", 1: "bh1x1"}[n]
+
   def bench_devices():
     import tempfile
     from gdp_jax import bench
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, "bench.json")
-      rc = bench.main(["--devices", "4", "--shape", "2,64,2,32,32", "--rs", "2", "--modes",
-                       "fwd,fwdbwd", "--impls", impl, "--reps", "1", "--no-plot",
+      rc = bench.main(["--devices", str(n), "--shape", "2,64,2,32,32", "--rs", "2", "--modes",
+                       "fwd,fwdbwd", "--impls", ",".join(impls), "--reps", "1", "--no-plot",
                        "--no-progress", "--out", out])
       assert rc == 0, rc
       with open(out) as f:
         res = json.load(f)
-    assert res["devices"] == 4
+    assert res["devices"] == n
     by = {(c["impl"], c["mode"]): c for c in res["cases"]}
-    assert set(by) == {(f"{impl}{sfx}", m) for sfx in ("", " bh2x2", " cp4")
+    assert set(by) == {(f"{i}{sfx}", m) for i in impls for sfx in ("", f" {bh}", f" cp{n}")
                        for m in ("fwd", "fwdbwd")}, sorted(by)
-    for (name, mode), c in by.items():
+    for c in by.values():
       assert c["status"] == "ok" and c["ms"] > 0, c
-    assert by[(f"{impl} cp4", "fwd")]["mesh"] == {"seq": 4}
-    assert by[(f"{impl} bh2x2", "fwd")]["mesh"] == {"data": 2, "model": 2}
-    diffs = {n: by[(n, "fwd")].get("max_abs_diff_vs_xla", 0.0)
-             for n in (f"{impl} bh2x2", f"{impl} cp4")}
+    assert by[(f"{impl} cp{n}", "fwd")]["mesh"] == {"seq": n}
+    assert by[(f"{impl} {bh}", "fwd")]["mesh"] == {"data": 2 if n > 1 else 1, "model": n // 2
+                                                   if n > 1 else 1}
+    diffs = {name: by[(name, "fwd")]["max_abs_diff_vs_xla"]
+             for name in (f"{impl} {bh}", f"{impl} cp{n}")}
     assert max(diffs.values()) < 2e-2, diffs           # bf16 outputs against one device
-    return f"bench --devices 4: one device, bh2x2, cp4 all timed; |o - xla| {diffs}"
-  record("bench", f"{impl} python -m gdp_jax bench --devices 4", bench_devices)
+    return f"bench --devices {n}: one device, {bh}, cp{n} all timed; |o - xla| {diffs}"
+  record("bench", f"{impl} python -m gdp_jax bench --devices {n}", bench_devices)
 
 
 GROUPS = ("operator_a", "operator_b", "operator_c", "pallas", "step", "model", "api",
