@@ -6,6 +6,16 @@ side with other implementations, and report milliseconds, TFLOP/s and GB/s.
   python -m gdp_jax bench --shape 8,4096,16,128,128 --rs 1,2,4 --dtype bf16 \
       --impls pallas,xla,fla,jla --out bench.json
 
+Several devices (`--devices N`): ours timed on one device and sharded over N devices
+(`gdp_jax.sharding`): batch / head parallel (N = nb x nh devices, nb dividing B and nh dividing
+H, as many on the batch as divide it) and context parallel (the sequence in N pieces); the impl
+column reads e.g. `pallas bh2x4` or `pallas cp8`. Off a GPU the N devices are simulated CPU
+devices (set up before jax starts; the figures then say nothing about speed). TFLOP/s and GB/s
+count the whole problem (all devices together); the forward output is compared with the
+one-device output of the same implementation (and with xla's when xla runs).
+
+  python -m gdp_jax bench --devices 8 --shape 8,4096,16,128,128 --rs 1 --impls pallas
+
 Implementations (`--impls`, comma separated; default `auto`):
   pallas     ours, the Pallas kernels (compiled on GPU; interpreted on CPU, slowly)
   xla        ours, the chunked form in jnp
@@ -148,20 +158,25 @@ def time_jax(fn, args, reps, inner, tick=None):
   return statistics.median(times), times
 
 
-def ours(impl, mode, inputs):
-  """(jitted fn, args) for gated_delta_product: the output, or every input's gradient."""
-  from gdp_jax import gated_delta_product
+def ours(impl, mode, inputs, sharding=None):
+  """(jitted fn, args) for gated_delta_product: the output, or every input's gradient; with a
+  `gdp_jax.sharding.ShardingConfig`, the sharded operator on inputs placed on its mesh."""
+  from gdp_jax.sharding import sharded_gated_delta_product
   names = ("q", "k", "v", "g", "beta", "mask")
   present = tuple(n for n in names if inputs[n] is not None)
   args = tuple(inputs[n] for n in present)
+  if sharding is not None:
+    placed = sharding.put(**dict(zip(present, args)))
+    args = tuple(placed[n] for n in present)
 
   def fwd(*a):
-    o, _ = gated_delta_product(**dict(zip(present, a)), implementation=impl)
+    o, _ = sharded_gated_delta_product(**dict(zip(present, a)), implementation=impl,
+                                       sharding=sharding)
     return o
 
   if mode == "fwd":
     return jax.jit(fwd), args
-  do = jnp.ones_like(inputs["v"])
+  do = jnp.ones_like(args[present.index("v")])
   grad = jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) * do),
                   argnums=tuple(range(len(present))))
   return jax.jit(grad), args
@@ -248,15 +263,17 @@ def case_label(c):
 def format_table(cases):
   """The results as a fixed-width text table."""
   head = (f"{'mode':6s} {'B':>3s} {'T':>6s} {'H':>3s} {'K':>4s} {'V':>4s} {'r':>2s} "
-          f"{'dtype':8s} {'impl':10s} {'ms':>10s} {'TFLOP/s':>8s} {'GB/s':>8s}  note")
+          f"{'dtype':8s} {'impl':13s} {'ms':>10s} {'TFLOP/s':>8s} {'GB/s':>8s}  note")
   lines = [head, "-" * len(head)]
   for c in cases:
     left = (f"{c['mode']:6s} {c['B']:3d} {c['T']:6d} {c['H']:3d} {c['K']:4d} {c['V']:4d} "
-            f"{c['r']:2d} {c['dtype']:8s} {c['impl']:10s}")
+            f"{c['r']:2d} {c['dtype']:8s} {c['impl']:13s}")
     if c["status"] == "ok":
       note = c.get("peer_impl", "")
       if "max_abs_diff_vs_xla" in c:
         note = f"|o - xla| {c['max_abs_diff_vs_xla']:.1e}"
+      if "max_abs_diff_vs_one_device" in c:
+        note += f"{'; ' if note else ''}|o - 1 device| {c['max_abs_diff_vs_one_device']:.1e}"
       lines.append(f"{left} {c['ms']:10.3f} {c['tflops']:8.2f} {c['gbps']:8.1f}  {note}")
     else:
       why = c.get("reason") or c.get("error", "")
@@ -396,8 +413,44 @@ def parse_shapes(specs):
   return shapes
 
 
-def resolve_impls(spec, backend):
+def simulate_cpu_devices(n):
+  """Ask for n CPU devices (jax's own setting; read when the CPU backend starts, so before
+  anything touches a device). A GPU machine keeps its GPUs as the default devices."""
+  try:
+    jax.config.update("jax_num_cpu_devices", max(n, 1))
+  except Exception:  # the backend already started (e.g. bench called from a live session)
+    pass
+
+
+def sharded_layout(layout, n, shape):
+  """(ShardingConfig or None, label, reason when None) for `layout` over the first n devices.
+
+  "batch-head": n = nb x nh devices with nb dividing B and nh dividing H, the most on the batch;
+  "context": the sequence over n devices (n must divide T)."""
+  from gdp_jax.sharding import ShardingConfig
+  B, T, H, _, _ = shape
+  devices = jax.devices()[:n]
+  AUTO = jax.sharding.AxisType.Auto
+  if layout == "batch-head":
+    splits = [(nb, n // nb) for nb in range(n, 0, -1)
+              if n % nb == 0 and B % nb == 0 and H % (n // nb) == 0]
+    if not splits:
+      return None, "bh", f"B = {B} and H = {H} do not split over {n} devices"
+    nb, nh = splits[0]
+    label = f"bh{nb}x{nh}"
+    mesh = jax.make_mesh((nb, nh), ("data", "model"), axis_types=(AUTO, AUTO), devices=devices)
+    return ShardingConfig(mesh, batch="data", heads="model"), label, ""
+  label = f"cp{n}"
+  if T % n:
+    return None, label, f"T = {T} is not divisible by {n} devices"
+  mesh = jax.make_mesh((n,), ("seq",), axis_types=(AUTO,), devices=devices)
+  return ShardingConfig(mesh, sequence="seq"), label, ""
+
+
+def resolve_impls(spec, backend, devices=None):
   if spec == "auto":
+    if devices is not None:
+      return ["pallas", "xla"] if backend == "gpu" else ["xla"]
     return list(ALL_IMPLS) if backend == "gpu" else ["xla", "reference", "jla"]
   impls = [s.strip() for s in spec.split(",") if s.strip()]
   for impl in impls:
@@ -438,6 +491,9 @@ def add_arguments(p, out_required=False):
   p.add_argument("--reference-max-gb", type=float, default=8.0,
                  help="run the reference's forward + backward only when its saved states "
                       "(B*T*H*K*V float32) fit in this many GB")
+  p.add_argument("--devices", type=int, default=None,
+                 help="also time ours sharded over this many devices: batch / head parallel and "
+                      "context parallel (simulated CPU devices off a GPU)")
   p.add_argument("--tiny", action="store_true",
                  help=f"a smoke run: shape {TINY_SHAPE}, reps 2, inner 1")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -451,6 +507,10 @@ def run(args) -> int:
   from pallas_kernels.common import backend as kernel_backend
   import gdp_jax
 
+  if args.devices is not None:
+    if args.devices < 1:
+      raise SystemExit(f"--devices must be a positive integer, got {args.devices}")
+    simulate_cpu_devices(args.devices)
   backend = jax.default_backend()
   if args.reps is None:
     args.reps = 15 if backend == "gpu" else 5
@@ -468,7 +528,10 @@ def run(args) -> int:
   for m in modes:
     if m not in MODES:
       raise SystemExit(f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)}")
-  impls = resolve_impls(args.impls, backend)
+  impls = resolve_impls(args.impls, backend, args.devices)
+  if args.devices is not None and jax.device_count() < args.devices:
+    raise SystemExit(f"--devices {args.devices}: only {jax.device_count()} {backend} device(s) "
+                     f"here")
   for (B, T, H, K, V) in shapes:
     for r in rs:
       if r < 1 or K % r:
@@ -489,9 +552,13 @@ def run(args) -> int:
       flops_counted=FLOPS_DOC, bytes_counted=BYTES_DOC,
       # The first shape and dtype, as the older bench_operator JSON had them.
       shape=dict(zip("BTHKV", shapes[0])), dtype=dtypes[0], cases=[])
+  layouts = [None]
+  if args.devices is not None:
+    results["devices"] = args.devices
+    layouts = [None, "batch-head", "context"]
 
-  plan = [(m, s, r, d, i) for s in shapes for d in dtypes for r in rs for m in modes
-          for i in impls]
+  plan = [(m, s, r, d, i, lay) for s in shapes for d in dtypes for r in rs for m in modes
+          for i in impls for lay in (layouts if i in ("pallas", "xla", "reference") else [None])]
   # tqdm draws on a terminal; --progress forces it into a log, --no-progress turns it off.
   disable = True if args.no_progress else (False if args.progress else None)
   bar = tqdm.tqdm(total=len(plan) * args.reps, disable=disable, leave=False, unit="run",
@@ -509,11 +576,20 @@ def run(args) -> int:
         f"median of {args.reps} runs x {args.inner} calls", flush=True)
   fwd_outs = {}      # inputs key -> {impl: forward output} (ours), for the diff against xla
   inputs_key, inputs = None, None
-  for mode, shape, r, dname, impl in plan:
+  for mode, shape, r, dname, impl, layout in plan:
     B, T, H, K, V = shape
     dtype = DTYPES[dname]
     case = dict(impl=impl, mode=mode, B=B, T=T, H=H, K=K, V=V, r=r,
                 dtype=jnp.dtype(dtype).name, status="ok")
+    sharding = None
+    if args.devices is not None and layout is None and impl in ("pallas", "xla", "reference"):
+      case.update(base_impl=impl, parallel="none", devices=1)
+    if layout is not None:
+      sharding, label, why = sharded_layout(layout, args.devices, shape)
+      case.update(impl=f"{impl} {label}", base_impl=impl, parallel=layout,
+                  devices=args.devices)
+      if sharding is not None:
+        case["mesh"] = dict(sharding.mesh.shape)
     bar.set_description(case_label(case))
     done_before = bar.n
     try:
@@ -527,11 +603,18 @@ def run(args) -> int:
                                                       args.reference_max_gb):
           raise _Skip(f"the scan's backward would keep {B * T * H * K * V * 4 / 1e9:.1f} GB "
                       f"of states (> --reference-max-gb {args.reference_max_gb:g})")
-        fn, fargs = ours(impl, mode, inputs)
+        if layout is not None and sharding is None:
+          raise _Skip(why)
+        fn, fargs = ours(impl, mode, inputs, sharding)
         case["ms"], case["all_ms"] = time_jax(fn, fargs, args.reps, args.inner, bar.update)
         if mode == "fwd":
-          fwd_outs.setdefault(inputs_key, {})[impl] = (case, fn(*fargs))
-          record_diffs(fwd_outs[inputs_key])
+          outs = fwd_outs.setdefault(inputs_key, {})
+          outs[case["impl"]] = (case, fn(*fargs))
+          record_diffs(outs)
+          if layout is not None and impl in outs:      # against the same impl on one device
+            one = outs[impl][1].astype(jnp.float32)
+            case["max_abs_diff_vs_one_device"] = float(
+                jnp.max(jnp.abs(outs[case["impl"]][1].astype(jnp.float32) - one)))
       elif impl == "fla":
         if r != 1:
           raise _Skip("flash-linear-attention's chunk_gated_delta_rule is the r = 1 case")

@@ -26,8 +26,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gdp_jax import dispatch
-from gdp_jax.decode import gated_delta_product_step, gqa_decode
-from gdp_jax.operator import CHUNK_SIZES, gated_delta_product
+from gdp_jax.decode import gqa_decode
+from gdp_jax.operator import CHUNK_SIZES
+from gdp_jax.sharding import (ShardingConfig, sharded_gated_delta_product,
+                              sharded_gated_delta_product_step)
 
 MASK_MODES = ("static", "token", "ones")
 KEY_NORMS = ("block", "full")
@@ -196,6 +198,9 @@ class GatedDeltaProduct(nnx.Module):
     norm_eps: RMSNorm epsilon.
     chunk_size, implementation: passed to `gated_delta_product` / `gated_delta_product_step`
       (None: the Pallas kernels on a GPU, the jnp forms elsewhere).
+    sharding: a `gdp_jax.sharding.ShardingConfig` to run the operator split over a device mesh
+      (batch, heads and sequence; the step over batch and heads), or None for one device. The
+      projections around it are ordinary jnp code that XLA partitions from the layouts.
     dtype: computation dtype of projections, q, k, v (None: x's dtype); param_dtype: parameters.
     rngs: `nnx.Rngs`.
   """
@@ -206,7 +211,7 @@ class GatedDeltaProduct(nnx.Module):
                allow_neg_eigval: bool = False, beta_norm: bool = True, norm_eps: float = 1e-5,
                chunk_size: int = 64,
                implementation: str | None = None, dtype=None, param_dtype=f32,
-               rngs: nnx.Rngs):
+               sharding: ShardingConfig | None = None, rngs: nnx.Rngs):
     _check_positive_int("hidden_size", hidden_size)
     _check_positive_int("num_heads", num_heads)
     _check_positive_int("head_dim", head_dim)
@@ -227,6 +232,13 @@ class GatedDeltaProduct(nnx.Module):
       raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
     if implementation is not None:
       dispatch.resolve("gated_delta_product", implementation)      # a clear error if unknown
+    if sharding is not None and not isinstance(sharding, ShardingConfig):
+      raise TypeError(f"sharding must be a gdp_jax.sharding.ShardingConfig or None, got "
+                      f"{type(sharding).__name__}")
+    if sharding is not None and num_heads % sharding.size("heads"):
+      raise ValueError(f"num_heads = {num_heads} is not divisible by the {sharding.size('heads')} "
+                       f"pieces of the heads mesh axes {sharding.axes('heads')}")
+    self.sharding = sharding
     self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
     self.value_dim = int(value_dim)
     self.num_blocks, self.mask_mode, self.key_norm = num_blocks, mask_mode, key_norm
@@ -347,9 +359,9 @@ class GatedDeltaProduct(nnx.Module):
       g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
     mask = self._mask(x)
     beta = self._scale_beta(beta, mask)
-    o, final = gated_delta_product(
-        q, k, v, g, beta, mask, output_final_state=return_cache,
-        chunk_size=self.chunk_size, implementation=self.implementation)
+    o, final = sharded_gated_delta_product(
+        q, k, v, g, beta, mask, output_final_state=return_cache, chunk_size=self.chunk_size,
+        implementation=self.implementation, sharding=self.sharding)
     y = self._output(o, x)
     if not return_cache:
       return y
@@ -387,8 +399,8 @@ class GatedDeltaProduct(nnx.Module):
       impl = "xla"                                 # "reference" has no step of its own
     mask = self._mask(x)
     beta = self._scale_beta(beta, mask)
-    o, state = gated_delta_product_step(q, k, v, g, beta, mask, cache.state,
-                                        implementation=impl)
+    o, state = sharded_gated_delta_product_step(q, k, v, g, beta, mask, cache.state,
+                                                implementation=impl, sharding=self.sharding)
     return self._output(o, x), GatedDeltaProductCache(conv, state)
 
 

@@ -100,7 +100,7 @@ class SwiGLU(nnx.Module):
 class Block(nnx.Module):
   """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, kind: str, c: HybridConfig, *, rngs: nnx.Rngs):
+  def __init__(self, kind: str, c: HybridConfig, *, rngs: nnx.Rngs, sharding=None):
     self.kind = kind
     self.mixer_norm = GatedRMSNorm(c.hidden_size, eps=c.norm_eps)
     if kind == "D":
@@ -109,7 +109,8 @@ class Block(nnx.Module):
           mask_mode=c.mask_mode, key_norm=c.key_norm, use_short_conv=c.use_short_conv,
           use_gate=c.use_gate, allow_neg_eigval=c.allow_neg_eigval, beta_norm=c.beta_norm,
           norm_eps=c.norm_eps,
-          chunk_size=c.chunk_size, implementation=c.implementation, dtype=c.dtype, rngs=rngs)
+          chunk_size=c.chunk_size, implementation=c.implementation, dtype=c.dtype,
+          sharding=sharding, rngs=rngs)
     else:
       self.mixer = GroupedQueryAttention(
           c.hidden_size, c.attn_num_heads, c.attn_num_kv_heads, c.attn_head_dim,
@@ -143,15 +144,20 @@ class HybridLM(nnx.Module):
   `model.step(token [B], cache) -> (logits [B, vocab], cache)`;
   `model.init_cache(batch_size, cache_size)`. The cache is a tuple with one entry per layer
   (`GatedDeltaProductCache` or `KVCache`).
+
+  `sharding`: a `gdp_jax.sharding.ShardingConfig` for the gated delta product layers (their
+  operator runs split over batch, heads and sequence under `jax.shard_map`), or None for one
+  device. The rest of the model is jnp code that XLA partitions from the inputs' layout (shard
+  the tokens over the batch axes for data parallelism).
   """
 
-  def __init__(self, config: HybridConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: HybridConfig, *, rngs: nnx.Rngs, sharding=None):
     self.config = config
     c = config
     self.embed = nnx.Embed(c.vocab_size, c.hidden_size, embedding_init=nnx.initializers.normal(
         1.0), rngs=rngs)
-    self.blocks = nnx.List([Block(kind, c, rngs=rngs) for kind in c.layer_pattern]) \
-        if hasattr(nnx, "List") else [Block(kind, c, rngs=rngs) for kind in c.layer_pattern]
+    blocks = [Block(kind, c, rngs=rngs, sharding=sharding) for kind in c.layer_pattern]
+    self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
     self.final_norm = GatedRMSNorm(c.hidden_size, eps=c.norm_eps)
     if not c.tie_embeddings:
       self.lm_head = nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, rngs=rngs)

@@ -33,11 +33,61 @@ def interpret_mode() -> bool:
 
 
 def pallas_call(kernel, *, num_warps=4, num_stages=2, **kwargs):
-  """`pl.pallas_call` with our backend choice: Triton params on GPU, interpret mode elsewhere."""
+  """`pl.pallas_call` with our backend choice: Triton params on GPU, interpret mode elsewhere.
+
+  Inside `jax.shard_map` (with its default `check_vma=True`) every output is typed as varying
+  over the mesh axes any input varies over (see `_varying_out_shape`), so the kernels run per
+  shard unchanged (docs/sharding.md).
+  """
   if interpret_mode():
-    return pl.pallas_call(kernel, interpret=True, **kwargs)
-  params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-  return pl.pallas_call(kernel, compiler_params=params, **kwargs)
+    call = pl.pallas_call(kernel, interpret=True, **kwargs)
+  else:
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    call = pl.pallas_call(kernel, compiler_params=params, **kwargs)
+  out_shape = kwargs.get("out_shape")
+
+  def run(*args):
+    typed = _varying_out_shape(out_shape, args)
+    if typed is out_shape:
+      return call(*args)
+    kw = dict(kwargs, out_shape=typed)
+    if interpret_mode():
+      return pl.pallas_call(kernel, interpret=True, **kw)(*args)
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return pl.pallas_call(kernel, compiler_params=params, **kw)(*args)
+
+  return run
+
+
+def _varying_axes(x):
+  """(mesh axes x varies over inside shard_map, the type that records them) for either jax API:
+  `aval.manual_axis_type.varying` (jax 0.12) or `aval.vma` (jax 0.11)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying), type(mat)
+  return frozenset(getattr(aval, "vma", None) or ()), None
+
+
+def _varying_out_shape(out_shape, args):
+  """out_shape with each ShapeDtypeStruct typed as varying over the union of the inputs'
+  varying mesh axes; out_shape itself when no input varies (outside shard_map)."""
+  axes, mat_type = frozenset(), None
+  for a in jax.tree.leaves(args):
+    if hasattr(a, "shape") and hasattr(a, "dtype"):
+      a_axes, a_type = _varying_axes(a)
+      axes, mat_type = axes | a_axes, mat_type or a_type
+  if not axes:
+    return out_shape
+
+  def typed(s):
+    if not isinstance(s, jax.ShapeDtypeStruct):
+      return s
+    if mat_type is not None:
+      return jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat_type(varying=axes))
+    return jax.ShapeDtypeStruct(s.shape, s.dtype, vma=axes)
+
+  return jax.tree.map(typed, out_shape, is_leaf=lambda s: isinstance(s, jax.ShapeDtypeStruct))
 
 
 # Float32 matmul precisions (half-precision operands always use the tensor cores with float32

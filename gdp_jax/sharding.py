@@ -1,0 +1,401 @@
+"""Several devices: the operator, its one-token step and the layers under `jax.shard_map`.
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    sharding = ShardingConfig(mesh, batch="data", heads="model")
+    o, final = sharded_gated_delta_product(q, k, v, g, beta, mask, sharding=sharding,
+                                           output_final_state=True)
+
+A `ShardingConfig` names a `jax.sharding.Mesh` and the mesh axes (one name, a tuple of names, or
+None) that split the batch, the heads and the sequence. Batch and heads are independent
+problems: every device runs the single-device operator (any implementation, the Pallas kernels
+included) on its own block of rows and heads, with no communication at all. The sequence axis
+is context parallelism: each device holds a contiguous piece of the tokens and the pieces are
+chained through their states (docs/sharding.md):
+
+  1. one call of the operator on the piece, from a zero state, with the values widened by K zero
+     columns and the state by the K x K identity: the first V columns give the piece's outputs
+     and final state from zero (o0, F), the last K columns its transition P (the product of the
+     tokens' exp(g) (I - beta (k k^T) . (M x 1)) factors) and, per token, scale q_t^T P_t;
+  2. an all-gather of the small (P, F) pairs over the sequence axis, then on every device the
+     chain S_in(0) = initial state, S_in(j + 1) = P_j S_in(j) + F_j in float32;
+  3. the outputs corrected by the incoming state: o_t = o0_t + (scale q_t^T P_t) S_in.
+
+Gradients come from JAX's autodiff of this composition (the operator's own backward, the
+transpose of the all-gather, the transposed transitions of the chain). q, k, v, g, beta and the
+per-token mask never leave their device; the only collectives are the all-gather of
+[B/nb, H/nh, K, K + V] float32 per device and an all-reduce of the final state's shard.
+
+The recurrent step (`sharded_gated_delta_product_step`) splits batch and heads only (one token
+has no sequence to split). The Flax layer and the hybrid model take a `sharding=` argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gdp_jax import decode as _decode
+from gdp_jax import operator as _operator
+
+f32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST
+ROLES = ("batch", "heads", "sequence")
+
+# The mesh axes of each dimension of each named array ("b" batch, "t" sequence, "h" heads, "-"
+# not split), by name and rank. Size-1 broadcast axes of the masks are never split.
+_LAYOUTS = {
+    ("q", 4): "bth-", ("k", 4): "bth-", ("v", 4): "bth-",
+    ("g", 3): "bth", ("beta", 3): "bth",
+    ("mask", 2): "--", ("mask", 3): "h--", ("mask", 5): "bth--",
+    ("initial_state", 4): "bh--", ("state", 4): "bh--", ("o", 4): "bth-",
+    # the one-token step
+    ("q", 3): "bh-", ("k", 3): "bh-", ("v", 3): "bh-", ("g", 2): "bh", ("beta", 2): "bh",
+    ("mask", 4): "bh--",
+    # model inputs: tokens [B, T], activations [B, T, D]
+    ("tokens", 2): "bt", ("tokens", 1): "b", ("x", 3): "bt-",
+}
+_ROLE_OF = {"b": "batch", "t": "sequence", "h": "heads"}
+
+
+def _as_axes(role, value, mesh):
+  """A role's axes as a tuple of mesh axis names (empty for None)."""
+  if value is None:
+    return ()
+  names = (value,) if isinstance(value, str) else value
+  if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+    raise TypeError(f"ShardingConfig.{role} must be a mesh axis name, a tuple of names or None, "
+                    f"got {value!r}")
+  for n in names:
+    if n not in mesh.axis_names:
+      raise ValueError(f"ShardingConfig.{role} names mesh axis {n!r}, but the mesh has axes "
+                       f"{tuple(mesh.axis_names)}")
+  return names
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+  """Which mesh axes split the batch, the heads and the sequence.
+
+  Args:
+    mesh: a `jax.sharding.Mesh` (Auto or Explicit axes; with Explicit axes the inputs are
+      resharded to the layout below, which is a no-op when they already have it).
+    batch, heads, sequence: a mesh axis name, a tuple of names (split over their product) or
+      None (not split). An axis may serve one role only. Mesh axes that no role names hold
+      replicas (each computes the same thing).
+
+  Layout of the operator's arrays: q, k, v, o split as [batch, sequence, heads, -]; g, beta as
+  [batch, sequence, heads]; the state as [batch, heads, -, -]; a mask [r, r] is replicated,
+  [H, r, r] split over heads, [B, T, H, r, r] like g.
+  """
+  mesh: Any
+  batch: Any = None
+  heads: Any = None
+  sequence: Any = None
+
+  def __post_init__(self):
+    if not isinstance(self.mesh, jax.sharding.Mesh):
+      raise TypeError(f"ShardingConfig.mesh must be a jax.sharding.Mesh, got "
+                      f"{type(self.mesh).__name__}")
+    seen = {}
+    for role in ROLES:
+      for name in _as_axes(role, getattr(self, role), self.mesh):
+        if name in seen:
+          raise ValueError(f"mesh axis {name!r} is named by both ShardingConfig.{seen[name]} and "
+                           f"ShardingConfig.{role}; an axis may split one dimension only")
+        seen[name] = role
+
+  def axes(self, role: str) -> tuple[str, ...]:
+    """The mesh axes of `role` ("batch", "heads" or "sequence") as a tuple (empty: not split)."""
+    if role not in ROLES:
+      raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return _as_axes(role, getattr(self, role), self.mesh)
+
+  def size(self, role: str) -> int:
+    """Number of pieces `role` is split into (the product of its mesh axes' sizes)."""
+    return math.prod(self.mesh.shape[n] for n in self.axes(role))
+
+  def _entry(self, role):
+    axes = self.axes(role)
+    if not axes:
+      return None
+    return axes[0] if len(axes) == 1 else axes
+
+  def spec(self, layout: str) -> PartitionSpec:
+    """A PartitionSpec from a layout string: one letter per dimension, "b" batch, "t" sequence,
+    "h" heads, "-" not split (e.g. "bth-" for q)."""
+    bad = set(layout) - set("bth-")
+    if bad:
+      raise ValueError(f"layout {layout!r} has letters {sorted(bad)}; use b, t, h and -")
+    return PartitionSpec(*(None if c == "-" else self._entry(_ROLE_OF[c]) for c in layout))
+
+  def spec_for(self, name: str, ndim: int) -> PartitionSpec:
+    """The PartitionSpec of an argument of the operator or the step by name and rank (q, k, v,
+    g, beta, mask, initial_state, state, o), or of model inputs (tokens [B, T], x [B, T, D])."""
+    layout = _LAYOUTS.get((name, ndim))
+    if layout is None:
+      known = sorted({n for n, _ in _LAYOUTS})
+      raise ValueError(f"no layout for an array named {name!r} of rank {ndim}; known names: "
+                       f"{known}")
+    return self.spec(layout)
+
+  def named_sharding(self, name: str, ndim: int) -> NamedSharding:
+    """`NamedSharding(mesh, spec_for(name, ndim))`."""
+    return NamedSharding(self.mesh, self.spec_for(name, ndim))
+
+  def put(self, **arrays):
+    """`jax.device_put` each named array (see `spec_for`) to its layout; None stays None.
+    Returns a dict with the same keys."""
+    return {n: None if x is None else jax.device_put(x, self.named_sharding(n, jnp.ndim(x)))
+            for n, x in arrays.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+def _check_config(sharding):
+  if not isinstance(sharding, ShardingConfig):
+    raise TypeError(f"sharding must be a gdp_jax.sharding.ShardingConfig or None, got "
+                    f"{type(sharding).__name__}")
+
+
+def _check_divisible(sharding, what, size, role, shape_note):
+  parts = sharding.size(role)
+  if size % parts:
+    raise ValueError(f"{what} = {size} ({shape_note}) is not divisible by the {parts} pieces of "
+                     f"the {role} mesh axes {sharding.axes(role)}")
+
+
+def _explicit(mesh):
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  return explicit is not None and any(t == explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _place(sharding, arrays, specs):
+  """With Explicit mesh axes, reshard the inputs to the shard_map's layout (no-op when they
+  already have it; with Auto axes shard_map places them itself)."""
+  if not _explicit(sharding.mesh):
+    return arrays
+  reshard = getattr(jax.sharding, "reshard", None) or jax.reshard
+  return {n: reshard(x, NamedSharding(sharding.mesh, specs[n])) for n, x in arrays.items()}
+
+
+def _check_vma(implementation):
+  """shard_map's type check of varying mesh axes, which also gives the cheapest transposes.
+  Pallas' interpreter (kernels on CPU) cannot type kernels whose inputs vary over different mesh
+  axes, so interpreted kernels run without it (JAX's autodiff stays correct, with a few more
+  collectives)."""
+  if implementation != "pallas":
+    return True
+  from pallas_kernels.common import backend
+  return not backend.interpret_mode()
+
+
+def _vary(x, axes, enabled):
+  """x typed as varying over mesh `axes` inside shard_map (moves no data): a state created
+  inside the body must match the arrays it is combined with in the operator's loops."""
+  if not enabled or not axes:
+    return x
+  pcast = getattr(jax.lax, "pcast", None)
+  if pcast is not None:
+    return pcast(x, tuple(axes), to="varying")
+  return jax.lax.pvary(x, tuple(axes))
+
+
+def _shard_map(fn, sharding, in_specs, out_specs, check_vma):
+  return jax.shard_map(fn, mesh=sharding.mesh, in_specs=(in_specs,), out_specs=out_specs,
+                       check_vma=check_vma)
+
+
+# ----------------------------------------------------------------------------------------------
+# The operator
+# ----------------------------------------------------------------------------------------------
+
+def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, sharding,
+                                scale=None, initial_state=None, output_final_state=False,
+                                chunk_size=64, implementation=None):
+  """`gated_delta_product` with its arrays split over a device mesh (module docstring).
+
+  Same arguments and results as `gdp_jax.gated_delta_product`, plus `sharding`: a
+  `ShardingConfig`, or None for the single-device operator. B must be divisible by the batch
+  axes' size, H by the heads axes' size and T by the sequence axes' size (each device then runs
+  T / n tokens; a multiple of `chunk_size` wastes no padding). Works eagerly and under
+  `jax.jit`, on arrays placed anywhere (XLA moves them to the layout; `ShardingConfig.put` places
+  them there up front). `scale` must be a Python number.
+
+  Returns:
+    (o [B, T, H, V] in q.dtype, split like q; final_state [B, H, K, V] float32 split over batch
+    and heads, or None).
+  """
+  if sharding is None:
+    return _operator.gated_delta_product(
+        q, k, v, g, beta, mask, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, chunk_size=chunk_size,
+        implementation=implementation)
+  _check_config(sharding)
+  batch, t_len, heads, dim_k, dim_v, _, _ = _operator.check_inputs(
+      q, k, v, g, beta, mask, initial_state)
+  if implementation is None:
+    implementation = _operator.default_implementation()
+  if implementation not in _operator.IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {_operator.IMPLEMENTATIONS} or None, "
+                     f"got {implementation!r}")
+  if chunk_size not in _operator.CHUNK_SIZES:
+    raise ValueError(f"chunk_size must be one of {_operator.CHUNK_SIZES}, got {chunk_size!r}")
+  shape = f"q has shape {tuple(q.shape)} = [B, T, H, K]"
+  _check_divisible(sharding, "B", batch, "batch", shape)
+  _check_divisible(sharding, "H", heads, "heads", shape)
+  _check_divisible(sharding, "T", t_len, "sequence", shape)
+  if scale is None:
+    scale = dim_k ** -0.5
+  if isinstance(scale, jax.Array) or not isinstance(scale, (int, float)):
+    raise TypeError(f"scale must be a Python number for the sharded operator, got "
+                    f"{type(scale).__name__}")
+  scale = float(scale)
+
+  arrays = dict(q=q, k=k, v=v, g=g, beta=beta, mask=mask, initial_state=initial_state)
+  arrays = {n: x for n, x in arrays.items() if x is not None}
+  specs = {n: sharding.spec_for(n, x.ndim) for n, x in arrays.items()}
+  arrays = _place(sharding, arrays, specs)
+  vma = _check_vma(implementation)
+  run = dict(scale=scale, chunk_size=chunk_size, implementation=implementation)
+  out_specs = (sharding.spec_for("o", 4), sharding.spec_for("state", 4))
+  if sharding.size("sequence") > 1:
+    body = lambda a: _context_parallel_piece(a, sharding, vma, **run)
+  else:
+    body = lambda a: _independent_piece(a, sharding, vma, **run)
+  o, final = _shard_map(body, sharding, specs, out_specs, vma)(arrays)
+  return o, (final if output_final_state else None)
+
+
+def _zero_state(q, v, sharding, vma, width=None):
+  bl, _, hl, dk = q.shape
+  s = jnp.zeros((bl, hl, dk, v.shape[-1] if width is None else width), f32)
+  return _vary(s, sharding.axes("batch") + sharding.axes("heads") + sharding.axes("sequence"),
+               vma)
+
+
+def _independent_piece(a, sharding, vma, *, scale, chunk_size, implementation):
+  """Batch and head parallel: the single-device operator on this device's rows and heads."""
+  h0 = a.get("initial_state")
+  if h0 is None:
+    h0 = _zero_state(a["q"], a["v"], sharding, vma)
+  else:   # a sequence axis of size 1 still types q as varying over it
+    h0 = _vary(h0, sharding.axes("sequence"), vma)
+  return _operator.gated_delta_product(
+      a["q"], a["k"], a["v"], a.get("g"), a["beta"], a.get("mask"), scale=scale,
+      initial_state=h0, output_final_state=True, chunk_size=chunk_size,
+      implementation=implementation)
+
+
+def piece_summary(q, k, v, g, beta, mask, *, scale, chunk_size, implementation, state=None):
+  """One piece of the sequence from a zero state, with its transition (docs/sharding.md).
+
+  Runs the operator once on values widened to [v | 0_K] from the state [0_{K x V} | I_K]: every
+  value column evolves on its own under the same per-token maps S -> A_t S + b_t, so the first
+  V columns are the piece from zero and the last K columns follow S_t = A_t ... A_1 = P_t.
+  `state` is that widened starting state when the caller builds it ([B, H, K, V + K] float32).
+
+  Returns:
+    o0 [B, T, H, V] (the outputs from a zero state, q.dtype), qp [B, T, H, K] (scale q_t^T P_t,
+    q.dtype), final0 [B, H, K, V] (the final state from zero) and transition [B, H, K, K]
+    (P = P_T), both float32.
+  """
+  bl, tl, hl, dk = q.shape
+  dv = v.shape[-1]
+  v_ext = jnp.concatenate([v, jnp.zeros((bl, tl, hl, dk), v.dtype)], axis=-1)
+  if state is None:
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=f32), (bl, hl, dk, dk))
+    state = jnp.concatenate([jnp.zeros((bl, hl, dk, dv), f32), eye], axis=-1)
+  o_ext, fin_ext = _operator.gated_delta_product(
+      q, k, v_ext, g, beta, mask, scale=scale, initial_state=state, output_final_state=True,
+      chunk_size=chunk_size, implementation=implementation)
+  return o_ext[..., :dv], o_ext[..., dv:], fin_ext[..., :dv], fin_ext[..., dv:]
+
+
+def chain_states(transitions, finals, initial_state):
+  """The incoming state of every piece: S_in(0) = initial_state, S_in(j+1) = P_j S_in(j) + F_j.
+
+  transitions [n, B, H, K, K], finals [n, B, H, K, V], initial_state [B, H, K, V] (float32).
+  Returns (incoming [n, B, H, K, V], the state after the last piece [B, H, K, V]).
+  """
+  s = initial_state.astype(f32)
+  incoming = []
+  for j in range(transitions.shape[0]):
+    incoming.append(s)
+    s = jnp.einsum("bhij,bhjv->bhiv", transitions[j], s, precision=HIGHEST) + finals[j]
+  return jnp.stack(incoming), s
+
+
+def _context_parallel_piece(a, sharding, vma, *, scale, chunk_size, implementation):
+  """Context parallel: this device's piece of the sequence, chained with the others."""
+  q, v = a["q"], a["v"]
+  bl, _, hl, dk = q.shape
+  dv = v.shape[-1]
+  seq = sharding.axes("sequence")
+  eye = jnp.broadcast_to(jnp.eye(dk, dtype=f32), (bl, hl, dk, dk))
+  state = jnp.concatenate([_zero_state(q, v, sharding, vma), _vary(
+      eye, sharding.axes("batch") + sharding.axes("heads") + seq, vma)], axis=-1)
+  o0, qp, final0, transition = piece_summary(
+      q, a["k"], v, a.get("g"), a["beta"], a.get("mask"), scale=scale, chunk_size=chunk_size,
+      implementation=implementation, state=state)
+  # All-gather the small per-piece (P, F) pairs over the sequence axes: [n, bl, hl, K, K + V].
+  pieces = jax.lax.all_gather(jnp.concatenate([transition, final0], axis=-1), seq)
+  h0 = a.get("initial_state")
+  if h0 is None:
+    h0 = jnp.zeros((bl, hl, dk, dv), f32)
+  incoming, final = chain_states(pieces[..., :dk], pieces[..., dk:], h0)
+  me = jax.lax.axis_index(seq)
+  s_in = jax.lax.dynamic_index_in_dim(incoming, me, axis=0, keepdims=False)
+  # o_t = o0_t + scale q_t^T P_t S_in (docs/sharding.md); qp already carries the scale.
+  o = o0.astype(f32) + jnp.einsum("bthk,bhkv->bthv", qp.astype(f32), s_in, precision=HIGHEST)
+  # Every device has the same final state; the last piece's copy, summed over the axis, is
+  # typed as replicated over it.
+  final = jax.lax.psum(jnp.where(me == sharding.size("sequence") - 1, final, 0.0), seq)
+  return o.astype(q.dtype), final
+
+
+# ----------------------------------------------------------------------------------------------
+# The one-token step
+# ----------------------------------------------------------------------------------------------
+
+def sharded_gated_delta_product_step(q, k, v, g, beta, mask, state, *, sharding, scale=None,
+                                     implementation=None, in_place=True):
+  """`gated_delta_product_step` with batch and heads split over a device mesh.
+
+  Same arguments and results as `gdp_jax.gated_delta_product_step`, plus `sharding` (a
+  `ShardingConfig`, or None for one device). B must be divisible by the batch axes' size and H
+  by the heads axes' size; the sequence axes are not used (devices along them compute the same
+  step). Returns (o [B, H, V], new_state [B, H, K, V] float32), split over batch and heads.
+  """
+  if sharding is None:
+    return _decode.gated_delta_product_step(q, k, v, g, beta, mask, state, scale=scale,
+                                            implementation=implementation, in_place=in_place)
+  _check_config(sharding)
+  batch, heads, dim_k, dim_v, _, _ = _decode._check_step(q, k, v, g, beta, mask, state)
+  implementation = _decode._pick(implementation)
+  shape = f"q has shape {tuple(q.shape)} = [B, H, K]"
+  _check_divisible(sharding, "B", batch, "batch", shape)
+  _check_divisible(sharding, "H", heads, "heads", shape)
+  if state is None:
+    state = jnp.zeros((batch, heads, dim_k, dim_v), f32)
+  arrays = dict(q=q, k=k, v=v, g=g, beta=beta, mask=mask, state=state)
+  arrays = {n: jnp.asarray(x) for n, x in arrays.items() if x is not None}
+  specs = {n: sharding.spec_for(n, x.ndim) for n, x in arrays.items()}
+  if isinstance(scale, jax.Array):
+    arrays["scale"], specs["scale"] = scale, PartitionSpec()
+  arrays = _place(sharding, arrays, specs)
+  vma = _check_vma(implementation)
+
+  def body(a):
+    return _decode.gated_delta_product_step(
+        a["q"], a["k"], a["v"], a.get("g"), a["beta"], a.get("mask"), a["state"],
+        scale=a.get("scale", scale), implementation=implementation, in_place=in_place)
+
+  out_specs = (sharding.spec("bh-"), sharding.spec_for("state", 4))
+  return _shard_map(body, sharding, specs, out_specs, vma)(arrays)
