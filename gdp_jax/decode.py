@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdp_jax import dispatch
+from pallas_kernels.common.backend import resolve_precision
 from gdp_jax.operator import check_float, check_shape, normalize_mask
 from gdp_jax.reference import recurrent_step as _recurrent_step
 
@@ -187,7 +188,7 @@ def _check_step(q, k, v, g, beta, mask, state):
 
 
 def gated_delta_product_step(q, k, v, g, beta, mask, state, *, scale=None, implementation=None,
-                             in_place=True):
+                             precision=None, in_place=True):
   """One token of the block-masked gated delta product for every sequence (docs/inference.md).
 
     S' = exp(g) S;  u_a = beta (v - sum_d M[a,d] k^(d)T S'^(d));  S_new^(a) = S'^(a) + k^(a) u_a^T;
@@ -201,6 +202,8 @@ def gated_delta_product_step(q, k, v, g, beta, mask, state, *, scale=None, imple
     state: [B, H, K, V] (computed in float32), or None for zeros.
     scale: output scale, default K ** -0.5.
     implementation: "xla", "pallas" or None ("pallas" on a supported GPU, else "xla").
+    precision: accepted as in `gated_delta_product` (validated); one token has no matmul to
+      speed up, so both implementations compute the step in full float32 whatever it says.
     in_place: "pallas" only: write the new state into the state's buffer (no copy when the state
       is carried through a jitted loop or donated; otherwise XLA copies it first).
 
@@ -209,6 +212,7 @@ def gated_delta_product_step(q, k, v, g, beta, mask, state, *, scale=None, imple
   """
   batch, heads, dim_k, dim_v, mask4, r = _check_step(q, k, v, g, beta, mask, state)
   implementation = dispatch.resolve("gated_delta_product_step", implementation)
+  resolve_precision(precision)                       # a clear error for a bad value
   if g is None:
     g = jnp.zeros((batch, heads), jnp.float32)
   if state is None:

@@ -7,11 +7,11 @@ as a 5-D array [Bm, Tm, Hm, r, r] that broadcasts against [B, T, H, r, r], and a
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gdp_jax import dispatch
+from pallas_kernels.common.backend import resolve_precision
 
 IMPLEMENTATIONS = dispatch.implementations("gated_delta_product")
 CHUNK_SIZES = (16, 32, 64)
@@ -120,7 +120,7 @@ def _pad_time(x, t_pad):
 
 def gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, scale=None,
                         initial_state=None, output_final_state=False, chunk_size=64,
-                        implementation=None, backward="pallas", options=None):
+                        implementation=None, precision=None, backward="pallas", options=None):
   """Block-masked gated delta product linear attention (docs/operator.md).
 
   Per batch row and head a float32 state S [K, V] evolves as
@@ -140,6 +140,12 @@ def gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, scale=None,
     implementation: "reference" (recurrence over time), "xla" (chunked jnp), "pallas" (GPU
       kernels; interpreted on CPU, slowly), or None for the fastest one available on the
       device ("pallas" on a supported GPU, "xla" elsewhere; see gdp_jax/dispatch.py).
+    precision: float32 matmuls of the Pallas kernels: None follows
+      `jax.default_matmul_precision` (TF32 by default, as XLA's float32 dots on these GPUs),
+      "highest" gives tf32x3 (close to float32), "ieee" full float32 on the CUDA cores
+      (docs/precision.md). Half-precision inputs always use bf16/f16 tensor-core products with
+      float32 accumulation. The "reference" and "xla" implementations compute in float32 at
+      HIGHEST precision (the ground truth) whatever this says. Overrides `options.precision`.
     backward: with implementation "pallas": "pallas" (its kernels) or "xla" (the jnp backward of
       the chunked form behind the Pallas forward: a debugging switch).
     options: with implementation "pallas": a `pallas_kernels.common.options.KernelOptions`
@@ -152,6 +158,9 @@ def gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, scale=None,
       q, k, v, g, beta, mask, initial_state)
   implementation = dispatch.resolve("gated_delta_product", implementation)
   dispatch.check_backward(backward, implementation)
+  # None with explicit options keeps options.precision; else None follows jax's default.
+  kernel_precision = None if (precision is None and options is not None) else (
+      resolve_precision(precision))
   if chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
   if scale is None:
@@ -173,7 +182,7 @@ def gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, scale=None,
       mask_p = _pad_time(mask5, t_pad)
     extra = {}
     if implementation == "pallas":
-      extra = dict(options=options, backward=backward)
+      extra = dict(options=options, backward=backward, precision=kernel_precision)
     o, final = run(*padded, mask_p, initial_state, scale, chunk_size, **extra)
     o = o[:, :t_len]
   return o.astype(q.dtype), (final if output_final_state else None)

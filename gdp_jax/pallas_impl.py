@@ -128,18 +128,20 @@ _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
 
 
 def gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size, *,
-                               options=None, backward="pallas"):
+                               options=None, backward="pallas", precision=None):
   """q, k [B, Tp, H, K]; v [B, Tp, H, V]; g, beta [B, Tp, H]; mask [Bm, Tm, Hm, r, r];
   initial_state [B, H, K, V] f32 -> (o [B, Tp, H, V] in q's dtype, final [B, H, K, V] f32).
 
   Differentiable in every input (jax.custom_vjp); the padding around the kernels is plain jnp.
   options: a `KernelOptions` (precision, launch parameters); None picks the heuristic's.
+  precision: the kernels' float32 matmul precision ("tf32", "tf32x3", "ieee"); overrides
+    options.precision when given.
   backward: "pallas" (the backward kernels) or "xla" (the jnp backward of gdp_jax/xla_backward.py
     behind the Pallas forward, for debugging).
   """
   if backward == "xla":
     return _pallas_forward_xla_backward(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
-                                        options)
+                                        options, precision)
   dim_k, dim_v = q.shape[-1], v.shape[-1]
   r = mask.shape[-1]
   bt = pallas_chunk(chunk_size, r)
@@ -150,28 +152,31 @@ def gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chu
   h0 = _pad_last(pad_key_blocks(initial_state.swapaxes(-1, -2), r, dkp).swapaxes(-1, -2), vp)
   if options is None:
     options = kernel_options.heuristic_options(r=r, dim_k=dim_k, dim_v=dim_v, dtype=q.dtype)
+  if precision is not None:
+    options = options.replace(precision=precision)
   o, final = _gdp_core(q, k, v, g, beta, mask.astype(jnp.float32), h0, scale, bt, options)
   o = o[..., :dim_v]
   final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
   return o, final
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def _pallas_forward_xla_backward(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
-                                 options):
+                                 options, precision):
   """The Pallas forward with the jnp backward of the chunked form (`backward="xla"`)."""
   return gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
-                                    options=options)
+                                    options=options, precision=precision)
 
 
 def _pallas_forward_xla_backward_fwd(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
-                                     options):
+                                     options, precision):
   out = gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
-                                   options=options)
+                                   options=options, precision=precision)
   return out, (q, k, v, g, beta, mask, initial_state)
 
 
-def _pallas_forward_xla_backward_bwd(scale, chunk_size, options, residuals, cotangents):
+def _pallas_forward_xla_backward_bwd(scale, chunk_size, options, precision, residuals,
+                                     cotangents):
   do, dfinal = cotangents
   return xla_backward.gated_delta_product_xla_bwd(*residuals, scale, chunk_size, do, dfinal)
 

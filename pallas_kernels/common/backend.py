@@ -100,6 +100,31 @@ _GPU_ALGORITHM = {
 }
 
 
+def resolve_precision(precision=None) -> str:
+  """The float32 matmul precision of the kernels for a user's `precision` argument.
+
+  None follows `jax.default_matmul_precision` (as jnp.dot does): its default, "default",
+  "bfloat16", "tensorfloat32" and "high" give "tf32" (what XLA uses for float32 on these GPUs);
+  "highest" and "float32" give "tf32x3" (three TF32 products: close to float32 on the tensor
+  cores). The kernels' own names ("tf32", "tf32x3", "ieee") and `jax.lax.Precision` values are
+  accepted too. See docs/precision.md.
+  """
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+  if isinstance(precision, jax.lax.Precision):
+    precision = {jax.lax.Precision.DEFAULT: "default", jax.lax.Precision.HIGH: "high",
+                 jax.lax.Precision.HIGHEST: "highest"}[precision]
+  if precision is None or precision in ("default", "bfloat16", "tensorfloat32", "high",
+                                        "fastest", "ANY_F32_F32"):
+    return "tf32"
+  if precision in ("highest", "float32"):
+    return "tf32x3"
+  if precision in PRECISIONS:
+    return precision
+  raise ValueError(f"precision must be None, 'default', 'high', 'highest', one of {PRECISIONS} "
+                   f"or a jax.lax.Precision, got {precision!r}")
+
+
 def dot(a, b, *, trans_a=False, trans_b=False, precision="ieee"):
   """2-D matmul with float32 accumulation (the only dot the Triton lowering has).
 

@@ -77,7 +77,7 @@ class KernelOptions:
     operands always run on the tensor cores with float32 accumulation.
   Each stage field is the `Launch` of the kernel of the same name (docs/kernels.md).
   """
-  precision: str = "ieee"
+  precision: str = "tf32"
   kkt: Launch = Launch(num_warps=4)
   solve_tril: Launch = Launch(num_warps=1)
   wy: Launch = Launch(num_warps=4)
@@ -100,7 +100,7 @@ DEFAULT = KernelOptions()
 
 
 @functools.cache
-def heuristic_options(*, r: int, dim_k: int, dim_v: int, dtype, precision: str = "ieee",
+def heuristic_options(*, r: int, dim_k: int, dim_v: int, dtype, precision: str = "tf32",
                       device: DeviceInfo | None = None) -> KernelOptions:
   """The launch configuration for a problem on a device (H200-tuned, scaled down elsewhere).
 
