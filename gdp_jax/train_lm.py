@@ -72,8 +72,8 @@ SHUFFLE_SEED = 1234              # the training documents' order (fixed: not the
 
 # --model: how each choice builds the token mixers. "attention" replaces every layer of the
 # pattern by attention; the others keep the pattern's "D" layers as GatedDeltaProduct with
-# these settings. Extension point: Householder DeltaProduct (n_h rank-1 steps per token, DESIGN
-# of the operator: docs/operator.md) becomes one more entry here, e.g.
+# these settings. Extension point: Householder DeltaProduct (n_h rank-1 delta steps per token;
+# docs/operator.md) becomes one more entry here, e.g.
 #   "householder-2": dict(attention_only=False, mixer="householder", num_householder=2),
 # once the operator and the layer have it (then `model_config` passes the new fields on).
 MODELS = {

@@ -44,7 +44,8 @@ mkdir -p "$OUT"
 {
   date
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
-  "$PY" -c "import jax, flax, optax; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'optax', optax.__version__)"
+  "$PY" -c "import jax, flax, optax; print('jax', jax.__version__, jax.devices(),
+             'flax', flax.__version__, 'optax', optax.__version__)"
 } | tee "$OUT/env.txt"
 
 status=0
