@@ -83,8 +83,8 @@ def test_corpus_rules_and_split_are_deterministic(tmp_path):
   assert [rel for rel, _ in tl.corpus_files(str(tmp_path / "elsewhere"))] == found
 
   # The split depends on the relative path only (pinned: a change of rule shows here).
-  assert [tl.is_validation(f, 2.0) for f in ("os.py", "json/decoder.py", "typing.py")] == \
-      [tl.is_validation(f, 2.0) for f in ("os.py", "json/decoder.py", "typing.py")]
+  names = ("os.py", "json/decoder.py", "typing.py", "chunk.py", "copyreg.py", "email/__init__.py")
+  assert [tl.is_validation(f, 2.0) for f in names] == [False, False, False, True, True, True]
   stdlib = [rel for rel, _ in tl.corpus_files()]
   val = [rel for rel in stdlib if tl.is_validation(rel, 2.0)]
   assert val == [rel for rel, _ in tl.corpus_files() if tl.is_validation(rel, 2.0)]
