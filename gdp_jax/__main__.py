@@ -1,5 +1,5 @@
 """Command line: `python -m gdp_jax demo` (the main job), `python -m gdp_jax check` (the operator
-against the reference) and `python -m gdp_jax bench`."""
+against the reference), `python -m gdp_jax bench` and `python -m gdp_jax train-lm`."""
 
 from __future__ import annotations
 
@@ -68,6 +68,13 @@ def main(argv=None) -> int:
                      description=bench.__doc__.split("\n\n")[0])
   bench.add_arguments(p)
   p.set_defaults(func=bench.run)
+  from gdp_jax import train_lm
+  p = sub.add_parser("train-lm", help="train a byte-level hybrid LM on the Python standard "
+                     "library: learning curves, tokens/s, MFU (JSON + PNG)",
+                     description=train_lm.__doc__.split("\n\n")[0],
+                     epilog="presets, corpus and FLOP count: docs/train_lm.md")
+  train_lm.add_arguments(p)
+  p.set_defaults(func=train_lm.run)
   args = parser.parse_args(argv)
   return args.func(args)
 

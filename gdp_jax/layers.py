@@ -2,10 +2,11 @@
 
 Both layers run in two modes that agree with each other:
 
-- the whole sequence, `layer(x, lengths=None, *, return_cache=False)`: the chunked operator
-  (Pallas kernels on a GPU, `implementation=None`) or causal attention; with
+- the whole sequence, `layer(x, lengths=None, *, segment_ids=None, return_cache=False)`: the
+  chunked operator (Pallas kernels on a GPU, `implementation=None`) or causal attention; with
   `return_cache=True` it also returns the cache after each sequence's first `lengths[b]` tokens
-  (a prefill of right-padded prompts of different lengths);
+  (a prefill of right-padded prompts of different lengths); with `segment_ids` [B, T] several
+  documents are packed in one row and none sees another (see `segment_starts`);
 - one token per sequence, `layer.step(x_t, cache) -> (y_t, cache)`, through
   `gated_delta_product_step` or `gqa_decode`; `layer.init_cache(...)` is the empty cache.
 
@@ -33,7 +34,15 @@ from gdp_jax.sharding import (ShardingConfig, sharded_gated_delta_product,
 
 MASK_MODES = ("static", "token", "ones")
 KEY_NORMS = ("block", "full")
+ATTENTION_IMPLS = ("xla", "flash")
 f32 = jnp.float32
+# The log-decay g given to the operator at a document's first token (packed documents, see
+# `GatedDeltaProduct.__call__` and docs/train_lm.md): exp(g) = exp(-112) underflows to exactly 0
+# in float32 (below the smallest subnormal, 1.4e-45, from g < -103.3), so the state carried in is
+# multiplied by an exact zero, while the chunk's float32 cumulative sum of g stays below 128 in
+# magnitude (ulp 7.6e-6) for the tokens after it. g = -inf would give NaN (inf - inf) in the
+# chunked forms' gamma_t - gamma_s.
+RESET_LOG_DECAY = -112.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,6 +87,26 @@ def _check_lengths(lengths, batch, t_len):
   return lengths.astype(jnp.int32)
 
 
+def _check_segment_ids(segment_ids, batch, t_len):
+  if segment_ids is None:
+    return None
+  segment_ids = jnp.asarray(segment_ids)
+  if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+    raise TypeError(f"segment_ids must be integers (int32), got dtype {segment_ids.dtype}")
+  if segment_ids.shape != (batch, t_len):
+    raise ValueError(f"segment_ids has shape {segment_ids.shape}, expected [B, T] = "
+                     f"[{batch}, {t_len}] (one document id per token)")
+  return segment_ids.astype(jnp.int32)
+
+
+def segment_starts(segment_ids):
+  """[B, T] bool: True at each document's first token, i.e. at t = 0 and wherever
+  segment_ids[b, t] != segment_ids[b, t - 1]. A document is a run of equal ids (ids may repeat
+  further on: only changes between neighbours count)."""
+  first = jnp.ones(segment_ids.shape[:1] + (1,), bool)
+  return jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+
 def _check_x(x, hidden_size, rank, what):
   if x.ndim != rank or x.shape[-1] != hidden_size:
     raise ValueError(f"x has shape {tuple(x.shape)}, expected {what} with D = hidden_size = "
@@ -104,7 +133,8 @@ class GatedRMSNorm(nnx.Module):
 class ShortConv(nnx.Module):
   """Causal depthwise convolution over time (kernel `size`) followed by SiLU.
 
-  Whole sequence: x [B, T, C] -> [B, T, C] (zeros before the first token).
+  Whole sequence: x [B, T, C] -> [B, T, C] (zeros before the first token); with segment_ids
+  [B, T], inputs of other documents count as zeros too (no leak across packed documents).
   Step: `step(x_t [B, C], state [B, size-1, C])`, the state holding the previous inputs.
   """
 
@@ -114,11 +144,17 @@ class ShortConv(nnx.Module):
     self.weight = nnx.Param(jax.random.uniform(rngs.params(), (size, channels), param_dtype,
                                                -bound, bound))
 
-  def __call__(self, x):
+  def __call__(self, x, segment_ids=None):
     w = self.weight[...].astype(x.dtype)
     t_len = x.shape[1]
     xp = jnp.pad(x, ((0, 0), (self.size - 1, 0), (0, 0)))
-    y = sum(xp[:, i:i + t_len] * w[i] for i in range(self.size))
+    if segment_ids is None:
+      y = sum(xp[:, i:i + t_len] * w[i] for i in range(self.size))
+    else:
+      # tap i reads token t - (size - 1 - i): zero it unless that token is in t's document
+      sp = jnp.pad(segment_ids, ((0, 0), (self.size - 1, 0)), constant_values=-1)
+      y = sum(jnp.where((sp[:, i:i + t_len] == segment_ids)[..., None], xp[:, i:i + t_len], 0)
+              * w[i] for i in range(self.size))
     return jax.nn.silu(y)
 
   def state_after(self, x, lengths):
@@ -332,7 +368,7 @@ class GatedDeltaProduct(nnx.Module):
 
   # -- whole sequence ---------------------------------------------------------------------------
 
-  def __call__(self, x, lengths=None, *, return_cache: bool = False):
+  def __call__(self, x, lengths=None, *, segment_ids=None, return_cache: bool = False):
     """The whole sequence through the chunked operator.
 
     Args:
@@ -340,6 +376,16 @@ class GatedDeltaProduct(nnx.Module):
       lengths: None (every token is real) or [B] int: sequence b holds tokens [0, lengths[b])
         and the rest is right padding. Padding tokens leave the state untouched (beta = g = 0);
         their outputs are meaningless.
+      segment_ids: None, or [B, T] int: packed documents, one id per token (a document is a run
+        of equal ids; see `segment_starts`). At each document's first token the recurrent state
+        is reset: the operator gets g = RESET_LOG_DECAY there, so exp(g) S = 0 exactly and the
+        token writes into an empty state (the operator has no variable-length form yet), and
+        the short convolution reads zeros instead of other documents' inputs. The forward is
+        exact. In the chunked backward, a document that starts inside a chunk leaves
+        rounding-level gradient (about 1e-7 relative) in the log-decay of the earlier tokens of
+        that chunk (through the chunk's cumulative sum of g, whose terms cancel only up to
+        rounding); documents starting at multiples of `chunk_size` are exactly separated, also
+        in the gradient (docs/train_lm.md). Not with `return_cache`.
       return_cache: also return the `GatedDeltaProductCache` after lengths[b] tokens.
 
     Returns:
@@ -348,12 +394,18 @@ class GatedDeltaProduct(nnx.Module):
     _check_x(x, self.hidden_size, 3, "[B, T, D]")
     batch, t_len, _ = x.shape
     lengths = _check_lengths(lengths, batch, t_len)
+    segment_ids = _check_segment_ids(segment_ids, batch, t_len)
+    if segment_ids is not None and return_cache:
+      raise ValueError("segment_ids with return_cache is not supported: a decode cache "
+                       "continues one sequence per row, not packed documents")
     if self.dtype is not None:
       x = x.astype(self.dtype)
     pre = self._project_in(x)
-    qkv = self.conv(pre) if self.use_short_conv else jax.nn.silu(pre)
+    qkv = self.conv(pre, segment_ids) if self.use_short_conv else jax.nn.silu(pre)
     q, k, v = self._split_qkv(qkv)
     g, beta = self._gates(x)
+    if segment_ids is not None:
+      g = jnp.where(segment_starts(segment_ids)[..., None], RESET_LOG_DECAY, g)
     if lengths is not None:
       real = (jnp.arange(t_len)[None, :] < lengths[:, None])[..., None]      # [B, T, 1]
       g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
@@ -428,11 +480,37 @@ def apply_rope(x, positions, theta):
   return out.astype(x.dtype)
 
 
+def _flash_attention(q, k, v, segment_ids):
+  """Causal attention through JAX's Pallas flash attention kernel (forward and backward), with
+  segment ids; q [B, T, Hq, Dh], k, v [B, T, Hkv, Dh] -> [B, T, Hq, Dh]."""
+  import warnings
+  with warnings.catch_warnings():     # jax 0.12 points to the separate tokamax package
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+  from pallas_kernels.common import backend
+  t_len, head_dim = q.shape[1], q.shape[-1]
+  block = min(128, t_len)
+  if t_len % block:
+    raise ValueError(f"attention_impl='flash' needs T a multiple of {block} (the kernel's "
+                     f"block), got T = {t_len}; pad the sequence or use attention_impl='xla'")
+  group = q.shape[2] // k.shape[2]
+  if group > 1:                       # query head h reads key/value head h // group
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+  blocks = pallas_attention.BlockSizes(block_q=block, block_k=block,
+                                       block_q_dkv=min(32, t_len), block_kv_dkv=min(32, t_len),
+                                       block_q_dq=min(32, t_len), block_kv_dq=min(32, t_len))
+  return pallas_attention.mha(q, k, v, segment_ids, sm_scale=head_dim ** -0.5, causal=True,
+                              block_sizes=blocks, interpret=backend.interpret_mode())
+
+
 class GroupedQueryAttention(nnx.Module):
   """Causal multi-head attention with grouped key/value heads and RoPE.
 
-  Whole sequence: `layer(x, lengths=None, *, return_cache=False, cache_size=None)` (causal
-  softmax attention; with right padding the real tokens never see padding). One token:
+  Whole sequence: `layer(x, lengths=None, *, segment_ids=None, return_cache=False,
+  cache_size=None)` (causal softmax attention; with right padding the real tokens never see
+  padding; with segment_ids [B, T] a token attends only to earlier tokens of its own document).
+  One token:
   `layer.step(x_t, cache)`, which writes the new key/value at slot `cache.lengths[b]` of a
   fixed-size cache and attends through `gqa_decode` with the traced lengths (no recompilation
   as lengths change). A token written past the cache's size S is dropped: size the cache for
@@ -443,13 +521,18 @@ class GroupedQueryAttention(nnx.Module):
     head_dim: per head (even, for RoPE; default D / Hq). rope_theta: RoPE base.
     cache_dtype: dtype of the KV cache (default float32; bfloat16 halves decode traffic).
     implementation: for `gqa_decode` (None: Pallas on GPU).
+    attention_impl: the whole-sequence attention. "xla": `jax.nn.dot_product_attention`
+      (segment ids as a boolean [B, 1, T, T] mask; the scores are materialised). "flash":
+      JAX's Pallas flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`: Triton on
+      a GPU, interpreted elsewhere), causal with segment ids in the kernel, key/value heads
+      repeated to the query heads; T must be a multiple of min(T, 128).
     dtype, param_dtype, rngs: as usual.
   """
 
   def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                head_dim: int | None = None, *, rope_theta: float = 10000.0, cache_dtype=f32,
-               implementation: str | None = None, dtype=None, param_dtype=f32,
-               rngs: nnx.Rngs):
+               implementation: str | None = None, attention_impl: str = "xla", dtype=None,
+               param_dtype=f32, rngs: nnx.Rngs):
     _check_positive_int("hidden_size", hidden_size)
     _check_positive_int("num_heads", num_heads)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -468,6 +551,8 @@ class GroupedQueryAttention(nnx.Module):
       raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
     if implementation is not None:
       dispatch.resolve("gqa_decode", implementation)               # a clear error if unknown
+    _check_choice("attention_impl", attention_impl, ATTENTION_IMPLS)
+    self.attention_impl = attention_impl
     self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
     self.head_dim, self.rope_theta = head_dim, float(rope_theta)
     self.cache_dtype, self.implementation, self.dtype = cache_dtype, implementation, dtype
@@ -493,18 +578,33 @@ class GroupedQueryAttention(nnx.Module):
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                    jnp.zeros((batch_size,), jnp.int32))
 
-  def __call__(self, x, lengths=None, *, return_cache: bool = False, cache_size=None):
+  def __call__(self, x, lengths=None, *, segment_ids=None, return_cache: bool = False,
+               cache_size=None):
     """Causal attention over x [B, T, D] -> y [B, T, D]; with `return_cache`, also the KVCache
-    of `cache_size` slots (default T) holding each sequence's first lengths[b] tokens."""
+    of `cache_size` slots (default T) holding each sequence's first lengths[b] tokens.
+    segment_ids [B, T] int (packed documents; not with `return_cache`): token t attends to
+    token s <= t only when segment_ids[b, s] == segment_ids[b, t]. Positions (RoPE) stay the
+    row's 0..T-1: attention scores depend only on t - s, so a document's scores do not depend
+    on where it starts."""
     _check_x(x, self.hidden_size, 3, "[B, T, D]")
     batch, t_len, _ = x.shape
     lengths = _check_lengths(lengths, batch, t_len)
+    segment_ids = _check_segment_ids(segment_ids, batch, t_len)
+    if segment_ids is not None and return_cache:
+      raise ValueError("segment_ids with return_cache is not supported: a decode cache "
+                       "continues one sequence per row, not packed documents")
     if self.dtype is not None:
       x = x.astype(self.dtype)
     q, k, v = self._qkv(x)
     pos = jnp.arange(t_len)
     q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    if self.attention_impl == "flash":
+      o = _flash_attention(q, k, v, segment_ids)
+    else:
+      mask = None
+      if segment_ids is not None:
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]   # [B, 1, T, T]
+      o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
     y = self.o_proj(o.reshape(batch, t_len, self.num_heads * self.head_dim))
     if not return_cache:
       return y

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdp_jax.layers import (GatedDeltaProduct, GatedRMSNorm, GroupedQueryAttention,
-                            MASK_MODES, KEY_NORMS)
+from gdp_jax.layers import (ATTENTION_IMPLS, GatedDeltaProduct, GatedRMSNorm,
+                            GroupedQueryAttention, MASK_MODES, KEY_NORMS)
 
 f32 = jnp.float32
 LAYER_KINDS = {"D": "gated delta product", "A": "grouped-query attention"}
@@ -39,7 +39,8 @@ class HybridConfig:
   Delta product layers: num_heads, head_dim (K), expand_v, num_blocks (r), mask_mode, key_norm,
     use_short_conv, use_gate, allow_neg_eigval, chunk_size (see `layers.GatedDeltaProduct`).
   Attention layers: attn_num_heads, attn_num_kv_heads, attn_head_dim (default
-    hidden_size // attn_num_heads), rope_theta.
+    hidden_size // attn_num_heads), rope_theta, attn_impl ("xla" or "flash": the
+    whole-sequence attention, see `layers.GroupedQueryAttention`'s attention_impl).
   mlp_ratio: SwiGLU hidden size = mlp_ratio * hidden_size (0: no MLP).
   implementation: for the operator and decode steps (None: Pallas on a GPU).
   """
@@ -61,6 +62,7 @@ class HybridConfig:
   attn_num_kv_heads: int = 1
   attn_head_dim: int | None = None
   rope_theta: float = 10000.0
+  attn_impl: str = "xla"
   mlp_ratio: int = 4
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
@@ -83,6 +85,8 @@ class HybridConfig:
       raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {self.mask_mode!r}")
     if self.key_norm not in KEY_NORMS:
       raise ValueError(f"key_norm must be one of {KEY_NORMS}, got {self.key_norm!r}")
+    if self.attn_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attn_impl must be one of {ATTENTION_IMPLS}, got {self.attn_impl!r}")
     if not isinstance(self.mlp_ratio, int) or self.mlp_ratio < 0:
       raise ValueError(f"mlp_ratio must be a non-negative integer, got {self.mlp_ratio!r}")
 
@@ -115,7 +119,7 @@ class Block(nnx.Module):
       self.mixer = GroupedQueryAttention(
           c.hidden_size, c.attn_num_heads, c.attn_num_kv_heads, c.attn_head_dim,
           rope_theta=c.rope_theta, implementation=None if c.implementation == "reference"
-          else c.implementation, dtype=c.dtype, rngs=rngs)
+          else c.implementation, attention_impl=c.attn_impl, dtype=c.dtype, rngs=rngs)
     self.use_mlp = bool(c.mlp_ratio)
     if self.use_mlp:
       self.mlp_norm = GatedRMSNorm(c.hidden_size, eps=c.norm_eps)
@@ -124,8 +128,10 @@ class Block(nnx.Module):
   def _mlp(self, x):
     return x + self.mlp(self.mlp_norm(x)) if self.use_mlp else x
 
-  def __call__(self, x, lengths=None, *, return_cache=False, cache_size=None):
+  def __call__(self, x, lengths=None, *, segment_ids=None, return_cache=False, cache_size=None):
     kw = dict(cache_size=cache_size) if self.kind == "A" and return_cache else {}
+    if segment_ids is not None:
+      kw["segment_ids"] = segment_ids
     out = self.mixer(self.mixer_norm(x), lengths, return_cache=return_cache, **kw)
     y, cache = out if return_cache else (out, None)
     x = self._mlp(x + y.astype(x.dtype))
@@ -139,7 +145,9 @@ class Block(nnx.Module):
 class HybridLM(nnx.Module):
   """Embedding, `len(layer_pattern)` residual blocks, final RMSNorm, vocabulary projection.
 
-  `model(tokens [B, T], lengths=None) -> logits [B, T, vocab]` (float32);
+  `model(tokens [B, T], lengths=None, *, segment_ids=None) -> logits [B, T, vocab]` (float32;
+  segment_ids [B, T] packs several documents in a row, none seeing another: see
+  `layers.GatedDeltaProduct.__call__` and `layers.GroupedQueryAttention.__call__`);
   `model.prefill(tokens, lengths, cache_size) -> (logits, cache)`;
   `model.step(token [B], cache) -> (logits [B, vocab], cache)`;
   `model.init_cache(batch_size, cache_size)`. The cache is a tuple with one entry per layer
@@ -172,10 +180,13 @@ class HybridLM(nnx.Module):
     x = self.embed(tokens)
     return x if self.config.dtype is None else x.astype(self.config.dtype)
 
-  def __call__(self, tokens, lengths=None):
-    x = self._embed(tokens)
+  def __call__(self, tokens, lengths=None, *, segment_ids=None):
+    return self.from_embeddings(self._embed(tokens), lengths, segment_ids=segment_ids)
+
+  def from_embeddings(self, x, lengths=None, *, segment_ids=None):
+    """The model after its embedding: x [B, T, D] (embedded tokens) -> logits [B, T, vocab]."""
     for block in self.blocks:
-      x = block(x, lengths)
+      x = block(x, lengths, segment_ids=segment_ids)
     return self._logits(x)
 
   def prefill(self, tokens, lengths=None, cache_size=None):

@@ -208,6 +208,105 @@ def test_gdp_bad_inputs():
     GatedDeltaProduct(D, 0, K, rngs=nnx.Rngs(0))
 
 
+# ---- packed documents (segment_ids) -------------------------------------------------------------
+
+def packed(lengths, T):
+  """segment_ids [1, T] of documents of `lengths` (ids 3, 4, ...), plus (start, end) of each."""
+  assert sum(lengths) == T
+  ids = np.repeat(np.arange(3, 3 + len(lengths)), lengths)[None].astype(np.int32)
+  ends = np.cumsum(lengths)
+  return jnp.asarray(ids), list(zip(ends - np.asarray(lengths), ends))
+
+
+def check_packed_matches_separate(layer, T, lengths, rtol):
+  """Each packed document's output equals that document run alone (right-padded in its own
+  row, one call for all)."""
+  x = x_of(11, B=1, T=T)
+  seg, spans = packed(lengths, T)
+  y = jax.jit(lambda x, s: layer(x, segment_ids=s))(x, seg)
+  alone = jnp.concatenate([jnp.pad(x[:, a:e], ((0, 0), (0, T - (e - a)), (0, 0)))
+                           for a, e in spans])
+  y_alone = jax.jit(layer)(alone)
+  for i, (a, e) in enumerate(spans):
+    assert_close(y[:, a:e], y_alone[i:i + 1, :e - a], rtol, f"document {i} at [{a}, {e})")
+
+
+@pytest.mark.parametrize("mask_mode,use_short_conv,lengths", [
+    ("static", True, (5, 30, 3, 26)), ("ones", False, (21, 43)), ("token", True, (1, 47, 16))])
+def test_gdp_packed_documents_match_separate_runs(mask_mode, use_short_conv, lengths):
+  layer = gdp(mask_mode=mask_mode, use_short_conv=use_short_conv)
+  check_packed_matches_separate(layer, 64, lengths, 1e-4)   # float32 cumsum from -112: 1e-5
+
+
+def test_gdp_document_start_resets_the_state():
+  """A document start is an effective reset: exp(RESET_LOG_DECAY) is exactly 0 in float32, and
+  the outputs of the second document do not change when the first one does."""
+  assert float(jnp.exp(jnp.float32(layers.RESET_LOG_DECAY))) == 0.0
+  layer = gdp(use_short_conv=False)
+  seg, _ = packed((16, 16), 32)
+  x = x_of(12, B=1, T=32)
+  x2 = x.at[:, :16].set(1e3 * x_of(13, B=1, T=16))
+  run = jax.jit(lambda x: layer(x, segment_ids=seg))
+  y, y2 = run(x), run(x2)
+  np.testing.assert_array_equal(np.asarray(y[:, 16:]), np.asarray(y2[:, 16:]))
+  assert not np.allclose(np.asarray(y[:, :16]), np.asarray(y2[:, :16]))
+
+
+def doc_gradients(layer, lengths, T):
+  """grads[i] = d(sum sin(y) over document i) / dx, for x [1, T, D] packed as `lengths`."""
+  x = x_of(14, B=1, T=T)
+  seg, spans = packed(lengths, T)
+  weights = jnp.asarray([(np.arange(T) >= a) & (np.arange(T) < e) for a, e in spans],
+                        jnp.float32)[:, None, :, None]           # [docs, 1, T, 1]: one doc each
+  loss = lambda x, s, w: jnp.sum(jnp.sin(layer(x, segment_ids=s)) * w)
+  run = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, None, 0)))   # seg traced: one compile
+  return np.abs(np.asarray(run(x, seg, weights))), spans
+
+
+@pytest.mark.parametrize("implementation,lengths", [
+    ("xla", (16, 32, 16)), ("reference", (7, 40, 17)), ("pallas", (16, 16))])
+def test_gdp_packed_gradients_do_not_cross_documents(implementation, lengths):
+  """d(loss of one document) / d(inputs of the others) is exactly zero: documents starting at
+  multiples of the chunk (16) with the chunked forms, anywhere with the recurrence. With the
+  chunked form, a start inside a chunk leaves only rounding-level gradient (the documented
+  limit: through the chunk's cumulative sum of g) in the earlier document."""
+  T = sum(lengths)
+  layer = gdp(implementation=implementation)
+  cases = [(lengths, 0.0)]
+  if implementation == "xla":
+    cases.append(((20, 12, 32), 1e-6))
+  for lens, bound in cases:
+    grads, spans = doc_gradients(layer, lens, T)
+    for i, (a, e) in enumerate(spans):
+      outside = np.ones(T, bool)
+      outside[a:e] = False
+      inside = grads[i][:, a:e]
+      assert grads[i][:, outside].max() <= bound * inside.max(), (lens, i)
+      assert np.all(inside.sum(-1) > 0), f"document {i} of {lens}: dead inputs"
+
+
+def test_short_conv_does_not_read_other_documents():
+  conv = layers.ShortConv(3, 4, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (1, 10, 3))
+  seg = jnp.asarray([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2]], jnp.int32)
+  y = conv(x, seg)
+  for a, e in ((0, 3), (3, 5), (5, 10)):
+    np.testing.assert_allclose(y[:, a:e], conv(x[:, a:e]), rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(conv(x, jnp.zeros((1, 10), jnp.int32)), conv(x))
+
+
+def test_segment_ids_bad_inputs():
+  layer, a = gdp(), attn()
+  x = x_of(0)
+  for lay in (layer, a):
+    with pytest.raises(ValueError, match=r"segment_ids has shape \(2, 5\), expected \[B, T\]"):
+      lay(x, segment_ids=jnp.zeros((2, 5), jnp.int32))
+    with pytest.raises(TypeError, match="segment_ids must be integers"):
+      lay(x, segment_ids=jnp.zeros((2, 7)))
+    with pytest.raises(ValueError, match="segment_ids with return_cache is not supported"):
+      lay(x, segment_ids=jnp.zeros((2, 7), jnp.int32), return_cache=True)
+
+
 # ---- GroupedQueryAttention ----------------------------------------------------------------------
 
 def attn(**kw):
@@ -277,3 +376,40 @@ def test_attention_lengths_are_traced():
 def test_attention_bad_configuration(kw, match):
   with pytest.raises(ValueError, match=match):
     GroupedQueryAttention(D, rngs=nnx.Rngs(0), **kw)
+
+
+def test_attention_packed_documents_match_separate_runs():
+  check_packed_matches_separate(attn(), 32, (5, 20, 7), 2e-5)
+
+
+def test_flash_attention_matches_xla_with_segments():
+  """attention_impl="flash" (JAX's Pallas flash attention, interpreted here) against the
+  jnp path: outputs and gradients with packed documents and grouped key/value heads."""
+  x = x_of(16, B=2, T=32)
+  seg = jnp.asarray(np.stack([np.repeat([0, 1, 2], [5, 20, 7]), np.repeat([4, 9], [16, 16])]),
+                    jnp.int32)
+  ref, flash = attn(), attn(attention_impl="flash")
+
+  def run(layer):
+    y = lambda x: layer(x, segment_ids=seg)
+    return jax.jit(lambda x: (y(x), jax.grad(lambda x: jnp.sum(jnp.sin(y(x))))(x)))(x)
+
+  (y_ref, g_ref), (y_fl, g_fl) = run(ref), run(flash)
+  assert_close(y_fl, y_ref, 1e-5, "outputs")
+  assert_close(g_fl, g_ref, 1e-4, "gradients")
+  with pytest.raises(ValueError, match="needs T a multiple of 128"):
+    attn(attention_impl="flash")(x_of(0, T=130))
+  with pytest.raises(ValueError, match="attention_impl must be one of"):
+    attn(attention_impl="cudnn")
+
+
+def test_flash_attention_lowers_for_h200(monkeypatch):
+  """The flash path (forward and backward, segment ids, repeated key/value heads) goes through
+  the Pallas Triton lowering for an H200."""
+  from tests.triton_lowering import lower_for_h200
+  layer = attn(attention_impl="flash", dtype=jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 64), jnp.int32)
+  xs = jax.ShapeDtypeStruct((1, 64, D), jnp.bfloat16)
+  fn = lambda x, s: jax.grad(lambda x: jnp.sum(layer(x, segment_ids=s).astype(jnp.float32)))(x)
+  modules = lower_for_h200(monkeypatch, fn, xs, seg)
+  assert len(modules) >= 3          # forward, the backward's preprocessing and its kernel(s)

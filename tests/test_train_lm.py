@@ -1,0 +1,191 @@
+"""train-lm: the tiny preset learns, a checkpoint resumes to the same step and losses, the corpus
+rules and split are deterministic, packed documents do not see each other (exactly zero
+gradient across documents through the whole model), the FLOP count and the command line.
+
+The runs share one compilation (the train step is jitted at module level with the model's
+graph static), so only the first run of the module pays for it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from gdp_jax import train_lm as tl
+from gdp_jax.models import HybridConfig, HybridLM
+
+QUIET = dict(progress=False)
+
+
+def test_tiny_preset_trains_and_validation_loss_goes_down(tmp_path):
+  out = str(tmp_path / "tiny")
+  m = tl.train_lm(tl.preset_config("tiny", out=out, **QUIET))
+  ev = m["eval"]
+  assert [e["step"] for e in ev] == [0, 20, 40, 60]
+  assert ev[0]["val_bpb"] > 7.5                       # about log2(258) = 8.0 at initialisation
+  assert ev[-1]["val_bpb"] < ev[0]["val_bpb"] - 2.5   # about 4.3 after 60 steps
+  assert ev[2]["val_bpb"] < ev[1]["val_bpb"] < ev[0]["val_bpb"]
+  assert m["history"]["step"] == list(range(1, 61))
+  assert np.mean(m["history"]["train_loss"][-10:]) < np.mean(m["history"]["train_loss"][:10])
+  s = m["summary"]
+  assert s["final_step"] == 60 and s["tokens"] == 60 * 8 * 128
+  assert s["tokens_per_s"] > 0 and 0 < s["mfu"] < 1 and s["achieved_tflops"] > 0
+  assert m["flops_per_token"]["train"] == 3 * m["flops_per_token"]["forward"]
+  assert m["corpus"]["val_files"] > 0 and m["corpus"]["train_files"] > 10 * m["corpus"]["val_files"]
+  with open(os.path.join(out, "metrics.json")) as f:
+    assert json.load(f)["summary"]["final_val_bpb"] == s["final_val_bpb"]
+  assert os.path.isdir(os.path.join(out, "checkpoints", "60"))
+  try:
+    import matplotlib  # noqa: F401
+    assert os.path.getsize(os.path.join(out, "curves.png")) > 1000
+  except ImportError:
+    pass
+
+
+def test_checkpoint_resumes_to_the_same_step_and_loss(tmp_path):
+  """Stopped at step 3 of 6 (checkpointed) and resumed: the same losses as an uninterrupted
+  run, step for step, and the same final validation loss."""
+  base = dict(steps=6, eval_every=3, plot=False, **QUIET)
+  full = tl.train_lm(tl.preset_config("tiny", out=str(tmp_path / "full"), **base))
+  part_dir = str(tmp_path / "part")
+  part = tl.train_lm(tl.preset_config("tiny", out=part_dir, stop_at=3, **base))
+  assert part["summary"]["final_step"] == 3 and part["summary"]["stopped_at"] == 3
+  assert os.path.isdir(os.path.join(part_dir, "checkpoints", "3"))
+  rest = tl.train_lm(tl.preset_config("tiny", out=part_dir, resume=True, **base))
+  assert rest["summary"]["resumed_from"] == 3
+  assert rest["history"]["step"] == full["history"]["step"] == [1, 2, 3, 4, 5, 6]
+  assert rest["history"]["train_loss"] == full["history"]["train_loss"]
+  assert [e["step"] for e in rest["eval"]] == [0, 3, 6]
+  assert rest["eval"][-1]["val_loss"] == full["eval"][-1]["val_loss"]
+
+
+def test_corpus_rules_and_split_are_deterministic(tmp_path):
+  files = {"a.py": b"x = 1\n", "pkg/b.py": b"y = 2\n", "pkg/test/t.py": b"assert 1\n",
+           "site-packages/s.py": b"skip\n", "pkg/__pycache__/c.py": b"skip\n",
+           "empty.py": b"", "notes.txt": b"skip\n",
+           "big.py": b"#" * (tl.MAX_FILE_BYTES + 1)}
+  for rel, data in files.items():
+    path = tmp_path / "root" / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+  found = [rel for rel, _ in tl.corpus_files(str(tmp_path / "root"))]
+  assert found == ["a.py", "pkg/b.py", "pkg/test/t.py"]
+  shutil.copytree(tmp_path / "root", tmp_path / "elsewhere")
+  assert [rel for rel, _ in tl.corpus_files(str(tmp_path / "elsewhere"))] == found
+
+  # The split depends on the relative path only (pinned: a change of rule shows here).
+  names = ("os.py", "json/decoder.py", "typing.py", "chunk.py", "copyreg.py", "email/__init__.py")
+  assert [tl.is_validation(f, 2.0) for f in names] == [False, False, False, True, True, True]
+  stdlib = [rel for rel, _ in tl.corpus_files()]
+  val = [rel for rel in stdlib if tl.is_validation(rel, 2.0)]
+  assert val == [rel for rel, _ in tl.corpus_files() if tl.is_validation(rel, 2.0)]
+  assert 0.005 < len(val) / len(stdlib) < 0.05
+  assert not any("site-packages" in rel or "__pycache__" in rel for rel in stdlib)
+  assert tl.is_validation("a.py", 100 - 1e-9) and not tl.is_validation("a.py", 1e-12)
+
+  a = tl.load_corpus(str(tmp_path / "root"), val_percent=50.0)
+  b = tl.load_corpus(str(tmp_path / "elsewhere"), val_percent=50.0)
+  assert a.info["sha256"] == b.info["sha256"]
+  np.testing.assert_array_equal(a.train.tokens, b.train.tokens)
+  np.testing.assert_array_equal(a.val.tokens, b.val.tokens)
+
+
+def test_packing_and_batches():
+  stream = tl.pack([b"abc", b"x" * 70, b""])
+  assert stream.tokens.size == 64 + 128 + 64
+  starts = np.flatnonzero(stream.tokens == tl.BOS)
+  np.testing.assert_array_equal(starts, [0, 64, 192])
+  assert bytes(stream.tokens[1:4].astype(np.uint8)) == b"abc"
+  assert np.all(stream.tokens[4:64] == tl.PAD) and np.all(stream.doc[:64] == 0)
+  np.testing.assert_array_equal(stream.doc[64:192], 1)
+
+  corpus = tl.load_corpus()
+  x1 = tl.train_batch(corpus.train, 5, 0, 4, 128)
+  x2 = tl.train_batch(corpus.train, 5, 0, 4, 128)
+  x3 = tl.train_batch(corpus.train, 6, 0, 4, 128)
+  for a, b in zip(x1, x2):
+    np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(x1[0], x3[0])
+  inputs, targets, seg = (np.concatenate(a) for a in
+                          zip(*(tl.train_batch(corpus.train, s, 0, 8, 512) for s in range(20))))
+  np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
+  rows, cols = np.nonzero(np.diff(seg, axis=1))
+  starts = cols + 1                                     # a new document inside a window
+  assert starts.size > 5 and np.all(starts % tl.ALIGN == 0)     # at multiples of 64
+  assert np.all(inputs[rows, starts] == tl.BOS)
+  val = tl.val_batches(corpus.val, 4, 128, 2)
+  assert len(val) == 2 and all(v[0].shape == (4, 128) for v in val)
+
+
+def test_packed_documents_do_not_see_each_other():
+  """Through the whole model (gated delta product with short convolution, attention, MLP, bf16
+  as in training): the gradient of one document's loss with respect to the embedded inputs of
+  every other document in the row is exactly zero."""
+  docs = [b"def f(x):\n    return x\n" * 5, b"import os\n", b"class A:\n    pass\n", b"#"]
+  stream = tl.pack(docs)                                 # 128 + 64 + 64 + 64 tokens
+  inputs, targets, seg = (jnp.asarray(a) for a in tl._windows(stream, np.asarray([64]), 192))
+  config = HybridConfig(vocab_size=tl.VOCAB_SIZE, hidden_size=16, layer_pattern="DA",
+                        num_heads=2, head_dim=8, num_blocks=2, chunk_size=16,
+                        attn_num_heads=2, attn_num_kv_heads=1, mlp_ratio=2,
+                        implementation="xla", dtype=jnp.bfloat16)
+  model = HybridLM(config, rngs=nnx.Rngs(0))
+  ids = np.unique(np.asarray(seg))
+  assert len(ids) == 3                  # the end of document 0 (no BOS in the row), 1 and 2
+  weights = jnp.stack([(seg == i) & (targets < 256) for i in ids]).astype(jnp.float32)
+
+  def doc_loss(x, w):
+    logits = model.from_embeddings(x, segment_ids=seg)
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * w)
+
+  x = model.embed(inputs).astype(jnp.bfloat16)
+  grads = jax.jit(jax.vmap(jax.grad(doc_loss), in_axes=(None, 0)))(x, weights)
+  grads = np.abs(np.asarray(grads, np.float32)).sum(-1)[:, 0]          # [docs, T]
+  seg_np, counted = np.asarray(seg)[0], np.asarray(targets)[0] < 256
+  for k, i in enumerate(ids):
+    assert np.all(grads[k][seg_np != i] == 0), f"document {i} reaches another document"
+    # every input that predicts a counted byte of the document has a gradient
+    assert np.all(grads[k][(seg_np == i) & counted] > 0), f"document {i}: dead inputs"
+
+
+def test_flops_per_token():
+  c = HybridConfig(vocab_size=258, hidden_size=64, layer_pattern="DA", num_heads=2,
+                   head_dim=32, num_blocks=2, attn_num_heads=2, attn_num_kv_heads=1,
+                   mlp_ratio=2)
+  f = tl.flops_per_token(c, 128)
+  p = f["forward_parts"]
+  D, HK = 64, 64
+  assert p["projections"] == 2 * D * (3 * HK + 4) + 2 * HK * D + 2 * D * HK \
+      + 2 * D * (64 + 2 * 32) + 2 * 64 * D
+  assert p["attention"] == 2 * 64 * 129
+  assert p["mlp"] == 2 * (2 * 3 * D * 2 * D) and p["head"] == 2 * D * 258
+  from gdp_jax.bench import forward_flops
+  assert p["operator"] == forward_flops(1, 128, 2, 32, 32, 2) / 128
+  assert f["train"] == 3 * sum(p.values())
+
+
+def test_command_line_and_bad_configuration(tmp_path, capsys):
+  from gdp_jax.__main__ import main
+  out = str(tmp_path / "cli")
+  assert main(["train-lm", "--preset", "tiny", "--steps", "3", "--eval-every", "3",
+               "--out", out, "--no-plot"]) == 0
+  text = capsys.readouterr().out
+  assert "bits/byte" in text and "tokens/s" in text and "MFU" in text
+  assert main(["train-lm", "--compare", os.path.join(out, "metrics.json"), "--out", out]) == 0
+  assert "gdp-r2" in capsys.readouterr().out
+  with pytest.raises(ValueError, match="seq_len must be a multiple of 64"):
+    tl.train_lm(tl.preset_config("tiny", seq_len=100))
+  with pytest.raises(ValueError, match="model must be one of"):
+    tl.train_lm(tl.preset_config("tiny", model="mamba"))
+  with pytest.raises(ValueError, match="resume and stop_at need an out folder"):
+    tl.train_lm(tl.preset_config("tiny", resume=True))
+  assert math.isclose(tl.lr_value(tl.Hyper(1.0, 0.1, 10, 100, 0, 0, 0, 0), 99),
+                      float(tl.lr_at(tl.Hyper(1.0, 0.1, 10, 100, 0, 0, 0, 0), 99)), rel_tol=1e-6)
