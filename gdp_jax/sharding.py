@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gdp_jax import decode as _decode
+from gdp_jax import dispatch
 from gdp_jax import operator as _operator
 
 f32 = jnp.float32
@@ -240,11 +241,7 @@ def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, shardi
   _check_config(sharding)
   batch, t_len, heads, dim_k, dim_v, _, _ = _operator.check_inputs(
       q, k, v, g, beta, mask, initial_state)
-  if implementation is None:
-    implementation = _operator.default_implementation()
-  if implementation not in _operator.IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {_operator.IMPLEMENTATIONS} or None, "
-                     f"got {implementation!r}")
+  implementation = dispatch.resolve("gated_delta_product", implementation)
   if chunk_size not in _operator.CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {_operator.CHUNK_SIZES}, got {chunk_size!r}")
   shape = f"q has shape {tuple(q.shape)} = [B, T, H, K]"
@@ -378,7 +375,7 @@ def sharded_gated_delta_product_step(q, k, v, g, beta, mask, state, *, sharding,
                                             implementation=implementation, in_place=in_place)
   _check_config(sharding)
   batch, heads, dim_k, dim_v, _, _ = _decode._check_step(q, k, v, g, beta, mask, state)
-  implementation = _decode._pick(implementation)
+  implementation = dispatch.resolve("gated_delta_product_step", implementation)
   shape = f"q has shape {tuple(q.shape)} = [B, H, K]"
   _check_divisible(sharding, "B", batch, "batch", shape)
   _check_divisible(sharding, "H", heads, "heads", shape)
