@@ -1,0 +1,226 @@
+"""The fused intra-chunk forward (docs/kernels.md, "Fused forward kernels"): one program per
+(chunk, batch, head) does the chunk-local cumsum of g, the chunk KKT, its unit lower-triangular
+inverse and the w/u products, keeping A and its inverse in registers.
+
+Rows of the chunk matrices are in (t, a) order (pallas_kernels/common/rows.py): N = BT * r rows,
+cut in blocks of 16 rows, each covering 16 / r tokens. With gamma the chunk-local cumsum of g
+(docs/chunked_form.md):
+
+  A_ij = beta_i M (Kw_i Kb_j^T) exp(gamma_i - gamma_j), token-strictly causal   [16, 16] blocks
+  X_ii = (I + A_ii)^-1                  forward substitution on a register tile
+  X_ij = -X_ii sum_{j <= k < i} A_ik X_kj                        block merge (i > j)
+  w_i  = sum_{j <= i} X_ij (exp(gamma_j) beta_j Kw_j),   u_i = sum_{j <= i} X_ij (beta_j v_j)
+
+X = (I + A)^-1 is the gated inverse of gated A; w = X (exp(gamma) W~) is exp(gamma) times the
+ungated inverse applied to W~, and no exp of a positive argument is ever formed. Every row block
+of k, v, g, beta and the mask is loaded from its ref with `pl.ds` (a loaded value cannot be sliced
+in the Triton lowering, docs/pallas_triton.md); only the X blocks stay alive between row blocks
+(the merge needs all of them), the A blocks of one row block live while that row block is done.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import backend, rows, specs
+
+BLOCK = 16
+CHUNKS = (16, 32, 64)
+MAX_ROWS = 256
+f32 = jnp.float32
+
+
+class _Chunk:
+  """Loads of one chunk's row blocks from the refs (every block straight from its ref)."""
+
+  def __init__(self, k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask):
+    self.k_ref, self.v_ref, self.beta_ref, self.mask_ref = k_ref, v_ref, beta_ref, mask_ref
+    self.r = r
+    self.tb = BLOCK // r                          # tokens per 16-row block
+    self.per_token_mask = per_token_mask
+    self.dtype = k_ref.dtype
+
+  def toks(self, i):
+    return pl.ds(i * self.tb, self.tb)
+
+  def mask(self, i):
+    return self.mask_ref.at[self.toks(i)] if self.per_token_mask else self.mask_ref
+
+  def beta(self, i):
+    """beta per row of block i: [16] float32."""
+    return rows.per_row(self.beta_ref[self.toks(i)].astype(f32), self.r)
+
+  def keys(self, i):
+    """(Kw_i masked keys, Kb_i block keys) of block i: [16, K] float32 each."""
+    k = self.k_ref[self.toks(i), :]
+    return rows.masked_keys(k, self.mask(i), self.r), rows.block_keys(k, self.r)
+
+  def w_rhs(self, i, gamma_i):
+    """exp(gamma) beta Kw for block i, in the input dtype: [16, K]."""
+    kw = rows.masked_keys(self.k_ref[self.toks(i), :], self.mask(i), self.r)
+    return ((jnp.exp(gamma_i) * self.beta(i))[:, None] * kw).astype(self.dtype)
+
+  def u_rhs(self, i):
+    """beta v for block i (each token's row repeated r times), in the input dtype: [16, V]."""
+    bv = self.beta_ref[self.toks(i)].astype(f32)[:, None] * self.v_ref[self.toks(i), :].astype(f32)
+    return rows.repeat_rows(bv.astype(self.dtype), self.r)
+
+
+def _invert_diagonal(a_blocks):
+  """(I + A_ii)^-1 of strictly lower [16, 16] float32 tiles, by forward substitution in registers.
+
+  With X = I + Y: Y[j] = -A[j] + sum_{k<j} (-A[j, k]) Y[k]. Y starts as -A, so row j of Y still
+  holds -A[j] when step j picks it (jnp.where on the row index + sum: no slicing). Rows 0 and 1
+  are already final. All blocks advance in the same loop (independent work for the scheduler).
+  """
+  idx = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
+
+  def body(j, ys):
+    out = []
+    for y in ys:
+      row = jnp.sum(jnp.where(idx == j, y, 0.0), axis=0)             # -A[j], zero from column j
+      row = row + jnp.sum(row[:, None] * y, axis=0)
+      out.append(jnp.where(idx == j, row[None, :], y))
+    return tuple(out)
+
+  ys = jax.lax.fori_loop(2, BLOCK, body, tuple(-a for a in a_blocks))
+  eye = (idx == col).astype(f32)
+  return [y + eye for y in ys]
+
+
+def _chunk_fwd_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref, u_ref, *ai_ref,
+                      r, per_token_mask, precision):
+  bt = k_ref.shape[0]
+  nb = bt * r // BLOCK
+  c = _Chunk(k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask)
+  dtype = c.dtype
+  dot = functools.partial(backend.dot, precision=precision)
+  local = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0) // r     # token of each row in a block
+  blk = lambda i: pl.ds(i * BLOCK, BLOCK)
+
+  # gamma: chunk-local cumsum of g, block by block with a running prefix.
+  gammas = []                                                         # per row, [16] each
+  prefix = jnp.zeros((), f32)
+  for i in range(nb):
+    g = g_ref[c.toks(i)].astype(f32)
+    gam = prefix + jnp.cumsum(g)
+    prefix = prefix + jnp.sum(g)
+    gamma_ref[c.toks(i)] = gam
+    gammas.append(rows.per_row(gam, r))
+
+  def a_block(kw_i, i, kb_j, j):
+    """A_ij, gated and token-strictly causal: [16, 16] float32."""
+    decay = rows.causal_decay(gammas[i], gammas[j], local + i * c.tb, local + j * c.tb,
+                              strict=True)
+    kk = dot(kw_i.astype(dtype), kb_j.astype(dtype), trans_b=True)
+    return c.beta(i)[:, None] * kk * decay
+
+  # Diagonal blocks and their inverses.
+  diag = []
+  for i in range(nb):
+    kw, kb = c.keys(i)
+    diag.append(a_block(kw, i, kb, i))
+  x = {(i, i): xi for i, xi in enumerate(_invert_diagonal(diag))}
+  del diag
+
+  # Row blocks: merge (X_ij for j < i), then w_i, u_i (and the row of Ai).
+  half = dtype != f32
+  for i in range(nb):
+    if i:
+      kw_i, _ = c.keys(i)
+      a_row = [a_block(kw_i, i, c.keys(k)[1], k) for k in range(i)]
+      for j in range(i - 1, -1, -1):
+        acc = None
+        for k in range(j, i):
+          term = dot(a_row[k], x[k, j])
+          acc = term if acc is None else acc + term
+        x[i, j] = -dot(x[i, i], acc)
+      del a_row
+    w_acc = u_acc = None
+    for j in range(i + 1):
+      xij = x[i, j].astype(dtype) if half else x[i, j]
+      tw = dot(xij, c.w_rhs(j, gammas[j]))
+      tu = dot(xij, c.u_rhs(j))
+      w_acc = tw if w_acc is None else w_acc + tw
+      u_acc = tu if u_acc is None else u_acc + tu
+    w_ref[blk(i), :] = w_acc.astype(w_ref.dtype)
+    u_ref[blk(i), :] = u_acc.astype(u_ref.dtype)
+    if ai_ref:
+      zeros = jnp.zeros((BLOCK, BLOCK), ai_ref[0].dtype)
+      for j in range(nb):
+        ai_ref[0][blk(i), blk(j)] = x[i, j].astype(ai_ref[0].dtype) if j <= i else zeros
+
+
+def _check(k, v, g, beta, mask, key_blocks, chunk):
+  if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"k must be [B, Tp, H, K] and v [B, Tp, H, V] with the same B, Tp, H; got "
+                     f"k {k.shape}, v {v.shape}")
+  bsz, t_len, heads, dim_k = k.shape
+  dim_v = v.shape[-1]
+  for name, x in (("g", g), ("beta", beta)):
+    if x.shape != (bsz, heads, t_len):
+      raise ValueError(f"{name} must be [B, H, Tp] = {(bsz, heads, t_len)}, got {x.shape}")
+  r = key_blocks
+  if mask.ndim != 5 or mask.shape[-2:] != (r, r):
+    raise ValueError(f"mask must be [Bm, Tm, Hm, r, r] with r = key_blocks = {r}, got "
+                     f"{mask.shape}")
+  if chunk not in CHUNKS:
+    raise ValueError(f"chunk must be one of {CHUNKS}, got {chunk!r}")
+  if r not in (1, 2, 4, 8):
+    raise ValueError(f"key_blocks must be 1, 2, 4 or 8 (a 16-row block must hold whole tokens; "
+                     f"r = 16 is not supported), got {r!r}")
+  if chunk * r > MAX_ROWS:
+    raise ValueError(f"chunk * key_blocks = {chunk} * {r} rows exceeds {MAX_ROWS}")
+  if t_len % chunk:
+    raise ValueError(f"Tp = {t_len} must be a multiple of chunk = {chunk}")
+  dk = dim_k // r
+  if dim_k % r or dk < 16 or dk & (dk - 1) or dim_v < 16 or dim_v & (dim_v - 1):
+    raise ValueError(f"K / key_blocks and V must be powers of two >= 16 (pad them); got K = "
+                     f"{dim_k}, key_blocks = {r}, V = {dim_v}")
+
+
+def chunk_fwd(k, v, g, beta, mask, *, key_blocks, chunk, precision="tf32", save_ai=False,
+              num_warps=4, num_stages=1):
+  """The fused intra-chunk forward.
+
+  k [B, Tp, H, K], v [B, Tp, H, V] (K / key_blocks and V powers of two >= 16); g (the raw
+  log-decay, not its cumsum), beta [B, H, Tp] float32; mask [Bm, Tm, Hm, r, r] (broadcast
+  against [B, Tp, H, r, r]); key_blocks = r in {1, 2, 4, 8}; chunk = BT in {16, 32, 64} tokens
+  with N = BT * r <= 256 rows. `precision` is for float32 dots (backend.dot): the merge of the
+  inverse's blocks always, everything when the inputs are float32.
+
+  Returns gamma [B, H, Tp] float32 (chunk-local cumsum of g), w [B, H, Tp*r, K] and
+  u [B, H, Tp*r, V] in k's dtype, and with save_ai=True also Ai = (I + A)^-1 [B, H, Tp*r, N] in
+  k's dtype (the backward's residual).
+  """
+  _check(k, v, g, beta, mask, key_blocks, chunk)
+  bsz, t_len, heads, dim_k = k.shape
+  dim_v = v.shape[-1]
+  r = key_blocks
+  n = chunk * r
+  per_token_mask = mask.shape[1] > 1
+  out_specs = [specs.scalars(chunk), specs.rows(n, dim_k), specs.rows(n, dim_v)]
+  out_shape = [jax.ShapeDtypeStruct((bsz, heads, t_len), f32),
+               jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_k), k.dtype),
+               jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_v), k.dtype)]
+  if save_ai:
+    out_specs.append(specs.rows(n, n))
+    out_shape.append(jax.ShapeDtypeStruct((bsz, heads, t_len * r, n), k.dtype))
+  kernel = functools.partial(_chunk_fwd_kernel, r=r, per_token_mask=per_token_mask,
+                             precision=precision)
+  return tuple(backend.pallas_call(
+      kernel,
+      grid=(t_len // chunk, bsz, heads),
+      in_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_v), specs.scalars(chunk),
+                specs.scalars(chunk), specs.mask(mask.shape, chunk)],
+      out_specs=out_specs,
+      out_shape=out_shape,
+      num_warps=num_warps,
+      num_stages=num_stages,
+      name="gdp_chunk_fwd",
+  )(k, v, g.astype(f32), beta.astype(f32), mask))
