@@ -47,22 +47,27 @@ class _Chunk:
   def toks(self, i):
     return pl.ds(i * self.tb, self.tb)
 
-  def mask(self, i):
-    return self.mask_ref.at[self.toks(i)] if self.per_token_mask else self.mask_ref
+  def mask_rows(self, i):
+    """The mask tile's rows for block i (all of it when the mask is not per token)."""
+    return self.toks(i) if self.per_token_mask else slice(None)
 
   def beta(self, i):
     """beta per row of block i: [16] float32."""
     return rows.per_row(self.beta_ref[self.toks(i)].astype(f32), self.r)
 
-  def keys(self, i):
-    """(Kw_i masked keys, Kb_i block keys) of block i: [16, K] float32 each."""
-    k = self.k_ref[self.toks(i), :]
-    return rows.masked_keys(k, self.mask(i), self.r), rows.block_keys(k, self.r)
+  def masked_keys(self, i):
+    """Kw_i, the masked keys of block i: [16, K] float32."""
+    return rows.masked_keys(self.k_ref[self.toks(i), :], self.mask_ref, self.r,
+                            self.mask_rows(i))
+
+  def block_keys(self, i):
+    """Kb_i, the block keys of block i: [16, K] float32."""
+    return rows.block_keys(self.k_ref[self.toks(i), :], self.r)
 
   def w_rhs(self, i, gamma_i):
     """exp(gamma) beta Kw for block i, in the input dtype: [16, K]."""
-    kw = rows.masked_keys(self.k_ref[self.toks(i), :], self.mask(i), self.r)
-    return ((jnp.exp(gamma_i) * self.beta(i))[:, None] * kw).astype(self.dtype)
+    scale = jnp.exp(gamma_i) * self.beta(i)
+    return (scale[:, None] * self.masked_keys(i)).astype(self.dtype)
 
   def u_rhs(self, i):
     """beta v for block i (each token's row repeated r times), in the input dtype: [16, V]."""
@@ -123,8 +128,7 @@ def _chunk_fwd_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref,
   # Diagonal blocks and their inverses.
   diag = []
   for i in range(nb):
-    kw, kb = c.keys(i)
-    diag.append(a_block(kw, i, kb, i))
+    diag.append(a_block(c.masked_keys(i), i, c.block_keys(i), i))
   x = {(i, i): xi for i, xi in enumerate(_invert_diagonal(diag))}
   del diag
 
@@ -132,8 +136,8 @@ def _chunk_fwd_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref,
   half = dtype != f32
   for i in range(nb):
     if i:
-      kw_i, _ = c.keys(i)
-      a_row = [a_block(kw_i, i, c.keys(k)[1], k) for k in range(i)]
+      kw_i = c.masked_keys(i)
+      a_row = [a_block(kw_i, i, c.block_keys(k), k) for k in range(i)]
       for j in range(i - 1, -1, -1):
         acc = None
         for k in range(j, i):
