@@ -105,7 +105,7 @@ def main(argv=None):
     o_ref = None
     if not args.no_check:
       o_ref, _ = jax.jit(xla.gated_delta_product_xla, static_argnums=(7, 8))(
-          q, k, v, inputs["g"], inputs["beta"], mask, h0, scale, 64)
+          q, k, v, inputs["g"], inputs["beta"], mask, h0, scale, 64 if T % 64 == 0 else 16)
     for chunk in ints(args.chunks):
       if chunk * r > args.max_rows or chunk * r > chunk_fwd.MAX_ROWS or T % chunk:
         continue
