@@ -98,8 +98,9 @@ def _invert_diagonal(a_blocks):
   return [y + eye for y in ys]
 
 
-def _chunk_fwd_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref, u_ref, *ai_ref,
-                      r, per_token_mask, precision):
+def _blocks_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref, u_ref, *ai_ref,
+                   r, per_token_mask, precision):
+  """merge="blocks": every product on [16, 16] blocks; X kept as its lower-triangular blocks."""
   bt = k_ref.shape[0]
   nb = bt * r // BLOCK
   c = _Chunk(k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask)
@@ -160,6 +161,78 @@ def _chunk_fwd_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref,
         ai_ref[0][blk(i), blk(j)] = x[i, j].astype(ai_ref[0].dtype) if j <= i else zeros
 
 
+def _panels_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref, u_ref, *ai_ref,
+                   r, per_token_mask, precision):
+  """merge="panels": row block i of A, X, w, u as [16, N] panels, one dot each:
+    A_i  = beta_i (Kw_i Kb^T) decay, kept left of the diagonal block     [16, N]
+    X_i  = place_i(X_ii) - X_ii (A_i X)        (X: the rows above, [N, N])  [16, N]
+    w_i  = X_i (exp(gamma) beta Kw),  u_i = X_i (beta v)
+  """
+  bt = k_ref.shape[0]
+  n = bt * r
+  nb = n // BLOCK
+  c = _Chunk(k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask)
+  dtype = c.dtype
+  half = dtype != f32
+  dot = functools.partial(backend.dot, precision=precision)
+  iota = jax.lax.broadcasted_iota
+
+  gamma_tok = jnp.cumsum(g_ref[...].astype(f32))
+  gamma_ref[...] = gamma_tok
+  beta_tok = beta_ref[...].astype(f32)
+  gamma = rows.per_row(gamma_tok, r)                                  # [N]
+  beta = rows.per_row(beta_tok, r)
+  tok = rows.row_tokens(n, r)
+  local = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0) // r
+  col = iota(jnp.int32, (BLOCK, n), 1)
+  row = iota(jnp.int32, (BLOCK, n), 0)
+
+  def pick(vec, i):
+    """vec[16 i : 16 i + 16] of an [N] vector, by selection (exact; no slicing)."""
+    return jnp.sum(jnp.where(col == row + i * BLOCK, vec[None, :], 0.0), axis=1)
+
+  # The whole chunk's operands, rebuilt from the refs at each use (short register lives).
+  block_keys = lambda: rows.block_keys(k_ref[...], r).astype(dtype)
+  w_rhs = lambda: ((jnp.exp(gamma) * beta)[:, None]
+                   * rows.masked_keys(k_ref[...], mask_ref, r)).astype(dtype)
+  u_rhs = lambda: rows.repeat_rows(
+      (beta_tok[:, None] * v_ref[...].astype(f32)).astype(dtype), r)
+
+  gammas = [pick(gamma, i) for i in range(nb)]
+  betas = [pick(beta, i) for i in range(nb)]
+  diag = []
+  for i in range(nb):
+    kk = dot(c.masked_keys(i).astype(dtype), c.block_keys(i).astype(dtype), trans_b=True)
+    decay = rows.causal_decay(gammas[i], gammas[i], local, local, strict=True)
+    diag.append(betas[i][:, None] * kk * decay)
+  x_diag = _invert_diagonal(diag)
+  del diag
+
+  col_block = col // BLOCK
+  row_block_n = iota(jnp.int32, (n, n), 0) // BLOCK
+  x = None                                                            # rows of X above row block i
+  for i in range(nb):
+    tiled = jnp.broadcast_to(x_diag[i][:, None, :], (BLOCK, nb, BLOCK)).reshape(BLOCK, n)
+    panel = jnp.where(col_block == i, tiled, 0.0)                     # X_ii at its place
+    if i:
+      decay = rows.causal_decay(gammas[i], gamma, local + i * c.tb, tok, strict=True)
+      a = betas[i][:, None] * dot(c.masked_keys(i).astype(dtype), block_keys(), trans_b=True)
+      a = jnp.where(col < i * BLOCK, a * decay, 0.0)                  # A_ik, k < i
+      panel = panel - dot(x_diag[i], dot(a, x))
+    if i < nb - 1:
+      stacked = jnp.broadcast_to(panel[None], (nb, BLOCK, n)).reshape(n, n)
+      placed = jnp.where(row_block_n == i, stacked, 0.0)
+      x = placed if x is None else x + placed
+    p = panel.astype(dtype) if half else panel
+    w_ref[pl.ds(i * BLOCK, BLOCK), :] = dot(p, w_rhs()).astype(w_ref.dtype)
+    u_ref[pl.ds(i * BLOCK, BLOCK), :] = dot(p, u_rhs()).astype(u_ref.dtype)
+    if ai_ref:
+      ai_ref[0][pl.ds(i * BLOCK, BLOCK), :] = panel.astype(ai_ref[0].dtype)
+
+
+_KERNELS = {"panels": _panels_kernel, "blocks": _blocks_kernel}
+
+
 def _check(k, v, g, beta, mask, key_blocks, chunk):
   if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
     raise ValueError(f"k must be [B, Tp, H, K] and v [B, Tp, H, V] with the same B, Tp, H; got "
@@ -189,7 +262,7 @@ def _check(k, v, g, beta, mask, key_blocks, chunk):
 
 
 def chunk_fwd(k, v, g, beta, mask, *, key_blocks, chunk, precision="tf32", save_ai=False,
-              num_warps=4, num_stages=1):
+              merge="panels", num_warps=4, num_stages=1):
   """The fused intra-chunk forward.
 
   k [B, Tp, H, K], v [B, Tp, H, V] (K / key_blocks and V powers of two >= 16); g (the raw
@@ -201,8 +274,15 @@ def chunk_fwd(k, v, g, beta, mask, *, key_blocks, chunk, precision="tf32", save_
   Returns gamma [B, H, Tp] float32 (chunk-local cumsum of g), w [B, H, Tp*r, K] and
   u [B, H, Tp*r, V] in k's dtype, and with save_ai=True also Ai = (I + A)^-1 [B, H, Tp*r, N] in
   k's dtype (the backward's residual).
+
+  merge: how the inverse's row blocks are formed, the same numbers either way up to rounding:
+  "panels" (each row block as one [16, N] panel against the rows above: few, wider dots; X
+  lives as one [N, N] tile) or "blocks" (16 x 16 block products only; X lives as its
+  N (N + 16) / 512 lower blocks, more and smaller dots).
   """
   _check(k, v, g, beta, mask, key_blocks, chunk)
+  if merge not in _KERNELS:
+    raise ValueError(f"merge must be one of {sorted(_KERNELS)}, got {merge!r}")
   bsz, t_len, heads, dim_k = k.shape
   dim_v = v.shape[-1]
   r = key_blocks
@@ -215,7 +295,7 @@ def chunk_fwd(k, v, g, beta, mask, *, key_blocks, chunk, precision="tf32", save_
   if save_ai:
     out_specs.append(specs.rows(n, n))
     out_shape.append(jax.ShapeDtypeStruct((bsz, heads, t_len * r, n), k.dtype))
-  kernel = functools.partial(_chunk_fwd_kernel, r=r, per_token_mask=per_token_mask,
+  kernel = functools.partial(_KERNELS[merge], r=r, per_token_mask=per_token_mask,
                              precision=precision)
   return tuple(backend.pallas_call(
       kernel,
