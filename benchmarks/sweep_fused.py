@@ -4,7 +4,7 @@
   python benchmarks/sweep_fused.py --tiny --out /tmp/sweep.json      # smoke run, any machine
 
 For each r and chunk (N = chunk * r rows <= --max-rows) it times, as median ms of repeated loops:
-  chunk_fwd            alone, for each (num_warps, num_stages) of the grid (save_ai=False), and
+  chunk_fwd            alone, for each (merge, num_warps, num_stages) of the grid (save_ai=False), and
                        the best of them again with save_ai=True (what a training step runs);
   chunk_state_output   alone, for each (block_v, num_warps, num_stages) of the grid;
   forward              the whole fused forward (pallas_impl's forward at this chunk, both kernels
@@ -37,7 +37,8 @@ from gdp_jax.operator import normalize_mask  # noqa: E402
 from pallas_kernels.forward import chunk_fwd, chunk_state_output  # noqa: E402
 from tests.cases import rel_err  # noqa: E402
 
-TINY = dict(shape="1,32,2,64,32", rs="1,2", chunks="16", fwd_warps="4", fwd_stages="1",
+TINY = dict(shape="1,32,2,64,32", rs="1,2", chunks="16", merges="panels", fwd_warps="4",
+            fwd_stages="1",
             block_v="32", so_warps="4", so_stages="2", reps=1, inner=1)
 
 
@@ -53,6 +54,7 @@ def main(argv=None):
   p.add_argument("--rs", default="1,2,4")
   p.add_argument("--chunks", default="16,32,64", help="tokens per chunk to try for each r")
   p.add_argument("--max-rows", type=int, default=128, help="skip chunk * r above this")
+  p.add_argument("--merges", default="panels,blocks", help="chunk_fwd merge variants")
   p.add_argument("--fwd-warps", default="1,2,4,8")
   p.add_argument("--fwd-stages", default="1,2")
   p.add_argument("--block-v", default="32,64,128")
@@ -62,11 +64,12 @@ def main(argv=None):
   p.add_argument("--inner", type=int, default=5)
   p.add_argument("--no-check", action="store_true", help="skip the error against jnp")
   p.add_argument("--tiny", action="store_true",
-                 help="a small shape, one variant each, one rep (a smoke test; CPU interpret)")
+                 help="a small shape, one variant each, one rep (a smoke test; interpret mode "
+                      "on CPU)")
   args = p.parse_args(argv)
-  if args.tiny:
-    for name, value in TINY.items():
-      setattr(args, name, value)
+  if args.tiny:                     # the tiny values become the defaults; flags given still win
+    p.set_defaults(**TINY)
+    args = p.parse_args(argv)
   B, T, H, K, V = ints(args.shape)
   dtype = DTYPES[args.dtype]
   dev = jax.devices()[0]
@@ -111,14 +114,15 @@ def main(argv=None):
         continue
       base = dict(r=r, chunk=chunk)
       fwd_best, fwd_ms = None, float("inf")
-      for nw in ints(args.fwd_warps):
-        for ns in ints(args.fwd_stages):
-          params = dict(num_warps=nw, num_stages=ns)
-          fn = jax.jit(lambda *x, p=params: chunk_fwd.chunk_fwd(
-              *x, key_blocks=r, chunk=chunk, **p))
-          ms = case(dict(base, kernel="chunk_fwd", **params), fn, (k, v, g, beta, mask))
-          if ms < fwd_ms:
-            fwd_best, fwd_ms = params, ms
+      for merge in args.merges.split(","):
+        for nw in ints(args.fwd_warps):
+          for ns in ints(args.fwd_stages):
+            params = dict(merge=merge, num_warps=nw, num_stages=ns)
+            fn = jax.jit(lambda *x, p=params: chunk_fwd.chunk_fwd(
+                *x, key_blocks=r, chunk=chunk, **p))
+            ms = case(dict(base, kernel="chunk_fwd", **params), fn, (k, v, g, beta, mask))
+            if ms < fwd_ms:
+              fwd_best, fwd_ms = params, ms
       if fwd_best is None:
         continue
       fn = jax.jit(lambda *x: chunk_fwd.chunk_fwd(

@@ -219,10 +219,9 @@ def _panels_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref, u_
       a = betas[i][:, None] * dot(c.masked_keys(i).astype(dtype), block_keys(), trans_b=True)
       a = jnp.where(col < i * BLOCK, a * decay, 0.0)                  # A_ik, k < i
       panel = panel - dot(x_diag[i], dot(a, x))
-    if i < nb - 1:
+    if i < nb - 1:                                                  # row block i of X
       stacked = jnp.broadcast_to(panel[None], (nb, BLOCK, n)).reshape(n, n)
-      placed = jnp.where(row_block_n == i, stacked, 0.0)
-      x = placed if x is None else x + placed
+      x = jnp.where(row_block_n == i, stacked, 0.0 if x is None else x)
     p = panel.astype(dtype) if half else panel
     w_ref[pl.ds(i * BLOCK, BLOCK), :] = dot(p, w_rhs()).astype(w_ref.dtype)
     u_ref[pl.ds(i * BLOCK, BLOCK), :] = dot(p, u_rhs()).astype(u_ref.dtype)

@@ -47,10 +47,12 @@ def _kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *state_
     g = g_ref[tt]
     g_last = jnp.sum(jnp.where(last, g, 0.0))
     s_op = [s.astype(dtype) for s in state]                         # dot operands
+    q = [q_ref[tt, cols(d)] for d in range(r)]                      # [BT, dk] each, loaded once
+    k = [k_ref[tt, cols(d)] for d in range(r)]
     # The chunk's start-state part of the output: exp(gamma_t) q_t^T S.
     o = None
     for d in range(r):
-      term = dot(q_ref[tt, cols(d)], s_op[d])
+      term = dot(q[d], s_op[d])
       o = term if o is None else o + term
     o = jnp.exp(g)[:, None] * o
     decay = rows.causal_decay(g, g, tok, tok, strict=False)
@@ -63,14 +65,14 @@ def _kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *state_
       vn = (u_ref[tt, a, :].astype(f32) - pred).astype(dtype)
       if state_refs:
         state_refs[1][tt, a, :] = vn.astype(state_refs[1].dtype)
-      p = dot(q_ref[tt, cols(a)], k_ref[tt, cols(a)], trans_b=True) * decay
+      p = dot(q[a], k[a], trans_b=True) * decay
       o = o + dot(p.astype(dtype), vn)
       v_new.append(vn)
     o_ref[tt, :] = (scale * o).astype(o_ref.dtype)
-    k_decay = jnp.exp(g_last - g)[:, None]
+    k_decay = jnp.exp(g_last - g)[:, None]                          # g_last <= g: no overflow
     out = []
     for d in range(r):
-      k_dec = (k_ref[tt, cols(d)].astype(f32) * k_decay).astype(dtype)
+      k_dec = (k[d].astype(f32) * k_decay).astype(dtype)
       out.append(jnp.exp(g_last) * state[d] + dot(k_dec, v_new[d], trans_a=True))
     return tuple(out)
 
