@@ -146,7 +146,8 @@ def main(argv=None):
       if so_best is None:
         continue
       old = pallas_impl.CHUNK_FWD_PARAMS, pallas_impl.STATE_OUTPUT_PARAMS
-      pallas_impl.CHUNK_FWD_PARAMS, pallas_impl.STATE_OUTPUT_PARAMS = fwd_best, so_best
+      pallas_impl.CHUNK_FWD_PARAMS = {"default": fwd_best}
+      pallas_impl.STATE_OUTPUT_PARAMS = {"default": so_best}
       try:
         for fused in (True, False):
           fn = jax.jit(lambda *x, f=fused: pallas_impl._forward(

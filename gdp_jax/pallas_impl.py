@@ -39,9 +39,16 @@ FUSED = True
 # precision inputs (only the inverse's block merge has float32 operands then), "ieee" for float32
 # inputs (as accurate as the five-kernel forward). See docs/precision.md.
 FUSED_PRECISION = None
-# Launch parameters of the fused kernels (GPU tuning: benchmarks/sweep_fused.py).
-CHUNK_FWD_PARAMS = dict(num_warps=4, num_stages=1)
-STATE_OUTPUT_PARAMS = dict(block_v=64, num_warps=4, num_stages=2)
+# Launch parameters of the fused kernels per r (GPU tuning: benchmarks/sweep_fused.py); an r
+# without an entry uses the "default" one.
+CHUNK_FWD_PARAMS = {"default": dict(merge="panels", num_warps=4, num_stages=1),
+                    8: dict(merge="panels", num_warps=8, num_stages=1)}
+STATE_OUTPUT_PARAMS = {"default": dict(block_v=64, num_warps=4, num_stages=2)}
+
+
+def launch_params(table, r):
+  """The launch parameters of `table` (CHUNK_FWD_PARAMS, STATE_OUTPUT_PARAMS) for r."""
+  return dict(table.get(r, table["default"]))
 
 
 def fused_precision(dtype, precision=None) -> str:
@@ -96,11 +103,12 @@ def _forward(q, k, v, g, beta, mask, h0, scale, bt, fused, precision, save_ai):
   if fused:
     precision = fused_precision(q.dtype, precision)
     out = chunk_fwd.chunk_fwd(k, v, g_hm, beta_hm, mask, key_blocks=r, chunk=bt,
-                              precision=precision, save_ai=save_ai, **CHUNK_FWD_PARAMS)
+                              precision=precision, save_ai=save_ai,
+                              **launch_params(CHUNK_FWD_PARAMS, r))
     gcum, w, u = out[:3]
     o, final = chunk_state_output.chunk_state_output(
         q, k, w, u, gcum, h0, key_blocks=r, chunk=bt, scale=scale, precision=precision,
-        **STATE_OUTPUT_PARAMS)
+        **launch_params(STATE_OUTPUT_PARAMS, r))
     return o, final, (gcum, out[3] if save_ai else None)
   a, gcum = kkt.chunk_kkt(k, beta_hm, mask, g_hm, bt, from_g=True)
   ai = solve_tril.solve_tril(a, bt * r, out_dtype=q.dtype)
