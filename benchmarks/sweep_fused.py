@@ -4,8 +4,9 @@
   python benchmarks/sweep_fused.py --tiny --out /tmp/sweep.json      # smoke run, any machine
 
 For each r and chunk (N = chunk * r rows <= --max-rows) it times, as median ms of repeated loops:
-  chunk_fwd            alone, for each (merge, num_warps, num_stages) of the grid (save_ai=False), and
-                       the best of them again with save_ai=True (what a training step runs);
+  chunk_fwd            alone, for each (merge, num_warps, num_stages) of the grid
+                       (save_ai=False), and the best of them again with save_ai=True (what a
+                       training step runs);
   chunk_state_output   alone, for each (block_v, num_warps, num_stages) of the grid;
   forward              the whole fused forward (pallas_impl's forward at this chunk, both kernels
                        at their best parameters), its relative error against the chunked jnp

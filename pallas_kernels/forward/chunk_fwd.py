@@ -12,10 +12,12 @@ cut in blocks of 16 rows, each covering 16 / r tokens. With gamma the chunk-loca
   w_i  = sum_{j <= i} X_ij (exp(gamma_j) beta_j Kw_j),   u_i = sum_{j <= i} X_ij (beta_j v_j)
 
 X = (I + A)^-1 is the gated inverse of gated A; w = X (exp(gamma) W~) is exp(gamma) times the
-ungated inverse applied to W~, and no exp of a positive argument is ever formed. Every row block
-of k, v, g, beta and the mask is loaded from its ref with `pl.ds` (a loaded value cannot be sliced
-in the Triton lowering, docs/pallas_triton.md); only the X blocks stay alive between row blocks
-(the merge needs all of them), the A blocks of one row block live while that row block is done.
+ungated inverse applied to W~, and no exp of a positive argument is ever formed. Row blocks of k,
+v, g, beta and the mask are loaded from their refs with `pl.ds` (a loaded value cannot be sliced
+in the Triton lowering, docs/pallas_triton.md). Row block i needs the rows of X above it, so X
+stays alive; the A blocks of one row block live only while it is done. Two forms of the merge
+and the products (`merge=`): "panels" does row block i as [16, N] panels (one dot for each of
+A_i, the merge, w_i and u_i), "blocks" as 16 x 16 block products only.
 """
 
 from __future__ import annotations
