@@ -10,6 +10,12 @@ The pallas chunk: a chunk of BT tokens makes [BT*r, BT*r] chunk matrices that li
 so the kernels use BT = min(chunk_size, 64 // r) tokens, at least 16 (64 for r = 1, 32 for r = 2,
 16 for r = 4 and 8): at most 64 rows, 128 for r = 8. The result is the same function; only
 rounding differs.
+
+The forward is two fused kernels by default (`KernelOptions.fused`, docs/kernels.md "Fused
+forward kernels"): chunk_fwd (cumsum, KKT, inverse, w and u per chunk) and chunk_state_output
+(the state walk with the output). `fused=False` runs the five-kernel pipeline (kkt, solve_tril,
+wy, chunk_h, chunk_o). A call without gradient writes neither Ai nor h nor v_new. The backward is
+the same either way: it recomputes w, u, h and v_new from the residuals gamma and Ai.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from gdp_jax.xla_backward import reduce_dmask
 from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
 from pallas_kernels.common import cumsum
 from pallas_kernels.common import options as kernel_options
-from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy
+from pallas_kernels.forward import (chunk_fwd, chunk_h, chunk_o, chunk_state_output, kkt,
+                                    solve_tril, wy)
 
 MAX_CHUNK_ROWS = 64
 
@@ -66,13 +73,22 @@ def _pad_last(x, size):
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def _forward(q, k, v, g, beta, mask, h0, scale, bt, opts):
-  """The forward kernels on feature-padded inputs. Returns (o, final, residuals)."""
+def _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai):
+  """The forward kernels on feature-padded inputs. Returns (o, final, (gcum, ai)); ai is None
+  when the fused forward runs with save_ai=False (a call without gradient)."""
   r = mask.shape[-1]
   common = dict(chunk=bt, key_blocks=r)
   prec = dict(precision=opts.precision)
   g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)                  # [B, H, Tp]
   beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
+  if opts.fused:
+    out = chunk_fwd.chunk_fwd(k, v, g_hm, beta_hm, mask, save_ai=save_ai,
+                              merge=opts.chunk_fwd_merge, inverse=opts.chunk_fwd_inverse,
+                              launch=opts.chunk_fwd, **common, **prec)
+    gcum, w, u = out[:3]
+    o, final = chunk_state_output.chunk_state_output(
+        q, k, w, u, gcum, h0, scale=scale, launch=opts.chunk_state_output, **common, **prec)
+    return o, final, (gcum, out[3] if save_ai else None)
   a, gcum = kkt.chunk_kkt(k, beta_hm, mask, g_hm, from_g=True, launch=opts.kkt, **common, **prec)
   ai = solve_tril.solve_tril(a, chunk_rows=bt * r, out_dtype=q.dtype, launch=opts.solve_tril,
                              **prec)
@@ -85,7 +101,7 @@ def _forward(q, k, v, g, beta, mask, h0, scale, bt, opts):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _gdp_core(q, k, v, g, beta, mask, h0, scale, bt, opts):
-  o, final, _ = _forward(q, k, v, g, beta, mask, h0, scale, bt, opts)
+  o, final, _ = _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai=False)
   return o, final
 
 
@@ -93,7 +109,7 @@ def _gdp_core_fwd(q, k, v, g, beta, mask, h0, scale, bt, opts):
   # Residuals: the inputs (the caller holds them anyway), gamma ([B, H, Tp] float32) and the
   # chunk inverses Ai ([B, H, Tp*r, N] in the input dtype: as much memory as one [B, T, H, N]
   # activation). The backward recomputes w, u (wy.py) and h, v_new (chunk_h.py) from them.
-  o, final, (gcum, ai) = _forward(q, k, v, g, beta, mask, h0, scale, bt, opts)
+  o, final, (gcum, ai) = _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai=True)
   return (o, final), (q, k, v, g, beta, mask, h0, gcum, ai)
 
 

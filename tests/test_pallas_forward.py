@@ -116,17 +116,22 @@ def test_float32_precisions_on_gpu(precision, bound):
   assert_close(o, o_ref, bound, f"o at precision {precision}")
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("r,mask_kind,K,V,dtype", [
     (1, None, 128, 128, jnp.bfloat16), (2, "head", 128, 128, jnp.bfloat16),
     (4, "token", 64, 32, jnp.float32), (8, "shared", 32, 24, jnp.bfloat16)])
-def test_forward_lowers_to_triton(monkeypatch, r, mask_kind, K, V, dtype):
-  """Every forward kernel goes through the Pallas Triton lowering for an H200 (no GPU needed)."""
+def test_forward_lowers_to_triton(monkeypatch, r, mask_kind, K, V, dtype, fused):
+  """Every forward kernel goes through the Pallas Triton lowering for an H200 (no GPU needed):
+  the fused forward (chunk_fwd, chunk_state_output) and the five-kernel one."""
+  from pallas_kernels.common import options
   from tests.triton_lowering import lower_for_h200
+  opts = options.DEFAULT.replace(fused=fused)
   inputs = make_inputs(8, B=1, T=64, H=2, K=K, V=V, r=r, mask_kind=mask_kind, dtype=dtype)
   names, avals = present_arrays(inputs)
 
   def fwd(*arrays):
-    return run("pallas", **dict(zip(names, arrays)))
+    return run("pallas", options=opts, **dict(zip(names, arrays)))
   modules = lower_for_h200(monkeypatch, fwd, *avals)
-  assert len(modules) == 5                       # kkt (+cumsum), solve_tril, wy, chunk_h, chunk_o
+  # fused: chunk_fwd, chunk_state_output; else kkt (+cumsum), solve_tril, wy, chunk_h, chunk_o
+  assert len(modules) == (2 if fused else 5)
   assert all("tt.func" in m for m in modules)

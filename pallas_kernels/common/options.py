@@ -75,9 +75,17 @@ class KernelOptions:
 
   precision: float32 matmuls: "tf32", "tf32x3" or "ieee" (docs/precision.md). Half-precision
     operands always run on the tensor cores with float32 accumulation.
+  fused: the forward as two fused kernels (chunk_fwd, chunk_state_output) or as the five-kernel
+    pipeline (kkt, solve_tril, wy, chunk_h, chunk_o); chunk_fwd_merge / chunk_fwd_inverse pick
+    the fused kernel's variants (pallas_kernels/forward/chunk_fwd.py).
   Each stage field is the `Launch` of the kernel of the same name (docs/kernels.md).
   """
   precision: str = "tf32"
+  fused: bool = True
+  chunk_fwd: Launch = Launch(num_warps=2, num_stages=1)
+  chunk_fwd_merge: str = "panels"
+  chunk_fwd_inverse: str = "substitution"
+  chunk_state_output: Launch = Launch(num_warps=4, num_stages=3, block_v=64)
   kkt: Launch = Launch(num_warps=4)
   solve_tril: Launch = Launch(num_warps=1)
   wy: Launch = Launch(num_warps=4)

@@ -29,25 +29,32 @@ def block_indicator(r, dim_k):
   return (col_block == jax.lax.broadcasted_iota(jnp.int32, (r, dim_k), 0)).astype(f32)
 
 
-def expanded_mask(mask_ref, r, dim_k):
-  """Mexp[x, a, c] = M_x[a, block(c)] from a mask tile [X, r, r] (X = 1 or BT): [X, r, K]."""
+def expanded_mask(mask_ref, r, dim_k, tokens=slice(None)):
+  """Mexp[x, a, c] = M_x[a, block(c)] from a mask tile [X, r, r] (X = 1 or BT): [X, r, K].
+
+  `tokens` selects rows of the tile (a `pl.ds`) in the same load (the Triton lowering takes one
+  indexer per ref access, so the selection cannot be a `ref.at[...]` view).
+  """
   dk = dim_k // r
   col_block = jax.lax.broadcasted_iota(jnp.int32, (1, 1, dim_k), 2) // dk
   out = None
   for b in range(r):
-    col = mask_ref[:, :, b].astype(f32)                       # M[:, :, b]: [X, r]
+    col = mask_ref[tokens, :, b].astype(f32)                  # M[:, :, b]: [X, r]
     term = col[:, :, None] * (col_block == b).astype(f32)
     out = term if out is None else out + term
   return out
 
 
-def masked_keys(k, mask_ref, r):
-  """Kw: row (t, a) = [M_t[a, 0] k_t^(0), ..., M_t[a, r-1] k_t^(r-1)]: [BT * r, K] float32."""
+def masked_keys(k, mask_ref, r, tokens=slice(None)):
+  """Kw: row (t, a) = [M_t[a, 0] k_t^(0), ..., M_t[a, r-1] k_t^(r-1)]: [BT * r, K] float32.
+
+  `tokens`: the rows of the mask tile that go with k (see expanded_mask).
+  """
   bt, dim_k = k.shape
   k = k.astype(f32)
   if r == 1:
-    return k * mask_ref[:, :, 0].astype(f32)                  # [X, 1] broadcasts over [BT, K]
-  kw = k[:, None, :] * expanded_mask(mask_ref, r, dim_k)
+    return k * mask_ref[tokens, :, 0].astype(f32)            # [X, 1] broadcasts over [BT, K]
+  kw = k[:, None, :] * expanded_mask(mask_ref, r, dim_k, tokens)
   return kw.reshape(bt * r, dim_k)
 
 

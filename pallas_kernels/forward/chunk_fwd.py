@@ -1,0 +1,324 @@
+"""The fused intra-chunk forward (docs/kernels.md, "Fused forward kernels"): one program per
+(chunk, batch, head) does the chunk-local cumsum of g, the chunk KKT, its unit lower-triangular
+inverse and the w/u products, keeping A and its inverse in registers.
+
+Rows of the chunk matrices are in (t, a) order (pallas_kernels/common/rows.py): N = BT * r rows,
+cut in blocks of 16 rows, each covering 16 / r tokens. With gamma the chunk-local cumsum of g
+(docs/chunked_form.md):
+
+  A_ij = beta_i M (Kw_i Kb_j^T) exp(gamma_i - gamma_j), token-strictly causal   [16, 16] blocks
+  X_ii = (I + A_ii)^-1                  forward substitution on a register tile
+  X_ij = -X_ii sum_{j <= k < i} A_ik X_kj                        block merge (i > j)
+  w_i  = sum_{j <= i} X_ij (exp(gamma_j) beta_j Kw_j),   u_i = sum_{j <= i} X_ij (beta_j v_j)
+
+X = (I + A)^-1 is the gated inverse of gated A; w = X (exp(gamma) W~) is exp(gamma) times the
+ungated inverse applied to W~, and no exp of a positive argument is ever formed. Row blocks of k,
+v, g, beta and the mask are loaded from their refs with `pl.ds` (a loaded value cannot be sliced
+in the Triton lowering, docs/pallas_triton.md). Row block i needs the rows of X above it, so X
+stays alive; the A blocks of one row block live only while it is done. Two forms of the merge
+and the products (`merge=`): "panels" does row block i as [16, N] panels (one dot for each of
+A_i, the merge, w_i and u_i), "blocks" as 16 x 16 block products only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import backend, options, rows, specs, tril
+
+BLOCK = 16
+CHUNKS = (16, 32, 64)
+MAX_ROWS = 256
+f32 = jnp.float32
+
+
+class _Chunk:
+  """Loads of one chunk's row blocks from the refs (every block straight from its ref)."""
+
+  def __init__(self, k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask):
+    self.k_ref, self.v_ref, self.beta_ref, self.mask_ref = k_ref, v_ref, beta_ref, mask_ref
+    self.r = r
+    self.tb = BLOCK // r                          # tokens per 16-row block
+    self.per_token_mask = per_token_mask
+    self.dtype = k_ref.dtype
+
+  def toks(self, i):
+    return pl.ds(i * self.tb, self.tb)
+
+  def mask_rows(self, i):
+    """The mask tile's rows for block i (all of it when the mask is not per token)."""
+    return self.toks(i) if self.per_token_mask else slice(None)
+
+  def beta(self, i):
+    """beta per row of block i: [16] float32."""
+    return rows.per_row(self.beta_ref[self.toks(i)].astype(f32), self.r)
+
+  def masked_keys(self, i):
+    """Kw_i, the masked keys of block i: [16, K] float32."""
+    return rows.masked_keys(self.k_ref[self.toks(i), :], self.mask_ref, self.r,
+                            self.mask_rows(i))
+
+  def block_keys(self, i):
+    """Kb_i, the block keys of block i: [16, K] float32."""
+    return rows.block_keys(self.k_ref[self.toks(i), :], self.r)
+
+  def w_rhs(self, i, gamma_i):
+    """exp(gamma) beta Kw for block i, in the input dtype: [16, K]."""
+    scale = jnp.exp(gamma_i) * self.beta(i)
+    return (scale[:, None] * self.masked_keys(i)).astype(self.dtype)
+
+  def u_rhs(self, i):
+    """beta v for block i (each token's row repeated r times), in the input dtype: [16, V]."""
+    bv = self.beta_ref[self.toks(i)].astype(f32)[:, None] * self.v_ref[self.toks(i), :].astype(f32)
+    return rows.repeat_rows(bv.astype(self.dtype), self.r)
+
+
+INVERSES = ("substitution", "squaring")
+
+
+def _invert_diagonal(a_blocks, method="substitution"):
+  """(I + A_ii)^-1 of strictly lower [16, 16] float32 tiles, in registers.
+
+  method "squaring": (I - A)(I + A^2)(I + A^4)(I + A^8), six small products per block in full
+  float32 (pallas_kernels/common/tril.py). method "substitution": forward substitution, below.
+
+  With X = I + Y: Y[j] = -A[j] + sum_{k<j} (-A[j, k]) Y[k]. Y starts as -A, so row j of Y still
+  holds -A[j] when step j picks it (jnp.where on the row index + sum: no slicing). Rows 0 and 1
+  are already final. All blocks advance in the same loop (independent work for the scheduler).
+  """
+  if method == "squaring":
+    return [tril.unit_lower_inverse(a, precision="ieee") for a in a_blocks]
+  idx = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
+
+  def body(j, ys):
+    out = []
+    for y in ys:
+      row = jnp.sum(jnp.where(idx == j, y, 0.0), axis=0)             # -A[j], zero from column j
+      row = row + jnp.sum(row[:, None] * y, axis=0)
+      out.append(jnp.where(idx == j, row[None, :], y))
+    return tuple(out)
+
+  ys = jax.lax.fori_loop(2, BLOCK, body, tuple(-a for a in a_blocks))
+  eye = (idx == col).astype(f32)
+  return [y + eye for y in ys]
+
+
+def _blocks_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref, u_ref, *ai_ref,
+                   r, per_token_mask, precision, inverse):
+  """merge="blocks": every product on [16, 16] blocks; X kept as its lower-triangular blocks."""
+  bt = k_ref.shape[0]
+  nb = bt * r // BLOCK
+  c = _Chunk(k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask)
+  dtype = c.dtype
+  dot = functools.partial(backend.dot, precision=precision)
+  local = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0) // r     # token of each row in a block
+  blk = lambda i: pl.ds(i * BLOCK, BLOCK)
+
+  # gamma: chunk-local cumsum of g, block by block with a running prefix.
+  gammas = []                                                         # per row, [16] each
+  prefix = jnp.zeros((), f32)
+  for i in range(nb):
+    g = g_ref[c.toks(i)].astype(f32)
+    gam = prefix + jnp.cumsum(g)
+    prefix = prefix + jnp.sum(g)
+    gamma_ref[c.toks(i)] = gam
+    gammas.append(rows.per_row(gam, r))
+
+  def a_block(kw_i, i, kb_j, j):
+    """A_ij, gated and token-strictly causal: [16, 16] float32."""
+    decay = rows.causal_decay(gammas[i], gammas[j], local + i * c.tb, local + j * c.tb,
+                              strict=True)
+    kk = dot(kw_i.astype(dtype), kb_j.astype(dtype), trans_b=True)
+    return c.beta(i)[:, None] * kk * decay
+
+  # Diagonal blocks and their inverses.
+  diag = []
+  for i in range(nb):
+    diag.append(a_block(c.masked_keys(i), i, c.block_keys(i), i))
+  x = {(i, i): xi for i, xi in enumerate(_invert_diagonal(diag, inverse))}
+  del diag
+
+  # Row blocks: merge (X_ij for j < i), then w_i, u_i (and the row of Ai).
+  half = dtype != f32
+  for i in range(nb):
+    if i:
+      kw_i = c.masked_keys(i)
+      a_row = [a_block(kw_i, i, c.block_keys(k), k) for k in range(i)]
+      for j in range(i - 1, -1, -1):
+        acc = None
+        for k in range(j, i):
+          term = dot(a_row[k], x[k, j])
+          acc = term if acc is None else acc + term
+        x[i, j] = -dot(x[i, i], acc)
+      del a_row
+    w_acc = u_acc = None
+    for j in range(i + 1):
+      xij = x[i, j].astype(dtype) if half else x[i, j]
+      tw = dot(xij, c.w_rhs(j, gammas[j]))
+      tu = dot(xij, c.u_rhs(j))
+      w_acc = tw if w_acc is None else w_acc + tw
+      u_acc = tu if u_acc is None else u_acc + tu
+    w_ref[blk(i), :] = w_acc.astype(w_ref.dtype)
+    u_ref[blk(i), :] = u_acc.astype(u_ref.dtype)
+    if ai_ref:
+      zeros = jnp.zeros((BLOCK, BLOCK), ai_ref[0].dtype)
+      for j in range(nb):
+        ai_ref[0][blk(i), blk(j)] = x[i, j].astype(ai_ref[0].dtype) if j <= i else zeros
+
+
+def _panels_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref, u_ref, *ai_ref,
+                   r, per_token_mask, precision, inverse):
+  """merge="panels": row block i of A, X, w, u as [16, N] panels, one dot each:
+    A_i  = beta_i (Kw_i Kb^T) decay, kept left of the diagonal block     [16, N]
+    X_i  = place_i(X_ii) - X_ii (A_i X)        (X: the rows above, [N, N])  [16, N]
+    w_i  = X_i (exp(gamma) beta Kw),  u_i = X_i (beta v)
+  """
+  bt = k_ref.shape[0]
+  n = bt * r
+  nb = n // BLOCK
+  c = _Chunk(k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask)
+  dtype = c.dtype
+  half = dtype != f32
+  dot = functools.partial(backend.dot, precision=precision)
+  iota = jax.lax.broadcasted_iota
+
+  gamma_tok = jnp.cumsum(g_ref[...].astype(f32))
+  gamma_ref[...] = gamma_tok
+  beta_tok = beta_ref[...].astype(f32)
+  gamma = rows.per_row(gamma_tok, r)                                  # [N]
+  beta = rows.per_row(beta_tok, r)
+  tok = rows.row_tokens(n, r)
+  local = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0) // r
+  col = iota(jnp.int32, (BLOCK, n), 1)
+  row = iota(jnp.int32, (BLOCK, n), 0)
+
+  def pick(vec, i):
+    """vec[16 i : 16 i + 16] of an [N] vector, by selection (exact; no slicing)."""
+    return jnp.sum(jnp.where(col == row + i * BLOCK, vec[None, :], 0.0), axis=1)
+
+  # The whole chunk's operands, rebuilt from the refs at each use (short register lives).
+  block_keys = lambda: rows.block_keys(k_ref[...], r).astype(dtype)
+  w_rhs = lambda: ((jnp.exp(gamma) * beta)[:, None]
+                   * rows.masked_keys(k_ref[...], mask_ref, r)).astype(dtype)
+  u_rhs = lambda: rows.repeat_rows(
+      (beta_tok[:, None] * v_ref[...].astype(f32)).astype(dtype), r)
+
+  gammas = [pick(gamma, i) for i in range(nb)]
+  betas = [pick(beta, i) for i in range(nb)]
+  diag = []
+  for i in range(nb):
+    kk = dot(c.masked_keys(i).astype(dtype), c.block_keys(i).astype(dtype), trans_b=True)
+    decay = rows.causal_decay(gammas[i], gammas[i], local, local, strict=True)
+    diag.append(betas[i][:, None] * kk * decay)
+  x_diag = _invert_diagonal(diag, inverse)
+  del diag
+
+  col_block = col // BLOCK
+  row_block_n = iota(jnp.int32, (n, n), 0) // BLOCK
+  x = None                                                            # rows of X above row block i
+  for i in range(nb):
+    tiled = jnp.broadcast_to(x_diag[i][:, None, :], (BLOCK, nb, BLOCK)).reshape(BLOCK, n)
+    panel = jnp.where(col_block == i, tiled, 0.0)                     # X_ii at its place
+    if i:
+      decay = rows.causal_decay(gammas[i], gamma, local + i * c.tb, tok, strict=True)
+      a = betas[i][:, None] * dot(c.masked_keys(i).astype(dtype), block_keys(), trans_b=True)
+      a = jnp.where(col < i * BLOCK, a * decay, 0.0)                  # A_ik, k < i
+      panel = panel - dot(x_diag[i], dot(a, x))
+    if i < nb - 1:                                                  # row block i of X
+      stacked = jnp.broadcast_to(panel[None], (nb, BLOCK, n)).reshape(n, n)
+      x = jnp.where(row_block_n == i, stacked, 0.0 if x is None else x)
+    p = panel.astype(dtype) if half else panel
+    w_ref[pl.ds(i * BLOCK, BLOCK), :] = dot(p, w_rhs()).astype(w_ref.dtype)
+    u_ref[pl.ds(i * BLOCK, BLOCK), :] = dot(p, u_rhs()).astype(u_ref.dtype)
+    if ai_ref:
+      ai_ref[0][pl.ds(i * BLOCK, BLOCK), :] = panel.astype(ai_ref[0].dtype)
+
+
+_KERNELS = {"panels": _panels_kernel, "blocks": _blocks_kernel}
+
+
+def _check(k, v, g, beta, mask, key_blocks, chunk):
+  if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"k must be [B, Tp, H, K] and v [B, Tp, H, V] with the same B, Tp, H; got "
+                     f"k {k.shape}, v {v.shape}")
+  bsz, t_len, heads, dim_k = k.shape
+  dim_v = v.shape[-1]
+  for name, x in (("g", g), ("beta", beta)):
+    if x.shape != (bsz, heads, t_len):
+      raise ValueError(f"{name} must be [B, H, Tp] = {(bsz, heads, t_len)}, got {x.shape}")
+  r = key_blocks
+  if mask.ndim != 5 or mask.shape[-2:] != (r, r):
+    raise ValueError(f"mask must be [Bm, Tm, Hm, r, r] with r = key_blocks = {r}, got "
+                     f"{mask.shape}")
+  if chunk not in CHUNKS:
+    raise ValueError(f"chunk must be one of {CHUNKS}, got {chunk!r}")
+  if r not in (1, 2, 4, 8):
+    raise ValueError(f"key_blocks must be 1, 2, 4 or 8 (a 16-row block must hold whole tokens; "
+                     f"r = 16 is not supported), got {r!r}")
+  if chunk * r > MAX_ROWS:
+    raise ValueError(f"chunk * key_blocks = {chunk} * {r} rows exceeds {MAX_ROWS}")
+  if t_len % chunk:
+    raise ValueError(f"Tp = {t_len} must be a multiple of chunk = {chunk}")
+  dk = dim_k // r
+  if dim_k % r or dk < 16 or dk & (dk - 1) or dim_v < 16 or dim_v & (dim_v - 1):
+    raise ValueError(f"K / key_blocks and V must be powers of two >= 16 (pad them); got K = "
+                     f"{dim_k}, key_blocks = {r}, V = {dim_v}")
+
+
+def chunk_fwd(k, v, g, beta, mask, *, key_blocks, chunk, precision="tf32", save_ai=False,
+              merge="panels", inverse="substitution", launch=options.DEFAULT.chunk_fwd):
+  """The fused intra-chunk forward.
+
+  k [B, Tp, H, K], v [B, Tp, H, V] (K / key_blocks and V powers of two >= 16); g (the raw
+  log-decay, not its cumsum), beta [B, H, Tp] float32; mask [Bm, Tm, Hm, r, r] (broadcast
+  against [B, Tp, H, r, r]); key_blocks = r in {1, 2, 4, 8}; chunk = BT in {16, 32, 64} tokens
+  with N = BT * r <= 256 rows. `precision` is for float32 dots (backend.dot): the merge of the
+  inverse's blocks always, everything when the inputs are float32.
+
+  Returns gamma [B, H, Tp] float32 (chunk-local cumsum of g), w [B, H, Tp*r, K] and
+  u [B, H, Tp*r, V] in k's dtype, and with save_ai=True also Ai = (I + A)^-1 [B, H, Tp*r, N] in
+  k's dtype (the backward's residual).
+
+  merge: how the inverse's row blocks are formed, the same numbers either way up to rounding:
+  "panels" (each row block as one [16, N] panel against the rows above: few, wider dots; X
+  lives as one [N, N] tile) or "blocks" (16 x 16 block products only; X lives as its
+  N (N + 16) / 512 lower blocks, more and smaller dots).
+  inverse: how the 16 x 16 diagonal blocks are inverted: "substitution" (forward substitution,
+  one row per step) or "squaring" (six products, pallas_kernels/common/tril.py).
+  launch: warps and pipeline stages (pallas_kernels/common/options.py).
+  """
+  _check(k, v, g, beta, mask, key_blocks, chunk)
+  if merge not in _KERNELS:
+    raise ValueError(f"merge must be one of {sorted(_KERNELS)}, got {merge!r}")
+  if inverse not in INVERSES:
+    raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
+  bsz, t_len, heads, dim_k = k.shape
+  dim_v = v.shape[-1]
+  r = key_blocks
+  n = chunk * r
+  per_token_mask = mask.shape[1] > 1
+  out_specs = [specs.scalars(chunk), specs.rows(n, dim_k), specs.rows(n, dim_v)]
+  out_shape = [jax.ShapeDtypeStruct((bsz, heads, t_len), f32),
+               jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_k), k.dtype),
+               jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_v), k.dtype)]
+  if save_ai:
+    out_specs.append(specs.rows(n, n))
+    out_shape.append(jax.ShapeDtypeStruct((bsz, heads, t_len * r, n), k.dtype))
+  kernel = functools.partial(_KERNELS[merge], r=r, per_token_mask=per_token_mask,
+                             precision=precision, inverse=inverse)
+  return tuple(backend.pallas_call(
+      kernel,
+      grid=(t_len // chunk, bsz, heads),
+      in_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_v), specs.scalars(chunk),
+                specs.scalars(chunk), specs.mask(mask.shape, chunk)],
+      out_specs=out_specs,
+      out_shape=out_shape,
+      num_warps=launch.num_warps,
+      num_stages=launch.num_stages,
+      name="gdp_chunk_fwd",
+  )(k, v, g.astype(f32), beta.astype(f32), mask))

@@ -1,0 +1,152 @@
+"""The state recurrence fused with the output (docs/kernels.md, "Fused forward kernels").
+
+One program per (V tile, batch, head) walks the chunks in order, with S (the state at the chunk's
+start) in registers as r row blocks [dk, BV] float32. For each chunk (docs/chunked_form.md):
+
+  v_new[(t,a)] = u[(t,a)] - sum_d w[(t,a), block d] S^(d)
+  o_t          = scale ( exp(gamma_t) q_t^T S
+                       + sum_a sum_{s<=t} exp(gamma_t - gamma_s) <q_t^(a), k_s^(a)> v_new[(s,a)] )
+  S^(d)        = exp(gamma_last) S^(d) + sum_t exp(gamma_last - gamma_t) k_t^(d) v_new[(t,d)]^T
+
+The per-chunk states h and v_new never leave the kernel unless save_states=True asks for them
+(what the backward reads). Rows of one block a are read straight from the refs viewed as
+[Tp, r, D], and key blocks as column blocks of the [Tp, K] refs, so no value is ever sliced
+(docs/pallas_triton.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import backend, options, rows, specs
+
+CHUNKS = (16, 32, 64)
+f32 = jnp.float32
+
+
+def _kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *state_refs, r, chunk,
+            num_chunks, scale, precision):
+  dim_k = k_ref.shape[-1]
+  dk = dim_k // r
+  dtype = k_ref.dtype
+  dot = functools.partial(backend.dot, precision=precision)
+  tok = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+  last = tok == chunk - 1
+  cols = lambda d: pl.ds(d * dk, dk)
+
+  def body(c, state):
+    t0 = pl.multiple_of(c * chunk, chunk)
+    tt = pl.ds(t0, chunk)
+    if state_refs:
+      for d in range(r):
+        state_refs[0][c, cols(d), :] = state[d].astype(state_refs[0].dtype)
+    g = g_ref[tt]
+    g_last = jnp.sum(jnp.where(last, g, 0.0))
+    s_op = [s.astype(dtype) for s in state]                         # dot operands
+    q = [q_ref[tt, cols(d)] for d in range(r)]                      # [BT, dk] each, loaded once
+    k = [k_ref[tt, cols(d)] for d in range(r)]
+    # The chunk's start-state part of the output: exp(gamma_t) q_t^T S.
+    o = None
+    for d in range(r):
+      term = dot(q[d], s_op[d])
+      o = term if o is None else o + term
+    o = jnp.exp(g)[:, None] * o
+    decay = rows.causal_decay(g, g, tok, tok, strict=False)
+    v_new = []
+    for a in range(r):
+      pred = None
+      for d in range(r):
+        term = dot(w_ref[tt, a, cols(d)], s_op[d])
+        pred = term if pred is None else pred + term
+      vn = (u_ref[tt, a, :].astype(f32) - pred).astype(dtype)
+      if state_refs:
+        state_refs[1][tt, a, :] = vn.astype(state_refs[1].dtype)
+      p = dot(q[a], k[a], trans_b=True) * decay
+      o = o + dot(p.astype(dtype), vn)
+      v_new.append(vn)
+    o_ref[tt, :] = (scale * o).astype(o_ref.dtype)
+    k_decay = jnp.exp(g_last - g)[:, None]                          # g_last <= g: no overflow
+    out = []
+    for d in range(r):
+      k_dec = (k[d].astype(f32) * k_decay).astype(dtype)
+      out.append(jnp.exp(g_last) * state[d] + dot(k_dec, v_new[d], trans_a=True))
+    return tuple(out)
+
+  state = tuple(h0_ref[cols(d), :].astype(f32) for d in range(r))
+  state = jax.lax.fori_loop(0, num_chunks, body, state)
+  for d in range(r):
+    final_ref[cols(d), :] = state[d]
+
+
+def chunk_state_output(q, k, w, u, gamma, initial_state, *, key_blocks, chunk, scale,
+                       precision="tf32", save_states=False, h_dtype=None,
+                       launch=options.DEFAULT.chunk_state_output):
+  """The state recurrence and the output in one walk over the chunks.
+
+  q, k [B, Tp, H, K] (K / key_blocks a power of two >= 16); w [B, H, Tp*r, K], u [B, H, Tp*r, V]
+  (from chunk_fwd.chunk_fwd, rows in (t, a) order); gamma [B, H, Tp] float32 (chunk-local cumsum
+  of g over chunks of `chunk` tokens); initial_state [B, H, K, V] float32. `precision` applies to
+  float32 dots (float32 inputs). launch.block_v: the V tile of one program (grid V / block_v, B, H).
+
+  Returns o [B, Tp, H, V] in q's dtype and the final state [B, H, K, V] float32; with
+  save_states=True also h [B, H, NT, K, V] (each chunk's start state, h_dtype, default k's dtype)
+  and v_new [B, H, Tp*r, V] in k's dtype.
+  """
+  if q.ndim != 4 or q.shape != k.shape:
+    raise ValueError(f"q and k must both be [B, Tp, H, K], got q {q.shape}, k {k.shape}")
+  bsz, t_len, heads, dim_k = k.shape
+  r = key_blocks
+  if r not in (1, 2, 4, 8, 16) or dim_k % r:
+    raise ValueError(f"key_blocks must be a power of two <= 16 dividing K = {dim_k}, got {r!r}")
+  if chunk not in CHUNKS or t_len % chunk:
+    raise ValueError(f"chunk must be one of {CHUNKS} and divide Tp = {t_len}, got {chunk!r}")
+  if w.shape != (bsz, heads, t_len * r, dim_k):
+    raise ValueError(f"w must be [B, H, Tp*r, K] = {(bsz, heads, t_len * r, dim_k)}, got "
+                     f"{w.shape}")
+  dim_v = u.shape[-1]
+  if u.shape != (bsz, heads, t_len * r, dim_v):
+    raise ValueError(f"u must be [B, H, Tp*r, V] = {(bsz, heads, t_len * r, dim_v)}, got "
+                     f"{u.shape}")
+  if gamma.shape != (bsz, heads, t_len):
+    raise ValueError(f"gamma must be [B, H, Tp] = {(bsz, heads, t_len)}, got {gamma.shape}")
+  if initial_state.shape != (bsz, heads, dim_k, dim_v):
+    raise ValueError(f"initial_state must be [B, H, K, V] = {(bsz, heads, dim_k, dim_v)}, got "
+                     f"{initial_state.shape}")
+  bv = min(launch.block_v, dim_v)
+  if dim_v % bv or bv < 16 or bv & (bv - 1) or dim_k // r < 16 or (dim_k // r) & (dim_k // r - 1):
+    raise ValueError(f"V = {dim_v} must be a multiple of block_v = {bv} (a power of two >= 16) "
+                     f"and K / key_blocks = {dim_k // r} a power of two >= 16")
+  nt = t_len // chunk
+  h_dtype = k.dtype if h_dtype is None else h_dtype
+  w5 = w.reshape(bsz, heads, t_len, r, dim_k)
+  u5 = u.reshape(bsz, heads, t_len, r, dim_v)
+  per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
+  out_specs = [specs.seq_tokens(t_len, bv, v_block=True), specs.state(dim_k, bv)]
+  out_shape = [jax.ShapeDtypeStruct((bsz, t_len, heads, dim_v), q.dtype),
+               jax.ShapeDtypeStruct((bsz, heads, dim_k, dim_v), f32)]
+  if save_states:
+    out_specs += [specs.chunk_states(nt, dim_k, bv), per_row_v]
+    out_shape += [jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), h_dtype),
+                  jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype)]
+  kernel = functools.partial(_kernel, r=r, chunk=chunk, num_chunks=nt, scale=scale,
+                             precision=precision)
+  out = backend.pallas_call(
+      kernel,
+      grid=(dim_v // bv, bsz, heads),
+      in_specs=[specs.seq_tokens(t_len, dim_k), specs.seq_tokens(t_len, dim_k),
+                specs.seq_rows(t_len, r, dim_k), per_row_v, specs.seq_scalars(t_len),
+                specs.state(dim_k, bv)],
+      out_specs=out_specs,
+      out_shape=out_shape,
+      num_warps=launch.num_warps,
+      num_stages=launch.num_stages,
+      name="gdp_chunk_state_output",
+  )(q, k, w5, u5, gamma.astype(f32), initial_state.astype(f32))
+  if save_states:
+    o, final, h, v_new = out
+    return o, final, h, v_new.reshape(bsz, heads, t_len * r, dim_v)
+  return tuple(out)
