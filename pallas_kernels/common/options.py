@@ -83,7 +83,7 @@ class KernelOptions:
   precision: str = "tf32"
   fused: bool = True
   chunk_fwd: Launch = Launch(num_warps=2, num_stages=1)
-  chunk_fwd_merge: str = "panels"
+  chunk_fwd_merge: str = "blocks"
   chunk_fwd_inverse: str = "substitution"
   chunk_state_output: Launch = Launch(num_warps=4, num_stages=3, block_v=64)
   kkt: Launch = Launch(num_warps=4)
