@@ -222,12 +222,12 @@ def _shard_map(fn, sharding, in_specs, out_specs, check_vma):
 
 def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, sharding,
                                 scale=None, initial_state=None, output_final_state=False,
-                                chunk_size=64, implementation=None, backward="pallas",
-                                options=None):
+                                chunk_size=64, implementation=None, precision=None,
+                                backward="pallas", options=None):
   """`gated_delta_product` with its arrays split over a device mesh (module docstring).
 
-  Same arguments and results as `gdp_jax.gated_delta_product` (`implementation`, `backward` and
-  `options` apply to every device's call), plus `sharding`: a
+  Same arguments and results as `gdp_jax.gated_delta_product` (`implementation`, `precision`,
+  `backward` and `options` apply to every device's call), plus `sharding`: a
   `ShardingConfig`, or None for the single-device operator. B must be divisible by the batch
   axes' size, H by the heads axes' size and T by the sequence axes' size (each device then runs
   T / n tokens; a multiple of `chunk_size` wastes no padding). Works eagerly and under
@@ -242,7 +242,7 @@ def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, shardi
     return _operator.gated_delta_product(
         q, k, v, g, beta, mask, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, chunk_size=chunk_size,
-        implementation=implementation, backward=backward, options=options)
+        implementation=implementation, precision=precision, backward=backward, options=options)
   _check_config(sharding)
   batch, t_len, heads, dim_k, dim_v, _, _ = _operator.check_inputs(
       q, k, v, g, beta, mask, initial_state)
@@ -267,7 +267,8 @@ def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, shardi
   specs = {n: sharding.spec_for(n, x.ndim) for n, x in arrays.items()}
   arrays = _place(sharding, arrays, specs)
   vma = _check_vma(implementation)
-  run = dict(scale=scale, chunk_size=chunk_size, implementation=implementation)
+  run = dict(scale=scale, chunk_size=chunk_size, implementation=implementation,
+             precision=precision)
   if implementation == "pallas":
     run.update(backward=backward, options=options)
   out_specs = (sharding.spec_for("o", 4), sharding.spec_for("state", 4))
@@ -308,8 +309,8 @@ def piece_summary(q, k, v, g, beta, mask, *, scale, chunk_size, implementation, 
   `split=True` makes the two halves two calls of the operator (v from zero, then 0_K from I_K):
   each call then has the value width of an ordinary one (the Pallas kernels' backward does not
   fit a 256-wide value in shared memory at K = V = 128). `state` is the widened starting state
-  when the caller builds it ([B, H, K, V + K] float32); `operator_kwargs` (backward, options) go
-  to `gated_delta_product`.
+  when the caller builds it ([B, H, K, V + K] float32); `operator_kwargs` (precision, backward,
+  options) go to `gated_delta_product`.
 
   Returns:
     o0 [B, T, H, V] (the outputs from a zero state, q.dtype), qp [B, T, H, K] (scale q_t^T P_t,
@@ -381,7 +382,7 @@ def _context_parallel_piece(a, sharding, vma, **run):
 # ----------------------------------------------------------------------------------------------
 
 def sharded_gated_delta_product_step(q, k, v, g, beta, mask, state, *, sharding, scale=None,
-                                     implementation=None, in_place=True):
+                                     implementation=None, precision=None, in_place=True):
   """`gated_delta_product_step` with batch and heads split over a device mesh.
 
   Same arguments and results as `gdp_jax.gated_delta_product_step`, plus `sharding` (a
@@ -391,7 +392,8 @@ def sharded_gated_delta_product_step(q, k, v, g, beta, mask, state, *, sharding,
   """
   if sharding is None:
     return _decode.gated_delta_product_step(q, k, v, g, beta, mask, state, scale=scale,
-                                            implementation=implementation, in_place=in_place)
+                                            implementation=implementation, precision=precision,
+                                            in_place=in_place)
   _check_config(sharding)
   batch, heads, dim_k, dim_v, _, _ = _decode._check_step(q, k, v, g, beta, mask, state)
   implementation = dispatch.resolve("gated_delta_product_step", implementation,
@@ -412,7 +414,8 @@ def sharded_gated_delta_product_step(q, k, v, g, beta, mask, state, *, sharding,
   def body(a):
     return _decode.gated_delta_product_step(
         a["q"], a["k"], a["v"], a.get("g"), a["beta"], a.get("mask"), a["state"],
-        scale=a.get("scale", scale), implementation=implementation, in_place=in_place)
+        scale=a.get("scale", scale), implementation=implementation, precision=precision,
+        in_place=in_place)
 
   out_specs = (sharding.spec("bh-"), sharding.spec_for("state", 4))
   return _shard_map(body, sharding, specs, out_specs, vma)(arrays)
