@@ -12,10 +12,11 @@ included) on its own block of rows and heads, with no communication at all. The 
 is context parallelism: each device holds a contiguous piece of the tokens and the pieces are
 chained through their states (docs/sharding.md):
 
-  1. one call of the operator on the piece, from a zero state, with the values widened by K zero
-     columns and the state by the K x K identity: the first V columns give the piece's outputs
-     and final state from zero (o0, F), the last K columns its transition P (the product of the
-     tokens' exp(g) (I - beta (k k^T) . (M x 1)) factors) and, per token, scale q_t^T P_t;
+  1. the operator on the piece from a zero state, with the values widened by K zero columns and
+     the state by the K x K identity: the first V columns give the piece's outputs and final
+     state from zero (o0, F), the last K columns its transition P (the product of the tokens'
+     exp(g) (I - beta (k k^T) . (M x 1)) factors) and, per token, scale q_t^T P_t (one widened
+     call; with the Pallas kernels two calls of the ordinary width);
   2. an all-gather of the small (P, F) pairs over the sequence axis, then on every device the
      chain S_in(0) = initial state, S_in(j + 1) = P_j S_in(j) + F_j in float32;
   3. the outputs corrected by the incoming state: o_t = o0_t + (scale q_t^T P_t) S_in.
@@ -23,7 +24,9 @@ chained through their states (docs/sharding.md):
 Gradients come from JAX's autodiff of this composition (the operator's own backward, the
 transpose of the all-gather, the transposed transitions of the chain). q, k, v, g, beta and the
 per-token mask never leave their device; the only collectives are the all-gather of
-[B/nb, H/nh, K, K + V] float32 per device and an all-reduce of the final state's shard.
+[B/nb, H/nh, K, K + V] float32 per device, an all-reduce of the final state's shard and, in the
+backward pass, sums of the gradients of what is replicated (a shared mask, the initial state
+along the sequence).
 
 The recurrent step (`sharded_gated_delta_product_step`) splits batch and heads only (one token
 has no sequence to split). The Flax layer and the hybrid model take a `sharding=` argument.
@@ -219,10 +222,12 @@ def _shard_map(fn, sharding, in_specs, out_specs, check_vma):
 
 def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, sharding,
                                 scale=None, initial_state=None, output_final_state=False,
-                                chunk_size=64, implementation=None):
+                                chunk_size=64, implementation=None, precision=None,
+                                backward="pallas", options=None):
   """`gated_delta_product` with its arrays split over a device mesh (module docstring).
 
-  Same arguments and results as `gdp_jax.gated_delta_product`, plus `sharding`: a
+  Same arguments and results as `gdp_jax.gated_delta_product` (`implementation`, `precision`,
+  `backward` and `options` apply to every device's call), plus `sharding`: a
   `ShardingConfig`, or None for the single-device operator. B must be divisible by the batch
   axes' size, H by the heads axes' size and T by the sequence axes' size (each device then runs
   T / n tokens; a multiple of `chunk_size` wastes no padding). Works eagerly and under
@@ -237,11 +242,13 @@ def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, shardi
     return _operator.gated_delta_product(
         q, k, v, g, beta, mask, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, chunk_size=chunk_size,
-        implementation=implementation)
+        implementation=implementation, precision=precision, backward=backward, options=options)
   _check_config(sharding)
   batch, t_len, heads, dim_k, dim_v, _, _ = _operator.check_inputs(
       q, k, v, g, beta, mask, initial_state)
-  implementation = dispatch.resolve("gated_delta_product", implementation)
+  implementation = dispatch.resolve("gated_delta_product", implementation,
+                                    sharding.mesh.devices.flat[0])
+  dispatch.check_backward(backward, implementation)
   if chunk_size not in _operator.CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {_operator.CHUNK_SIZES}, got {chunk_size!r}")
   shape = f"q has shape {tuple(q.shape)} = [B, T, H, K]"
@@ -260,7 +267,10 @@ def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, shardi
   specs = {n: sharding.spec_for(n, x.ndim) for n, x in arrays.items()}
   arrays = _place(sharding, arrays, specs)
   vma = _check_vma(implementation)
-  run = dict(scale=scale, chunk_size=chunk_size, implementation=implementation)
+  run = dict(scale=scale, chunk_size=chunk_size, implementation=implementation,
+             precision=precision)
+  if implementation == "pallas":
+    run.update(backward=backward, options=options)
   out_specs = (sharding.spec_for("o", 4), sharding.spec_for("state", 4))
   if sharding.size("sequence") > 1:
     body = lambda a: _context_parallel_piece(a, sharding, vma, **run)
@@ -277,7 +287,7 @@ def _zero_state(q, v, sharding, vma, width=None):
                vma)
 
 
-def _independent_piece(a, sharding, vma, *, scale, chunk_size, implementation):
+def _independent_piece(a, sharding, vma, **run):
   """Batch and head parallel: the single-device operator on this device's rows and heads."""
   h0 = a.get("initial_state")
   if h0 is None:
@@ -285,18 +295,22 @@ def _independent_piece(a, sharding, vma, *, scale, chunk_size, implementation):
   else:   # a sequence axis of size 1 still types q as varying over it
     h0 = _vary(h0, sharding.axes("sequence"), vma)
   return _operator.gated_delta_product(
-      a["q"], a["k"], a["v"], a.get("g"), a["beta"], a.get("mask"), scale=scale,
-      initial_state=h0, output_final_state=True, chunk_size=chunk_size,
-      implementation=implementation)
+      a["q"], a["k"], a["v"], a.get("g"), a["beta"], a.get("mask"), initial_state=h0,
+      output_final_state=True, **run)
 
 
-def piece_summary(q, k, v, g, beta, mask, *, scale, chunk_size, implementation, state=None):
+def piece_summary(q, k, v, g, beta, mask, *, scale, chunk_size, implementation, state=None,
+                  split=False, **operator_kwargs):
   """One piece of the sequence from a zero state, with its transition (docs/sharding.md).
 
-  Runs the operator once on values widened to [v | 0_K] from the state [0_{K x V} | I_K]: every
-  value column evolves on its own under the same per-token maps S -> A_t S + b_t, so the first
-  V columns are the piece from zero and the last K columns follow S_t = A_t ... A_1 = P_t.
-  `state` is that widened starting state when the caller builds it ([B, H, K, V + K] float32).
+  Runs the operator on values widened to [v | 0_K] from the state [0_{K x V} | I_K]: every value
+  column evolves on its own under the same per-token maps S -> A_t S + b_t, so the first V
+  columns are the piece from zero and the last K columns follow S_t = A_t ... A_1 = P_t.
+  `split=True` makes the two halves two calls of the operator (v from zero, then 0_K from I_K):
+  each call then has the value width of an ordinary one (the Pallas kernels' backward does not
+  fit a 256-wide value in shared memory at K = V = 128). `state` is the widened starting state
+  when the caller builds it ([B, H, K, V + K] float32); `operator_kwargs` (precision, backward,
+  options) go to `gated_delta_product`.
 
   Returns:
     o0 [B, T, H, V] (the outputs from a zero state, q.dtype), qp [B, T, H, K] (scale q_t^T P_t,
@@ -305,13 +319,18 @@ def piece_summary(q, k, v, g, beta, mask, *, scale, chunk_size, implementation, 
   """
   bl, tl, hl, dk = q.shape
   dv = v.shape[-1]
-  v_ext = jnp.concatenate([v, jnp.zeros((bl, tl, hl, dk), v.dtype)], axis=-1)
   if state is None:
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=f32), (bl, hl, dk, dk))
     state = jnp.concatenate([jnp.zeros((bl, hl, dk, dv), f32), eye], axis=-1)
-  o_ext, fin_ext = _operator.gated_delta_product(
-      q, k, v_ext, g, beta, mask, scale=scale, initial_state=state, output_final_state=True,
-      chunk_size=chunk_size, implementation=implementation)
+  zeros = jnp.zeros((bl, tl, hl, dk), v.dtype)
+  run = lambda values, start: _operator.gated_delta_product(
+      q, k, values, g, beta, mask, scale=scale, initial_state=start, output_final_state=True,
+      chunk_size=chunk_size, implementation=implementation, **operator_kwargs)
+  if split:
+    o0, final0 = run(v, state[..., :dv])
+    qp, transition = run(zeros, state[..., dv:])
+    return o0, qp, final0, transition
+  o_ext, fin_ext = run(jnp.concatenate([v, zeros], axis=-1), state)
   return o_ext[..., :dv], o_ext[..., dv:], fin_ext[..., :dv], fin_ext[..., dv:]
 
 
@@ -329,7 +348,7 @@ def chain_states(transitions, finals, initial_state):
   return jnp.stack(incoming), s
 
 
-def _context_parallel_piece(a, sharding, vma, *, scale, chunk_size, implementation):
+def _context_parallel_piece(a, sharding, vma, **run):
   """Context parallel: this device's piece of the sequence, chained with the others."""
   q, v = a["q"], a["v"]
   bl, _, hl, dk = q.shape
@@ -338,9 +357,10 @@ def _context_parallel_piece(a, sharding, vma, *, scale, chunk_size, implementati
   eye = jnp.broadcast_to(jnp.eye(dk, dtype=f32), (bl, hl, dk, dk))
   state = jnp.concatenate([_zero_state(q, v, sharding, vma), _vary(
       eye, sharding.axes("batch") + sharding.axes("heads") + seq, vma)], axis=-1)
+  # Pallas: two calls of the ordinary width; the others: one widened call (docs/sharding.md).
   o0, qp, final0, transition = piece_summary(
-      q, a["k"], v, a.get("g"), a["beta"], a.get("mask"), scale=scale, chunk_size=chunk_size,
-      implementation=implementation, state=state)
+      q, a["k"], v, a.get("g"), a["beta"], a.get("mask"), state=state,
+      split=run["implementation"] == "pallas", **run)
   # All-gather the small per-piece (P, F) pairs over the sequence axes: [n, bl, hl, K, K + V].
   pieces = jax.lax.all_gather(jnp.concatenate([transition, final0], axis=-1), seq)
   h0 = a.get("initial_state")
@@ -362,7 +382,7 @@ def _context_parallel_piece(a, sharding, vma, *, scale, chunk_size, implementati
 # ----------------------------------------------------------------------------------------------
 
 def sharded_gated_delta_product_step(q, k, v, g, beta, mask, state, *, sharding, scale=None,
-                                     implementation=None, in_place=True):
+                                     implementation=None, precision=None, in_place=True):
   """`gated_delta_product_step` with batch and heads split over a device mesh.
 
   Same arguments and results as `gdp_jax.gated_delta_product_step`, plus `sharding` (a
@@ -372,10 +392,12 @@ def sharded_gated_delta_product_step(q, k, v, g, beta, mask, state, *, sharding,
   """
   if sharding is None:
     return _decode.gated_delta_product_step(q, k, v, g, beta, mask, state, scale=scale,
-                                            implementation=implementation, in_place=in_place)
+                                            implementation=implementation, precision=precision,
+                                            in_place=in_place)
   _check_config(sharding)
   batch, heads, dim_k, dim_v, _, _ = _decode._check_step(q, k, v, g, beta, mask, state)
-  implementation = dispatch.resolve("gated_delta_product_step", implementation)
+  implementation = dispatch.resolve("gated_delta_product_step", implementation,
+                                    sharding.mesh.devices.flat[0])
   shape = f"q has shape {tuple(q.shape)} = [B, H, K]"
   _check_divisible(sharding, "B", batch, "batch", shape)
   _check_divisible(sharding, "H", heads, "heads", shape)
@@ -392,7 +414,8 @@ def sharded_gated_delta_product_step(q, k, v, g, beta, mask, state, *, sharding,
   def body(a):
     return _decode.gated_delta_product_step(
         a["q"], a["k"], a["v"], a.get("g"), a["beta"], a.get("mask"), a["state"],
-        scale=a.get("scale", scale), implementation=implementation, in_place=in_place)
+        scale=a.get("scale", scale), implementation=implementation, precision=precision,
+        in_place=in_place)
 
   out_specs = (sharding.spec("bh-"), sharding.spec_for("state", 4))
   return _shard_map(body, sharding, specs, out_specs, vma)(arrays)

@@ -61,7 +61,7 @@ def pallas_call(kernel, *, num_warps=4, num_stages=2, **kwargs):
 
 def _varying_axes(x):
   """(mesh axes x varies over inside shard_map, the type that records them) for either jax API:
-  `aval.manual_axis_type.varying` (jax 0.12) or `aval.vma` (jax 0.11)."""
+  `aval.manual_axis_type.varying`, or `aval.vma` in older jax (type None)."""
   aval = jax.typeof(x)
   mat = getattr(aval, "manual_axis_type", None)
   if mat is not None:
@@ -71,13 +71,14 @@ def _varying_axes(x):
 
 def _varying_out_shape(out_shape, args):
   """out_shape with each ShapeDtypeStruct typed as varying over the union of the inputs'
-  varying mesh axes; out_shape itself when no input varies (outside shard_map)."""
-  axes, mat_type = frozenset(), None
+  varying mesh axes (none outside shard_map, or when every input is replicated: shard_map's
+  check still wants the type set)."""
+  axes, mat_type, arrays = frozenset(), None, False
   for a in jax.tree.leaves(args):
     if hasattr(a, "shape") and hasattr(a, "dtype"):
       a_axes, a_type = _varying_axes(a)
-      axes, mat_type = axes | a_axes, mat_type or a_type
-  if not axes:
+      axes, mat_type, arrays = axes | a_axes, mat_type or a_type, True
+  if not arrays or (mat_type is None and not axes):
     return out_shape
 
   def typed(s):
