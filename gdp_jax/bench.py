@@ -51,17 +51,18 @@ import time
 import traceback
 
 import jax
-import tqdm
 import jax.numpy as jnp
-import numpy as np
+import tqdm
+
+from gdp_jax.testing import SHAPES, random_inputs
 
 SCHEMA = "gdp_jax.bench/1"
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 MODES = ("fwd", "fwdbwd")
 ALL_IMPLS = ("pallas", "xla", "reference", "fla", "jla")
-GPU_SHAPE = "8,4096,16,128,128"   # the H200 benchmark shape (docs/performance.md)
-CPU_SHAPE = "1,512,4,64,64"       # default when no GPU: seconds, not hours
-TINY_SHAPE = "1,64,2,32,32"
+GPU_SHAPE = ",".join(map(str, SHAPES["h200"]))   # the H200 benchmark shape (docs/performance.md)
+CPU_SHAPE = ",".join(map(str, SHAPES["cpu"]))    # default when no GPU: seconds, not hours
+TINY_SHAPE = ",".join(map(str, SHAPES["tiny"]))
 FLOP_ROWS = 64                    # rows per chunk (C * r) in the nominal FLOP count
 
 FLOPS_DOC = (
@@ -125,20 +126,10 @@ def traffic_bytes(mode: str, B, T, H, K, V, r, dtype, gate_dtype=jnp.float32,
 # ----------------------------------------------------------------------------------------------
 
 def make_inputs(B, T, H, K, V, r, dtype, seed=0):
-  """Operator inputs in the regime a layer produces: normalised q and key blocks, beta in (0, 1),
-  mild decays; the mask is [r, r] (None for r = 1)."""
-  keys = jax.random.split(jax.random.key(seed), 6)
-  q = jax.random.normal(keys[0], (B, T, H, K), jnp.float32)
-  k = jax.random.normal(keys[1], (B, T, H, K), jnp.float32)
-  kb = k.reshape(B, T, H, r, K // r)
-  k = (kb / jnp.linalg.norm(kb, axis=-1, keepdims=True)).reshape(B, T, H, K)
-  q = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
-  v = jax.random.normal(keys[2], (B, T, H, V), jnp.float32)
-  g = jax.nn.log_sigmoid(jax.random.normal(keys[3], (B, T, H)) + 4.0)
-  beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, H)))
-  mask = jnp.eye(r) * 0.5 + 0.5
-  return dict(q=q.astype(dtype), k=k.astype(dtype), v=v.astype(dtype), g=g, beta=beta,
-              mask=mask if r > 1 else None)
+  """Operator inputs for a bench case (gdp_jax/testing.py's regime): a shared [r, r] mask (none
+  for r = 1), no initial state."""
+  return random_inputs(seed, B=B, T=T, H=H, K=K, V=V, r=r, dtype=dtype,
+                       mask_kind=None if r == 1 else "shared", with_state=False)
 
 
 def time_jax(fn, args, reps, inner, tick=None):

@@ -1,4 +1,7 @@
-"""Shared test inputs and dtype-scaled tolerances (one place for every test module)."""
+"""Shared test inputs and dtype-scaled tolerances (one place for every test module).
+
+The operator's random inputs and the named shapes come from gdp_jax/testing.py, which the
+benchmarks use too."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdp_jax import xla
+from gdp_jax.testing import random_inputs as make_inputs  # noqa: F401  (re-exported)
 from gdp_jax.operator import normalize_mask
 
 # Relative error allowed, measured as max|x - ref| / max(max|ref|, 1e-6) over the whole array.
@@ -39,39 +43,6 @@ def rel_err(x, ref):
 def assert_close(x, ref, rtol, what=""):
   err = rel_err(x, ref)
   assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:.3g}"
-
-
-def make_inputs(seed, B=2, T=40, H=3, K=32, V=16, r=2, mask_kind="head", dtype=jnp.float32,
-                with_state=True):
-  """Random operator inputs in the regime the layer produces: L2-normalised q and k, beta in
-  (0, 1), g <= 0 with realistic decays, and an arbitrary real mask."""
-  rng = np.random.default_rng(seed)
-  def normal(*shape):
-    return rng.standard_normal(shape).astype(np.float32)
-  q = normal(B, T, H, K)
-  k = normal(B, T, H, K)
-  # Normalise each key block (the operator's natural regime; keeps (I + A) well conditioned).
-  kb = k.reshape(B, T, H, r, K // r)
-  k = (kb / np.linalg.norm(kb, axis=-1, keepdims=True)).reshape(B, T, H, K)
-  q = q / np.linalg.norm(q, axis=-1, keepdims=True)
-  v = normal(B, T, H, V)
-  g = -np.abs(normal(B, T, H)) * 0.2 - 0.01
-  beta = 1.0 / (1.0 + np.exp(-normal(B, T, H)))
-  if mask_kind is None:
-    mask = None
-  elif mask_kind == "shared":
-    mask = normal(r, r) * 0.5 + np.eye(r, dtype=np.float32)
-  elif mask_kind == "head":
-    mask = normal(H, r, r) * 0.5 + np.eye(r, dtype=np.float32)
-  elif mask_kind == "token":
-    mask = normal(B, T, H, r, r) * 0.5 + np.eye(r, dtype=np.float32)
-  else:
-    raise ValueError(mask_kind)
-  h0 = normal(B, H, K, V) * 0.5 if with_state else None
-  cast = lambda x: None if x is None else jnp.asarray(x, dtype)
-  return dict(q=cast(q), k=cast(k), v=cast(v), g=jnp.asarray(g), beta=jnp.asarray(beta),
-              mask=None if mask is None else jnp.asarray(mask),
-              initial_state=None if h0 is None else jnp.asarray(h0))
 
 
 def stage_inputs(r, mask_kind, chunk, B=2, T=64, H=2, K=64, V=32, dtype=jnp.float32, seed=0):
