@@ -28,11 +28,13 @@ side, each on a shard of the configurations (compile times are then measured wit
 competing for the CPU; `--jobs 1` for clean timings). A CUDA fault (illegal address) poisons the
 rest of its process: rerun the configurations after it with `--only`.
 
-Writes a JSON (`--out`: date, jax version, GPU, command, one record per configuration, a summary:
-failures, slowest compiles, configurations whose compile took over 60 s), prints a table and exits
-1 when any configuration failed (an error or an error over tolerance). `--tiny` runs three small
-configurations in interpret mode on the CPU (a test: tests/test_gpu_matrix.py); `--self-check`
-plants a mismatch in the first configuration's Pallas output, which the run must report.
+Writes a JSON (`--out`, rewritten after every configuration: date, jax version, GPU, command, one
+record per configuration, a summary: failures, slowest compiles, configurations whose compile
+took over 60 s), prints a table and exits 1 when any configuration failed (an error, or an error
+over tolerance), 2 when none failed but some did not run (`--time-limit`, an interruption).
+`--tiny` runs three small configurations in interpret mode on the CPU (a test:
+tests/test_gpu_matrix.py); `--self-check` plants a mismatch in the first configuration's Pallas
+output, which the run must report.
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ import functools
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
@@ -67,12 +69,13 @@ SCHEMA = "gdp-gpu-matrix/1"
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 DIMS = "16,32,64,96,128,256,64:128,128:64,256:64,32:96"
 MASKS = ("shared", "head", "token")
-# TF32 rounds each float32 dot operand to 11 significant bits (10 stored), the significand of
-# float16, and accumulates in float32; the float32 path stores every intermediate (gamma, A, Ai,
-# w, u, h) in float32, where the float16 path rounds them to float16 too. So a TF32 run is at
-# least as accurate as a float16 one and the float16 tolerances of tests/cases.py bound it (the
-# GPU test of docs/precision.md allows 5e-3 on o at T = 1024; an H200 run of this matrix gave at
-# most 1.1e-3 on o and 3.2e-3 on the gradients at T = 256).
+# TF32 rounds every float32 dot operand to 11 significant bits (10 stored) and accumulates in
+# float32. The float16 path rounds every dot operand to float16, also 11 significant bits (the
+# kernels cast an operand to the input dtype just before its dot, docs/precision.md), and
+# accumulates in float32 too: the same rounding at the same places, so the float16 tolerances of
+# tests/cases.py apply (TF32 keeps float32's exponent range: no float16 overflow or underflow on
+# top). For scale: docs/precision.md reports a 4.7e-4 relative RMS error of TF32 against IEEE at
+# the benchmark shape, and the GPU test in tests/test_pallas_forward.py allows 5e-3 on o.
 TF32_TOLERANCE = TOLERANCE[jnp.float16]
 TF32_GRAD_TOLERANCE = GRAD_TOLERANCE[jnp.float16]
 SLOW_COMPILE_S = 60.0
@@ -169,31 +172,35 @@ def parse_shard(text):
   return index, count
 
 
-def plan(args):
+def plan(args, shard=None):
   """The configurations to run, in order: the matrix, filtered, then this shard's share (whole
   groups, round robin, so the float32 precisions of one shape share their reference)."""
   if args.tiny:
     configs = [Config(*c) for c in TINY_CONFIGS]
   else:
     configs = []
+    try:
+      rs = [int(x) for x in args.rs.split(",")]
+    except ValueError:
+      raise SystemExit(f"--rs {args.rs!r}: expected integers, e.g. 1,2,4") from None
     for dtype in args.dtype.split(","):
       if dtype not in DTYPES:
         raise SystemExit(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
       precisions = args.precisions.split(",") if dtype == "f32" else [None]
       for dim_k, dim_v in parse_dims(args.dims):
-        for r in (int(x) for x in args.rs.split(",")):
+        for r in rs:
           if dim_k % r or dim_k // r < 1:
             continue
           for mask in args.masks.split(","):
             if mask not in MASKS:
               raise SystemExit(f"--masks: {mask!r} is not one of {', '.join(MASKS)}")
             for prec in precisions:
-              if prec not in (None, "ieee", "tf32", "tf32x3"):
-                raise SystemExit(f"--precisions: {prec!r} is not ieee, tf32 or tf32x3")
+              if prec not in (None, "ieee", "tf32"):
+                raise SystemExit(f"--precisions: {prec!r} is not ieee or tf32")
               configs.append(Config(dtype, dim_k, dim_v, r, mask, prec))
   filters = parse_only(args.only)
   configs = [c for c in configs if matches(c, filters)]
-  index, count = parse_shard(args.shard)
+  index, count = parse_shard(args.shard if shard is None else shard)
   groups = list(dict.fromkeys(c.group for c in configs))
   mine = set(groups[index::count])
   return [c for c in configs if c.group in mine]
@@ -429,15 +436,28 @@ def environment(args):
                           for name, d in DTYPES.items()})
 
 
-def run_here(args, configs):
+def write_json(path, obj):
+  """Write atomically (a reader never sees half a file)."""
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)
+
+
+def run_here(args, configs, save):
+  """Run the configurations in this process; save(records) after each one. Stops starting new
+  ones at the deadline (--time-limit)."""
   events = CacheEvents()
   records = []
   ref_group, ref = None, None
   for i, config in enumerate(configs):
+    if args.deadline and time.time() > args.deadline:
+      break
     if config.group != ref_group:
       ref_group, ref = config.group, reference(config, args)
-    rec = run_config(config, args, events, ref, planted=args.self_check and i == 0)
+    rec = run_config(config, args, events, ref, planted=config.key == args.planted)
     records.append(rec)
+    save(records)
     ok = "ok" if rec["status"] == "pass" else "FAIL"
     print(f"[{args.shard} {i + 1}/{len(configs)}] {rec['key']:42s} "
           f"fwd {fmt_s(rec.get('fwd')):>13s} bwd {fmt_s(rec.get('bwd')):>13s} "
@@ -446,8 +466,9 @@ def run_here(args, configs):
 
 
 def run_jobs(args, argv):
-  """Run the plan in args.jobs processes (this shard split further), then merge their records in
-  plan order."""
+  """Run the plan in args.jobs processes (this shard split further; each rewrites its JSON in
+  OUT.parts/ after every configuration), then merge their records in plan order. On SIGTERM or
+  Ctrl-C the processes are stopped and what they finished is kept."""
   index, count = parse_shard(args.shard)
   strip = {"--jobs", "--shard", "--out"}
   child_argv, skip = [], False
@@ -460,27 +481,49 @@ def run_jobs(args, argv):
       skip = "=" not in item
       continue
     child_argv.append(item)
-  with tempfile.TemporaryDirectory(prefix="gpu_matrix_") as tmp:
-    procs, outs = [], []
-    for j in range(args.jobs):
-      out = os.path.join(tmp, f"shard{j}.json")
-      shard = f"{index + count * j}/{count * args.jobs}"
-      cmd = [sys.executable, str(pathlib.Path(__file__).resolve())] + child_argv + [
-          "--jobs", "1", "--shard", shard, "--out", out, "--child"]
-      procs.append(subprocess.Popen(cmd, cwd=ROOT))
-      outs.append(out)
-    for p in procs:
-      p.wait()
-    records, lost = [], []
-    for j, out in enumerate(outs):
-      try:
-        with open(out) as f:
-          records += json.load(f)["configs"]
-      except (OSError, ValueError):
-        lost.append(f"process {j} (exit {procs[j].returncode}) wrote no results")
+  parts = pathlib.Path(f"{args.out}.parts")
+  parts.mkdir(parents=True, exist_ok=True)
+  procs, outs = [], []
+  for j in range(args.jobs):
+    out = parts / f"shard{j}.json"
+    out.unlink(missing_ok=True)
+    shard = f"{index + count * j}/{count * args.jobs}"
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve())] + child_argv + [
+        "--jobs", "1", "--shard", shard, "--out", str(out), "--child"]
+    procs.append(subprocess.Popen(cmd, cwd=ROOT))
+    outs.append(out)
+  interrupted = False
+  previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+  try:
+    for proc in procs:
+      proc.wait()
+  except KeyboardInterrupt:
+    interrupted = True
+    for proc in procs:
+      if proc.poll() is None:
+        proc.terminate()
+    for proc in procs:
+      proc.wait()
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  records, lost = [], []
+  for j, out in enumerate(outs):
+    try:
+      records += json.loads(out.read_text())["configs"]
+      out.unlink()
+    except (OSError, ValueError):
+      lost.append(f"process {j} (exit {procs[j].returncode}) wrote no results")
+  if not lost:
+    parts.rmdir()
+  if interrupted:
+    lost.append("interrupted")
   order = {c.key: i for i, c in enumerate(plan(args))}
   records.sort(key=lambda r: order.get(r["key"], len(order)))
   return records, lost
+
+
+def _raise_interrupt(*_):
+  raise KeyboardInterrupt
 
 
 def main(argv=None):
@@ -504,6 +547,8 @@ def main(argv=None):
   p.add_argument("--shape", default="1,256,2", help="B,T,H")
   p.add_argument("--chunk-size", type=int, default=64)
   p.add_argument("--fwd-only", action="store_true", help="skip the backward")
+  p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                 help="start no configuration after S seconds (the rest are listed as not run)")
   p.add_argument("--cache-dir", default=str(ROOT / ".jax_cache"),
                  help="persistent compilation cache ('' for none; default .jax_cache/)")
   p.add_argument("--list", action="store_true", help="print the configurations and exit")
@@ -521,7 +566,12 @@ def main(argv=None):
     args.B, args.T, args.H = (int(x) for x in args.shape.split(","))
   except ValueError:
     raise SystemExit(f"--shape {args.shape!r}: expected B,T,H") from None
+  if args.tiny:                     # interpret mode on the CPU, also on a GPU machine
+    jax.config.update("jax_platforms", "cpu")
   configs = plan(args)
+  whole = plan(args, shard="0/1")
+  # --self-check: the first configuration of the whole (unsharded) plan gets the planted error.
+  args.planted = whole[0].key if args.self_check and whole else None
   if args.list:
     for c in configs:
       print(c.key)
@@ -534,28 +584,41 @@ def main(argv=None):
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  args.deadline = time.time() + args.time_limit if args.time_limit else None
   if not args.child:
     print(f"{len(configs)} configurations on {jax.devices()[0].device_kind} "
           f"({jax.default_backend()}, jax {jax.__version__}), {args.jobs} process(es), "
           f"cache {args.cache_dir or 'off'}", flush=True)
   t0 = time.perf_counter()
-  lost = []
-  if args.jobs > 1:
-    records, lost = run_jobs(args, argv)
-  else:
-    records = run_here(args, configs)
-  result = dict(environment(args), command=command_line(argv), wall_s=round(
-      time.perf_counter() - t0, 1), configs=records, summary=summarize(records))
-  missing = len(configs) - len(records)
-  if lost or missing:
-    result["summary"]["lost"] = lost + [f"{missing} configuration(s) without a record"]
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
+  env = environment(args)
+
+  def result(records, lost=()):
+    done = {r["key"] for r in records}
+    summary = summarize(records)
+    summary["not_run"] = [c.key for c in configs if c.key not in done]
+    summary["lost"] = list(lost)
+    return dict(env, command=command_line(argv), wall_s=round(time.perf_counter() - t0, 1),
+                configs=records, summary=summary)
+
+  records, lost = [], []
+  try:
+    if args.jobs > 1:
+      records, lost = run_jobs(args, argv)
+    else:
+      records = run_here(args, configs, lambda recs: write_json(args.out, result(recs)))
+  except KeyboardInterrupt:         # run_here saved every finished configuration
+    if args.child:
+      return 130
+    lost = ["interrupted"]
+    if os.path.exists(args.out):
+      records = json.loads(pathlib.Path(args.out).read_text())["configs"]
+  final = result(records, lost)
+  write_json(args.out, final)
   if args.child:
     return 0
-  summary = result["summary"]
+  summary = final["summary"]
   print(table(records))
-  print(f"\n{summary['passed']}/{len(configs)} passed in {result['wall_s']:.0f} s; "
+  print(f"\n{summary['passed']}/{len(configs)} passed in {final['wall_s']:.0f} s; "
         f"{summary['cache_hits']}/{summary['compiles']} compiles from the cache")
   for c in summary["slowest_compiles"][:5]:
     print(f"  slow compile: {c['key']} {c['stage']} {c['compile_s']:.1f} s "
@@ -564,10 +627,14 @@ def main(argv=None):
     print(f"  OVER {SLOW_COMPILE_S:.0f} s: {c['key']} {c['stage']}")
   for f in summary["failures"]:
     print(f"  FAILED {f['key']}: {'; '.join(f['failures'])[:400]}")
-  for line in summary.get("lost", []):
+  for line in summary["lost"]:
     print(f"  LOST {line}")
+  if summary["not_run"]:
+    print(f"  NOT RUN: {len(summary['not_run'])} configuration(s) (time limit or interruption)")
   print(f"wrote {args.out}")
-  return 1 if summary["failures"] or lost or missing else 0
+  if summary["failures"]:
+    return 1
+  return 2 if summary["not_run"] or summary["lost"] else 0
 
 
 if __name__ == "__main__":
