@@ -513,8 +513,10 @@ def run_jobs(args, argv):
       out.unlink()
     except (OSError, ValueError):
       lost.append(f"process {j} (exit {procs[j].returncode}) wrote no results")
-  if not lost:
-    parts.rmdir()
+  try:
+    parts.rmdir()                   # empty unless a process left a half-written file
+  except OSError:
+    pass
   if interrupted:
     lost.append("interrupted")
   order = {c.key: i for i, c in enumerate(plan(args))}
@@ -577,6 +579,8 @@ def main(argv=None):
       print(c.key)
     print(f"{len(configs)} configurations")
     return 0
+  if not configs:
+    raise SystemExit("no configuration matches the selection (see --list)")
   if args.jobs is None:
     args.jobs = min(8, max(1, (os.cpu_count() or 2) // 2)) if jax.default_backend() == "gpu" else 1
   args.jobs = max(1, min(args.jobs, len({c.group for c in configs}) or 1))
