@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The project's GPU run, on a machine with an NVIDIA GPU (CI never has one).
 #
-#   scripts/gpu_check.sh [tests] [bench] [stages] [memory] [decode] [all]   (default: all)
+#   scripts/gpu_check.sh [tests] [matrix] [bench] [stages] [memory] [decode] [all]  (default: all)
 #
 #   tests   the kernel tests with compiled kernels (the tests CI runs in interpret mode, plus
 #           the large shapes marked gpu_only); compiling every small variant takes minutes
+#   matrix  scripts/gpu_matrix.py: every dtype x (K, V) x r x mask shape compiled, forward and
+#           gradients against "xla", compile times (persistent cache in .jax_cache/: a second
+#           run on the same machine takes minutes); MATRIX_ARGS slices it (e.g. "--only r=8",
+#           "--shard 0/2", "--time-limit 540")
 #   bench   `python -m gdp_jax bench`: forward and forward + backward at the H200 shape, ours
 #           side by side with flash-linear-attention and jax-linear-attention (from .whl/)
 #   stages  each forward and backward kernel timed alone (benchmarks/profile_stages.py)
@@ -38,6 +42,11 @@ if want tests; then
   "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning --durations=10 \
       tests/test_pallas_forward.py tests/test_pallas_backward.py tests/test_decode.py \
       tests/test_step.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -v "^E[0-9]" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if want matrix; then
+  "$PY" scripts/gpu_matrix.py --out "$OUT/gpu_matrix.json" ${MATRIX_ARGS:-} 2>&1 \
+      | tee "$OUT/gpu_matrix.log" | grep -v "^E[0-9]" | tail -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want bench; then
