@@ -184,7 +184,7 @@ def test_permutation_task():
 def test_demo_command_runs(capsys):
   rc = main(["demo", "--steps", "3", "--seq-len", "16", "--batch", "4", "--eval-batch", "8",
              "--layers", "DA", "--hidden", "16", "--head-dim", "8", "--generate", "2",
-             "--no-baseline"])
+             "--no-baseline", "--rotation"])
   out = capsys.readouterr().out
   assert rc == 0
   assert "held-out accuracy" in out and "mask = ones" not in out
