@@ -24,16 +24,16 @@ needs a rotation. The symmetric block mask's transition I - beta Kb M Kb^T is a 
 mask, whose transition on the span of the unit key blocks is (1 - beta) I + beta R(theta)
 diag(c1, c2).
 
-What runs show (defaults, seeds 0, 1, 2): DeltaProduct tracks the whole product at every length
-in seeds 1 and 2 (accuracy 0.95 and 1.00 at t = T) and only up to t = 4 in seed 0; Gated DeltaNet
-and the symmetric block mask track the sign at every length and the whole product only over the
-first 3 positions, in all three seeds; the rotation mask can express rotations but training did
-not find them: the whole product over the first 3 positions, the sign in seeds 1 and 2 only
-(nor with 3000 steps in seed 1: 0.375 at t = T). The default seed is 1. Finding the rotations takes hundreds of steps and depends on
-the seed, so the words are short (T = 16) to fit the budget, and there is no attention layer by
-default (`--layers DDA` adds one; in the few runs tried with it, DeltaProduct did not find the
-rotations). The rotation mask is off by default to keep the demo near two minutes on a 2-core
-CPU (its result above is with `--rotation`).
+What runs show (defaults, seeds 0, 1, 2): DeltaProduct tracks the whole product at every length in
+seeds 1 and 2 (accuracy 0.95 and 1.00 at t = T) and only up to t = 4 in seed 0; Gated DeltaNet and
+the symmetric block mask track the sign at every length and the whole product only over the first 3
+positions, in all three seeds; the rotation mask can express rotations but training did not find
+them: the whole product over the first 3 positions, the sign in seeds 1 and 2 only (nor with 3000
+steps in seed 1: 0.375 at t = T). The default seed is 1. Finding the rotations takes hundreds of
+steps and depends on the seed, so the words are short (T = 16) to fit the budget, and there is no
+attention layer by default (`--layers DDA` adds one; in the few runs tried with it, DeltaProduct did
+not find the rotations). The rotation mask is off by default to keep the demo near two minutes on a
+2-core CPU (its result above is with `--rotation`).
 
 The layers' short convolution is off by default here: it makes each key depend on the last four
 tokens, and with it the sign-tracking reflection was found in 1 of 3 seeds against 3 of 3
