@@ -28,11 +28,12 @@ from flax import nnx
 
 from gdp_jax import dispatch
 from gdp_jax.decode import gqa_decode
+from gdp_jax.householder import householder_delta_product, householder_delta_product_step
 from gdp_jax.operator import CHUNK_SIZES
 from gdp_jax.sharding import (ShardingConfig, sharded_gated_delta_product,
                               sharded_gated_delta_product_step)
 
-MASK_MODES = ("static", "token", "ones")
+MASK_MODES = ("static", "token", "ones", "rotation", "householder")
 KEY_NORMS = ("block", "full")
 ATTENTION_IMPLS = ("xla", "flash")
 f32 = jnp.float32
@@ -63,6 +64,30 @@ def block_mask(w):
   """
   n = l2norm(jnp.abs(w.astype(f32)))
   return jnp.einsum("...ad,...bd->...ab", n, n, precision=jax.lax.Precision.HIGHEST)
+
+
+def rotation_mask(w):
+  """The "rotation" mode's mask from w [..., r/2, 3] (angle, two scales per pair of key blocks):
+  M = I - C with C block-diagonal over the pairs (2a, 2a + 1) of key blocks,
+
+    C_pair = R(theta) diag(c1, c2),  theta = pi tanh(w0),  c1 = tanh(w1),  c2 = tanh(w2),
+
+  R(theta) the rotation by theta. Returns [..., r, r] float32: signed and, for theta != 0, not
+  symmetric. With unit key blocks the token's transition restricted to the span of its key
+  blocks is I - beta M = (1 - beta) I + beta C; ||C|| <= 1, so for beta in (0, 1) it is a
+  contraction that can rotate (c1 = c2 = 1: the rotation by theta at beta = 1) or reflect
+  (theta = 0, c1 = 1, c2 = -1). w = 0 gives C = 0, M = I.
+  """
+  w = w.astype(f32)
+  theta, c1, c2 = math.pi * jnp.tanh(w[..., 0]), jnp.tanh(w[..., 1]), jnp.tanh(w[..., 2])
+  cos, sin = jnp.cos(theta), jnp.sin(theta)
+  pair = jnp.stack([jnp.stack([c1 * cos, -c2 * sin], -1),
+                    jnp.stack([c1 * sin, c2 * cos], -1)], -2)            # [..., r/2, 2, 2]
+  half = w.shape[-2]
+  eye = jnp.eye(half, dtype=f32)
+  # Block-diagonal [..., r, r]: entry (2a + i, 2b + j) = delta_ab pair[a, i, j].
+  c = jnp.einsum("ab,...aij->...aibj", eye, pair).reshape(w.shape[:-2] + (2 * half, 2 * half))
+  return jnp.eye(2 * half, dtype=f32) - c
 
 
 def _check_positive_int(name, value):
@@ -180,7 +205,8 @@ class GatedDeltaProductCache(NamedTuple):
   """Decode cache of one `GatedDeltaProduct` layer.
 
   conv: [B, conv_size - 1, 2*H*K + H*V] the last inputs of the short convolution (q | k | v
-    channels), or None without the convolution. state: [B, H, K, V] float32 recurrent state.
+    channels; H*K + n_h*H*(K + V) in "householder" mode), or None without the convolution.
+  state: [B, H, K, V] float32 recurrent state.
   """
   conv: Any
   state: jax.Array
@@ -218,13 +244,29 @@ class GatedDeltaProduct(nnx.Module):
   normalisation), which is exactly what "static"/"token" compute at M = ones. It has no mask
   parameters; use it as the baseline of the same size.
 
+  `mask_mode="rotation"` (per token, r even, block keys) makes the mask signed and
+  non-symmetric, so the transition can rotate: M = I - C with C = R(theta) diag(c1, c2) on each
+  pair of key blocks, theta, c1, c2 from a projection of x (`rotation_mask`). On the span of the
+  unit key blocks the transition is (1 - beta) I + beta C, a contraction for beta in (0, 1), so
+  beta stays in (0, 1) (negative eigenvalues come from the mask: `allow_neg_eigval` must be
+  False) and `beta_norm` does not apply.
+
+  `mask_mode="householder"` is DeltaProduct (Siems et al. 2025; flash-linear-attention's
+  `GatedDeltaProduct` layer): each token writes `num_householder` = n_h rank-1 delta steps in
+  order, each with its own key (from its own slice of k_proj, L2-normalised over the whole
+  head), value and beta (sigmoid, times 2 with `allow_neg_eigval`: each step's eigenvalue
+  1 - beta in (-1, 1)); the decay once per token before its first step, the output after its
+  last (`householder_delta_product`). A product of n_h >= 2 reflections can rotate. num_blocks,
+  key_norm and beta_norm do not apply (the operator runs with r = 1 over T * n_h sub-steps).
+
   Args:
     hidden_size: D, the model width.
     num_heads: H.
     head_dim: K, the key dimension per head; K % num_blocks == 0.
     expand_v: value dim V = head_dim * expand_v (a whole number).
     num_blocks: r, the number of key blocks (the mask is r x r).
-    mask_mode: "static" | "token" | "ones".
+    mask_mode: "static" | "token" | "ones" | "rotation" | "householder" (see above).
+    num_householder: n_h, the delta steps per token in "householder" mode.
     key_norm: "block" | "full" (see above).
     beta_norm: divide beta by rho(M) ("block" normalisation only; see above).
     use_short_conv, conv_size: causal depthwise convolution + SiLU on q, k, v (else SiLU only).
@@ -247,11 +289,27 @@ class GatedDeltaProduct(nnx.Module):
                allow_neg_eigval: bool = False, beta_norm: bool = True, norm_eps: float = 1e-5,
                chunk_size: int = 64,
                implementation: str | None = None, dtype=None, param_dtype=f32,
-               sharding: ShardingConfig | None = None, rngs: nnx.Rngs):
+               sharding: ShardingConfig | None = None, num_householder: int = 2,
+               rngs: nnx.Rngs):
     _check_positive_int("hidden_size", hidden_size)
     _check_positive_int("num_heads", num_heads)
     _check_positive_int("head_dim", head_dim)
     _check_positive_int("num_blocks", num_blocks)
+    _check_choice("mask_mode", mask_mode, MASK_MODES)
+    householder = mask_mode == "householder"
+    if householder:
+      _check_positive_int("num_householder", num_householder)
+      num_blocks = 1                             # the r = 1 operator over T * n_h sub-steps
+    if mask_mode == "rotation":
+      if num_blocks % 2 != 0:
+        raise ValueError(f"mask_mode='rotation' rotates pairs of key blocks: num_blocks must "
+                         f"be even, got {num_blocks}")
+      if key_norm != "block":
+        raise ValueError(f"mask_mode='rotation' needs key_norm='block' (unit key blocks keep "
+                         f"the transition a contraction), got key_norm={key_norm!r}")
+      if allow_neg_eigval:
+        raise ValueError("mask_mode='rotation' keeps beta in (0, 1) (its mask gives the "
+                         "negative eigenvalues and rotations): set allow_neg_eigval=False")
     if head_dim % num_blocks != 0:
       raise ValueError(f"head_dim = {head_dim} must be divisible by num_blocks = {num_blocks} "
                        f"(the key dimension is split into num_blocks equal blocks)")
@@ -260,7 +318,6 @@ class GatedDeltaProduct(nnx.Module):
         or value_dim <= 0 or value_dim != int(value_dim)):
       raise ValueError(f"expand_v = {expand_v!r} must be a positive number with head_dim * "
                        f"expand_v a whole number (head_dim = {head_dim})")
-    _check_choice("mask_mode", mask_mode, MASK_MODES)
     _check_choice("key_norm", key_norm, KEY_NORMS)
     if use_short_conv:
       _check_positive_int("conv_size", conv_size)
@@ -274,6 +331,9 @@ class GatedDeltaProduct(nnx.Module):
     if sharding is not None and num_heads % sharding.size("heads"):
       raise ValueError(f"num_heads = {num_heads} is not divisible by the {sharding.size('heads')} "
                        f"pieces of the heads mesh axes {sharding.axes('heads')}")
+    if sharding is not None and mask_mode == "householder":
+      raise ValueError("sharding is not supported with mask_mode='householder' yet; use "
+                       "sharding=None or a block-mask mode")
     self.sharding = sharding
     self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
     self.value_dim = int(value_dim)
@@ -281,13 +341,16 @@ class GatedDeltaProduct(nnx.Module):
     self.use_short_conv, self.conv_size, self.use_gate = use_short_conv, conv_size, use_gate
     self.allow_neg_eigval, self.beta_norm = allow_neg_eigval, beta_norm
     self.chunk_size, self.implementation = chunk_size, implementation
+    self.num_householder = num_householder if householder else 1
     self.dtype = dtype
 
     H, K, V, r, D = num_heads, head_dim, self.value_dim, num_blocks, hidden_size
+    n = self.num_householder
     lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                   rngs=rngs)
-    self.q_proj, self.k_proj, self.v_proj = lin(D, H * K), lin(D, H * K), lin(D, H * V)
-    self.a_proj, self.b_proj = lin(D, H), lin(D, H)
+    # In "householder" mode k, v and beta have one slice per step: [..., n_h, H, *].
+    self.q_proj, self.k_proj, self.v_proj = lin(D, H * K), lin(D, n * H * K), lin(D, n * H * V)
+    self.a_proj, self.b_proj = lin(D, H), lin(D, n * H)
     # Mamba-2 / Gated DeltaNet initialisation: A in [1, 16], dt in [1e-3, 1e-1].
     self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), f32, 1.0, 16.0))
                            .astype(param_dtype))
@@ -304,8 +367,15 @@ class GatedDeltaProduct(nnx.Module):
           D, H * r * r, use_bias=True, dtype=dtype, param_dtype=param_dtype,
           kernel_init=nnx.initializers.normal(0.02),
           bias_init=lambda *_: w0.reshape(H * r * r).astype(param_dtype), rngs=rngs)
+    elif mask_mode == "rotation":
+      # theta, c1, c2 per head and pair of key blocks; zero at init: C = 0, M = I.
+      self.mask_proj = nnx.Linear(
+          D, H * (r // 2) * 3, use_bias=True, dtype=dtype, param_dtype=param_dtype,
+          kernel_init=nnx.initializers.normal(0.02), bias_init=nnx.initializers.zeros,
+          rngs=rngs)
     if use_short_conv:
-      self.conv = ShortConv(2 * H * K + H * V, conv_size, param_dtype=param_dtype, rngs=rngs)
+      self.conv = ShortConv(self._conv_channels(), conv_size, param_dtype=param_dtype,
+                            rngs=rngs)
     if use_gate:
       self.g_proj = lin(D, H * V)
     self.o_norm = GatedRMSNorm(V, eps=norm_eps, param_dtype=param_dtype)
@@ -313,14 +383,23 @@ class GatedDeltaProduct(nnx.Module):
 
   # -- pieces shared by both modes -------------------------------------------------------------
 
+  def _conv_channels(self):
+    """Channels of the short convolution: q | k | v (k and v n_h times in "householder")."""
+    H, K, V, n = self.num_heads, self.head_dim, self.value_dim, self.num_householder
+    return H * K + n * H * K + n * H * V
+
   def _mask(self, x):
-    """[H, r, r] (static), [..., H, r, r] (token, from x [..., D]), or None (ones: r = 1)."""
+    """[H, r, r] (static), [..., H, r, r] (token, rotation: from x [..., D]), or None (ones,
+    householder: r = 1)."""
     H, r = self.num_heads, self.num_blocks
     if self.mask_mode == "static":
       return block_mask(self.mask_weight[...])
     if self.mask_mode == "token":
       w = self.mask_proj(x).astype(f32)
       return block_mask(w.reshape(x.shape[:-1] + (H, r, r)))
+    if self.mask_mode == "rotation":
+      w = self.mask_proj(x).astype(f32)
+      return rotation_mask(w.reshape(x.shape[:-1] + (H, r // 2, 3)))
     return None
 
   def _qk_norm(self, x):
@@ -334,26 +413,37 @@ class GatedDeltaProduct(nnx.Module):
     return y.reshape(x.shape[:-1] + (H, K))
 
   def _gates(self, x):
-    """g (log-decay) and beta, float32 [..., H]."""
+    """g (log-decay) float32 [..., H] and beta float32 [..., H] ([..., n_h, H] in
+    "householder" mode)."""
     a = self.a_proj(x).astype(f32) + self.dt_bias[...].astype(f32)
     g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(a)
     beta = jax.nn.sigmoid(self.b_proj(x).astype(f32))
     if self.allow_neg_eigval:
       beta = 2.0 * beta
+    if self.mask_mode == "householder":
+      beta = beta.reshape(beta.shape[:-1] + (self.num_householder, self.num_heads))
     return g, beta
 
   def _scale_beta(self, beta, mask):
     """beta / rho(M), rho(M) = max_a sum_b M[a, b] ([H] or per token), with "block" keys."""
-    if not self.beta_norm or mask is None or self.key_norm != "block":
+    if (not self.beta_norm or mask is None or self.key_norm != "block"
+        or self.mask_mode == "rotation"):
       return beta
     return beta / jnp.max(jnp.sum(mask, axis=-1), axis=-1)
 
   def _split_qkv(self, qkv):
-    HK = self.num_heads * self.head_dim
-    q, k, v = qkv[..., :HK], qkv[..., HK:2 * HK], qkv[..., 2 * HK:]
+    """q [..., H, K], k [..., H, K] and v [..., H, V]; in "householder" mode k [..., n_h, H, K]
+    and v [..., n_h, H, V] (each step's key L2-normalised over the whole head)."""
+    H, K, V, n = self.num_heads, self.head_dim, self.value_dim, self.num_householder
+    HK = H * K
+    q, k, v = qkv[..., :HK], qkv[..., HK:HK + n * HK], qkv[..., HK + n * HK:]
     dtype = qkv.dtype
-    q, k = self._qk_norm(q).astype(dtype), self._qk_norm(k).astype(dtype)
-    return q, k, v.reshape(v.shape[:-1] + (self.num_heads, self.value_dim))
+    q = self._qk_norm(q).astype(dtype)
+    if self.mask_mode == "householder":
+      k = l2norm(k.reshape(k.shape[:-1] + (n, H, K))).astype(dtype)
+      return q, k, v.reshape(v.shape[:-1] + (n, H, V))
+    k = self._qk_norm(k).astype(dtype)
+    return q, k, v.reshape(v.shape[:-1] + (H, V))
 
   def _project_in(self, x):
     return jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
@@ -408,12 +498,21 @@ class GatedDeltaProduct(nnx.Module):
       g = jnp.where(segment_starts(segment_ids)[..., None], RESET_LOG_DECAY, g)
     if lengths is not None:
       real = (jnp.arange(t_len)[None, :] < lengths[:, None])[..., None]      # [B, T, 1]
-      g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
-    mask = self._mask(x)
-    beta = self._scale_beta(beta, mask)
-    o, final = sharded_gated_delta_product(
-        q, k, v, g, beta, mask, output_final_state=return_cache, chunk_size=self.chunk_size,
-        implementation=self.implementation, sharding=self.sharding)
+      g = jnp.where(real, g, 0.0)
+      beta = jnp.where(real[..., None] if beta.ndim == 4 else real, beta, 0.0)
+    if self.mask_mode == "householder":
+      n = self.num_householder
+      sub = lambda a: a.reshape((batch, t_len * n) + a.shape[3:])          # [B, T*n_h, ...]
+      o, final = householder_delta_product(
+          q, sub(k), sub(v), g, sub(beta), num_householder=n,
+          output_final_state=return_cache, chunk_size=self.chunk_size,
+          implementation=self.implementation)
+    else:
+      mask = self._mask(x)
+      beta = self._scale_beta(beta, mask)
+      o, final = sharded_gated_delta_product(
+          q, k, v, g, beta, mask, output_final_state=return_cache, chunk_size=self.chunk_size,
+          implementation=self.implementation, sharding=self.sharding)
     y = self._output(o, x)
     if not return_cache:
       return y
@@ -428,7 +527,7 @@ class GatedDeltaProduct(nnx.Module):
     H, K, V = self.num_heads, self.head_dim, self.value_dim
     conv = None
     if self.use_short_conv:
-      conv = jnp.zeros((batch_size, self.conv_size - 1, 2 * H * K + H * V),
+      conv = jnp.zeros((batch_size, self.conv_size - 1, self._conv_channels()),
                        dtype or self.dtype or f32)
     return GatedDeltaProductCache(conv, jnp.zeros((batch_size, H, K, V), f32))
 
@@ -449,10 +548,15 @@ class GatedDeltaProduct(nnx.Module):
     impl = self.implementation
     if impl not in (None, *dispatch.implementations("gated_delta_product_step")):
       impl = "xla"                                 # "reference" has no step of its own
-    mask = self._mask(x)
-    beta = self._scale_beta(beta, mask)
-    o, state = sharded_gated_delta_product_step(q, k, v, g, beta, mask, cache.state,
-                                                implementation=impl, sharding=self.sharding)
+    if self.mask_mode == "householder":
+      o, state = householder_delta_product_step(
+          q, k, v, g, beta, cache.state, num_householder=self.num_householder,
+          implementation=impl)
+    else:
+      mask = self._mask(x)
+      beta = self._scale_beta(beta, mask)
+      o, state = sharded_gated_delta_product_step(q, k, v, g, beta, mask, cache.state,
+                                                  implementation=impl, sharding=self.sharding)
     return self._output(o, x), GatedDeltaProductCache(conv, state)
 
 

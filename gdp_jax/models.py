@@ -1,7 +1,7 @@
-"""A small hybrid causal language model (gated delta product + grouped-query attention layers)
-and `generate` for a batch of prompts of different lengths.
+"""A small hybrid causal language model (gated delta product, DeltaProduct and grouped-query
+attention layers) and `generate` for a batch of prompts of different lengths.
 
-    config = HybridConfig(vocab_size=256, hidden_size=128, layer_pattern="DDA")
+    config = HybridConfig(vocab_size=256, hidden_size=128, layer_pattern="DDA")   # or e.g. "DHA"
     model = HybridLM(config, rngs=nnx.Rngs(0))
     logits = model(tokens)                                 # [B, T, vocab] float32
     new_tokens = generate(model, [[1, 2, 3], [4, 5]], 8)   # [B, 8] int32, greedy
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,17 +27,23 @@ from gdp_jax.layers import (ATTENTION_IMPLS, GatedDeltaProduct, GatedRMSNorm,
                             GroupedQueryAttention, MASK_MODES, KEY_NORMS)
 
 f32 = jnp.float32
-LAYER_KINDS = {"D": "gated delta product", "A": "grouped-query attention"}
+LAYER_KINDS = {"D": "gated delta product", "H": "DeltaProduct (Householder)",
+               "A": "grouped-query attention"}
 
 
 @dataclasses.dataclass(frozen=True)
 class HybridConfig:
   """Configuration of `HybridLM`.
 
-  layer_pattern: one letter per layer, "D" (GatedDeltaProduct) or "A" (GroupedQueryAttention),
-    e.g. "DDA" = two delta product layers then one attention layer.
-  Delta product layers: num_heads, head_dim (K), expand_v, num_blocks (r), mask_mode, key_norm,
-    use_short_conv, use_gate, allow_neg_eigval, chunk_size (see `layers.GatedDeltaProduct`).
+  layer_pattern: one letter per layer, "D" (GatedDeltaProduct with the block mask of
+    `mask_mode`), "H" (GatedDeltaProduct in "householder" mode: DeltaProduct with
+    `num_householder` steps per token) or "A" (GroupedQueryAttention), e.g. "DDA" = two delta
+    product layers then one attention layer, "DHA" = a block-mask layer, a DeltaProduct layer
+    and an attention layer.
+  Delta product layers ("D" and "H"): num_heads, head_dim (K), expand_v, num_blocks (r),
+    mask_mode, key_norm, use_short_conv, use_gate, allow_neg_eigval, chunk_size (see
+    `layers.GatedDeltaProduct`); num_householder (n_h) for "H" layers (and for "D" layers
+    when mask_mode = "householder").
   Attention layers: attn_num_heads, attn_num_kv_heads, attn_head_dim (default
     hidden_size // attn_num_heads), rope_theta, attn_impl ("xla" or "flash": the
     whole-sequence attention, see `layers.GroupedQueryAttention`'s attention_impl).
@@ -58,6 +64,7 @@ class HybridConfig:
   allow_neg_eigval: bool = False
   beta_norm: bool = True
   chunk_size: int = 64
+  num_householder: int = 2
   attn_num_heads: int = 2
   attn_num_kv_heads: int = 1
   attn_head_dim: int | None = None
@@ -71,13 +78,15 @@ class HybridConfig:
 
   def __post_init__(self):
     if not isinstance(self.layer_pattern, str) or not self.layer_pattern:
-      raise ValueError(f"layer_pattern must be a non-empty string of 'D' (gated delta product) "
-                       f"and 'A' (attention) letters, got {self.layer_pattern!r}")
+      raise ValueError(f"layer_pattern must be a non-empty string of 'D' (gated delta product), "
+                       f"'H' (DeltaProduct) and 'A' (attention) letters, got "
+                       f"{self.layer_pattern!r}")
     bad = sorted(set(self.layer_pattern) - set(LAYER_KINDS))
     if bad:
       raise ValueError(f"layer_pattern = {self.layer_pattern!r} has unknown letters {bad}; "
-                       f"expected only 'D' (gated delta product) and 'A' (attention)")
-    for name in ("vocab_size", "hidden_size"):
+                       f"expected only 'D' (gated delta product), 'H' (DeltaProduct, "
+                       f"Householder steps) and 'A' (attention)")
+    for name in ("vocab_size", "hidden_size", "num_householder"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -107,14 +116,14 @@ class Block(nnx.Module):
   def __init__(self, kind: str, c: HybridConfig, *, rngs: nnx.Rngs, sharding=None):
     self.kind = kind
     self.mixer_norm = GatedRMSNorm(c.hidden_size, eps=c.norm_eps)
-    if kind == "D":
+    if kind in ("D", "H"):
       self.mixer = GatedDeltaProduct(
           c.hidden_size, c.num_heads, c.head_dim, expand_v=c.expand_v, num_blocks=c.num_blocks,
-          mask_mode=c.mask_mode, key_norm=c.key_norm, use_short_conv=c.use_short_conv,
-          use_gate=c.use_gate, allow_neg_eigval=c.allow_neg_eigval, beta_norm=c.beta_norm,
-          norm_eps=c.norm_eps,
+          mask_mode="householder" if kind == "H" else c.mask_mode, key_norm=c.key_norm,
+          use_short_conv=c.use_short_conv, use_gate=c.use_gate,
+          allow_neg_eigval=c.allow_neg_eigval, beta_norm=c.beta_norm, norm_eps=c.norm_eps,
           chunk_size=c.chunk_size, implementation=c.implementation, dtype=c.dtype,
-          sharding=sharding, rngs=rngs)
+          num_householder=c.num_householder, sharding=sharding, rngs=rngs)
     else:
       self.mixer = GroupedQueryAttention(
           c.hidden_size, c.attn_num_heads, c.attn_num_kv_heads, c.attn_head_dim,
@@ -202,7 +211,7 @@ class HybridLM(nnx.Module):
 
   def init_cache(self, batch_size: int, cache_size: int):
     """The empty cache (no tokens yet); attention layers get `cache_size` slots."""
-    return tuple(b.mixer.init_cache(batch_size) if b.kind == "D"
+    return tuple(b.mixer.init_cache(batch_size) if b.kind != "A"
                  else b.mixer.init_cache(batch_size, cache_size) for b in self.blocks)
 
   def step(self, token, cache):

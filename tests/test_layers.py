@@ -184,7 +184,7 @@ def test_linen_bridge():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(num_blocks=3), "head_dim = 8 must be divisible by num_blocks = 3"),
-    (dict(mask_mode="dynamic"), r"mask_mode must be one of \('static', 'token', 'ones'\)"),
+    (dict(mask_mode="dynamic"), r"mask_mode must be one of \('static', 'token', 'ones', "),
     (dict(key_norm="l1"), "key_norm must be one of"),
     (dict(expand_v=0.3), "expand_v"),
     (dict(num_blocks=0), "num_blocks must be a positive integer"),

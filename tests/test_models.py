@@ -184,11 +184,12 @@ def test_permutation_task():
 def test_demo_command_runs(capsys):
   rc = main(["demo", "--steps", "3", "--seq-len", "16", "--batch", "4", "--eval-batch", "8",
              "--layers", "DA", "--hidden", "16", "--head-dim", "8", "--generate", "2",
-             "--no-control"])
+             "--no-baseline", "--rotation"])
   out = capsys.readouterr().out
   assert rc == 0
-  assert "held-out accuracy" in out and "mask = ones" in out and "b<1" not in out
-  assert "generated tokens correct" in out
+  assert "held-out accuracy" in out and "mask = ones" not in out
+  assert "DeltaProduct n_h=2, b<2" in out and "rotation mask r=2, b<1" in out
+  assert "which tracks what" in out and "generated tokens correct" in out
 
 
 def test_check_command_runs(capsys):

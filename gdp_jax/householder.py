@@ -1,0 +1,271 @@
+"""The Householder form of the gated delta product: DeltaProduct (Siems et al. 2025).
+
+Each token applies `n_h` rank-1 (generalised Householder) delta steps to the state, each with its
+own key, value and write strength; the token's log-decay is applied once, before its first step,
+and the output is read after its last step. Per batch row and head, for token t with sub-steps
+j = 0 .. n_h - 1 (sub-step index i = t * n_h + j):
+
+    S <- exp(g_t) S                                      (before j = 0 only)
+    S <- S + beta_i k_i (v_i - k_i^T S)^T                (j = 0 .. n_h - 1, in order)
+    o_t = scale q_t^T S                                  (after j = n_h - 1)
+
+so each token's transition is the product of n_h factors (I - beta_i k_i k_i^T): with unit keys
+and beta in (0, 2) a product of reflections, which can rotate the state (docs/operator.md).
+
+This is the layout of flash-linear-attention's `chunk_gated_delta_product`: q [B, T, H, K],
+k [B, T*n_h, H, K], v [B, T*n_h, H, V], beta [B, T*n_h, H], g [B, T, H]. The chunked
+implementations run the r = 1 operator `gated_delta_product` over the T*n_h sub-steps (g on each
+token's first sub-step, q on its last, zeros elsewhere) and keep the outputs of the last
+sub-steps, so they use the same Pallas kernels forward and backward. "reference" is a plain
+recurrence of its own over the sub-steps, independent of the operator.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdp_jax.decode import gated_delta_product_step
+from gdp_jax.operator import (CHUNK_SIZES, IMPLEMENTATIONS, check_float, check_shape,
+                              default_implementation, gated_delta_product)
+
+PRECISIONS = ("default", "tf32", "highest")
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------
+
+def _shape(x):
+  return tuple(np.shape(x))
+
+
+def check_num_householder(num_householder):
+  """A TypeError unless a Python int, a ValueError unless >= 1; returns it."""
+  if isinstance(num_householder, bool) or not isinstance(num_householder, (int, np.integer)):
+    raise TypeError(f"num_householder must be an int (the number of Householder steps per "
+                    f"token, n_h >= 1), got {num_householder!r} of type "
+                    f"{type(num_householder).__name__}")
+  if num_householder < 1:
+    raise ValueError(f"num_householder must be >= 1 (Householder steps per token), got "
+                     f"{num_householder}")
+  return int(num_householder)
+
+
+def _check_implementation(implementation):
+  if implementation is None:
+    return default_implementation()
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
+                     f"got {implementation!r}")
+  return implementation
+
+
+def _check_precision(precision):
+  if precision is not None and precision not in PRECISIONS:
+    raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
+
+
+def check_householder_inputs(q, k, v, g, beta, initial_state, n_h):
+  """Validate the sequence form's arguments; returns (B, T, H, K, V)."""
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    check_float(name, x)
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, T, H, K] (rank 4), got shape {_shape(q)}")
+  batch, t_len, heads, dim_k = q.shape
+  if t_len < 1:
+    raise ValueError(f"q has T = {t_len} tokens (shape {_shape(q)}); need T >= 1")
+  steps = t_len * n_h
+  check_shape("k", k, (batch, steps, heads, dim_k),
+              f"[B, T*n_h, H, K]: n_h = num_householder = {n_h} keys per token of q "
+              f"{_shape(q)}")
+  if v.ndim != 4 or v.shape[:3] != (batch, steps, heads):
+    raise ValueError(f"v has shape {_shape(v)}, expected [B, T*n_h, H, V] = "
+                     f"[{batch}, {steps}, {heads}, V] (n_h = num_householder = {n_h} values "
+                     f"per token of q {_shape(q)})")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, "
+                    f"v {v.dtype}")
+  dim_v = v.shape[-1]
+  if beta is None:
+    raise ValueError(f"beta is required: the write strength of each sub-step, shape "
+                     f"[B, T*n_h, H] = [{batch}, {steps}, {heads}]")
+  check_float("beta", beta)
+  check_shape("beta", beta, (batch, steps, heads),
+              f"[B, T*n_h, H]: one write strength per sub-step, n_h = {n_h}")
+  if g is not None:
+    check_float("g", g)
+    check_shape("g", g, (batch, t_len, heads),
+                "[B, T, H] as q: one log-decay per token, applied before its first sub-step")
+  if initial_state is not None:
+    check_float("initial_state", initial_state)
+    check_shape("initial_state", initial_state, (batch, heads, dim_k, dim_v), "[B, H, K, V]")
+  return batch, t_len, heads, dim_k, dim_v
+
+
+# ----------------------------------------------------------------------------------------------
+# The recurrent reference
+# ----------------------------------------------------------------------------------------------
+
+def householder_reference(q, k, v, g, beta, initial_state, scale, n_h):
+  """Token by token (`lax.scan`), the n_h sub-steps of a token in order, float32 throughout.
+
+  q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H], beta [B, T*n_h, H],
+  initial_state [B, H, K, V] float32. Returns (o [B, T, H, V] float32, final state float32).
+  """
+  f32 = jnp.float32
+  batch, t_len, heads, dim_k = q.shape
+  per_token = lambda x: x.astype(f32).reshape((batch, t_len, n_h) + x.shape[2:])
+  k, v, beta = per_token(k), per_token(v), per_token(beta)
+
+  def token(state, xs):
+    q_t, k_t, v_t, g_t, beta_t = xs                     # [B,H,K], [B,n,H,K], .., [B,H], [B,n,H]
+    state = jnp.exp(g_t)[..., None, None] * state
+    for j in range(n_h):
+      kj = k_t[:, j]
+      pred = jnp.einsum("bhk,bhkv->bhv", kj, state, precision=HIGHEST)        # k^T S
+      err = beta_t[:, j][..., None] * (v_t[:, j] - pred)
+      state = state + kj[..., :, None] * err[..., None, :]
+    o = jnp.einsum("bhk,bhkv->bhv", q_t, state, precision=HIGHEST)
+    return state, scale * o
+
+  time_major = lambda x: jnp.moveaxis(x, 1, 0)
+  xs = tuple(time_major(x) for x in (q.astype(f32), k, v, g.astype(f32), beta))
+  final, o = jax.lax.scan(token, initial_state.astype(f32), xs)
+  return jnp.moveaxis(o, 0, 1), final
+
+
+# ----------------------------------------------------------------------------------------------
+# Sub-step layout for the r = 1 operator
+# ----------------------------------------------------------------------------------------------
+
+def to_substeps(q, g, n_h):
+  """q [B, T, H, K] on each token's last sub-step, g [B, T, H] on its first; zeros elsewhere.
+  Returns (q [B, T*n_h, H, K], g [B, T*n_h, H] or None)."""
+  batch, t_len = q.shape[:2]
+  q_sub = jnp.pad(q[:, :, None], ((0, 0), (0, 0), (n_h - 1, 0), (0, 0), (0, 0)))
+  q_sub = q_sub.reshape((batch, t_len * n_h) + q.shape[2:])
+  if g is None:
+    return q_sub, None
+  g_sub = jnp.pad(g[:, :, None], ((0, 0), (0, 0), (0, n_h - 1), (0, 0)))
+  return q_sub, g_sub.reshape((batch, t_len * n_h) + g.shape[2:])
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------
+
+def householder_delta_product(q, k, v, g, beta, *, num_householder, scale=None,
+                              initial_state=None, output_final_state=False, cu_seqlens=None,
+                              implementation=None, precision=None, chunk_size=64):
+  """Gated DeltaProduct: n_h Householder delta steps per token (Siems et al. 2025).
+
+  Per batch row and head, token t decays the state once, then applies its n_h sub-steps
+  i = t*n_h + j in order, then reads the output:
+    S <- exp(g_t) S;  S <- S + beta_i k_i (v_i - k_i^T S)^T  (j = 0 .. n_h-1);  o_t = scale q_t^T S
+
+  The layout is flash-linear-attention's `chunk_gated_delta_product`.
+
+  Args:
+    q: [B, T, H, K]. k: [B, T*n_h, H, K]. v: [B, T*n_h, H, V]; one floating dtype for the three.
+      Sub-step j of token t sits at index t*n_h + j.
+    g: [B, T, H] log-decay (<= 0), one per token, applied before its first sub-step; or None.
+    beta: [B, T*n_h, H] write strength of each sub-step (required; (0, 2) allows negative
+      eigenvalues with unit keys).
+    num_householder: n_h >= 1, the sub-steps per token.
+    scale: output scale, default K ** -0.5.
+    initial_state: [B, H, K, V] or None (zeros).
+    output_final_state: also return the final state [B, H, K, V] float32.
+    cu_seqlens: packed variable-length sequences; not supported yet (must be None).
+    implementation: "reference" (a recurrence over the sub-steps, float32), "xla" or "pallas"
+      (the r = 1 operator `gated_delta_product` over the T*n_h sub-steps: the chunked jnp form
+      or the Pallas kernels, forward and backward), or None for the fastest one available on the
+      backend ("pallas" on a GPU, "xla" elsewhere).
+    precision: None, "default", "tf32" or "highest": checked here and passed on once the
+      operator takes a precision (today every implementation runs its float32 matmuls at full
+      precision).
+    chunk_size: sub-steps per chunk of the chunked forms, one of 16, 32, 64.
+
+  Returns:
+    (o [B, T, H, V] in q.dtype, final_state [B, H, K, V] float32 or None).
+  """
+  n_h = check_num_householder(num_householder)
+  if cu_seqlens is not None:
+    raise NotImplementedError(
+        "cu_seqlens (packed variable-length sequences) is not supported by "
+        "householder_delta_product yet: it comes with packed sequences in the operator. Pass "
+        "cu_seqlens=None with batched [B, T, ...] inputs (right-pad shorter sequences with "
+        "beta = 0 and g = 0, which leaves the state untouched).")
+  batch, t_len, heads, dim_k, dim_v = check_householder_inputs(
+      q, k, v, g, beta, initial_state, n_h)
+  implementation = _check_implementation(implementation)
+  _check_precision(precision)
+  if chunk_size not in CHUNK_SIZES:
+    raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
+  if scale is None:
+    scale = dim_k ** -0.5
+
+  if implementation == "reference":
+    if g is None:
+      g = jnp.zeros((batch, t_len, heads), jnp.float32)
+    if initial_state is None:
+      initial_state = jnp.zeros((batch, heads, dim_k, dim_v), jnp.float32)
+    o, final = householder_reference(q, k, v, g, beta, initial_state, scale, n_h)
+    return o.astype(q.dtype), (final if output_final_state else None)
+
+  q_sub, g_sub = to_substeps(q, g, n_h)
+  o, final = gated_delta_product(
+      q_sub, k, v, g_sub, beta, None, scale=scale, initial_state=initial_state,
+      output_final_state=output_final_state, chunk_size=chunk_size,
+      implementation=implementation)
+  o = o.reshape((batch, t_len, n_h, heads, dim_v))[:, :, -1]        # read after the last step
+  return o, final
+
+
+def householder_delta_product_step(q, k, v, g, beta, state, *, num_householder, scale=None,
+                                   implementation=None):
+  """One token of the gated DeltaProduct for every sequence (decoding).
+
+  The token's n_h sub-steps run as n_h `gated_delta_product_step` calls (r = 1), the decay on
+  the first only, the output read after the last.
+
+  Args:
+    q: [B, H, K]. k: [B, n_h, H, K]. v: [B, n_h, H, V]. One floating dtype for the three.
+    g: [B, H] log-decay or None. beta: [B, n_h, H] (required).
+    state: [B, H, K, V] (computed in float32), or None for zeros.
+    num_householder: n_h >= 1 (k.shape[1]).
+    scale: output scale, default K ** -0.5.
+    implementation: "xla", "pallas" or None ("pallas" on a GPU backend, else "xla").
+
+  Returns:
+    (o [B, H, V] in q.dtype, new_state [B, H, K, V] float32).
+  """
+  n_h = check_num_householder(num_householder)
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    check_float(name, x)
+  if q.ndim != 3:
+    raise ValueError(f"q must be [B, H, K] (rank 3: one token per sequence), got shape "
+                     f"{_shape(q)}")
+  batch, heads, dim_k = q.shape
+  check_shape("k", k, (batch, n_h, heads, dim_k),
+              f"[B, n_h, H, K]: n_h = num_householder = {n_h} keys for the token of q "
+              f"{_shape(q)}")
+  if v.ndim != 4 or v.shape[:3] != (batch, n_h, heads):
+    raise ValueError(f"v has shape {_shape(v)}, expected [B, n_h, H, V] = "
+                     f"[{batch}, {n_h}, {heads}, V] (n_h = num_householder = {n_h})")
+  if beta is None:
+    raise ValueError(f"beta is required: the write strength of each sub-step, shape "
+                     f"[B, n_h, H] = [{batch}, {n_h}, {heads}]")
+  check_float("beta", beta)
+  check_shape("beta", beta, (batch, n_h, heads), f"[B, n_h, H] with n_h = {n_h}")
+  if implementation is not None and implementation not in ("xla", "pallas"):
+    raise ValueError(f"implementation must be 'xla', 'pallas' or None, got {implementation!r}")
+  # gated_delta_product_step checks the rest (dtypes, g, state) on the first sub-step.
+  o = None
+  for j in range(n_h):
+    o, state = gated_delta_product_step(
+        q, k[:, j], v[:, j], g if j == 0 else None, beta[:, j], None, state, scale=scale,
+        implementation=implementation)
+  return o, state
