@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdp_jax import dispatch
 from gdp_jax.decode import gated_delta_product_step
-from gdp_jax.operator import (CHUNK_SIZES, IMPLEMENTATIONS, check_float, check_shape,
-                              default_implementation, gated_delta_product)
+from gdp_jax.operator import CHUNK_SIZES, check_float, check_shape, gated_delta_product
+from pallas_kernels.common.backend import resolve_precision
 
-PRECISIONS = ("default", "tf32", "highest")
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -55,17 +55,7 @@ def check_num_householder(num_householder):
 
 
 def _check_implementation(implementation):
-  if implementation is None:
-    return default_implementation()
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
-                     f"got {implementation!r}")
-  return implementation
-
-
-def _check_precision(precision):
-  if precision is not None and precision not in PRECISIONS:
-    raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
+  return dispatch.resolve("gated_delta_product", implementation)
 
 
 def check_householder_inputs(q, k, v, g, beta, initial_state, n_h):
@@ -183,9 +173,9 @@ def householder_delta_product(q, k, v, g, beta, *, num_householder, scale=None,
       (the r = 1 operator `gated_delta_product` over the T*n_h sub-steps: the chunked jnp form
       or the Pallas kernels, forward and backward), or None for the fastest one available on the
       backend ("pallas" on a GPU, "xla" elsewhere).
-    precision: None, "default", "tf32" or "highest": checked here and passed on once the
-      operator takes a precision (today every implementation runs its float32 matmuls at full
-      precision).
+    precision: the float32 matmul precision of the Pallas kernels, as in `gated_delta_product`
+      (None follows jax.default_matmul_precision: TF32; "highest": tf32x3; "ieee"); the
+      "reference" and "xla" implementations compute at HIGHEST.
     chunk_size: sub-steps per chunk of the chunked forms, one of 16, 32, 64.
 
   Returns:
@@ -201,7 +191,7 @@ def householder_delta_product(q, k, v, g, beta, *, num_householder, scale=None,
   batch, t_len, heads, dim_k, dim_v = check_householder_inputs(
       q, k, v, g, beta, initial_state, n_h)
   implementation = _check_implementation(implementation)
-  _check_precision(precision)
+  resolve_precision(precision)                       # a clear error for a bad value
   if chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
   if scale is None:
@@ -219,7 +209,7 @@ def householder_delta_product(q, k, v, g, beta, *, num_householder, scale=None,
   o, final = gated_delta_product(
       q_sub, k, v, g_sub, beta, None, scale=scale, initial_state=initial_state,
       output_final_state=output_final_state, chunk_size=chunk_size,
-      implementation=implementation)
+      implementation=implementation, precision=precision)
   o = o.reshape((batch, t_len, n_h, heads, dim_v))[:, :, -1]        # read after the last step
   return o, final
 
@@ -260,8 +250,8 @@ def householder_delta_product_step(q, k, v, g, beta, state, *, num_householder, 
                      f"[B, n_h, H] = [{batch}, {n_h}, {heads}]")
   check_float("beta", beta)
   check_shape("beta", beta, (batch, n_h, heads), f"[B, n_h, H] with n_h = {n_h}")
-  if implementation is not None and implementation not in ("xla", "pallas"):
-    raise ValueError(f"implementation must be 'xla', 'pallas' or None, got {implementation!r}")
+  if implementation is not None:
+    dispatch.resolve("gated_delta_product_step", implementation)   # a clear error if unknown
   # gated_delta_product_step checks the rest (dtypes, g, state) on the first sub-step.
   o = None
   for j in range(n_h):

@@ -188,7 +188,7 @@ def test_step_from_no_state():
     (dict(num_householder=2.0), TypeError, "num_householder must be an int"),
     (dict(num_householder=True), TypeError, "num_householder must be an int"),
     (dict(implementation="triton"), ValueError, "implementation must be one of"),
-    (dict(precision="fp8"), ValueError, "precision must be None or one of"),
+    (dict(precision="fp8"), ValueError, "precision must be None"),
     (dict(chunk_size=48), ValueError, "chunk_size must be one of"),
     (dict(cu_seqlens=jnp.array([0, 3, 7])), NotImplementedError, "cu_seqlens"),
 ])
@@ -217,7 +217,7 @@ def test_precision_strings_accepted(precision):
     (dict(g=jnp.zeros((2, 3))), ValueError, "g has shape (2, 3)"),
     (dict(state=jnp.zeros((2, 2, 16, 3))), ValueError, "state has shape (2, 2, 16, 3)"),
     (dict(num_householder=3), ValueError, "n_h = num_householder = 3"),
-    (dict(implementation="reference"), ValueError, "implementation must be 'xla', 'pallas'"),
+    (dict(implementation="reference"), ValueError, "implementation must be one of"),
 ])
 def test_step_bad_inputs_raise(change, error, words):
   inputs = hh_inputs(52, 2, T=1)
