@@ -543,7 +543,7 @@ def run(args) -> int:
       flops_counted=FLOPS_DOC, bytes_counted=BYTES_DOC,
       # The first shape and dtype, as the older bench_operator JSON had them.
       shape=dict(zip("BTHKV", shapes[0])), dtype=dtypes[0], cases=[])
-  layouts = [None]
+  layouts: list[str | None] = [None]
   if args.devices is not None:
     results["devices"] = args.devices
     layouts = [None, "batch-head", "context"]
@@ -565,7 +565,7 @@ def run(args) -> int:
 
   print(f"{len(plan)} cases on {results['device_kind']} ({backend}, jax {jax.__version__}); "
         f"median of {args.reps} runs x {args.inner} calls", flush=True)
-  fwd_outs = {}      # inputs key -> {impl: forward output} (ours), for the diff against xla
+  fwd_outs: dict = {}      # inputs key -> {impl: forward output} (ours), for the diff against xla
   inputs_key, inputs = None, None
   for mode, shape, r, dname, impl, layout in plan:
     B, T, H, K, V = shape
@@ -643,7 +643,8 @@ def run(args) -> int:
     results["cases"].append(case)
     save()
   bar.close()
-  inputs = fwd_outs = None
+  inputs = None
+  fwd_outs.clear()
 
   print(format_table(results["cases"]))
   print(f"\nms: {results['timing']}.")

@@ -117,7 +117,7 @@ class Block(nnx.Module):
     self.kind = kind
     self.mixer_norm = GatedRMSNorm(c.hidden_size, eps=c.norm_eps)
     if kind in ("D", "H"):
-      self.mixer = GatedDeltaProduct(
+      self.mixer: GatedDeltaProduct | GroupedQueryAttention = GatedDeltaProduct(
           c.hidden_size, c.num_heads, c.head_dim, expand_v=c.expand_v, num_blocks=c.num_blocks,
           mask_mode="householder" if kind == "H" else c.mask_mode, key_norm=c.key_norm,
           use_short_conv=c.use_short_conv, use_gate=c.use_gate,
@@ -211,8 +211,14 @@ class HybridLM(nnx.Module):
 
   def init_cache(self, batch_size: int, cache_size: int):
     """The empty cache (no tokens yet); attention layers get `cache_size` slots."""
-    return tuple(b.mixer.init_cache(batch_size) if b.kind != "A"
-                 else b.mixer.init_cache(batch_size, cache_size) for b in self.blocks)
+    caches = []
+    for b in self.blocks:
+      mixer = b.mixer
+      if isinstance(mixer, GroupedQueryAttention):
+        caches.append(mixer.init_cache(batch_size, cache_size))
+      else:
+        caches.append(mixer.init_cache(batch_size))
+    return tuple(caches)
 
   def step(self, token, cache):
     """One token per sequence: token [B] int -> (logits [B, vocab] float32, new cache)."""

@@ -75,7 +75,7 @@ SHUFFLE_SEED = 1234              # the training documents' order (fixed: not the
 # docs/operator.md) becomes one more entry here, e.g.
 #   "householder-2": dict(attention_only=False, mixer="householder", num_householder=2),
 # once the operator and the layer have it (then `model_config` passes the new fields on).
-MODELS = {
+MODELS: dict[str, dict[str, Any]] = {
     "attention": dict(attention_only=True, mask_mode="ones", num_blocks=1),
     "gdn": dict(attention_only=False, mask_mode="ones", num_blocks=1),      # Gated DeltaNet
     "gdp-r2": dict(attention_only=False, mask_mode="static", num_blocks=2),
@@ -166,7 +166,7 @@ class TrainConfig:
       raise ValueError("resume and stop_at need an out folder and checkpoints")
 
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     # About a minute on a 2-core CPU (most of it compilation): learning curve, not a model.
     "tiny": dict(steps=60, batch_size=8, seq_len=128, lr=3e-3, warmup_steps=10, eval_every=20,
                  eval_batches=2, log_every=1, hidden_size=64, layers="DA", num_heads=2,
@@ -280,7 +280,8 @@ def load_corpus(root: str | None = None, val_percent: float = 2.0) -> Corpus:
   files = corpus_files(root)
   if not files:
     raise ValueError(f"no .py files found under {root or stdlib_root()!r}")
-  train, val = [], []
+  train: list[tuple[str, bytes]] = []
+  val: list[tuple[str, bytes]] = []
   digest = hashlib.sha256()
   for rel, path in files:
     with open(path, "rb") as f:
@@ -608,7 +609,7 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
   # reuses the compiled step (committed and uncommitted arguments compile separately).
   params, opt_state = jax.device_put((params, opt_state), jax.devices()[0])
 
-  history = dict(step=[], train_loss=[], grad_norm=[], lr=[], tokens_per_s=[])
+  history: dict[str, list] = dict(step=[], train_loss=[], grad_norm=[], lr=[], tokens_per_s=[])
   evals = []
   start = 0
   manager = _manager(cfg.out) if (cfg.out and cfg.checkpoint) else None
@@ -642,7 +643,7 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
 
   bar = tqdm.tqdm(total=steps, initial=start, desc=f"{name:>10}", disable=quiet,
                   mininterval=0.5, dynamic_ncols=True)
-  pending = []                 # (step, loss, grad norm) as device scalars, not yet fetched
+  pending: list = []          # (step, loss, grad norm) as device scalars, not yet fetched
 
   def flush():
     nonlocal pending
@@ -685,7 +686,7 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
       flush()
       now = time.perf_counter()
       recent = history["train_loss"][-max(since_mark, 1):]
-      stats = dict(train_bpb=float(np.mean(recent)) / math.log(2))
+      stats: dict[str, Any] = dict(train_bpb=float(np.mean(recent)) / math.log(2))
       if since_mark:
         rate = since_mark * tokens_per_step / (now - t_mark)
         extra["train_s"] += now - t_mark
