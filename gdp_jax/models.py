@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdp_jax.layers import (ATTENTION_IMPLS, GatedDeltaProduct, GatedRMSNorm,
+from gdp_jax.layers import (ATTENTION_IMPLS, GatedDeltaProduct, GatedDeltaProductCache,
+                            GatedRMSNorm, KVCache,
                             GroupedQueryAttention, MASK_MODES, KEY_NORMS)
 
 f32 = jnp.float32
@@ -211,7 +212,7 @@ class HybridLM(nnx.Module):
 
   def init_cache(self, batch_size: int, cache_size: int):
     """The empty cache (no tokens yet); attention layers get `cache_size` slots."""
-    caches = []
+    caches: list[KVCache | GatedDeltaProductCache] = []
     for b in self.blocks:
       mixer = b.mixer
       if isinstance(mixer, GroupedQueryAttention):
