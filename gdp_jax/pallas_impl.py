@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gdp_jax import xla_backward
+from gdp_jax.xla import RESET_LOG_DECAY
 from gdp_jax.xla_backward import reduce_dmask
 from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
 from pallas_kernels.common import cumsum
@@ -170,6 +171,11 @@ def gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chu
     options = kernel_options.heuristic_options(r=r, dim_k=dim_k, dim_v=dim_v, dtype=q.dtype)
   if precision is not None:
     options = options.replace(precision=precision)
+  # A reset (g = -inf) would make the kernels' chunk-local gamma -inf and their decay differences
+  # -inf - (-inf) = nan. Clamped to RESET_LOG_DECAY its exp is still 0 in float32 (a reset), and
+  # the decays after it inside the chunk stay finite (their exponents lose about 1e-5 of
+  # precision; the kernels' own handling, docs/chunked_form.md#resets, would make it exact).
+  g = jnp.maximum(g, jnp.asarray(RESET_LOG_DECAY, g.dtype))
   o, final = _gdp_core(q, k, v, g, beta, mask.astype(jnp.float32), h0, scale, bt, options)
   o = o[..., :dim_v]
   final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
