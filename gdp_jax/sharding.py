@@ -242,8 +242,8 @@ def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, shardi
   batch, t_len, heads, dim_k, dim_v, _, _ = _operator.check_inputs(
       q, k, v, g, beta, mask, initial_state)
   implementation = dispatch.resolve("gated_delta_product", implementation)
-  if chunk_size not in _operator.CHUNK_SIZES:
-    raise ValueError(f"chunk_size must be one of {_operator.CHUNK_SIZES}, got {chunk_size!r}")
+  chunk_size = _operator.check_chunk_size(chunk_size)
+  output_final_state = _operator.check_bool("output_final_state", output_final_state)
   shape = f"q has shape {tuple(q.shape)} = [B, T, H, K]"
   _check_divisible(sharding, "B", batch, "batch", shape)
   _check_divisible(sharding, "H", heads, "heads", shape)
@@ -361,8 +361,8 @@ def _context_parallel_piece(a, sharding, vma, *, scale, chunk_size, implementati
 # The one-token step
 # ----------------------------------------------------------------------------------------------
 
-def sharded_gated_delta_product_step(q, k, v, g, beta, mask, state, *, sharding, scale=None,
-                                     implementation=None, in_place=True):
+def sharded_gated_delta_product_step(q, k, v, g=None, beta=None, mask=None, state=None, *,
+                                     sharding, scale=None, implementation=None, in_place=True):
   """`gated_delta_product_step` with batch and heads split over a device mesh.
 
   Same arguments and results as `gdp_jax.gated_delta_product_step`, plus `sharding` (a
