@@ -19,8 +19,9 @@ from gdp_jax import dispatch, gated_delta_product
 from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs, tol
 
 IMPLS = dispatch.implementations("gated_delta_product")
-KERNEL_FIX = ("the Pallas kernels multiply by zero masks (0 * nan = nan) inside a chunk: a bad "
-              "token reaches the earlier tokens of its chunk until they use selects")
+KERNEL_FIX = ("the Pallas kernels do not clean their loads nor mark their outputs yet: inside a "
+              "chunk, products of zero entries with a later token's nan (0 * nan = nan) reach "
+              "the earlier tokens, forward and backward (docs/precision.md#non-finite-inputs)")
 T, CHUNK, BAD_T = 40, 16, 28          # token 28: second chunk, lower half of its chunk matrix
 # Exact up to float32 rounding: the bad and the clean runs share every value before BAD_T.
 SAME = 1e-6
