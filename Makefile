@@ -1,5 +1,10 @@
-# Each target sets up .venv first when needed (scripts/setup_env.sh).
+# Each target but gpu-check sets up .venv first when needed (scripts/setup_env.sh).
 PY := .venv/bin/python
+# gpu-check runs on a machine with an NVIDIA GPU, with the Python that has jax with CUDA
+# (pip install -e ".[test]" "jax[cuda12]"); SECTIONS picks sections of scripts/gpu_check.sh
+# (tests bench stages memory decode, default all) and OUT where results land.
+GPU_PY ?= python3
+SECTIONS ?= all
 
 .PHONY: setup demo test gpu-check
 setup:
@@ -11,3 +16,5 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -n 2 tests
 
+gpu-check:
+	PY="$(GPU_PY)" ./scripts/gpu_check.sh $(SECTIONS)

@@ -1,4 +1,13 @@
-"""gdp-jax: gated delta product linear attention for JAX (docs/operator.md)."""
+"""gdp-jax: gated delta product linear attention for JAX (docs/operator.md).
+
+The operator and the inference steps are imported here; the submodules `layers` and `models`
+(Flax), `sharding`, `dispatch`, `bench` and `demo` load on first use, e.g.
+`gdp_jax.layers.GatedDeltaProduct` after `import gdp_jax`.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 from gdp_jax.decode import gated_delta_product_step, gqa_decode
 from gdp_jax.householder import householder_delta_product, householder_delta_product_step
@@ -7,3 +16,17 @@ from gdp_jax.operator import gated_delta_product
 __all__ = ["gated_delta_product", "gated_delta_product_step", "gqa_decode",
            "householder_delta_product", "householder_delta_product_step"]
 __version__ = "0.1.0"
+
+# Loaded on first attribute access (flax and the benchmarks stay out of `import gdp_jax`).
+_SUBMODULES = ("layers", "models", "sharding", "dispatch", "bench", "demo", "reference", "xla",
+               "xla_backward", "pallas_impl", "nonfinite", "train_lm")
+
+
+def __getattr__(name):
+  if name in _SUBMODULES:
+    return importlib.import_module(f"gdp_jax.{name}")
+  raise AttributeError(f"module 'gdp_jax' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_SUBMODULES))

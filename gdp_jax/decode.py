@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdp_jax import dispatch
-from pallas_kernels.common.backend import resolve_precision
-from gdp_jax.operator import check_float, check_shape, normalize_mask
+from gdp_jax.operator import (check_bool, check_float, check_int32_values, check_scale,
+                              check_shape, normalize_mask)
 from gdp_jax.reference import recurrent_step as _recurrent_step
+from pallas_kernels.common.backend import resolve_precision
 
 CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -24,11 +25,17 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 def _static_scale(scale, default):
   """(Python float, None) for a static scale, or (1.0, array) for a traced/array scale."""
+  scale = check_scale(scale)
   if scale is None:
     return float(default), None
-  if isinstance(scale, jax.Array):
-    return 1.0, jnp.asarray(scale, jnp.float32)
-  return float(scale), None
+  if isinstance(scale, float):
+    return scale, None
+  return 1.0, scale
+
+
+def _no_gradients(function):
+  return (f"{function} with implementation='pallas' has no derivatives (an inference kernel); "
+          f"use implementation='xla' to differentiate it (JAX differentiates its jnp code)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -68,6 +75,7 @@ def _check_gqa(query, key_cache, value_cache, lengths):
     raise TypeError(f"lengths must have an integer dtype (int32), got {lengths.dtype} with "
                     f"shape {tuple(np.shape(lengths))}")
   check_shape("lengths", lengths, (batch,), f"[B] = [{batch}]: one length per sequence")
+  check_int32_values("lengths", lengths)
   return lengths
 
 
@@ -77,7 +85,9 @@ def gqa_decode_pallas(query, key_cache, value_cache, lengths, scale):
   if isinstance(scale, jax.Array):
     query = query.astype(jnp.float32) * scale
     scale = 1.0
-  return decode_attention.gqa_decode(query, key_cache, value_cache, lengths, scale=scale)
+  kernel = dispatch.raise_if_differentiated(
+      lambda *a: decode_attention.gqa_decode(*a, scale=scale), _no_gradients("gqa_decode"))
+  return kernel(query, key_cache, value_cache, lengths)
 
 
 def gqa_decode_xla(query, key_cache, value_cache, lengths, scale):
@@ -103,7 +113,9 @@ def gqa_decode_xla(query, key_cache, value_cache, lengths, scale):
   return o.reshape(batch, q_heads, dim)
 
 
-def gqa_decode(query, key_cache, value_cache, lengths, *, scale=None, implementation=None):
+def gqa_decode(query: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
+               lengths: jax.Array, *, scale: float | jax.Array | None = None,
+               implementation: str | None = None) -> jax.Array:
   """Attention of one new token per sequence over a grouped-query KV cache.
 
   For sequence b and query head h (cache head h // G, G = Hq / Hkv):
@@ -115,17 +127,29 @@ def gqa_decode(query, key_cache, value_cache, lengths, *, scale=None, implementa
     lengths: [B] integers, may be traced under `jax.jit` (a new set of lengths never
       recompiles; the Pallas kernel's work follows the lengths, not S). Slots j >= lengths[b]
       get exactly zero weight whatever they hold. lengths[b] <= 0 gives a zero output row;
-      lengths[b] > S behaves as S.
+      lengths[b] > S behaves as S (int64 values too; concrete values outside int32 are an
+      error rather than wrapping around).
     scale: score scale, default D ** -0.5 (a number, or an array: then folded in at run time).
     implementation: "xla", "pallas" or None ("pallas" on a supported GPU, else "xla").
 
   Returns:
     float32 [B, Hq, D].
+
+  Derivatives: "xla" is plain jnp (JAX differentiates it); "pallas" raises NotImplementedError.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from gdp_jax import gqa_decode
+    >>> query = jnp.ones((2, 4, 16))
+    >>> cache = jnp.ones((2, 32, 2, 16), jnp.bfloat16)
+    >>> gqa_decode(query, cache, cache, jnp.array([5, 32])).shape
+    (2, 4, 16)
   """
   lengths = _check_gqa(query, key_cache, value_cache, lengths)
   implementation = dispatch.resolve("gqa_decode", implementation)
   query, key_cache, value_cache = (jnp.asarray(x) for x in (query, key_cache, value_cache))
-  lengths = jnp.asarray(lengths).astype(jnp.int32)
+  # Clipped before the cast: an int64 length (x64) beyond int32 behaves as S, never wraps.
+  lengths = jnp.clip(jnp.asarray(lengths), 0, key_cache.shape[1]).astype(jnp.int32)
   batch, q_heads, dim = query.shape
   seq_len = key_cache.shape[1]
   if 0 in (batch, q_heads, dim, seq_len):
@@ -187,17 +211,20 @@ def _check_step(q, k, v, g, beta, mask, state):
   return batch, heads, dim_k, dim_v, mask4, r
 
 
-def gated_delta_product_step(q, k, v, g, beta, mask, state, *, scale=None, implementation=None,
-                             precision=None, in_place=True):
+def gated_delta_product_step(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array | None = None,
+    beta: jax.Array | None = None, mask: jax.Array | None = None, state: jax.Array | None = None,
+    *, scale: float | jax.Array | None = None, implementation: str | None = None,
+    precision: str | None = None, in_place: bool = True) -> tuple[jax.Array, jax.Array]:
   """One token of the block-masked gated delta product for every sequence (docs/inference.md).
 
     S' = exp(g) S;  u_a = beta (v - sum_d M[a,d] k^(d)T S'^(d));  S_new^(a) = S'^(a) + k^(a) u_a^T;
     o = scale q^T S_new
 
   Args:
-    q, k: [B, H, K]. v: [B, H, V]. One floating dtype for all three.
+    q, k: [B, H, K]. v: [B, H, V]. One dtype for all three: float32, bfloat16 or float16.
     g: [B, H] log-decay (<= 0), or None for no decay.
-    beta: [B, H] write strength (required).
+    beta: [B, H] write strength (required; a keyword default only to keep the operator's order).
     mask: None (r = 1), [r, r], [H, r, r] or [B, H, r, r]; K % r == 0.
     state: [B, H, K, V] (computed in float32), or None for zeros.
     scale: output scale, default K ** -0.5.
@@ -209,8 +236,22 @@ def gated_delta_product_step(q, k, v, g, beta, mask, state, *, scale=None, imple
 
   Returns:
     (o [B, H, V] in q.dtype, new_state [B, H, K, V] float32).
+
+  Derivatives: "xla" is plain jnp (JAX differentiates it); "pallas" raises NotImplementedError.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from gdp_jax import gated_delta_product_step
+    >>> q = k = jnp.ones((2, 3, 16)) / 4.0
+    >>> v = jnp.ones((2, 3, 8))
+    >>> o, state = gated_delta_product_step(q, k, v, beta=jnp.full((2, 3), 0.5))
+    >>> o.shape, state.shape
+    ((2, 3, 8), (2, 3, 16, 8))
   """
+  in_place = check_bool("in_place", in_place)
   batch, heads, dim_k, dim_v, mask4, r = _check_step(q, k, v, g, beta, mask, state)
+  q, k, v, g, beta, mask4 = (None if x is None else jnp.asarray(x)
+                             for x in (q, k, v, g, beta, mask4))
   implementation = dispatch.resolve("gated_delta_product_step", implementation)
   resolve_precision(precision)                       # a clear error for a bad value
   if g is None:
@@ -237,8 +278,13 @@ def gated_delta_product_step_xla(q, k, v, g, beta, mask, state, scale, *, in_pla
 def gated_delta_product_step_pallas(q, k, v, g, beta, mask, state, scale, *, in_place=True):
   """The Pallas kernel (pallas_kernels/inference/recurrent_step.py); scale a float or array."""
   from pallas_kernels.inference import recurrent_step as _kernel
+  message = _no_gradients("gated_delta_product_step")
   if not isinstance(scale, jax.Array):
-    return _kernel.recurrent_step(q, k, v, g, beta, mask, state, scale=scale, in_place=in_place)
-  o, new = _kernel.recurrent_step(q, k, v, g, beta, mask, state, scale=1.0,
-                                  out_dtype=jnp.float32, in_place=in_place)
+    kernel = dispatch.raise_if_differentiated(
+        lambda *a: _kernel.recurrent_step(*a, scale=scale, in_place=in_place), message)
+    return kernel(q, k, v, g, beta, mask, state)
+  kernel = dispatch.raise_if_differentiated(
+      lambda *a: _kernel.recurrent_step(*a, scale=1.0, out_dtype=jnp.float32, in_place=in_place),
+      message)
+  o, new = kernel(q, k, v, g, beta, mask, state)
   return (o * scale).astype(q.dtype), new

@@ -117,6 +117,18 @@ def entry(function: str, implementation: str) -> Callable:
   return TABLE[implementation].entry(function)
 
 
+def raise_if_differentiated(fn: Callable, message: str) -> Callable:
+  """fn unchanged when evaluated; differentiating it (any mode) raises
+  NotImplementedError(message), a clear error instead of one deep inside the Pallas lowering."""
+  fn = jax.custom_jvp(fn)
+
+  def jvp(primals, tangents):
+    raise NotImplementedError(message)
+
+  fn.defjvp(jvp)
+  return fn
+
+
 def check_backward(backward: str, implementation: str) -> str:
   if backward not in BACKWARDS:
     raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")

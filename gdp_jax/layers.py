@@ -24,7 +24,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from gdp_jax import dispatch
 from gdp_jax.decode import gqa_decode
@@ -101,15 +103,22 @@ def _check_choice(name, value, choices):
 
 
 def _check_lengths(lengths, batch, t_len):
+  """[B] int32 lengths in [0, T]: concrete values outside are a ValueError, traced ones are
+  clipped to [0, T] (as `gqa_decode` treats lengths beyond its cache)."""
   if lengths is None:
     return None
-  lengths = jnp.asarray(lengths)
+  if not isinstance(lengths, jax.core.Tracer):
+    lengths = np.asarray(lengths)                 # before JAX's int32 conversion could wrap
   if not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise TypeError(f"lengths must be integers (int32), got dtype {lengths.dtype}")
   if lengths.shape != (batch,):
     raise ValueError(f"lengths has shape {lengths.shape}, expected [B] = [{batch}] "
                      f"(one length per sequence, each in [0, T = {t_len}])")
-  return lengths.astype(jnp.int32)
+  if isinstance(lengths, np.ndarray) and lengths.size and (lengths.min() < 0
+                                                           or lengths.max() > t_len):
+    raise ValueError(f"lengths must lie in [0, T = {t_len}] (tokens of each sequence), got "
+                     f"{lengths.tolist()}")
+  return jnp.clip(jnp.asarray(lengths), 0, t_len).astype(jnp.int32)
 
 
 def _check_segment_ids(segment_ids, batch, t_len):
@@ -132,7 +141,28 @@ def segment_starts(segment_ids):
   return jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
 
 
+def _check_cache(cache, kind, fields):
+  """A clear error unless `cache` is a `kind` whose arrays have the shapes in `fields`
+  ({name: (expected shape or None, what)})."""
+  name = kind.__name__
+  if cache is None:
+    raise TypeError(f"cache is None; start from layer.init_cache(...) or the cache a prefill "
+                    f"returned (return_cache=True): a {name}")
+  if not isinstance(cache, kind):
+    raise TypeError(f"cache must be a {name} (from this layer's init_cache or a prefill with "
+                    f"return_cache=True), got {type(cache).__name__}")
+  for field, (shape, what) in fields.items():
+    got = getattr(cache, field)
+    got_shape = None if got is None else tuple(np.shape(got))
+    if got_shape != shape:
+      raise ValueError(f"cache.{field} has shape {got_shape}, expected {shape} ({what}): a "
+                       f"cache of another layer or batch size?")
+
+
 def _check_x(x, hidden_size, rank, what):
+  if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+    raise TypeError(f"x must be an array {what} (a jax or NumPy array), got "
+                    f"{type(x).__name__}")
   if x.ndim != rank or x.shape[-1] != hidden_size:
     raise ValueError(f"x has shape {tuple(x.shape)}, expected {what} with D = hidden_size = "
                      f"{hidden_size}")
@@ -283,14 +313,14 @@ class GatedDeltaProduct(nnx.Module):
     rngs: `nnx.Rngs`.
   """
 
-  def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, expand_v=1,
+  def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, expand_v: float = 1,
                num_blocks: int = 2, mask_mode: str = "static", key_norm: str = "block",
                use_short_conv: bool = True, conv_size: int = 4, use_gate: bool = True,
                allow_neg_eigval: bool = False, beta_norm: bool = True, norm_eps: float = 1e-5,
                chunk_size: int = 64,
-               implementation: str | None = None, dtype=None, param_dtype=f32,
-               sharding: ShardingConfig | None = None, num_householder: int = 2,
-               rngs: nnx.Rngs):
+               implementation: str | None = None, dtype: DTypeLike | None = None,
+               param_dtype: DTypeLike = f32, sharding: ShardingConfig | None = None,
+               num_householder: int = 2, rngs: nnx.Rngs) -> None:
     _check_positive_int("hidden_size", hidden_size)
     _check_positive_int("num_heads", num_heads)
     _check_positive_int("head_dim", head_dim)
@@ -458,7 +488,9 @@ class GatedDeltaProduct(nnx.Module):
 
   # -- whole sequence ---------------------------------------------------------------------------
 
-  def __call__(self, x, lengths=None, *, segment_ids=None, return_cache: bool = False):
+  def __call__(self, x: jax.Array, lengths: jax.Array | None = None, *,
+               segment_ids: jax.Array | None = None, return_cache: bool = False
+               ) -> jax.Array | tuple[jax.Array, GatedDeltaProductCache]:
     """The whole sequence through the chunked operator.
 
     Args:
@@ -521,7 +553,8 @@ class GatedDeltaProduct(nnx.Module):
 
   # -- one token --------------------------------------------------------------------------------
 
-  def init_cache(self, batch_size: int, dtype=None) -> GatedDeltaProductCache:
+  def init_cache(self, batch_size: int, dtype: DTypeLike | None = None
+                 ) -> GatedDeltaProductCache:
     """The empty cache: zero convolution inputs (in `dtype`, default the layer's dtype or f32)
     and a zero float32 state."""
     H, K, V = self.num_heads, self.head_dim, self.value_dim
@@ -531,9 +564,16 @@ class GatedDeltaProduct(nnx.Module):
                        dtype or self.dtype or f32)
     return GatedDeltaProductCache(conv, jnp.zeros((batch_size, H, K, V), f32))
 
-  def step(self, x, cache: GatedDeltaProductCache):
-    """One token per sequence: x [B, D] -> (y [B, D], new cache)."""
+  def step(self, x: jax.Array, cache: GatedDeltaProductCache
+           ) -> tuple[jax.Array, GatedDeltaProductCache]:
+    """One token per sequence: x [B, D] -> (y [B, D], new cache); `cache` from `init_cache(B)`
+    or from a prefill (`return_cache=True`) of this layer."""
     _check_x(x, self.hidden_size, 2, "[B, D] (one token per sequence)")
+    H, K, V, B = self.num_heads, self.head_dim, self.value_dim, x.shape[0]
+    conv_shape = (B, self.conv_size - 1, 2 * H * K + H * V) if self.use_short_conv else None
+    _check_cache(cache, GatedDeltaProductCache, {
+        "state": ((B, H, K, V), "[B, H, K, V]"),
+        "conv": (conv_shape, "[B, conv_size - 1, 2 H K + H V], None without the convolution")})
     if self.dtype is not None:
       x = x.astype(self.dtype)
     pre = self._project_in(x)
@@ -634,9 +674,10 @@ class GroupedQueryAttention(nnx.Module):
   """
 
   def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
-               head_dim: int | None = None, *, rope_theta: float = 10000.0, cache_dtype=f32,
-               implementation: str | None = None, attention_impl: str = "xla", dtype=None,
-               param_dtype=f32, rngs: nnx.Rngs):
+               head_dim: int | None = None, *, rope_theta: float = 10000.0,
+               cache_dtype: DTypeLike = f32, implementation: str | None = None,
+               attention_impl: str = "xla", dtype: DTypeLike | None = None,
+               param_dtype: DTypeLike = f32, rngs: nnx.Rngs) -> None:
     _check_positive_int("hidden_size", hidden_size)
     _check_positive_int("num_heads", num_heads)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -674,7 +715,8 @@ class GroupedQueryAttention(nnx.Module):
     v = self.v_proj(x).reshape(shape + (self.num_kv_heads, self.head_dim))
     return q, k, v
 
-  def init_cache(self, batch_size: int, cache_size: int, dtype=None) -> KVCache:
+  def init_cache(self, batch_size: int, cache_size: int, dtype: DTypeLike | None = None
+                 ) -> KVCache:
     """An empty cache of `cache_size` slots per sequence."""
     _check_positive_int("cache_size", cache_size)
     shape = (batch_size, cache_size, self.num_kv_heads, self.head_dim)
@@ -682,8 +724,9 @@ class GroupedQueryAttention(nnx.Module):
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                    jnp.zeros((batch_size,), jnp.int32))
 
-  def __call__(self, x, lengths=None, *, segment_ids=None, return_cache: bool = False,
-               cache_size=None):
+  def __call__(self, x: jax.Array, lengths: jax.Array | None = None, *,
+               segment_ids: jax.Array | None = None, return_cache: bool = False,
+               cache_size: int | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
     """Causal attention over x [B, T, D] -> y [B, T, D]; with `return_cache`, also the KVCache
     of `cache_size` slots (default T) holding each sequence's first lengths[b] tokens.
     segment_ids [B, T] int (packed documents; not with `return_cache`): token t attends to
@@ -723,10 +766,15 @@ class GroupedQueryAttention(nnx.Module):
                     jnp.full((batch,), t_len, jnp.int32) if lengths is None else lengths)
     return y, cache
 
-  def step(self, x, cache: KVCache):
-    """One token per sequence at position cache.lengths[b]: x [B, D] -> (y [B, D], cache)."""
+  def step(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """One token per sequence at position cache.lengths[b]: x [B, D] -> (y [B, D], cache);
+    `cache` from `init_cache(B, S)` or from a prefill (`return_cache=True`) of this layer."""
     _check_x(x, self.hidden_size, 2, "[B, D] (one token per sequence)")
     batch = x.shape[0]
+    size = None if cache is None or not hasattr(cache, "key") else np.shape(cache.key)[1]
+    kv = (batch, size, self.num_kv_heads, self.head_dim)
+    _check_cache(cache, KVCache, {"key": (kv, "[B, S, Hkv, Dh]"), "value": (kv, "[B, S, Hkv, Dh]"),
+                                  "lengths": ((batch,), "[B]")})
     if self.dtype is not None:
       x = x.astype(self.dtype)
     q, k, v = self._qkv(x)                                            # [B, H, Dh]

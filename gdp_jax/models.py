@@ -26,6 +26,7 @@ from flax import nnx
 from gdp_jax.layers import (ATTENTION_IMPLS, GatedDeltaProduct, GatedDeltaProductCache,
                             GatedRMSNorm, KVCache,
                             GroupedQueryAttention, MASK_MODES, KEY_NORMS)
+from gdp_jax.sharding import ShardingConfig
 
 f32 = jnp.float32
 LAYER_KINDS = {"D": "gated delta product", "H": "DeltaProduct (Householder)",
@@ -169,7 +170,8 @@ class HybridLM(nnx.Module):
   the tokens over the batch axes for data parallelism).
   """
 
-  def __init__(self, config: HybridConfig, *, rngs: nnx.Rngs, sharding=None):
+  def __init__(self, config: HybridConfig, *, rngs: nnx.Rngs,
+               sharding: ShardingConfig | None = None) -> None:
     self.config = config
     c = config
     self.embed = nnx.Embed(c.vocab_size, c.hidden_size, embedding_init=nnx.initializers.normal(
@@ -190,7 +192,10 @@ class HybridLM(nnx.Module):
     x = self.embed(tokens)
     return x if self.config.dtype is None else x.astype(self.config.dtype)
 
-  def __call__(self, tokens, lengths=None, *, segment_ids=None):
+  def __call__(self, tokens: jax.Array, lengths: jax.Array | None = None, *,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    """tokens [B, T] int -> logits [B, T, vocab] float32 (lengths [B]: right padding;
+    segment_ids [B, T]: packed documents)."""
     return self.from_embeddings(self._embed(tokens), lengths, segment_ids=segment_ids)
 
   def from_embeddings(self, x, lengths=None, *, segment_ids=None):
@@ -199,7 +204,8 @@ class HybridLM(nnx.Module):
       x = block(x, lengths, segment_ids=segment_ids)
     return self._logits(x)
 
-  def prefill(self, tokens, lengths=None, cache_size=None):
+  def prefill(self, tokens: jax.Array, lengths: jax.Array | None = None,
+              cache_size: int | None = None) -> tuple[jax.Array, tuple]:
     """The whole right-padded prompts [B, T] (sequence b holds lengths[b] tokens): the logits
     [B, T, vocab] and the cache after each sequence's tokens (attention caches of
     `cache_size` slots, default T)."""
@@ -210,7 +216,7 @@ class HybridLM(nnx.Module):
       caches.append(cache)
     return self._logits(x), tuple(caches)
 
-  def init_cache(self, batch_size: int, cache_size: int):
+  def init_cache(self, batch_size: int, cache_size: int) -> tuple:
     """The empty cache (no tokens yet); attention layers get `cache_size` slots."""
     caches: list[KVCache | GatedDeltaProductCache] = []
     for b in self.blocks:
@@ -221,8 +227,14 @@ class HybridLM(nnx.Module):
         caches.append(mixer.init_cache(batch_size))
     return tuple(caches)
 
-  def step(self, token, cache):
-    """One token per sequence: token [B] int -> (logits [B, vocab] float32, new cache)."""
+  def step(self, token: jax.Array, cache: tuple) -> tuple[jax.Array, tuple]:
+    """One token per sequence: token [B] int -> (logits [B, vocab] float32, new cache); `cache`
+    from `init_cache` or `prefill`, one entry per layer."""
+    if not isinstance(cache, (tuple, list)) or len(cache) != len(self.blocks):
+      raise TypeError(f"cache must be a tuple with one entry per layer ({len(self.blocks)}, "
+                      f"layer_pattern = {self.config.layer_pattern!r}) from init_cache or "
+                      f"prefill, got {type(cache).__name__}"
+                      + (f" of length {len(cache)}" if isinstance(cache, (tuple, list)) else ""))
     x = self._embed(token)
     new = []
     for block, c in zip(self.blocks, cache):
@@ -267,8 +279,10 @@ def _decode(graphdef, state, first, cache, key, steps, temperature):
   return jnp.concatenate([first[:, None], rest.T], axis=1)
 
 
-def generate(model: HybridLM, prompts, max_new_tokens: int, *, lengths=None,
-             temperature: float = 0.0, rng=None, pad_to: int = 64):
+def generate(model: HybridLM, prompts: Sequence[Sequence[int]] | jax.Array | np.ndarray,
+             max_new_tokens: int, *, lengths: jax.Array | np.ndarray | None = None,
+             temperature: float = 0.0, rng: jax.Array | None = None,
+             pad_to: int = 64) -> jax.Array:
   """Continue a batch of prompts of different lengths.
 
   Args:

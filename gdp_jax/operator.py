@@ -7,11 +7,15 @@ as a 5-D array [Bm, Tm, Hm, r, r] that broadcasts against [B, T, H, r, r], and a
 
 from __future__ import annotations
 
+import numbers
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gdp_jax import dispatch
 from pallas_kernels.common.backend import resolve_precision
+from pallas_kernels.common.options import KernelOptions
 
 IMPLEMENTATIONS = dispatch.implementations("gated_delta_product")
 CHUNK_SIZES = (16, 32, 64)
@@ -26,13 +30,73 @@ def _shape(x):
 
 
 def check_float(name, x):
-  """A TypeError unless x is an array of a real floating dtype."""
+  """A TypeError unless x is an array of float32, bfloat16 or float16.
+
+  float64 is rejected (with x64 enabled; without it JAX turns float64 NumPy arrays into float32
+  anyway): every implementation computes in float32 with a float32 state, so a float64 result
+  would only look more precise than it is (docs/precision.md#the-state-is-float32).
+  """
   dtype = getattr(x, "dtype", None)
   if dtype is None:
     raise TypeError(f"{name} must be an array, got {type(x).__name__}")
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"{name} must have a floating dtype (float32, bfloat16 or float16), "
                     f"got {dtype} with shape {_shape(x)}")
+  if jax.dtypes.canonicalize_dtype(dtype) == jnp.float64:
+    raise TypeError(f"{name} is float64 (shape {_shape(x)}): not supported, every "
+                    f"implementation computes in float32 with a float32 state; cast it to "
+                    f"float32 (or bfloat16 / float16)")
+
+
+def check_bool(name, value):
+  """A TypeError unless value is a bool (a string such as "no" would read as true)."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+  return bool(value)
+
+
+def check_chunk_size(chunk_size):
+  if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size,
+                                                                 (int, np.integer)):
+    raise TypeError(f"chunk_size must be an int, one of {CHUNK_SIZES}, got {chunk_size!r} "
+                    f"({type(chunk_size).__name__})")
+  if chunk_size not in CHUNK_SIZES:
+    raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
+  return int(chunk_size)
+
+
+def check_scale(scale):
+  """None, a real number (-> float) or a scalar float array, traced ones included (-> float32).
+  """
+  if scale is None:
+    return None
+  if isinstance(scale, (bool, np.bool_)) or isinstance(scale, (str, bytes)):
+    raise TypeError(f"scale must be a number or a scalar float array, got {scale!r} "
+                    f"({type(scale).__name__})")
+  if isinstance(scale, numbers.Real):
+    return float(scale)
+  dtype = getattr(scale, "dtype", None)
+  if dtype is None or not (jnp.issubdtype(dtype, jnp.floating)
+                           or jnp.issubdtype(dtype, jnp.integer)):
+    raise TypeError(f"scale must be a number or a scalar float array, got "
+                    f"{type(scale).__name__}" + (f" of dtype {dtype}" if dtype else ""))
+  if _shape(scale) != ():
+    raise ValueError(f"scale must be a scalar (one output scale for every head), got shape "
+                     f"{_shape(scale)}")
+  return jnp.asarray(scale, jnp.float32)
+
+
+def check_int32_values(name, x):
+  """A ValueError if a concrete integer array holds values outside int32 (which JAX would wrap
+  silently when it converts them); traced values pass through (they are int32 already unless
+  x64 is on, and the callers clip before casting)."""
+  if isinstance(x, jax.core.Tracer):
+    return
+  values = np.asarray(x)
+  if values.size and (values.min() < np.iinfo(np.int32).min
+                      or values.max() > np.iinfo(np.int32).max):
+    raise ValueError(f"{name} holds values outside int32 (min {values.min()}, max "
+                     f"{values.max()}); they would wrap around")
 
 
 def check_shape(name, x, expected, what):
@@ -80,6 +144,8 @@ def check_inputs(q, k, v, g, beta, mask, initial_state):
   if q.ndim != 4:
     raise ValueError(f"q must be [B, T, H, K] (rank 4), got shape {_shape(q)}")
   batch, t_len, heads, dim_k = q.shape
+  if dim_k < 1:
+    raise ValueError(f"q has K = {dim_k} features (shape {_shape(q)}); need K >= 1")
   check_shape("k", k, q.shape, "k must match q: [B, T, H, K]")
   if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
     raise ValueError(f"v has shape {_shape(v)}, expected [B, T, H, V] = "
@@ -118,9 +184,13 @@ def _pad_time(x, t_pad):
 # The operator
 # ----------------------------------------------------------------------------------------------
 
-def gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, scale=None,
-                        initial_state=None, output_final_state=False, chunk_size=64,
-                        implementation=None, precision=None, backward="pallas", options=None):
+def gated_delta_product(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array | None = None,
+    beta: jax.Array | None = None, mask: jax.Array | None = None, *,
+    scale: float | jax.Array | None = None, initial_state: jax.Array | None = None,
+    output_final_state: bool = False, chunk_size: int = 64, implementation: str | None = None,
+    precision: str | None = None, backward: str = "pallas",
+    options: KernelOptions | None = None) -> tuple[jax.Array, jax.Array | None]:
   """Block-masked gated delta product linear attention (docs/operator.md).
 
   Per batch row and head a float32 state S [K, V] evolves as
@@ -129,13 +199,15 @@ def gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, scale=None,
   with the key dimension split into r blocks (r = mask size).
 
   Args:
-    q, k: [B, T, H, K]. v: [B, T, H, V]. One floating dtype for all three.
+    q, k: [B, T, H, K]. v: [B, T, H, V]. One dtype for all three: float32, bfloat16 or
+      float16 (float64 is rejected: everything is computed in float32).
     g: [B, T, H] log-decay (<= 0), or None for no decay.
     beta: [B, T, H] write strength (required).
     mask: None (r = 1), [r, r], [H, r, r] or per token [B, T, H, r, r]; K % r == 0.
-    scale: output scale, default K ** -0.5.
+    scale: output scale, default K ** -0.5: a number, or a scalar array (traced ones included,
+      e.g. a learned scale under `jax.jit`; differentiable).
     initial_state: [B, H, K, V] or None (zeros).
-    output_final_state: also return the final state [B, H, K, V] float32.
+    output_final_state: True to also return the final state [B, H, K, V] float32 (a bool).
     chunk_size: tokens per chunk of the chunked forms, one of 16, 32, 64.
     implementation: "reference" (recurrence over time), "xla" (chunked jnp), "pallas" (GPU
       kernels; interpreted on CPU, slowly), or None for the fastest one available on the
@@ -153,16 +225,38 @@ def gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, scale=None,
 
   Returns:
     (o [B, T, H, V] in q.dtype, final_state [B, H, K, V] float32 or None).
+
+  Derivatives: every implementation supports reverse mode (`jax.grad`, `jax.vjp`) in every
+  input; "reference" and "xla" also forward mode and higher orders (JAX differentiates their
+  jnp code), "pallas" raises a NotImplementedError for those (its backward is a custom_vjp).
+
+  Values: g = -inf (a reset) gives the recurrence's result in every implementation. A nan or
+  inf at token t leaves the outputs before t and their gradients unchanged in "reference" and
+  "xla" (docs/precision.md#non-finite-inputs).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from gdp_jax import gated_delta_product
+    >>> q = k = jnp.ones((1, 8, 2, 16)) / 4.0
+    >>> v = jnp.ones((1, 8, 2, 16))
+    >>> beta = jnp.full((1, 8, 2), 0.5)
+    >>> o, state = gated_delta_product(q, k, v, None, beta, output_final_state=True)
+    >>> o.shape, state.shape
+    ((1, 8, 2, 16), (1, 2, 16, 16))
   """
   batch, t_len, heads, dim_k, dim_v, mask5, r = check_inputs(
       q, k, v, g, beta, mask, initial_state)
+  # NumPy arrays in JAX's dtypes from here (float64 NumPy input is float32 without x64).
+  q, k, v, g, beta, mask5, initial_state = (
+      None if x is None else jnp.asarray(x) for x in (q, k, v, g, beta, mask5, initial_state))
+  output_final_state = check_bool("output_final_state", output_final_state)
+  chunk_size = check_chunk_size(chunk_size)
+  scale = check_scale(scale)
   implementation = dispatch.resolve("gated_delta_product", implementation)
   dispatch.check_backward(backward, implementation)
   # None with explicit options keeps options.precision; else None follows jax's default.
   kernel_precision = None if (precision is None and options is not None) else (
       resolve_precision(precision))
-  if chunk_size not in CHUNK_SIZES:
-    raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
   if scale is None:
     scale = dim_k ** -0.5
   if g is None:

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gdp_jax import xla_backward
+from gdp_jax import dispatch, xla_backward
+from gdp_jax.xla import RESET_LOG_DECAY
 from gdp_jax.xla_backward import reduce_dmask
 from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
 from pallas_kernels.common import cumsum
@@ -35,6 +36,12 @@ from pallas_kernels.forward import (chunk_fwd, chunk_h, chunk_o, chunk_state_out
                                     solve_tril, wy)
 
 MAX_CHUNK_ROWS = 64
+NO_HIGHER_DERIVATIVES = (
+    "gated_delta_product with implementation='pallas' supports reverse-mode first derivatives "
+    "only (jax.grad, jax.vjp, jax.value_and_grad: its backward is a custom_vjp of Pallas "
+    "kernels); forward mode (jax.jvp, jax.jacfwd, jax.linearize) and second or higher "
+    "derivatives (jax.hessian, a grad of a grad) need implementation='xla' (or 'reference'), "
+    "which JAX differentiates directly")
 
 
 def pallas_chunk(chunk_size: int, r: int) -> int:
@@ -109,11 +116,19 @@ def _gdp_core_fwd(q, k, v, g, beta, mask, h0, scale, bt, opts):
   # Residuals: the inputs (the caller holds them anyway), gamma ([B, H, Tp] float32) and the
   # chunk inverses Ai ([B, H, Tp*r, N] in the input dtype: as much memory as one [B, T, H, N]
   # activation). The backward recomputes w, u (wy.py) and h, v_new (chunk_h.py) from them.
-  o, final, (gcum, ai) = _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai=True)
+  forward = dispatch.raise_if_differentiated(
+      lambda *a: _forward(*a, scale, bt, opts, save_ai=True), NO_HIGHER_DERIVATIVES)
+  o, final, (gcum, ai) = forward(q, k, v, g, beta, mask, h0)
   return (o, final), (q, k, v, g, beta, mask, h0, gcum, ai)
 
 
 def _gdp_core_bwd(scale, bt, opts, residuals, cotangents):
+  backward = dispatch.raise_if_differentiated(
+      functools.partial(_backward, scale, bt, opts), NO_HIGHER_DERIVATIVES)
+  return backward(residuals, cotangents)
+
+
+def _backward(scale, bt, opts, residuals, cotangents):
   q, k, v, g, beta, mask, h0, gcum, ai = residuals
   do, dfinal = cotangents
   r = mask.shape[-1]
@@ -154,7 +169,25 @@ def gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chu
     options.precision when given.
   backward: "pallas" (the backward kernels) or "xla" (the jnp backward of gdp_jax/xla_backward.py
     behind the Pallas forward, for debugging).
+  scale: a Python number is passed to the kernels; an array (a traced scale under `jax.jit`, a
+    learned one) runs them with 1 and multiplies o afterwards (o is linear in the scale).
   """
+  if not isinstance(scale, (int, float)):
+    o, final = gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, 1.0, chunk_size,
+                                          options=options, backward=backward,
+                                          precision=precision)
+    return (o.astype(jnp.float32) * scale).astype(o.dtype), final
+  try:
+    return _gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
+                                       options=options, backward=backward, precision=precision)
+  except TypeError as error:
+    if "forward-mode autodiff" in str(error):     # jax.jvp of a custom_vjp function
+      raise NotImplementedError(NO_HIGHER_DERIVATIVES) from error
+    raise
+
+
+def _gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size, *,
+                                options, backward, precision):
   if backward == "xla":
     return _pallas_forward_xla_backward(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
                                         options, precision)
@@ -170,6 +203,11 @@ def gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chu
     options = kernel_options.heuristic_options(r=r, dim_k=dim_k, dim_v=dim_v, dtype=q.dtype)
   if precision is not None:
     options = options.replace(precision=precision)
+  # A reset (g = -inf) would make the kernels' chunk-local gamma -inf and their decay differences
+  # -inf - (-inf) = nan. Clamped to RESET_LOG_DECAY its exp is still 0 in float32 (a reset), and
+  # the decays after it inside the chunk stay finite (their exponents lose about 1e-5 of
+  # precision; the kernels' own handling, docs/chunked_form.md#resets, would make it exact).
+  g = jnp.maximum(g, jnp.asarray(RESET_LOG_DECAY, g.dtype))
   o, final = _gdp_core(q, k, v, g, beta, mask.astype(jnp.float32), h0, scale, bt, options)
   o = o[..., :dim_v]
   final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)

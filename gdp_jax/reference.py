@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gdp_jax import nonfinite
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -40,7 +42,19 @@ def recurrent_step(q, k, v, g, beta, mask, state, scale):
 
 
 def gated_delta_product_reference(q, k, v, g, beta, mask, initial_state, scale):
-  """Returns (o [B, T, H, V] float32, final_state [B, H, K, V] float32)."""
+  """Returns (o [B, T, H, V] float32, final_state [B, H, K, V] float32).
+
+  g = -inf resets the state (exp(-inf) = 0). Non-finite inputs stay causal in the forward and in
+  the backward: the scan runs on cleaned inputs and the outputs from the first bad token on are
+  marked nan (gdp_jax/nonfinite.py), so a bad token never reaches earlier gradients through
+  `0 * nan` in the scan's backward.
+  """
+  (q, k, v, g, beta, mask), marks = nonfinite.clean(q, k, v, g, beta, mask)
+  o, final = _scan(q, k, v, g, beta, mask, initial_state, scale)
+  return nonfinite.mark(o, final, marks)
+
+
+def _scan(q, k, v, g, beta, mask, initial_state, scale):
   bsz, t_len, heads, _ = q.shape
   mask = jnp.broadcast_to(mask, (bsz, t_len, heads) + mask.shape[-2:])
 

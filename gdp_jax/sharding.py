@@ -249,8 +249,8 @@ def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, shardi
   implementation = dispatch.resolve("gated_delta_product", implementation,
                                     sharding.mesh.devices.flat[0])
   dispatch.check_backward(backward, implementation)
-  if chunk_size not in _operator.CHUNK_SIZES:
-    raise ValueError(f"chunk_size must be one of {_operator.CHUNK_SIZES}, got {chunk_size!r}")
+  chunk_size = _operator.check_chunk_size(chunk_size)
+  output_final_state = _operator.check_bool("output_final_state", output_final_state)
   shape = f"q has shape {tuple(q.shape)} = [B, T, H, K]"
   _check_divisible(sharding, "B", batch, "batch", shape)
   _check_divisible(sharding, "H", heads, "heads", shape)
@@ -381,8 +381,9 @@ def _context_parallel_piece(a, sharding, vma, **run):
 # The one-token step
 # ----------------------------------------------------------------------------------------------
 
-def sharded_gated_delta_product_step(q, k, v, g, beta, mask, state, *, sharding, scale=None,
-                                     implementation=None, precision=None, in_place=True):
+def sharded_gated_delta_product_step(q, k, v, g=None, beta=None, mask=None, state=None, *,
+                                     sharding, scale=None, implementation=None, precision=None,
+                                     in_place=True):
   """`gated_delta_product_step` with batch and heads split over a device mesh.
 
   Same arguments and results as `gdp_jax.gated_delta_product_step`, plus `sharding` (a

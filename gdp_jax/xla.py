@@ -23,8 +23,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gdp_jax import nonfinite
+
 HIGHEST = jax.lax.Precision.HIGHEST
 f32 = jnp.float32
+# A log-decay at or below this resets the state: exp(g) is below the smallest normal float32, which
+# XLA flushes to 0 on CPU and GPU, so the recurrence gives exp(g) S = 0 exactly
+# (docs/chunked_form.md#resets). g = -inf is the exact reset.
+RESET_LOG_DECAY = -88.0
 
 
 def _einsum(spec, *xs):
@@ -50,18 +56,37 @@ def _mask_chunks(mask, batch, heads, t_len, chunk):
   return _chunks(jnp.moveaxis(mask, 2, 1), chunk, 2)
 
 
-def _decay(gc, inclusive):
-  """exp(gamma_t - gamma_s) where s < t (s <= t if inclusive), else exactly 0: [..., C, C].
+def _decay(gc, inclusive, seg=None):
+  """exp(gamma_t - gamma_s) where s < t (s <= t if inclusive) and no reset lies in (s, t], else
+  exactly 0: [..., C, C].
 
   The exponent is masked before `exp`, so no positive argument is ever exponentiated
-  (docs/chunked_form.md#safe-exp).
+  (docs/chunked_form.md#safe-exp). seg: the reset counts of `gate_cumsum` (None: no resets).
   """
   c = gc.shape[-1]
   t = jnp.arange(c)[:, None]
   s = jnp.arange(c)[None, :]
   causal = (t >= s) if inclusive else (t > s)
+  if seg is not None:
+    causal = causal & (seg[..., :, None] == seg[..., None, :])
   diff = gc[..., :, None] - gc[..., None, :]
   return jnp.exp(jnp.where(causal, diff, -jnp.inf))
+
+
+def _from_start(gc, seg=None):
+  """exp(gamma_t), the decay from the chunk's start to the end of token t: 0 after a reset."""
+  if seg is None:
+    return jnp.exp(gc)
+  return jnp.exp(jnp.where(seg == 0, gc, -jnp.inf))
+
+
+def _to_end(gc, seg=None):
+  """exp(gamma_L - gamma_t), the decay from the end of token t to the chunk's end L: 0 when a
+  reset lies in (t, L]."""
+  diff = gc[..., -1:] - gc
+  if seg is None:
+    return jnp.exp(diff)
+  return jnp.exp(jnp.where(seg == seg[..., -1:], diff, -jnp.inf))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,20 +98,39 @@ def chunk_local_cumsum(g, chunk):
   return _chunks(g.astype(f32), chunk, 2).cumsum(-1).reshape(g.shape)
 
 
-def chunk_kkt(k, beta, mask, gcum, chunk):
+def resets(g):
+  """True where g is a reset: g <= RESET_LOG_DECAY (g = -inf included)."""
+  return g <= RESET_LOG_DECAY
+
+
+def gate_cumsum(g, chunk):
+  """(gamma, seg) with resets (docs/chunked_form.md#resets). g: [B, H, Tp] float32.
+
+  gamma: the chunk-local cumsum of g with every reset counted as 0 (so gamma stays finite and
+  exact: no -inf - (-inf)); seg: int32, the number of resets from the chunk's start up to each
+  token (inclusive). A decay between two tokens of one chunk is exp(gamma_t - gamma_s) when
+  seg_t == seg_s and exactly 0 otherwise; exp(gamma_t) counts only while seg_t == 0.
+  """
+  reset = resets(g)
+  gcum = chunk_local_cumsum(jnp.where(reset, 0.0, g.astype(f32)), chunk)
+  seg = _chunks(reset.astype(jnp.int32), chunk, 2).cumsum(-1).reshape(g.shape)
+  return gcum, seg
+
+
+def chunk_kkt(k, beta, mask, gcum, chunk, seg=None):
   """A[(t,a),(s,b)] = beta_t M_t[a,b] <k_t^(b), k_s^(b)> exp(gamma_t - gamma_s), t > s, else 0.
 
   This is the gated chunk matrix `Ag` (docs/chunked_form.md#the-chunk-matrix-a); it is the
   only one the forward needs, since w = (I + Ag)^-1 (exp(gamma) W~) equals
   exp(gamma) (I + A)^-1 W~ (docs/chunked_form.md#one-inverse-for-w-and-u).
-  Returns [B, H, Tp*r, N] float32.
+  seg: the reset counts of `gate_cumsum` (None: no resets). Returns [B, H, Tp*r, N] float32.
   """
   bsz, t_len, heads, dim_k = k.shape
   r = mask.shape[-1]
   kc = _head_major_chunks(k, chunk).reshape(bsz, heads, t_len // chunk, chunk, r, dim_k // r)
   mc = _mask_chunks(mask, bsz, heads, t_len, chunk)                  # [B,H,NT,C,r,r]
   bc = _chunks(beta.astype(f32), chunk, 2)                           # [B,H,NT,C]
-  dec = _decay(_chunks(gcum, chunk, 2), inclusive=False)             # [B,H,NT,C,C]
+  dec = _decay(_chunks(gcum, chunk, 2), False, _seg_chunks(seg, chunk))  # [B,H,NT,C,C]
   kk = _einsum("zyntbd,zynsbd->zyntsb", kc, kc)                      # <k_t^(b), k_s^(b)>
   a = (bc[..., :, None, None, None] * mc[..., :, :, None, :]         # [B,H,NT,t,a,s,b]
        * (kk * dec[..., None])[..., :, None, :, :])
@@ -120,6 +164,10 @@ def solve_tril(a, chunk_rows):
   return inv.reshape(a.shape)
 
 
+def _seg_chunks(seg, chunk):
+  return None if seg is None else _chunks(seg, chunk, 2)
+
+
 def _masked_keys(k, mask, chunk):
   """W~ / beta: row (t,a) = [M_t[a,0] k_t^(0), ..., M_t[a,r-1] k_t^(r-1)]. [B,H,NT,C,r,K]."""
   bsz, t_len, heads, dim_k = k.shape
@@ -130,7 +178,7 @@ def _masked_keys(k, mask, chunk):
   return kw.reshape(bsz, heads, t_len // chunk, chunk, r, dim_k)
 
 
-def recompute_w_u(k, v, beta, mask, gcum, ai, chunk):
+def recompute_w_u(k, v, beta, mask, gcum, ai, chunk, seg=None):
   """w = Ai (exp(gamma) beta Kw), u = Ai (beta v) per chunk (docs/chunked_form.md#w-and-u)."""
   bsz, t_len, heads, dim_k = k.shape
   dim_v = v.shape[-1]
@@ -139,7 +187,8 @@ def recompute_w_u(k, v, beta, mask, gcum, ai, chunk):
   nt = t_len // chunk
   bc = _chunks(beta.astype(f32), chunk, 2)
   gc = _chunks(gcum, chunk, 2)
-  w_tilde = (bc * jnp.exp(gc))[..., None, None] * _masked_keys(k, mask, chunk)
+  w_tilde = (bc * _from_start(gc, _seg_chunks(seg, chunk)))[..., None, None] * _masked_keys(
+      k, mask, chunk)
   u_tilde = bc[..., None, None] * _head_major_chunks(v, chunk)[..., :, None, :]
   u_tilde = jnp.broadcast_to(u_tilde, (bsz, heads, nt, chunk, r, dim_v))
   aic = ai.reshape(bsz, heads, nt, n, n)
@@ -148,12 +197,13 @@ def recompute_w_u(k, v, beta, mask, gcum, ai, chunk):
   return w.reshape(bsz, heads, t_len * r, dim_k), u.reshape(bsz, heads, t_len * r, dim_v)
 
 
-def chunk_state(k, w, u, gcum, initial_state, chunk, state_chunk):
+def chunk_state(k, w, u, gcum, initial_state, chunk, state_chunk, seg=None):
   """The state recurrence over chunks (docs/chunked_form.md#the-state-update-and-the-output).
 
   Runs over chunks of `chunk` tokens (`gcum` is their local cumsum) and keeps the state at the
   start of every `state_chunk` tokens (a multiple of `chunk`): the Pallas kernel solves small WY
-  chunks but stores states only per output chunk.
+  chunks but stores states only per output chunk. seg: the reset counts of `gate_cumsum`
+  (None: no resets).
   Returns h [B, H, Tp/state_chunk, K, V], v_new [B, H, Tp*r, V], final state [B, H, K, V].
   """
   bsz, t_len, heads, dim_k = k.shape
@@ -165,16 +215,17 @@ def chunk_state(k, w, u, gcum, initial_state, chunk, state_chunk):
   per = state_chunk // chunk
   kc = _head_major_chunks(k, chunk).reshape(bsz, heads, nt, chunk, r, dk)
   gc = _chunks(gcum, chunk, 2)
+  sc = _chunks(jnp.zeros(gcum.shape, jnp.int32) if seg is None else seg, chunk, 2)
   wc = w.astype(f32).reshape(bsz, heads, nt, n, dim_k)
   uc = u.astype(f32).reshape(bsz, heads, nt, n, dim_v)
 
   def one_chunk(state, xs):
-    k_c, g_c, w_c, u_c = xs                                          # [B,H,C,r,dk] [B,H,C] ...
+    k_c, g_c, s_c, w_c, u_c = xs                                     # [B,H,C,r,dk] [B,H,C] ...
     v_new = u_c - _einsum("zyik,zykv->zyiv", w_c, state)            # [B,H,N,V]
-    g_last = g_c[..., -1]
-    k_dec = k_c * jnp.exp(g_last[..., None] - g_c)[..., None, None]
+    k_dec = k_c * _to_end(g_c, s_c)[..., None, None]
     upd = _einsum("zytad,zytav->zyadv", k_dec, v_new.reshape(bsz, heads, chunk, r, dim_v))
-    state = jnp.exp(g_last)[..., None, None] * state + upd.reshape(bsz, heads, dim_k, dim_v)
+    decay = _from_start(g_c, s_c)[..., -1]                           # exp(gamma_L)
+    state = decay[..., None, None] * state + upd.reshape(bsz, heads, dim_k, dim_v)
     return state, v_new
 
   def one_state_chunk(state, xs):
@@ -190,7 +241,7 @@ def chunk_state(k, w, u, gcum, initial_state, chunk, state_chunk):
     x = jnp.moveaxis(x, 2, 0)
     return x.reshape((nt // per, per) + x.shape[1:])
 
-  xs = tuple(scan_major(x) for x in (kc, gc, wc, uc))
+  xs = tuple(scan_major(x) for x in (kc, gc, sc, wc, uc))
   final, (h, v_new) = jax.lax.scan(one_state_chunk, initial_state.astype(f32), xs)
   h = jnp.moveaxis(h, 0, 2)                                          # [B,H,NTs,K,V]
   v_new = v_new.reshape((nt,) + v_new.shape[2:])                     # [NT,B,H,N,V]
@@ -198,10 +249,11 @@ def chunk_state(k, w, u, gcum, initial_state, chunk, state_chunk):
   return h, v_new, final
 
 
-def chunk_output(q, k, v_new, h, gcum, scale, chunk):
+def chunk_output(q, k, v_new, h, gcum, scale, chunk, seg=None):
   """o_t = scale (exp(g_t) q_t^T S0 + sum_{s<=t} sum_a exp(g_t - g_s) <q_t^(a), k_s^(a)> v_new[(s,a)]).
 
-  `chunk` here is the state chunk (h holds one state per chunk). Returns [B, Tp, H, V] float32.
+  `chunk` here is the state chunk (h holds one state per chunk); seg: the reset counts of
+  `gate_cumsum` (None: no resets). Returns [B, Tp, H, V] float32.
   """
   bsz, t_len, heads, dim_k = q.shape
   dim_v = v_new.shape[-1]
@@ -211,11 +263,12 @@ def chunk_output(q, k, v_new, h, gcum, scale, chunk):
   kc = _head_major_chunks(k, chunk)
   gc = _chunks(gcum, chunk, 2)
   vc = v_new.astype(f32).reshape(bsz, heads, nt, chunk, r, dim_v)
-  inter = jnp.exp(gc)[..., None] * _einsum("zyntk,zynkv->zyntv", qc, h)
+  sc = _seg_chunks(seg, chunk)
+  inter = _from_start(gc, sc)[..., None] * _einsum("zyntk,zynkv->zyntv", qc, h)
   qk = _einsum("zyntad,zynsad->zyntsa",
                qc.reshape(qc.shape[:-1] + (r, dim_k // r)),
                kc.reshape(kc.shape[:-1] + (r, dim_k // r)))
-  qk = qk * _decay(gc, inclusive=True)[..., None]
+  qk = qk * _decay(gc, True, sc)[..., None]
   intra = _einsum("zyntsa,zynsav->zyntv", qk, vc)
   o = scale * (inter + intra)                                        # [B,H,NT,C,V]
   return jnp.moveaxis(o.reshape(bsz, heads, t_len, dim_v), 1, 2)
@@ -235,13 +288,25 @@ def gated_delta_product_xla(q, k, v, g, beta, mask, initial_state, scale, chunk_
 
   q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; g, beta: [B, Tp, H]; mask: [Bm, Tm, Hm, r, r].
   Returns (o [B, Tp, H, V] float32, final_state [B, H, K, V] float32).
+
+  Causal under non-finite inputs: a nan or inf at token t leaves every output before t (and the
+  gradients of a loss on them) as without it (gdp_jax/nonfinite.py); g <= RESET_LOG_DECAY
+  (g = -inf included) is an exact reset (`gate_cumsum`).
   """
+  (q, k, v, g, beta, mask), marks = nonfinite.clean(q, k, v, g, beta, mask)
+  o, final = chunked_forward(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
+  return nonfinite.mark(o, final, marks)
+
+
+def chunked_forward(q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+  """The chunked form on finite inputs (resets allowed): `gated_delta_product_xla` without the
+  non-finite handling."""
   r = mask.shape[-1]
-  gcum = chunk_local_cumsum(to_head_major(g), chunk_size)
+  gcum, seg = gate_cumsum(to_head_major(g), chunk_size)
   beta_hm = to_head_major(beta)
-  a = chunk_kkt(k, beta_hm, mask, gcum, chunk_size)
+  a = chunk_kkt(k, beta_hm, mask, gcum, chunk_size, seg)
   ai = solve_tril(a, chunk_size * r)
-  w, u = recompute_w_u(k, v, beta_hm, mask, gcum, ai, chunk_size)
-  h, v_new, final = chunk_state(k, w, u, gcum, initial_state, chunk_size, chunk_size)
-  o = chunk_output(q, k, v_new, h, gcum, scale, chunk_size)
+  w, u = recompute_w_u(k, v, beta_hm, mask, gcum, ai, chunk_size, seg)
+  h, v_new, final = chunk_state(k, w, u, gcum, initial_state, chunk_size, chunk_size, seg)
+  o = chunk_output(q, k, v_new, h, gcum, scale, chunk_size, seg)
   return o, final

@@ -53,7 +53,11 @@ dependence of w is handled entirely in stage 4, so stage 3 needs no w (a formula
 ungated w, v_new = u - exp(gamma) w S0, would add -<w, dw exp(gamma)> to dg in stage 3 instead).
 
 Exactness: every exp of a gamma difference that could be positive is masked before `exp`
-(`xla._decay`); padded tokens (beta = 0, g = 0) give exact zeros wherever they should.
+(`xla._decay`); padded tokens (beta = 0, g = 0) give exact zeros wherever they should. Resets
+(g <= xla.RESET_LOG_DECAY, g = -inf included) enter as in the forward: gamma counts them as 0 and
+every decay across one is a masked (exact) zero (`xla.gate_cumsum`, `_from_start`, `_to_end`,
+docs/chunked_form.md#resets), so a reset's dg is 0 and no -inf - (-inf) is ever formed. Non-finite
+inputs are cleaned and their outputs marked as in the forward (gdp_jax/nonfinite.py).
 
 Pitfalls this module avoids, each checked against autodiff (docs/chunked_form.md#pitfalls): the dg
 term of Ag pairs dAg[(t,a),(s,b)] with beta M[a,b] <k_t^(b),k_s^(b)>, not with the r x r block
@@ -68,8 +72,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gdp_jax import nonfinite
 from gdp_jax import xla as _xla
-from gdp_jax.xla import _chunks, _decay, _einsum, _head_major_chunks, _mask_chunks, f32
+from gdp_jax.xla import (_chunks, _decay, _einsum, _from_start, _head_major_chunks, _mask_chunks,
+                         _seg_chunks, _to_end, f32)
 
 __all__ = [
     "chunk_bwd_dv_local", "chunk_bwd_dhu", "chunk_bwd_dqkwg", "wy_bwd", "reduce_dmask",
@@ -100,10 +106,11 @@ def _rows(x, chunk, r):
 # 1. dv from o inside the chunk
 # ----------------------------------------------------------------------------------------------
 
-def chunk_bwd_dv_local(q, k, gcum, do, scale, chunk, r):
+def chunk_bwd_dv_local(q, k, gcum, do, scale, chunk, r, seg=None):
   """dv_local[(s,a)] = scale sum_{t>=s in chunk} D[t,s] <q_t^(a), k_s^(a)> do_t.
 
-  q, k: [B,Tp,H,K]; gcum: [B,H,Tp]; do: [B,Tp,H,V]; r: the number of key blocks.
+  q, k: [B,Tp,H,K]; gcum: [B,H,Tp]; do: [B,Tp,H,V]; r: the number of key blocks; seg: the reset
+  counts of `xla.gate_cumsum` (None: no resets; the same for every stage below).
   Returns dv_local [B,H,Tp*r,V] float32.
   """
   bsz, t_len, heads, _ = q.shape
@@ -112,7 +119,7 @@ def chunk_bwd_dv_local(q, k, gcum, do, scale, chunk, r):
   doc = _head_major_chunks(do, chunk)                                # [B,H,NT,C,V]
   gc = _chunks(gcum, chunk, 2)
   qk = _einsum("zyntad,zynsad->zyntsa", qc, kc)                      # <q_t^(a), k_s^(a)>
-  p = scale * qk * _decay(gc, inclusive=True)[..., None]
+  p = scale * qk * _decay(gc, True, _seg_chunks(seg, chunk))[..., None]
   dv = _einsum("zyntsa,zyntv->zynsav", p, doc)
   return dv.reshape(bsz, heads, t_len * r, dim_v)
 
@@ -121,7 +128,7 @@ def chunk_bwd_dv_local(q, k, gcum, do, scale, chunk, r):
 # 2. the state gradient, backward over chunks
 # ----------------------------------------------------------------------------------------------
 
-def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk):
+def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, seg=None):
   """The reverse recurrence over chunks.
 
   q, k: [B,Tp,H,K]; w: [B,H,Tp*r,K]; gcum: [B,H,Tp]; do: [B,Tp,H,V];
@@ -139,6 +146,7 @@ def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk):
   qc = _head_major_chunks(q, chunk)                                  # [B,H,NT,C,K]
   kc = _blocks(k, chunk, r)                                          # [B,H,NT,C,r,dk]
   gc = _chunks(gcum, chunk, 2)
+  sc = _chunks(jnp.zeros(gcum.shape, jnp.int32) if seg is None else seg, chunk, 2)
   wc = w.astype(f32).reshape(bsz, heads, nt, n, dim_k)
   doc = _head_major_chunks(do, chunk)
   dvl = dv_local.astype(f32).reshape(bsz, heads, nt, n, dim_v)
@@ -146,18 +154,18 @@ def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk):
     dfinal = jnp.zeros((bsz, heads, dim_k, dim_v), f32)
 
   def one_chunk(dh, xs):
-    q_c, k_c, g_c, w_c, do_c, dvl_c = xs
-    g_last = g_c[..., -1]
-    k_dec = k_c * jnp.exp(g_last[..., None] - g_c)[..., None, None]  # [B,H,C,r,dk]
+    q_c, k_c, g_c, s_c, w_c, do_c, dvl_c = xs
+    from_start = _from_start(g_c, s_c)                               # exp(gamma), [B,H,C]
+    k_dec = k_c * _to_end(g_c, s_c)[..., None, None]                 # [B,H,C,r,dk]
     dv_state = _einsum("zytad,zyadv->zytav", k_dec, dh.reshape(bsz, heads, r, dk, dim_v))
     dv_new = dvl_c + dv_state.reshape(bsz, heads, n, dim_v)
-    q_dec = q_c * (scale * jnp.exp(g_c))[..., None]
-    ds0 = (jnp.exp(g_last)[..., None, None] * dh
+    q_dec = q_c * (scale * from_start)[..., None]
+    ds0 = (from_start[..., -1, None, None] * dh
            + _einsum("zytk,zytv->zykv", q_dec, do_c)
            - _einsum("zyik,zyiv->zykv", w_c, dv_new))
     return ds0, (dh, dv_new)
 
-  xs = tuple(jnp.moveaxis(x, 2, 0) for x in (qc, kc, gc, wc, doc, dvl))
+  xs = tuple(jnp.moveaxis(x, 2, 0) for x in (qc, kc, gc, sc, wc, doc, dvl))
   dh0, (dh, dv_new) = jax.lax.scan(one_chunk, dfinal.astype(f32), xs, reverse=True)
   dh = jnp.moveaxis(dh, 0, 2)                                        # [B,H,NT,K,V]
   dv_new = jnp.moveaxis(dv_new, 0, 2).reshape(bsz, heads, t_len * r, dim_v)
@@ -168,7 +176,7 @@ def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk):
 # 3. dq, dk, dw and dgcum from o and the state updates
 # ----------------------------------------------------------------------------------------------
 
-def chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk):
+def chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk, seg=None):
   """Per chunk (chunks independent): gradients of o and of the state update given h, dh.
 
   q, k: [B,Tp,H,K]; v_new, dv_new: [B,H,Tp*r,V]; gcum: [B,H,Tp]; h, dh: [B,H,NT,K,V];
@@ -187,29 +195,30 @@ def chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk):
   vn = _rows(v_new, chunk, r)                                        # [B,H,NT,C,r,V]
   dvn = dv_new.astype(f32).reshape(bsz, heads, nt, chunk * r, dim_v)
   gc = _chunks(gcum, chunk, 2)                                       # [B,H,NT,C]
-  g_last = gc[..., -1]                                               # [B,H,NT]
+  sc = _seg_chunks(seg, chunk)
+  from_start = _from_start(gc, sc)                                   # exp(gamma), [B,H,NT,C]
   hb = h.astype(f32).reshape(bsz, heads, nt, r, dk, dim_v)
   dhb = dh.astype(f32).reshape(bsz, heads, nt, r, dk, dim_v)
 
   # intra-chunk attention part of o
   ds = _einsum("zyntv,zynsav->zyntsa", doc, vn)                     # <do_t, v_new[(s,a)]>
-  ds = scale * ds * _decay(gc, inclusive=True)[..., None]
+  ds = scale * ds * _decay(gc, True, sc)[..., None]
   dq = _einsum("zyntsa,zynsad->zyntad", ds, kc)
   dkk = _einsum("zyntsa,zyntad->zynsad", ds, qc)
   z = ds * _einsum("zyntad,zynsad->zyntsa", qc, kc)
   dg = z.sum((-2, -1)) - z.sum((-3, -1))
 
   # the inter-chunk part of o: scale exp(gamma_t) q_t^T S0
-  dq_inter = (scale * jnp.exp(gc))[..., None, None] * _einsum("zyntv,zynadv->zyntad", doc, hb)
+  dq_inter = (scale * from_start)[..., None, None] * _einsum("zyntv,zynadv->zyntad", doc, hb)
   dq = dq + dq_inter
   dg = dg + (dq_inter * qc).sum((-2, -1))
 
   # the state update: S_end^(a) = exp(g_L) S0^(a) + sum_t exp(g_L - g_t) k_t^(a) v_new[(t,a)]^T
-  dk_state = (jnp.exp(g_last[..., None] - gc)[..., None, None]
+  dk_state = (_to_end(gc, sc)[..., None, None]
               * _einsum("zyntav,zynadv->zyntad", vn, dhb))
   dkk = dkk + dk_state
   c = (dk_state * kc).sum((-2, -1))                                  # [B,H,NT,C]
-  last = (jnp.exp(g_last) * (hb * dhb).sum((-3, -2, -1)) + c.sum(-1))
+  last = (from_start[..., -1] * (hb * dhb).sum((-3, -2, -1)) + c.sum(-1))
   dg = dg - c
   dg = dg.at[..., -1].add(last)
 
@@ -231,7 +240,7 @@ def reduce_dmask(dmask_tok, mask_shape):
   return d.sum(axes, keepdims=True).reshape(mask_shape)
 
 
-def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, w=None, u=None):
+def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, w=None, u=None, seg=None):
   """Backward of (k, v, beta, mask, gcum) -> (w, u) = recompute_w_u(..., solve_tril(chunk_kkt)).
 
   k: [B,Tp,H,K]; v: [B,Tp,H,V]; beta, gcum: [B,H,Tp]; mask: [Bm,Tm,Hm,r,r];
@@ -251,7 +260,8 @@ def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, w=None, u=None):
   mc = _mask_chunks(mask, bsz, heads, t_len, chunk)                  # [B,H,NT,C,r,r]
   bc = _chunks(beta.astype(f32), chunk, 2)                           # [B,H,NT,C]
   gc = _chunks(gcum, chunk, 2)
-  eg = jnp.exp(gc)
+  sc = _seg_chunks(seg, chunk)
+  eg = _from_start(gc, sc)
   aic = ai.astype(f32).reshape(bsz, heads, nt, n, n)
   dwc = dw.astype(f32).reshape(bsz, heads, nt, n, dim_k)
   duc = du.astype(f32).reshape(bsz, heads, nt, n, dim_v)
@@ -286,7 +296,7 @@ def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, w=None, u=None):
   # through Ai = (I + Ag)^-1: dAg = -Ai^T dAi Ai^T = -(dW~ w^T + dU~ u^T), token-strictly-lower
   dag = -(_einsum("zynik,zynjk->zynij", dwt, w) + _einsum("zyniv,zynjv->zynij", dut, u))
   dag = dag.reshape(bsz, heads, nt, chunk, r, chunk, r)              # [.., t, a, s, b]
-  e = dag * _decay(gc, inclusive=False)[..., :, None, :, None]       # zero unless t > s
+  e = dag * _decay(gc, False, sc)[..., :, None, :, None]             # zero unless t > s
   kk = _einsum("zyntbd,zynsbd->zyntsb", kc, kc)                      # <k_t^(b), k_s^(b)>
   ekk = (e * kk[..., :, None, :, :]).sum(-2)                         # sum_s: [.., t, a, b]
   dbeta = dbeta + (mc * ekk).sum((-2, -1))
@@ -319,29 +329,36 @@ def chunk_local_reverse_cumsum(dgcum, chunk):
 
 def gated_delta_product_xla_bwd(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
                                 do, dfinal, ai=None):
-  """The vjp of `xla.gated_delta_product_xla` (same padded, normalised inputs).
+  """The vjp of `xla.gated_delta_product_xla` (same padded, normalised inputs), resets and
+  non-finite inputs included (gdp_jax/nonfinite.py).
 
   do: [B,Tp,H,V] cotangent of o; dfinal: [B,H,K,V] cotangent of the final state (or None).
   ai: the forward's (I + Ag)^-1 [B,H,Tp*r,N] if saved, else recomputed.
   Returns (dq, dk, dv, dg, dbeta, dmask, d_initial_state), each in its primal's shape and dtype.
   """
+  primals = (q, k, v, g, beta, mask)
+  (q, k, v, g, beta, mask), marks = nonfinite.clean(*primals)
+  do, dfinal = nonfinite.mark_cotangents(do.astype(f32), dfinal, marks)
   chunk = chunk_size
   r = mask.shape[-1]
-  gcum = _xla.chunk_local_cumsum(_xla.to_head_major(g), chunk)
+  g_hm = _xla.to_head_major(g)
+  gcum, seg = _xla.gate_cumsum(g_hm, chunk)
   beta_hm = _xla.to_head_major(beta)
   if ai is None:
-    ai = _xla.solve_tril(_xla.chunk_kkt(k, beta_hm, mask, gcum, chunk), chunk * r)
-  w, u = _xla.recompute_w_u(k, v, beta_hm, mask, gcum, ai, chunk)
-  h, v_new, _ = _xla.chunk_state(k, w, u, gcum, initial_state, chunk, chunk)
-  do = do.astype(f32)
+    ai = _xla.solve_tril(_xla.chunk_kkt(k, beta_hm, mask, gcum, chunk, seg), chunk * r)
+  w, u = _xla.recompute_w_u(k, v, beta_hm, mask, gcum, ai, chunk, seg)
+  h, v_new, _ = _xla.chunk_state(k, w, u, gcum, initial_state, chunk, chunk, seg)
 
-  dv_local = chunk_bwd_dv_local(q, k, gcum, do, scale, chunk, r)
-  dh, dh0, dv_new = chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk)
-  dq, dk1, dw, dg1 = chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk)
-  dk2, dv, dbeta, dmask, dg2 = wy_bwd(k, v, beta_hm, mask, gcum, ai, dw, dv_new, chunk, w, u)
-  dg = chunk_local_reverse_cumsum(dg1 + dg2, chunk)
+  dv_local = chunk_bwd_dv_local(q, k, gcum, do, scale, chunk, r, seg)
+  dh, dh0, dv_new = chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, seg)
+  dq, dk1, dw, dg1 = chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk, seg)
+  dk2, dv, dbeta, dmask, dg2 = wy_bwd(k, v, beta_hm, mask, gcum, ai, dw, dv_new, chunk, w, u,
+                                      seg)
+  # gamma is the cumsum of g with resets counted as 0: a reset's dg is exactly 0.
+  dg = jnp.where(_xla.resets(g_hm), 0.0, chunk_local_reverse_cumsum(dg1 + dg2, chunk))
 
   time_major = lambda x: jnp.moveaxis(x, 1, 2)                      # [B,H,Tp] -> [B,Tp,H]
-  return (dq.astype(q.dtype), (dk1 + dk2).astype(k.dtype), dv.astype(v.dtype),
-          time_major(dg).astype(g.dtype), time_major(dbeta).astype(beta.dtype),
-          dmask.astype(mask.dtype), dh0.astype(initial_state.dtype))
+  grads = nonfinite.clean_gradients(
+      (dq, dk1 + dk2, dv, time_major(dg), time_major(dbeta), dmask), primals)
+  return tuple(d.astype(x.dtype) for d, x in zip(grads, primals)) + (
+      dh0.astype(initial_state.dtype),)

@@ -189,6 +189,20 @@ def test_zero_and_overlong_lengths(implementation):
 
 
 @pytest.mark.parametrize("implementation", IMPLS)
+def test_int64_lengths_never_wrap(implementation):
+  """With x64 on, an int64 length beyond int32 behaves as S (traced: clipped before the int32
+  cast); a concrete one beyond int32 is an error (it would wrap in JAX's conversion)."""
+  q, kc, vc, _, _ = make_case(4, B=2, S=20, G=2, D=16, stale=None)
+  full = gqa_decode(q, kc, vc, jnp.array([20, 3]), implementation=implementation)
+  with jax.enable_x64(True):
+    lengths = jnp.array([2 ** 31 + 5, 3], jnp.int64)
+    out = jax.jit(lambda n: gqa_decode(q, kc, vc, n, implementation=implementation))(lengths)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(full))
+  with pytest.raises(ValueError, match="lengths holds values outside int32"):
+    gqa_decode(q, kc, vc, np.array([2 ** 31 + 5, 3], np.int64), implementation=implementation)
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
 def test_empty_cache_gives_zeros(implementation):
   q = jnp.ones((2, 4, 8), jnp.float32)
   kc = jnp.ones((2, 0, 2, 8), jnp.bfloat16)

@@ -208,6 +208,47 @@ def test_gdp_bad_inputs():
     GatedDeltaProduct(D, 0, K, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("make", [gdp, lambda: attn()], ids=["gdp", "attention"])
+def test_lengths_out_of_range(make):
+  """Concrete lengths outside [0, T] are an error; traced ones are clipped to [0, T] (a length
+  above T used to leave nan in the convolution cache, a negative one garbage)."""
+  layer, T = make(), 5
+  x = x_of(20, B=2, T=T)
+  for bad in ([T + 3, 2], [-1, 2], np.array([2 ** 31 + 5, 1], np.int64)):
+    with pytest.raises(ValueError, match=r"lengths (must lie in \[0, T = 5\]|holds values)"):
+      layer(x, jnp.asarray(bad) if isinstance(bad, list) else bad, return_cache=True)
+  prefill = jax.jit(lambda x, n: layer(x, n, return_cache=True))
+  y, cache = prefill(x, jnp.array([T + 3, -2]))
+  y_ok, cache_ok = prefill(x, jnp.array([T, 0]))
+  for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_ok)):
+    assert np.all(np.isfinite(np.asarray(got))), "non-finite cache"
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  y_next, _ = layer.step(x[:, 0], cache)
+  assert np.all(np.isfinite(np.asarray(y_next)))
+
+
+@pytest.mark.parametrize("make", [gdp, lambda: attn()], ids=["gdp", "attention"])
+def test_inputs_and_caches_are_checked(make):
+  layer = make()
+  x = x_of(21, B=2, T=3)
+  with pytest.raises(TypeError, match="x must be an array .* got list"):
+    layer(x.tolist())
+  with pytest.raises(TypeError, match="x must be an array .* got list"):
+    layer.step(x[:, 0].tolist(), None)
+  with pytest.raises(TypeError, match="cache is None; start from layer.init_cache"):
+    layer.step(x[:, 0], None)
+  is_gdp = isinstance(layer, GatedDeltaProduct)
+  other = attn().init_cache(2, 8) if is_gdp else gdp().init_cache(2)
+  with pytest.raises(TypeError, match="cache must be a (GatedDeltaProductCache|KVCache)"):
+    layer.step(x[:, 0], other)
+  wrong_batch = layer.init_cache(3) if is_gdp else layer.init_cache(3, 8)
+  with pytest.raises(ValueError, match=r"cache\.\w+ has shape \(3, .*another layer or batch"):
+    layer.step(x[:, 0], wrong_batch)
+  if is_gdp:          # a cache of a layer with other sizes
+    with pytest.raises(ValueError, match=r"cache\.state has shape"):
+      layer.step(x[:, 0], gdp(num_blocks=1, expand_v=1).init_cache(2))
+
+
 # ---- packed documents (segment_ids) -------------------------------------------------------------
 
 def packed(lengths, T):

@@ -133,6 +133,17 @@ def _good():
     (dict(beta=jnp.zeros((2, 8, 3), jnp.int32)), TypeError, "beta must have a floating dtype"),
     (dict(mask=jnp.ones((2, 2), jnp.int32)), TypeError, "mask must have a floating dtype"),
     (dict(v=jnp.zeros((2, 8, 3, 8), jnp.bfloat16)), TypeError, "share one dtype"),
+    (dict(q=jnp.zeros((2, 8, 3, 0)), k=jnp.zeros((2, 8, 3, 0)), mask=None, initial_state=None),
+     ValueError, "q has K = 0 features (shape (2, 8, 3, 0)); need K >= 1"),
+    (dict(chunk_size=64.0), TypeError, "chunk_size must be an int, one of (16, 32, 64), got 64.0"),
+    (dict(chunk_size=True), TypeError, "chunk_size must be an int"),
+    (dict(scale="0.5"), TypeError, "scale must be a number or a scalar float array, got '0.5'"),
+    (dict(scale=jnp.ones(3)), ValueError, "scale must be a scalar (one output scale for every "
+     "head), got shape (3,)"),
+    (dict(scale=[0.5]), TypeError, "scale must be a number or a scalar float array, got list"),
+    (dict(output_final_state="no"), TypeError,
+     "output_final_state must be True or False, got 'no' (str)"),
+    (dict(output_final_state=1), TypeError, "output_final_state must be True or False"),
 ])
 def test_bad_inputs_raise(change, error, words):
   inputs = _good()
@@ -148,3 +159,20 @@ def test_bad_implementation_and_chunk_size():
     gated_delta_product(**inputs, implementation="cuda")
   with pytest.raises(ValueError, match="chunk_size must be one of"):
     gated_delta_product(**inputs, chunk_size=48)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla", "pallas"])
+def test_traced_scale(implementation):
+  """A scale traced under jit (a learned one) works in every implementation, with its
+  gradient; pallas runs its kernels with scale 1 and scales o."""
+  inputs = make_inputs(13, B=1, T=16, H=2, K=16, V=8, r=2, mask_kind="shared")
+  o_ref, _ = run("reference", **inputs)
+
+  def loss(scale):
+    o, _ = gated_delta_product(**inputs, scale=scale, implementation=implementation)
+    return jnp.sum(o), o
+
+  (_, o), d_scale = jax.jit(jax.value_and_grad(loss, has_aux=True))(jnp.float32(0.5))
+  k_dim = inputs["q"].shape[-1]
+  assert_close(o, o_ref * (0.5 / k_dim ** -0.5), tol(jnp.float32), "o")
+  assert_close(d_scale, jnp.sum(o_ref) / k_dim ** -0.5, tol(jnp.float32), "d scale")

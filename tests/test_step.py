@@ -198,6 +198,9 @@ def _good():
     (dict(v=jnp.zeros((2, 3, 8), jnp.bfloat16)), TypeError, "share one dtype"),
     (dict(state=jnp.zeros((2, 3, 16, 8), jnp.int32)), TypeError,
      "state must have a floating dtype"),
+    (dict(scale="0.5"), TypeError, "scale must be a number or a scalar float array, got '0.5'"),
+    (dict(scale=jnp.ones(2)), ValueError, "scale must be a scalar"),
+    (dict(in_place="no"), TypeError, "in_place must be True or False, got 'no'"),
 ])
 def test_bad_inputs_raise(change, error, words):
   inputs = _good()
@@ -210,6 +213,22 @@ def test_bad_inputs_raise(change, error, words):
 def test_bad_implementation():
   with pytest.raises(ValueError, match="implementation must be one of"):
     gated_delta_product_step(**_good(), implementation="reference")
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
+def test_optional_arguments_have_defaults(implementation):
+  """g, mask and state may be left out (None: no decay, r = 1, a zero state), as documented; the
+  order is the operator's: q, k, v, g, beta, mask, state."""
+  inputs = make_inputs(35, B=2, T=1, H=2, K=16, V=8, r=1, mask_kind=None, with_state=False)
+  q, k, v = (inputs[n][:, 0] for n in ("q", "k", "v"))
+  beta = inputs["beta"][:, 0]
+  o1, s1 = gated_delta_product_step(q, k, v, beta=beta, implementation=implementation)
+  o2, s2 = gated_delta_product_step(q, k, v, None, beta, None, None,
+                                    implementation=implementation)
+  np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+  np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))
+  with pytest.raises(ValueError, match="beta is required"):
+    gated_delta_product_step(q, k, v, implementation=implementation)
 
 
 # ---- large shapes, compiled, on a GPU only ---------------------------------------------------

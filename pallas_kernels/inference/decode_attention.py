@@ -69,11 +69,11 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, seq_len, group
   # layout, row stride Hkv * D); outputs o_ref [G, D], m_ref, l_ref [G] of split j.
   j = pl.program_id(2)
   length = jnp.minimum(jnp.maximum(len_ref[()], 0), seq_len)
-  per_split = jax.lax.div(length + (num_splits - 1), num_splits)
-  per_split = jax.lax.div(per_split + (block_s - 1), block_s) * block_s
+  per_split = jax.lax.div(length + (num_splits - 1), jnp.int32(num_splits))   # int32 under x64 too
+  per_split = jax.lax.div(per_split + (block_s - 1), jnp.int32(block_s)) * block_s
   start = j * per_split
   end = jnp.minimum(start + per_split, length)
-  n_blocks = jax.lax.div(jnp.maximum(end - start, 0) + (block_s - 1), block_s)
+  n_blocks = jax.lax.div(jnp.maximum(end - start, 0) + (block_s - 1), jnp.int32(block_s))
 
   pad_g = gp != group
   pad_d = dp != dim

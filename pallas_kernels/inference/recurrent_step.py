@@ -90,7 +90,7 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, mask_ref, state_ref, o_ref, ne
     u_rows = jnp.broadcast_to((beta * (v - pred))[None, :], (kp, block_v))
   else:
     dk = dim_k // r
-    blk = jax.lax.div(rows, dk)                                   # key block of each row
+    blk = jax.lax.div(rows, jnp.int32(dk))                         # key block of each row
     proj = [jnp.sum(jnp.where(blk == d, ks, 0.0), axis=0) for d in range(r)]
     u_rows = None
     for a in range(r):
