@@ -250,8 +250,8 @@ def gated_delta_product_step(
   """
   in_place = check_bool("in_place", in_place)
   batch, heads, dim_k, dim_v, mask4, r = _check_step(q, k, v, g, beta, mask, state)
-  q, k, v, g, beta, mask4 = (None if x is None else jnp.asarray(x)
-                             for x in (q, k, v, g, beta, mask4))
+  q, k, v, beta, mask4 = (jnp.asarray(x) for x in (q, k, v, beta, mask4))
+  g = None if g is None else jnp.asarray(g)
   implementation = dispatch.resolve("gated_delta_product_step", implementation)
   resolve_precision(precision)                       # a clear error for a bad value
   if g is None:

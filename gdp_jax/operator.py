@@ -247,8 +247,9 @@ def gated_delta_product(
   batch, t_len, heads, dim_k, dim_v, mask5, r = check_inputs(
       q, k, v, g, beta, mask, initial_state)
   # NumPy arrays in JAX's dtypes from here (float64 NumPy input is float32 without x64).
-  q, k, v, g, beta, mask5, initial_state = (
-      None if x is None else jnp.asarray(x) for x in (q, k, v, g, beta, mask5, initial_state))
+  q, k, v, beta, mask5 = (jnp.asarray(x) for x in (q, k, v, beta, mask5))
+  g = None if g is None else jnp.asarray(g)
+  initial_state = None if initial_state is None else jnp.asarray(initial_state)
   output_final_state = check_bool("output_final_state", output_final_state)
   chunk_size = check_chunk_size(chunk_size)
   scale = check_scale(scale)
