@@ -6,14 +6,20 @@ PY := .venv/bin/python
 GPU_PY ?= python3
 SECTIONS ?= all
 
-.PHONY: setup demo test gpu-check
+.PHONY: setup demo lint test gpu-check
 setup:
 	@./scripts/setup_env.sh
 
 demo: setup
 	$(PY) -m gdp_jax demo
 
-test: setup
+# Lint, format check and types (settings in pyproject.toml); `make test` runs them first.
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q -n 2 tests
 
 gpu-check:
