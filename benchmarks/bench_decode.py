@@ -45,8 +45,8 @@ DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 
 def median_ms(run, carry, args, reps):
   """run(carry, *args) -> carry does `inner` calls; returns (median ms per run, all ms)."""
-  jax.block_until_ready(run(carry, *args))            # compile
-  jax.block_until_ready(run(carry, *args))            # warm-up
+  jax.block_until_ready(run(carry, *args))  # compile
+  jax.block_until_ready(run(carry, *args))  # warm-up
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()
@@ -57,13 +57,16 @@ def median_ms(run, carry, args, reps):
 
 def loop(step, inner):
   """A jitted fori_loop of `inner` calls of step(carry, *args) -> carry."""
+
   @jax.jit
   def run(carry, *args):
     return jax.lax.fori_loop(0, inner, lambda i, c: step(c, *args), carry)
+
   return run
 
 
 # ---- grouped-query decode --------------------------------------------------------------------
+
 
 def make_cache(B, S, Hq, Hkv, D, dtype, seed=0):
   k0, k1, k2 = jax.random.split(jax.random.key(seed), 3)
@@ -77,7 +80,7 @@ def decode_fn(impl, D, tiny, knobs=None):
   """(q f32, kc, vc, lengths) -> f32 [B, Hq, D] for one implementation."""
   if impl == "pallas":
     if knobs:
-      return lambda q, kc, vc, n: da.gqa_decode(q, kc, vc, n, scale=D ** -0.5, **knobs)
+      return lambda q, kc, vc, n: da.gqa_decode(q, kc, vc, n, scale=D**-0.5, **knobs)
     return lambda q, kc, vc, n: gqa_decode(q, kc, vc, n, implementation="pallas")
   if impl == "xla":
     return lambda q, kc, vc, n: gqa_decode(q, kc, vc, n, implementation="xla")
@@ -91,13 +94,15 @@ def decode_fn(impl, D, tiny, knobs=None):
       # Its kernel dots q with the cache tile: both must share the cache's dtype.
       out = jax_da.gqa(q.astype(kc.dtype), kc, vc, kv_seq_len=n, **extra)
       return out.astype(jnp.float32)
+
     return f
   raise ValueError(f"unknown implementation {impl}")
 
 
 def time_decode(fn, q, kc, vc, lengths, reps, inner):
   def step(qc, kc, vc, n):
-    return qc + 1e-20 * fn(qc, kc, vc, n)             # a real dependency between calls
+    return qc + 1e-20 * fn(qc, kc, vc, n)  # a real dependency between calls
+
   ms, all_ms = median_ms(loop(step, inner), q, (kc, vc, lengths), reps)
   return ms / inner, [t / inner for t in all_ms]
 
@@ -124,9 +129,19 @@ def decode_section(results, save, shapes, dtype, impls, reps, inner, tiny):
       except Exception:
         ref = None
       for impl in impls:
-        case = dict(section="decode", impl=impl, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D,
-                    dtype=jnp.dtype(dtype).name, lengths=frac_name, length=L,
-                    cache_bytes_read=nbytes)
+        case = dict(
+          section="decode",
+          impl=impl,
+          B=B,
+          S=S,
+          Hq=Hq,
+          Hkv=Hkv,
+          D=D,
+          dtype=jnp.dtype(dtype).name,
+          lengths=frac_name,
+          length=L,
+          cache_bytes_read=nbytes,
+        )
         try:
           fn = decode_fn(impl, D, tiny)
           case["ms"], case["all_ms"] = time_decode(fn, q, kc, vc, lengths, reps, inner)
@@ -136,8 +151,11 @@ def decode_section(results, save, shapes, dtype, impls, reps, inner, tiny):
             case["max_abs_diff_vs_xla"] = float(jnp.max(jnp.abs(out - ref)))
           if impl == "pallas":
             case["num_splits"] = da.default_num_splits(B, Hkv, S)
-            case["defaults"] = dict(block_s=da.DEFAULTS.block_s, num_warps=da.DEFAULTS.num_warps,
-                                    num_stages=da.DEFAULTS.num_stages)
+            case["defaults"] = dict(
+              block_s=da.DEFAULTS.block_s,
+              num_warps=da.DEFAULTS.num_warps,
+              num_stages=da.DEFAULTS.num_stages,
+            )
         except Exception as e:
           case["error"] = f"{type(e).__name__}: {e}"[:2000]
           case["traceback"] = traceback.format_exc()[-4000:]
@@ -146,8 +164,11 @@ def decode_section(results, save, shapes, dtype, impls, reps, inner, tiny):
         show(case)
     # lengths S/2 should take about half the time of lengths S
     for impl in impls:
-      by = {c["lengths"]: c for c in results["decode"]
-            if c.get("impl") == impl and c.get("B") == B and c.get("S") == S and "ms" in c}
+      by = {
+        c["lengths"]: c
+        for c in results["decode"]
+        if c.get("impl") == impl and c.get("B") == B and c.get("S") == S and "ms" in c
+      }
       if "full" in by and "half" in by:
         ratio = by["half"]["ms"] / by["full"]["ms"]
         results["half_over_full"].append(dict(impl=impl, B=B, S=S, ratio=ratio))
@@ -164,8 +185,18 @@ def decode_sweep(results, save, shape, dtype, configs, reps, inner):
   nbytes = cache_bytes(lengths, S, Hkv, D, dtype)
   ref = jax.jit(decode_fn("xla", D, False))(q, kc, vc, lengths)
   for knobs in configs:
-    case = dict(section="decode_sweep", impl="pallas", B=B, S=S, Hq=Hq, Hkv=Hkv, D=D,
-                dtype=jnp.dtype(dtype).name, knobs=knobs, cache_bytes_read=nbytes)
+    case = dict(
+      section="decode_sweep",
+      impl="pallas",
+      B=B,
+      S=S,
+      Hq=Hq,
+      Hkv=Hkv,
+      D=D,
+      dtype=jnp.dtype(dtype).name,
+      knobs=knobs,
+      cache_bytes_read=nbytes,
+    )
     try:
       fn = decode_fn("pallas", D, False, knobs)
       case["ms"], case["all_ms"] = time_decode(fn, q, kc, vc, lengths, reps, inner)
@@ -182,6 +213,7 @@ def decode_sweep(results, save, shape, dtype, configs, reps, inner):
 
 # ---- recurrent step --------------------------------------------------------------------------
 
+
 def make_step(B, H, K, V, r, seed=1):
   ks = jax.random.split(jax.random.key(seed), 7)
   q = jax.random.normal(ks[0], (B, H, K), jnp.float32)
@@ -193,26 +225,38 @@ def make_step(B, H, K, V, r, seed=1):
   beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, H)))
   mask = jnp.eye(r) * 0.5 + 0.5
   state = jax.random.normal(ks[5], (B, H, K, V), jnp.float32) * 0.1
-  return (q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), g, beta,
-          mask, state)
+  return (
+    q.astype(jnp.bfloat16),
+    k.astype(jnp.bfloat16),
+    v.astype(jnp.bfloat16),
+    g,
+    beta,
+    mask,
+    state,
+  )
 
 
 def step_fn(impl, K, knobs=None):
   """(state, o) , q, k, v, g, beta, mask -> (new state, o): o rides in the loop carry so it
   stays live without an extra pass over the state."""
   if impl in ("pallas", "pallas_copy") and knobs:
+
     def f(carry, q, k, v, g, beta, mask):
-      o, new = rs.recurrent_step(q, k, v, g, beta, mask[None, None], carry[0],
-                                 scale=K ** -0.5, **knobs)
+      o, new = rs.recurrent_step(
+        q, k, v, g, beta, mask[None, None], carry[0], scale=K**-0.5, **knobs
+      )
       return new, o
+
     return f
   in_place = impl != "pallas_copy"
   name = "xla" if impl == "xla" else "pallas"
 
   def f(carry, q, k, v, g, beta, mask):
-    o, new = gated_delta_product_step(q, k, v, g, beta, mask, carry[0], implementation=name,
-                                      in_place=in_place)
+    o, new = gated_delta_product_step(
+      q, k, v, g, beta, mask, carry[0], implementation=name, in_place=in_place
+    )
     return new, o
+
   return f
 
 
@@ -226,8 +270,17 @@ def step_section(results, save, shape, rs_list, impls, sweep, reps, inner):
     ref = None
     cases = [(impl, None) for impl in impls] + [("pallas", kn) for kn in (sweep if r == 1 else [])]
     for impl, knobs in cases:
-      case = dict(section="step" if knobs is None else "step_sweep", impl=impl, B=B, H=H, K=K,
-                  V=V, r=r, knobs=knobs, state_bytes_read_written=2 * state_bytes)
+      case = dict(
+        section="step" if knobs is None else "step_sweep",
+        impl=impl,
+        B=B,
+        H=H,
+        K=K,
+        V=V,
+        r=r,
+        knobs=knobs,
+        state_bytes_read_written=2 * state_bytes,
+      )
       try:
         fn = step_fn(impl, K, knobs)
         ms, all_ms = median_ms(loop(fn, inner), carry, rest, reps)
@@ -238,11 +291,15 @@ def step_section(results, save, shape, rs_list, impls, sweep, reps, inner):
           ref = (new, o)
         if ref is not None:
           case["max_abs_diff_vs_xla"] = max(
-              float(jnp.max(jnp.abs(new - ref[0]))),
-              float(jnp.max(jnp.abs(o.astype(jnp.float32) - ref[1].astype(jnp.float32)))))
+            float(jnp.max(jnp.abs(new - ref[0]))),
+            float(jnp.max(jnp.abs(o.astype(jnp.float32) - ref[1].astype(jnp.float32)))),
+          )
         if impl.startswith("pallas") and knobs is None:
-          case["defaults"] = dict(block_v=rs.DEFAULTS.block_v, num_warps=rs.DEFAULTS.num_warps,
-                                  num_stages=rs.DEFAULTS.num_stages)
+          case["defaults"] = dict(
+            block_v=rs.DEFAULTS.block_v,
+            num_warps=rs.DEFAULTS.num_warps,
+            num_stages=rs.DEFAULTS.num_stages,
+          )
       except Exception as e:
         case["error"] = f"{type(e).__name__}: {e}"[:2000]
         case["traceback"] = traceback.format_exc()[-4000:]
@@ -253,6 +310,7 @@ def step_section(results, save, shape, rs_list, impls, sweep, reps, inner):
 
 
 # ---- output ----------------------------------------------------------------------------------
+
 
 def show(case, label=""):
   head = case.get("section", "")
@@ -276,16 +334,26 @@ def summary(results):
     for c in results.get(sec, []):
       if "GBps" not in c:
         continue
-      key = (c["section"].replace("_sweep", ""), c["impl"], c.get("B"), c.get("S"), c.get("r"),
-             c.get("lengths", "full"))
+      key = (
+        c["section"].replace("_sweep", ""),
+        c["impl"],
+        c.get("B"),
+        c.get("S"),
+        c.get("r"),
+        c.get("lengths", "full"),
+      )
       if key not in best or c["GBps"] > best[key]["GBps"]:
         best[key] = dict(GBps=c["GBps"], ms=c["ms"], knobs=c.get("knobs"))
-  results["best"] = [dict(zip(("section", "impl", "B", "S", "r", "lengths"), k), **v)
-                     for k, v in sorted(best.items(), key=lambda kv: str(kv[0]))]
+  results["best"] = [
+    dict(zip(("section", "impl", "B", "S", "r", "lengths"), k), **v)
+    for k, v in sorted(best.items(), key=lambda kv: str(kv[0]))
+  ]
   print("\nbest per case (GB/s):")
   for row in results["best"]:
-    print(f"  {row['section']:7s} {row['impl']:11s} B={row['B']} S={row['S']} r={row['r']} "
-          f"L={row['lengths']}: {row['GBps']:8.1f} GB/s  {row['ms']:.4f} ms  {row['knobs'] or ''}")
+    print(
+      f"  {row['section']:7s} {row['impl']:11s} B={row['B']} S={row['S']} r={row['r']} "
+      f"L={row['lengths']}: {row['GBps']:8.1f} GB/s  {row['ms']:.4f} ms  {row['knobs'] or ''}"
+    )
 
 
 def main(argv=None):
@@ -307,31 +375,56 @@ def main(argv=None):
     args.reps, args.inner = 2, 2
     shapes = dict(heads=(8, 2, 32), sizes=[(2, 256), (1, 128)])
     sweep_shape = dict(heads=(8, 2, 32), size=(2, 256))
-    decode_configs = [dict(block_s=16, num_warps=4, num_stages=2, num_splits=2),
-                      dict(block_s=32, num_warps=4, num_stages=3, num_splits=1)]
+    decode_configs = [
+      dict(block_s=16, num_warps=4, num_stages=2, num_splits=2),
+      dict(block_s=32, num_warps=4, num_stages=3, num_splits=1),
+    ]
     step_shape = (2, 2, 32, 32)
     step_configs = [dict(block_v=16, num_warps=4), dict(block_v=32, num_warps=4)]
   else:
     shapes = dict(heads=(32, 8, 128), sizes=[(32, 32768), (8, 8192)])
     sweep_shape = dict(heads=(32, 8, 128), size=(32, 32768))
     ns = da.default_num_splits(32, 8, 32768)
-    decode_configs = [dict(block_s=bs, num_warps=w, num_stages=st)
-                      for bs in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
-    decode_configs += [dict(block_s=da.DEFAULTS.block_s, num_warps=da.DEFAULTS.num_warps,
-                            num_stages=da.DEFAULTS.num_stages, num_splits=n)
-                       for n in sorted({max(1, ns // 4), max(1, ns // 2), ns * 2})]
+    decode_configs = [
+      dict(block_s=bs, num_warps=w, num_stages=st)
+      for bs in (32, 64, 128)
+      for w in (4, 8)
+      for st in (2, 3)
+    ]
+    decode_configs += [
+      dict(
+        block_s=da.DEFAULTS.block_s,
+        num_warps=da.DEFAULTS.num_warps,
+        num_stages=da.DEFAULTS.num_stages,
+        num_splits=n,
+      )
+      for n in sorted({max(1, ns // 4), max(1, ns // 2), ns * 2})
+    ]
     step_shape = (64, 16, 128, 128)
-    step_configs = [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) for w in (2, 4, 8)
-                    if not (bv == 128 and w == 2)]     # that one spills registers
+    step_configs = [
+      dict(block_v=bv, num_warps=w)
+      for bv in (16, 32, 64, 128)
+      for w in (2, 4, 8)
+      if not (bv == 128 and w == 2)
+    ]  # that one spills registers
   if args.no_sweep:
     decode_configs, step_configs = [], []
 
-  results = dict(device=str(jax.devices()[0]), backend=jax.default_backend(),
-                 jax_version=jax.__version__, interpret_mode=backend.interpret_mode(),
-                 date=time.strftime("%Y-%m-%d %H:%M:%S"), command=" ".join(sys.argv),
-                 reps=args.reps, inner=args.inner, bars=dict(
-                     decode_GBps_at_B32_S32768=3000, step_GBps_at_B64_H16_K128_V128=2500),
-                 decode=[], half_over_full=[], decode_sweep=[], step=[])
+  results = dict(
+    device=str(jax.devices()[0]),
+    backend=jax.default_backend(),
+    jax_version=jax.__version__,
+    interpret_mode=backend.interpret_mode(),
+    date=time.strftime("%Y-%m-%d %H:%M:%S"),
+    command=" ".join(sys.argv),
+    reps=args.reps,
+    inner=args.inner,
+    bars=dict(decode_GBps_at_B32_S32768=3000, step_GBps_at_B64_H16_K128_V128=2500),
+    decode=[],
+    half_over_full=[],
+    decode_sweep=[],
+    step=[],
+  )
 
   def save():
     with open(args.out, "w") as f:
@@ -345,12 +438,24 @@ def main(argv=None):
       elif section == "sweep" and decode_configs:
         decode_sweep(results, save, sweep_shape, dtype, decode_configs, args.reps, args.inner)
       elif section == "step":
-        step_section(results, save, step_shape, (1, 2), args.step_impls.split(","),
-                     step_configs, args.reps, args.inner)
+        step_section(
+          results,
+          save,
+          step_shape,
+          (1, 2),
+          args.step_impls.split(","),
+          step_configs,
+          args.reps,
+          args.inner,
+        )
     except Exception as e:  # a whole section failing (e.g. out of memory): record, go on
       results.setdefault("errors", []).append(
-          dict(section=section, error=f"{type(e).__name__}: {e}"[:2000],
-               traceback=traceback.format_exc()[-4000:]))
+        dict(
+          section=section,
+          error=f"{type(e).__name__}: {e}"[:2000],
+          traceback=traceback.format_exc()[-4000:],
+        )
+      )
       print(f"section {section}: ERROR {e}"[:400], flush=True)
     save()
   summary(results)

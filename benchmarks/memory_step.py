@@ -54,17 +54,25 @@ def main(argv=None):
   for impl in args.impls.split(","):
     for r in (int(x) for x in args.rs.split(",")):
       code = CASE.format(root=root, shape=shape, r=r, impl=impl)
-      proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300)
+      proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+      )
       lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-      rec = json.loads(lines[-1]) if lines else dict(impl=impl, r=r,
-                                                       error=proc.stderr[-2000:])
+      rec = json.loads(lines[-1]) if lines else dict(impl=impl, r=r, error=proc.stderr[-2000:])
       if "peak_bytes" in rec and rec["peak_bytes"]:
         rec["peak_gib"] = rec["peak_bytes"] / 2**30
         rec["inputs_gib"] = rec["inputs_bytes"] / 2**30
       results.append(rec)
-      print(impl, r, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()
-                      if k in ("peak_gib", "inputs_gib", "error")}, flush=True)
+      print(
+        impl,
+        r,
+        {
+          k: (round(v, 3) if isinstance(v, float) else v)
+          for k, v in rec.items()
+          if k in ("peak_gib", "inputs_gib", "error")
+        },
+        flush=True,
+      )
   with open(args.out, "w") as f:
     json.dump(dict(shape=args.shape, results=results), f, indent=1)
 

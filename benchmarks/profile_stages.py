@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from gdp_jax.bench import DTYPES, make_inputs, time_jax  # noqa: E402
 from gdp_jax import pallas_impl  # noqa: E402
+from gdp_jax.bench import DTYPES, make_inputs, time_jax  # noqa: E402
 from gdp_jax.operator import normalize_mask  # noqa: E402
 from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy  # noqa: E402
-from pallas_kernels.common import backend, cumsum  # noqa: E402
+from pallas_kernels.common import cumsum  # noqa: E402
 from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy  # noqa: E402
 
 
@@ -46,27 +46,40 @@ def stages(inputs, r, chunk_size=64, **overrides):
   dh, _, dvn = bwd_dhu.chunk_bwd_dhu(q, k, w, gcum, do, dvl, h0, scale=0.1, **cr)
   dw = bwd_dqkwg.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, scale=0.1, **cr)[2]
   backward = {
-      "bwd_dv_local": (jax.jit(lambda *x: bwd_dv_local.chunk_bwd_dv_local(*x, scale=0.1, **cr)),
-                       (q, k, gcum, do)),
-      "bwd_dhu": (jax.jit(lambda *x: bwd_dhu.chunk_bwd_dhu(*x, scale=0.1, **cr)),
-                  (q, k, w, gcum, do, dvl, h0)),
-      "bwd_dqkwg": (jax.jit(lambda *x: bwd_dqkwg.chunk_bwd_dqkwg(*x, scale=0.1, **cr)),
-                    (q, k, v_new, gcum, h, dh, do, dvn)),
-      "bwd_wy": (jax.jit(lambda *x: bwd_wy.wy_bwd(*x, **cr)), (k, v, beta, mask, gcum, ai, dw, dvn)),
-      "bwd_cumsum": (jax.jit(lambda x: cumsum.chunk_local_cumsum(x, bt, reverse=True)), (g,)),
+    "bwd_dv_local": (
+      jax.jit(lambda *x: bwd_dv_local.chunk_bwd_dv_local(*x, scale=0.1, **cr)),
+      (q, k, gcum, do),
+    ),
+    "bwd_dhu": (
+      jax.jit(lambda *x: bwd_dhu.chunk_bwd_dhu(*x, scale=0.1, **cr)),
+      (q, k, w, gcum, do, dvl, h0),
+    ),
+    "bwd_dqkwg": (
+      jax.jit(lambda *x: bwd_dqkwg.chunk_bwd_dqkwg(*x, scale=0.1, **cr)),
+      (q, k, v_new, gcum, h, dh, do, dvn),
+    ),
+    "bwd_wy": (jax.jit(lambda *x: bwd_wy.wy_bwd(*x, **cr)), (k, v, beta, mask, gcum, ai, dw, dvn)),
+    "bwd_cumsum": (jax.jit(lambda x: cumsum.chunk_local_cumsum(x, bt, reverse=True)), (g,)),
   }
   return backward | {
-      "cumsum": (jax.jit(lambda g: cumsum.chunk_local_cumsum(g, bt)), (g,)),
-      "kkt": (jax.jit(lambda k, b, m, gc: kkt.chunk_kkt(k, b, m, gc, **cr)), (k, beta, mask, gcum)),
-      "solve_tril": (jax.jit(lambda a: solve_tril.solve_tril(a, chunk_rows=bt * r,
-                                                             out_dtype=q.dtype)), (a,)),
-      "wy": (jax.jit(lambda k, v, b, m, gc, ai: wy.recompute_w_u(k, v, b, m, gc, ai, **cr)),
-             (k, v, beta, mask, gcum, ai)),
-      "chunk_h": (jax.jit(lambda k, w, u, gc, h0: chunk_h.chunk_state(k, w, u, gc, h0, **cr)),
-                  (k, w, u, gcum, h0)),
-      "chunk_o": (jax.jit(lambda q, k, vn, h, gc: chunk_o.chunk_output(q, k, vn, h, gc, scale=0.1,
-                                                                       **cr)),
-                  (q, k, v_new, h, gcum)),
+    "cumsum": (jax.jit(lambda g: cumsum.chunk_local_cumsum(g, bt)), (g,)),
+    "kkt": (jax.jit(lambda k, b, m, gc: kkt.chunk_kkt(k, b, m, gc, **cr)), (k, beta, mask, gcum)),
+    "solve_tril": (
+      jax.jit(lambda a: solve_tril.solve_tril(a, chunk_rows=bt * r, out_dtype=q.dtype)),
+      (a,),
+    ),
+    "wy": (
+      jax.jit(lambda k, v, b, m, gc, ai: wy.recompute_w_u(k, v, b, m, gc, ai, **cr)),
+      (k, v, beta, mask, gcum, ai),
+    ),
+    "chunk_h": (
+      jax.jit(lambda k, w, u, gc, h0: chunk_h.chunk_state(k, w, u, gc, h0, **cr)),
+      (k, w, u, gcum, h0),
+    ),
+    "chunk_o": (
+      jax.jit(lambda q, k, vn, h, gc: chunk_o.chunk_output(q, k, vn, h, gc, scale=0.1, **cr)),
+      (q, k, v_new, h, gcum),
+    ),
   }
 
 
@@ -86,8 +99,9 @@ def main(argv=None):
     try:
       fns = stages(inputs, r)
     except Exception as e:
-      res["stages"].append(dict(r=r, error=f"{type(e).__name__}: {e}"[:3000],
-                                traceback=traceback.format_exc()[-4000:]))
+      res["stages"].append(
+        dict(r=r, error=f"{type(e).__name__}: {e}"[:3000], traceback=traceback.format_exc()[-4000:])
+      )
       print(f"r={r} setup ERROR {type(e).__name__}: {str(e)[:1500]}", flush=True)
       continue
     total = 0.0

@@ -18,22 +18,33 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from gdp_jax.bench import DTYPES, make_inputs, time_jax  # noqa: E402
 from gdp_jax import pallas_impl  # noqa: E402
+from gdp_jax.bench import DTYPES, make_inputs, time_jax  # noqa: E402
 from gdp_jax.operator import normalize_mask  # noqa: E402
-from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy  # noqa: E402
 from pallas_kernels.common import cumsum  # noqa: E402
 from pallas_kernels.common.options import Launch  # noqa: E402
+from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy  # noqa: E402
 
 VARIANTS = {
-    "kkt": [dict(num_warps=w) for w in (2, 4, 8)],
-    "solve_tril": [dict(num_warps=w) for w in (1, 2, 4)],
-    "wy": [dict(num_warps=w) for w in (4, 8)],
-    "chunk_h": [dict(block_v=bv, num_warps=w, num_stages=s)
-                for bv, w, s in ((32, 2, 2), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2),
-                                 (64, 4, 3), (128, 8, 2))],
-    "chunk_o": [dict(block_v=bv, num_warps=w, num_stages=s)
-                for bv, w, s in ((64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3))],
+  "kkt": [dict(num_warps=w) for w in (2, 4, 8)],
+  "solve_tril": [dict(num_warps=w) for w in (1, 2, 4)],
+  "wy": [dict(num_warps=w) for w in (4, 8)],
+  "chunk_h": [
+    dict(block_v=bv, num_warps=w, num_stages=s)
+    for bv, w, s in (
+      (32, 2, 2),
+      (32, 4, 2),
+      (32, 4, 3),
+      (64, 4, 2),
+      (64, 8, 2),
+      (64, 4, 3),
+      (128, 8, 2),
+    )
+  ],
+  "chunk_o": [
+    dict(block_v=bv, num_warps=w, num_stages=s)
+    for bv, w, s in ((64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3))
+  ],
 }
 
 
@@ -63,15 +74,30 @@ def main(argv=None):
     w, u = wy.recompute_w_u(k, v, beta, mask, gcum, ai, **cr)
     h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, **cr)
     calls = {
-        "kkt": lambda p: (jax.jit(lambda *x: kkt.chunk_kkt(*x, **cr, launch=Launch(**p))), (k, beta, mask, gcum)),
-        "solve_tril": lambda p: (jax.jit(lambda x: solve_tril.solve_tril(
-            x, chunk_rows=bt * r, out_dtype=q.dtype, launch=Launch(**p))), (a,)),
-        "wy": lambda p: (jax.jit(lambda *x: wy.recompute_w_u(*x, **cr, launch=Launch(**p))),
-                         (k, v, beta, mask, gcum, ai)),
-        "chunk_h": lambda p: (jax.jit(lambda *x: chunk_h.chunk_state(*x, **cr, launch=Launch(**p))),
-                              (k, w, u, gcum, h0)),
-        "chunk_o": lambda p: (jax.jit(lambda *x: chunk_o.chunk_output(*x, scale=0.1, **cr, launch=Launch(**p))),
-                              (q, k, v_new, h, gcum)),
+      "kkt": lambda p: (
+        jax.jit(lambda *x: kkt.chunk_kkt(*x, **cr, launch=Launch(**p))),
+        (k, beta, mask, gcum),
+      ),
+      "solve_tril": lambda p: (
+        jax.jit(
+          lambda x: solve_tril.solve_tril(
+            x, chunk_rows=bt * r, out_dtype=q.dtype, launch=Launch(**p)
+          )
+        ),
+        (a,),
+      ),
+      "wy": lambda p: (
+        jax.jit(lambda *x: wy.recompute_w_u(*x, **cr, launch=Launch(**p))),
+        (k, v, beta, mask, gcum, ai),
+      ),
+      "chunk_h": lambda p: (
+        jax.jit(lambda *x: chunk_h.chunk_state(*x, **cr, launch=Launch(**p))),
+        (k, w, u, gcum, h0),
+      ),
+      "chunk_o": lambda p: (
+        jax.jit(lambda *x: chunk_o.chunk_output(*x, scale=0.1, **cr, launch=Launch(**p))),
+        (q, k, v_new, h, gcum),
+      ),
     }
     for stage in args.stages.split(","):
       for params in VARIANTS[stage]:

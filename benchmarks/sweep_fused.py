@@ -41,10 +41,20 @@ from pallas_kernels.common.options import DEFAULT, Launch  # noqa: E402
 from pallas_kernels.forward import chunk_fwd, chunk_state_output  # noqa: E402
 from tests.cases import rel_err  # noqa: E402
 
-TINY = dict(shape="1,32,2,64,32", rs="1,2", chunks="16", merges="panels", fwd_warps="4",
-            inverses="substitution,squaring",
-            fwd_stages="1",
-            block_v="32", so_warps="4", so_stages="2", reps=1, inner=1)
+TINY = dict(
+  shape="1,32,2,64,32",
+  rs="1,2",
+  chunks="16",
+  merges="panels",
+  fwd_warps="4",
+  inverses="substitution,squaring",
+  fwd_stages="1",
+  block_v="32",
+  so_warps="4",
+  so_stages="2",
+  reps=1,
+  inner=1,
+)
 
 
 def whole_forward(*arrays, scale, bt, opts):
@@ -54,8 +64,11 @@ def whole_forward(*arrays, scale, bt, opts):
 
 def kernel_args(params):
   """A sweep point {merge, inverse, num_warps, num_stages} as chunk_fwd's keyword arguments."""
-  return dict(merge=params["merge"], inverse=params["inverse"],
-              launch=Launch(num_warps=params["num_warps"], num_stages=params["num_stages"]))
+  return dict(
+    merge=params["merge"],
+    inverse=params["inverse"],
+    launch=Launch(num_warps=params["num_warps"], num_stages=params["num_stages"]),
+  )
 
 
 def ints(text):
@@ -71,8 +84,9 @@ def main(argv=None):
   p.add_argument("--chunks", default="16,32,64", help="tokens per chunk to try for each r")
   p.add_argument("--max-rows", type=int, default=128, help="skip chunk * r above this")
   p.add_argument("--merges", default="panels,blocks", help="chunk_fwd merge variants")
-  p.add_argument("--inverses", default="substitution,squaring",
-                 help="chunk_fwd diagonal-inverse variants")
+  p.add_argument(
+    "--inverses", default="substitution,squaring", help="chunk_fwd diagonal-inverse variants"
+  )
   p.add_argument("--fwd-warps", default="1,2,4,8")
   p.add_argument("--fwd-stages", default="1,2")
   p.add_argument("--block-v", default="32,64,128")
@@ -81,21 +95,28 @@ def main(argv=None):
   p.add_argument("--reps", type=int, default=7)
   p.add_argument("--inner", type=int, default=5)
   p.add_argument("--no-check", action="store_true", help="skip the error against jnp")
-  p.add_argument("--tiny", action="store_true",
-                 help="a small shape, one variant each, one rep (a smoke test; interpret mode "
-                      "on CPU)")
+  p.add_argument(
+    "--tiny",
+    action="store_true",
+    help="a small shape, one variant each, one rep (a smoke test; interpret mode on CPU)",
+  )
   args = p.parse_args(argv)
-  if args.tiny:                     # the tiny values become the defaults; flags given still win
+  if args.tiny:  # the tiny values become the defaults; flags given still win
     p.set_defaults(**TINY)
     args = p.parse_args(argv)
   B, T, H, K, V = ints(args.shape)
   dtype = DTYPES[args.dtype]
   dev = jax.devices()[0]
   record = dict(
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      jax=jax.__version__, device=getattr(dev, "device_kind", str(dev)), platform=dev.platform,
-      command=" ".join([os.path.basename(sys.executable)] + sys.argv), shape=args.shape,
-      dtype=args.dtype, results=[])
+    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    jax=jax.__version__,
+    device=getattr(dev, "device_kind", str(dev)),
+    platform=dev.platform,
+    command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+    shape=args.shape,
+    dtype=args.dtype,
+    results=[],
+  )
 
   def save():
     with open(args.out, "w") as f:
@@ -109,13 +130,16 @@ def main(argv=None):
       rec["traceback"] = traceback.format_exc()[-4000:]
     shown = {k: v for k, v in rec.items() if k not in ("error", "traceback")}
     tail = f"ERROR {rec['error'][:300]}" if "error" in rec else ""
-    print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                   for k, v in shown.items()), tail, flush=True)
+    print(
+      " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()),
+      tail,
+      flush=True,
+    )
     record["results"].append(rec)
     save()
     return rec.get("ms", float("inf"))
 
-  scale = K ** -0.5
+  scale = K**-0.5
   for r in ints(args.rs):
     inputs = make_inputs(B, T, H, K, V, r, dtype)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
@@ -126,28 +150,35 @@ def main(argv=None):
     o_ref = None
     if not args.no_check:
       o_ref, _ = jax.jit(xla.gated_delta_product_xla, static_argnums=(7, 8))(
-          q, k, v, inputs["g"], inputs["beta"], mask, h0, scale, 64 if T % 64 == 0 else 16)
+        q, k, v, inputs["g"], inputs["beta"], mask, h0, scale, 64 if T % 64 == 0 else 16
+      )
     for chunk in ints(args.chunks):
       if chunk * r > args.max_rows or chunk * r > chunk_fwd.MAX_ROWS or T % chunk:
         continue
       base = dict(r=r, chunk=chunk)
       fwd_best, fwd_ms = None, float("inf")
-      for merge, inverse in itertools.product(args.merges.split(","),
-                                              args.inverses.split(",")):
+      for merge, inverse in itertools.product(args.merges.split(","), args.inverses.split(",")):
         for nw in ints(args.fwd_warps):
           for ns in ints(args.fwd_stages):
             params = dict(merge=merge, inverse=inverse, num_warps=nw, num_stages=ns)
-            fn = jax.jit(functools.partial(chunk_fwd.chunk_fwd, key_blocks=r, chunk=chunk,
-                                           **kernel_args(params)))
+            fn = jax.jit(
+              functools.partial(
+                chunk_fwd.chunk_fwd, key_blocks=r, chunk=chunk, **kernel_args(params)
+              )
+            )
             ms = case(dict(base, kernel="chunk_fwd", **params), fn, (k, v, g, beta, mask))
             if ms < fwd_ms:
               fwd_best, fwd_ms = params, ms
       if fwd_best is None:
         continue
-      fwd = functools.partial(chunk_fwd.chunk_fwd, key_blocks=r, chunk=chunk,
-                              **kernel_args(fwd_best))
-      case(dict(base, kernel="chunk_fwd+ai", **fwd_best),
-           jax.jit(functools.partial(fwd, save_ai=True)), (k, v, g, beta, mask))
+      fwd = functools.partial(
+        chunk_fwd.chunk_fwd, key_blocks=r, chunk=chunk, **kernel_args(fwd_best)
+      )
+      case(
+        dict(base, kernel="chunk_fwd+ai", **fwd_best),
+        jax.jit(functools.partial(fwd, save_ai=True)),
+        (k, v, g, beta, mask),
+      )
       gamma, w, u = jax.jit(fwd)(k, v, g, beta, mask)
       so_best, so_ms = None, float("inf")
       for bv in ints(args.block_v):
@@ -156,22 +187,32 @@ def main(argv=None):
         for nw in ints(args.so_warps):
           for ns in ints(args.so_stages):
             params = dict(block_v=bv, num_warps=nw, num_stages=ns)
-            fn = jax.jit(functools.partial(chunk_state_output.chunk_state_output,
-                                           key_blocks=r, chunk=chunk, scale=scale,
-                                           launch=Launch(**params)))
-            ms = case(dict(base, kernel="chunk_state_output", **params), fn,
-                      (q, k, w, u, gamma, h0))
+            fn = jax.jit(
+              functools.partial(
+                chunk_state_output.chunk_state_output,
+                key_blocks=r,
+                chunk=chunk,
+                scale=scale,
+                launch=Launch(**params),
+              )
+            )
+            ms = case(
+              dict(base, kernel="chunk_state_output", **params), fn, (q, k, w, u, gamma, h0)
+            )
             if ms < so_ms:
               so_best, so_ms = params, ms
       if so_best is None:
         continue
       best = DEFAULT.replace(
-          chunk_fwd=Launch(num_warps=fwd_best["num_warps"], num_stages=fwd_best["num_stages"]),
-          chunk_fwd_merge=fwd_best["merge"], chunk_fwd_inverse=fwd_best["inverse"],
-          chunk_state_output=Launch(**so_best))
+        chunk_fwd=Launch(num_warps=fwd_best["num_warps"], num_stages=fwd_best["num_stages"]),
+        chunk_fwd_merge=fwd_best["merge"],
+        chunk_fwd_inverse=fwd_best["inverse"],
+        chunk_state_output=Launch(**so_best),
+      )
       for fused in (True, False):
-        fn = jax.jit(functools.partial(whole_forward, scale=scale, bt=chunk,
-                                       opts=best.replace(fused=fused)))
+        fn = jax.jit(
+          functools.partial(whole_forward, scale=scale, bt=chunk, opts=best.replace(fused=fused))
+        )
         fargs = (q, k, v, inputs["g"], inputs["beta"], mask, h0)
         rec = dict(base, kernel="forward" if fused else "forward_5_kernels")
         if fused:

@@ -13,13 +13,30 @@ from gdp_jax.decode import gated_delta_product_step, gqa_decode
 from gdp_jax.householder import householder_delta_product, householder_delta_product_step
 from gdp_jax.operator import gated_delta_product
 
-__all__ = ["gated_delta_product", "gated_delta_product_step", "gqa_decode",
-           "householder_delta_product", "householder_delta_product_step"]
+__all__ = [
+  "gated_delta_product",
+  "gated_delta_product_step",
+  "gqa_decode",
+  "householder_delta_product",
+  "householder_delta_product_step",
+]
 __version__ = "0.2.0"
 
 # Loaded on first attribute access (flax and the benchmarks stay out of `import gdp_jax`).
-_SUBMODULES = ("layers", "models", "sharding", "dispatch", "bench", "demo", "reference", "xla",
-               "xla_backward", "pallas_impl", "nonfinite", "train_lm")
+_SUBMODULES = (
+  "layers",
+  "models",
+  "sharding",
+  "dispatch",
+  "bench",
+  "demo",
+  "reference",
+  "xla",
+  "xla_backward",
+  "pallas_impl",
+  "nonfinite",
+  "train_lm",
+)
 
 
 def __getattr__(name):

@@ -29,18 +29,19 @@ def check(args) -> int:
   print(f"shapes: B={B} T={T} H={H} K={K} V={V} r={r}")
 
   def loss(q, k, v, impl):
-    o, final = gated_delta_product(q, k, v, g, beta, mask, output_final_state=True,
-                                   implementation=impl)
-    return jnp.mean(o.astype(jnp.float32) ** 2) + jnp.mean(final ** 2)
+    o, final = gated_delta_product(
+      q, k, v, g, beta, mask, output_final_state=True, implementation=impl
+    )
+    return jnp.mean(o.astype(jnp.float32) ** 2) + jnp.mean(final**2)
 
   t0 = time.perf_counter()
-  val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)(
-      q, k, v, impl)
+  val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, k, v, impl)
   jax.block_until_ready(grads)
   dt = time.perf_counter() - t0
   ref_val, ref_grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, "reference")
-  worst = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-              for a, b in zip(grads, ref_grads))
+  worst = max(
+    float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(grads, ref_grads)
+  )
   print(f"loss {float(val):.6f} (reference {float(ref_val):.6f}); compiled + ran in {dt:.2f}s")
   print(f"largest relative gradient difference to the reference (dq, dk, dv): {worst:.2e}")
   ok = abs(float(val) - float(ref_val)) <= 1e-4 * abs(float(ref_val)) and worst < 1e-3
@@ -52,27 +53,43 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m gdp_jax")
   sub = parser.add_subparsers(dest="command", required=True)
   from gdp_jax import demo, dispatch
-  p = sub.add_parser("demo", help="train a small hybrid LM on a permutation word problem, "
-                     "block mask versus mask = ones, then generate",
-                     description=demo.__doc__.split("\n\n")[0])
+
+  p = sub.add_parser(
+    "demo",
+    help="train a small hybrid LM on a permutation word problem, "
+    "block mask versus mask = ones, then generate",
+    description=demo.__doc__.split("\n\n")[0],
+  )
   demo.add_arguments(p)
   p.set_defaults(func=demo.run)
-  p = sub.add_parser("check", help="run the operator forward and backward under jax.jit and "
-                     "check both against the recurrent reference")
-  p.add_argument("--implementation", default=None,
-                 choices=list(dispatch.implementations("gated_delta_product")))
+  p = sub.add_parser(
+    "check",
+    help="run the operator forward and backward under jax.jit and "
+    "check both against the recurrent reference",
+  )
+  p.add_argument(
+    "--implementation", default=None, choices=list(dispatch.implementations("gated_delta_product"))
+  )
   p.set_defaults(func=check)
   from gdp_jax import bench
-  p = sub.add_parser("bench", help="time the operator forward and forward + backward across "
-                     "implementations: table (ms, TFLOP/s, GB/s), JSON and PNG",
-                     description=bench.__doc__.split("\n\n")[0])
+
+  p = sub.add_parser(
+    "bench",
+    help="time the operator forward and forward + backward across "
+    "implementations: table (ms, TFLOP/s, GB/s), JSON and PNG",
+    description=bench.__doc__.split("\n\n")[0],
+  )
   bench.add_arguments(p)
   p.set_defaults(func=bench.run)
   from gdp_jax import train_lm
-  p = sub.add_parser("train-lm", help="train a byte-level hybrid LM on the Python standard "
-                     "library: learning curves, tokens/s, MFU (JSON + PNG)",
-                     description=train_lm.__doc__.split("\n\n")[0],
-                     epilog="presets, corpus and FLOP count: docs/train_lm.md")
+
+  p = sub.add_parser(
+    "train-lm",
+    help="train a byte-level hybrid LM on the Python standard "
+    "library: learning curves, tokens/s, MFU (JSON + PNG)",
+    description=train_lm.__doc__.split("\n\n")[0],
+    epilog="presets, corpus and FLOP count: docs/train_lm.md",
+  )
   train_lm.add_arguments(p)
   p.set_defaults(func=train_lm.run)
   args = parser.parse_args(argv)

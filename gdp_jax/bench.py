@@ -60,29 +60,32 @@ SCHEMA = "gdp_jax.bench/1"
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 MODES = ("fwd", "fwdbwd")
 ALL_IMPLS = ("pallas", "xla", "reference", "fla", "jla")
-GPU_SHAPE = ",".join(map(str, SHAPES["h200"]))   # the H200 benchmark shape (docs/performance.md)
-CPU_SHAPE = ",".join(map(str, SHAPES["cpu"]))    # default when no GPU: seconds, not hours
+GPU_SHAPE = ",".join(map(str, SHAPES["h200"]))  # the H200 benchmark shape (docs/performance.md)
+CPU_SHAPE = ",".join(map(str, SHAPES["cpu"]))  # default when no GPU: seconds, not hours
 TINY_SHAPE = ",".join(map(str, SHAPES["tiny"]))
-FLOP_ROWS = 64                    # rows per chunk (C * r) in the nominal FLOP count
+FLOP_ROWS = 64  # rows per chunk (C * r) in the nominal FLOP count
 
 FLOPS_DOC = (
-    "Nominal matmul FLOPs of the chunked (WY) form (docs/chunked_form.md), the same for every "
-    "implementation. Chunks of C = max(16, 64 // r) tokens (N = C*r = 64 rows for r <= 4, as "
-    "the Pallas kernels use), dk = K / r, per chunk and (batch, head): "
-    "KKT 2*N*N*dk + triangular inverse N^3/3 + w and u 2*N*N*(K + V) "
-    "+ state 2*N*K*V + 2*N*dk*V + output 2*C*K*V + 2*C*C*K + 2*C*N*V; "
-    "times B * H * ceil(T / C). Forward + backward counts 3x the forward (the usual "
-    "backward = 2x forward convention).")
+  "Nominal matmul FLOPs of the chunked (WY) form (docs/chunked_form.md), the same for every "
+  "implementation. Chunks of C = max(16, 64 // r) tokens (N = C*r = 64 rows for r <= 4, as "
+  "the Pallas kernels use), dk = K / r, per chunk and (batch, head): "
+  "KKT 2*N*N*dk + triangular inverse N^3/3 + w and u 2*N*N*(K + V) "
+  "+ state 2*N*K*V + 2*N*dk*V + output 2*C*K*V + 2*C*C*K + 2*C*N*V; "
+  "times B * H * ceil(T / C). Forward + backward counts 3x the forward (the usual "
+  "backward = 2x forward convention)."
+)
 BYTES_DOC = (
-    "Minimal memory traffic: every input read once and every output written once, at the "
-    "arrays' own dtypes. Forward: q, k, v, g, beta, mask read, o written. Forward + backward: "
-    "those inputs and the cotangent do read, and one gradient per input written (o and the "
-    "state are not counted).")
+  "Minimal memory traffic: every input read once and every output written once, at the "
+  "arrays' own dtypes. Forward: q, k, v, g, beta, mask read, o written. Forward + backward: "
+  "those inputs and the cotangent do read, and one gradient per input written (o and the "
+  "state are not counted)."
+)
 
 
 # ----------------------------------------------------------------------------------------------
 # Counts
 # ----------------------------------------------------------------------------------------------
+
 
 def flop_chunk(r: int) -> int:
   """Tokens per chunk in the nominal FLOP count: 64 rows, at least 16 tokens."""
@@ -94,11 +97,16 @@ def forward_flops(B: int, T: int, H: int, K: int, V: int, r: int) -> float:
   c = flop_chunk(r)
   n = c * r
   dk = K / r
-  per_chunk = (2 * n * n * dk                       # KKT
-               + n ** 3 / 3                         # unit lower-triangular inverse
-               + 2 * n * n * (K + V)                # w = Aw W~, u = Au U~
-               + 2 * n * K * V + 2 * n * dk * V     # v_new = u - w S0; state update
-               + 2 * c * K * V + 2 * c * c * K + 2 * c * n * V)   # output
+  per_chunk = (
+    2 * n * n * dk  # KKT
+    + n**3 / 3  # unit lower-triangular inverse
+    + 2 * n * n * (K + V)  # w = Aw W~, u = Au U~
+    + 2 * n * K * V
+    + 2 * n * dk * V  # v_new = u - w S0; state update
+    + 2 * c * K * V
+    + 2 * c * c * K
+    + 2 * c * n * V
+  )  # output
   return float(per_chunk * B * H * math.ceil(T / c))
 
 
@@ -107,8 +115,9 @@ def flops(mode: str, B, T, H, K, V, r) -> float:
   return fwd if mode == "fwd" else 3 * fwd
 
 
-def traffic_bytes(mode: str, B, T, H, K, V, r, dtype, gate_dtype=jnp.float32,
-                  mask_dtype=jnp.float32) -> float:
+def traffic_bytes(
+  mode: str, B, T, H, K, V, r, dtype, gate_dtype=jnp.float32, mask_dtype=jnp.float32
+) -> float:
   """Minimal bytes moved (BYTES_DOC). The mask is [r, r] (none for r = 1)."""
   item = jnp.dtype(dtype).itemsize
   gate = jnp.dtype(gate_dtype).itemsize
@@ -118,18 +127,29 @@ def traffic_bytes(mode: str, B, T, H, K, V, r, dtype, gate_dtype=jnp.float32,
   out = B * T * H * V * item
   if mode == "fwd":
     return float(inputs + out)
-  return float(2 * inputs + out)          # inputs + do read, gradients written
+  return float(2 * inputs + out)  # inputs + do read, gradients written
 
 
 # ----------------------------------------------------------------------------------------------
 # Inputs and implementations
 # ----------------------------------------------------------------------------------------------
 
+
 def make_inputs(B, T, H, K, V, r, dtype, seed=0):
   """Operator inputs for a bench case (gdp_jax/testing.py's regime): a shared [r, r] mask (none
   for r = 1), no initial state."""
-  return random_inputs(seed, B=B, T=T, H=H, K=K, V=V, r=r, dtype=dtype,
-                       mask_kind=None if r == 1 else "shared", with_state=False)
+  return random_inputs(
+    seed,
+    B=B,
+    T=T,
+    H=H,
+    K=K,
+    V=V,
+    r=r,
+    dtype=dtype,
+    mask_kind=None if r == 1 else "shared",
+    with_state=False,
+  )
 
 
 def time_jax(fn, args, reps, inner, tick=None):
@@ -153,6 +173,7 @@ def ours(impl, mode, inputs, sharding=None):
   """(jitted fn, args) for gated_delta_product: the output, or every input's gradient; with a
   `gdp_jax.sharding.ShardingConfig`, the sharded operator on inputs placed on its mesh."""
   from gdp_jax.sharding import sharded_gated_delta_product
+
   names = ("q", "k", "v", "g", "beta", "mask")
   present = tuple(n for n in names if inputs[n] is not None)
   args = tuple(inputs[n] for n in present)
@@ -161,15 +182,17 @@ def ours(impl, mode, inputs, sharding=None):
     args = tuple(placed[n] for n in present)
 
   def fwd(*a):
-    o, _ = sharded_gated_delta_product(**dict(zip(present, a)), implementation=impl,
-                                       sharding=sharding)
+    o, _ = sharded_gated_delta_product(
+      **dict(zip(present, a)), implementation=impl, sharding=sharding
+    )
     return o
 
   if mode == "fwd":
     return jax.jit(fwd), args
   do = jnp.ones_like(args[present.index("v")])
-  grad = jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) * do),
-                  argnums=tuple(range(len(present))))
+  grad = jax.grad(
+    lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) * do), argnums=tuple(range(len(present)))
+  )
   return jax.jit(grad), args
 
 
@@ -181,18 +204,21 @@ def reference_fits(mode, B, T, H, K, V, max_gb):
 def fla_case(mode, shape, dtype, reps, tick=None):
   """flash-linear-attention 0.6.0's chunk_gated_delta_rule (r = 1), timed with triton's do_bench."""
   import torch
+
   if not torch.cuda.is_available():
     raise _Skip("flash-linear-attention needs CUDA (PyTorch sees no GPU)")
-  from fla.ops.gated_delta_rule import chunk_gated_delta_rule
   import fla.ops.common.chunk_o as fla_chunk_o
   import triton
+  from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
   # flash-linear-attention 0.6.0 refuses its gated backward on Hopper with triton < 3.7.1 (a
   # compiler bug); for timing only (never as a reference) we let it run
   # (docs/performance.md#peers-for-side-by-side-timing).
   fla_chunk_o.TRITON_ABOVE_3_7_1 = True
   B, T, H, K, V = shape
-  tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16,
-         "float32": torch.float32}[jnp.dtype(dtype).name]
+  tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
+    jnp.dtype(dtype).name
+  ]
   dev = "cuda"
   torch.manual_seed(0)
   q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(tdt)
@@ -210,6 +236,7 @@ def fla_case(mode, shape, dtype, reps, tick=None):
     def fn():
       o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
       o.backward(do)
+
   fn()
   torch.cuda.synchronize()
   ms = triton.testing.do_bench(fn, warmup=50, rep=max(200, reps * 10), return_mode="median")
@@ -221,9 +248,15 @@ def fla_case(mode, shape, dtype, reps, tick=None):
 def jla_case(mode, inputs, reps, inner, tick=None):
   """jax-linear-attention's Gated DeltaNet (r = 1): Mosaic GPU kernels on a GPU, else chunked."""
   import jla.ops
+
   impl = "mosaic_gpu" if jax.default_backend() == "gpu" else "chunked"
-  args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"],
-          inputs["beta"].astype(inputs["q"].dtype))
+  args = (
+    inputs["q"],
+    inputs["k"],
+    inputs["v"],
+    inputs["g"],
+    inputs["beta"].astype(inputs["q"].dtype),
+  )
 
   def fwd(q, k, v, g, beta):
     out = jla.ops.linear_attention("gated_deltanet", q, k, v, g=g, beta=beta, impl=impl)
@@ -232,8 +265,7 @@ def jla_case(mode, inputs, reps, inner, tick=None):
   if mode == "fwd":
     fn = jax.jit(fwd)
   else:
-    fn = jax.jit(jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)),
-                          argnums=(0, 1, 2, 3, 4)))
+    fn = jax.jit(jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4)))
   ms, all_ms = time_jax(fn, args, reps, inner, tick)
   return ms, all_ms, impl
 
@@ -246,19 +278,26 @@ class _Skip(Exception):
 # Table
 # ----------------------------------------------------------------------------------------------
 
+
 def case_label(c):
-  return (f"{c['mode']:6s} B={c['B']} T={c['T']} H={c['H']} K={c['K']} V={c['V']} r={c['r']} "
-          f"{c['dtype']:8s} {c['impl']}")
+  return (
+    f"{c['mode']:6s} B={c['B']} T={c['T']} H={c['H']} K={c['K']} V={c['V']} r={c['r']} "
+    f"{c['dtype']:8s} {c['impl']}"
+  )
 
 
 def format_table(cases):
   """The results as a fixed-width text table."""
-  head = (f"{'mode':6s} {'B':>3s} {'T':>6s} {'H':>3s} {'K':>4s} {'V':>4s} {'r':>2s} "
-          f"{'dtype':8s} {'impl':13s} {'ms':>10s} {'TFLOP/s':>8s} {'GB/s':>8s}  note")
+  head = (
+    f"{'mode':6s} {'B':>3s} {'T':>6s} {'H':>3s} {'K':>4s} {'V':>4s} {'r':>2s} "
+    f"{'dtype':8s} {'impl':13s} {'ms':>10s} {'TFLOP/s':>8s} {'GB/s':>8s}  note"
+  )
   lines = [head, "-" * len(head)]
   for c in cases:
-    left = (f"{c['mode']:6s} {c['B']:3d} {c['T']:6d} {c['H']:3d} {c['K']:4d} {c['V']:4d} "
-            f"{c['r']:2d} {c['dtype']:8s} {c['impl']:13s}")
+    left = (
+      f"{c['mode']:6s} {c['B']:3d} {c['T']:6d} {c['H']:3d} {c['K']:4d} {c['V']:4d} "
+      f"{c['r']:2d} {c['dtype']:8s} {c['impl']:13s}"
+    )
     if c["status"] == "ok":
       note = c.get("peer_impl", "")
       if "max_abs_diff_vs_xla" in c:
@@ -276,6 +315,7 @@ def format_table(cases):
 # Plot
 # ----------------------------------------------------------------------------------------------
 
+
 def plot(results, path):
   """A bar chart of ms per case (one panel per mode); returns the path, or None without
   matplotlib."""
@@ -284,7 +324,7 @@ def plot(results, path):
   except ImportError:
     print("plot skipped: matplotlib is not installed (pip install matplotlib)")
     return None
-  fig = plot_figure(results)       # a bare Figure: no pyplot, no change of backend
+  fig = plot_figure(results)  # a bare Figure: no pyplot, no change of backend
   fig.savefig(path, dpi=120, bbox_inches="tight")
   return path
 
@@ -300,6 +340,7 @@ def plot_figure(results, plt=None, title=None):
   size = (6 * len(modes), 4)
   if plt is None:
     from matplotlib.figure import Figure
+
     fig = Figure(figsize=size)
     axes = fig.subplots(1, len(modes), squeeze=False)
   else:
@@ -315,21 +356,36 @@ def plot_figure(results, plt=None, title=None):
       if c["mode"] == mode and key not in groups:
         groups.append(key)
     for i, key in enumerate(groups):
-      here = [c for impl in impls for c in cases
-              if c["mode"] == mode and c["impl"] == impl and
-              (c["B"], c["T"], c["H"], c["K"], c["V"], c["r"], c["dtype"]) == key]
+      here = [
+        c
+        for impl in impls
+        for c in cases
+        if c["mode"] == mode
+        and c["impl"] == impl
+        and (c["B"], c["T"], c["H"], c["K"], c["V"], c["r"], c["dtype"]) == key
+      ]
       width = 0.8 / max(3, len(here))
       for j, c in enumerate(here):
         x = i + (j - (len(here) - 1) / 2) * width
-        bars = ax.bar([x], [c["ms"]], width, color=colors[c["impl"]],
-                      label=c["impl"] if (mode, c["impl"]) not in labelled else None)
+        bars = ax.bar(
+          [x],
+          [c["ms"]],
+          width,
+          color=colors[c["impl"]],
+          label=c["impl"] if (mode, c["impl"]) not in labelled else None,
+        )
         labelled.add((mode, c["impl"]))
         ax.bar_label(bars, labels=[f"{c['ms']:.3g}"], fontsize=7)
     ax.set_xlim(-0.6, len(groups) - 0.4)
     ax.set_xticks(range(len(groups)))
     multi_shape = len({k[:5] for k in groups}) > 1
-    ax.set_xticklabels([(f"{k[0]}x{k[1]}x{k[2]}x{k[3]}x{k[4]}\n" if multi_shape else "")
-                        + f"r={k[5]} {k[6]}" for k in groups], fontsize=8)
+    ax.set_xticklabels(
+      [
+        (f"{k[0]}x{k[1]}x{k[2]}x{k[3]}x{k[4]}\n" if multi_shape else "") + f"r={k[5]} {k[6]}"
+        for k in groups
+      ],
+      fontsize=8,
+    )
     ax.set_ylabel("ms (median, lower is better)")
     ax.set_yscale("log")
     _plain_log_ticks(ax)
@@ -350,6 +406,7 @@ def plot_figure(results, plt=None, title=None):
 def _plain_log_ticks(ax):
   """Tick labels 0.5, 1, 2 rather than 5x10^-1 on a log axis."""
   from matplotlib.ticker import FuncFormatter
+
   fmt = FuncFormatter(lambda y, _: f"{y:g}")
   ax.yaxis.set_major_formatter(fmt)
   ax.yaxis.set_minor_formatter(fmt)
@@ -382,6 +439,7 @@ def normalize_cases(results):
 # ----------------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------------
+
 
 def record_diffs(outs):
   """max |o - o_xla| into each forward case of ours once the xla output is there."""
@@ -419,12 +477,14 @@ def sharded_layout(layout, n, shape):
   "batch-head": n = nb x nh devices with nb dividing B and nh dividing H, the most on the batch;
   "context": the sequence over n devices (n must divide T)."""
   from gdp_jax.sharding import ShardingConfig
+
   B, T, H, _, _ = shape
   devices = jax.devices()[:n]
   AUTO = jax.sharding.AxisType.Auto
   if layout == "batch-head":
-    splits = [(nb, n // nb) for nb in range(n, 0, -1)
-              if n % nb == 0 and B % nb == 0 and H % (n // nb) == 0]
+    splits = [
+      (nb, n // nb) for nb in range(n, 0, -1) if n % nb == 0 and B % nb == 0 and H % (n // nb) == 0
+    ]
     if not splits:
       return None, "bh", f"B = {B} and H = {H} do not split over {n} devices"
     nb, nh = splits[0]
@@ -446,57 +506,95 @@ def resolve_impls(spec, backend, devices=None):
   impls = [s.strip() for s in spec.split(",") if s.strip()]
   for impl in impls:
     if impl not in ALL_IMPLS:
-      raise SystemExit(f"--impls: unknown implementation {impl!r}; choose from "
-                       f"{', '.join(ALL_IMPLS)} or auto")
+      raise SystemExit(
+        f"--impls: unknown implementation {impl!r}; choose from {', '.join(ALL_IMPLS)} or auto"
+      )
   return impls
 
 
 def command_line():
   """The command as typed: `python -m gdp_jax bench ...` rather than the path of __main__.py."""
   argv = list(sys.argv)
-  if argv and os.path.basename(argv[0]) == "__main__.py" and \
-      os.path.basename(os.path.dirname(os.path.abspath(argv[0]))) == "gdp_jax":
+  if (
+    argv
+    and os.path.basename(argv[0]) == "__main__.py"
+    and os.path.basename(os.path.dirname(os.path.abspath(argv[0]))) == "gdp_jax"
+  ):
     return " ".join(["python -m gdp_jax"] + argv[1:])
   return " ".join(["python"] + argv)
 
 
 def add_arguments(p, out_required=False):
-  p.add_argument("--out", required=out_required, default=None if out_required else "bench.json",
-                 help="JSON file to write" + ("" if out_required else " (default: bench.json)"))
-  p.add_argument("--plot", default=None,
-                 help="PNG file for the bar chart (default: --out with .png; needs matplotlib)")
+  p.add_argument(
+    "--out",
+    required=out_required,
+    default=None if out_required else "bench.json",
+    help="JSON file to write" + ("" if out_required else " (default: bench.json)"),
+  )
+  p.add_argument(
+    "--plot",
+    default=None,
+    help="PNG file for the bar chart (default: --out with .png; needs matplotlib)",
+  )
   p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
-  p.add_argument("--shape", action="append", default=None,
-                 help=f"B,T,H,K,V; repeat (or separate with ';') for several (default "
-                      f"{GPU_SHAPE} on a GPU, {CPU_SHAPE} elsewhere)")
+  p.add_argument(
+    "--shape",
+    action="append",
+    default=None,
+    help=f"B,T,H,K,V; repeat (or separate with ';') for several (default "
+    f"{GPU_SHAPE} on a GPU, {CPU_SHAPE} elsewhere)",
+  )
   p.add_argument("--rs", default="1,2,4", help="key blocks r (mask r x r), comma separated")
-  p.add_argument("--dtype", default="bf16",
-                 help=f"dtype of q, k, v: {', '.join(DTYPES)}; comma separated for several")
+  p.add_argument(
+    "--dtype",
+    default="bf16",
+    help=f"dtype of q, k, v: {', '.join(DTYPES)}; comma separated for several",
+  )
   p.add_argument("--modes", default="fwd,fwdbwd", help="fwd, fwdbwd (forward + backward)")
-  p.add_argument("--impls", default="auto",
-                 help=f"comma separated from {', '.join(ALL_IMPLS)}, or auto (default)")
-  p.add_argument("--reps", type=int, default=None,
-                 help="timed runs per case, the median is kept (default 15 on a GPU, 5 elsewhere)")
-  p.add_argument("--inner", type=int, default=None,
-                 help="calls per timed run (default 5 on a GPU, 1 elsewhere)")
-  p.add_argument("--reference-max-gb", type=float, default=8.0,
-                 help="run the reference's forward + backward only when its saved states "
-                      "(B*T*H*K*V float32) fit in this many GB")
-  p.add_argument("--devices", type=int, default=None,
-                 help="also time ours sharded over this many devices: batch / head parallel and "
-                      "context parallel (simulated CPU devices off a GPU)")
-  p.add_argument("--tiny", action="store_true",
-                 help=f"a smoke run: shape {TINY_SHAPE}, reps 2, inner 1")
+  p.add_argument(
+    "--impls",
+    default="auto",
+    help=f"comma separated from {', '.join(ALL_IMPLS)}, or auto (default)",
+  )
+  p.add_argument(
+    "--reps",
+    type=int,
+    default=None,
+    help="timed runs per case, the median is kept (default 15 on a GPU, 5 elsewhere)",
+  )
+  p.add_argument(
+    "--inner", type=int, default=None, help="calls per timed run (default 5 on a GPU, 1 elsewhere)"
+  )
+  p.add_argument(
+    "--reference-max-gb",
+    type=float,
+    default=8.0,
+    help="run the reference's forward + backward only when its saved states "
+    "(B*T*H*K*V float32) fit in this many GB",
+  )
+  p.add_argument(
+    "--devices",
+    type=int,
+    default=None,
+    help="also time ours sharded over this many devices: batch / head parallel and "
+    "context parallel (simulated CPU devices off a GPU)",
+  )
+  p.add_argument(
+    "--tiny", action="store_true", help=f"a smoke run: shape {TINY_SHAPE}, reps 2, inner 1"
+  )
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
-  p.add_argument("--progress", action="store_true",
-                 help="draw the progress bar even when stderr is not a terminal")
+  p.add_argument(
+    "--progress",
+    action="store_true",
+    help="draw the progress bar even when stderr is not a terminal",
+  )
 
 
 def run(args) -> int:
   # Share the GPU with PyTorch (fla): read when the backend starts, which is after this.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  from pallas_kernels.common import backend as kernel_backend
   import gdp_jax
+  from pallas_kernels.common import backend as kernel_backend
 
   if args.devices is not None:
     if args.devices < 1:
@@ -521,9 +619,10 @@ def run(args) -> int:
       raise SystemExit(f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)}")
   impls = resolve_impls(args.impls, backend, args.devices)
   if args.devices is not None and jax.device_count() < args.devices:
-    raise SystemExit(f"--devices {args.devices}: only {jax.device_count()} {backend} device(s) "
-                     f"here")
-  for (B, T, H, K, V) in shapes:
+    raise SystemExit(
+      f"--devices {args.devices}: only {jax.device_count()} {backend} device(s) here"
+    )
+  for B, T, H, K, V in shapes:
     for r in rs:
       if r < 1 or K % r:
         raise SystemExit(f"--rs: K = {K} must be divisible by r = {r}")
@@ -532,28 +631,53 @@ def run(args) -> int:
 
   dev = jax.devices()[0]
   results = dict(
-      schema=SCHEMA, tool="python -m gdp_jax bench", command=command_line(),
-      date=time.strftime("%Y-%m-%d %H:%M:%S"), device=str(dev),
-      device_kind=getattr(dev, "device_kind", str(dev)), backend=backend,
-      jax_version=jax.__version__, gdp_jax_version=gdp_jax.__version__,
-      interpret_mode=kernel_backend.interpret_mode(), reps=args.reps, inner=args.inner,
-      shapes=[dict(zip("BTHKV", s)) for s in shapes], rs=rs, dtypes=dtypes, modes=modes,
-      impls=impls, timing=("median over reps of (wall time of `inner` back-to-back calls) / "
-                           "inner, after compile and 2 warm-up calls; ms per call"),
-      flops_counted=FLOPS_DOC, bytes_counted=BYTES_DOC,
-      # The first shape and dtype, as the older bench_operator JSON had them.
-      shape=dict(zip("BTHKV", shapes[0])), dtype=dtypes[0], cases=[])
+    schema=SCHEMA,
+    tool="python -m gdp_jax bench",
+    command=command_line(),
+    date=time.strftime("%Y-%m-%d %H:%M:%S"),
+    device=str(dev),
+    device_kind=getattr(dev, "device_kind", str(dev)),
+    backend=backend,
+    jax_version=jax.__version__,
+    gdp_jax_version=gdp_jax.__version__,
+    interpret_mode=kernel_backend.interpret_mode(),
+    reps=args.reps,
+    inner=args.inner,
+    shapes=[dict(zip("BTHKV", s)) for s in shapes],
+    rs=rs,
+    dtypes=dtypes,
+    modes=modes,
+    impls=impls,
+    timing=(
+      "median over reps of (wall time of `inner` back-to-back calls) / "
+      "inner, after compile and 2 warm-up calls; ms per call"
+    ),
+    flops_counted=FLOPS_DOC,
+    bytes_counted=BYTES_DOC,
+    # The first shape and dtype, as the older bench_operator JSON had them.
+    shape=dict(zip("BTHKV", shapes[0])),
+    dtype=dtypes[0],
+    cases=[],
+  )
   layouts: list[str | None] = [None]
   if args.devices is not None:
     results["devices"] = args.devices
     layouts = [None, "batch-head", "context"]
 
-  plan = [(m, s, r, d, i, lay) for s in shapes for d in dtypes for r in rs for m in modes
-          for i in impls for lay in (layouts if i in ("pallas", "xla", "reference") else [None])]
+  plan = [
+    (m, s, r, d, i, lay)
+    for s in shapes
+    for d in dtypes
+    for r in rs
+    for m in modes
+    for i in impls
+    for lay in (layouts if i in ("pallas", "xla", "reference") else [None])
+  ]
   # tqdm draws on a terminal; --progress forces it into a log, --no-progress turns it off.
   disable = True if args.no_progress else (False if args.progress else None)
-  bar = tqdm.tqdm(total=len(plan) * args.reps, disable=disable, leave=False, unit="run",
-                  dynamic_ncols=True)
+  bar = tqdm.tqdm(
+    total=len(plan) * args.reps, disable=disable, leave=False, unit="run", dynamic_ncols=True
+  )
 
   if args.out and os.path.dirname(args.out):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -563,22 +687,25 @@ def run(args) -> int:
       with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 
-  print(f"{len(plan)} cases on {results['device_kind']} ({backend}, jax {jax.__version__}); "
-        f"median of {args.reps} runs x {args.inner} calls", flush=True)
-  fwd_outs: dict = {}      # inputs key -> {impl: forward output} (ours), for the diff against xla
+  print(
+    f"{len(plan)} cases on {results['device_kind']} ({backend}, jax {jax.__version__}); "
+    f"median of {args.reps} runs x {args.inner} calls",
+    flush=True,
+  )
+  fwd_outs: dict = {}  # inputs key -> {impl: forward output} (ours), for the diff against xla
   inputs_key, inputs = None, None
   for mode, shape, r, dname, impl, layout in plan:
     B, T, H, K, V = shape
     dtype = DTYPES[dname]
-    case = dict(impl=impl, mode=mode, B=B, T=T, H=H, K=K, V=V, r=r,
-                dtype=jnp.dtype(dtype).name, status="ok")
+    case = dict(
+      impl=impl, mode=mode, B=B, T=T, H=H, K=K, V=V, r=r, dtype=jnp.dtype(dtype).name, status="ok"
+    )
     sharding = None
     if args.devices is not None and layout is None and impl in ("pallas", "xla", "reference"):
       case.update(base_impl=impl, parallel="none", devices=1)
     if layout is not None:
       sharding, label, why = sharded_layout(layout, args.devices, shape)
-      case.update(impl=f"{impl} {label}", base_impl=impl, parallel=layout,
-                  devices=args.devices)
+      case.update(impl=f"{impl} {label}", base_impl=impl, parallel=layout, devices=args.devices)
       if sharding is not None:
         case["mesh"] = dict(sharding.mesh.shape)
     bar.set_description(case_label(case))
@@ -590,10 +717,11 @@ def run(args) -> int:
         inputs = make_inputs(B, T, H, K, V, r, dtype)
         inputs_key = (shape, r, dname)
       if impl in ("pallas", "xla", "reference"):
-        if impl == "reference" and not reference_fits(mode, B, T, H, K, V,
-                                                      args.reference_max_gb):
-          raise _Skip(f"the scan's backward would keep {B * T * H * K * V * 4 / 1e9:.1f} GB "
-                      f"of states (> --reference-max-gb {args.reference_max_gb:g})")
+        if impl == "reference" and not reference_fits(mode, B, T, H, K, V, args.reference_max_gb):
+          raise _Skip(
+            f"the scan's backward would keep {B * T * H * K * V * 4 / 1e9:.1f} GB "
+            f"of states (> --reference-max-gb {args.reference_max_gb:g})"
+          )
         if layout is not None and sharding is None:
           raise _Skip(why)
         fn, fargs = ours(impl, mode, inputs, sharding)
@@ -602,10 +730,11 @@ def run(args) -> int:
           outs = fwd_outs.setdefault(inputs_key, {})
           outs[case["impl"]] = (case, fn(*fargs))
           record_diffs(outs)
-          if layout is not None and impl in outs:      # against the same impl on one device
+          if layout is not None and impl in outs:  # against the same impl on one device
             one = outs[impl][1].astype(jnp.float32)
             case["max_abs_diff_vs_one_device"] = float(
-                jnp.max(jnp.abs(outs[case["impl"]][1].astype(jnp.float32) - one)))
+              jnp.max(jnp.abs(outs[case["impl"]][1].astype(jnp.float32) - one))
+            )
       elif impl == "fla":
         if r != 1:
           raise _Skip("flash-linear-attention's chunk_gated_delta_rule is the r = 1 case")
@@ -623,8 +752,9 @@ def run(args) -> int:
           import jla.ops  # noqa: F401
         except ImportError as e:
           raise _Skip(f"jax-linear-attention is not installed ({e})")
-        case["ms"], case["all_ms"], which = jla_case(mode, inputs, args.reps, args.inner,
-                                                     bar.update)
+        case["ms"], case["all_ms"], which = jla_case(
+          mode, inputs, args.reps, args.inner, bar.update
+        )
         case["peer_impl"] = f"jax-linear-attention gated_deltanet impl={which}"
     except _Skip as e:
       case["status"], case["reason"] = "skipped", str(e)
@@ -664,8 +794,11 @@ def run(args) -> int:
 
 
 def main(argv=None, prog=None, out_required=False) -> int:
-  p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog=prog,
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   add_arguments(p, out_required=out_required)
   return run(p.parse_args(argv))
 

@@ -14,8 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdp_jax import dispatch
-from gdp_jax.operator import (check_bool, check_float, check_int32_values, check_scale,
-                              check_shape, normalize_mask)
+from gdp_jax.operator import (
+  check_bool,
+  check_float,
+  check_int32_values,
+  check_scale,
+  check_shape,
+  normalize_mask,
+)
 from gdp_jax.reference import recurrent_step as _recurrent_step
 from pallas_kernels.common.backend import resolve_precision
 
@@ -34,13 +40,16 @@ def _static_scale(scale, default):
 
 
 def _no_gradients(function):
-  return (f"{function} with implementation='pallas' has no derivatives (an inference kernel); "
-          f"use implementation='xla' to differentiate it (JAX differentiates its jnp code)")
+  return (
+    f"{function} with implementation='pallas' has no derivatives (an inference kernel); "
+    f"use implementation='xla' to differentiate it (JAX differentiates its jnp code)"
+  )
 
 
 # ----------------------------------------------------------------------------------------------
 # Grouped-query decode step
 # ----------------------------------------------------------------------------------------------
+
 
 def _check_gqa(query, key_cache, value_cache, lengths):
   for name, x in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
@@ -48,32 +57,47 @@ def _check_gqa(query, key_cache, value_cache, lengths):
   if query.ndim != 3:
     raise ValueError(f"query must be [B, Hq, D] (rank 3), got shape {tuple(query.shape)}")
   if key_cache.ndim != 4:
-    raise ValueError(f"key_cache must be [B, S, Hkv, D] (rank 4), got shape "
-                     f"{tuple(key_cache.shape)}")
+    raise ValueError(
+      f"key_cache must be [B, S, Hkv, D] (rank 4), got shape {tuple(key_cache.shape)}"
+    )
   batch, q_heads, dim = query.shape
   _, seq_len, kv_heads, _ = key_cache.shape
-  check_shape("key_cache", key_cache, (batch, seq_len, kv_heads, dim),
-              f"[B, S, Hkv, D] with B = {batch} and D = {dim} as query {tuple(query.shape)}")
-  check_shape("value_cache", value_cache, key_cache.shape,
-              "value_cache must match key_cache: [B, S, Hkv, D]")
+  check_shape(
+    "key_cache",
+    key_cache,
+    (batch, seq_len, kv_heads, dim),
+    f"[B, S, Hkv, D] with B = {batch} and D = {dim} as query {tuple(query.shape)}",
+  )
+  check_shape(
+    "value_cache", value_cache, key_cache.shape, "value_cache must match key_cache: [B, S, Hkv, D]"
+  )
   if key_cache.dtype != value_cache.dtype:
-    raise TypeError(f"key_cache and value_cache must share one dtype, got key_cache "
-                    f"{key_cache.dtype} and value_cache {value_cache.dtype}")
+    raise TypeError(
+      f"key_cache and value_cache must share one dtype, got key_cache "
+      f"{key_cache.dtype} and value_cache {value_cache.dtype}"
+    )
   if not any(key_cache.dtype == d for d in CACHE_DTYPES):
-    raise TypeError(f"key_cache and value_cache must be float32, bfloat16 or float16, got "
-                    f"{key_cache.dtype} with shape {tuple(key_cache.shape)}")
+    raise TypeError(
+      f"key_cache and value_cache must be float32, bfloat16 or float16, got "
+      f"{key_cache.dtype} with shape {tuple(key_cache.shape)}"
+    )
   if kv_heads < 1:
-    raise ValueError(f"key_cache has Hkv = {kv_heads} heads (shape {tuple(key_cache.shape)}); "
-                     f"need Hkv >= 1")
+    raise ValueError(
+      f"key_cache has Hkv = {kv_heads} heads (shape {tuple(key_cache.shape)}); need Hkv >= 1"
+    )
   if q_heads % kv_heads != 0:
-    raise ValueError(f"the number of query heads Hq = {q_heads} (query shape "
-                     f"{tuple(query.shape)}) must be a multiple of the number of cache heads "
-                     f"Hkv = {kv_heads} (key_cache shape {tuple(key_cache.shape)})")
+    raise ValueError(
+      f"the number of query heads Hq = {q_heads} (query shape "
+      f"{tuple(query.shape)}) must be a multiple of the number of cache heads "
+      f"Hkv = {kv_heads} (key_cache shape {tuple(key_cache.shape)})"
+    )
   if not hasattr(lengths, "dtype"):
     lengths = np.asarray(lengths)
   if not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise TypeError(f"lengths must have an integer dtype (int32), got {lengths.dtype} with "
-                    f"shape {tuple(np.shape(lengths))}")
+    raise TypeError(
+      f"lengths must have an integer dtype (int32), got {lengths.dtype} with "
+      f"shape {tuple(np.shape(lengths))}"
+    )
   check_shape("lengths", lengths, (batch,), f"[B] = [{batch}]: one length per sequence")
   check_int32_values("lengths", lengths)
   return lengths
@@ -82,11 +106,13 @@ def _check_gqa(query, key_cache, value_cache, lengths):
 def gqa_decode_pallas(query, key_cache, value_cache, lengths, scale):
   """The Pallas kernel (pallas_kernels/inference/decode_attention.py); scale a float or array."""
   from pallas_kernels.inference import decode_attention
+
   if isinstance(scale, jax.Array):
     query = query.astype(jnp.float32) * scale
     scale = 1.0
   kernel = dispatch.raise_if_differentiated(
-      lambda *a: decode_attention.gqa_decode(*a, scale=scale), _no_gradients("gqa_decode"))
+    lambda *a: decode_attention.gqa_decode(*a, scale=scale), _no_gradients("gqa_decode")
+  )
   return kernel(query, key_cache, value_cache, lengths)
 
 
@@ -101,11 +127,11 @@ def gqa_decode_xla(query, key_cache, value_cache, lengths, scale):
   _, seq_len, kv_heads, _ = key_cache.shape
   group = q_heads // kv_heads
   q = query.astype(f32).reshape(batch, kv_heads, group, dim)
-  valid = jnp.arange(seq_len, dtype=jnp.int32)[None, :] < lengths[:, None]           # [B, S]
+  valid = jnp.arange(seq_len, dtype=jnp.int32)[None, :] < lengths[:, None]  # [B, S]
   s = jnp.einsum("bkgd,bskd->bkgs", q, key_cache.astype(f32), precision=HIGHEST) * scale
   s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
-  p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))                                  # stale: 0
+  p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))  # stale: 0
   total = jnp.sum(p, axis=-1)
   v = jnp.where(valid[:, :, None, None], value_cache.astype(f32), 0.0)
   o = jnp.einsum("bkgs,bskd->bkgd", p, v, precision=HIGHEST)
@@ -113,9 +139,15 @@ def gqa_decode_xla(query, key_cache, value_cache, lengths, scale):
   return o.reshape(batch, q_heads, dim)
 
 
-def gqa_decode(query: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
-               lengths: jax.Array, *, scale: float | jax.Array | None = None,
-               implementation: str | None = None) -> jax.Array:
+def gqa_decode(
+  query: jax.Array,
+  key_cache: jax.Array,
+  value_cache: jax.Array,
+  lengths: jax.Array,
+  *,
+  scale: float | jax.Array | None = None,
+  implementation: str | None = None,
+) -> jax.Array:
   """Attention of one new token per sequence over a grouped-query KV cache.
 
   For sequence b and query head h (cache head h // G, G = Hq / Hkv):
@@ -154,7 +186,7 @@ def gqa_decode(query: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
   seq_len = key_cache.shape[1]
   if 0 in (batch, q_heads, dim, seq_len):
     return jnp.zeros((batch, q_heads, dim), jnp.float32)
-  static, dynamic = _static_scale(scale, dim ** -0.5)
+  static, dynamic = _static_scale(scale, dim**-0.5)
   run = dispatch.entry("gqa_decode", implementation)
   return run(query, key_cache, value_cache, lengths, static if dynamic is None else dynamic)
 
@@ -162,6 +194,7 @@ def gqa_decode(query: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
 # ----------------------------------------------------------------------------------------------
 # Recurrent step of the gated delta product
 # ----------------------------------------------------------------------------------------------
+
 
 def _step_mask(mask, batch, heads, dim_k):
   """Check a step mask and return it as [Bm, Hm, r, r] (Bm in {1, B}, Hm in {1, H}) plus r."""
@@ -171,14 +204,18 @@ def _step_mask(mask, batch, heads, dim_k):
   shape = tuple(mask.shape)
   if len(shape) == 4:
     if shape[:2] != (batch, heads):
-      raise ValueError(f"mask has shape {shape}; a per-sequence mask must be [B, H, r, r] = "
-                       f"[{batch}, {heads}, r, r]")
+      raise ValueError(
+        f"mask has shape {shape}; a per-sequence mask must be [B, H, r, r] = "
+        f"[{batch}, {heads}, r, r]"
+      )
     mask5, r = normalize_mask(mask[:, None], batch, 1, heads, dim_k)
   elif len(shape) in (2, 3):
     mask5, r = normalize_mask(mask, batch, 1, heads, dim_k)
   else:
-    raise ValueError(f"mask has shape {shape}; expected [r, r], [H, r, r] = [{heads}, r, r] "
-                     f"or [B, H, r, r] = [{batch}, {heads}, r, r]")
+    raise ValueError(
+      f"mask has shape {shape}; expected [r, r], [H, r, r] = [{heads}, r, r] "
+      f"or [B, H, r, r] = [{batch}, {heads}, r, r]"
+    )
   return mask5[:, 0], r
 
 
@@ -186,16 +223,17 @@ def _check_step(q, k, v, g, beta, mask, state):
   for name, x in (("q", q), ("k", k), ("v", v)):
     check_float(name, x)
   if q.ndim != 3:
-    raise ValueError(f"q must be [B, H, K] (rank 3: one token per sequence), got shape "
-                     f"{tuple(q.shape)}")
+    raise ValueError(
+      f"q must be [B, H, K] (rank 3: one token per sequence), got shape {tuple(q.shape)}"
+    )
   batch, heads, dim_k = q.shape
   check_shape("k", k, q.shape, "k must match q: [B, H, K]")
   if v.ndim != 3 or tuple(v.shape[:2]) != (batch, heads):
-    raise ValueError(f"v has shape {tuple(v.shape)}, expected [B, H, V] = "
-                     f"[{batch}, {heads}, V] (B, H as q)")
+    raise ValueError(
+      f"v has shape {tuple(v.shape)}, expected [B, H, V] = [{batch}, {heads}, V] (B, H as q)"
+    )
   if not (q.dtype == k.dtype == v.dtype):
-    raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, "
-                    f"v {v.dtype}")
+    raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
   dim_v = v.shape[-1]
   if beta is None:
     raise ValueError(f"beta is required: the write strength, shape [B, H] = [{batch}, {heads}]")
@@ -212,10 +250,19 @@ def _check_step(q, k, v, g, beta, mask, state):
 
 
 def gated_delta_product_step(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array | None = None,
-    beta: jax.Array | None = None, mask: jax.Array | None = None, state: jax.Array | None = None,
-    *, scale: float | jax.Array | None = None, implementation: str | None = None,
-    precision: str | None = None, in_place: bool = True) -> tuple[jax.Array, jax.Array]:
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array | None = None,
+  beta: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  state: jax.Array | None = None,
+  *,
+  scale: float | jax.Array | None = None,
+  implementation: str | None = None,
+  precision: str | None = None,
+  in_place: bool = True,
+) -> tuple[jax.Array, jax.Array]:
   """One token of the block-masked gated delta product for every sequence (docs/inference.md).
 
     S' = exp(g) S;  u_a = beta (v - sum_d M[a,d] k^(d)T S'^(d));  S_new^(a) = S'^(a) + k^(a) u_a^T;
@@ -253,16 +300,17 @@ def gated_delta_product_step(
   q, k, v, beta, mask4 = (jnp.asarray(x) for x in (q, k, v, beta, mask4))
   g = None if g is None else jnp.asarray(g)
   implementation = dispatch.resolve("gated_delta_product_step", implementation)
-  resolve_precision(precision)                       # a clear error for a bad value
+  resolve_precision(precision)  # a clear error for a bad value
   if g is None:
     g = jnp.zeros((batch, heads), jnp.float32)
   if state is None:
     state = jnp.zeros((batch, heads, dim_k, dim_v), jnp.float32)
   state = jnp.asarray(state).astype(jnp.float32)
-  static, dynamic = _static_scale(scale, dim_k ** -0.5)
+  static, dynamic = _static_scale(scale, dim_k**-0.5)
   run = dispatch.entry("gated_delta_product_step", implementation)
-  return run(q, k, v, g, beta, mask4, state, static if dynamic is None else dynamic,
-             in_place=in_place)
+  return run(
+    q, k, v, g, beta, mask4, state, static if dynamic is None else dynamic, in_place=in_place
+  )
 
 
 def gated_delta_product_step_xla(q, k, v, g, beta, mask, state, scale, *, in_place=True):
@@ -278,13 +326,16 @@ def gated_delta_product_step_xla(q, k, v, g, beta, mask, state, scale, *, in_pla
 def gated_delta_product_step_pallas(q, k, v, g, beta, mask, state, scale, *, in_place=True):
   """The Pallas kernel (pallas_kernels/inference/recurrent_step.py); scale a float or array."""
   from pallas_kernels.inference import recurrent_step as _kernel
+
   message = _no_gradients("gated_delta_product_step")
   if not isinstance(scale, jax.Array):
     kernel = dispatch.raise_if_differentiated(
-        lambda *a: _kernel.recurrent_step(*a, scale=scale, in_place=in_place), message)
+      lambda *a: _kernel.recurrent_step(*a, scale=scale, in_place=in_place), message
+    )
     return kernel(q, k, v, g, beta, mask, state)
   kernel = dispatch.raise_if_differentiated(
-      lambda *a: _kernel.recurrent_step(*a, scale=1.0, out_dtype=jnp.float32, in_place=in_place),
-      message)
+    lambda *a: _kernel.recurrent_step(*a, scale=1.0, out_dtype=jnp.float32, in_place=in_place),
+    message,
+  )
   o, new = kernel(q, k, v, g, beta, mask, state)
   return (o * scale).astype(q.dtype), new

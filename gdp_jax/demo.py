@@ -63,6 +63,7 @@ GROUPS = ("S3", "S4", "S5", "A4", "A5", "Z6", "Z2^2", "Z2^3", "Z2^4")
 # The task
 # ----------------------------------------------------------------------------------------------
 
+
 def _parity(p):
   inv = sum(1 for i in range(len(p)) for j in range(i + 1, len(p)) if p[i] > p[j])
   return inv % 2
@@ -70,12 +71,12 @@ def _parity(p):
 
 def permutation_group(name: str):
   """(elements [n, m] int, table [n, n]) with table[i, j] = index of "x_i then x_j"."""
-  if name == "Z6":                                   # cyclic: rotations of 6 points
+  if name == "Z6":  # cyclic: rotations of 6 points
     elems = [tuple((i + s) % 6 for i in range(6)) for s in range(6)]
-  elif name.startswith("Z2^"):                       # n switches: swaps of disjoint pairs
+  elif name.startswith("Z2^"):  # n switches: swaps of disjoint pairs
     n = int(name[3:])
     elems = []
-    for bits in range(2 ** n):
+    for bits in range(2**n):
       p = list(range(2 * n))
       for i in range(n):
         if bits >> i & 1:
@@ -90,8 +91,9 @@ def permutation_group(name: str):
       raise ValueError(f"group must be one of {GROUPS}, got {name!r}")
   index = {p: i for i, p in enumerate(elems)}
   # "apply a first, then b": position i goes to b[a[i]].
-  table = np.array([[index[tuple(b[a[i]] for i in range(len(a)))] for b in elems]
-                    for a in elems], np.int32)
+  table = np.array(
+    [[index[tuple(b[a[i]] for i in range(len(a)))] for b in elems] for a in elems], np.int32
+  )
   return np.array(elems), table
 
 
@@ -118,19 +120,21 @@ def make_batch(rng, table, batch, seq_len):
 # Training
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class RunResult:
   name: str
   loss: float
-  accuracy: np.ndarray        # held-out accuracy per position [T]
-  sign_last: float            # accuracy of the sign of the prediction at the last position
+  accuracy: np.ndarray  # held-out accuracy per position [T]
+  sign_last: float  # accuracy of the sign of the prediction at the last position
   seconds: float
   model: object
-  params: int = 0             # number of trained parameters
+  params: int = 0  # number of trained parameters
 
 
-def train(config, table, *, steps, batch, seq_len, lr, seed, eval_batch, name, signs=None,
-          quiet=False):
+def train(
+  config, table, *, steps, batch, seq_len, lr, seed, eval_batch, name, signs=None, quiet=False
+):
   """Train `HybridLM(config)` with AdamW (warm-up + cosine decay) on fresh random words and
   evaluate on `eval_batch` held-out ones. The same seed gives the same batches to every model."""
   import jax
@@ -142,10 +146,12 @@ def train(config, table, *, steps, batch, seq_len, lr, seed, eval_batch, name, s
   t0 = time.perf_counter()
   model = HybridLM(config, rngs=nnx.Rngs(seed))
   graphdef, params = nnx.split(model)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), max(steps, 1),
-                                                lr * 0.05)
-  tx = optax.chain(optax.clip_by_global_norm(1.0),
-                   optax.adamw(schedule, b2=0.98, weight_decay=0.01))
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, lr, max(1, steps // 10), max(steps, 1), lr * 0.05
+  )
+  tx = optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.98, weight_decay=0.01)
+  )
   opt_state = tx.init(params)
 
   def loss_fn(params, x, y):
@@ -165,14 +171,15 @@ def train(config, table, *, steps, batch, seq_len, lr, seed, eval_batch, name, s
     return loss, logits.argmax(-1)
 
   rng = np.random.default_rng(seed)
-  bar = tqdm.tqdm(total=steps, desc=f"{name:>24}", disable=quiet, mininterval=0.2,
-                  dynamic_ncols=True)
+  bar = tqdm.tqdm(
+    total=steps, desc=f"{name:>24}", disable=quiet, mininterval=0.2, dynamic_ncols=True
+  )
   avg = None
   for _ in range(steps):
     x, y = make_batch(rng, table, batch, seq_len)
     params, opt_state, loss, acc = train_step(params, opt_state, x, y)
     now = np.array([float(loss), float(acc)])
-    avg = now if avg is None else 0.9 * avg + 0.1 * now          # smoothed for the display
+    avg = now if avg is None else 0.9 * avg + 0.1 * now  # smoothed for the display
     bar.set_postfix(loss=f"{float(avg[0]):.3f}", acc=f"{float(avg[1]):.3f}", refresh=False)
     bar.update(1)
   bar.close()
@@ -181,56 +188,106 @@ def train(config, table, *, steps, batch, seq_len, lr, seed, eval_batch, name, s
   pred = np.asarray(pred)
   signs = np.zeros(table.shape[0], np.int32) if signs is None else signs
   count = sum(int(np.size(a)) for a in jax.tree.leaves(params))
-  return RunResult(name, float(loss), (pred == y).mean(axis=0),
-                   float((signs[pred[:, -1]] == signs[y[:, -1]]).mean()),
-                   time.perf_counter() - t0, nnx.merge(graphdef, params), count)
+  return RunResult(
+    name,
+    float(loss),
+    (pred == y).mean(axis=0),
+    float((signs[pred[:, -1]] == signs[y[:, -1]]).mean()),
+    time.perf_counter() - t0,
+    nnx.merge(graphdef, params),
+    count,
+  )
 
 
 # ----------------------------------------------------------------------------------------------
 # The command
 # ----------------------------------------------------------------------------------------------
 
+
 def add_arguments(p):
   """The demo's options (defaults finish in about two minutes on a 2-core CPU)."""
   bool_flag = argparse.BooleanOptionalAction
-  p.add_argument("--group", default="S3", choices=GROUPS,
-                 help="permutation group of the word problem (default S3)")
+  p.add_argument(
+    "--group",
+    default="S3",
+    choices=GROUPS,
+    help="permutation group of the word problem (default S3)",
+  )
   p.add_argument("--seq-len", type=int, default=16, help="word length T (16)")
   p.add_argument("--steps", type=int, default=1200, help="training steps per model (1200)")
   p.add_argument("--batch", type=int, default=32, help="words per step (32)")
   p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (1e-2)")
-  p.add_argument("--layers", default="DD",
-                 help="layer pattern, D = gated delta product, A = attention (DD; the "
-                      "DeltaProduct model gets H where this has D)")
+  p.add_argument(
+    "--layers",
+    default="DD",
+    help="layer pattern, D = gated delta product, A = attention (DD; the "
+    "DeltaProduct model gets H where this has D)",
+  )
   p.add_argument("--hidden", type=int, default=64, help="model width (64)")
   p.add_argument("--heads", type=int, default=4, help="delta product heads (4)")
   p.add_argument("--head-dim", type=int, default=16, help="key dim K per head (16)")
   p.add_argument("--blocks", type=int, default=2, help="key blocks r (2)")
-  p.add_argument("--mask-mode", default="static", choices=["static", "token"],
-                 help="block mask per head or per token (static)")
-  p.add_argument("--short-conv", default=False, action=bool_flag,
-                 help="the layers' causal short convolution (default off: see the module doc)")
-  p.add_argument("--chunk-size", type=int, default=16, choices=[16, 32, 64],
-                 help="operator chunk (16: the fastest on CPU)")
-  p.add_argument("--baseline", default=True, action=bool_flag,
-                 help="also train mask = ones with beta in (0, 2) (default on)")
-  p.add_argument("--householder", type=int, default=2, metavar="N_H",
-                 help="also train DeltaProduct with N_H Householder steps per token, beta in "
-                      "(0, 2): every D layer becomes an H layer (2; 0 skips it)")
-  p.add_argument("--rotation", default=False, action=bool_flag,
-                 help="also train the rotating block mask (mask_mode='rotation', per token, "
-                      "signed and non-symmetric), beta in (0, 1) (default off: see the module "
-                      "doc for what it gave)")
-  p.add_argument("--control", default=False, action=bool_flag,
-                 help="also train mask = ones with beta in (0, 1) (default off)")
+  p.add_argument(
+    "--mask-mode",
+    default="static",
+    choices=["static", "token"],
+    help="block mask per head or per token (static)",
+  )
+  p.add_argument(
+    "--short-conv",
+    default=False,
+    action=bool_flag,
+    help="the layers' causal short convolution (default off: see the module doc)",
+  )
+  p.add_argument(
+    "--chunk-size",
+    type=int,
+    default=16,
+    choices=[16, 32, 64],
+    help="operator chunk (16: the fastest on CPU)",
+  )
+  p.add_argument(
+    "--baseline",
+    default=True,
+    action=bool_flag,
+    help="also train mask = ones with beta in (0, 2) (default on)",
+  )
+  p.add_argument(
+    "--householder",
+    type=int,
+    default=2,
+    metavar="N_H",
+    help="also train DeltaProduct with N_H Householder steps per token, beta in "
+    "(0, 2): every D layer becomes an H layer (2; 0 skips it)",
+  )
+  p.add_argument(
+    "--rotation",
+    default=False,
+    action=bool_flag,
+    help="also train the rotating block mask (mask_mode='rotation', per token, "
+    "signed and non-symmetric), beta in (0, 1) (default off: see the module "
+    "doc for what it gave)",
+  )
+  p.add_argument(
+    "--control",
+    default=False,
+    action=bool_flag,
+    help="also train mask = ones with beta in (0, 1) (default off)",
+  )
   p.add_argument("--generate", type=int, default=8, help="tokens generated per prompt (8)")
   p.add_argument("--eval-batch", type=int, default=512, help="held-out words (512)")
-  p.add_argument("--seed", type=int, default=1,
-                 help="seed of the batches and initialisation (1; see the module doc)")
-  p.add_argument("--implementation", default=None,
-                 choices=list(dispatch.implementations("gated_delta_product_step")),
-                 help="operator implementation (default: Pallas on a supported GPU, xla "
-                      "elsewhere)")
+  p.add_argument(
+    "--seed",
+    type=int,
+    default=1,
+    help="seed of the batches and initialisation (1; see the module doc)",
+  )
+  p.add_argument(
+    "--implementation",
+    default=None,
+    choices=list(dispatch.implementations("gated_delta_product_step")),
+    help="operator implementation (default: Pallas on a supported GPU, xla elsewhere)",
+  )
 
 
 TRACKED = 0.9
@@ -242,11 +299,14 @@ def verdict(r, has_sign):
   if full >= TRACKED:
     return f"the whole product at every length (t = T: {full:.3f})"
   below = np.flatnonzero(r.accuracy < TRACKED)
-  reach = int(below[0]) if below.size else len(r.accuracy)      # leading positions tracked
+  reach = int(below[0]) if below.size else len(r.accuracy)  # leading positions tracked
   line = f"the whole product up to t = {reach} only (t = T: {full:.3f})"
   if has_sign:
-    line += (f"; the sign at every length (t = T: {r.sign_last:.3f})"
-             if r.sign_last >= TRACKED else f"; not the sign (t = T: {r.sign_last:.3f})")
+    line += (
+      f"; the sign at every length (t = T: {r.sign_last:.3f})"
+      if r.sign_last >= TRACKED
+      else f"; not the sign (t = T: {r.sign_last:.3f})"
+    )
   return line
 
 
@@ -268,47 +328,83 @@ def run(args) -> int:
   elems, table = permutation_group(args.group)
   signs = signs_of(elems)
   base = HybridConfig(
-      vocab_size=len(elems), hidden_size=args.hidden, layer_pattern=args.layers,
-      num_heads=args.heads, head_dim=args.head_dim, num_blocks=args.blocks,
-      mask_mode=args.mask_mode, allow_neg_eigval=True, use_short_conv=args.short_conv,
-      attn_num_heads=2, attn_num_kv_heads=1,
-      mlp_ratio=2, chunk_size=args.chunk_size, implementation=args.implementation)
+    vocab_size=len(elems),
+    hidden_size=args.hidden,
+    layer_pattern=args.layers,
+    num_heads=args.heads,
+    head_dim=args.head_dim,
+    num_blocks=args.blocks,
+    mask_mode=args.mask_mode,
+    allow_neg_eigval=True,
+    use_short_conv=args.short_conv,
+    attn_num_heads=2,
+    attn_num_kv_heads=1,
+    mlp_ratio=2,
+    chunk_size=args.chunk_size,
+    implementation=args.implementation,
+  )
   impl = dispatch.resolve("gated_delta_product", args.implementation)
-  print(f"gdp-jax demo: the {args.group} word problem ({len(elems)} permutations): predict the "
-        f"running product at each of T = {args.seq_len} positions")
-  print(f"backend {jax.default_backend()}, operator implementation {impl}; layers "
-        f"{args.layers!r} (D = gated delta product, H = DeltaProduct, A = attention), width "
-        f"{args.hidden}, "
-        f"{args.heads} heads x K = {args.head_dim}; {args.steps} steps of {args.batch} words")
+  print(
+    f"gdp-jax demo: the {args.group} word problem ({len(elems)} permutations): predict the "
+    f"running product at each of T = {args.seq_len} positions"
+  )
+  print(
+    f"backend {jax.default_backend()}, operator implementation {impl}; layers "
+    f"{args.layers!r} (D = gated delta product, H = DeltaProduct, A = attention), width "
+    f"{args.hidden}, "
+    f"{args.heads} heads x K = {args.head_dim}; {args.steps} steps of {args.batch} words"
+  )
   models = [(f"{args.mask_mode} mask r={args.blocks}, b<2", base)]
   if args.baseline:
     models.append(("mask = ones, b<2", dataclasses.replace(base, mask_mode="ones")))
   if args.householder > 0:
-    models.append((f"DeltaProduct n_h={args.householder}, b<2", dataclasses.replace(
-        base, layer_pattern=args.layers.replace("D", "H"),
-        num_householder=args.householder)))
+    models.append(
+      (
+        f"DeltaProduct n_h={args.householder}, b<2",
+        dataclasses.replace(
+          base, layer_pattern=args.layers.replace("D", "H"), num_householder=args.householder
+        ),
+      )
+    )
   if args.rotation:
-    models.append((f"rotation mask r={args.blocks}, b<1", dataclasses.replace(
-        base, mask_mode="rotation", allow_neg_eigval=False)))
+    models.append(
+      (
+        f"rotation mask r={args.blocks}, b<1",
+        dataclasses.replace(base, mask_mode="rotation", allow_neg_eigval=False),
+      )
+    )
   if args.control:
-    models.append(("mask = ones, b<1", dataclasses.replace(base, mask_mode="ones",
-                                                           allow_neg_eigval=False)))
-  common = dict(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                seed=args.seed, eval_batch=args.eval_batch, signs=signs)
+    models.append(
+      ("mask = ones, b<1", dataclasses.replace(base, mask_mode="ones", allow_neg_eigval=False))
+    )
+  common = dict(
+    steps=args.steps,
+    batch=args.batch,
+    seq_len=args.seq_len,
+    lr=args.lr,
+    seed=args.seed,
+    eval_batch=args.eval_batch,
+    signs=signs,
+  )
   runs = [train(config, table, name=name, **common) for name, config in models]
 
   shown = _positions(args.seq_len)
   has_sign = bool(signs.any())
-  print(f"\nheld-out accuracy on {args.eval_batch} words (chance {1 / len(elems):.3f}"
-        + (", sign: 0.5" if has_sign else "") + "), b = beta:")
+  print(
+    f"\nheld-out accuracy on {args.eval_batch} words (chance {1 / len(elems):.3f}"
+    + (", sign: 0.5" if has_sign else "")
+    + "), b = beta:"
+  )
   width = max(24, max(len(r.name) for r in runs))
   head = f"  {'model':<{width}} {'all':>5}  " + " ".join(f"{'t=' + str(p):>5}" for p in shown)
   print(head + ("  sign at t=T" if has_sign else "") + "   time  params")
   for r in runs:
-    line = (f"  {r.name:<{width}} {r.accuracy.mean():5.3f}  "
-            + " ".join(f"{r.accuracy[p - 1]:5.3f}" for p in shown))
-    print(line + (f"  {r.sign_last:11.3f}" if has_sign else "")
-          + f"  {r.seconds:5.1f}s  {r.params:6d}")
+    line = f"  {r.name:<{width}} {r.accuracy.mean():5.3f}  " + " ".join(
+      f"{r.accuracy[p - 1]:5.3f}" for p in shown
+    )
+    print(
+      line + (f"  {r.sign_last:11.3f}" if has_sign else "") + f"  {r.seconds:5.1f}s  {r.params:6d}"
+    )
   print(f"\nwhich tracks what (held out; tracked = accuracy >= {TRACKED:.2f}):")
   for r in runs:
     print(f"  {r.name:<{width}} {verdict(r, has_sign)}")
@@ -322,24 +418,33 @@ def run(args) -> int:
     t0 = time.perf_counter()
     out = np.asarray(generate(model, prompts, args.generate))
     dt = time.perf_counter() - t0
-    print(f"\ngreedy generation, {runs[best].name} model (the best at t = T), prompts of "
-          f"{lens} tokens ({dt:.1f}s, "
-          f"prefill + jit-ed decode loop): each new token should be the running product of "
-          f"the prompt and the tokens generated before it")
+    print(
+      f"\ngreedy generation, {runs[best].name} model (the best at t = T), prompts of "
+      f"{lens} tokens ({dt:.1f}s, "
+      f"prefill + jit-ed decode loop): each new token should be the running product of "
+      f"the prompt and the tokens generated before it"
+    )
     if len(elems) <= 6:
-      print("  tokens: " + " ".join(f"{i}={''.join(map(str, p))}" for i, p in enumerate(elems))
-            + " (permutations in one-line notation)")
+      print(
+        "  tokens: "
+        + " ".join(f"{i}={''.join(map(str, p))}" for i, p in enumerate(elems))
+        + " (permutations in one-line notation)"
+      )
     ok = ok_sign = total = 0
     for p, o in zip(prompts, out):
       seq = np.asarray([p + o.tolist()])
-      want = running_products(table, seq)[0, len(p) - 1:len(p) - 1 + len(o)]
+      want = running_products(table, seq)[0, len(p) - 1 : len(p) - 1 + len(o)]
       ok, total = ok + int((want == o).sum()), total + len(o)
       ok_sign += int((signs[want] == signs[o]).sum())
-      shown_p = " ".join(map(str, p)) if len(p) <= 6 else \
-          " ".join(map(str, p[:3])) + " ... " + " ".join(map(str, p[-2:]))
-      print(f"  {shown_p:<22} -> {' '.join(map(str, o))}   (products: "
-            f"{' '.join(map(str, want))})")
-    print(f"  {ok}/{total} generated tokens correct"
-          + (f", {ok_sign}/{total} of the right sign" if has_sign else ""))
+      shown_p = (
+        " ".join(map(str, p))
+        if len(p) <= 6
+        else " ".join(map(str, p[:3])) + " ... " + " ".join(map(str, p[-2:]))
+      )
+      print(f"  {shown_p:<22} -> {' '.join(map(str, o))}   (products: {' '.join(map(str, want))})")
+    print(
+      f"  {ok}/{total} generated tokens correct"
+      + (f", {ok_sign}/{total} of the right sign" if has_sign else "")
+    )
   print(f"\ndone in {time.perf_counter() - start:.1f}s")
   return 0

@@ -18,8 +18,14 @@ import jax
 
 # Oldest compute capability the Pallas kernels support: bf16 tensor-core dots (Ampere and later).
 MIN_COMPUTE_CAPABILITY = (8, 0)
-SUPPORTED_GPUS = ("A100 / A30 (8.0)", "A10 / RTX 30xx (8.6)", "L4 / L40 / RTX 40xx (8.9)",
-                  "H100 / H200 (9.0)", "B200 (10.0)", "RTX 50xx / RTX PRO (12.0)")
+SUPPORTED_GPUS = (
+  "A100 / A30 (8.0)",
+  "A10 / RTX 30xx (8.6)",
+  "L4 / L40 / RTX 40xx (8.9)",
+  "H100 / H200 (9.0)",
+  "B200 (10.0)",
+  "RTX 50xx / RTX PRO (12.0)",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +35,7 @@ class Implementation:
   entry_points maps a public function's name to "module:attribute", imported on first use (the
   kernels are imported only when asked for).
   """
+
   name: str
   summary: str
   native_platforms: tuple[str, ...]
@@ -40,22 +47,32 @@ class Implementation:
 
 
 TABLE: dict[str, Implementation] = {
-    "reference": Implementation(
-        "reference", "the recurrence over time (lax.scan, float32): the ground truth",
-        ("cpu", "gpu", "tpu"),
-        {"gated_delta_product": "gdp_jax.reference:gated_delta_product_reference"}),
-    "xla": Implementation(
-        "xla", "the chunked WY form and the steps in jnp (any backend)",
-        ("cpu", "gpu", "tpu"),
-        {"gated_delta_product": "gdp_jax.xla:gated_delta_product_xla",
-         "gated_delta_product_step": "gdp_jax.decode:gated_delta_product_step_xla",
-         "gqa_decode": "gdp_jax.decode:gqa_decode_xla"}),
-    "pallas": Implementation(
-        "pallas", "Pallas GPU kernels through the Triton lowering (interpreted off a GPU)",
-        ("gpu",),
-        {"gated_delta_product": "gdp_jax.pallas_impl:gated_delta_product_pallas",
-         "gated_delta_product_step": "gdp_jax.decode:gated_delta_product_step_pallas",
-         "gqa_decode": "gdp_jax.decode:gqa_decode_pallas"}),
+  "reference": Implementation(
+    "reference",
+    "the recurrence over time (lax.scan, float32): the ground truth",
+    ("cpu", "gpu", "tpu"),
+    {"gated_delta_product": "gdp_jax.reference:gated_delta_product_reference"},
+  ),
+  "xla": Implementation(
+    "xla",
+    "the chunked WY form and the steps in jnp (any backend)",
+    ("cpu", "gpu", "tpu"),
+    {
+      "gated_delta_product": "gdp_jax.xla:gated_delta_product_xla",
+      "gated_delta_product_step": "gdp_jax.decode:gated_delta_product_step_xla",
+      "gqa_decode": "gdp_jax.decode:gqa_decode_xla",
+    },
+  ),
+  "pallas": Implementation(
+    "pallas",
+    "Pallas GPU kernels through the Triton lowering (interpreted off a GPU)",
+    ("gpu",),
+    {
+      "gated_delta_product": "gdp_jax.pallas_impl:gated_delta_product_pallas",
+      "gated_delta_product_step": "gdp_jax.decode:gated_delta_product_step_pallas",
+      "gqa_decode": "gdp_jax.decode:gqa_decode_pallas",
+    },
+  ),
 }
 
 # Backward passes of the Pallas forward: its own kernels, or the jnp backward of the chunked form
@@ -86,7 +103,7 @@ def pallas_supported(device=None) -> bool:
 
 
 def default_implementation(device=None) -> str:
-  """"pallas" on a supported GPU, "xla" anywhere else."""
+  """ "pallas" on a supported GPU, "xla" anywhere else."""
   return "pallas" if pallas_supported(device) else "xla"
 
 
@@ -97,18 +114,20 @@ def resolve(function: str, implementation: str | None, device=None) -> str:
     implementation = default_implementation(device)
     return implementation if implementation in names else "xla"
   if implementation not in names:
-    raise ValueError(f"implementation must be one of {names} or None for {function}, "
-                     f"got {implementation!r}")
+    raise ValueError(
+      f"implementation must be one of {names} or None for {function}, got {implementation!r}"
+    )
   if implementation == "pallas":
     device = jax.devices()[0] if device is None else device
     if device.platform == "gpu" and not pallas_supported(device):
       have = getattr(device, "compute_capability", "unknown")
       need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
       raise ValueError(
-          f"implementation='pallas' needs an NVIDIA GPU of compute capability >= {need} "
-          f"(bfloat16 tensor cores; e.g. {', '.join(SUPPORTED_GPUS)}); this device is "
-          f"{device.device_kind} with compute capability {have}. Use implementation='xla' "
-          f"(or None, which picks it here).")
+        f"implementation='pallas' needs an NVIDIA GPU of compute capability >= {need} "
+        f"(bfloat16 tensor cores; e.g. {', '.join(SUPPORTED_GPUS)}); this device is "
+        f"{device.device_kind} with compute capability {have}. Use implementation='xla' "
+        f"(or None, which picks it here)."
+      )
   return implementation
 
 
@@ -133,6 +152,8 @@ def check_backward(backward: str, implementation: str) -> str:
   if backward not in BACKWARDS:
     raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
   if backward != "pallas" and implementation != "pallas":
-    raise ValueError(f"backward={backward!r} selects the backward of the Pallas forward; "
-                     f"implementation={implementation!r} has its own (autodiff)")
+    raise ValueError(
+      f"backward={backward!r} selects the backward of the Pallas forward; "
+      f"implementation={implementation!r} has its own (autodiff)"
+    )
   return backward

@@ -38,6 +38,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # Checks
 # ----------------------------------------------------------------------------------------------
 
+
 def _shape(x):
   return tuple(np.shape(x))
 
@@ -45,12 +46,15 @@ def _shape(x):
 def check_num_householder(num_householder):
   """A TypeError unless a Python int, a ValueError unless >= 1; returns it."""
   if isinstance(num_householder, bool) or not isinstance(num_householder, (int, np.integer)):
-    raise TypeError(f"num_householder must be an int (the number of Householder steps per "
-                    f"token, n_h >= 1), got {num_householder!r} of type "
-                    f"{type(num_householder).__name__}")
+    raise TypeError(
+      f"num_householder must be an int (the number of Householder steps per "
+      f"token, n_h >= 1), got {num_householder!r} of type "
+      f"{type(num_householder).__name__}"
+    )
   if num_householder < 1:
-    raise ValueError(f"num_householder must be >= 1 (Householder steps per token), got "
-                     f"{num_householder}")
+    raise ValueError(
+      f"num_householder must be >= 1 (Householder steps per token), got {num_householder}"
+    )
   return int(num_householder)
 
 
@@ -68,27 +72,41 @@ def check_householder_inputs(q, k, v, g, beta, initial_state, n_h):
   if t_len < 1:
     raise ValueError(f"q has T = {t_len} tokens (shape {_shape(q)}); need T >= 1")
   steps = t_len * n_h
-  check_shape("k", k, (batch, steps, heads, dim_k),
-              f"[B, T*n_h, H, K]: n_h = num_householder = {n_h} keys per token of q "
-              f"{_shape(q)}")
+  check_shape(
+    "k",
+    k,
+    (batch, steps, heads, dim_k),
+    f"[B, T*n_h, H, K]: n_h = num_householder = {n_h} keys per token of q {_shape(q)}",
+  )
   if v.ndim != 4 or v.shape[:3] != (batch, steps, heads):
-    raise ValueError(f"v has shape {_shape(v)}, expected [B, T*n_h, H, V] = "
-                     f"[{batch}, {steps}, {heads}, V] (n_h = num_householder = {n_h} values "
-                     f"per token of q {_shape(q)})")
+    raise ValueError(
+      f"v has shape {_shape(v)}, expected [B, T*n_h, H, V] = "
+      f"[{batch}, {steps}, {heads}, V] (n_h = num_householder = {n_h} values "
+      f"per token of q {_shape(q)})"
+    )
   if not (q.dtype == k.dtype == v.dtype):
-    raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, "
-                    f"v {v.dtype}")
+    raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
   dim_v = v.shape[-1]
   if beta is None:
-    raise ValueError(f"beta is required: the write strength of each sub-step, shape "
-                     f"[B, T*n_h, H] = [{batch}, {steps}, {heads}]")
+    raise ValueError(
+      f"beta is required: the write strength of each sub-step, shape "
+      f"[B, T*n_h, H] = [{batch}, {steps}, {heads}]"
+    )
   check_float("beta", beta)
-  check_shape("beta", beta, (batch, steps, heads),
-              f"[B, T*n_h, H]: one write strength per sub-step, n_h = {n_h}")
+  check_shape(
+    "beta",
+    beta,
+    (batch, steps, heads),
+    f"[B, T*n_h, H]: one write strength per sub-step, n_h = {n_h}",
+  )
   if g is not None:
     check_float("g", g)
-    check_shape("g", g, (batch, t_len, heads),
-                "[B, T, H] as q: one log-decay per token, applied before its first sub-step")
+    check_shape(
+      "g",
+      g,
+      (batch, t_len, heads),
+      "[B, T, H] as q: one log-decay per token, applied before its first sub-step",
+    )
   if initial_state is not None:
     check_float("initial_state", initial_state)
     check_shape("initial_state", initial_state, (batch, heads, dim_k, dim_v), "[B, H, K, V]")
@@ -98,6 +116,7 @@ def check_householder_inputs(q, k, v, g, beta, initial_state, n_h):
 # ----------------------------------------------------------------------------------------------
 # The recurrent reference
 # ----------------------------------------------------------------------------------------------
+
 
 def householder_reference(q, k, v, g, beta, initial_state, scale, n_h):
   """Token by token (`lax.scan`), the n_h sub-steps of a token in order, float32 throughout.
@@ -111,11 +130,11 @@ def householder_reference(q, k, v, g, beta, initial_state, scale, n_h):
   k, v, beta = per_token(k), per_token(v), per_token(beta)
 
   def token(state, xs):
-    q_t, k_t, v_t, g_t, beta_t = xs                     # [B,H,K], [B,n,H,K], .., [B,H], [B,n,H]
+    q_t, k_t, v_t, g_t, beta_t = xs  # [B,H,K], [B,n,H,K], .., [B,H], [B,n,H]
     state = jnp.exp(g_t)[..., None, None] * state
     for j in range(n_h):
       kj = k_t[:, j]
-      pred = jnp.einsum("bhk,bhkv->bhv", kj, state, precision=HIGHEST)        # k^T S
+      pred = jnp.einsum("bhk,bhkv->bhv", kj, state, precision=HIGHEST)  # k^T S
       err = beta_t[:, j][..., None] * (v_t[:, j] - pred)
       state = state + kj[..., :, None] * err[..., None, :]
     o = jnp.einsum("bhk,bhkv->bhv", q_t, state, precision=HIGHEST)
@@ -130,6 +149,7 @@ def householder_reference(q, k, v, g, beta, initial_state, scale, n_h):
 # ----------------------------------------------------------------------------------------------
 # Sub-step layout for the r = 1 operator
 # ----------------------------------------------------------------------------------------------
+
 
 def to_substeps(q, g, n_h):
   """q [B, T, H, K] on each token's last sub-step, g [B, T, H] on its first; zeros elsewhere.
@@ -147,9 +167,23 @@ def to_substeps(q, g, n_h):
 # Public functions
 # ----------------------------------------------------------------------------------------------
 
-def householder_delta_product(q, k, v, g, beta, *, num_householder, scale=None,
-                              initial_state=None, output_final_state=False, cu_seqlens=None,
-                              implementation=None, precision=None, chunk_size=64):
+
+def householder_delta_product(
+  q,
+  k,
+  v,
+  g,
+  beta,
+  *,
+  num_householder,
+  scale=None,
+  initial_state=None,
+  output_final_state=False,
+  cu_seqlens=None,
+  implementation=None,
+  precision=None,
+  chunk_size=64,
+):
   """Gated DeltaProduct: n_h Householder delta steps per token (Siems et al. 2025).
 
   Per batch row and head, token t decays the state once, then applies its n_h sub-steps
@@ -184,18 +218,18 @@ def householder_delta_product(q, k, v, g, beta, *, num_householder, scale=None,
   n_h = check_num_householder(num_householder)
   if cu_seqlens is not None:
     raise NotImplementedError(
-        "cu_seqlens (packed variable-length sequences) is not supported by "
-        "householder_delta_product yet: it comes with packed sequences in the operator. Pass "
-        "cu_seqlens=None with batched [B, T, ...] inputs (right-pad shorter sequences with "
-        "beta = 0 and g = 0, which leaves the state untouched).")
-  batch, t_len, heads, dim_k, dim_v = check_householder_inputs(
-      q, k, v, g, beta, initial_state, n_h)
+      "cu_seqlens (packed variable-length sequences) is not supported by "
+      "householder_delta_product yet: it comes with packed sequences in the operator. Pass "
+      "cu_seqlens=None with batched [B, T, ...] inputs (right-pad shorter sequences with "
+      "beta = 0 and g = 0, which leaves the state untouched)."
+    )
+  batch, t_len, heads, dim_k, dim_v = check_householder_inputs(q, k, v, g, beta, initial_state, n_h)
   implementation = _check_implementation(implementation)
-  resolve_precision(precision)                       # a clear error for a bad value
+  resolve_precision(precision)  # a clear error for a bad value
   if chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
   if scale is None:
-    scale = dim_k ** -0.5
+    scale = dim_k**-0.5
 
   if implementation == "reference":
     if g is None:
@@ -207,15 +241,26 @@ def householder_delta_product(q, k, v, g, beta, *, num_householder, scale=None,
 
   q_sub, g_sub = to_substeps(q, g, n_h)
   o, final = gated_delta_product(
-      q_sub, k, v, g_sub, beta, None, scale=scale, initial_state=initial_state,
-      output_final_state=output_final_state, chunk_size=chunk_size,
-      implementation=implementation, precision=precision)
-  o = o.reshape((batch, t_len, n_h, heads, dim_v))[:, :, -1]        # read after the last step
+    q_sub,
+    k,
+    v,
+    g_sub,
+    beta,
+    None,
+    scale=scale,
+    initial_state=initial_state,
+    output_final_state=output_final_state,
+    chunk_size=chunk_size,
+    implementation=implementation,
+    precision=precision,
+  )
+  o = o.reshape((batch, t_len, n_h, heads, dim_v))[:, :, -1]  # read after the last step
   return o, final
 
 
-def householder_delta_product_step(q, k, v, g, beta, state, *, num_householder, scale=None,
-                                   implementation=None):
+def householder_delta_product_step(
+  q, k, v, g, beta, state, *, num_householder, scale=None, implementation=None
+):
   """One token of the gated DeltaProduct for every sequence (decoding).
 
   The token's n_h sub-steps run as n_h `gated_delta_product_step` calls (r = 1), the decay on
@@ -236,26 +281,40 @@ def householder_delta_product_step(q, k, v, g, beta, state, *, num_householder, 
   for name, x in (("q", q), ("k", k), ("v", v)):
     check_float(name, x)
   if q.ndim != 3:
-    raise ValueError(f"q must be [B, H, K] (rank 3: one token per sequence), got shape "
-                     f"{_shape(q)}")
+    raise ValueError(f"q must be [B, H, K] (rank 3: one token per sequence), got shape {_shape(q)}")
   batch, heads, dim_k = q.shape
-  check_shape("k", k, (batch, n_h, heads, dim_k),
-              f"[B, n_h, H, K]: n_h = num_householder = {n_h} keys for the token of q "
-              f"{_shape(q)}")
+  check_shape(
+    "k",
+    k,
+    (batch, n_h, heads, dim_k),
+    f"[B, n_h, H, K]: n_h = num_householder = {n_h} keys for the token of q {_shape(q)}",
+  )
   if v.ndim != 4 or v.shape[:3] != (batch, n_h, heads):
-    raise ValueError(f"v has shape {_shape(v)}, expected [B, n_h, H, V] = "
-                     f"[{batch}, {n_h}, {heads}, V] (n_h = num_householder = {n_h})")
+    raise ValueError(
+      f"v has shape {_shape(v)}, expected [B, n_h, H, V] = "
+      f"[{batch}, {n_h}, {heads}, V] (n_h = num_householder = {n_h})"
+    )
   if beta is None:
-    raise ValueError(f"beta is required: the write strength of each sub-step, shape "
-                     f"[B, n_h, H] = [{batch}, {n_h}, {heads}]")
+    raise ValueError(
+      f"beta is required: the write strength of each sub-step, shape "
+      f"[B, n_h, H] = [{batch}, {n_h}, {heads}]"
+    )
   check_float("beta", beta)
   check_shape("beta", beta, (batch, n_h, heads), f"[B, n_h, H] with n_h = {n_h}")
   if implementation is not None:
-    dispatch.resolve("gated_delta_product_step", implementation)   # a clear error if unknown
+    dispatch.resolve("gated_delta_product_step", implementation)  # a clear error if unknown
   # gated_delta_product_step checks the rest (dtypes, g, state) on the first sub-step.
   o = None
   for j in range(n_h):
     o, state = gated_delta_product_step(
-        q, k[:, j], v[:, j], g if j == 0 else None, beta[:, j], None, state, scale=scale,
-        implementation=implementation)
+      q,
+      k[:, j],
+      v[:, j],
+      g if j == 0 else None,
+      beta[:, j],
+      None,
+      state,
+      scale=scale,
+      implementation=implementation,
+    )
   return o, state

@@ -32,8 +32,11 @@ from gdp_jax import dispatch
 from gdp_jax.decode import gqa_decode
 from gdp_jax.householder import householder_delta_product, householder_delta_product_step
 from gdp_jax.operator import CHUNK_SIZES
-from gdp_jax.sharding import (ShardingConfig, sharded_gated_delta_product,
-                              sharded_gated_delta_product_step)
+from gdp_jax.sharding import (
+  ShardingConfig,
+  sharded_gated_delta_product,
+  sharded_gated_delta_product_step,
+)
 
 MASK_MODES = ("static", "token", "ones", "rotation", "householder")
 KEY_NORMS = ("block", "full")
@@ -51,6 +54,7 @@ RESET_LOG_DECAY = -112.0
 # ----------------------------------------------------------------------------------------------
 # Small pieces
 # ----------------------------------------------------------------------------------------------
+
 
 def l2norm(x, axis=-1, eps=1e-6):
   """x / sqrt(sum x^2 + eps) along `axis`, computed in float32 (as flash-linear-attention)."""
@@ -83,8 +87,9 @@ def rotation_mask(w):
   w = w.astype(f32)
   theta, c1, c2 = math.pi * jnp.tanh(w[..., 0]), jnp.tanh(w[..., 1]), jnp.tanh(w[..., 2])
   cos, sin = jnp.cos(theta), jnp.sin(theta)
-  pair = jnp.stack([jnp.stack([c1 * cos, -c2 * sin], -1),
-                    jnp.stack([c1 * sin, c2 * cos], -1)], -2)            # [..., r/2, 2, 2]
+  pair = jnp.stack(
+    [jnp.stack([c1 * cos, -c2 * sin], -1), jnp.stack([c1 * sin, c2 * cos], -1)], -2
+  )  # [..., r/2, 2, 2]
   half = w.shape[-2]
   eye = jnp.eye(half, dtype=f32)
   # Block-diagonal [..., r, r]: entry (2a + i, 2b + j) = delta_ab pair[a, i, j].
@@ -108,16 +113,22 @@ def _check_lengths(lengths, batch, t_len):
   if lengths is None:
     return None
   if not isinstance(lengths, jax.core.Tracer):
-    lengths = np.asarray(lengths)                 # before JAX's int32 conversion could wrap
+    lengths = np.asarray(lengths)  # before JAX's int32 conversion could wrap
   if not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise TypeError(f"lengths must be integers (int32), got dtype {lengths.dtype}")
   if lengths.shape != (batch,):
-    raise ValueError(f"lengths has shape {lengths.shape}, expected [B] = [{batch}] "
-                     f"(one length per sequence, each in [0, T = {t_len}])")
-  if isinstance(lengths, np.ndarray) and lengths.size and (lengths.min() < 0
-                                                           or lengths.max() > t_len):
-    raise ValueError(f"lengths must lie in [0, T = {t_len}] (tokens of each sequence), got "
-                     f"{lengths.tolist()}")
+    raise ValueError(
+      f"lengths has shape {lengths.shape}, expected [B] = [{batch}] "
+      f"(one length per sequence, each in [0, T = {t_len}])"
+    )
+  if (
+    isinstance(lengths, np.ndarray)
+    and lengths.size
+    and (lengths.min() < 0 or lengths.max() > t_len)
+  ):
+    raise ValueError(
+      f"lengths must lie in [0, T = {t_len}] (tokens of each sequence), got {lengths.tolist()}"
+    )
   return jnp.clip(jnp.asarray(lengths), 0, t_len).astype(jnp.int32)
 
 
@@ -128,8 +139,10 @@ def _check_segment_ids(segment_ids, batch, t_len):
   if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
     raise TypeError(f"segment_ids must be integers (int32), got dtype {segment_ids.dtype}")
   if segment_ids.shape != (batch, t_len):
-    raise ValueError(f"segment_ids has shape {segment_ids.shape}, expected [B, T] = "
-                     f"[{batch}, {t_len}] (one document id per token)")
+    raise ValueError(
+      f"segment_ids has shape {segment_ids.shape}, expected [B, T] = "
+      f"[{batch}, {t_len}] (one document id per token)"
+    )
   return segment_ids.astype(jnp.int32)
 
 
@@ -146,26 +159,32 @@ def _check_cache(cache, kind, fields):
   ({name: (expected shape or None, what)})."""
   name = kind.__name__
   if cache is None:
-    raise TypeError(f"cache is None; start from layer.init_cache(...) or the cache a prefill "
-                    f"returned (return_cache=True): a {name}")
+    raise TypeError(
+      f"cache is None; start from layer.init_cache(...) or the cache a prefill "
+      f"returned (return_cache=True): a {name}"
+    )
   if not isinstance(cache, kind):
-    raise TypeError(f"cache must be a {name} (from this layer's init_cache or a prefill with "
-                    f"return_cache=True), got {type(cache).__name__}")
+    raise TypeError(
+      f"cache must be a {name} (from this layer's init_cache or a prefill with "
+      f"return_cache=True), got {type(cache).__name__}"
+    )
   for field, (shape, what) in fields.items():
     got = getattr(cache, field)
     got_shape = None if got is None else tuple(np.shape(got))
     if got_shape != shape:
-      raise ValueError(f"cache.{field} has shape {got_shape}, expected {shape} ({what}): a "
-                       f"cache of another layer or batch size?")
+      raise ValueError(
+        f"cache.{field} has shape {got_shape}, expected {shape} ({what}): a "
+        f"cache of another layer or batch size?"
+      )
 
 
 def _check_x(x, hidden_size, rank, what):
   if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
-    raise TypeError(f"x must be an array {what} (a jax or NumPy array), got "
-                    f"{type(x).__name__}")
+    raise TypeError(f"x must be an array {what} (a jax or NumPy array), got {type(x).__name__}")
   if x.ndim != rank or x.shape[-1] != hidden_size:
-    raise ValueError(f"x has shape {tuple(x.shape)}, expected {what} with D = hidden_size = "
-                     f"{hidden_size}")
+    raise ValueError(
+      f"x has shape {tuple(x.shape)}, expected {what} with D = hidden_size = {hidden_size}"
+    )
 
 
 class GatedRMSNorm(nnx.Module):
@@ -195,21 +214,24 @@ class ShortConv(nnx.Module):
 
   def __init__(self, channels: int, size: int = 4, *, param_dtype=f32, rngs: nnx.Rngs):
     self.size = size
-    bound = 1.0 / math.sqrt(size)             # PyTorch Conv1d's default for a depthwise kernel
-    self.weight = nnx.Param(jax.random.uniform(rngs.params(), (size, channels), param_dtype,
-                                               -bound, bound))
+    bound = 1.0 / math.sqrt(size)  # PyTorch Conv1d's default for a depthwise kernel
+    self.weight = nnx.Param(
+      jax.random.uniform(rngs.params(), (size, channels), param_dtype, -bound, bound)
+    )
 
   def __call__(self, x, segment_ids=None):
     w = self.weight[...].astype(x.dtype)
     t_len = x.shape[1]
     xp = jnp.pad(x, ((0, 0), (self.size - 1, 0), (0, 0)))
     if segment_ids is None:
-      y = sum(xp[:, i:i + t_len] * w[i] for i in range(self.size))
+      y = sum(xp[:, i : i + t_len] * w[i] for i in range(self.size))
     else:
       # tap i reads token t - (size - 1 - i): zero it unless that token is in t's document
       sp = jnp.pad(segment_ids, ((0, 0), (self.size - 1, 0)), constant_values=-1)
-      y = sum(jnp.where((sp[:, i:i + t_len] == segment_ids)[..., None], xp[:, i:i + t_len], 0)
-              * w[i] for i in range(self.size))
+      y = sum(
+        jnp.where((sp[:, i : i + t_len] == segment_ids)[..., None], xp[:, i : i + t_len], 0) * w[i]
+        for i in range(self.size)
+      )
     return jax.nn.silu(y)
 
   def state_after(self, x, lengths):
@@ -218,11 +240,11 @@ class ShortConv(nnx.Module):
     xp = jnp.pad(x, ((0, 0), (self.size - 1, 0), (0, 0)))
     if lengths is None:
       return xp[:, t_len:]
-    idx = lengths[:, None] + jnp.arange(self.size - 1)[None, :]     # xp index of token l-(s-1)+i
+    idx = lengths[:, None] + jnp.arange(self.size - 1)[None, :]  # xp index of token l-(s-1)+i
     return jnp.take_along_axis(xp, idx[:, :, None], axis=1)
 
   def step(self, x, state):
-    window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1)   # [B, size, C]
+    window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1)  # [B, size, C]
     y = jnp.sum(window * self.weight[...].astype(x.dtype)[None], axis=1)
     return jax.nn.silu(y), window[:, 1:]
 
@@ -231,6 +253,7 @@ class ShortConv(nnx.Module):
 # Gated delta product layer
 # ----------------------------------------------------------------------------------------------
 
+
 class GatedDeltaProductCache(NamedTuple):
   """Decode cache of one `GatedDeltaProduct` layer.
 
@@ -238,6 +261,7 @@ class GatedDeltaProductCache(NamedTuple):
     channels; H*K + n_h*H*(K + V) in "householder" mode), or None without the convolution.
   state: [B, H, K, V] float32 recurrent state.
   """
+
   conv: Any
   state: jax.Array
 
@@ -313,14 +337,30 @@ class GatedDeltaProduct(nnx.Module):
     rngs: `nnx.Rngs`.
   """
 
-  def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, expand_v: float = 1,
-               num_blocks: int = 2, mask_mode: str = "static", key_norm: str = "block",
-               use_short_conv: bool = True, conv_size: int = 4, use_gate: bool = True,
-               allow_neg_eigval: bool = False, beta_norm: bool = True, norm_eps: float = 1e-5,
-               chunk_size: int = 64,
-               implementation: str | None = None, dtype: DTypeLike | None = None,
-               param_dtype: DTypeLike = f32, sharding: ShardingConfig | None = None,
-               num_householder: int = 2, rngs: nnx.Rngs) -> None:
+  def __init__(
+    self,
+    hidden_size: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    expand_v: float = 1,
+    num_blocks: int = 2,
+    mask_mode: str = "static",
+    key_norm: str = "block",
+    use_short_conv: bool = True,
+    conv_size: int = 4,
+    use_gate: bool = True,
+    allow_neg_eigval: bool = False,
+    beta_norm: bool = True,
+    norm_eps: float = 1e-5,
+    chunk_size: int = 64,
+    implementation: str | None = None,
+    dtype: DTypeLike | None = None,
+    param_dtype: DTypeLike = f32,
+    sharding: ShardingConfig | None = None,
+    num_householder: int = 2,
+    rngs: nnx.Rngs,
+  ) -> None:
     _check_positive_int("hidden_size", hidden_size)
     _check_positive_int("num_heads", num_heads)
     _check_positive_int("head_dim", head_dim)
@@ -329,41 +369,60 @@ class GatedDeltaProduct(nnx.Module):
     householder = mask_mode == "householder"
     if householder:
       _check_positive_int("num_householder", num_householder)
-      num_blocks = 1                             # the r = 1 operator over T * n_h sub-steps
+      num_blocks = 1  # the r = 1 operator over T * n_h sub-steps
     if mask_mode == "rotation":
       if num_blocks % 2 != 0:
-        raise ValueError(f"mask_mode='rotation' rotates pairs of key blocks: num_blocks must "
-                         f"be even, got {num_blocks}")
+        raise ValueError(
+          f"mask_mode='rotation' rotates pairs of key blocks: num_blocks must "
+          f"be even, got {num_blocks}"
+        )
       if key_norm != "block":
-        raise ValueError(f"mask_mode='rotation' needs key_norm='block' (unit key blocks keep "
-                         f"the transition a contraction), got key_norm={key_norm!r}")
+        raise ValueError(
+          f"mask_mode='rotation' needs key_norm='block' (unit key blocks keep "
+          f"the transition a contraction), got key_norm={key_norm!r}"
+        )
       if allow_neg_eigval:
-        raise ValueError("mask_mode='rotation' keeps beta in (0, 1) (its mask gives the "
-                         "negative eigenvalues and rotations): set allow_neg_eigval=False")
+        raise ValueError(
+          "mask_mode='rotation' keeps beta in (0, 1) (its mask gives the "
+          "negative eigenvalues and rotations): set allow_neg_eigval=False"
+        )
     if head_dim % num_blocks != 0:
-      raise ValueError(f"head_dim = {head_dim} must be divisible by num_blocks = {num_blocks} "
-                       f"(the key dimension is split into num_blocks equal blocks)")
+      raise ValueError(
+        f"head_dim = {head_dim} must be divisible by num_blocks = {num_blocks} "
+        f"(the key dimension is split into num_blocks equal blocks)"
+      )
     value_dim = head_dim * expand_v
-    if (isinstance(expand_v, bool) or not isinstance(expand_v, (int, float))
-        or value_dim <= 0 or value_dim != int(value_dim)):
-      raise ValueError(f"expand_v = {expand_v!r} must be a positive number with head_dim * "
-                       f"expand_v a whole number (head_dim = {head_dim})")
+    if (
+      isinstance(expand_v, bool)
+      or not isinstance(expand_v, (int, float))
+      or value_dim <= 0
+      or value_dim != int(value_dim)
+    ):
+      raise ValueError(
+        f"expand_v = {expand_v!r} must be a positive number with head_dim * "
+        f"expand_v a whole number (head_dim = {head_dim})"
+      )
     _check_choice("key_norm", key_norm, KEY_NORMS)
     if use_short_conv:
       _check_positive_int("conv_size", conv_size)
     if chunk_size not in CHUNK_SIZES:
       raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
     if implementation is not None:
-      dispatch.resolve("gated_delta_product", implementation)      # a clear error if unknown
+      dispatch.resolve("gated_delta_product", implementation)  # a clear error if unknown
     if sharding is not None and not isinstance(sharding, ShardingConfig):
-      raise TypeError(f"sharding must be a gdp_jax.sharding.ShardingConfig or None, got "
-                      f"{type(sharding).__name__}")
+      raise TypeError(
+        f"sharding must be a gdp_jax.sharding.ShardingConfig or None, got {type(sharding).__name__}"
+      )
     if sharding is not None and num_heads % sharding.size("heads"):
-      raise ValueError(f"num_heads = {num_heads} is not divisible by the {sharding.size('heads')} "
-                       f"pieces of the heads mesh axes {sharding.axes('heads')}")
+      raise ValueError(
+        f"num_heads = {num_heads} is not divisible by the {sharding.size('heads')} "
+        f"pieces of the heads mesh axes {sharding.axes('heads')}"
+      )
     if sharding is not None and mask_mode == "householder":
-      raise ValueError("sharding is not supported with mask_mode='householder' yet; use "
-                       "sharding=None or a block-mask mode")
+      raise ValueError(
+        "sharding is not supported with mask_mode='householder' yet; use "
+        "sharding=None or a block-mask mode"
+      )
     self.sharding = sharding
     self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
     self.value_dim = int(value_dim)
@@ -376,36 +435,48 @@ class GatedDeltaProduct(nnx.Module):
 
     H, K, V, r, D = num_heads, head_dim, self.value_dim, num_blocks, hidden_size
     n = self.num_householder
-    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                                  rngs=rngs)
+    lin = lambda i, o: nnx.Linear(
+      i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    )
     # In "householder" mode k, v and beta have one slice per step: [..., n_h, H, *].
     self.q_proj, self.k_proj, self.v_proj = lin(D, H * K), lin(D, n * H * K), lin(D, n * H * V)
     self.a_proj, self.b_proj = lin(D, H), lin(D, n * H)
     # Mamba-2 / Gated DeltaNet initialisation: A in [1, 16], dt in [1e-3, 1e-1].
-    self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), f32, 1.0, 16.0))
-                           .astype(param_dtype))
+    self.A_log = nnx.Param(
+      jnp.log(jax.random.uniform(rngs.params(), (H,), f32, 1.0, 16.0)).astype(param_dtype)
+    )
     dt = jnp.exp(jax.random.uniform(rngs.params(), (H,), f32, math.log(1e-3), math.log(1e-1)))
     dt = jnp.maximum(dt, 1e-4)
     self.dt_bias = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(param_dtype))  # softplus^-1
     # Mask parameters: W = I + small positive noise (no exact zeros: d|w|/dw = 0 there).
-    w0 = jnp.eye(r, dtype=f32) + 0.1 * jax.random.uniform(rngs.params(), (H, r, r), f32,
-                                                          0.1, 1.0)
+    w0 = jnp.eye(r, dtype=f32) + 0.1 * jax.random.uniform(rngs.params(), (H, r, r), f32, 0.1, 1.0)
     if mask_mode == "static":
       self.mask_weight = nnx.Param(w0.astype(param_dtype))
     elif mask_mode == "token":
       self.mask_proj = nnx.Linear(
-          D, H * r * r, use_bias=True, dtype=dtype, param_dtype=param_dtype,
-          kernel_init=nnx.initializers.normal(0.02),
-          bias_init=lambda *_: w0.reshape(H * r * r).astype(param_dtype), rngs=rngs)
+        D,
+        H * r * r,
+        use_bias=True,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nnx.initializers.normal(0.02),
+        bias_init=lambda *_: w0.reshape(H * r * r).astype(param_dtype),
+        rngs=rngs,
+      )
     elif mask_mode == "rotation":
       # theta, c1, c2 per head and pair of key blocks; zero at init: C = 0, M = I.
       self.mask_proj = nnx.Linear(
-          D, H * (r // 2) * 3, use_bias=True, dtype=dtype, param_dtype=param_dtype,
-          kernel_init=nnx.initializers.normal(0.02), bias_init=nnx.initializers.zeros,
-          rngs=rngs)
+        D,
+        H * (r // 2) * 3,
+        use_bias=True,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nnx.initializers.normal(0.02),
+        bias_init=nnx.initializers.zeros,
+        rngs=rngs,
+      )
     if use_short_conv:
-      self.conv = ShortConv(self._conv_channels(), conv_size, param_dtype=param_dtype,
-                            rngs=rngs)
+      self.conv = ShortConv(self._conv_channels(), conv_size, param_dtype=param_dtype, rngs=rngs)
     if use_gate:
       self.g_proj = lin(D, H * V)
     self.o_norm = GatedRMSNorm(V, eps=norm_eps, param_dtype=param_dtype)
@@ -456,8 +527,9 @@ class GatedDeltaProduct(nnx.Module):
 
   def _scale_beta(self, beta, mask):
     """beta / rho(M), rho(M) = max_a sum_b M[a, b] ([H] or per token), with "block" keys."""
-    if (not self.beta_norm or mask is None or self.key_norm != "block"
-        or self.mask_mode == "rotation"):
+    if (
+      not self.beta_norm or mask is None or self.key_norm != "block" or self.mask_mode == "rotation"
+    ):
       return beta
     return beta / jnp.max(jnp.sum(mask, axis=-1), axis=-1)
 
@@ -466,7 +538,7 @@ class GatedDeltaProduct(nnx.Module):
     and v [..., n_h, H, V] (each step's key L2-normalised over the whole head)."""
     H, K, V, n = self.num_heads, self.head_dim, self.value_dim, self.num_householder
     HK = H * K
-    q, k, v = qkv[..., :HK], qkv[..., HK:HK + n * HK], qkv[..., HK + n * HK:]
+    q, k, v = qkv[..., :HK], qkv[..., HK : HK + n * HK], qkv[..., HK + n * HK :]
     dtype = qkv.dtype
     q = self._qk_norm(q).astype(dtype)
     if self.mask_mode == "householder":
@@ -488,9 +560,14 @@ class GatedDeltaProduct(nnx.Module):
 
   # -- whole sequence ---------------------------------------------------------------------------
 
-  def __call__(self, x: jax.Array, lengths: jax.Array | None = None, *,
-               segment_ids: jax.Array | None = None, return_cache: bool = False
-               ) -> jax.Array | tuple[jax.Array, GatedDeltaProductCache]:
+  def __call__(
+    self,
+    x: jax.Array,
+    lengths: jax.Array | None = None,
+    *,
+    segment_ids: jax.Array | None = None,
+    return_cache: bool = False,
+  ) -> jax.Array | tuple[jax.Array, GatedDeltaProductCache]:
     """The whole sequence through the chunked operator.
 
     Args:
@@ -518,8 +595,10 @@ class GatedDeltaProduct(nnx.Module):
     lengths = _check_lengths(lengths, batch, t_len)
     segment_ids = _check_segment_ids(segment_ids, batch, t_len)
     if segment_ids is not None and return_cache:
-      raise ValueError("segment_ids with return_cache is not supported: a decode cache "
-                       "continues one sequence per row, not packed documents")
+      raise ValueError(
+        "segment_ids with return_cache is not supported: a decode cache "
+        "continues one sequence per row, not packed documents"
+      )
     if self.dtype is not None:
       x = x.astype(self.dtype)
     pre = self._project_in(x)
@@ -529,22 +608,38 @@ class GatedDeltaProduct(nnx.Module):
     if segment_ids is not None:
       g = jnp.where(segment_starts(segment_ids)[..., None], RESET_LOG_DECAY, g)
     if lengths is not None:
-      real = (jnp.arange(t_len)[None, :] < lengths[:, None])[..., None]      # [B, T, 1]
+      real = (jnp.arange(t_len)[None, :] < lengths[:, None])[..., None]  # [B, T, 1]
       g = jnp.where(real, g, 0.0)
       beta = jnp.where(real[..., None] if beta.ndim == 4 else real, beta, 0.0)
     if self.mask_mode == "householder":
       n = self.num_householder
-      sub = lambda a: a.reshape((batch, t_len * n) + a.shape[3:])          # [B, T*n_h, ...]
+      sub = lambda a: a.reshape((batch, t_len * n) + a.shape[3:])  # [B, T*n_h, ...]
       o, final = householder_delta_product(
-          q, sub(k), sub(v), g, sub(beta), num_householder=n,
-          output_final_state=return_cache, chunk_size=self.chunk_size,
-          implementation=self.implementation)
+        q,
+        sub(k),
+        sub(v),
+        g,
+        sub(beta),
+        num_householder=n,
+        output_final_state=return_cache,
+        chunk_size=self.chunk_size,
+        implementation=self.implementation,
+      )
     else:
       mask = self._mask(x)
       beta = self._scale_beta(beta, mask)
       o, final = sharded_gated_delta_product(
-          q, k, v, g, beta, mask, output_final_state=return_cache, chunk_size=self.chunk_size,
-          implementation=self.implementation, sharding=self.sharding)
+        q,
+        k,
+        v,
+        g,
+        beta,
+        mask,
+        output_final_state=return_cache,
+        chunk_size=self.chunk_size,
+        implementation=self.implementation,
+        sharding=self.sharding,
+      )
     y = self._output(o, x)
     if not return_cache:
       return y
@@ -553,27 +648,33 @@ class GatedDeltaProduct(nnx.Module):
 
   # -- one token --------------------------------------------------------------------------------
 
-  def init_cache(self, batch_size: int, dtype: DTypeLike | None = None
-                 ) -> GatedDeltaProductCache:
+  def init_cache(self, batch_size: int, dtype: DTypeLike | None = None) -> GatedDeltaProductCache:
     """The empty cache: zero convolution inputs (in `dtype`, default the layer's dtype or f32)
     and a zero float32 state."""
     H, K, V = self.num_heads, self.head_dim, self.value_dim
     conv = None
     if self.use_short_conv:
-      conv = jnp.zeros((batch_size, self.conv_size - 1, self._conv_channels()),
-                       dtype or self.dtype or f32)
+      conv = jnp.zeros(
+        (batch_size, self.conv_size - 1, self._conv_channels()), dtype or self.dtype or f32
+      )
     return GatedDeltaProductCache(conv, jnp.zeros((batch_size, H, K, V), f32))
 
-  def step(self, x: jax.Array, cache: GatedDeltaProductCache
-           ) -> tuple[jax.Array, GatedDeltaProductCache]:
+  def step(
+    self, x: jax.Array, cache: GatedDeltaProductCache
+  ) -> tuple[jax.Array, GatedDeltaProductCache]:
     """One token per sequence: x [B, D] -> (y [B, D], new cache); `cache` from `init_cache(B)`
     or from a prefill (`return_cache=True`) of this layer."""
     _check_x(x, self.hidden_size, 2, "[B, D] (one token per sequence)")
     H, K, V, B = self.num_heads, self.head_dim, self.value_dim, x.shape[0]
     conv_shape = (B, self.conv_size - 1, 2 * H * K + H * V) if self.use_short_conv else None
-    _check_cache(cache, GatedDeltaProductCache, {
+    _check_cache(
+      cache,
+      GatedDeltaProductCache,
+      {
         "state": ((B, H, K, V), "[B, H, K, V]"),
-        "conv": (conv_shape, "[B, conv_size - 1, 2 H K + H V], None without the convolution")})
+        "conv": (conv_shape, "[B, conv_size - 1, 2 H K + H V], None without the convolution"),
+      },
+    )
     if self.dtype is not None:
       x = x.astype(self.dtype)
     pre = self._project_in(x)
@@ -587,16 +688,17 @@ class GatedDeltaProduct(nnx.Module):
     g, beta = self._gates(x)
     impl = self.implementation
     if impl not in (None, *dispatch.implementations("gated_delta_product_step")):
-      impl = "xla"                                 # "reference" has no step of its own
+      impl = "xla"  # "reference" has no step of its own
     if self.mask_mode == "householder":
       o, state = householder_delta_product_step(
-          q, k, v, g, beta, cache.state, num_householder=self.num_householder,
-          implementation=impl)
+        q, k, v, g, beta, cache.state, num_householder=self.num_householder, implementation=impl
+      )
     else:
       mask = self._mask(x)
       beta = self._scale_beta(beta, mask)
-      o, state = sharded_gated_delta_product_step(q, k, v, g, beta, mask, cache.state,
-                                                  implementation=impl, sharding=self.sharding)
+      o, state = sharded_gated_delta_product_step(
+        q, k, v, g, beta, mask, cache.state, implementation=impl, sharding=self.sharding
+      )
     return self._output(o, x), GatedDeltaProductCache(conv, state)
 
 
@@ -604,9 +706,11 @@ class GatedDeltaProduct(nnx.Module):
 # Grouped-query attention
 # ----------------------------------------------------------------------------------------------
 
+
 class KVCache(NamedTuple):
   """Decode cache of one attention layer: key, value [B, S, Hkv, D] (keys already rotated) and
   lengths [B] int32, the number of tokens each sequence holds (slots >= length are stale)."""
+
   key: jax.Array
   value: jax.Array
   lengths: jax.Array
@@ -617,7 +721,7 @@ def apply_rope(x, positions, theta):
   against x.shape[:-2] (e.g. [T] for [B, T, H, D], [B] for [B, H, D])."""
   dim = x.shape[-1]
   freqs = theta ** (-jnp.arange(0, dim // 2, dtype=f32) * 2.0 / dim)
-  angles = positions.astype(f32)[..., None] * freqs                 # [..., D/2]
+  angles = positions.astype(f32)[..., None] * freqs  # [..., D/2]
   cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
   x1, x2 = jnp.split(x.astype(f32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -628,24 +732,41 @@ def _flash_attention(q, k, v, segment_ids):
   """Causal attention through JAX's Pallas flash attention kernel (forward and backward), with
   segment ids; q [B, T, Hq, Dh], k, v [B, T, Hkv, Dh] -> [B, T, Hq, Dh]."""
   import warnings
-  with warnings.catch_warnings():     # jax 0.12 points to the separate tokamax package
+
+  with warnings.catch_warnings():  # jax 0.12 points to the separate tokamax package
     warnings.simplefilter("ignore", DeprecationWarning)
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
   from pallas_kernels.common import backend
+
   t_len, head_dim = q.shape[1], q.shape[-1]
   block = min(128, t_len)
   if t_len % block:
-    raise ValueError(f"attention_impl='flash' needs T a multiple of {block} (the kernel's "
-                     f"block), got T = {t_len}; pad the sequence or use attention_impl='xla'")
+    raise ValueError(
+      f"attention_impl='flash' needs T a multiple of {block} (the kernel's "
+      f"block), got T = {t_len}; pad the sequence or use attention_impl='xla'"
+    )
   group = q.shape[2] // k.shape[2]
-  if group > 1:                       # query head h reads key/value head h // group
+  if group > 1:  # query head h reads key/value head h // group
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-  blocks = pallas_attention.BlockSizes(block_q=block, block_k=block,
-                                       block_q_dkv=min(32, t_len), block_kv_dkv=min(32, t_len),
-                                       block_q_dq=min(32, t_len), block_kv_dq=min(32, t_len))
-  return pallas_attention.mha(q, k, v, segment_ids, sm_scale=head_dim ** -0.5, causal=True,
-                              block_sizes=blocks, interpret=backend.interpret_mode())
+  blocks = pallas_attention.BlockSizes(
+    block_q=block,
+    block_k=block,
+    block_q_dkv=min(32, t_len),
+    block_kv_dkv=min(32, t_len),
+    block_q_dq=min(32, t_len),
+    block_kv_dq=min(32, t_len),
+  )
+  return pallas_attention.mha(
+    q,
+    k,
+    v,
+    segment_ids,
+    sm_scale=head_dim**-0.5,
+    causal=True,
+    block_sizes=blocks,
+    interpret=backend.interpret_mode(),
+  )
 
 
 class GroupedQueryAttention(nnx.Module):
@@ -673,36 +794,51 @@ class GroupedQueryAttention(nnx.Module):
     dtype, param_dtype, rngs: as usual.
   """
 
-  def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
-               head_dim: int | None = None, *, rope_theta: float = 10000.0,
-               cache_dtype: DTypeLike = f32, implementation: str | None = None,
-               attention_impl: str = "xla", dtype: DTypeLike | None = None,
-               param_dtype: DTypeLike = f32, rngs: nnx.Rngs) -> None:
+  def __init__(
+    self,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    *,
+    rope_theta: float = 10000.0,
+    cache_dtype: DTypeLike = f32,
+    implementation: str | None = None,
+    attention_impl: str = "xla",
+    dtype: DTypeLike | None = None,
+    param_dtype: DTypeLike = f32,
+    rngs: nnx.Rngs,
+  ) -> None:
     _check_positive_int("hidden_size", hidden_size)
     _check_positive_int("num_heads", num_heads)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _check_positive_int("num_kv_heads", num_kv_heads)
     if num_heads % num_kv_heads != 0:
-      raise ValueError(f"num_heads = {num_heads} must be a multiple of num_kv_heads = "
-                       f"{num_kv_heads} (query head h reads key/value head h // "
-                       f"(num_heads // num_kv_heads))")
+      raise ValueError(
+        f"num_heads = {num_heads} must be a multiple of num_kv_heads = "
+        f"{num_kv_heads} (query head h reads key/value head h // "
+        f"(num_heads // num_kv_heads))"
+      )
     if head_dim is None:
       if hidden_size % num_heads != 0:
-        raise ValueError(f"hidden_size = {hidden_size} is not divisible by num_heads = "
-                         f"{num_heads}; pass head_dim explicitly")
+        raise ValueError(
+          f"hidden_size = {hidden_size} is not divisible by num_heads = "
+          f"{num_heads}; pass head_dim explicitly"
+        )
       head_dim = hidden_size // num_heads
     _check_positive_int("head_dim", head_dim)
     if head_dim % 2 != 0:
       raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
     if implementation is not None:
-      dispatch.resolve("gqa_decode", implementation)               # a clear error if unknown
+      dispatch.resolve("gqa_decode", implementation)  # a clear error if unknown
     _check_choice("attention_impl", attention_impl, ATTENTION_IMPLS)
     self.attention_impl = attention_impl
     self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
     self.head_dim, self.rope_theta = head_dim, float(rope_theta)
     self.cache_dtype, self.implementation, self.dtype = cache_dtype, implementation, dtype
-    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                                  rngs=rngs)
+    lin = lambda i, o: nnx.Linear(
+      i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    )
     self.q_proj = lin(hidden_size, num_heads * head_dim)
     self.k_proj = lin(hidden_size, num_kv_heads * head_dim)
     self.v_proj = lin(hidden_size, num_kv_heads * head_dim)
@@ -715,18 +851,24 @@ class GroupedQueryAttention(nnx.Module):
     v = self.v_proj(x).reshape(shape + (self.num_kv_heads, self.head_dim))
     return q, k, v
 
-  def init_cache(self, batch_size: int, cache_size: int, dtype: DTypeLike | None = None
-                 ) -> KVCache:
+  def init_cache(self, batch_size: int, cache_size: int, dtype: DTypeLike | None = None) -> KVCache:
     """An empty cache of `cache_size` slots per sequence."""
     _check_positive_int("cache_size", cache_size)
     shape = (batch_size, cache_size, self.num_kv_heads, self.head_dim)
     dtype = dtype or self.cache_dtype
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                   jnp.zeros((batch_size,), jnp.int32))
+    return KVCache(
+      jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch_size,), jnp.int32)
+    )
 
-  def __call__(self, x: jax.Array, lengths: jax.Array | None = None, *,
-               segment_ids: jax.Array | None = None, return_cache: bool = False,
-               cache_size: int | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+  def __call__(
+    self,
+    x: jax.Array,
+    lengths: jax.Array | None = None,
+    *,
+    segment_ids: jax.Array | None = None,
+    return_cache: bool = False,
+    cache_size: int | None = None,
+  ) -> jax.Array | tuple[jax.Array, KVCache]:
     """Causal attention over x [B, T, D] -> y [B, T, D]; with `return_cache`, also the KVCache
     of `cache_size` slots (default T) holding each sequence's first lengths[b] tokens.
     segment_ids [B, T] int (packed documents; not with `return_cache`): token t attends to
@@ -738,8 +880,10 @@ class GroupedQueryAttention(nnx.Module):
     lengths = _check_lengths(lengths, batch, t_len)
     segment_ids = _check_segment_ids(segment_ids, batch, t_len)
     if segment_ids is not None and return_cache:
-      raise ValueError("segment_ids with return_cache is not supported: a decode cache "
-                       "continues one sequence per row, not packed documents")
+      raise ValueError(
+        "segment_ids with return_cache is not supported: a decode cache "
+        "continues one sequence per row, not packed documents"
+      )
     if self.dtype is not None:
       x = x.astype(self.dtype)
     q, k, v = self._qkv(x)
@@ -750,7 +894,7 @@ class GroupedQueryAttention(nnx.Module):
     else:
       mask = None
       if segment_ids is not None:
-        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]   # [B, 1, T, T]
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
       o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
     y = self.o_proj(o.reshape(batch, t_len, self.num_heads * self.head_dim))
     if not return_cache:
@@ -759,11 +903,11 @@ class GroupedQueryAttention(nnx.Module):
     if cache_size < t_len:
       raise ValueError(f"cache_size = {cache_size} is smaller than the sequence (T = {t_len})")
     cache = self.init_cache(batch, cache_size)
-    cache = KVCache(jax.lax.dynamic_update_slice_in_dim(cache.key, k.astype(cache.key.dtype),
-                                                        0, axis=1),
-                    jax.lax.dynamic_update_slice_in_dim(cache.value,
-                                                        v.astype(cache.value.dtype), 0, axis=1),
-                    jnp.full((batch,), t_len, jnp.int32) if lengths is None else lengths)
+    cache = KVCache(
+      jax.lax.dynamic_update_slice_in_dim(cache.key, k.astype(cache.key.dtype), 0, axis=1),
+      jax.lax.dynamic_update_slice_in_dim(cache.value, v.astype(cache.value.dtype), 0, axis=1),
+      jnp.full((batch,), t_len, jnp.int32) if lengths is None else lengths,
+    )
     return y, cache
 
   def step(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
@@ -773,11 +917,18 @@ class GroupedQueryAttention(nnx.Module):
     batch = x.shape[0]
     size = None if cache is None or not hasattr(cache, "key") else np.shape(cache.key)[1]
     kv = (batch, size, self.num_kv_heads, self.head_dim)
-    _check_cache(cache, KVCache, {"key": (kv, "[B, S, Hkv, Dh]"), "value": (kv, "[B, S, Hkv, Dh]"),
-                                  "lengths": ((batch,), "[B]")})
+    _check_cache(
+      cache,
+      KVCache,
+      {
+        "key": (kv, "[B, S, Hkv, Dh]"),
+        "value": (kv, "[B, S, Hkv, Dh]"),
+        "lengths": ((batch,), "[B]"),
+      },
+    )
     if self.dtype is not None:
       x = x.astype(self.dtype)
-    q, k, v = self._qkv(x)                                            # [B, H, Dh]
+    q, k, v = self._qkv(x)  # [B, H, Dh]
     pos = cache.lengths
     q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
     rows = jnp.arange(batch)

@@ -24,14 +24,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdp_jax.layers import (ATTENTION_IMPLS, GatedDeltaProduct, GatedDeltaProductCache,
-                            GatedRMSNorm, KVCache,
-                            GroupedQueryAttention, MASK_MODES, KEY_NORMS)
+from gdp_jax.layers import (
+  ATTENTION_IMPLS,
+  KEY_NORMS,
+  MASK_MODES,
+  GatedDeltaProduct,
+  GatedDeltaProductCache,
+  GatedRMSNorm,
+  GroupedQueryAttention,
+  KVCache,
+)
 from gdp_jax.sharding import ShardingConfig
 
 f32 = jnp.float32
-LAYER_KINDS = {"D": "gated delta product", "H": "DeltaProduct (Householder)",
-               "A": "grouped-query attention"}
+LAYER_KINDS = {
+  "D": "gated delta product",
+  "H": "DeltaProduct (Householder)",
+  "A": "grouped-query attention",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +63,7 @@ class HybridConfig:
   mlp_ratio: SwiGLU hidden size = mlp_ratio * hidden_size (0: no MLP).
   implementation: for the operator and decode steps (None: Pallas on a GPU).
   """
+
   vocab_size: int
   hidden_size: int = 64
   layer_pattern: str = "DA"
@@ -81,14 +92,18 @@ class HybridConfig:
 
   def __post_init__(self):
     if not isinstance(self.layer_pattern, str) or not self.layer_pattern:
-      raise ValueError(f"layer_pattern must be a non-empty string of 'D' (gated delta product), "
-                       f"'H' (DeltaProduct) and 'A' (attention) letters, got "
-                       f"{self.layer_pattern!r}")
+      raise ValueError(
+        f"layer_pattern must be a non-empty string of 'D' (gated delta product), "
+        f"'H' (DeltaProduct) and 'A' (attention) letters, got "
+        f"{self.layer_pattern!r}"
+      )
     bad = sorted(set(self.layer_pattern) - set(LAYER_KINDS))
     if bad:
-      raise ValueError(f"layer_pattern = {self.layer_pattern!r} has unknown letters {bad}; "
-                       f"expected only 'D' (gated delta product), 'H' (DeltaProduct, "
-                       f"Householder steps) and 'A' (attention)")
+      raise ValueError(
+        f"layer_pattern = {self.layer_pattern!r} has unknown letters {bad}; "
+        f"expected only 'D' (gated delta product), 'H' (DeltaProduct, "
+        f"Householder steps) and 'A' (attention)"
+      )
     for name in ("vocab_size", "hidden_size", "num_householder"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -121,17 +136,37 @@ class Block(nnx.Module):
     self.mixer_norm = GatedRMSNorm(c.hidden_size, eps=c.norm_eps)
     if kind in ("D", "H"):
       self.mixer: GatedDeltaProduct | GroupedQueryAttention = GatedDeltaProduct(
-          c.hidden_size, c.num_heads, c.head_dim, expand_v=c.expand_v, num_blocks=c.num_blocks,
-          mask_mode="householder" if kind == "H" else c.mask_mode, key_norm=c.key_norm,
-          use_short_conv=c.use_short_conv, use_gate=c.use_gate,
-          allow_neg_eigval=c.allow_neg_eigval, beta_norm=c.beta_norm, norm_eps=c.norm_eps,
-          chunk_size=c.chunk_size, implementation=c.implementation, dtype=c.dtype,
-          num_householder=c.num_householder, sharding=sharding, rngs=rngs)
+        c.hidden_size,
+        c.num_heads,
+        c.head_dim,
+        expand_v=c.expand_v,
+        num_blocks=c.num_blocks,
+        mask_mode="householder" if kind == "H" else c.mask_mode,
+        key_norm=c.key_norm,
+        use_short_conv=c.use_short_conv,
+        use_gate=c.use_gate,
+        allow_neg_eigval=c.allow_neg_eigval,
+        beta_norm=c.beta_norm,
+        norm_eps=c.norm_eps,
+        chunk_size=c.chunk_size,
+        implementation=c.implementation,
+        dtype=c.dtype,
+        num_householder=c.num_householder,
+        sharding=sharding,
+        rngs=rngs,
+      )
     else:
       self.mixer = GroupedQueryAttention(
-          c.hidden_size, c.attn_num_heads, c.attn_num_kv_heads, c.attn_head_dim,
-          rope_theta=c.rope_theta, implementation=None if c.implementation == "reference"
-          else c.implementation, attention_impl=c.attn_impl, dtype=c.dtype, rngs=rngs)
+        c.hidden_size,
+        c.attn_num_heads,
+        c.attn_num_kv_heads,
+        c.attn_head_dim,
+        rope_theta=c.rope_theta,
+        implementation=None if c.implementation == "reference" else c.implementation,
+        attention_impl=c.attn_impl,
+        dtype=c.dtype,
+        rngs=rngs,
+      )
     self.use_mlp = bool(c.mlp_ratio)
     if self.use_mlp:
       self.mlp_norm = GatedRMSNorm(c.hidden_size, eps=c.norm_eps)
@@ -171,12 +206,14 @@ class HybridLM(nnx.Module):
   the tokens over the batch axes for data parallelism).
   """
 
-  def __init__(self, config: HybridConfig, *, rngs: nnx.Rngs,
-               sharding: ShardingConfig | None = None) -> None:
+  def __init__(
+    self, config: HybridConfig, *, rngs: nnx.Rngs, sharding: ShardingConfig | None = None
+  ) -> None:
     self.config = config
     c = config
-    self.embed = nnx.Embed(c.vocab_size, c.hidden_size, embedding_init=nnx.initializers.normal(
-        1.0), rngs=rngs)
+    self.embed = nnx.Embed(
+      c.vocab_size, c.hidden_size, embedding_init=nnx.initializers.normal(1.0), rngs=rngs
+    )
     blocks = [Block(kind, c, rngs=rngs, sharding=sharding) for kind in c.layer_pattern]
     self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
     self.final_norm = GatedRMSNorm(c.hidden_size, eps=c.norm_eps)
@@ -193,8 +230,13 @@ class HybridLM(nnx.Module):
     x = self.embed(tokens)
     return x if self.config.dtype is None else x.astype(self.config.dtype)
 
-  def __call__(self, tokens: jax.Array, lengths: jax.Array | None = None, *,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    tokens: jax.Array,
+    lengths: jax.Array | None = None,
+    *,
+    segment_ids: jax.Array | None = None,
+  ) -> jax.Array:
     """tokens [B, T] int -> logits [B, T, vocab] float32 (lengths [B]: right padding;
     segment_ids [B, T]: packed documents)."""
     return self.from_embeddings(self._embed(tokens), lengths, segment_ids=segment_ids)
@@ -205,8 +247,9 @@ class HybridLM(nnx.Module):
       x = block(x, lengths, segment_ids=segment_ids)
     return self._logits(x)
 
-  def prefill(self, tokens: jax.Array, lengths: jax.Array | None = None,
-              cache_size: int | None = None) -> tuple[jax.Array, tuple]:
+  def prefill(
+    self, tokens: jax.Array, lengths: jax.Array | None = None, cache_size: int | None = None
+  ) -> tuple[jax.Array, tuple]:
     """The whole right-padded prompts [B, T] (sequence b holds lengths[b] tokens): the logits
     [B, T, vocab] and the cache after each sequence's tokens (attention caches of
     `cache_size` slots, default T)."""
@@ -232,10 +275,12 @@ class HybridLM(nnx.Module):
     """One token per sequence: token [B] int -> (logits [B, vocab] float32, new cache); `cache`
     from `init_cache` or `prefill`, one entry per layer."""
     if not isinstance(cache, (tuple, list)) or len(cache) != len(self.blocks):
-      raise TypeError(f"cache must be a tuple with one entry per layer ({len(self.blocks)}, "
-                      f"layer_pattern = {self.config.layer_pattern!r}) from init_cache or "
-                      f"prefill, got {type(cache).__name__}"
-                      + (f" of length {len(cache)}" if isinstance(cache, (tuple, list)) else ""))
+      raise TypeError(
+        f"cache must be a tuple with one entry per layer ({len(self.blocks)}, "
+        f"layer_pattern = {self.config.layer_pattern!r}) from init_cache or "
+        f"prefill, got {type(cache).__name__}"
+        + (f" of length {len(cache)}" if isinstance(cache, (tuple, list)) else "")
+      )
     x = self._embed(token)
     new = []
     for block, c in zip(self.blocks, cache):
@@ -247,6 +292,7 @@ class HybridLM(nnx.Module):
 # ----------------------------------------------------------------------------------------------
 # Generation
 # ----------------------------------------------------------------------------------------------
+
 
 def _round_up(n, m):
   return max(m, -(-n // m) * m)
@@ -280,10 +326,16 @@ def _decode(graphdef, state, first, cache, key, steps, temperature):
   return jnp.concatenate([first[:, None], rest.T], axis=1)
 
 
-def generate(model: HybridLM, prompts: Sequence[Sequence[int]] | jax.Array | np.ndarray,
-             max_new_tokens: int, *, lengths: jax.Array | np.ndarray | None = None,
-             temperature: float = 0.0, rng: jax.Array | None = None,
-             pad_to: int = 64) -> jax.Array:
+def generate(
+  model: HybridLM,
+  prompts: Sequence[Sequence[int]] | jax.Array | np.ndarray,
+  max_new_tokens: int,
+  *,
+  lengths: jax.Array | np.ndarray | None = None,
+  temperature: float = 0.0,
+  rng: jax.Array | None = None,
+  pad_to: int = 64,
+) -> jax.Array:
   """Continue a batch of prompts of different lengths.
 
   Args:
@@ -303,8 +355,7 @@ def generate(model: HybridLM, prompts: Sequence[Sequence[int]] | jax.Array | np.
   The prompt is prefilled with the chunked operator / causal attention in one call, then a
   `jax.jit`-ed `lax.scan` of `max_new_tokens - 1` decode steps runs with the lengths traced.
   """
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-      or max_new_tokens < 1:
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
   if temperature < 0:
     raise ValueError(f"temperature must be >= 0, got {temperature!r}")
@@ -322,12 +373,13 @@ def generate(model: HybridLM, prompts: Sequence[Sequence[int]] | jax.Array | np.
       lengths = np.array([len(s) for s in seqs], np.int32)
       tokens = np.zeros((len(seqs), int(lengths.max())), np.int32)
       for i, s in enumerate(seqs):
-        tokens[i, :len(s)] = s
+        tokens[i, : len(s)] = s
   else:
     tokens, lengths = np.asarray(prompts), np.asarray(lengths, np.int32)
     if tokens.ndim != 2 or lengths.shape != (tokens.shape[0],):
-      raise ValueError(f"prompts [B, T] and lengths [B] expected, got shapes {tokens.shape} "
-                       f"and {lengths.shape}")
+      raise ValueError(
+        f"prompts [B, T] and lengths [B] expected, got shapes {tokens.shape} and {lengths.shape}"
+      )
     if lengths.min() < 1 or lengths.max() > tokens.shape[1]:
       raise ValueError(f"lengths must lie in [1, T = {tokens.shape[1]}], got {lengths}")
   vocab = model.config.vocab_size
@@ -339,6 +391,13 @@ def generate(model: HybridLM, prompts: Sequence[Sequence[int]] | jax.Array | np.
   key = jax.random.key(0) if rng is None else rng
   k1, k2 = jax.random.split(key)
   graphdef, state = nnx.split(model)
-  first, cache = _prefill(graphdef, state, jnp.asarray(tokens, jnp.int32),
-                          jnp.asarray(lengths), k1, cache_size, float(temperature))
+  first, cache = _prefill(
+    graphdef,
+    state,
+    jnp.asarray(tokens, jnp.int32),
+    jnp.asarray(lengths),
+    k1,
+    cache_size,
+    float(temperature),
+  )
   return _decode(graphdef, state, first, cache, k2, max_new_tokens - 1, float(temperature))

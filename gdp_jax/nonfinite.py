@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 class Marks(NamedTuple):
   """Where the outputs are non-finite. o: [B, T, H] bool; final: [B, H] bool."""
+
   o: jax.Array
   final: jax.Array
 
@@ -50,9 +51,14 @@ def clean(q, k, v, g, beta, mask):
   """(cleaned (q, k, v, g, beta, mask), Marks) for the operator's normalised inputs:
   q, k [B, T, H, K]; v [B, T, H, V]; g, beta [B, T, H]; mask [Bm, Tm, Hm, r, r]."""
   batch, t_len, heads = q.shape[:3]
-  bad_state = (_bad_rows(k, batch, t_len, heads) | _bad_rows(v, batch, t_len, heads)
-               | _bad_rows(beta, batch, t_len, heads) | _bad_rows(mask, batch, t_len, heads)
-               | jnp.isnan(g) | (g == jnp.inf))
+  bad_state = (
+    _bad_rows(k, batch, t_len, heads)
+    | _bad_rows(v, batch, t_len, heads)
+    | _bad_rows(beta, batch, t_len, heads)
+    | _bad_rows(mask, batch, t_len, heads)
+    | jnp.isnan(g)
+    | (g == jnp.inf)
+  )
   # The state is bad from the first bad token on: a running "or" over time.
   spoiled = jax.lax.cummax(bad_state.astype(jnp.int32), axis=1).astype(bool)
   marks = Marks(o=spoiled | _bad_rows(q, batch, t_len, heads), final=spoiled[:, -1])

@@ -25,6 +25,7 @@ CHUNK_SIZES = (16, 32, 64)
 # Checks
 # ----------------------------------------------------------------------------------------------
 
+
 def _shape(x):
   return tuple(np.shape(x))
 
@@ -40,12 +41,16 @@ def check_float(name, x):
   if dtype is None:
     raise TypeError(f"{name} must be an array, got {type(x).__name__}")
   if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(f"{name} must have a floating dtype (float32, bfloat16 or float16), "
-                    f"got {dtype} with shape {_shape(x)}")
+    raise TypeError(
+      f"{name} must have a floating dtype (float32, bfloat16 or float16), "
+      f"got {dtype} with shape {_shape(x)}"
+    )
   if jax.dtypes.canonicalize_dtype(dtype) == jnp.float64:
-    raise TypeError(f"{name} is float64 (shape {_shape(x)}): not supported, every "
-                    f"implementation computes in float32 with a float32 state; cast it to "
-                    f"float32 (or bfloat16 / float16)")
+    raise TypeError(
+      f"{name} is float64 (shape {_shape(x)}): not supported, every "
+      f"implementation computes in float32 with a float32 state; cast it to "
+      f"float32 (or bfloat16 / float16)"
+    )
 
 
 def check_bool(name, value):
@@ -56,33 +61,38 @@ def check_bool(name, value):
 
 
 def check_chunk_size(chunk_size):
-  if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size,
-                                                                 (int, np.integer)):
-    raise TypeError(f"chunk_size must be an int, one of {CHUNK_SIZES}, got {chunk_size!r} "
-                    f"({type(chunk_size).__name__})")
+  if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size, (int, np.integer)):
+    raise TypeError(
+      f"chunk_size must be an int, one of {CHUNK_SIZES}, got {chunk_size!r} "
+      f"({type(chunk_size).__name__})"
+    )
   if chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
   return int(chunk_size)
 
 
 def check_scale(scale):
-  """None, a real number (-> float) or a scalar float array, traced ones included (-> float32).
-  """
+  """None, a real number (-> float) or a scalar float array, traced ones included (-> float32)."""
   if scale is None:
     return None
   if isinstance(scale, (bool, np.bool_)) or isinstance(scale, (str, bytes)):
-    raise TypeError(f"scale must be a number or a scalar float array, got {scale!r} "
-                    f"({type(scale).__name__})")
+    raise TypeError(
+      f"scale must be a number or a scalar float array, got {scale!r} ({type(scale).__name__})"
+    )
   if isinstance(scale, numbers.Real):
     return float(scale)
   dtype = getattr(scale, "dtype", None)
-  if dtype is None or not (jnp.issubdtype(dtype, jnp.floating)
-                           or jnp.issubdtype(dtype, jnp.integer)):
-    raise TypeError(f"scale must be a number or a scalar float array, got "
-                    f"{type(scale).__name__}" + (f" of dtype {dtype}" if dtype else ""))
+  if dtype is None or not (
+    jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+  ):
+    raise TypeError(
+      f"scale must be a number or a scalar float array, got "
+      f"{type(scale).__name__}" + (f" of dtype {dtype}" if dtype else "")
+    )
   if _shape(scale) != ():
-    raise ValueError(f"scale must be a scalar (one output scale for every head), got shape "
-                     f"{_shape(scale)}")
+    raise ValueError(
+      f"scale must be a scalar (one output scale for every head), got shape {_shape(scale)}"
+    )
   return jnp.asarray(scale, jnp.float32)
 
 
@@ -93,10 +103,13 @@ def check_int32_values(name, x):
   if isinstance(x, jax.core.Tracer):
     return
   values = np.asarray(x)
-  if values.size and (values.min() < np.iinfo(np.int32).min
-                      or values.max() > np.iinfo(np.int32).max):
-    raise ValueError(f"{name} holds values outside int32 (min {values.min()}, max "
-                     f"{values.max()}); they would wrap around")
+  if values.size and (
+    values.min() < np.iinfo(np.int32).min or values.max() > np.iinfo(np.int32).max
+  ):
+    raise ValueError(
+      f"{name} holds values outside int32 (min {values.min()}, max "
+      f"{values.max()}); they would wrap around"
+    )
 
 
 def check_shape(name, x, expected, what):
@@ -114,22 +127,29 @@ def normalize_mask(mask, batch, t_len, heads, dim_k):
   check_float("mask", mask)
   shape = _shape(mask)
   if len(shape) not in (2, 3, 5):
-    raise ValueError(f"mask has shape {shape}; expected [r, r], [H, r, r] = [{heads}, r, r] "
-                     f"or [B, T, H, r, r] = [{batch}, {t_len}, {heads}, r, r]")
+    raise ValueError(
+      f"mask has shape {shape}; expected [r, r], [H, r, r] = [{heads}, r, r] "
+      f"or [B, T, H, r, r] = [{batch}, {t_len}, {heads}, r, r]"
+    )
   r = shape[-1]
   if shape[-2] != r:
     raise ValueError(f"mask must be square in its last two axes (r x r), got shape {shape}")
   if r < 1:
     raise ValueError(f"mask has r = {r}; need r >= 1")
   if len(shape) == 3 and shape[0] != heads:
-    raise ValueError(f"mask has shape {shape}; a per-head mask must be [H, r, r] = "
-                     f"[{heads}, {r}, {r}]")
+    raise ValueError(
+      f"mask has shape {shape}; a per-head mask must be [H, r, r] = [{heads}, {r}, {r}]"
+    )
   if len(shape) == 5 and shape[:3] != (batch, t_len, heads):
-    raise ValueError(f"mask has shape {shape}; a per-token mask must be [B, T, H, r, r] = "
-                     f"[{batch}, {t_len}, {heads}, {r}, {r}]")
+    raise ValueError(
+      f"mask has shape {shape}; a per-token mask must be [B, T, H, r, r] = "
+      f"[{batch}, {t_len}, {heads}, {r}, {r}]"
+    )
   if dim_k % r != 0:
-    raise ValueError(f"the key dimension K = {dim_k} (q and k last axis) must be divisible by "
-                     f"the number of key blocks r = {r} (mask shape {shape})")
+    raise ValueError(
+      f"the key dimension K = {dim_k} (q and k last axis) must be divisible by "
+      f"the number of key blocks r = {r} (mask shape {shape})"
+    )
   if len(shape) == 2:
     mask = mask[None, None, None]
   elif len(shape) == 3:
@@ -148,17 +168,19 @@ def check_inputs(q, k, v, g, beta, mask, initial_state):
     raise ValueError(f"q has K = {dim_k} features (shape {_shape(q)}); need K >= 1")
   check_shape("k", k, q.shape, "k must match q: [B, T, H, K]")
   if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
-    raise ValueError(f"v has shape {_shape(v)}, expected [B, T, H, V] = "
-                     f"[{batch}, {t_len}, {heads}, V] (B, T, H as q)")
+    raise ValueError(
+      f"v has shape {_shape(v)}, expected [B, T, H, V] = "
+      f"[{batch}, {t_len}, {heads}, V] (B, T, H as q)"
+    )
   if not (q.dtype == k.dtype == v.dtype):
-    raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, "
-                    f"v {v.dtype}")
+    raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
   if t_len < 1:
     raise ValueError(f"q has T = {t_len} tokens (shape {_shape(q)}); need T >= 1")
   dim_v = v.shape[-1]
   if beta is None:
-    raise ValueError("beta is required: the write strength, shape [B, T, H] = "
-                     f"[{batch}, {t_len}, {heads}]")
+    raise ValueError(
+      f"beta is required: the write strength, shape [B, T, H] = [{batch}, {t_len}, {heads}]"
+    )
   check_float("beta", beta)
   check_shape("beta", beta, (batch, t_len, heads), "[B, T, H] as q")
   if g is not None:
@@ -167,8 +189,7 @@ def check_inputs(q, k, v, g, beta, mask, initial_state):
   mask5, r = normalize_mask(mask, batch, t_len, heads, dim_k)
   if initial_state is not None:
     check_float("initial_state", initial_state)
-    check_shape("initial_state", initial_state, (batch, heads, dim_k, dim_v),
-                "[B, H, K, V]")
+    check_shape("initial_state", initial_state, (batch, heads, dim_k, dim_v), "[B, H, K, V]")
   return batch, t_len, heads, dim_k, dim_v, mask5, r
 
 
@@ -184,13 +205,24 @@ def _pad_time(x, t_pad):
 # The operator
 # ----------------------------------------------------------------------------------------------
 
+
 def gated_delta_product(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array | None = None,
-    beta: jax.Array | None = None, mask: jax.Array | None = None, *,
-    scale: float | jax.Array | None = None, initial_state: jax.Array | None = None,
-    output_final_state: bool = False, chunk_size: int = 64, implementation: str | None = None,
-    precision: str | None = None, backward: str = "pallas",
-    options: KernelOptions | None = None) -> tuple[jax.Array, jax.Array | None]:
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array | None = None,
+  beta: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  *,
+  scale: float | jax.Array | None = None,
+  initial_state: jax.Array | None = None,
+  output_final_state: bool = False,
+  chunk_size: int = 64,
+  implementation: str | None = None,
+  precision: str | None = None,
+  backward: str = "pallas",
+  options: KernelOptions | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
   """Block-masked gated delta product linear attention (docs/operator.md).
 
   Per batch row and head a float32 state S [K, V] evolves as
@@ -244,8 +276,7 @@ def gated_delta_product(
     >>> o.shape, state.shape
     ((1, 8, 2, 16), (1, 2, 16, 16))
   """
-  batch, t_len, heads, dim_k, dim_v, mask5, r = check_inputs(
-      q, k, v, g, beta, mask, initial_state)
+  batch, t_len, heads, dim_k, dim_v, mask5, r = check_inputs(q, k, v, g, beta, mask, initial_state)
   # NumPy arrays in JAX's dtypes from here (float64 NumPy input is float32 without x64).
   q, k, v, beta, mask5 = (jnp.asarray(x) for x in (q, k, v, beta, mask5))
   g = None if g is None else jnp.asarray(g)
@@ -256,10 +287,11 @@ def gated_delta_product(
   implementation = dispatch.resolve("gated_delta_product", implementation)
   dispatch.check_backward(backward, implementation)
   # None with explicit options keeps options.precision; else None follows jax's default.
-  kernel_precision = None if (precision is None and options is not None) else (
-      resolve_precision(precision))
+  kernel_precision = (
+    None if (precision is None and options is not None) else (resolve_precision(precision))
+  )
   if scale is None:
-    scale = dim_k ** -0.5
+    scale = dim_k**-0.5
   if g is None:
     g = jnp.zeros((batch, t_len, heads), jnp.float32)
   if initial_state is None:

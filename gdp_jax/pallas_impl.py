@@ -32,16 +32,24 @@ from gdp_jax.xla_backward import reduce_dmask
 from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
 from pallas_kernels.common import cumsum
 from pallas_kernels.common import options as kernel_options
-from pallas_kernels.forward import (chunk_fwd, chunk_h, chunk_o, chunk_state_output, kkt,
-                                    solve_tril, wy)
+from pallas_kernels.forward import (
+  chunk_fwd,
+  chunk_h,
+  chunk_o,
+  chunk_state_output,
+  kkt,
+  solve_tril,
+  wy,
+)
 
 MAX_CHUNK_ROWS = 64
 NO_HIGHER_DERIVATIVES = (
-    "gated_delta_product with implementation='pallas' supports reverse-mode first derivatives "
-    "only (jax.grad, jax.vjp, jax.value_and_grad: its backward is a custom_vjp of Pallas "
-    "kernels); forward mode (jax.jvp, jax.jacfwd, jax.linearize) and second or higher "
-    "derivatives (jax.hessian, a grad of a grad) need implementation='xla' (or 'reference'), "
-    "which JAX differentiates directly")
+  "gated_delta_product with implementation='pallas' supports reverse-mode first derivatives "
+  "only (jax.grad, jax.vjp, jax.value_and_grad: its backward is a custom_vjp of Pallas "
+  "kernels); forward mode (jax.jvp, jax.jacfwd, jax.linearize) and second or higher "
+  "derivatives (jax.hessian, a grad of a grad) need implementation='xla' (or 'reference'), "
+  "which JAX differentiates directly"
+)
 
 
 def pallas_chunk(chunk_size: int, r: int) -> int:
@@ -86,23 +94,34 @@ def _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai):
   r = mask.shape[-1]
   common = dict(chunk=bt, key_blocks=r)
   prec = dict(precision=opts.precision)
-  g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)                  # [B, H, Tp]
+  g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)  # [B, H, Tp]
   beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
   if opts.fused:
-    out = chunk_fwd.chunk_fwd(k, v, g_hm, beta_hm, mask, save_ai=save_ai,
-                              merge=opts.chunk_fwd_merge, inverse=opts.chunk_fwd_inverse,
-                              launch=opts.chunk_fwd, **common, **prec)
+    out = chunk_fwd.chunk_fwd(
+      k,
+      v,
+      g_hm,
+      beta_hm,
+      mask,
+      save_ai=save_ai,
+      merge=opts.chunk_fwd_merge,
+      inverse=opts.chunk_fwd_inverse,
+      launch=opts.chunk_fwd,
+      **common,
+      **prec,
+    )
     gcum, w, u = out[:3]
     o, final = chunk_state_output.chunk_state_output(
-        q, k, w, u, gcum, h0, scale=scale, launch=opts.chunk_state_output, **common, **prec)
+      q, k, w, u, gcum, h0, scale=scale, launch=opts.chunk_state_output, **common, **prec
+    )
     return o, final, (gcum, out[3] if save_ai else None)
   a, gcum = kkt.chunk_kkt(k, beta_hm, mask, g_hm, from_g=True, launch=opts.kkt, **common, **prec)
-  ai = solve_tril.solve_tril(a, chunk_rows=bt * r, out_dtype=q.dtype, launch=opts.solve_tril,
-                             **prec)
+  ai = solve_tril.solve_tril(
+    a, chunk_rows=bt * r, out_dtype=q.dtype, launch=opts.solve_tril, **prec
+  )
   w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, launch=opts.wy, **common, **prec)
   h, v_new, final = chunk_h.chunk_state(k, w, u, gcum, h0, launch=opts.chunk_h, **common, **prec)
-  o = chunk_o.chunk_output(q, k, v_new, h, gcum, scale=scale, launch=opts.chunk_o, **common,
-                           **prec)
+  o = chunk_o.chunk_output(q, k, v_new, h, gcum, scale=scale, launch=opts.chunk_o, **common, **prec)
   return o, final, (gcum, ai)
 
 
@@ -117,14 +136,16 @@ def _gdp_core_fwd(q, k, v, g, beta, mask, h0, scale, bt, opts):
   # chunk inverses Ai ([B, H, Tp*r, N] in the input dtype: as much memory as one [B, T, H, N]
   # activation). The backward recomputes w, u (wy.py) and h, v_new (chunk_h.py) from them.
   forward = dispatch.raise_if_differentiated(
-      lambda *a: _forward(*a, scale, bt, opts, save_ai=True), NO_HIGHER_DERIVATIVES)
+    lambda *a: _forward(*a, scale, bt, opts, save_ai=True), NO_HIGHER_DERIVATIVES
+  )
   o, final, (gcum, ai) = forward(q, k, v, g, beta, mask, h0)
   return (o, final), (q, k, v, g, beta, mask, h0, gcum, ai)
 
 
 def _gdp_core_bwd(scale, bt, opts, residuals, cotangents):
   backward = dispatch.raise_if_differentiated(
-      functools.partial(_backward, scale, bt, opts), NO_HIGHER_DERIVATIVES)
+    functools.partial(_backward, scale, bt, opts), NO_HIGHER_DERIVATIVES
+  )
   return backward(residuals, cotangents)
 
 
@@ -137,29 +158,61 @@ def _backward(scale, bt, opts, residuals, cotangents):
   beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
   w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, launch=opts.wy, **common, **prec)
   h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, launch=opts.chunk_h, **common, **prec)
-  dv_local = bwd_dv_local.chunk_bwd_dv_local(q, k, gcum, do, scale=scale,
-                                             launch=opts.bwd_dv_local, **common, **prec)
-  dh, dh0, dv_new = bwd_dhu.chunk_bwd_dhu(q, k, w, gcum, do, dv_local,
-                                          dfinal.astype(jnp.float32), scale=scale,
-                                          dh_dtype=q.dtype, launch=opts.bwd_dhu, **common,
-                                          **prec)
-  dq, dk1, dw, dg1 = bwd_dqkwg.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale=scale,
-                                               launch=opts.bwd_dqkwg, **common, **prec)
-  dk2, dv, dbeta, dmask_tok, dg2 = bwd_wy.wy_bwd(k, v, beta_hm, mask, gcum, ai, dw, dv_new,
-                                                 launch=opts.bwd_wy, **common, **prec)
+  dv_local = bwd_dv_local.chunk_bwd_dv_local(
+    q, k, gcum, do, scale=scale, launch=opts.bwd_dv_local, **common, **prec
+  )
+  dh, dh0, dv_new = bwd_dhu.chunk_bwd_dhu(
+    q,
+    k,
+    w,
+    gcum,
+    do,
+    dv_local,
+    dfinal.astype(jnp.float32),
+    scale=scale,
+    dh_dtype=q.dtype,
+    launch=opts.bwd_dhu,
+    **common,
+    **prec,
+  )
+  dq, dk1, dw, dg1 = bwd_dqkwg.chunk_bwd_dqkwg(
+    q, k, v_new, gcum, h, dh, do, dv_new, scale=scale, launch=opts.bwd_dqkwg, **common, **prec
+  )
+  dk2, dv, dbeta, dmask_tok, dg2 = bwd_wy.wy_bwd(
+    k, v, beta_hm, mask, gcum, ai, dw, dv_new, launch=opts.bwd_wy, **common, **prec
+  )
   dg = cumsum.chunk_local_cumsum(dg1 + dg2, bt, reverse=True)
   dmask = reduce_dmask(dmask_tok, mask.shape)
-  time_major = lambda x: jnp.moveaxis(x, 1, 2)                      # [B, H, Tp] -> [B, Tp, H]
-  return (dq.astype(q.dtype), (dk1 + dk2).astype(k.dtype), dv.astype(v.dtype),
-          time_major(dg).astype(g.dtype), time_major(dbeta).astype(beta.dtype),
-          dmask.astype(mask.dtype), dh0.astype(h0.dtype))
+  time_major = lambda x: jnp.moveaxis(x, 1, 2)  # [B, H, Tp] -> [B, Tp, H]
+  return (
+    dq.astype(q.dtype),
+    (dk1 + dk2).astype(k.dtype),
+    dv.astype(v.dtype),
+    time_major(dg).astype(g.dtype),
+    time_major(dbeta).astype(beta.dtype),
+    dmask.astype(mask.dtype),
+    dh0.astype(h0.dtype),
+  )
 
 
 _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
 
 
-def gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size, *,
-                               options=None, backward="pallas", precision=None):
+def gated_delta_product_pallas(
+  q,
+  k,
+  v,
+  g,
+  beta,
+  mask,
+  initial_state,
+  scale,
+  chunk_size,
+  *,
+  options=None,
+  backward="pallas",
+  precision=None,
+):
   """q, k [B, Tp, H, K]; v [B, Tp, H, V]; g, beta [B, Tp, H]; mask [Bm, Tm, Hm, r, r];
   initial_state [B, H, K, V] f32 -> (o [B, Tp, H, V] in q's dtype, final [B, H, K, V] f32).
 
@@ -173,24 +226,49 @@ def gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chu
     learned one) runs them with 1 and multiplies o afterwards (o is linear in the scale).
   """
   if not isinstance(scale, (int, float)):
-    o, final = gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, 1.0, chunk_size,
-                                          options=options, backward=backward,
-                                          precision=precision)
+    o, final = gated_delta_product_pallas(
+      q,
+      k,
+      v,
+      g,
+      beta,
+      mask,
+      initial_state,
+      1.0,
+      chunk_size,
+      options=options,
+      backward=backward,
+      precision=precision,
+    )
     return (o.astype(jnp.float32) * scale).astype(o.dtype), final
   try:
-    return _gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
-                                       options=options, backward=backward, precision=precision)
+    return _gated_delta_product_pallas(
+      q,
+      k,
+      v,
+      g,
+      beta,
+      mask,
+      initial_state,
+      scale,
+      chunk_size,
+      options=options,
+      backward=backward,
+      precision=precision,
+    )
   except TypeError as error:
-    if "forward-mode autodiff" in str(error):     # jax.jvp of a custom_vjp function
+    if "forward-mode autodiff" in str(error):  # jax.jvp of a custom_vjp function
       raise NotImplementedError(NO_HIGHER_DERIVATIVES) from error
     raise
 
 
-def _gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size, *,
-                                options, backward, precision):
+def _gated_delta_product_pallas(
+  q, k, v, g, beta, mask, initial_state, scale, chunk_size, *, options, backward, precision
+):
   if backward == "xla":
-    return _pallas_forward_xla_backward(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
-                                        options, precision)
+    return _pallas_forward_xla_backward(
+      q, k, v, g, beta, mask, initial_state, scale, chunk_size, options, precision
+    )
   dim_k, dim_v = q.shape[-1], v.shape[-1]
   r = mask.shape[-1]
   bt = pallas_chunk(chunk_size, r)
@@ -215,25 +293,29 @@ def _gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, ch
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _pallas_forward_xla_backward(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
-                                 options, precision):
+def _pallas_forward_xla_backward(
+  q, k, v, g, beta, mask, initial_state, scale, chunk_size, options, precision
+):
   """The Pallas forward with the jnp backward of the chunked form (`backward="xla"`)."""
-  return gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
-                                    options=options, precision=precision)
+  return gated_delta_product_pallas(
+    q, k, v, g, beta, mask, initial_state, scale, chunk_size, options=options, precision=precision
+  )
 
 
-def _pallas_forward_xla_backward_fwd(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
-                                     options, precision):
-  out = gated_delta_product_pallas(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
-                                   options=options, precision=precision)
+def _pallas_forward_xla_backward_fwd(
+  q, k, v, g, beta, mask, initial_state, scale, chunk_size, options, precision
+):
+  out = gated_delta_product_pallas(
+    q, k, v, g, beta, mask, initial_state, scale, chunk_size, options=options, precision=precision
+  )
   return out, (q, k, v, g, beta, mask, initial_state)
 
 
-def _pallas_forward_xla_backward_bwd(scale, chunk_size, options, precision, residuals,
-                                     cotangents):
+def _pallas_forward_xla_backward_bwd(scale, chunk_size, options, precision, residuals, cotangents):
   do, dfinal = cotangents
   return xla_backward.gated_delta_product_xla_bwd(*residuals, scale, chunk_size, do, dfinal)
 
 
-_pallas_forward_xla_backward.defvjp(_pallas_forward_xla_backward_fwd,
-                                    _pallas_forward_xla_backward_bwd)
+_pallas_forward_xla_backward.defvjp(
+  _pallas_forward_xla_backward_fwd, _pallas_forward_xla_backward_bwd
+)

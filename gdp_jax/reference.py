@@ -29,13 +29,13 @@ def recurrent_step(q, k, v, g, beta, mask, state, scale):
   bsz, heads, dim_k, dim_v = state.shape
   r = mask.shape[-1]
   dk = dim_k // r
-  decayed = jnp.exp(g)[..., None, None] * state                       # S' = exp(g) S
-  kb = k.reshape(bsz, heads, r, dk)                                    # key blocks k^(d)
-  sb = decayed.reshape(bsz, heads, r, dk, dim_v)                       # state row blocks S'^(d)
-  proj = jnp.einsum("bhdk,bhdkv->bhdv", kb, sb, precision=HIGHEST)     # (k^(d))^T S'^(d)
+  decayed = jnp.exp(g)[..., None, None] * state  # S' = exp(g) S
+  kb = k.reshape(bsz, heads, r, dk)  # key blocks k^(d)
+  sb = decayed.reshape(bsz, heads, r, dk, dim_v)  # state row blocks S'^(d)
+  proj = jnp.einsum("bhdk,bhdkv->bhdv", kb, sb, precision=HIGHEST)  # (k^(d))^T S'^(d)
   pred = jnp.einsum("bhad,bhdv->bhav", mask, proj, precision=HIGHEST)  # sum_d M[a,d] ...
-  err = beta[..., None, None] * (v[:, :, None, :] - pred)              # u_a, [B, H, r, V]
-  new = sb + kb[..., None] * err[:, :, :, None, :]                     # block a writes its rows
+  err = beta[..., None, None] * (v[:, :, None, :] - pred)  # u_a, [B, H, r, V]
+  new = sb + kb[..., None] * err[:, :, :, None, :]  # block a writes its rows
   new = new.reshape(bsz, heads, dim_k, dim_v)
   o = jnp.einsum("bhk,bhkv->bhv", q, new, precision=HIGHEST)
   return scale * o, new

@@ -53,15 +53,28 @@ ROLES = ("batch", "heads", "sequence")
 # The mesh axes of each dimension of each named array ("b" batch, "t" sequence, "h" heads, "-"
 # not split), by name and rank. Size-1 broadcast axes of the masks are never split.
 _LAYOUTS = {
-    ("q", 4): "bth-", ("k", 4): "bth-", ("v", 4): "bth-",
-    ("g", 3): "bth", ("beta", 3): "bth",
-    ("mask", 2): "--", ("mask", 3): "h--", ("mask", 5): "bth--",
-    ("initial_state", 4): "bh--", ("state", 4): "bh--", ("o", 4): "bth-",
-    # the one-token step
-    ("q", 3): "bh-", ("k", 3): "bh-", ("v", 3): "bh-", ("g", 2): "bh", ("beta", 2): "bh",
-    ("mask", 4): "bh--",
-    # model inputs: tokens [B, T], activations [B, T, D]
-    ("tokens", 2): "bt", ("tokens", 1): "b", ("x", 3): "bt-",
+  ("q", 4): "bth-",
+  ("k", 4): "bth-",
+  ("v", 4): "bth-",
+  ("g", 3): "bth",
+  ("beta", 3): "bth",
+  ("mask", 2): "--",
+  ("mask", 3): "h--",
+  ("mask", 5): "bth--",
+  ("initial_state", 4): "bh--",
+  ("state", 4): "bh--",
+  ("o", 4): "bth-",
+  # the one-token step
+  ("q", 3): "bh-",
+  ("k", 3): "bh-",
+  ("v", 3): "bh-",
+  ("g", 2): "bh",
+  ("beta", 2): "bh",
+  ("mask", 4): "bh--",
+  # model inputs: tokens [B, T], activations [B, T, D]
+  ("tokens", 2): "bt",
+  ("tokens", 1): "b",
+  ("x", 3): "bt-",
 }
 _ROLE_OF = {"b": "batch", "t": "sequence", "h": "heads"}
 
@@ -72,12 +85,15 @@ def _as_axes(role, value, mesh):
     return ()
   names = (value,) if isinstance(value, str) else value
   if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
-    raise TypeError(f"ShardingConfig.{role} must be a mesh axis name, a tuple of names or None, "
-                    f"got {value!r}")
+    raise TypeError(
+      f"ShardingConfig.{role} must be a mesh axis name, a tuple of names or None, got {value!r}"
+    )
   for n in names:
     if n not in mesh.axis_names:
-      raise ValueError(f"ShardingConfig.{role} names mesh axis {n!r}, but the mesh has axes "
-                       f"{tuple(mesh.axis_names)}")
+      raise ValueError(
+        f"ShardingConfig.{role} names mesh axis {n!r}, but the mesh has axes "
+        f"{tuple(mesh.axis_names)}"
+      )
   return names
 
 
@@ -96,6 +112,7 @@ class ShardingConfig:
   [batch, sequence, heads]; the state as [batch, heads, -, -]; a mask [r, r] is replicated,
   [H, r, r] split over heads, [B, T, H, r, r] like g.
   """
+
   mesh: Any
   batch: Any = None
   heads: Any = None
@@ -103,14 +120,17 @@ class ShardingConfig:
 
   def __post_init__(self):
     if not isinstance(self.mesh, jax.sharding.Mesh):
-      raise TypeError(f"ShardingConfig.mesh must be a jax.sharding.Mesh, got "
-                      f"{type(self.mesh).__name__}")
+      raise TypeError(
+        f"ShardingConfig.mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}"
+      )
     seen = {}
     for role in ROLES:
       for name in _as_axes(role, getattr(self, role), self.mesh):
         if name in seen:
-          raise ValueError(f"mesh axis {name!r} is named by both ShardingConfig.{seen[name]} and "
-                           f"ShardingConfig.{role}; an axis may split one dimension only")
+          raise ValueError(
+            f"mesh axis {name!r} is named by both ShardingConfig.{seen[name]} and "
+            f"ShardingConfig.{role}; an axis may split one dimension only"
+          )
         seen[name] = role
 
   def axes(self, role: str) -> tuple[str, ...]:
@@ -143,8 +163,9 @@ class ShardingConfig:
     layout = _LAYOUTS.get((name, ndim))
     if layout is None:
       known = sorted({n for n, _ in _LAYOUTS})
-      raise ValueError(f"no layout for an array named {name!r} of rank {ndim}; known names: "
-                       f"{known}")
+      raise ValueError(
+        f"no layout for an array named {name!r} of rank {ndim}; known names: {known}"
+      )
     return self.spec(layout)
 
   def named_sharding(self, name: str, ndim: int) -> NamedSharding:
@@ -154,25 +175,31 @@ class ShardingConfig:
   def put(self, **arrays):
     """`jax.device_put` each named array (see `spec_for`) to its layout; None stays None.
     Returns a dict with the same keys."""
-    return {n: None if x is None else jax.device_put(x, self.named_sharding(n, jnp.ndim(x)))
-            for n, x in arrays.items()}
+    return {
+      n: None if x is None else jax.device_put(x, self.named_sharding(n, jnp.ndim(x)))
+      for n, x in arrays.items()
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
 
+
 def _check_config(sharding):
   if not isinstance(sharding, ShardingConfig):
-    raise TypeError(f"sharding must be a gdp_jax.sharding.ShardingConfig or None, got "
-                    f"{type(sharding).__name__}")
+    raise TypeError(
+      f"sharding must be a gdp_jax.sharding.ShardingConfig or None, got {type(sharding).__name__}"
+    )
 
 
 def _check_divisible(sharding, what, size, role, shape_note):
   parts = sharding.size(role)
   if size % parts:
-    raise ValueError(f"{what} = {size} ({shape_note}) is not divisible by the {parts} pieces of "
-                     f"the {role} mesh axes {sharding.axes(role)}")
+    raise ValueError(
+      f"{what} = {size} ({shape_note}) is not divisible by the {parts} pieces of "
+      f"the {role} mesh axes {sharding.axes(role)}"
+    )
 
 
 def _explicit(mesh):
@@ -197,6 +224,7 @@ def _check_vma(implementation):
   if implementation != "pallas":
     return True
   from pallas_kernels.common import backend
+
   return not backend.interpret_mode()
 
 
@@ -212,18 +240,34 @@ def _vary(x, axes, enabled):
 
 
 def _shard_map(fn, sharding, in_specs, out_specs, check_vma):
-  return jax.shard_map(fn, mesh=sharding.mesh, in_specs=(in_specs,), out_specs=out_specs,
-                       check_vma=check_vma)
+  return jax.shard_map(
+    fn, mesh=sharding.mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=check_vma
+  )
 
 
 # ----------------------------------------------------------------------------------------------
 # The operator
 # ----------------------------------------------------------------------------------------------
 
-def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, sharding,
-                                scale=None, initial_state=None, output_final_state=False,
-                                chunk_size=64, implementation=None, precision=None,
-                                backward="pallas", options=None):
+
+def sharded_gated_delta_product(
+  q,
+  k,
+  v,
+  g=None,
+  beta=None,
+  mask=None,
+  *,
+  sharding,
+  scale=None,
+  initial_state=None,
+  output_final_state=False,
+  chunk_size=64,
+  implementation=None,
+  precision=None,
+  backward="pallas",
+  options=None,
+):
   """`gated_delta_product` with its arrays split over a device mesh (module docstring).
 
   Same arguments and results as `gdp_jax.gated_delta_product` (`implementation`, `precision`,
@@ -240,14 +284,28 @@ def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, shardi
   """
   if sharding is None:
     return _operator.gated_delta_product(
-        q, k, v, g, beta, mask, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, chunk_size=chunk_size,
-        implementation=implementation, precision=precision, backward=backward, options=options)
+      q,
+      k,
+      v,
+      g,
+      beta,
+      mask,
+      scale=scale,
+      initial_state=initial_state,
+      output_final_state=output_final_state,
+      chunk_size=chunk_size,
+      implementation=implementation,
+      precision=precision,
+      backward=backward,
+      options=options,
+    )
   _check_config(sharding)
   batch, t_len, heads, dim_k, dim_v, _, _ = _operator.check_inputs(
-      q, k, v, g, beta, mask, initial_state)
-  implementation = dispatch.resolve("gated_delta_product", implementation,
-                                    sharding.mesh.devices.flat[0])
+    q, k, v, g, beta, mask, initial_state
+  )
+  implementation = dispatch.resolve(
+    "gated_delta_product", implementation, sharding.mesh.devices.flat[0]
+  )
   dispatch.check_backward(backward, implementation)
   chunk_size = _operator.check_chunk_size(chunk_size)
   output_final_state = _operator.check_bool("output_final_state", output_final_state)
@@ -256,10 +314,11 @@ def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, shardi
   _check_divisible(sharding, "H", heads, "heads", shape)
   _check_divisible(sharding, "T", t_len, "sequence", shape)
   if scale is None:
-    scale = dim_k ** -0.5
+    scale = dim_k**-0.5
   if isinstance(scale, jax.Array) or not isinstance(scale, (int, float)):
-    raise TypeError(f"scale must be a Python number for the sharded operator, got "
-                    f"{type(scale).__name__}")
+    raise TypeError(
+      f"scale must be a Python number for the sharded operator, got {type(scale).__name__}"
+    )
   scale = float(scale)
 
   arrays = dict(q=q, k=k, v=v, g=g, beta=beta, mask=mask, initial_state=initial_state)
@@ -267,8 +326,7 @@ def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, shardi
   specs = {n: sharding.spec_for(n, x.ndim) for n, x in arrays.items()}
   arrays = _place(sharding, arrays, specs)
   vma = _check_vma(implementation)
-  run = dict(scale=scale, chunk_size=chunk_size, implementation=implementation,
-             precision=precision)
+  run = dict(scale=scale, chunk_size=chunk_size, implementation=implementation, precision=precision)
   if implementation == "pallas":
     run.update(backward=backward, options=options)
   out_specs = (sharding.spec_for("o", 4), sharding.spec_for("state", 4))
@@ -283,8 +341,7 @@ def sharded_gated_delta_product(q, k, v, g=None, beta=None, mask=None, *, shardi
 def _zero_state(q, v, sharding, vma, width=None):
   bl, _, hl, dk = q.shape
   s = jnp.zeros((bl, hl, dk, v.shape[-1] if width is None else width), f32)
-  return _vary(s, sharding.axes("batch") + sharding.axes("heads") + sharding.axes("sequence"),
-               vma)
+  return _vary(s, sharding.axes("batch") + sharding.axes("heads") + sharding.axes("sequence"), vma)
 
 
 def _independent_piece(a, sharding, vma, **run):
@@ -292,15 +349,36 @@ def _independent_piece(a, sharding, vma, **run):
   h0 = a.get("initial_state")
   if h0 is None:
     h0 = _zero_state(a["q"], a["v"], sharding, vma)
-  else:   # a sequence axis of size 1 still types q as varying over it
+  else:  # a sequence axis of size 1 still types q as varying over it
     h0 = _vary(h0, sharding.axes("sequence"), vma)
   return _operator.gated_delta_product(
-      a["q"], a["k"], a["v"], a.get("g"), a["beta"], a.get("mask"), initial_state=h0,
-      output_final_state=True, **run)
+    a["q"],
+    a["k"],
+    a["v"],
+    a.get("g"),
+    a["beta"],
+    a.get("mask"),
+    initial_state=h0,
+    output_final_state=True,
+    **run,
+  )
 
 
-def piece_summary(q, k, v, g, beta, mask, *, scale, chunk_size, implementation, state=None,
-                  split=False, **operator_kwargs):
+def piece_summary(
+  q,
+  k,
+  v,
+  g,
+  beta,
+  mask,
+  *,
+  scale,
+  chunk_size,
+  implementation,
+  state=None,
+  split=False,
+  **operator_kwargs,
+):
   """One piece of the sequence from a zero state, with its transition (docs/sharding.md).
 
   Runs the operator on values widened to [v | 0_K] from the state [0_{K x V} | I_K]: every value
@@ -324,8 +402,19 @@ def piece_summary(q, k, v, g, beta, mask, *, scale, chunk_size, implementation, 
     state = jnp.concatenate([jnp.zeros((bl, hl, dk, dv), f32), eye], axis=-1)
   zeros = jnp.zeros((bl, tl, hl, dk), v.dtype)
   run = lambda values, start: _operator.gated_delta_product(
-      q, k, values, g, beta, mask, scale=scale, initial_state=start, output_final_state=True,
-      chunk_size=chunk_size, implementation=implementation, **operator_kwargs)
+    q,
+    k,
+    values,
+    g,
+    beta,
+    mask,
+    scale=scale,
+    initial_state=start,
+    output_final_state=True,
+    chunk_size=chunk_size,
+    implementation=implementation,
+    **operator_kwargs,
+  )
   if split:
     o0, final0 = run(v, state[..., :dv])
     qp, transition = run(zeros, state[..., dv:])
@@ -355,12 +444,25 @@ def _context_parallel_piece(a, sharding, vma, **run):
   dv = v.shape[-1]
   seq = sharding.axes("sequence")
   eye = jnp.broadcast_to(jnp.eye(dk, dtype=f32), (bl, hl, dk, dk))
-  state = jnp.concatenate([_zero_state(q, v, sharding, vma), _vary(
-      eye, sharding.axes("batch") + sharding.axes("heads") + seq, vma)], axis=-1)
+  state = jnp.concatenate(
+    [
+      _zero_state(q, v, sharding, vma),
+      _vary(eye, sharding.axes("batch") + sharding.axes("heads") + seq, vma),
+    ],
+    axis=-1,
+  )
   # Pallas: two calls of the ordinary width; the others: one widened call (docs/sharding.md).
   o0, qp, final0, transition = piece_summary(
-      q, a["k"], v, a.get("g"), a["beta"], a.get("mask"), state=state,
-      split=run["implementation"] == "pallas", **run)
+    q,
+    a["k"],
+    v,
+    a.get("g"),
+    a["beta"],
+    a.get("mask"),
+    state=state,
+    split=run["implementation"] == "pallas",
+    **run,
+  )
   # All-gather the small per-piece (P, F) pairs over the sequence axes: [n, bl, hl, K, K + V].
   pieces = jax.lax.all_gather(jnp.concatenate([transition, final0], axis=-1), seq)
   h0 = a.get("initial_state")
@@ -381,9 +483,22 @@ def _context_parallel_piece(a, sharding, vma, **run):
 # The one-token step
 # ----------------------------------------------------------------------------------------------
 
-def sharded_gated_delta_product_step(q, k, v, g=None, beta=None, mask=None, state=None, *,
-                                     sharding, scale=None, implementation=None, precision=None,
-                                     in_place=True):
+
+def sharded_gated_delta_product_step(
+  q,
+  k,
+  v,
+  g=None,
+  beta=None,
+  mask=None,
+  state=None,
+  *,
+  sharding,
+  scale=None,
+  implementation=None,
+  precision=None,
+  in_place=True,
+):
   """`gated_delta_product_step` with batch and heads split over a device mesh.
 
   Same arguments and results as `gdp_jax.gated_delta_product_step`, plus `sharding` (a
@@ -392,13 +507,24 @@ def sharded_gated_delta_product_step(q, k, v, g=None, beta=None, mask=None, stat
   step). Returns (o [B, H, V], new_state [B, H, K, V] float32), split over batch and heads.
   """
   if sharding is None:
-    return _decode.gated_delta_product_step(q, k, v, g, beta, mask, state, scale=scale,
-                                            implementation=implementation, precision=precision,
-                                            in_place=in_place)
+    return _decode.gated_delta_product_step(
+      q,
+      k,
+      v,
+      g,
+      beta,
+      mask,
+      state,
+      scale=scale,
+      implementation=implementation,
+      precision=precision,
+      in_place=in_place,
+    )
   _check_config(sharding)
   batch, heads, dim_k, dim_v, _, _ = _decode._check_step(q, k, v, g, beta, mask, state)
-  implementation = dispatch.resolve("gated_delta_product_step", implementation,
-                                    sharding.mesh.devices.flat[0])
+  implementation = dispatch.resolve(
+    "gated_delta_product_step", implementation, sharding.mesh.devices.flat[0]
+  )
   shape = f"q has shape {tuple(q.shape)} = [B, H, K]"
   _check_divisible(sharding, "B", batch, "batch", shape)
   _check_divisible(sharding, "H", heads, "heads", shape)
@@ -414,9 +540,18 @@ def sharded_gated_delta_product_step(q, k, v, g=None, beta=None, mask=None, stat
 
   def body(a):
     return _decode.gated_delta_product_step(
-        a["q"], a["k"], a["v"], a.get("g"), a["beta"], a.get("mask"), a["state"],
-        scale=a.get("scale", scale), implementation=implementation, precision=precision,
-        in_place=in_place)
+      a["q"],
+      a["k"],
+      a["v"],
+      a.get("g"),
+      a["beta"],
+      a.get("mask"),
+      a["state"],
+      scale=a.get("scale", scale),
+      implementation=implementation,
+      precision=precision,
+      in_place=in_place,
+    )
 
   out_specs = (sharding.spec("bh-"), sharding.spec_for("state", 4))
   return _shard_map(body, sharding, specs, out_specs, vma)(arrays)

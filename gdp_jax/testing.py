@@ -12,15 +12,16 @@ import numpy as np
 
 # (B, T, H, K, V)
 SHAPES = {
-    "tiny": (1, 64, 2, 32, 32),        # smoke runs (interpret mode)
-    "cpu": (1, 512, 4, 64, 64),        # the bench's default without a GPU: seconds, not hours
-    "h200": (8, 4096, 16, 128, 128),   # the GPU benchmark shape (docs/performance.md)
+  "tiny": (1, 64, 2, 32, 32),  # smoke runs (interpret mode)
+  "cpu": (1, 512, 4, 64, 64),  # the bench's default without a GPU: seconds, not hours
+  "h200": (8, 4096, 16, 128, 128),  # the GPU benchmark shape (docs/performance.md)
 }
 MASK_KINDS = (None, "shared", "head", "token")
 
 
-def random_inputs(seed, B=2, T=40, H=3, K=32, V=16, r=2, mask_kind="head", dtype=jnp.float32,
-                with_state=True):
+def random_inputs(
+  seed, B=2, T=40, H=3, K=32, V=16, r=2, mask_kind="head", dtype=jnp.float32, with_state=True
+):
   """Random operator inputs in the regime the layer produces: L2-normalised q and k, beta in
   (0, 1), g <= 0 with realistic decays, and an arbitrary real mask.
 
@@ -29,8 +30,10 @@ def random_inputs(seed, B=2, T=40, H=3, K=32, V=16, r=2, mask_kind="head", dtype
   initial_state); q, k, v in `dtype`, the rest float32.
   """
   rng = np.random.default_rng(seed)
+
   def normal(*shape):
     return rng.standard_normal(shape).astype(np.float32)
+
   q = normal(B, T, H, K)
   k = normal(B, T, H, K)
   # Normalise each key block (the operator's natural regime; keeps (I + A) well conditioned).
@@ -52,6 +55,12 @@ def random_inputs(seed, B=2, T=40, H=3, K=32, V=16, r=2, mask_kind="head", dtype
     raise ValueError(f"mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
   h0 = normal(B, H, K, V) * 0.5 if with_state else None
   cast = lambda x: None if x is None else jnp.asarray(x, dtype)
-  return dict(q=cast(q), k=cast(k), v=cast(v), g=jnp.asarray(g), beta=jnp.asarray(beta),
-              mask=None if mask is None else jnp.asarray(mask),
-              initial_state=None if h0 is None else jnp.asarray(h0))
+  return dict(
+    q=cast(q),
+    k=cast(k),
+    v=cast(v),
+    g=jnp.asarray(g),
+    beta=jnp.asarray(beta),
+    mask=None if mask is None else jnp.asarray(mask),
+    initial_state=None if h0 is None else jnp.asarray(h0),
+  )

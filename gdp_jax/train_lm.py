@@ -64,10 +64,10 @@ import numpy as np
 SCHEMA = "gdp_jax.train_lm/1"
 BOS, PAD = 256, 257
 VOCAB_SIZE = 258
-ALIGN = 64                       # documents start at multiples of this (all chunk sizes divide it)
+ALIGN = 64  # documents start at multiples of this (all chunk sizes divide it)
 MAX_FILE_BYTES = 512 * 1024
 SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
-SHUFFLE_SEED = 1234              # the training documents' order (fixed: not the run's seed)
+SHUFFLE_SEED = 1234  # the training documents' order (fixed: not the run's seed)
 
 # --model: how each choice builds the token mixers. "attention" replaces every layer of the
 # pattern by attention; the others keep the pattern's "D" layers as GatedDeltaProduct with
@@ -76,16 +76,17 @@ SHUFFLE_SEED = 1234              # the training documents' order (fixed: not the
 #   "householder-2": dict(attention_only=False, mixer="householder", num_householder=2),
 # once the operator and the layer have it (then `model_config` passes the new fields on).
 MODELS: dict[str, dict[str, Any]] = {
-    "attention": dict(attention_only=True, mask_mode="ones", num_blocks=1),
-    "gdn": dict(attention_only=False, mask_mode="ones", num_blocks=1),      # Gated DeltaNet
-    "gdp-r2": dict(attention_only=False, mask_mode="static", num_blocks=2),
-    "gdp-r4": dict(attention_only=False, mask_mode="static", num_blocks=4),
+  "attention": dict(attention_only=True, mask_mode="ones", num_blocks=1),
+  "gdn": dict(attention_only=False, mask_mode="ones", num_blocks=1),  # Gated DeltaNet
+  "gdp-r2": dict(attention_only=False, mask_mode="static", num_blocks=2),
+  "gdp-r4": dict(attention_only=False, mask_mode="static", num_blocks=4),
 }
 
 
 # ----------------------------------------------------------------------------------------------
 # Configuration
 # ----------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class TrainConfig:
@@ -101,6 +102,7 @@ class TrainConfig:
   64), lr (peak), min_lr_ratio, warmup_steps, weight_decay, b1, b2, clip_norm, eval_every,
   eval_batches, log_every, ckpt_every (0: only at the end; checkpoint=False: never), seed.
   """
+
   preset: str = "tiny"
   model: str = "gdp-r2"
   out: str | None = None
@@ -139,7 +141,7 @@ class TrainConfig:
   peak_tflops: float = 989.0
   corpus_dir: str | None = None
   val_percent: float = 2.0
-  progress: bool | None = None          # False: no progress bar (tqdm) on stderr
+  progress: bool | None = None  # False: no progress bar (tqdm) on stderr
   plot: bool = True
 
   def validate(self):
@@ -154,8 +156,10 @@ class TrainConfig:
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if self.seq_len % ALIGN:
-      raise ValueError(f"seq_len must be a multiple of {ALIGN} (documents start at multiples "
-                       f"of {ALIGN} tokens), got {self.seq_len}")
+      raise ValueError(
+        f"seq_len must be a multiple of {ALIGN} (documents start at multiples "
+        f"of {ALIGN} tokens), got {self.seq_len}"
+      )
     if self.minutes is not None and not self.minutes > 0:
       raise ValueError(f"minutes must be > 0, got {self.minutes!r}")
     if self.stop_at is not None and self.stop_at < 1:
@@ -167,18 +171,47 @@ class TrainConfig:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # About a minute on a 2-core CPU (most of it compilation): learning curve, not a model.
-    "tiny": dict(steps=60, batch_size=8, seq_len=128, lr=3e-3, warmup_steps=10, eval_every=20,
-                 eval_batches=2, log_every=1, hidden_size=64, layers="DA", num_heads=2,
-                 head_dim=32, attn_num_heads=2, attn_num_kv_heads=1, mlp_ratio=2,
-                 chunk_size=16),
-    # About 117M parameters (gdp models; 104M attention only), 32K tokens per step: a few
-    # minutes on one H200.
-    "h200": dict(steps=1500, batch_size=8, seq_len=4096, lr=1e-3, warmup_steps=100,
-                 eval_every=100, eval_batches=4, log_every=10, ckpt_every=500,
-                 hidden_size=768, layers="DDDA" * 3, num_heads=6, head_dim=128,
-                 attn_num_heads=12, attn_num_kv_heads=4, attn_head_dim=64, mlp_ratio=4,
-                 chunk_size=64),
+  # About a minute on a 2-core CPU (most of it compilation): learning curve, not a model.
+  "tiny": dict(
+    steps=60,
+    batch_size=8,
+    seq_len=128,
+    lr=3e-3,
+    warmup_steps=10,
+    eval_every=20,
+    eval_batches=2,
+    log_every=1,
+    hidden_size=64,
+    layers="DA",
+    num_heads=2,
+    head_dim=32,
+    attn_num_heads=2,
+    attn_num_kv_heads=1,
+    mlp_ratio=2,
+    chunk_size=16,
+  ),
+  # About 117M parameters (gdp models; 104M attention only), 32K tokens per step: a few
+  # minutes on one H200.
+  "h200": dict(
+    steps=1500,
+    batch_size=8,
+    seq_len=4096,
+    lr=1e-3,
+    warmup_steps=100,
+    eval_every=100,
+    eval_batches=4,
+    log_every=10,
+    ckpt_every=500,
+    hidden_size=768,
+    layers="DDDA" * 3,
+    num_heads=6,
+    head_dim=128,
+    attn_num_heads=12,
+    attn_num_kv_heads=4,
+    attn_head_dim=64,
+    mlp_ratio=4,
+    chunk_size=64,
+  ),
 }
 
 
@@ -197,24 +230,36 @@ def model_config(cfg: TrainConfig):
   import jax.numpy as jnp
 
   from gdp_jax.models import HybridConfig
+
   spec = MODELS[cfg.model]
   layers = "A" * len(cfg.layers) if spec["attention_only"] else cfg.layers
   attn_impl = cfg.attn_impl
   if attn_impl == "auto":
     attn_impl = "flash" if jax.default_backend() == "gpu" else "xla"
   return HybridConfig(
-      vocab_size=VOCAB_SIZE, hidden_size=cfg.hidden_size, layer_pattern=layers,
-      num_heads=cfg.num_heads, head_dim=cfg.head_dim, num_blocks=spec["num_blocks"],
-      mask_mode=spec["mask_mode"], use_short_conv=cfg.use_short_conv,
-      chunk_size=cfg.chunk_size, attn_num_heads=cfg.attn_num_heads,
-      attn_num_kv_heads=cfg.attn_num_kv_heads, attn_head_dim=cfg.attn_head_dim,
-      attn_impl=attn_impl, mlp_ratio=cfg.mlp_ratio, implementation=cfg.implementation,
-      dtype=jnp.bfloat16 if cfg.dtype == "bf16" else None)
+    vocab_size=VOCAB_SIZE,
+    hidden_size=cfg.hidden_size,
+    layer_pattern=layers,
+    num_heads=cfg.num_heads,
+    head_dim=cfg.head_dim,
+    num_blocks=spec["num_blocks"],
+    mask_mode=spec["mask_mode"],
+    use_short_conv=cfg.use_short_conv,
+    chunk_size=cfg.chunk_size,
+    attn_num_heads=cfg.attn_num_heads,
+    attn_num_kv_heads=cfg.attn_num_kv_heads,
+    attn_head_dim=cfg.attn_head_dim,
+    attn_impl=attn_impl,
+    mlp_ratio=cfg.mlp_ratio,
+    implementation=cfg.implementation,
+    dtype=jnp.bfloat16 if cfg.dtype == "bf16" else None,
+  )
 
 
 # ----------------------------------------------------------------------------------------------
 # Corpus
 # ----------------------------------------------------------------------------------------------
+
 
 def stdlib_root() -> str:
   return sysconfig.get_paths()["stdlib"]
@@ -224,7 +269,7 @@ def is_validation(relpath: str, val_percent: float) -> bool:
   """The split rule: sha256 of the '/'-separated relative path, first 8 bytes big-endian, below
   val_percent % of 2^64."""
   head = int.from_bytes(hashlib.sha256(relpath.encode("utf-8")).digest()[:8], "big")
-  return head < val_percent / 100.0 * 2.0 ** 64
+  return head < val_percent / 100.0 * 2.0**64
 
 
 def corpus_files(root: str | None = None):
@@ -235,8 +280,9 @@ def corpus_files(root: str | None = None):
     raise ValueError(f"corpus folder {root!r} does not exist")
   out = []
   for dirpath, dirnames, filenames in os.walk(root):
-    dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS
-                         and not os.path.islink(os.path.join(dirpath, d)))
+    dirnames[:] = sorted(
+      d for d in dirnames if d not in SKIP_DIRS and not os.path.islink(os.path.join(dirpath, d))
+    )
     for name in sorted(filenames):
       path = os.path.join(dirpath, name)
       if not name.endswith(".py") or os.path.islink(path):
@@ -248,14 +294,15 @@ def corpus_files(root: str | None = None):
 
 
 class Corpus(NamedTuple):
-  train: "Stream"
-  val: "Stream"
+  train: Stream
+  val: Stream
   info: dict
 
 
 class Stream(NamedTuple):
   """Packed documents: tokens [N] uint16 and doc [N] int32 (the document index of each token;
   PADs carry the index of the document before them). N is a multiple of ALIGN."""
+
   tokens: np.ndarray
   doc: np.ndarray
 
@@ -268,7 +315,7 @@ def pack(documents, align: int = ALIGN) -> Stream:
   pos = 0
   for d, n in zip(documents, lengths):
     tokens[pos] = BOS
-    tokens[pos + 1:pos + 1 + len(d)] = np.frombuffer(d, np.uint8)
+    tokens[pos + 1 : pos + 1 + len(d)] = np.frombuffer(d, np.uint8)
     pos += n
   return Stream(tokens, doc)
 
@@ -290,25 +337,36 @@ def load_corpus(root: str | None = None, val_percent: float = 2.0) -> Corpus:
     (val if is_validation(rel, val_percent) else train).append((rel, data))
   if not train or not val:
     empty = "training" if not train else "validation"
-    raise ValueError(f"the split of {len(files)} files left no {empty} files "
-                     f"(val_percent = {val_percent})")
+    raise ValueError(
+      f"the split of {len(files)} files left no {empty} files (val_percent = {val_percent})"
+    )
   order = np.random.default_rng(SHUFFLE_SEED).permutation(len(train))
   train_stream = pack([train[i][1] for i in order])
   val_stream = pack([d for _, d in val])
   for a in (*train_stream, *val_stream):
     a.flags.writeable = False
   info = dict(
-      root=os.path.abspath(root or stdlib_root()), python=platform.python_version(),
-      files=len(files), train_files=len(train), val_files=len(val),
-      train_bytes=sum(len(d) for _, d in train), val_bytes=sum(len(d) for _, d in val),
-      train_tokens=int(train_stream.tokens.size), val_tokens=int(val_stream.tokens.size),
-      train_pad_tokens=int(np.sum(train_stream.tokens == PAD)),
-      val_percent=val_percent, sha256=digest.hexdigest(),
-      rules=("*.py under the root, sorted walk; skipped: folders " + ", ".join(SKIP_DIRS)
-             + f", symbolic links, empty files, files over {MAX_FILE_BYTES} bytes; "
-             "validation: sha256(relative path)[:8] < val_percent % of 2^64; "
-             f"BOS + bytes + PAD to a multiple of {ALIGN} per document"),
-      val_sample=[rel for rel, _ in val[:5]])
+    root=os.path.abspath(root or stdlib_root()),
+    python=platform.python_version(),
+    files=len(files),
+    train_files=len(train),
+    val_files=len(val),
+    train_bytes=sum(len(d) for _, d in train),
+    val_bytes=sum(len(d) for _, d in val),
+    train_tokens=int(train_stream.tokens.size),
+    val_tokens=int(val_stream.tokens.size),
+    train_pad_tokens=int(np.sum(train_stream.tokens == PAD)),
+    val_percent=val_percent,
+    sha256=digest.hexdigest(),
+    rules=(
+      "*.py under the root, sorted walk; skipped: folders "
+      + ", ".join(SKIP_DIRS)
+      + f", symbolic links, empty files, files over {MAX_FILE_BYTES} bytes; "
+      "validation: sha256(relative path)[:8] < val_percent % of 2^64; "
+      f"BOS + bytes + PAD to a multiple of {ALIGN} per document"
+    ),
+    val_sample=[rel for rel, _ in val[:5]],
+  )
   return Corpus(train_stream, val_stream, info)
 
 
@@ -324,8 +382,10 @@ def train_batch(stream: Stream, step: int, seed: int, batch_size: int, seq_len: 
   seeded by (seed, step)."""
   slots = (stream.tokens.size - seq_len - 1) // ALIGN + 1
   if slots < 1:
-    raise ValueError(f"the training stream ({stream.tokens.size} tokens) is shorter than one "
-                     f"window of seq_len + 1 = {seq_len + 1}")
+    raise ValueError(
+      f"the training stream ({stream.tokens.size} tokens) is shorter than one "
+      f"window of seq_len + 1 = {seq_len + 1}"
+    )
   rng = np.random.default_rng([seed, step])
   return _windows(stream, rng.integers(0, slots, batch_size) * ALIGN, seq_len)
 
@@ -336,22 +396,27 @@ def val_batches(stream: Stream, batch_size: int, seq_len: int, n_batches: int):
   window start when fewer fit; in batches of at most B."""
   slots = (stream.tokens.size - seq_len - 1) // ALIGN + 1
   if slots < 1:
-    raise ValueError(f"the validation stream ({stream.tokens.size} tokens) is shorter than "
-                     f"one window of seq_len + 1 = {seq_len + 1}")
+    raise ValueError(
+      f"the validation stream ({stream.tokens.size} tokens) is shorter than "
+      f"one window of seq_len + 1 = {seq_len + 1}"
+    )
   count = min(n_batches * batch_size, slots)
   offsets = np.arange(count) * (slots // count) * ALIGN
-  return [_windows(stream, offsets[i:i + batch_size], seq_len)
-          for i in range(0, count, batch_size)]
+  return [
+    _windows(stream, offsets[i : i + batch_size], seq_len) for i in range(0, count, batch_size)
+  ]
 
 
 # ----------------------------------------------------------------------------------------------
 # FLOPs
 # ----------------------------------------------------------------------------------------------
 
+
 def flops_per_token(mc, seq_len: int) -> dict:
   """Forward and training (3x forward) FLOPs per token of HybridLM(mc) at sequence seq_len,
   counting matmuls only (docs/train_lm.md): projections, MLP, head, attention, operator."""
   from gdp_jax.bench import forward_flops
+
   D, T = mc.hidden_size, seq_len
   H, K = mc.num_heads, mc.head_dim
   V = int(K * mc.expand_v)
@@ -369,7 +434,7 @@ def flops_per_token(mc, seq_len: int) -> dict:
       parts["operator"] += forward_flops(1, T, H, K, V, r) / T
     else:
       parts["projections"] += 2.0 * D * (hq * dh + 2 * hkv * dh) + 2.0 * hq * dh * D
-      parts["attention"] += 2.0 * hq * dh * (T + 1)      # QK^T and PV over (T+1)/2 keys
+      parts["attention"] += 2.0 * hq * dh * (T + 1)  # QK^T and PV over (T+1)/2 keys
     if mc.mlp_ratio:
       parts["mlp"] += 2.0 * 3 * D * mc.mlp_ratio * D
   forward = sum(parts.values())
@@ -378,6 +443,7 @@ def flops_per_token(mc, seq_len: int) -> dict:
 
 def count_params(params) -> int:
   import jax
+
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
@@ -386,9 +452,11 @@ def count_params(params) -> int:
 # compilation)
 # ----------------------------------------------------------------------------------------------
 
+
 class Hyper(NamedTuple):
   """Optimiser settings. The schedule's four numbers travel into the jitted step as one traced
   array (`schedule_array`), so runs of other lengths reuse the compiled step."""
+
   lr: Any
   min_lr_ratio: Any
   warmup: Any
@@ -409,6 +477,7 @@ def lr_at(hp: Hyper, step):
   """Linear warm-up over `warmup` steps to `lr`, then cosine decay to lr * min_lr_ratio at
   `steps` (step counts from 0: the first update uses lr / warmup). jnp; traced fields allowed."""
   import jax.numpy as jnp
+
   step = jnp.asarray(step, jnp.float32)
   warmup = jnp.maximum(jnp.asarray(hp.warmup, jnp.float32), 1.0)
   warm = hp.lr * jnp.minimum(1.0, (step + 1) / warmup)
@@ -430,11 +499,18 @@ def optimizer(hp: Hyper):
   two or more dimensions (matrices, embedding), not on norms' weights and other vectors."""
   import jax
   import optax
+
   decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
   return optax.chain(
-      optax.clip_by_global_norm(hp.clip_norm),
-      optax.adamw(functools.partial(lr_at, hp), b1=hp.b1, b2=hp.b2,
-                  weight_decay=hp.weight_decay, mask=decay_mask))
+    optax.clip_by_global_norm(hp.clip_norm),
+    optax.adamw(
+      functools.partial(lr_at, hp),
+      b1=hp.b1,
+      b2=hp.b2,
+      weight_decay=hp.weight_decay,
+      mask=decay_mask,
+    ),
+  )
 
 
 def _loss_sums(graphdef, params, inputs, targets, seg):
@@ -442,6 +518,7 @@ def _loss_sums(graphdef, params, inputs, targets, seg):
   import jax.numpy as jnp
   import optax
   from flax import nnx
+
   logits = nnx.merge(graphdef, params)(inputs, segment_ids=seg)
   nats = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   counted = (targets < 256).astype(jnp.float32)
@@ -451,6 +528,7 @@ def _loss_sums(graphdef, params, inputs, targets, seg):
 def _train_step(graphdef, static, schedule, params, opt_state, inputs, targets, seg):
   import jax
   import optax
+
   hp = Hyper(*(schedule[i] for i in range(4)), *static)
 
   def loss_fn(p):
@@ -467,8 +545,8 @@ def _train_step(graphdef, static, schedule, params, opt_state, inputs, targets, 
 def compiled_steps(donate: bool):
   """(train_step, eval_sums) jitted with graphdef and the hyperparameters static."""
   import jax
-  train = jax.jit(_train_step, static_argnums=(0, 1),
-                  donate_argnums=(3, 4) if donate else ())
+
+  train = jax.jit(_train_step, static_argnums=(0, 1), donate_argnums=(3, 4) if donate else ())
   return train, jax.jit(_loss_sums, static_argnums=(0,))
 
 
@@ -476,22 +554,29 @@ def compiled_steps(donate: bool):
 # Checkpoints
 # ----------------------------------------------------------------------------------------------
 
+
 def _manager(out):
   import orbax.checkpoint as ocp
-  return ocp.CheckpointManager(os.path.abspath(os.path.join(out, "checkpoints")),
-                               options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+  return ocp.CheckpointManager(
+    os.path.abspath(os.path.join(out, "checkpoints")),
+    options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
+  )
 
 
 def _save(manager, step, params, opt_state):
   import orbax.checkpoint as ocp
-  manager.save(step, args=ocp.args.StandardSave(dict(params=params, opt_state=opt_state)),
-               force=True)
-  manager.wait_until_finished()       # the next step donates these buffers
+
+  manager.save(
+    step, args=ocp.args.StandardSave(dict(params=params, opt_state=opt_state)), force=True
+  )
+  manager.wait_until_finished()  # the next step donates these buffers
 
 
 def _restore(manager, params, opt_state):
   import jax
   import orbax.checkpoint as ocp
+
   step = manager.latest_step()
   if step is None:
     return None
@@ -504,8 +589,10 @@ def _restore(manager, params, opt_state):
 # Training
 # ----------------------------------------------------------------------------------------------
 
+
 def _device_kind():
   import jax
+
   d = jax.devices()[0]
   return getattr(d, "device_kind", d.platform)
 
@@ -513,6 +600,7 @@ def _device_kind():
 def _command():
   """The command as typed when run as `python -m gdp_jax train-lm`, else None."""
   from gdp_jax.bench import command_line
+
   return command_line() if "train-lm" in sys.argv else None
 
 
@@ -526,9 +614,9 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
   `train_lm(preset="tiny", model="gdn", steps=30)`."""
   import jax
   import jax.numpy as jnp
+  import tqdm
   from flax import nnx
 
-  import tqdm
   from gdp_jax.models import HybridLM
 
   if config is None:
@@ -545,8 +633,10 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
   del model
   donate = jax.default_backend() != "cpu"
   train_step, eval_sums = compiled_steps(donate)
-  val_set = [tuple(jnp.asarray(a) for a in b) for b in
-             val_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)]
+  val_set = [
+    tuple(jnp.asarray(a) for a in b)
+    for b in val_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+  ]
   fpt = flops_per_token(mc, cfg.seq_len)
   tokens_per_step = cfg.batch_size * cfg.seq_len
   name = cfg.model
@@ -562,20 +652,31 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
       previous = json.load(f)
   steps = cfg.steps
   if previous is not None and cfg.minutes is not None:
-    steps = previous["summary"]["schedule_steps"]        # the budget was resolved before
+    steps = previous["summary"]["schedule_steps"]  # the budget was resolved before
 
   def batch(step):
-    return tuple(jnp.asarray(a) for a in
-                 train_batch(corpus.train, step, cfg.seed, cfg.batch_size, cfg.seq_len))
+    return tuple(
+      jnp.asarray(a) for a in train_batch(corpus.train, step, cfg.seed, cfg.batch_size, cfg.seq_len)
+    )
 
   def hyper(n_steps):
-    return Hyper(cfg.lr, cfg.min_lr_ratio, min(cfg.warmup_steps, n_steps // 2), n_steps,
-                 cfg.weight_decay, cfg.b1, cfg.b2, cfg.clip_norm)
+    return Hyper(
+      cfg.lr,
+      cfg.min_lr_ratio,
+      min(cfg.warmup_steps, n_steps // 2),
+      n_steps,
+      cfg.weight_decay,
+      cfg.b1,
+      cfg.b2,
+      cfg.clip_norm,
+    )
 
-  log(f"train-lm: model {name} ({mc.layer_pattern}), {count_params(params) / 1e6:.2f}M "
-      f"parameters, backend {jax.default_backend()} ({_device_kind()}); corpus "
-      f"{corpus.info['train_files']} + {corpus.info['val_files']} files, "
-      f"{corpus.info['train_tokens'] / 1e6:.2f}M + {corpus.info['val_tokens'] / 1e6:.2f}M tokens")
+  log(
+    f"train-lm: model {name} ({mc.layer_pattern}), {count_params(params) / 1e6:.2f}M "
+    f"parameters, backend {jax.default_backend()} ({_device_kind()}); corpus "
+    f"{corpus.info['train_files']} + {corpus.info['val_files']} files, "
+    f"{corpus.info['train_tokens'] / 1e6:.2f}M + {corpus.info['val_tokens'] / 1e6:.2f}M tokens"
+  )
 
   # --minutes: time a few steps (on copies; compilation excluded) and size the schedule.
   t0 = time.perf_counter()
@@ -587,8 +688,7 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
     b = batch(0)
 
     def probe_step(probe):
-      p, o, loss, _ = train_step(graphdef, probe_hp.static(), probe_hp.schedule_array(),
-                                 *probe, *b)
+      p, o, loss, _ = train_step(graphdef, probe_hp.static(), probe_hp.schedule_array(), *probe, *b)
       return (p, o), loss
 
     probe, loss = probe_step(probe)
@@ -633,17 +733,30 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
       t, c = eval_sums(graphdef, params, inputs, targets, seg)
       total, count = total + float(t), count + float(c)
     loss = total / count
-    evals.append(dict(step=step, val_loss=loss, val_bpb=loss / math.log(2),
-                      tokens_seen=step * tokens_per_step, train_seconds=elapsed))
+    evals.append(
+      dict(
+        step=step,
+        val_loss=loss,
+        val_bpb=loss / math.log(2),
+        tokens_seen=step * tokens_per_step,
+        train_seconds=elapsed,
+      )
+    )
     return loss
 
   elapsed_before = evals[-1]["train_seconds"] if evals else 0.0
   if not any(e["step"] == start for e in evals):
     evaluate(start, elapsed_before)
 
-  bar = tqdm.tqdm(total=steps, initial=start, desc=f"{name:>10}", disable=quiet,
-                  mininterval=0.5, dynamic_ncols=True)
-  pending: list = []          # (step, loss, grad norm) as device scalars, not yet fetched
+  bar = tqdm.tqdm(
+    total=steps,
+    initial=start,
+    desc=f"{name:>10}",
+    disable=quiet,
+    mininterval=0.5,
+    dynamic_ncols=True,
+  )
+  pending: list = []  # (step, loss, grad norm) as device scalars, not yet fetched
 
   def flush():
     nonlocal pending
@@ -662,30 +775,38 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
       with open(_metrics_path(cfg.out), "w") as f:
         json.dump(metrics, f, indent=1)
 
-  extra = dict(compile_s=compile_s, train_s=0.0, timed_steps=0, stopped_at=None,
-               resumed_from=start if cfg.resume else None, command=_command())
+  extra = dict(
+    compile_s=compile_s,
+    train_s=0.0,
+    timed_steps=0,
+    stopped_at=None,
+    resumed_from=start if cfg.resume else None,
+    command=_command(),
+  )
   schedule = jnp.asarray(hp.schedule_array())
   t0 = t_mark = time.perf_counter()
   since_mark = 0
   step = start
   for step in range(start + 1, stop + 1):
     inputs, targets, seg = batch(step - 1)
-    params, opt_state, loss, gnorm = train_step(graphdef, hp.static(), schedule, params,
-                                                opt_state, inputs, targets, seg)
+    params, opt_state, loss, gnorm = train_step(
+      graphdef, hp.static(), schedule, params, opt_state, inputs, targets, seg
+    )
     pending.append((step, loss, gnorm))
     compiling = extra["compile_s"] is None
-    if compiling:                       # this process's first step compiles: not timed
+    if compiling:  # this process's first step compiles: not timed
       float(loss)
       extra["compile_s"] = time.perf_counter() - t0
     else:
       since_mark += 1
     is_eval = step % cfg.eval_every == 0 or step == stop
-    is_ckpt = manager is not None and (step == stop or (cfg.ckpt_every > 0
-                                                        and step % cfg.ckpt_every == 0))
+    is_ckpt = manager is not None and (
+      step == stop or (cfg.ckpt_every > 0 and step % cfg.ckpt_every == 0)
+    )
     if compiling or is_eval or is_ckpt or step % cfg.log_every == 0:
       flush()
       now = time.perf_counter()
-      recent = history["train_loss"][-max(since_mark, 1):]
+      recent = history["train_loss"][-max(since_mark, 1) :]
       stats: dict[str, Any] = dict(train_bpb=float(np.mean(recent)) / math.log(2))
       if since_mark:
         rate = since_mark * tokens_per_step / (now - t_mark)
@@ -695,7 +816,7 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
         stats["tok_s"] = f"{rate / 1e3:.1f}k"
       if is_eval:
         evaluate(step, elapsed_before + extra["train_s"])
-      stats["val_bpb"] = round(evals[-1]["val_bpb"], 3)      # the latest validation
+      stats["val_bpb"] = round(evals[-1]["val_bpb"], 3)  # the latest validation
       bar.set_postfix(stats, refresh=False)
       bar.update(step - bar.n)
       if is_ckpt:
@@ -720,15 +841,18 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
         log(f"wrote {png}")
     log(f"wrote {_metrics_path(cfg.out)}")
   s = metrics["summary"]
-  log(f"{name}: val {s['final_val_bpb']:.4f} bits/byte at step {s['final_step']} "
-      f"(from {evals[0]['val_bpb']:.3f}); {s['tokens_per_s'] or 0:,.0f} tokens/s, "
-      f"MFU {100 * (s['mfu'] or 0):.2f}% of {cfg.peak_tflops:g} TFLOP/s; "
-      f"compile {s['compile_s'] or 0:.1f}s, wall {s['wall_s']:.1f}s")
+  log(
+    f"{name}: val {s['final_val_bpb']:.4f} bits/byte at step {s['final_step']} "
+    f"(from {evals[0]['val_bpb']:.3f}); {s['tokens_per_s'] or 0:,.0f} tokens/s, "
+    f"MFU {100 * (s['mfu'] or 0):.2f}% of {cfg.peak_tflops:g} TFLOP/s; "
+    f"compile {s['compile_s'] or 0:.1f}s, wall {s['wall_s']:.1f}s"
+  )
   return metrics
 
 
 def _metrics(cfg, mc, corpus, params, fpt, history, evals, steps, start, extra):
   import jax
+
   timed = extra["timed_steps"]
   tokens_per_step = cfg.batch_size * cfg.seq_len
   rate = timed * tokens_per_step / extra["train_s"] if timed and extra["train_s"] > 0 else None
@@ -736,39 +860,57 @@ def _metrics(cfg, mc, corpus, params, fpt, history, evals, steps, start, extra):
   n_params = count_params(params)
   embed = VOCAB_SIZE * cfg.hidden_size * (1 if mc.tie_embeddings else 2)
   return dict(
-      schema=SCHEMA, date=time.strftime("%Y-%m-%d %H:%M:%S"), command=extra.get("command"),
-      config=dataclasses.asdict(cfg),
-      model_config={k: (str(v) if k == "dtype" else v)
-                    for k, v in dataclasses.asdict(mc).items()},
-      backend=jax.default_backend(), device=_device_kind(), jax=jax.__version__,
-      python=platform.python_version(), corpus=corpus.info,
-      params=n_params, non_embedding_params=n_params - embed,
-      flops_per_token=fpt, peak_tflops=cfg.peak_tflops,
-      flops_doc=("matmul FLOPs per token, training = 3 x forward: projections, SwiGLU MLP, "
-                 "vocabulary head, causal attention 2*Hq*Dh*(T+1) per layer, the operator's "
-                 "chunked form as `python -m gdp_jax bench` counts it; docs/train_lm.md"),
-      history=history, eval=evals,
-      summary=dict(
-          schedule_steps=steps, final_step=history["step"][-1] if history["step"] else start,
-          tokens=(history["step"][-1] if history["step"] else start) * tokens_per_step,
-          tokens_per_step=tokens_per_step,
-          final_val_loss=final.get("val_loss"), final_val_bpb=final.get("val_bpb"),
-          best_val_bpb=min((e["val_bpb"] for e in evals), default=None),
-          initial_val_bpb=evals[0]["val_bpb"] if evals else None,
-          tokens_per_s=rate, step_ms=(tokens_per_step / rate * 1e3) if rate else None,
-          achieved_tflops=(rate * fpt["train"] / 1e12) if rate else None,
-          mfu=(rate * fpt["train"] / (cfg.peak_tflops * 1e12)) if rate else None,
-          compile_s=extra["compile_s"], train_s=extra["train_s"], timed_steps=timed,
-          wall_s=extra.get("wall_s"), stopped_at=extra["stopped_at"],
-          resumed_from=extra["resumed_from"],
-          tokens_per_s_note="steady state: steps of this process after its first (compiling) "
-                            "one, evaluation and checkpoints excluded; every position of the "
-                            "batch counts (BOS and PAD included)"))
+    schema=SCHEMA,
+    date=time.strftime("%Y-%m-%d %H:%M:%S"),
+    command=extra.get("command"),
+    config=dataclasses.asdict(cfg),
+    model_config={k: (str(v) if k == "dtype" else v) for k, v in dataclasses.asdict(mc).items()},
+    backend=jax.default_backend(),
+    device=_device_kind(),
+    jax=jax.__version__,
+    python=platform.python_version(),
+    corpus=corpus.info,
+    params=n_params,
+    non_embedding_params=n_params - embed,
+    flops_per_token=fpt,
+    peak_tflops=cfg.peak_tflops,
+    flops_doc=(
+      "matmul FLOPs per token, training = 3 x forward: projections, SwiGLU MLP, "
+      "vocabulary head, causal attention 2*Hq*Dh*(T+1) per layer, the operator's "
+      "chunked form as `python -m gdp_jax bench` counts it; docs/train_lm.md"
+    ),
+    history=history,
+    eval=evals,
+    summary=dict(
+      schedule_steps=steps,
+      final_step=history["step"][-1] if history["step"] else start,
+      tokens=(history["step"][-1] if history["step"] else start) * tokens_per_step,
+      tokens_per_step=tokens_per_step,
+      final_val_loss=final.get("val_loss"),
+      final_val_bpb=final.get("val_bpb"),
+      best_val_bpb=min((e["val_bpb"] for e in evals), default=None),
+      initial_val_bpb=evals[0]["val_bpb"] if evals else None,
+      tokens_per_s=rate,
+      step_ms=(tokens_per_step / rate * 1e3) if rate else None,
+      achieved_tflops=(rate * fpt["train"] / 1e12) if rate else None,
+      mfu=(rate * fpt["train"] / (cfg.peak_tflops * 1e12)) if rate else None,
+      compile_s=extra["compile_s"],
+      train_s=extra["train_s"],
+      timed_steps=timed,
+      wall_s=extra.get("wall_s"),
+      stopped_at=extra["stopped_at"],
+      resumed_from=extra["resumed_from"],
+      tokens_per_s_note="steady state: steps of this process after its first (compiling) "
+      "one, evaluation and checkpoints excluded; every position of the "
+      "batch counts (BOS and PAD included)",
+    ),
+  )
 
 
 # ----------------------------------------------------------------------------------------------
 # Plot
 # ----------------------------------------------------------------------------------------------
+
 
 def plot_runs(runs, path):
   """Train and validation bits per byte against tokens, and tokens/s, for one or more metrics
@@ -782,19 +924,27 @@ def plot_runs(runs, path):
   ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
   for i, m in enumerate(runs):
     color = f"C{i}"
-    label = f"{m['config']['model']} ({m['params'] / 1e6:.0f}M)" if m["params"] >= 1e6 else \
-        f"{m['config']['model']} ({m['params'] / 1e3:.0f}K)"
+    label = (
+      f"{m['config']['model']} ({m['params'] / 1e6:.0f}M)"
+      if m["params"] >= 1e6
+      else f"{m['config']['model']} ({m['params'] / 1e3:.0f}K)"
+    )
     per_step = m["summary"]["tokens_per_step"]
     h = m["history"]
     if h["step"]:
       bpb = np.asarray(h["train_loss"]) / math.log(2)
       k = max(1, len(bpb) // 50)
       smooth = np.convolve(bpb, np.ones(k) / k, mode="valid")
-      ax1.plot(np.asarray(h["step"][k - 1:]) * per_step, smooth, color=color, alpha=0.45,
-               lw=1)
+      ax1.plot(np.asarray(h["step"][k - 1 :]) * per_step, smooth, color=color, alpha=0.45, lw=1)
     ev = m["eval"]
-    ax1.plot([e["tokens_seen"] for e in ev], [e["val_bpb"] for e in ev], "o-", color=color,
-             ms=3, label=f"{label} val {ev[-1]['val_bpb']:.3f}")
+    ax1.plot(
+      [e["tokens_seen"] for e in ev],
+      [e["val_bpb"] for e in ev],
+      "o-",
+      color=color,
+      ms=3,
+      label=f"{label} val {ev[-1]['val_bpb']:.3f}",
+    )
     if h["tokens_per_s"]:
       tps = np.asarray(h["tokens_per_s"])
       ax2.plot(tps[:, 0] * per_step, tps[:, 1], color=color, label=label)
@@ -822,13 +972,17 @@ def compare(paths, out) -> int:
   for p in paths:
     with open(p) as f:
       runs.append(json.load(f))
-  print(f"{'model':<10} {'params':>8} {'steps':>6} {'tokens':>9} {'val bpb':>8} "
-        f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}")
+  print(
+    f"{'model':<10} {'params':>8} {'steps':>6} {'tokens':>9} {'val bpb':>8} "
+    f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}"
+  )
   for m in runs:
     s = m["summary"]
-    print(f"{m['config']['model']:<10} {m['params'] / 1e6:7.1f}M {s['final_step']:>6} "
-          f"{s['tokens'] / 1e6:8.1f}M {s['final_val_bpb']:8.4f} {s['tokens_per_s'] or 0:10,.0f} "
-          f"{s['achieved_tflops'] or 0:8.1f} {100 * (s['mfu'] or 0):5.1f}%")
+    print(
+      f"{m['config']['model']:<10} {m['params'] / 1e6:7.1f}M {s['final_step']:>6} "
+      f"{s['tokens'] / 1e6:8.1f}M {s['final_val_bpb']:8.4f} {s['tokens_per_s'] or 0:10,.0f} "
+      f"{s['achieved_tflops'] or 0:8.1f} {100 * (s['mfu'] or 0):5.1f}%"
+    )
   if out:
     os.makedirs(out, exist_ok=True)
     png = plot_runs(runs, os.path.join(out, "compare.png"))
@@ -841,63 +995,127 @@ def compare(paths, out) -> int:
 # Command line
 # ----------------------------------------------------------------------------------------------
 
+
 def add_arguments(p):
   bool_flag = argparse.BooleanOptionalAction
-  p.add_argument("--preset", default="tiny", choices=list(PRESETS),
-                 help="tiny (a CPU, about a minute) or h200 (about 117M parameters, T = 4096)")
-  p.add_argument("--model", default="gdp-r2", choices=list(MODELS),
-                 help="attention (every layer), gdn (Gated DeltaNet, mask = ones), gdp-r2, "
-                      "gdp-r4 (block mask r = 2, 4) (default gdp-r2)")
+  p.add_argument(
+    "--preset",
+    default="tiny",
+    choices=list(PRESETS),
+    help="tiny (a CPU, about a minute) or h200 (about 117M parameters, T = 4096)",
+  )
+  p.add_argument(
+    "--model",
+    default="gdp-r2",
+    choices=list(MODELS),
+    help="attention (every layer), gdn (Gated DeltaNet, mask = ones), gdp-r2, "
+    "gdp-r4 (block mask r = 2, 4) (default gdp-r2)",
+  )
   p.add_argument("--out", default=None, help="folder for metrics.json, curves.png, checkpoints")
   p.add_argument("--steps", type=int, default=None, help="schedule length (preset's default)")
-  p.add_argument("--minutes", type=float, default=None,
-                 help="instead of --steps: as many steps as fit in this many minutes of "
-                      "training (timed on a few steps after compiling)")
-  p.add_argument("--stop-at", type=int, default=None,
-                 help="stop after this step (checkpointed); --resume continues")
+  p.add_argument(
+    "--minutes",
+    type=float,
+    default=None,
+    help="instead of --steps: as many steps as fit in this many minutes of "
+    "training (timed on a few steps after compiling)",
+  )
+  p.add_argument(
+    "--stop-at",
+    type=int,
+    default=None,
+    help="stop after this step (checkpointed); --resume continues",
+  )
   p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
   p.add_argument("--checkpoint", default=True, action=bool_flag, help="orbax checkpoints")
   p.add_argument("--ckpt-every", type=int, default=None, help="steps between checkpoints")
-  for flag, kind, what in (("--batch-size", int, "sequences per step"),
-                           ("--seq-len", int, "tokens per sequence (a multiple of 64)"),
-                           ("--lr", float, "peak learning rate"),
-                           ("--warmup-steps", int, "linear warm-up steps"),
-                           ("--eval-every", int, "steps between validations"),
-                           ("--eval-batches", int, "validation batches"),
-                           ("--log-every", int, "steps between progress updates"),
-                           ("--hidden-size", int, "model width"),
-                           ("--layers", str, "layer pattern (D: gated delta product, A: "
-                                             "attention)"),
-                           ("--seed", int, "initialisation and batch order")):
+  for flag, kind, what in (
+    ("--batch-size", int, "sequences per step"),
+    ("--seq-len", int, "tokens per sequence (a multiple of 64)"),
+    ("--lr", float, "peak learning rate"),
+    ("--warmup-steps", int, "linear warm-up steps"),
+    ("--eval-every", int, "steps between validations"),
+    ("--eval-batches", int, "validation batches"),
+    ("--log-every", int, "steps between progress updates"),
+    ("--hidden-size", int, "model width"),
+    ("--layers", str, "layer pattern (D: gated delta product, A: attention)"),
+    ("--seed", int, "initialisation and batch order"),
+  ):
     p.add_argument(flag, type=kind, default=None, help=what + " (preset's default)")
-  p.add_argument("--dtype", default="bf16", choices=["bf16", "f32"],
-                 help="compute dtype (parameters are float32)")
-  p.add_argument("--implementation", default=None, choices=["xla", "pallas", "reference"],
-                 help="operator (default: Pallas on a GPU, xla elsewhere)")
-  p.add_argument("--attn-impl", default="auto", choices=["auto", "xla", "flash"],
-                 help="attention (auto: flash on a GPU, xla elsewhere)")
-  p.add_argument("--peak-tflops", type=float, default=989.0,
-                 help="peak bf16 TFLOP/s for MFU (989: H100/H200 dense)")
-  p.add_argument("--corpus-dir", default=None,
-                 help="folder of .py files (default: this interpreter's standard library)")
+  p.add_argument(
+    "--dtype",
+    default="bf16",
+    choices=["bf16", "f32"],
+    help="compute dtype (parameters are float32)",
+  )
+  p.add_argument(
+    "--implementation",
+    default=None,
+    choices=["xla", "pallas", "reference"],
+    help="operator (default: Pallas on a GPU, xla elsewhere)",
+  )
+  p.add_argument(
+    "--attn-impl",
+    default="auto",
+    choices=["auto", "xla", "flash"],
+    help="attention (auto: flash on a GPU, xla elsewhere)",
+  )
+  p.add_argument(
+    "--peak-tflops",
+    type=float,
+    default=989.0,
+    help="peak bf16 TFLOP/s for MFU (989: H100/H200 dense)",
+  )
+  p.add_argument(
+    "--corpus-dir",
+    default=None,
+    help="folder of .py files (default: this interpreter's standard library)",
+  )
   p.add_argument("--val-percent", type=float, default=2.0, help="validation files, percent")
   p.add_argument("--no-progress", action="store_true", help="no progress bar or log lines")
   p.add_argument("--no-plot", action="store_true", help="no PNG")
-  p.add_argument("--compare", nargs="+", default=None, metavar="JSON",
-                 help="no training: a table and compare.png (in --out) of these metrics.json")
+  p.add_argument(
+    "--compare",
+    nargs="+",
+    default=None,
+    metavar="JSON",
+    help="no training: a table and compare.png (in --out) of these metrics.json",
+  )
 
 
 def run(args) -> int:
   if args.compare:
     return compare(args.compare, args.out)
-  overrides = dict(model=args.model, out=args.out, minutes=args.minutes, stop_at=args.stop_at,
-                   resume=args.resume, checkpoint=args.checkpoint, dtype=args.dtype,
-                   implementation=args.implementation, attn_impl=args.attn_impl,
-                   peak_tflops=args.peak_tflops, corpus_dir=args.corpus_dir,
-                   val_percent=args.val_percent, plot=not args.no_plot,
-                   progress=False if args.no_progress else None)
-  for key in ("steps", "ckpt_every", "batch_size", "seq_len", "lr", "warmup_steps",
-              "eval_every", "eval_batches", "log_every", "hidden_size", "layers", "seed"):
+  overrides = dict(
+    model=args.model,
+    out=args.out,
+    minutes=args.minutes,
+    stop_at=args.stop_at,
+    resume=args.resume,
+    checkpoint=args.checkpoint,
+    dtype=args.dtype,
+    implementation=args.implementation,
+    attn_impl=args.attn_impl,
+    peak_tflops=args.peak_tflops,
+    corpus_dir=args.corpus_dir,
+    val_percent=args.val_percent,
+    plot=not args.no_plot,
+    progress=False if args.no_progress else None,
+  )
+  for key in (
+    "steps",
+    "ckpt_every",
+    "batch_size",
+    "seq_len",
+    "lr",
+    "warmup_steps",
+    "eval_every",
+    "eval_batches",
+    "log_every",
+    "hidden_size",
+    "layers",
+    "seed",
+  ):
     value = getattr(args, key)
     if value is not None:
       overrides[key] = value

@@ -40,7 +40,7 @@ def _einsum(spec, *xs):
 def _chunks(x, chunk, axis):
   """Split `axis` (length Tp) into (Tp // chunk, chunk)."""
   shape = x.shape
-  return x.reshape(shape[:axis] + (shape[axis] // chunk, chunk) + shape[axis + 1:])
+  return x.reshape(shape[:axis] + (shape[axis] // chunk, chunk) + shape[axis + 1 :])
 
 
 def _head_major_chunks(x, chunk):
@@ -93,6 +93,7 @@ def _to_end(gc, seg=None):
 # Stages
 # ----------------------------------------------------------------------------------------------
 
+
 def chunk_local_cumsum(g, chunk):
   """gamma: the cumulative sum of g from each chunk's start (inclusive). g: [B, H, Tp]."""
   return _chunks(g.astype(f32), chunk, 2).cumsum(-1).reshape(g.shape)
@@ -128,12 +129,15 @@ def chunk_kkt(k, beta, mask, gcum, chunk, seg=None):
   bsz, t_len, heads, dim_k = k.shape
   r = mask.shape[-1]
   kc = _head_major_chunks(k, chunk).reshape(bsz, heads, t_len // chunk, chunk, r, dim_k // r)
-  mc = _mask_chunks(mask, bsz, heads, t_len, chunk)                  # [B,H,NT,C,r,r]
-  bc = _chunks(beta.astype(f32), chunk, 2)                           # [B,H,NT,C]
+  mc = _mask_chunks(mask, bsz, heads, t_len, chunk)  # [B,H,NT,C,r,r]
+  bc = _chunks(beta.astype(f32), chunk, 2)  # [B,H,NT,C]
   dec = _decay(_chunks(gcum, chunk, 2), False, _seg_chunks(seg, chunk))  # [B,H,NT,C,C]
-  kk = _einsum("zyntbd,zynsbd->zyntsb", kc, kc)                      # <k_t^(b), k_s^(b)>
-  a = (bc[..., :, None, None, None] * mc[..., :, :, None, :]         # [B,H,NT,t,a,s,b]
-       * (kk * dec[..., None])[..., :, None, :, :])
+  kk = _einsum("zyntbd,zynsbd->zyntsb", kc, kc)  # <k_t^(b), k_s^(b)>
+  a = (
+    bc[..., :, None, None, None]
+    * mc[..., :, :, None, :]  # [B,H,NT,t,a,s,b]
+    * (kk * dec[..., None])[..., :, None, :, :]
+  )
   n = chunk * r
   return a.reshape(bsz, heads, t_len * r, n)
 
@@ -174,7 +178,7 @@ def _masked_keys(k, mask, chunk):
   r = mask.shape[-1]
   kc = _head_major_chunks(k, chunk).reshape(bsz, heads, t_len // chunk, chunk, r, dim_k // r)
   mc = _mask_chunks(mask, bsz, heads, t_len, chunk)
-  kw = mc[..., :, :, :, None] * kc[..., :, None, :, :]               # [.., t, a, d, dk]
+  kw = mc[..., :, :, :, None] * kc[..., :, None, :, :]  # [.., t, a, d, dk]
   return kw.reshape(bsz, heads, t_len // chunk, chunk, r, dim_k)
 
 
@@ -188,7 +192,8 @@ def recompute_w_u(k, v, beta, mask, gcum, ai, chunk, seg=None):
   bc = _chunks(beta.astype(f32), chunk, 2)
   gc = _chunks(gcum, chunk, 2)
   w_tilde = (bc * _from_start(gc, _seg_chunks(seg, chunk)))[..., None, None] * _masked_keys(
-      k, mask, chunk)
+    k, mask, chunk
+  )
   u_tilde = bc[..., None, None] * _head_major_chunks(v, chunk)[..., :, None, :]
   u_tilde = jnp.broadcast_to(u_tilde, (bsz, heads, nt, chunk, r, dim_v))
   aic = ai.reshape(bsz, heads, nt, n, n)
@@ -220,11 +225,11 @@ def chunk_state(k, w, u, gcum, initial_state, chunk, state_chunk, seg=None):
   uc = u.astype(f32).reshape(bsz, heads, nt, n, dim_v)
 
   def one_chunk(state, xs):
-    k_c, g_c, s_c, w_c, u_c = xs                                     # [B,H,C,r,dk] [B,H,C] ...
-    v_new = u_c - _einsum("zyik,zykv->zyiv", w_c, state)            # [B,H,N,V]
+    k_c, g_c, s_c, w_c, u_c = xs  # [B,H,C,r,dk] [B,H,C] ...
+    v_new = u_c - _einsum("zyik,zykv->zyiv", w_c, state)  # [B,H,N,V]
     k_dec = k_c * _to_end(g_c, s_c)[..., None, None]
     upd = _einsum("zytad,zytav->zyadv", k_dec, v_new.reshape(bsz, heads, chunk, r, dim_v))
-    decay = _from_start(g_c, s_c)[..., -1]                           # exp(gamma_L)
+    decay = _from_start(g_c, s_c)[..., -1]  # exp(gamma_L)
     state = decay[..., None, None] * state + upd.reshape(bsz, heads, dim_k, dim_v)
     return state, v_new
 
@@ -243,8 +248,8 @@ def chunk_state(k, w, u, gcum, initial_state, chunk, state_chunk, seg=None):
 
   xs = tuple(scan_major(x) for x in (kc, gc, sc, wc, uc))
   final, (h, v_new) = jax.lax.scan(one_state_chunk, initial_state.astype(f32), xs)
-  h = jnp.moveaxis(h, 0, 2)                                          # [B,H,NTs,K,V]
-  v_new = v_new.reshape((nt,) + v_new.shape[2:])                     # [NT,B,H,N,V]
+  h = jnp.moveaxis(h, 0, 2)  # [B,H,NTs,K,V]
+  v_new = v_new.reshape((nt,) + v_new.shape[2:])  # [NT,B,H,N,V]
   v_new = jnp.moveaxis(v_new, 0, 2).reshape(bsz, heads, t_len * r, dim_v)
   return h, v_new, final
 
@@ -265,18 +270,21 @@ def chunk_output(q, k, v_new, h, gcum, scale, chunk, seg=None):
   vc = v_new.astype(f32).reshape(bsz, heads, nt, chunk, r, dim_v)
   sc = _seg_chunks(seg, chunk)
   inter = _from_start(gc, sc)[..., None] * _einsum("zyntk,zynkv->zyntv", qc, h)
-  qk = _einsum("zyntad,zynsad->zyntsa",
-               qc.reshape(qc.shape[:-1] + (r, dim_k // r)),
-               kc.reshape(kc.shape[:-1] + (r, dim_k // r)))
+  qk = _einsum(
+    "zyntad,zynsad->zyntsa",
+    qc.reshape(qc.shape[:-1] + (r, dim_k // r)),
+    kc.reshape(kc.shape[:-1] + (r, dim_k // r)),
+  )
   qk = qk * _decay(gc, True, sc)[..., None]
   intra = _einsum("zyntsa,zynsav->zyntv", qk, vc)
-  o = scale * (inter + intra)                                        # [B,H,NT,C,V]
+  o = scale * (inter + intra)  # [B,H,NT,C,V]
   return jnp.moveaxis(o.reshape(bsz, heads, t_len, dim_v), 1, 2)
 
 
 # ----------------------------------------------------------------------------------------------
 # The whole forward
 # ----------------------------------------------------------------------------------------------
+
 
 def to_head_major(x):
   """[B, T, H] -> [B, H, T] float32."""

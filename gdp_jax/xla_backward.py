@@ -74,12 +74,26 @@ import jax.numpy as jnp
 
 from gdp_jax import nonfinite
 from gdp_jax import xla as _xla
-from gdp_jax.xla import (_chunks, _decay, _einsum, _from_start, _head_major_chunks, _mask_chunks,
-                         _seg_chunks, _to_end, f32)
+from gdp_jax.xla import (
+  _chunks,
+  _decay,
+  _einsum,
+  _from_start,
+  _head_major_chunks,
+  _mask_chunks,
+  _seg_chunks,
+  _to_end,
+  f32,
+)
 
 __all__ = [
-    "chunk_bwd_dv_local", "chunk_bwd_dhu", "chunk_bwd_dqkwg", "wy_bwd", "reduce_dmask",
-    "chunk_local_reverse_cumsum", "gated_delta_product_xla_bwd",
+  "chunk_bwd_dv_local",
+  "chunk_bwd_dhu",
+  "chunk_bwd_dqkwg",
+  "wy_bwd",
+  "reduce_dmask",
+  "chunk_local_reverse_cumsum",
+  "gated_delta_product_xla_bwd",
 ]
 
 
@@ -106,6 +120,7 @@ def _rows(x, chunk, r):
 # 1. dv from o inside the chunk
 # ----------------------------------------------------------------------------------------------
 
+
 def chunk_bwd_dv_local(q, k, gcum, do, scale, chunk, r, seg=None):
   """dv_local[(s,a)] = scale sum_{t>=s in chunk} D[t,s] <q_t^(a), k_s^(a)> do_t.
 
@@ -116,9 +131,9 @@ def chunk_bwd_dv_local(q, k, gcum, do, scale, chunk, r, seg=None):
   bsz, t_len, heads, _ = q.shape
   dim_v = do.shape[-1]
   qc, kc = _blocks(q, chunk, r), _blocks(k, chunk, r)
-  doc = _head_major_chunks(do, chunk)                                # [B,H,NT,C,V]
+  doc = _head_major_chunks(do, chunk)  # [B,H,NT,C,V]
   gc = _chunks(gcum, chunk, 2)
-  qk = _einsum("zyntad,zynsad->zyntsa", qc, kc)                      # <q_t^(a), k_s^(a)>
+  qk = _einsum("zyntad,zynsad->zyntsa", qc, kc)  # <q_t^(a), k_s^(a)>
   p = scale * qk * _decay(gc, True, _seg_chunks(seg, chunk))[..., None]
   dv = _einsum("zyntsa,zyntv->zynsav", p, doc)
   return dv.reshape(bsz, heads, t_len * r, dim_v)
@@ -127,6 +142,7 @@ def chunk_bwd_dv_local(q, k, gcum, do, scale, chunk, r, seg=None):
 # ----------------------------------------------------------------------------------------------
 # 2. the state gradient, backward over chunks
 # ----------------------------------------------------------------------------------------------
+
 
 def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, seg=None):
   """The reverse recurrence over chunks.
@@ -143,8 +159,8 @@ def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, seg=None):
   dk = dim_k // r
   nt = t_len // chunk
   n = chunk * r
-  qc = _head_major_chunks(q, chunk)                                  # [B,H,NT,C,K]
-  kc = _blocks(k, chunk, r)                                          # [B,H,NT,C,r,dk]
+  qc = _head_major_chunks(q, chunk)  # [B,H,NT,C,K]
+  kc = _blocks(k, chunk, r)  # [B,H,NT,C,r,dk]
   gc = _chunks(gcum, chunk, 2)
   sc = _chunks(jnp.zeros(gcum.shape, jnp.int32) if seg is None else seg, chunk, 2)
   wc = w.astype(f32).reshape(bsz, heads, nt, n, dim_k)
@@ -155,19 +171,21 @@ def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, seg=None):
 
   def one_chunk(dh, xs):
     q_c, k_c, g_c, s_c, w_c, do_c, dvl_c = xs
-    from_start = _from_start(g_c, s_c)                               # exp(gamma), [B,H,C]
-    k_dec = k_c * _to_end(g_c, s_c)[..., None, None]                 # [B,H,C,r,dk]
+    from_start = _from_start(g_c, s_c)  # exp(gamma), [B,H,C]
+    k_dec = k_c * _to_end(g_c, s_c)[..., None, None]  # [B,H,C,r,dk]
     dv_state = _einsum("zytad,zyadv->zytav", k_dec, dh.reshape(bsz, heads, r, dk, dim_v))
     dv_new = dvl_c + dv_state.reshape(bsz, heads, n, dim_v)
     q_dec = q_c * (scale * from_start)[..., None]
-    ds0 = (from_start[..., -1, None, None] * dh
-           + _einsum("zytk,zytv->zykv", q_dec, do_c)
-           - _einsum("zyik,zyiv->zykv", w_c, dv_new))
+    ds0 = (
+      from_start[..., -1, None, None] * dh
+      + _einsum("zytk,zytv->zykv", q_dec, do_c)
+      - _einsum("zyik,zyiv->zykv", w_c, dv_new)
+    )
     return ds0, (dh, dv_new)
 
   xs = tuple(jnp.moveaxis(x, 2, 0) for x in (qc, kc, gc, sc, wc, doc, dvl))
   dh0, (dh, dv_new) = jax.lax.scan(one_chunk, dfinal.astype(f32), xs, reverse=True)
-  dh = jnp.moveaxis(dh, 0, 2)                                        # [B,H,NT,K,V]
+  dh = jnp.moveaxis(dh, 0, 2)  # [B,H,NT,K,V]
   dv_new = jnp.moveaxis(dv_new, 0, 2).reshape(bsz, heads, t_len * r, dim_v)
   return dh, dh0, dv_new
 
@@ -175,6 +193,7 @@ def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, seg=None):
 # ----------------------------------------------------------------------------------------------
 # 3. dq, dk, dw and dgcum from o and the state updates
 # ----------------------------------------------------------------------------------------------
+
 
 def chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk, seg=None):
   """Per chunk (chunks independent): gradients of o and of the state update given h, dh.
@@ -190,18 +209,18 @@ def chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk, seg=None
   r = v_new.shape[2] // t_len
   dk = dim_k // r
   nt = t_len // chunk
-  qc, kc = _blocks(q, chunk, r), _blocks(k, chunk, r)                # [B,H,NT,C,r,dk]
-  doc = _head_major_chunks(do, chunk)                                # [B,H,NT,C,V]
-  vn = _rows(v_new, chunk, r)                                        # [B,H,NT,C,r,V]
+  qc, kc = _blocks(q, chunk, r), _blocks(k, chunk, r)  # [B,H,NT,C,r,dk]
+  doc = _head_major_chunks(do, chunk)  # [B,H,NT,C,V]
+  vn = _rows(v_new, chunk, r)  # [B,H,NT,C,r,V]
   dvn = dv_new.astype(f32).reshape(bsz, heads, nt, chunk * r, dim_v)
-  gc = _chunks(gcum, chunk, 2)                                       # [B,H,NT,C]
+  gc = _chunks(gcum, chunk, 2)  # [B,H,NT,C]
   sc = _seg_chunks(seg, chunk)
-  from_start = _from_start(gc, sc)                                   # exp(gamma), [B,H,NT,C]
+  from_start = _from_start(gc, sc)  # exp(gamma), [B,H,NT,C]
   hb = h.astype(f32).reshape(bsz, heads, nt, r, dk, dim_v)
   dhb = dh.astype(f32).reshape(bsz, heads, nt, r, dk, dim_v)
 
   # intra-chunk attention part of o
-  ds = _einsum("zyntv,zynsav->zyntsa", doc, vn)                     # <do_t, v_new[(s,a)]>
+  ds = _einsum("zyntv,zynsav->zyntsa", doc, vn)  # <do_t, v_new[(s,a)]>
   ds = scale * ds * _decay(gc, True, sc)[..., None]
   dq = _einsum("zyntsa,zynsad->zyntad", ds, kc)
   dkk = _einsum("zyntsa,zyntad->zynsad", ds, qc)
@@ -214,28 +233,32 @@ def chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk, seg=None
   dg = dg + (dq_inter * qc).sum((-2, -1))
 
   # the state update: S_end^(a) = exp(g_L) S0^(a) + sum_t exp(g_L - g_t) k_t^(a) v_new[(t,a)]^T
-  dk_state = (_to_end(gc, sc)[..., None, None]
-              * _einsum("zyntav,zynadv->zyntad", vn, dhb))
+  dk_state = _to_end(gc, sc)[..., None, None] * _einsum("zyntav,zynadv->zyntad", vn, dhb)
   dkk = dkk + dk_state
-  c = (dk_state * kc).sum((-2, -1))                                  # [B,H,NT,C]
-  last = (from_start[..., -1] * (hb * dhb).sum((-3, -2, -1)) + c.sum(-1))
+  c = (dk_state * kc).sum((-2, -1))  # [B,H,NT,C]
+  last = from_start[..., -1] * (hb * dhb).sum((-3, -2, -1)) + c.sum(-1)
   dg = dg - c
   dg = dg.at[..., -1].add(last)
 
   # v_new = u - w S0
   dw = -_einsum("zyniv,zynkv->zynik", dvn, h.astype(f32))
 
-  return (_to_time_major(dq), _to_time_major(dkk),
-          dw.reshape(bsz, heads, t_len * r, dim_k), dg.reshape(bsz, heads, t_len))
+  return (
+    _to_time_major(dq),
+    _to_time_major(dkk),
+    dw.reshape(bsz, heads, t_len * r, dim_k),
+    dg.reshape(bsz, heads, t_len),
+  )
 
 
 # ----------------------------------------------------------------------------------------------
 # 4. the WY backward: through recompute_w_u, solve_tril and chunk_kkt
 # ----------------------------------------------------------------------------------------------
 
+
 def reduce_dmask(dmask_tok, mask_shape):
   """Per-token dmask [B,H,Tp,r,r] -> the mask's 5-D shape [Bm,Tm,Hm,r,r] (sum over broadcast)."""
-  d = jnp.moveaxis(dmask_tok, 1, 2)                                  # [B,Tp,H,r,r]
+  d = jnp.moveaxis(dmask_tok, 1, 2)  # [B,Tp,H,r,r]
   axes = tuple(i for i in range(3) if mask_shape[i] == 1 and d.shape[i] != 1)
   return d.sum(axes, keepdims=True).reshape(mask_shape)
 
@@ -255,10 +278,10 @@ def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, w=None, u=None, seg=None):
   dk = dim_k // r
   nt = t_len // chunk
   n = chunk * r
-  kc = _blocks(k, chunk, r)                                          # [B,H,NT,C,r,dk]
-  vc = _head_major_chunks(v, chunk)                                  # [B,H,NT,C,V]
-  mc = _mask_chunks(mask, bsz, heads, t_len, chunk)                  # [B,H,NT,C,r,r]
-  bc = _chunks(beta.astype(f32), chunk, 2)                           # [B,H,NT,C]
+  kc = _blocks(k, chunk, r)  # [B,H,NT,C,r,dk]
+  vc = _head_major_chunks(v, chunk)  # [B,H,NT,C,V]
+  mc = _mask_chunks(mask, bsz, heads, t_len, chunk)  # [B,H,NT,C,r,r]
+  bc = _chunks(beta.astype(f32), chunk, 2)  # [B,H,NT,C]
   gc = _chunks(gcum, chunk, 2)
   sc = _seg_chunks(seg, chunk)
   eg = _from_start(gc, sc)
@@ -267,7 +290,7 @@ def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, w=None, u=None, seg=None):
   duc = du.astype(f32).reshape(bsz, heads, nt, n, dim_v)
 
   # W~ (and w = Ai W~, u = Ai U~ unless given)
-  kw = mc[..., :, :, :, None] * kc[..., :, None, :, :]               # [.., t, a, b, dk]
+  kw = mc[..., :, :, :, None] * kc[..., :, None, :, :]  # [.., t, a, b, dk]
   w_tilde = (bc * eg)[..., None, None, None] * kw
   w_tilde = w_tilde.reshape(bsz, heads, nt, n, dim_k)
   if w is None:
@@ -275,18 +298,19 @@ def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, w=None, u=None, seg=None):
   else:
     w = w.astype(f32).reshape(bsz, heads, nt, n, dim_k)
   if u is None:
-    u_tilde = jnp.broadcast_to((bc[..., None] * vc)[..., :, None, :],
-                               (bsz, heads, nt, chunk, r, dim_v))
+    u_tilde = jnp.broadcast_to(
+      (bc[..., None] * vc)[..., :, None, :], (bsz, heads, nt, chunk, r, dim_v)
+    )
     u = _einsum("zynij,zynjv->zyniv", aic, u_tilde.reshape(bsz, heads, nt, n, dim_v))
   else:
     u = u.astype(f32).reshape(bsz, heads, nt, n, dim_v)
 
   # through w = Ai W~, u = Ai U~
-  dwt = _einsum("zynji,zynjk->zynik", aic, dwc)                     # Ai^T dw, [.., N, K]
-  dut = _einsum("zynji,zynjv->zyniv", aic, duc)                     # Ai^T du, [.., N, V]
-  dwt6 = dwt.reshape(bsz, heads, nt, chunk, r, r, dk)                # [.., t, a, b, dk]
+  dwt = _einsum("zynji,zynjk->zynik", aic, dwc)  # Ai^T dw, [.., N, K]
+  dut = _einsum("zynji,zynjv->zyniv", aic, duc)  # Ai^T du, [.., N, V]
+  dwt6 = dwt.reshape(bsz, heads, nt, chunk, r, r, dk)  # [.., t, a, b, dk]
   dut5 = dut.reshape(bsz, heads, nt, chunk, r, dim_v)
-  kdw = (dwt6 * kc[..., :, None, :, :]).sum(-1)                      # <dW~[(t,a),b], k_t^(b)>
+  kdw = (dwt6 * kc[..., :, None, :, :]).sum(-1)  # <dW~[(t,a),b], k_t^(b)>
   dk_out = (bc * eg)[..., None, None] * (mc[..., :, :, None] * dwt6).sum(-3)
   dv_out = bc[..., None] * dut5.sum(-2)
   dbeta = eg * (mc * kdw).sum((-2, -1)) + (dut5 * vc[..., None, :]).sum((-2, -1))
@@ -295,27 +319,34 @@ def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, w=None, u=None, seg=None):
 
   # through Ai = (I + Ag)^-1: dAg = -Ai^T dAi Ai^T = -(dW~ w^T + dU~ u^T), token-strictly-lower
   dag = -(_einsum("zynik,zynjk->zynij", dwt, w) + _einsum("zyniv,zynjv->zynij", dut, u))
-  dag = dag.reshape(bsz, heads, nt, chunk, r, chunk, r)              # [.., t, a, s, b]
-  e = dag * _decay(gc, False, sc)[..., :, None, :, None]             # zero unless t > s
-  kk = _einsum("zyntbd,zynsbd->zyntsb", kc, kc)                      # <k_t^(b), k_s^(b)>
-  ekk = (e * kk[..., :, None, :, :]).sum(-2)                         # sum_s: [.., t, a, b]
+  dag = dag.reshape(bsz, heads, nt, chunk, r, chunk, r)  # [.., t, a, s, b]
+  e = dag * _decay(gc, False, sc)[..., :, None, :, None]  # zero unless t > s
+  kk = _einsum("zyntbd,zynsbd->zyntsb", kc, kc)  # <k_t^(b), k_s^(b)>
+  ekk = (e * kk[..., :, None, :, :]).sum(-2)  # sum_s: [.., t, a, b]
   dbeta = dbeta + (mc * ekk).sum((-2, -1))
   dmask = dmask + bc[..., None, None] * ekk
-  f = bc[..., None, None] * (mc[..., :, :, None, :] * e).sum(-3)     # [.., t, s, b]
-  dk_out = dk_out + (_einsum("zyntsb,zynsbd->zyntbd", f, kc)
-                     + _einsum("zyntsb,zyntbd->zynsbd", f, kc))
+  f = bc[..., None, None] * (mc[..., :, :, None, :] * e).sum(-3)  # [.., t, s, b]
+  dk_out = dk_out + (
+    _einsum("zyntsb,zynsbd->zyntbd", f, kc) + _einsum("zyntsb,zyntbd->zynsbd", f, kc)
+  )
   # gamma enters Ag through D: z[t,s] = sum_{a,b} (dAg * Ag)[(t,a),(s,b)] = sum_b F_b kk_b
-  z = (f * kk).sum(-1)                                               # [.., t, s]
+  z = (f * kk).sum(-1)  # [.., t, s]
   dgc = dgc + z.sum(-1) - z.sum(-2)
 
   dmask = reduce_dmask(dmask.reshape(bsz, heads, t_len, r, r), mask.shape)
-  return (_to_time_major(dk_out), _to_time_major(dv_out), dbeta.reshape(bsz, heads, t_len),
-          dmask, dgc.reshape(bsz, heads, t_len))
+  return (
+    _to_time_major(dk_out),
+    _to_time_major(dv_out),
+    dbeta.reshape(bsz, heads, t_len),
+    dmask,
+    dgc.reshape(bsz, heads, t_len),
+  )
 
 
 # ----------------------------------------------------------------------------------------------
 # 5. the reverse cumsum
 # ----------------------------------------------------------------------------------------------
+
 
 def chunk_local_reverse_cumsum(dgcum, chunk):
   """dg_t = sum_{s >= t in t's chunk} dgcum_s: the vjp of `xla.chunk_local_cumsum`. [B,H,Tp]."""
@@ -327,8 +358,10 @@ def chunk_local_reverse_cumsum(dgcum, chunk):
 # 6. the whole backward
 # ----------------------------------------------------------------------------------------------
 
-def gated_delta_product_xla_bwd(q, k, v, g, beta, mask, initial_state, scale, chunk_size,
-                                do, dfinal, ai=None):
+
+def gated_delta_product_xla_bwd(
+  q, k, v, g, beta, mask, initial_state, scale, chunk_size, do, dfinal, ai=None
+):
   """The vjp of `xla.gated_delta_product_xla` (same padded, normalised inputs), resets and
   non-finite inputs included (gdp_jax/nonfinite.py).
 
@@ -352,13 +385,14 @@ def gated_delta_product_xla_bwd(q, k, v, g, beta, mask, initial_state, scale, ch
   dv_local = chunk_bwd_dv_local(q, k, gcum, do, scale, chunk, r, seg)
   dh, dh0, dv_new = chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, seg)
   dq, dk1, dw, dg1 = chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk, seg)
-  dk2, dv, dbeta, dmask, dg2 = wy_bwd(k, v, beta_hm, mask, gcum, ai, dw, dv_new, chunk, w, u,
-                                      seg)
+  dk2, dv, dbeta, dmask, dg2 = wy_bwd(k, v, beta_hm, mask, gcum, ai, dw, dv_new, chunk, w, u, seg)
   # gamma is the cumsum of g with resets counted as 0: a reset's dg is exactly 0.
   dg = jnp.where(_xla.resets(g_hm), 0.0, chunk_local_reverse_cumsum(dg1 + dg2, chunk))
 
-  time_major = lambda x: jnp.moveaxis(x, 1, 2)                      # [B,H,Tp] -> [B,Tp,H]
+  time_major = lambda x: jnp.moveaxis(x, 1, 2)  # [B,H,Tp] -> [B,Tp,H]
   grads = nonfinite.clean_gradients(
-      (dq, dk1 + dk2, dv, time_major(dg), time_major(dbeta), dmask), primals)
+    (dq, dk1 + dk2, dv, time_major(dg), time_major(dbeta), dmask), primals
+  )
   return tuple(d.astype(x.dtype) for d, x in zip(grads, primals)) + (
-      dh0.astype(initial_state.dtype),)
+    dh0.astype(initial_state.dtype),
+  )

@@ -62,8 +62,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from gdp_jax import gated_delta_product  # noqa: E402
 from pallas_kernels.common import backend  # noqa: E402
-from tests.cases import (GRAD_TOLERANCE, TOLERANCE, cotangents, make_inputs,  # noqa: E402
-                         present_arrays)
+from tests.cases import (
+  GRAD_TOLERANCE,
+  TOLERANCE,
+  cotangents,
+  make_inputs,  # noqa: E402
+  present_arrays,
+)
 
 SCHEMA = "gdp-gpu-matrix/1"
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
@@ -82,8 +87,11 @@ SLOW_COMPILE_S = 60.0
 # A planted mismatch (--self-check): the first configuration's Pallas o is scaled by this.
 PLANTED_SCALE = 1.25
 TINY = dict(shape="1,32,1", chunk_size=16)
-TINY_CONFIGS = (("f32", 16, 16, 1, "shared", "ieee"), ("bf16", 16, 32, 2, "head", None),
-                ("f32", 16, 16, 2, "token", "tf32"))
+TINY_CONFIGS = (
+  ("f32", 16, 16, 1, "shared", "ieee"),
+  ("bf16", 16, 32, 2, "head", None),
+  ("f32", 16, 16, 2, "token", "tf32"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +100,8 @@ class Config:
   K: int
   V: int
   r: int
-  mask: str                    # shared / head / token ("shared" is None when r = 1)
-  precision: str | None        # float32: "ieee" or "tf32" (the default); None for half types
+  mask: str  # shared / head / token ("shared" is None when r = 1)
+  precision: str | None  # float32: "ieee" or "tf32" (the default); None for half types
 
   @property
   def key(self) -> str:
@@ -107,9 +115,15 @@ class Config:
     return (self.dtype, self.K, self.V, self.r, self.mask)
 
   def fields(self) -> dict:
-    return dict(key=self.key, dtype=self.dtype, K=self.K, V=self.V, r=self.r,
-                mask="none" if self.mask == "shared" and self.r == 1 else self.mask,
-                precision=self.precision)
+    return dict(
+      key=self.key,
+      dtype=self.dtype,
+      K=self.K,
+      V=self.V,
+      r=self.r,
+      mask="none" if self.mask == "shared" and self.r == 1 else self.mask,
+      precision=self.precision,
+    )
 
   def tolerances(self) -> tuple[float, float]:
     if self.precision == "tf32":
@@ -120,8 +134,9 @@ class Config:
 
 # ---- the plan -----------------------------------------------------------------------------------
 
+
 def parse_dims(text):
-  """"16,32,64:128" -> [(16, 16), (32, 32), (64, 128)] (K = V, or K:V)."""
+  """ "16,32,64:128" -> [(16, 16), (32, 32), (64, 128)] (K = V, or K:V)."""
   pairs = []
   for item in text.split(","):
     item = item.strip()
@@ -144,8 +159,10 @@ def parse_only(items):
   for item in items or ():
     name, sep, values = item.partition("=")
     if not sep or name not in allowed or not values:
-      raise SystemExit(f"--only {item!r}: expected KEY=VALUE[,VALUE...] with KEY one of "
-                       f"{', '.join(allowed)} (e.g. --only r=8 --only K=64,128)")
+      raise SystemExit(
+        f"--only {item!r}: expected KEY=VALUE[,VALUE...] with KEY one of "
+        f"{', '.join(allowed)} (e.g. --only r=8 --only K=64,128)"
+      )
     filters.setdefault(name, set()).update(v.strip() for v in values.split(","))
   return filters
 
@@ -208,6 +225,7 @@ def plan(args, shard=None):
 
 # ---- one configuration --------------------------------------------------------------------------
 
+
 class CacheEvents:
   """Counts persistent-cache hits and sums the stored compile times of the entries read back
   (jax.monitoring events of jax's compiler)."""
@@ -224,8 +242,10 @@ class CacheEvents:
 
   def _duration(self, event, duration, **_):
     # compile_time_saved = stored compile time - retrieval time; both are reported.
-    if event in ("/jax/compilation_cache/compile_time_saved_sec",
-                 "/jax/compilation_cache/cache_retrieval_time_sec"):
+    if event in (
+      "/jax/compilation_cache/compile_time_saved_sec",
+      "/jax/compilation_cache/cache_retrieval_time_sec",
+    ):
       self.saved_s += duration
 
 
@@ -235,8 +255,15 @@ def error_text(exc):
 
 def compile_and_run(fn, args, events):
   """Lower, compile and run jax.jit(fn)(*args). Returns (outputs or None, record)."""
-  rec = dict(lower_s=None, compile_s=None, cache_hit=None, first_compile_s=None, ok=False,
-             error=None, phase=None)
+  rec = dict(
+    lower_s=None,
+    compile_s=None,
+    cache_hit=None,
+    first_compile_s=None,
+    ok=False,
+    error=None,
+    phase=None,
+  )
   phase = "lower"
   try:
     t0 = time.perf_counter()
@@ -249,8 +276,9 @@ def compile_and_run(fn, args, events):
     rec["compile_s"] = round(time.perf_counter() - t0, 3)
     rec["cache_hit"] = events.hits > hits
     # Compile time of the executable when it was first built (stored with it, whole seconds).
-    rec["first_compile_s"] = (round(events.saved_s - saved, 1) if rec["cache_hit"]
-                              else rec["compile_s"])
+    rec["first_compile_s"] = (
+      round(events.saved_s - saved, 1) if rec["cache_hit"] else rec["compile_s"]
+    )
     phase = "run"
     out = jax.block_until_ready(compiled(*args))
     rec["ok"] = True
@@ -279,8 +307,13 @@ def functions(config, names, args, planted):
   def forward(impl, arrays):
     kw = dict(zip(names, arrays))
     precision = config.precision if impl == "pallas" and config.precision != "tf32" else None
-    o, final = gated_delta_product(**kw, implementation=impl, precision=precision,
-                                   chunk_size=args.chunk_size, output_final_state=True)
+    o, final = gated_delta_product(
+      **kw,
+      implementation=impl,
+      precision=precision,
+      chunk_size=args.chunk_size,
+      output_final_state=True,
+    )
     if planted and impl == "pallas":
       o = o * jnp.asarray(PLANTED_SCALE, o.dtype)
     return o, final
@@ -289,6 +322,7 @@ def functions(config, names, args, planted):
     def loss(arrays):
       o, final = forward(impl, arrays)
       return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * dfinal), (o, final)
+
     dx, out = jax.grad(loss, has_aux=True)(arrays)
     return (dx, out) if with_outputs else dx
 
@@ -298,8 +332,17 @@ def functions(config, names, args, planted):
 def inputs_for(config, args):
   B, T, H = args.B, args.T, args.H
   mask_kind = None if (config.mask == "shared" and config.r == 1) else config.mask
-  inputs = make_inputs(0, B=B, T=T, H=H, K=config.K, V=config.V, r=config.r,
-                       mask_kind=mask_kind, dtype=DTYPES[config.dtype])
+  inputs = make_inputs(
+    0,
+    B=B,
+    T=T,
+    H=H,
+    K=config.K,
+    V=config.V,
+    r=config.r,
+    mask_kind=mask_kind,
+    dtype=DTYPES[config.dtype],
+  )
   names, _ = present_arrays(inputs)
   arrays = tuple(inputs[n] for n in names)
   do, dfinal = cotangents(0, (B, T, H, config.V), (B, H, config.K, config.V))
@@ -310,7 +353,7 @@ def reference(config, args):
   """The xla forward and gradients (or an error text) for a configuration's group."""
   names, arrays, do, dfinal = inputs_for(config, args)
   forward, grads = functions(config, names, args, planted=False)
-  try:                              # one compile: the gradients with the outputs beside them
+  try:  # one compile: the gradients with the outputs beside them
     dx, out = jax.jit(functools.partial(grads, "xla", with_outputs=True))(arrays, do, dfinal)
     return jax.device_get((out, dx)), None
   except Exception as exc:  # noqa: BLE001
@@ -322,15 +365,19 @@ def run_config(config, args, events, ref, planted=False):
   names, arrays, do, dfinal = inputs_for(config, args)
   forward, grads = functions(config, names, args, planted)
   tol_fwd, tol_grad = config.tolerances()
-  rec = dict(config.fields(), mask_shape=list(arrays[names.index("mask")].shape)
-             if "mask" in names else None, tolerance=dict(forward=tol_fwd, gradient=tol_grad),
-             planted=planted)
+  rec = dict(
+    config.fields(),
+    mask_shape=list(arrays[names.index("mask")].shape) if "mask" in names else None,
+    tolerance=dict(forward=tol_fwd, gradient=tol_grad),
+    planted=planted,
+  )
   failures = []
   out, rec["fwd"] = compile_and_run(functools.partial(forward, "pallas"), (arrays,), events)
   dx = None
   if not args.fwd_only:
-    dx, rec["bwd"] = compile_and_run(functools.partial(grads, "pallas"), (arrays, do, dfinal),
-                                     events)
+    dx, rec["bwd"] = compile_and_run(
+      functools.partial(grads, "pallas"), (arrays, do, dfinal), events
+    )
   for what in ("fwd", "bwd"):
     if what in rec and not rec[what]["ok"]:
       failures.append(f"{what} {rec[what]['phase']}: {rec[what]['error'][:300]}")
@@ -341,8 +388,10 @@ def run_config(config, args, events, ref, planted=False):
   errors = {}
   checks = []
   if out is not None and ref_out is not None:
-    checks += [("o", out[0], ref_out[0][0], tol_fwd), ("final_state", out[1], ref_out[0][1],
-                                                       tol_fwd)]
+    checks += [
+      ("o", out[0], ref_out[0][0], tol_fwd),
+      ("final_state", out[1], ref_out[0][1], tol_fwd),
+    ]
   if dx is not None and ref_out is not None:
     checks += [(f"d{n}", x, y, tol_grad) for n, x, y in zip(names, dx, ref_out[1])]
   for name, x, y, bound in checks:
@@ -352,14 +401,19 @@ def run_config(config, args, events, ref, planted=False):
       failures.append(f"{name}: {exc}")
       continue
     errors[name] = err
-    if not err <= bound:            # nan (non-finite output) fails too
+    if not err <= bound:  # nan (non-finite output) fails too
       failures.append(f"{name}: relative error {err:.3g} > {bound:.3g}")
-  rec.update(errors=errors, status="fail" if failures else "pass", failures=failures,
-             seconds=round(time.perf_counter() - t_start, 2))
+  rec.update(
+    errors=errors,
+    status="fail" if failures else "pass",
+    failures=failures,
+    seconds=round(time.perf_counter() - t_start, 2),
+  )
   return rec
 
 
 # ---- report -------------------------------------------------------------------------------------
+
 
 def summarize(records):
   compiles = []
@@ -367,12 +421,17 @@ def summarize(records):
     for what in ("fwd", "bwd"):
       stage = rec.get(what)
       if stage and stage.get("compile_s") is not None:
-        compiles.append(dict(key=rec["key"], stage=what, compile_s=stage["compile_s"],
-                             first_compile_s=stage["first_compile_s"],
-                             cache_hit=stage["cache_hit"]))
+        compiles.append(
+          dict(
+            key=rec["key"],
+            stage=what,
+            compile_s=stage["compile_s"],
+            first_compile_s=stage["first_compile_s"],
+            cache_hit=stage["cache_hit"],
+          )
+        )
   slowest = sorted(compiles, key=lambda c: -max(c["compile_s"], c["first_compile_s"] or 0))
-  failures = [dict(key=r["key"], failures=r["failures"]) for r in records
-              if r["status"] != "pass"]
+  failures = [dict(key=r["key"], failures=r["failures"]) for r in records if r["status"] != "pass"]
   over = [c for c in slowest if max(c["compile_s"], c["first_compile_s"] or 0) > SLOW_COMPILE_S]
   worst = {}
   for rec in records:
@@ -381,11 +440,19 @@ def summarize(records):
       ratio = err / bound if np.isfinite(err) else float("inf")
       if ratio > worst.get(rec["precision"] or rec["dtype"], (0, None))[0]:
         worst[rec["precision"] or rec["dtype"]] = (ratio, f"{rec['key']} {name} {err:.3g}")
-  return dict(configs=len(records), passed=len(records) - len(failures), failed=len(failures),
-              failures=failures, slowest_compiles=slowest[:10], over_60s=over,
-              compiles=len(compiles), cache_hits=sum(bool(c["cache_hit"]) for c in compiles),
-              worst_error_over_tolerance={k: dict(ratio=round(v[0], 4), where=v[1])
-                                          for k, v in sorted(worst.items())})
+  return dict(
+    configs=len(records),
+    passed=len(records) - len(failures),
+    failed=len(failures),
+    failures=failures,
+    slowest_compiles=slowest[:10],
+    over_60s=over,
+    compiles=len(compiles),
+    cache_hits=sum(bool(c["cache_hit"]) for c in compiles),
+    worst_error_over_tolerance={
+      k: dict(ratio=round(v[0], 4), where=v[1]) for k, v in sorted(worst.items())
+    },
+  )
 
 
 def fmt_s(stage):
@@ -399,15 +466,20 @@ def fmt_s(stage):
 
 
 def table(records):
-  lines = [f"{'configuration':42s} {'fwd compile':>13s} {'bwd compile':>13s} "
-           f"{'max err/tol':>11s}  status"]
+  lines = [
+    f"{'configuration':42s} {'fwd compile':>13s} {'bwd compile':>13s} {'max err/tol':>11s}  status"
+  ]
   for rec in records:
-    ratios = [err / rec["tolerance"]["forward" if n in ("o", "final_state") else "gradient"]
-              for n, err in rec["errors"].items()]
+    ratios = [
+      err / rec["tolerance"]["forward" if n in ("o", "final_state") else "gradient"]
+      for n, err in rec["errors"].items()
+    ]
     worst = max(ratios, default=float("nan"))
     status = "ok" if rec["status"] == "pass" else "FAIL " + "; ".join(rec["failures"])[:120]
-    lines.append(f"{rec['key']:42s} {fmt_s(rec.get('fwd')):>13s} {fmt_s(rec.get('bwd')):>13s} "
-                 f"{worst:11.3g}  {status}")
+    lines.append(
+      f"{rec['key']:42s} {fmt_s(rec.get('fwd')):>13s} {fmt_s(rec.get('bwd')):>13s} "
+      f"{worst:11.3g}  {status}"
+    )
   lines.append("compile s: 'c' = loaded from the persistent cache, (first compile, s)")
   return "\n".join(lines)
 
@@ -420,21 +492,29 @@ def command_line(argv):
 def environment(args):
   dev = jax.devices()[0]
   import jaxlib
+
   cache = args.cache_dir
   if cache and pathlib.Path(cache).resolve().is_relative_to(ROOT):
     cache = str(pathlib.Path(cache).resolve().relative_to(ROOT))
-  return dict(schema=SCHEMA,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              jax_version=jax.__version__, jaxlib_version=jaxlib.__version__,
-              gpu=getattr(dev, "device_kind", str(dev)) if dev.platform == "gpu" else None,
-              device=getattr(dev, "device_kind", str(dev)), platform=dev.platform,
-              interpret_mode=backend.interpret_mode(), default_precision=backend.resolve_precision(
-                  None),
-              shape=dict(B=args.B, T=args.T, H=args.H), chunk_size=args.chunk_size,
-              cache_dir=cache, jobs=args.jobs, tf32_tolerance=dict(
-                  forward=TF32_TOLERANCE, gradient=TF32_GRAD_TOLERANCE),
-              tolerances={name: dict(forward=TOLERANCE[d], gradient=GRAD_TOLERANCE[d])
-                          for name, d in DTYPES.items()})
+  return dict(
+    schema=SCHEMA,
+    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    jax_version=jax.__version__,
+    jaxlib_version=jaxlib.__version__,
+    gpu=getattr(dev, "device_kind", str(dev)) if dev.platform == "gpu" else None,
+    device=getattr(dev, "device_kind", str(dev)),
+    platform=dev.platform,
+    interpret_mode=backend.interpret_mode(),
+    default_precision=backend.resolve_precision(None),
+    shape=dict(B=args.B, T=args.T, H=args.H),
+    chunk_size=args.chunk_size,
+    cache_dir=cache,
+    jobs=args.jobs,
+    tf32_tolerance=dict(forward=TF32_TOLERANCE, gradient=TF32_GRAD_TOLERANCE),
+    tolerances={
+      name: dict(forward=TOLERANCE[d], gradient=GRAD_TOLERANCE[d]) for name, d in DTYPES.items()
+    },
+  )
 
 
 def write_json(path, obj):
@@ -460,9 +540,12 @@ def run_here(args, configs, save):
     records.append(rec)
     save(records)
     ok = "ok" if rec["status"] == "pass" else "FAIL"
-    print(f"[{args.shard} {i + 1}/{len(configs)}] {rec['key']:42s} "
-          f"fwd {fmt_s(rec.get('fwd')):>13s} bwd {fmt_s(rec.get('bwd')):>13s} "
-          f"{rec['seconds']:6.1f}s {ok}", flush=True)
+    print(
+      f"[{args.shard} {i + 1}/{len(configs)}] {rec['key']:42s} "
+      f"fwd {fmt_s(rec.get('fwd')):>13s} bwd {fmt_s(rec.get('bwd')):>13s} "
+      f"{rec['seconds']:6.1f}s {ok}",
+      flush=True,
+    )
   return records
 
 
@@ -489,8 +572,11 @@ def run_jobs(args, argv):
     out = parts / f"shard{j}.json"
     out.unlink(missing_ok=True)
     shard = f"{index + count * j}/{count * args.jobs}"
-    cmd = [sys.executable, str(pathlib.Path(__file__).resolve())] + child_argv + [
-        "--jobs", "1", "--shard", shard, "--out", str(out), "--child"]
+    cmd = (
+      [sys.executable, str(pathlib.Path(__file__).resolve())]
+      + child_argv
+      + ["--jobs", "1", "--shard", shard, "--out", str(out), "--child"]
+    )
     procs.append(subprocess.Popen(cmd, cwd=ROOT))
     outs.append(out)
   interrupted = False
@@ -515,7 +601,7 @@ def run_jobs(args, argv):
     except (OSError, ValueError):
       lost.append(f"process {j} (exit {procs[j].returncode}) wrote no results")
   try:
-    parts.rmdir()                   # empty unless a process left a half-written file
+    parts.rmdir()  # empty unless a process left a half-written file
   except OSError:
     pass
   if interrupted:
@@ -531,45 +617,72 @@ def _raise_interrupt(*_):
 
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter,
-                              epilog="\n".join(__doc__.split("\n")[2:8]))
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+    epilog="\n".join(__doc__.split("\n")[2:8]),
+  )
   p.add_argument("--out", default="gpu_matrix.json", help="JSON file (default gpu_matrix.json)")
   p.add_argument("--dtype", default="bf16,f16,f32", help="q, k, v dtypes: bf16,f16,f32")
   p.add_argument("--dims", default=DIMS, help=f"K (= V) or K:V, comma separated ({DIMS})")
   p.add_argument("--rs", default="1,2,4,8", help="key blocks r")
   p.add_argument("--masks", default=",".join(MASKS), help="mask shapes: shared,head,token")
-  p.add_argument("--precisions", default="ieee,tf32",
-                 help="float32 kernel precisions (tf32 = the default, precision=None)")
-  p.add_argument("--only", action="append", metavar="KEY=V[,V]",
-                 help="keep configurations whose KEY (dtype, K, V, r, mask, precision) is one "
-                      "of the values; repeatable (e.g. --only r=8 --only mask=token)")
+  p.add_argument(
+    "--precisions",
+    default="ieee,tf32",
+    help="float32 kernel precisions (tf32 = the default, precision=None)",
+  )
+  p.add_argument(
+    "--only",
+    action="append",
+    metavar="KEY=V[,V]",
+    help="keep configurations whose KEY (dtype, K, V, r, mask, precision) is one "
+    "of the values; repeatable (e.g. --only r=8 --only mask=token)",
+  )
   p.add_argument("--shard", default="0/1", help="I/N: run the I-th of N interleaved parts")
-  p.add_argument("--jobs", type=int, default=None,
-                 help="processes side by side (default: min(8, CPUs / 2) on a GPU, 1 elsewhere)")
+  p.add_argument(
+    "--jobs",
+    type=int,
+    default=None,
+    help="processes side by side (default: min(8, CPUs / 2) on a GPU, 1 elsewhere)",
+  )
   p.add_argument("--shape", default="1,256,2", help="B,T,H")
   p.add_argument("--chunk-size", type=int, default=64)
   p.add_argument("--fwd-only", action="store_true", help="skip the backward")
-  p.add_argument("--time-limit", type=float, default=None, metavar="S",
-                 help="start no configuration after S seconds (the rest are listed as not run)")
-  p.add_argument("--cache-dir", default=str(ROOT / ".jax_cache"),
-                 help="persistent compilation cache ('' for none; default .jax_cache/)")
+  p.add_argument(
+    "--time-limit",
+    type=float,
+    default=None,
+    metavar="S",
+    help="start no configuration after S seconds (the rest are listed as not run)",
+  )
+  p.add_argument(
+    "--cache-dir",
+    default=str(ROOT / ".jax_cache"),
+    help="persistent compilation cache ('' for none; default .jax_cache/)",
+  )
   p.add_argument("--list", action="store_true", help="print the configurations and exit")
-  p.add_argument("--tiny", action="store_true",
-                 help="three small configurations, T = 32 (interpret mode on a CPU: a test)")
-  p.add_argument("--self-check", action="store_true",
-                 help=f"scale the first configuration's Pallas o by {PLANTED_SCALE}: that "
-                      f"configuration must fail (the comparison works)")
+  p.add_argument(
+    "--tiny",
+    action="store_true",
+    help="three small configurations, T = 32 (interpret mode on a CPU: a test)",
+  )
+  p.add_argument(
+    "--self-check",
+    action="store_true",
+    help=f"scale the first configuration's Pallas o by {PLANTED_SCALE}: that "
+    f"configuration must fail (the comparison works)",
+  )
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  if args.tiny:                     # the tiny values become the defaults; flags given still win
+  if args.tiny:  # the tiny values become the defaults; flags given still win
     p.set_defaults(shape=TINY["shape"], chunk_size=TINY["chunk_size"])
     args = p.parse_args(argv)
   try:
     args.B, args.T, args.H = (int(x) for x in args.shape.split(","))
   except ValueError:
     raise SystemExit(f"--shape {args.shape!r}: expected B,T,H") from None
-  if args.tiny:                     # interpret mode on the CPU, also on a GPU machine
+  if args.tiny:  # interpret mode on the CPU, also on a GPU machine
     jax.config.update("jax_platforms", "cpu")
   configs = plan(args)
   whole = plan(args, shard="0/1")
@@ -591,9 +704,12 @@ def main(argv=None):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   args.deadline = time.time() + args.time_limit if args.time_limit else None
   if not args.child:
-    print(f"{len(configs)} configurations on {jax.devices()[0].device_kind} "
-          f"({jax.default_backend()}, jax {jax.__version__}), {args.jobs} process(es), "
-          f"cache {args.cache_dir or 'off'}", flush=True)
+    print(
+      f"{len(configs)} configurations on {jax.devices()[0].device_kind} "
+      f"({jax.default_backend()}, jax {jax.__version__}), {args.jobs} process(es), "
+      f"cache {args.cache_dir or 'off'}",
+      flush=True,
+    )
   t0 = time.perf_counter()
   env = environment(args)
 
@@ -602,8 +718,13 @@ def main(argv=None):
     summary = summarize(records)
     summary["not_run"] = [c.key for c in configs if c.key not in done]
     summary["lost"] = list(lost)
-    return dict(env, command=command_line(argv), wall_s=round(time.perf_counter() - t0, 1),
-                configs=records, summary=summary)
+    return dict(
+      env,
+      command=command_line(argv),
+      wall_s=round(time.perf_counter() - t0, 1),
+      configs=records,
+      summary=summary,
+    )
 
   records, lost = [], []
   try:
@@ -611,7 +732,7 @@ def main(argv=None):
       records, lost = run_jobs(args, argv)
     else:
       records = run_here(args, configs, lambda recs: write_json(args.out, result(recs)))
-  except KeyboardInterrupt:         # run_here saved every finished configuration
+  except KeyboardInterrupt:  # run_here saved every finished configuration
     if args.child:
       return 130
     lost = ["interrupted"]
@@ -623,11 +744,15 @@ def main(argv=None):
     return 0
   summary = final["summary"]
   print(table(records))
-  print(f"\n{summary['passed']}/{len(configs)} passed in {final['wall_s']:.0f} s; "
-        f"{summary['cache_hits']}/{summary['compiles']} compiles from the cache")
+  print(
+    f"\n{summary['passed']}/{len(configs)} passed in {final['wall_s']:.0f} s; "
+    f"{summary['cache_hits']}/{summary['compiles']} compiles from the cache"
+  )
   for c in summary["slowest_compiles"][:5]:
-    print(f"  slow compile: {c['key']} {c['stage']} {c['compile_s']:.1f} s "
-          f"(first {c['first_compile_s']:.0f} s)")
+    print(
+      f"  slow compile: {c['key']} {c['stage']} {c['compile_s']:.1f} s "
+      f"(first {c['first_compile_s']:.0f} s)"
+    )
   for c in summary["over_60s"]:
     print(f"  OVER {SLOW_COMPILE_S:.0f} s: {c['key']} {c['stage']}")
   for f in summary["failures"]:

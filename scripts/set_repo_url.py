@@ -24,12 +24,17 @@ INSTALL = re.compile(r"git\+https://github\.com/([\w.-]+/[\w.-]+?)\.git")
 
 
 def repo_from_remote() -> str:
-  url = subprocess.run(["git", "-C", str(ROOT), "remote", "get-url", "origin"],
-                       capture_output=True, text=True, check=False).stdout.strip()
+  url = subprocess.run(
+    ["git", "-C", str(ROOT), "remote", "get-url", "origin"],
+    capture_output=True,
+    text=True,
+    check=False,
+  ).stdout.strip()
   match = re.search(r"github\.com[:/]([\w.-]+/[\w.-]+?)(?:\.git)?/?$", url)
   if not match:
-    raise SystemExit(f"the origin remote ({url or 'none'}) is not a GitHub repository: pass "
-                     "OWNER/NAME")
+    raise SystemExit(
+      f"the origin remote ({url or 'none'}) is not a GitHub repository: pass OWNER/NAME"
+    )
   return match.group(1)
 
 

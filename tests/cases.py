@@ -10,21 +10,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdp_jax import xla
-from gdp_jax.testing import random_inputs as make_inputs  # noqa: F401  (re-exported)
 from gdp_jax.operator import normalize_mask
+from gdp_jax.testing import random_inputs as make_inputs  # noqa: F401  (re-exported)
 
 # Relative error allowed, measured as max|x - ref| / max(max|ref|, 1e-6) over the whole array.
 # float32 runs with full-precision matmuls and is tight; half types get a few of their ulps.
 TOLERANCE = {
-    jnp.float32: 2e-5,
-    jnp.bfloat16: 3e-2,
-    jnp.float16: 6e-3,
+  jnp.float32: 2e-5,
+  jnp.bfloat16: 3e-2,
+  jnp.float16: 6e-3,
 }
 # Gradients go through one more chunked pass (and a triangular solve): a little looser.
 GRAD_TOLERANCE = {
-    jnp.float32: 1e-4,
-    jnp.bfloat16: 5e-2,
-    jnp.float16: 1e-2,
+  jnp.float32: 1e-4,
+  jnp.bfloat16: 5e-2,
+  jnp.float16: 1e-2,
 }
 
 
@@ -56,8 +56,10 @@ def stage_inputs(r, mask_kind, chunk, B=2, T=64, H=2, K=64, V=32, dtype=jnp.floa
 
 def cotangents(seed, o_shape, state_shape):
   rng = np.random.default_rng(seed + 1000)
-  return (jnp.asarray(rng.standard_normal(o_shape), jnp.float32),
-          jnp.asarray(rng.standard_normal(state_shape), jnp.float32))
+  return (
+    jnp.asarray(rng.standard_normal(o_shape), jnp.float32),
+    jnp.asarray(rng.standard_normal(state_shape), jnp.float32),
+  )
 
 
 OPERATOR_ARRAYS = ("q", "k", "v", "g", "beta", "mask", "initial_state")
@@ -81,7 +83,7 @@ def loss_and_grads(fn, inputs, seed=0):
     kw = dict(inputs)
     kw.update(zip(names, arrays))
     o, final = fn(**kw)
-    return (jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * dfinal))
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * dfinal)
 
   grads = jax.grad(loss, argnums=tuple(range(len(names))))(*[inputs[n] for n in names])
   return dict(zip(names, grads))
@@ -89,10 +91,12 @@ def loss_and_grads(fn, inputs, seed=0):
 
 # ---- independent float64 numpy recurrences (no code of ours) ----------------------------------
 
+
 def np_gated_delta_rule(q, k, v, g, beta, scale, h0=None):
   """Gated DeltaNet: S = exp(g) S; S += beta k (v - k^T S)^T; o = scale q^T S. [B,T,H,*]."""
-  q, k, v, g, beta = (np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-                      for x in (q, k, v, g, beta))
+  q, k, v, g, beta = (
+    np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, g, beta)
+  )
   B, T, H, K = q.shape
   V = v.shape[-1]
   S = np.zeros((B, H, K, V)) if h0 is None else np.array(h0, np.float64)

@@ -37,15 +37,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 from gdp_jax import gated_delta_product, gated_delta_product_step  # noqa: E402
-from gdp_jax.sharding import (ShardingConfig, sharded_gated_delta_product,  # noqa: E402
-                              sharded_gated_delta_product_step)
+from gdp_jax.sharding import (
+  ShardingConfig,
+  sharded_gated_delta_product,  # noqa: E402
+  sharded_gated_delta_product_step,
+)
 from tests.cases import loss_and_grads, make_inputs, rel_err  # noqa: E402
 
-TOL = 2e-5          # float32 forward and final state against one device
-GRAD_TOL = 1e-4     # float32 gradients
+TOL = 2e-5  # float32 forward and final state against one device
+GRAD_TOL = 1e-4  # float32 gradients
 B, T, H, K, V = 2, 32, 4, 16, 8
 ROLE_AXES = {"batch": "data", "heads": "model", "sequence": "seq"}
 
@@ -53,23 +57,23 @@ ROLE_AXES = {"batch": "data", "heads": "model", "sequence": "seq"}
 # without a state; the sequence split into 2, 4 and 8 pieces alone and next to batch and heads.
 LAYOUT_BH = {"batch": 2, "heads": 4}
 CASES = {
-    "operator_a": [
-        (1, None, True, LAYOUT_BH),
-        (1, "shared", False, {"sequence": 8}),
-        (1, "head", True, {"sequence": 4, "heads": 2}),
-        (1, "token", False, {"sequence": 2, "batch": 2, "heads": 2}),
-    ],
-    "operator_b": [
-        (2, "shared", True, {"sequence": 2, "batch": 2, "heads": 2}),
-        (2, "head", False, LAYOUT_BH),
-        (2, "token", True, {"sequence": 8}),
-    ],
-    "operator_c": [
-        (4, "shared", False, {"sequence": 4, "heads": 2}),
-        (4, "head", True, {"sequence": 8}),
-        (4, "token", False, {"sequence": 4, "batch": 2}),
-        (4, "token", True, LAYOUT_BH),
-    ],
+  "operator_a": [
+    (1, None, True, LAYOUT_BH),
+    (1, "shared", False, {"sequence": 8}),
+    (1, "head", True, {"sequence": 4, "heads": 2}),
+    (1, "token", False, {"sequence": 2, "batch": 2, "heads": 2}),
+  ],
+  "operator_b": [
+    (2, "shared", True, {"sequence": 2, "batch": 2, "heads": 2}),
+    (2, "head", False, LAYOUT_BH),
+    (2, "token", True, {"sequence": 8}),
+  ],
+  "operator_c": [
+    (4, "shared", False, {"sequence": 4, "heads": 2}),
+    (4, "head", True, {"sequence": 8}),
+    (4, "token", False, {"sequence": 4, "batch": 2}),
+    (4, "token", True, LAYOUT_BH),
+  ],
 }
 
 RESULTS = []
@@ -88,8 +92,9 @@ def record(group, name, fn):
     ok, detail = None, f"skipped: {e}"
   except Exception as e:  # report and go on
     ok, detail = False, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-  line = dict(group=group, name=name, ok=ok, detail=detail,
-              seconds=round(time.perf_counter() - t0, 2))
+  line = dict(
+    group=group, name=name, ok=ok, detail=detail, seconds=round(time.perf_counter() - t0, 2)
+  )
   RESULTS.append(line)
   print(json.dumps(line), flush=True)
 
@@ -118,8 +123,7 @@ def make_config(layout, explicit=False):
   if need > jax.device_count():
     raise _Skip(f"needs {need} devices, {jax.device_count()} here")
   types = (AxisType.Explicit if explicit else AxisType.Auto,) * len(names)
-  mesh = jax.make_mesh(tuple(sizes), tuple(names), axis_types=types,
-                       devices=jax.devices()[:need])
+  mesh = jax.make_mesh(tuple(sizes), tuple(names), axis_types=types, devices=jax.devices()[:need])
   return ShardingConfig(mesh, **{r: ROLE_AXES[r] for r in roles})
 
 
@@ -137,8 +141,11 @@ def collectives(hlo):
   """[(op, dtype, dims)] of the data-moving collectives in compiled HLO text."""
   found = []
   for line in hlo.splitlines():
-    m = re.search(r"=\s*(.*?)\s(all-gather|all-gather-start|all-to-all|collective-permute|"
-                  r"collective-permute-start)\(", line)
+    m = re.search(
+      r"=\s*(.*?)\s(all-gather|all-gather-start|all-to-all|collective-permute|"
+      r"collective-permute-start)\(",
+      line,
+    )
     if m:
       for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
         found.append((m.group(2), dtype, tuple(int(d) for d in dims.split(",") if d)))
@@ -152,8 +159,11 @@ def check_collectives(hlo, sequence_split):
   if not sequence_split:
     assert not moved, f"batch/head parallel program moves data: {moved}"
     return "no all-gather / all-to-all / collective-permute"
-  bad = [c for c in moved if not (c[0].startswith("all-gather") and c[1] == "f32"
-                                  and c[2][-2:] == (K, K + V))]
+  bad = [
+    c
+    for c in moved
+    if not (c[0].startswith("all-gather") and c[1] == "f32" and c[2][-2:] == (K, K + V))
+  ]
   assert not bad, f"unexpected collectives (only the [.., {K}, {K + V}] states may move): {bad}"
   assert moved, "context parallel program has no all-gather of the piece states"
   return f"only all-gathers of the piece states: {sorted(set(c[2] for c in moved))}"
@@ -163,22 +173,32 @@ def check_collectives(hlo, sequence_split):
 # Groups
 # ----------------------------------------------------------------------------------------------
 
+
 def run_case(group, case, impl, seed):
   r, mask_kind, with_state, layout = case
   if REAL:
     layout = fit(layout, jax.device_count())
-  name = (f"{impl} r={r} mask={mask_kind or 'none'} state={'yes' if with_state else 'no'} "
-          f"{layout_name(layout)}")
+  name = (
+    f"{impl} r={r} mask={mask_kind or 'none'} state={'yes' if with_state else 'no'} "
+    f"{layout_name(layout)}"
+  )
 
   def check():
     cfg = make_config(layout)
-    inp = make_inputs(seed, B=B, T=T, H=H, K=K, V=V, r=r, mask_kind=mask_kind,
-                      with_state=with_state)
+    inp = make_inputs(
+      seed, B=B, T=T, H=H, K=K, V=V, r=r, mask_kind=mask_kind, with_state=with_state
+    )
     sharded = lambda **kw: sharded_gated_delta_product(
-        **kw, sharding=cfg, output_final_state=True, implementation=impl, chunk_size=16,
-        precision=FULL)
-    single = lambda **kw: gated_delta_product(**kw, output_final_state=True,
-                                              implementation="reference")
+      **kw,
+      sharding=cfg,
+      output_final_state=True,
+      implementation=impl,
+      chunk_size=16,
+      precision=FULL,
+    )
+    single = lambda **kw: gated_delta_product(
+      **kw, output_final_state=True, implementation="reference"
+    )
     both = lambda fn: jax.jit(lambda a: (fn(**a), loss_and_grads(fn, a, seed)))
     placed = dict(cfg.put(**{n: x for n, x in inp.items() if x is not None}))
     compiled = both(sharded).lower(placed).compile()
@@ -215,9 +235,13 @@ def group_step(impl):
   g, beta = -jnp.abs(n(B, H)) * 0.2, jax.nn.sigmoid(n(B, H))
   masks = {"[r,r]": n(r, r), "[H,r,r]": n(H, r, r), "[B,H,r,r]": n(B, H, r, r)}
   for (mname, mask), state in zip(list(masks.items()) * 2, [n(B, H, K, V)] * 3 + [None] * 3):
+
     def check(mask=mask, state=state):
-      f = jax.jit(lambda *a: sharded_gated_delta_product_step(
-          *a, sharding=cfg, implementation=impl, precision=FULL))
+      f = jax.jit(
+        lambda *a: sharded_gated_delta_product_step(
+          *a, sharding=cfg, implementation=impl, precision=FULL
+        )
+      )
       o, new = f(q, k, v, g, beta, mask, state)
       o1, new1 = gated_delta_product_step(q, k, v, g, beta, mask, state, implementation="xla")
       errs = (rel_err(o, o1), rel_err(new, new1))
@@ -226,6 +250,7 @@ def group_step(impl):
       hlo = f.lower(q, k, v, g, beta, mask, state).compile().as_text()
       assert not collectives(hlo), collectives(hlo)
       return f"rel err {max(errs):.2e}, no collectives"
+
     record("step", f"{impl} mask {mname} state={'yes' if state is not None else 'no'}", check)
 
   def grads_and_scale():
@@ -234,33 +259,49 @@ def group_step(impl):
     impl_g = "xla" if impl == "pallas" else impl
     mask, state = masks["[B,H,r,r]"], n(B, H, K, V)
     scale = jnp.float32(0.3)
+
     def loss(fn):
       def f(*a):
         o, new = fn(*a[:6], a[6], scale=scale)
         return jnp.sum(o * o) + jnp.sum(new * jnp.cos(new))
+
       return jax.jit(jax.grad(f, argnums=tuple(range(7))))
-    gs = loss(lambda *a, **kw: sharded_gated_delta_product_step(
-        *a, **kw, sharding=cfg, implementation=impl_g))(q, k, v, g, beta, mask, state)
+
+    gs = loss(
+      lambda *a, **kw: sharded_gated_delta_product_step(
+        *a, **kw, sharding=cfg, implementation=impl_g
+      )
+    )(q, k, v, g, beta, mask, state)
     g1 = loss(lambda *a, **kw: gated_delta_product_step(*a, **kw, implementation="xla"))(
-        q, k, v, g, beta, mask, state)
+      q, k, v, g, beta, mask, state
+    )
     errs = [rel_err(a, b) for a, b in zip(gs, g1)]
     assert max(errs) <= GRAD_TOL, errs
     return f"gradients of all 7 inputs (array scale), max rel err {max(errs):.2e}"
-  record("step", f"{'xla' if impl == 'pallas' else impl} gradients, traced scale",
-         grads_and_scale)
+
+  record("step", f"{'xla' if impl == 'pallas' else impl} gradients, traced scale", grads_and_scale)
 
 
 def group_model(impl):
   import optax
   from flax import nnx
+
   from gdp_jax.layers import GatedDeltaProduct
   from gdp_jax.models import HybridConfig, HybridLM
 
   def layer_sequence_split():
     cfg = make_config({"sequence": 2, "batch": 2, "heads": 2})
     make = lambda sharding: GatedDeltaProduct(
-        32, 4, 8, num_blocks=2, mask_mode="token", chunk_size=16, implementation=impl,
-        sharding=sharding, rngs=nnx.Rngs(0))
+      32,
+      4,
+      8,
+      num_blocks=2,
+      mask_mode="token",
+      chunk_size=16,
+      implementation=impl,
+      sharding=sharding,
+      rngs=nnx.Rngs(0),
+    )
     one, split = make(None), make(cfg)
     x = jax.random.normal(jax.random.key(1), (2, 32, 32), jnp.float32)
     xs = cfg.put(x=x)["x"]
@@ -268,19 +309,34 @@ def group_model(impl):
     (y, cache), (y1, cache1) = run(split, xs), run(one, x)
     step = nnx.jit(lambda m, x, c: m.step(x, c))
     (ys, _), (ys1, _) = step(split, x[:, -1], cache), step(one, x[:, -1], cache1)
-    errs = dict(y=rel_err(y, y1), state=rel_err(cache.state, cache1.state),
-                conv=rel_err(cache.conv, cache1.conv), step=rel_err(ys, ys1))
+    errs = dict(
+      y=rel_err(y, y1),
+      state=rel_err(cache.state, cache1.state),
+      conv=rel_err(cache.conv, cache1.conv),
+      step=rel_err(ys, ys1),
+    )
     assert max(errs.values()) <= 1e-4, errs
     return f"layer over batch 2 x seq 2 x heads 2 and its step: {errs}"
+
   record("model", f"{impl} GatedDeltaProduct layer, sequence split", layer_sequence_split)
 
   def training_step():
     cfg = make_config({"batch": 2, "heads": 4})
-    config = HybridConfig(vocab_size=16, hidden_size=32, layer_pattern="DA", num_heads=4,
-                          head_dim=8, num_blocks=2, attn_num_heads=4, attn_num_kv_heads=2,
-                          mlp_ratio=2, chunk_size=16, implementation=impl)
+    config = HybridConfig(
+      vocab_size=16,
+      hidden_size=32,
+      layer_pattern="DA",
+      num_heads=4,
+      head_dim=8,
+      num_blocks=2,
+      attn_num_heads=4,
+      attn_num_kv_heads=2,
+      mlp_ratio=2,
+      chunk_size=16,
+      implementation=impl,
+    )
     tokens = jax.random.randint(jax.random.key(2), (4, 17), 0, 16, jnp.int32)
-    tx = optax.sgd(0.1)   # linear in the gradients: the new parameters compare as they do
+    tx = optax.sgd(0.1)  # linear in the gradients: the new parameters compare as they do
 
     def train_step_for(model):
       graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -291,9 +347,11 @@ def group_model(impl):
           m = nnx.merge(graphdef, params, rest)
           logits = m(tokens[:, :-1])
           return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return loss, grads, optax.apply_updates(params, updates)
+
       return train_step, params
 
     step1, params1 = train_step_for(HybridLM(config, rngs=nnx.Rngs(0)))
@@ -304,8 +362,11 @@ def group_model(impl):
     g_err = max(rel_err(a, b) for a, b in zip(jax.tree.leaves(grads8), jax.tree.leaves(grads1)))
     p_err = max(rel_err(a, b) for a, b in zip(jax.tree.leaves(new8), jax.tree.leaves(new1)))
     assert g_err <= GRAD_TOL and p_err <= 1e-5, (g_err, p_err)
-    return (f"loss {float(loss8):.6f} vs {float(loss1):.6f}; gradients max rel err {g_err:.2e}; "
-            f"parameters after one SGD step {p_err:.2e}")
+    return (
+      f"loss {float(loss8):.6f} vs {float(loss1):.6f}; gradients max rel err {g_err:.2e}; "
+      f"parameters after one SGD step {p_err:.2e}"
+    )
+
   record("model", f"{impl} HybridLM training step, data 2 x model 4", training_step)
 
 
@@ -323,10 +384,13 @@ def group_api(impl):
     for n, x in placed.items():
       assert same_spec(x.sharding.spec, cfg.spec_for(n, x.ndim), x.ndim), (n, x.sharding.spec)
       shard = x.addressable_shards[0].data.shape
-      expect = tuple(d // (cfg.mesh.shape[a] if isinstance(a, str) else 1)
-                     for d, a in zip(x.shape, tuple(x.sharding.spec) + (None,) * x.ndim))
+      expect = tuple(
+        d // (cfg.mesh.shape[a] if isinstance(a, str) else 1)
+        for d, a in zip(x.shape, tuple(x.sharding.spec) + (None,) * x.ndim)
+      )
       assert shard == expect, (n, shard, expect)
     return "specs and put() placement"
+
   record("api", "ShardingConfig specs and placement", placement_and_specs)
 
   def tuple_axes_and_explicit():
@@ -335,12 +399,16 @@ def group_api(impl):
     assert cfg.size("heads") == 4 and cfg.spec_for("q", 4) == P(None, "c", ("a", "b"), None)
     inp = make_inputs(1, B=B, T=T, H=H, K=K, V=V, r=2, mask_kind="token")
     with jax.set_mesh(mesh):
-      o, final = jax.jit(lambda a: sharded_gated_delta_product(
-          **a, sharding=cfg, output_final_state=True, implementation=impl, chunk_size=16))(inp)
+      o, final = jax.jit(
+        lambda a: sharded_gated_delta_product(
+          **a, sharding=cfg, output_final_state=True, implementation=impl, chunk_size=16
+        )
+      )(inp)
     o1, final1 = gated_delta_product(**inp, output_final_state=True, implementation="reference")
     errs = (rel_err(o, o1), rel_err(final, final1))
     assert max(errs) <= TOL, errs
     return f"heads over two axes, Explicit mesh axes: rel err {max(errs):.2e}"
+
   record("api", "tuple of axes, Explicit mesh", tuple_axes_and_explicit)
 
   def errors():
@@ -348,24 +416,49 @@ def group_api(impl):
     mesh = cfg.mesh
     inp = make_inputs(0, B=B, T=T, H=H, K=K, V=V, r=2, mask_kind="head")
     expect = [
-        (TypeError, "mesh must be", lambda: ShardingConfig("mesh", batch="data")),
-        (ValueError, "has axes", lambda: ShardingConfig(mesh, batch="nope")),
-        (ValueError, "both", lambda: ShardingConfig(mesh, batch="data", heads="data")),
-        (TypeError, "axis name", lambda: ShardingConfig(mesh, batch=3)),
-        (TypeError, "ShardingConfig", lambda: sharded_gated_delta_product(
-            **inp, sharding="data")),
-        (ValueError, "B = 3", lambda: sharded_gated_delta_product(
-            **make_inputs(0, B=3, T=T, H=H, K=K, V=V, r=2), sharding=cfg)),
-        (ValueError, "T = 30", lambda: sharded_gated_delta_product(
-            **make_inputs(0, B=B, T=30, H=H, K=K, V=V, r=2), sharding=cfg)),
-        (ValueError, "mask has shape", lambda: sharded_gated_delta_product(
-            **dict(inp, mask=jnp.ones((3, 2, 2))), sharding=cfg)),
-        (TypeError, "scale", lambda: sharded_gated_delta_product(
-            **inp, sharding=cfg, scale=jnp.float32(0.5))),
-        (ValueError, "B = 3", lambda: sharded_gated_delta_product_step(
-            *[jnp.ones((3, H, K))] * 2, jnp.ones((3, H, V)), None, jnp.ones((3, H)), None, None,
-            sharding=cfg)),
-        (ValueError, "no layout", lambda: cfg.spec_for("w", 2)),
+      (TypeError, "mesh must be", lambda: ShardingConfig("mesh", batch="data")),
+      (ValueError, "has axes", lambda: ShardingConfig(mesh, batch="nope")),
+      (ValueError, "both", lambda: ShardingConfig(mesh, batch="data", heads="data")),
+      (TypeError, "axis name", lambda: ShardingConfig(mesh, batch=3)),
+      (TypeError, "ShardingConfig", lambda: sharded_gated_delta_product(**inp, sharding="data")),
+      (
+        ValueError,
+        "B = 3",
+        lambda: sharded_gated_delta_product(
+          **make_inputs(0, B=3, T=T, H=H, K=K, V=V, r=2), sharding=cfg
+        ),
+      ),
+      (
+        ValueError,
+        "T = 30",
+        lambda: sharded_gated_delta_product(
+          **make_inputs(0, B=B, T=30, H=H, K=K, V=V, r=2), sharding=cfg
+        ),
+      ),
+      (
+        ValueError,
+        "mask has shape",
+        lambda: sharded_gated_delta_product(**dict(inp, mask=jnp.ones((3, 2, 2))), sharding=cfg),
+      ),
+      (
+        TypeError,
+        "scale",
+        lambda: sharded_gated_delta_product(**inp, sharding=cfg, scale=jnp.float32(0.5)),
+      ),
+      (
+        ValueError,
+        "B = 3",
+        lambda: sharded_gated_delta_product_step(
+          *[jnp.ones((3, H, K))] * 2,
+          jnp.ones((3, H, V)),
+          None,
+          jnp.ones((3, H)),
+          None,
+          None,
+          sharding=cfg,
+        ),
+      ),
+      (ValueError, "no layout", lambda: cfg.spec_for("w", 2)),
     ]
     for exc, text, fn in expect:
       try:
@@ -375,7 +468,9 @@ def group_api(impl):
       else:
         raise AssertionError(f"no {exc.__name__} containing {text!r}")
     from flax import nnx
+
     from gdp_jax.layers import GatedDeltaProduct
+
     try:
       GatedDeltaProduct(32, 3, 8, sharding=make_config({"heads": 2}), rngs=nnx.Rngs(0))
     except ValueError as e:
@@ -383,55 +478,92 @@ def group_api(impl):
     else:
       raise AssertionError("no ValueError for num_heads = 3 over 2 head pieces")
     return f"{len(expect) + 1} bad inputs raise clear errors"
+
   record("api", "errors", errors)
 
 
 def group_bench(impl):
   n = min(4, jax.device_count())
-  impls = ["xla"] if impl == "xla" else ["xla", impl]      # xla on one device: the yardstick
+  impls = ["xla"] if impl == "xla" else ["xla", impl]  # xla on one device: the yardstick
   bh = {4: "bh2x2", 2: "bh2x1", 1: "bh1x1"}[n]
 
   def bench_devices():
     import tempfile
+
     from gdp_jax import bench
+
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, "bench.json")
-      rc = bench.main(["--devices", str(n), "--shape", "2,64,2,32,32", "--rs", "2", "--modes",
-                       "fwd,fwdbwd", "--impls", ",".join(impls), "--reps", "1", "--no-plot",
-                       "--no-progress", "--out", out])
+      rc = bench.main(
+        [
+          "--devices",
+          str(n),
+          "--shape",
+          "2,64,2,32,32",
+          "--rs",
+          "2",
+          "--modes",
+          "fwd,fwdbwd",
+          "--impls",
+          ",".join(impls),
+          "--reps",
+          "1",
+          "--no-plot",
+          "--no-progress",
+          "--out",
+          out,
+        ]
+      )
       assert rc == 0, rc
       with open(out) as f:
         res = json.load(f)
     assert res["devices"] == n
     by = {(c["impl"], c["mode"]): c for c in res["cases"]}
-    assert set(by) == {(f"{i}{sfx}", m) for i in impls for sfx in ("", f" {bh}", f" cp{n}")
-                       for m in ("fwd", "fwdbwd")}, sorted(by)
+    assert set(by) == {
+      (f"{i}{sfx}", m)
+      for i in impls
+      for sfx in ("", f" {bh}", f" cp{n}")
+      for m in ("fwd", "fwdbwd")
+    }, sorted(by)
     for c in by.values():
       assert c["status"] == "ok" and c["ms"] > 0, c
     assert by[(f"{impl} cp{n}", "fwd")]["mesh"] == {"seq": n}
-    assert by[(f"{impl} {bh}", "fwd")]["mesh"] == {"data": 2 if n > 1 else 1, "model": n // 2
-                                                   if n > 1 else 1}
-    diffs = {name: by[(name, "fwd")]["max_abs_diff_vs_xla"]
-             for name in (f"{impl} {bh}", f"{impl} cp{n}")}
-    assert max(diffs.values()) < 2e-2, diffs           # bf16 outputs against one device
+    assert by[(f"{impl} {bh}", "fwd")]["mesh"] == {
+      "data": 2 if n > 1 else 1,
+      "model": n // 2 if n > 1 else 1,
+    }
+    diffs = {
+      name: by[(name, "fwd")]["max_abs_diff_vs_xla"] for name in (f"{impl} {bh}", f"{impl} cp{n}")
+    }
+    assert max(diffs.values()) < 2e-2, diffs  # bf16 outputs against one device
     return f"bench --devices {n}: one device, {bh}, cp{n} all timed; |o - xla| {diffs}"
+
   record("bench", f"{impl} python -m gdp_jax bench --devices {n}", bench_devices)
 
 
-GROUPS = ("operator_a", "operator_b", "operator_c", "pallas", "step", "model", "api",
-          "bench")
+GROUPS = ("operator_a", "operator_b", "operator_c", "pallas", "step", "model", "api", "bench")
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("groups", nargs="*", default=list(GROUPS), help=f"from {', '.join(GROUPS)}")
-  p.add_argument("--impl", default="xla", help="operator implementation for the cases "
-                 "(xla by default; pallas on GPUs)")
-  p.add_argument("--real", action="store_true",
-                 help="use the machine's devices as they are (no simulated CPU devices)")
+  p.add_argument(
+    "--impl",
+    default="xla",
+    help="operator implementation for the cases (xla by default; pallas on GPUs)",
+  )
+  p.add_argument(
+    "--real",
+    action="store_true",
+    help="use the machine's devices as they are (no simulated CPU devices)",
+  )
   args = p.parse_args(argv)
-  print(json.dumps(dict(devices=jax.device_count(), backend=jax.default_backend(),
-                        jax=jax.__version__)), flush=True)
+  print(
+    json.dumps(
+      dict(devices=jax.device_count(), backend=jax.default_backend(), jax=jax.__version__)
+    ),
+    flush=True,
+  )
   for group in args.groups:
     if group not in GROUPS:
       raise SystemExit(f"unknown group {group!r}; choose from {', '.join(GROUPS)}")

@@ -14,18 +14,40 @@ from gdp_jax.__main__ import main as cli_main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-TOP_FIELDS = ("schema", "tool", "command", "date", "device", "device_kind", "backend",
-              "jax_version", "gdp_jax_version", "interpret_mode", "reps", "inner", "shapes",
-              "rs", "dtypes", "modes", "impls", "timing", "flops_counted", "bytes_counted",
-              "shape", "dtype", "cases")
+TOP_FIELDS = (
+  "schema",
+  "tool",
+  "command",
+  "date",
+  "device",
+  "device_kind",
+  "backend",
+  "jax_version",
+  "gdp_jax_version",
+  "interpret_mode",
+  "reps",
+  "inner",
+  "shapes",
+  "rs",
+  "dtypes",
+  "modes",
+  "impls",
+  "timing",
+  "flops_counted",
+  "bytes_counted",
+  "shape",
+  "dtype",
+  "cases",
+)
 CASE_FIELDS = ("impl", "mode", "B", "T", "H", "K", "V", "r", "dtype", "status")
 OK_FIELDS = ("ms", "all_ms", "flops", "bytes", "tflops", "gbps")
 
 
 def test_bench_command_tiny(tmp_path, capsys):
   out = tmp_path / "bench.json"
-  rc = cli_main(["bench", "--tiny", "--impls", "xla,reference,fla,jla", "--rs", "1,2",
-                 "--out", str(out)])
+  rc = cli_main(
+    ["bench", "--tiny", "--impls", "xla,reference,fla,jla", "--rs", "1,2", "--out", str(out)]
+  )
   assert rc == 0
   printed = capsys.readouterr().out
   assert "TFLOP/s" in printed and "GB/s" in printed and "ms" in printed
@@ -37,7 +59,7 @@ def test_bench_command_tiny(tmp_path, capsys):
   assert res["shapes"] == [dict(B=1, T=64, H=2, K=32, V=32)]
   assert res["rs"] == [1, 2] and res["modes"] == ["fwd", "fwdbwd"]
   cases = res["cases"]
-  assert len(cases) == 2 * 2 * 4                         # modes x rs x impls
+  assert len(cases) == 2 * 2 * 4  # modes x rs x impls
   for c in cases:
     for field in CASE_FIELDS:
       assert field in c, (field, c)
@@ -56,11 +78,11 @@ def test_bench_command_tiny(tmp_path, capsys):
         assert c["bytes"] == bench.traffic_bytes(mode, 1, 64, 2, 32, 32, r, "bfloat16")
         assert c["tflops"] == pytest.approx(c["flops"] / c["ms"] / 1e9)
         assert c["gbps"] == pytest.approx(c["bytes"] / c["ms"] / 1e6)
-  assert abs(by[("reference", "fwd", 1)]["max_abs_diff_vs_xla"]) < 2e-2     # bf16 outputs
+  assert abs(by[("reference", "fwd", 1)]["max_abs_diff_vs_xla"]) < 2e-2  # bf16 outputs
   for impl in ("fla", "jla"):
     assert by[(impl, "fwd", 2)]["status"] == "skipped"
     assert "r = 1" in by[(impl, "fwd", 2)]["reason"]
-  assert by[("fla", "fwd", 1)]["status"] in ("skipped", "ok")   # no CUDA here: skipped
+  assert by[("fla", "fwd", 1)]["status"] in ("skipped", "ok")  # no CUDA here: skipped
   if importlib.util.find_spec("matplotlib") is not None:
     png = out.with_suffix(".png")
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -68,32 +90,60 @@ def test_bench_command_tiny(tmp_path, capsys):
 
 def test_bench_operator_script_is_a_thin_caller(tmp_path):
   """benchmarks/bench_operator.py keeps its flags and runs the Pallas kernels (interpreted)."""
-  spec = importlib.util.spec_from_file_location("bench_operator",
-                                                ROOT / "benchmarks" / "bench_operator.py")
+  spec = importlib.util.spec_from_file_location(
+    "bench_operator", ROOT / "benchmarks" / "bench_operator.py"
+  )
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   out = tmp_path / "op.json"
-  rc = mod.main(["--out", str(out), "--tiny", "--shape", "1,32,1,32,32", "--rs", "1",
-                 "--dtype", "f32", "--modes", "fwd", "--impls", "pallas,xla", "--reps", "2",
-                 "--inner", "1", "--no-plot"])
+  rc = mod.main(
+    [
+      "--out",
+      str(out),
+      "--tiny",
+      "--shape",
+      "1,32,1,32,32",
+      "--rs",
+      "1",
+      "--dtype",
+      "f32",
+      "--modes",
+      "fwd",
+      "--impls",
+      "pallas,xla",
+      "--reps",
+      "2",
+      "--inner",
+      "1",
+      "--no-plot",
+    ]
+  )
   assert rc == 0
   res = json.loads(out.read_text())
   assert [c["status"] for c in res["cases"]] == ["ok", "ok"], res["cases"]
   assert res["cases"][0]["max_abs_diff_vs_xla"] < 1e-4
   assert not out.with_suffix(".png").exists()
   with pytest.raises(SystemExit):
-    mod.main(["--tiny"])                                    # --out stays required there
+    mod.main(["--tiny"])  # --out stays required there
 
 
 def test_counts():
   # r = 1, one chunk of 64 tokens, K = V = 64, B = H = 1: the formula term by term.
   n = c = 64
   k = v = 64
-  expect = (2 * n * n * k + n ** 3 / 3 + 2 * n * n * (k + v) + 2 * n * k * v + 2 * n * k * v
-            + 2 * c * k * v + 2 * c * c * k + 2 * c * n * v)
+  expect = (
+    2 * n * n * k
+    + n**3 / 3
+    + 2 * n * n * (k + v)
+    + 2 * n * k * v
+    + 2 * n * k * v
+    + 2 * c * k * v
+    + 2 * c * c * k
+    + 2 * c * n * v
+  )
   assert bench.forward_flops(1, 64, 1, 64, 64, 1) == pytest.approx(expect)
   assert bench.flops("fwdbwd", 1, 64, 1, 64, 64, 1) == pytest.approx(3 * expect)
-  assert bench.forward_flops(1, 65, 1, 64, 64, 1) == pytest.approx(2 * expect)   # ceil(T / C)
+  assert bench.forward_flops(1, 65, 1, 64, 64, 1) == pytest.approx(2 * expect)  # ceil(T / C)
   assert bench.flop_chunk(1) == 64 and bench.flop_chunk(2) == 32 and bench.flop_chunk(8) == 16
   # bf16 q, k, v [1, 10, 1, 8]; f32 g, beta; f32 [2, 2] mask; bf16 o.
   inputs = 3 * 80 * 2 + 2 * 10 * 4 + 4 * 4
@@ -106,8 +156,8 @@ def test_kept_h200_results_load():
   files = sorted(RESULTS.glob("*.json"))
   assert files, "benchmarks/results/ has no JSON"
   for path in files:
-    res = json.loads(path.read_text())                      # every kept file is valid JSON
-    if "cases" in res:                                      # operator benchmark files
+    res = json.loads(path.read_text())  # every kept file is valid JSON
+    if "cases" in res:  # operator benchmark files
       assert "command" in res and "date" in res, path
       cases = bench.normalize_cases(res)
       ok = [c for c in cases if c["status"] == "ok"]
@@ -119,7 +169,12 @@ def test_kept_h200_results_load():
 
 
 def test_bad_arguments_are_refused():
-  for argv in (["--shape", "1,2,3"], ["--impls", "nope"], ["--dtype", "f8"],
-               ["--modes", "bwd"], ["--shape", "1,16,1,30,30", "--rs", "4"]):
+  for argv in (
+    ["--shape", "1,2,3"],
+    ["--impls", "nope"],
+    ["--dtype", "f8"],
+    ["--modes", "bwd"],
+    ["--shape", "1,16,1,30,30", "--rs", "4"],
+  ):
     with pytest.raises(SystemExit):
       bench.main(argv + ["--out", os.devnull, "--no-plot"])

@@ -9,10 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdp_jax import gqa_decode
-from gdp_jax import dispatch
+from gdp_jax import dispatch, gqa_decode
 from pallas_kernels.inference import decode_attention
-from tests.cases import assert_close, tol
+from tests.cases import assert_close
 from tests.triton_lowering import lower_for_h200
 
 IMPLS = ["xla", "pallas"]
@@ -29,7 +28,7 @@ def np_gqa(query, key_cache, value_cache, lengths, scale=None):
   B, Hq, D = q.shape
   S, Hkv = kc.shape[1], kc.shape[2]
   G = Hq // Hkv
-  scale = D ** -0.5 if scale is None else scale
+  scale = D**-0.5 if scale is None else scale
   out = np.zeros((B, Hq, D))
   for b in range(B):
     n = int(min(max(int(lengths[b]), 0), S))
@@ -47,26 +46,50 @@ def np_gqa(query, key_cache, value_cache, lengths, scale=None):
 # ---- the problem statement's examples --------------------------------------------------------
 
 EXAMPLES = [
-    dict(query=[[[1, 0], [0, 1]]],
-         key_cache=[[[[1, 0]], [[0, 1]], [[5, 5]]]],
-         value_cache=[[[[1, 2]], [[3, 4]], [[50, 50]]]],
-         lengths=[2],
-         out=[[[1.660477, 2.660477], [2.339523, 3.339523]]]),
-    dict(query=[[[1, 0], [0, 1], [1, 1], [-1, 0]], [[0.5, 0.5], [1, -1], [0, 2], [2, 0]]],
-         key_cache=[[[[1, 0], [0, 1]], [[0, 1], [1, 0]], [[1, 1], [-1, 1]]],
-                    [[[1, 0], [0, 1]], [[9, 9], [9, 9]], [[9, 9], [9, 9]]]],
-         value_cache=[[[[1, 0], [0, 1]], [[0, 1], [1, 0]], [[2, 2], [-2, 2]]],
-                      [[[1, 2], [3, 4]], [[90, 90], [90, 90]], [[90, 90], [90, 90]]]],
-         lengths=[3, 1],
-         out=[[[1.203336, 1.0], [1.0, 1.203336], [0.00556, 0.796664], [-1.011921, 1.435946]],
-              [[1.0, 2.0], [1.0, 2.0], [3.0, 4.0], [3.0, 4.0]]]),
-    dict(query=[[[1, 0, 1, 0], [0, 2, 0, -1]]],
-         key_cache=[[[[1, 1, 0, 0], [0, 1, 0, 1]], [[0, 0, 1, 1], [1, 0, 1, 0]],
-                     [[1, 0, 0, 1], [0, 0, 2, 0]], [[0, 1, 1, 0], [1, 1, 1, 1]]]],
-         value_cache=[[[[1, 0, 0, 0], [0, 1, 0, 0]], [[0, 1, 0, 0], [0, 0, 1, 0]],
-                       [[0, 0, 1, 0], [0, 0, 0, 1]], [[0, 0, 0, 1], [1, 0, 0, 0]]]],
-         lengths=[4],
-         out=[[[0.25, 0.25, 0.25, 0.25], [0.31123, 0.31123, 0.18877, 0.18877]]]),
+  dict(
+    query=[[[1, 0], [0, 1]]],
+    key_cache=[[[[1, 0]], [[0, 1]], [[5, 5]]]],
+    value_cache=[[[[1, 2]], [[3, 4]], [[50, 50]]]],
+    lengths=[2],
+    out=[[[1.660477, 2.660477], [2.339523, 3.339523]]],
+  ),
+  dict(
+    query=[[[1, 0], [0, 1], [1, 1], [-1, 0]], [[0.5, 0.5], [1, -1], [0, 2], [2, 0]]],
+    key_cache=[
+      [[[1, 0], [0, 1]], [[0, 1], [1, 0]], [[1, 1], [-1, 1]]],
+      [[[1, 0], [0, 1]], [[9, 9], [9, 9]], [[9, 9], [9, 9]]],
+    ],
+    value_cache=[
+      [[[1, 0], [0, 1]], [[0, 1], [1, 0]], [[2, 2], [-2, 2]]],
+      [[[1, 2], [3, 4]], [[90, 90], [90, 90]], [[90, 90], [90, 90]]],
+    ],
+    lengths=[3, 1],
+    out=[
+      [[1.203336, 1.0], [1.0, 1.203336], [0.00556, 0.796664], [-1.011921, 1.435946]],
+      [[1.0, 2.0], [1.0, 2.0], [3.0, 4.0], [3.0, 4.0]],
+    ],
+  ),
+  dict(
+    query=[[[1, 0, 1, 0], [0, 2, 0, -1]]],
+    key_cache=[
+      [
+        [[1, 1, 0, 0], [0, 1, 0, 1]],
+        [[0, 0, 1, 1], [1, 0, 1, 0]],
+        [[1, 0, 0, 1], [0, 0, 2, 0]],
+        [[0, 1, 1, 0], [1, 1, 1, 1]],
+      ]
+    ],
+    value_cache=[
+      [
+        [[1, 0, 0, 0], [0, 1, 0, 0]],
+        [[0, 1, 0, 0], [0, 0, 1, 0]],
+        [[0, 0, 1, 0], [0, 0, 0, 1]],
+        [[0, 0, 0, 1], [1, 0, 0, 0]],
+      ]
+    ],
+    lengths=[4],
+    out=[[[0.25, 0.25, 0.25, 0.25], [0.31123, 0.31123, 0.18877, 0.18877]]],
+  ),
 ]
 
 
@@ -76,7 +99,7 @@ EXAMPLES = [
 def test_problem_examples(index, cache_dtype, implementation):
   ex = EXAMPLES[index]
   query = jnp.asarray(ex["query"], jnp.float32)
-  kc = jnp.asarray(ex["key_cache"], cache_dtype)      # small integers: exact in bfloat16
+  kc = jnp.asarray(ex["key_cache"], cache_dtype)  # small integers: exact in bfloat16
   vc = jnp.asarray(ex["value_cache"], cache_dtype)
   lengths = jnp.asarray(ex["lengths"], jnp.int32)
   f = jax.jit(lambda q, k, v, n: gqa_decode(q, k, v, n, implementation=implementation))
@@ -89,6 +112,7 @@ def test_problem_examples(index, cache_dtype, implementation):
 
 # ---- random cases against float64 numpy ------------------------------------------------------
 
+
 def make_case(seed, B=3, S=40, Hkv=2, G=4, D=32, dtype=jnp.float32, lengths=None, stale=1e30):
   rng = np.random.default_rng(seed)
   q = rng.standard_normal((B, Hkv * G, D)).astype(np.float32) * 2.0
@@ -97,16 +121,15 @@ def make_case(seed, B=3, S=40, Hkv=2, G=4, D=32, dtype=jnp.float32, lengths=None
   if lengths is None:
     lengths = np.array([S, 1] + list(rng.integers(1, S + 1, size=B - 2)), np.int32)[:B]
   lengths = np.asarray(lengths, np.int32)
-  kc = np.array(jnp.asarray(kc, dtype).astype(jnp.float32))       # exact in the cache dtype
+  kc = np.array(jnp.asarray(kc, dtype).astype(jnp.float32))  # exact in the cache dtype
   vc = np.array(jnp.asarray(vc, dtype).astype(jnp.float32))
-  ref = np_gqa(q, kc, vc, lengths)                                  # before the stale fill
+  ref = np_gqa(q, kc, vc, lengths)  # before the stale fill
   if stale is not None:
     for b in range(B):
       n = max(int(lengths[b]), 0)
       kc[b, n:] = stale
       vc[b, n:] = -stale if np.isfinite(stale) else stale
-  return (jnp.asarray(q), jnp.asarray(kc, dtype), jnp.asarray(vc, dtype),
-          jnp.asarray(lengths), ref)
+  return (jnp.asarray(q), jnp.asarray(kc, dtype), jnp.asarray(vc, dtype), jnp.asarray(lengths), ref)
 
 
 @pytest.mark.parametrize("implementation", IMPLS)
@@ -120,14 +143,21 @@ def test_random_against_numpy(G, cache_dtype, implementation):
 
 
 @pytest.mark.parametrize("implementation", IMPLS)
-@pytest.mark.parametrize("cache_dtype,stale", [
-    (jnp.float32, 1e30), (jnp.float32, float(jnp.finfo(jnp.float32).max)),
-    (jnp.bfloat16, float(jnp.finfo(jnp.bfloat16).max)), (jnp.float32, np.inf),
-    (jnp.bfloat16, np.nan)])
+@pytest.mark.parametrize(
+  "cache_dtype,stale",
+  [
+    (jnp.float32, 1e30),
+    (jnp.float32, float(jnp.finfo(jnp.float32).max)),
+    (jnp.bfloat16, float(jnp.finfo(jnp.bfloat16).max)),
+    (jnp.float32, np.inf),
+    (jnp.bfloat16, np.nan),
+  ],
+)
 def test_stale_slots_get_zero_weight(cache_dtype, stale, implementation):
   # The statement promises finite stale values; even inf and NaN must not leak.
-  q, kc, vc, lengths, ref = make_case(7, B=3, S=24, G=2, D=16, dtype=cache_dtype,
-                                      lengths=[5, 1, 23], stale=stale)
+  q, kc, vc, lengths, ref = make_case(
+    7, B=3, S=24, G=2, D=16, dtype=cache_dtype, lengths=[5, 1, 23], stale=stale
+  )
   out = gqa_decode(q, kc, vc, lengths, implementation=implementation)
   assert np.all(np.isfinite(np.asarray(out)))
   assert_close(out, ref, CACHE_TOL[cache_dtype], f"stale={stale}")
@@ -137,10 +167,12 @@ def test_stale_slots_get_zero_weight(cache_dtype, stale, implementation):
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
 def test_kernel_splits_and_blocks(block_s, num_splits, cache_dtype):
   """Several blocks per split, several splits, empty splits, D not a power of two."""
-  q, kc, vc, lengths, ref = make_case(11, B=3, S=100, Hkv=2, G=2, D=24, dtype=cache_dtype,
-                                      lengths=[100, 37, 3])
-  out = decode_attention.gqa_decode(q, kc, vc, lengths, scale=24 ** -0.5, block_s=block_s,
-                                    num_splits=num_splits)
+  q, kc, vc, lengths, ref = make_case(
+    11, B=3, S=100, Hkv=2, G=2, D=24, dtype=cache_dtype, lengths=[100, 37, 3]
+  )
+  out = decode_attention.gqa_decode(
+    q, kc, vc, lengths, scale=24**-0.5, block_s=block_s, num_splits=num_splits
+  )
   assert_close(out, ref, CACHE_TOL[cache_dtype], f"block_s={block_s} splits={num_splits}")
 
 
@@ -154,6 +186,7 @@ def test_default_num_splits():
 
 # ---- lengths: traced, no recompilation, edges -----------------------------------------------
 
+
 @pytest.mark.parametrize("implementation", IMPLS)
 def test_no_recompilation_across_lengths(implementation):
   q, kc, vc, _, _ = make_case(3, B=2, S=32, G=2, D=16, stale=None)
@@ -165,7 +198,7 @@ def test_no_recompilation_across_lengths(implementation):
 
   @jax.jit
   def f(q, kc, vc, lengths):
-    traces.append(1)                    # runs once per compilation (trace)
+    traces.append(1)  # runs once per compilation (trace)
     return gqa_decode(q, kc, vc, lengths, implementation=implementation)
 
   outs = []
@@ -195,11 +228,11 @@ def test_int64_lengths_never_wrap(implementation):
   q, kc, vc, _, _ = make_case(4, B=2, S=20, G=2, D=16, stale=None)
   full = gqa_decode(q, kc, vc, jnp.array([20, 3]), implementation=implementation)
   with jax.enable_x64(True):
-    lengths = jnp.array([2 ** 31 + 5, 3], jnp.int64)
+    lengths = jnp.array([2**31 + 5, 3], jnp.int64)
     out = jax.jit(lambda n: gqa_decode(q, kc, vc, n, implementation=implementation))(lengths)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(full))
   with pytest.raises(ValueError, match="lengths holds values outside int32"):
-    gqa_decode(q, kc, vc, np.array([2 ** 31 + 5, 3], np.int64), implementation=implementation)
+    gqa_decode(q, kc, vc, np.array([2**31 + 5, 3], np.int64), implementation=implementation)
 
 
 @pytest.mark.parametrize("implementation", IMPLS)
@@ -223,10 +256,15 @@ def test_scale(implementation):
 
 def test_default_implementation_and_lists():
   assert dispatch.resolve("gqa_decode", None) == (
-      "pallas" if dispatch.pallas_supported() else "xla")
+    "pallas" if dispatch.pallas_supported() else "xla"
+  )
   ex = EXAMPLES[0]
-  out = gqa_decode(jnp.asarray(ex["query"], jnp.float32), jnp.asarray(ex["key_cache"], jnp.float32),
-                   jnp.asarray(ex["value_cache"], jnp.float32), [2])      # a list of lengths
+  out = gqa_decode(
+    jnp.asarray(ex["query"], jnp.float32),
+    jnp.asarray(ex["key_cache"], jnp.float32),
+    jnp.asarray(ex["value_cache"], jnp.float32),
+    [2],
+  )  # a list of lengths
   np.testing.assert_allclose(np.asarray(out), ex["out"], atol=5e-6)
 
 
@@ -240,27 +278,37 @@ def test_query_in_bfloat16():
 
 # ---- bad input -------------------------------------------------------------------------------
 
+
 def _good():
   q, kc, vc, lengths, _ = make_case(8, B=2, S=8, Hkv=2, G=2, D=4, stale=None)
   return dict(query=q, key_cache=kc, value_cache=vc, lengths=lengths)
 
 
-@pytest.mark.parametrize("change,error,words", [
+@pytest.mark.parametrize(
+  "change,error,words",
+  [
     (dict(query=jnp.zeros((2, 4))), ValueError, "query must be [B, Hq, D] (rank 3)"),
     (dict(key_cache=jnp.zeros((2, 8, 4))), ValueError, "key_cache must be [B, S, Hkv, D]"),
     (dict(key_cache=jnp.zeros((3, 8, 2, 4))), ValueError, "key_cache has shape (3, 8, 2, 4)"),
     (dict(key_cache=jnp.zeros((2, 8, 2, 5))), ValueError, "D = 4"),
     (dict(value_cache=jnp.zeros((2, 7, 2, 4))), ValueError, "value_cache has shape (2, 7, 2, 4)"),
-    (dict(key_cache=jnp.zeros((2, 8, 3, 4)), value_cache=jnp.zeros((2, 8, 3, 4))), ValueError,
-     "Hq = 4 (query shape (2, 4, 4)) must be a multiple of the number of cache heads Hkv = 3"),
-    (dict(lengths=jnp.zeros((2,), jnp.float32)), TypeError,
-     "lengths must have an integer dtype (int32), got float32 with shape (2,)"),
+    (
+      dict(key_cache=jnp.zeros((2, 8, 3, 4)), value_cache=jnp.zeros((2, 8, 3, 4))),
+      ValueError,
+      "Hq = 4 (query shape (2, 4, 4)) must be a multiple of the number of cache heads Hkv = 3",
+    ),
+    (
+      dict(lengths=jnp.zeros((2,), jnp.float32)),
+      TypeError,
+      "lengths must have an integer dtype (int32), got float32 with shape (2,)",
+    ),
     (dict(lengths=jnp.zeros((2,), bool)), TypeError, "lengths must have an integer dtype"),
     (dict(lengths=jnp.zeros((3,), jnp.int32)), ValueError, "lengths has shape (3,)"),
     (dict(lengths=jnp.zeros((2, 1), jnp.int32)), ValueError, "expected (2,)"),
     (dict(query=jnp.zeros((2, 4, 4), jnp.int32)), TypeError, "query must have a floating dtype"),
     (dict(value_cache=jnp.zeros((2, 8, 2, 4), jnp.bfloat16)), TypeError, "share one dtype"),
-])
+  ],
+)
 def test_bad_inputs_raise(change, error, words):
   inputs = _good()
   inputs.update(change)
@@ -276,11 +324,13 @@ def test_bad_implementation():
 
 # ---- large shapes, compiled, on a GPU only ---------------------------------------------------
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float32])
 def test_large_on_gpu(cache_dtype):
-  q, kc, vc, lengths, ref = make_case(9, B=4, S=4096, Hkv=4, G=4, D=128, dtype=cache_dtype,
-                                      lengths=[4096, 1, 2049, 0], stale=1e30)
+  q, kc, vc, lengths, ref = make_case(
+    9, B=4, S=4096, Hkv=4, G=4, D=128, dtype=cache_dtype, lengths=[4096, 1, 2049, 0], stale=1e30
+  )
   out = gqa_decode(q, kc, vc, lengths, implementation="pallas")
   # D = 128 sums 128 products whose query factor carries the ~2^-18 error of its bf16 split.
   big_tol = 5e-4 if cache_dtype == jnp.bfloat16 else CACHE_TOL[cache_dtype]
@@ -291,19 +341,27 @@ def test_large_on_gpu(cache_dtype):
 
 # ---- the Triton lowering, without a GPU ------------------------------------------------------
 
-@pytest.mark.parametrize("B,S,Hq,Hkv,D,cache_dtype", [
-    (32, 32768, 32, 8, 128, jnp.bfloat16),     # the benchmark shape
+
+@pytest.mark.parametrize(
+  "B,S,Hq,Hkv,D,cache_dtype",
+  [
+    (32, 32768, 32, 8, 128, jnp.bfloat16),  # the benchmark shape
     (2, 1000, 32, 8, 128, jnp.float32),
-    (3, 100, 4, 2, 24, jnp.bfloat16),          # G and D padded and masked
-    (1, 3, 2, 1, 2, jnp.float32),              # the statement's first example
-])
+    (3, 100, 4, 2, 24, jnp.bfloat16),  # G and D padded and masked
+    (1, 3, 2, 1, 2, jnp.float32),  # the statement's first example
+  ],
+)
 def test_kernel_lowers_to_triton(monkeypatch, B, S, Hq, Hkv, D, cache_dtype):
   spec = jax.ShapeDtypeStruct
   modules = lower_for_h200(
-      monkeypatch, lambda q, k, v, n: decode_attention.gqa_decode(q, k, v, n, scale=0.1),
-      spec((B, Hq, D), jnp.float32), spec((B, S, Hkv, D), cache_dtype),
-      spec((B, S, Hkv, D), cache_dtype), spec((B,), jnp.int32),
-      clear=(decode_attention.gqa_decode,))
+    monkeypatch,
+    lambda q, k, v, n: decode_attention.gqa_decode(q, k, v, n, scale=0.1),
+    spec((B, Hq, D), jnp.float32),
+    spec((B, S, Hkv, D), cache_dtype),
+    spec((B, S, Hkv, D), cache_dtype),
+    spec((B,), jnp.int32),
+    clear=(decode_attention.gqa_decode,),
+  )
   text = modules[0]
   assert "scf.for" in text and "tt.dot" in text
   # Two bf16 dots per product for a bf16 cache (query and weights split in high/low parts).

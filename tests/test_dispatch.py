@@ -19,7 +19,9 @@ def _gpu(capability, kind="NVIDIA Test GPU"):
   return SimpleNamespace(platform="gpu", compute_capability=capability, device_kind=kind)
 
 
-@pytest.mark.parametrize("device,expected", [
+@pytest.mark.parametrize(
+  "device,expected",
+  [
     (SimpleNamespace(platform="cpu", device_kind="cpu"), "xla"),
     (SimpleNamespace(platform="tpu", device_kind="TPU v5"), "xla"),
     (_gpu("7.5", "Tesla T4"), "xla"),
@@ -28,7 +30,8 @@ def _gpu(capability, kind="NVIDIA Test GPU"):
     (_gpu("9.0", "NVIDIA H200"), "pallas"),
     (_gpu("12.0"), "pallas"),
     (_gpu(None), "xla"),
-])
+  ],
+)
 def test_default_per_device(device, expected):
   assert dispatch.default_implementation(device) == expected
   for function in ("gated_delta_product", "gated_delta_product_step", "gqa_decode"):
@@ -44,7 +47,7 @@ def test_unknown_names_are_clear_errors():
   with pytest.raises(ValueError, match="implementation must be one of"):
     dispatch.resolve("gated_delta_product", "cuda")
   with pytest.raises(ValueError, match="implementation must be one of"):
-    dispatch.resolve("gqa_decode", "reference")            # no reference decode
+    dispatch.resolve("gqa_decode", "reference")  # no reference decode
   with pytest.raises(ValueError, match="backward must be one of"):
     dispatch.check_backward("triton", "pallas")
   with pytest.raises(ValueError, match="selects the backward of the Pallas forward"):
@@ -54,10 +57,10 @@ def test_unknown_names_are_clear_errors():
 @pytest.mark.parametrize("name", dispatch.implementations("gated_delta_product"))
 def test_operator_reaches_every_implementation(name):
   inputs = make_inputs(0, B=1, T=9, H=1, K=16, V=16, r=2, mask_kind="head")
-  o, final = gated_delta_product(**inputs, output_final_state=True, chunk_size=16,
-                                 implementation=name)
-  o_ref, f_ref = gated_delta_product(**inputs, output_final_state=True,
-                                     implementation="reference")
+  o, final = gated_delta_product(
+    **inputs, output_final_state=True, chunk_size=16, implementation=name
+  )
+  o_ref, f_ref = gated_delta_product(**inputs, output_final_state=True, implementation="reference")
   assert_close(o, o_ref, tol(jnp.float32), name)
   assert_close(final, f_ref, tol(jnp.float32), name)
 
@@ -66,10 +69,17 @@ def test_operator_reaches_every_implementation(name):
 def test_step_reaches_every_implementation(name):
   inputs = make_inputs(1, B=2, T=1, H=2, K=16, V=16, r=2, mask_kind="head")
   step = {n: x[:, 0] if n in ("q", "k", "v", "g", "beta") else x for n, x in inputs.items()}
-  o, new = gated_delta_product_step(step["q"], step["k"], step["v"], step["g"], step["beta"],
-                                    step["mask"], step["initial_state"], implementation=name)
-  o_ref, f_ref = gated_delta_product(**inputs, output_final_state=True,
-                                     implementation="reference")
+  o, new = gated_delta_product_step(
+    step["q"],
+    step["k"],
+    step["v"],
+    step["g"],
+    step["beta"],
+    step["mask"],
+    step["initial_state"],
+    implementation=name,
+  )
+  o_ref, f_ref = gated_delta_product(**inputs, output_final_state=True, implementation="reference")
   assert_close(o, o_ref[:, 0], tol(jnp.float32), name)
   assert_close(new, f_ref, tol(jnp.float32), name)
 
@@ -86,8 +96,9 @@ def test_decode_reaches_every_implementation(name):
 
 def test_xla_backward_agrees_with_pallas_backward():
   inputs = make_inputs(2, B=1, T=20, H=2, K=32, V=16, r=2, mask_kind="token")
-  run = functools.partial(gated_delta_product, output_final_state=True, chunk_size=16,
-                          implementation="pallas")
+  run = functools.partial(
+    gated_delta_product, output_final_state=True, chunk_size=16, implementation="pallas"
+  )
   kernels = loss_and_grads(functools.partial(run, backward="pallas"), inputs)
   jnp_bwd = loss_and_grads(functools.partial(run, backward="xla"), inputs)
   assert set(kernels) == set(jnp_bwd) == set(inputs)
@@ -99,24 +110,33 @@ def test_kernel_options_are_validated_and_used():
   with pytest.raises(ValueError, match="precision must be one of"):
     options.KernelOptions(precision="fp8")
   inputs = make_inputs(3, B=1, T=16, H=1, K=16, V=16, r=1, mask_kind=None)
-  opts = options.DEFAULT.replace(chunk_h=options.Launch(block_v=16),
-                                 chunk_o=options.Launch(block_v=16))
+  opts = options.DEFAULT.replace(
+    chunk_h=options.Launch(block_v=16), chunk_o=options.Launch(block_v=16)
+  )
   o, _ = gated_delta_product(**inputs, chunk_size=16, implementation="pallas", options=opts)
   o_ref, _ = gated_delta_product(**inputs, implementation="reference")
   assert_close(o, o_ref, tol(jnp.float32), "options")
 
 
 def test_heuristic_respects_a_smaller_gpu():
-  small = options.DeviceInfo(platform="gpu", name="NVIDIA L4", compute_capability=(8, 9),
-                             sm_count=58, shared_memory_per_block=99 * 1024)
+  small = options.DeviceInfo(
+    platform="gpu",
+    name="NVIDIA L4",
+    compute_capability=(8, 9),
+    sm_count=58,
+    shared_memory_per_block=99 * 1024,
+  )
   big = options.DeviceInfo(platform="gpu", name="NVIDIA H200", compute_capability=(9, 0))
   kw = dict(r=1, dim_k=128, dim_v=128, dtype=jnp.bfloat16)
-  assert options.heuristic_options(**kw, device=small).chunk_o.block_v < \
-      options.heuristic_options(**kw, device=big).chunk_o.block_v
+  assert (
+    options.heuristic_options(**kw, device=small).chunk_o.block_v
+    < options.heuristic_options(**kw, device=big).chunk_o.block_v
+  )
 
 
 def test_decode_splits_follow_the_sm_count():
   from pallas_kernels.inference import decode_attention
+
   few = decode_attention.default_num_splits(2, 2, 65536, 64, sm_count=20)
   many = decode_attention.default_num_splits(2, 2, 65536, 64, sm_count=132)
   assert few < many

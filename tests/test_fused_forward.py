@@ -21,8 +21,14 @@ from gdp_jax.operator import normalize_mask
 from pallas_kernels.common import options
 from pallas_kernels.common.options import Launch
 from pallas_kernels.forward import chunk_fwd, chunk_state_output
-from tests.cases import (GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs,
-                         present_arrays, tol)
+from tests.cases import (
+  GRAD_TOLERANCE,
+  assert_close,
+  loss_and_grads,
+  make_inputs,
+  present_arrays,
+  tol,
+)
 
 F32 = tol(jnp.float32)
 
@@ -55,35 +61,52 @@ def padded_stage_inputs(r, chunk, mask_kind, dtype, K, V, nchunks=2, seed=0, wit
   dkp, vp = pallas_impl.padded_dims(K, V, r)
   pad_k = lambda x: pallas_impl.pad_key_blocks(x, r, dkp)
   pad_v = lambda x: pallas_impl._pad_last(x, vp)
-  kern = dict(q=pad_k(q), k=pad_k(k), v=pad_v(v), g=g, beta=beta, mask=mask,
-              h0=pad_v(pad_k(h0.swapaxes(-1, -2)).swapaxes(-1, -2)),
-              w=pad_k(ref["w"].astype(dtype)), u=pad_v(ref["u"].astype(dtype)),
-              gamma=ref["gamma"])
-  unpad = dict(k=lambda x, axis=-1: pallas_impl.unpad_key_blocks(x, r, K // r, axis),
-               v=lambda x: x[..., :V])
+  kern = dict(
+    q=pad_k(q),
+    k=pad_k(k),
+    v=pad_v(v),
+    g=g,
+    beta=beta,
+    mask=mask,
+    h0=pad_v(pad_k(h0.swapaxes(-1, -2)).swapaxes(-1, -2)),
+    w=pad_k(ref["w"].astype(dtype)),
+    u=pad_v(ref["u"].astype(dtype)),
+    gamma=ref["gamma"],
+  )
+  unpad = dict(
+    k=lambda x, axis=-1: pallas_impl.unpad_key_blocks(x, r, K // r, axis), v=lambda x: x[..., :V]
+  )
   return ref, kern, unpad
 
 
 # (r, chunk, mask kind, dtype, K, V): every r in {1, 2, 4} with chunks 16 / 32 / 64 up to
 # N = 128 rows, one r = 8; ragged K / V (padded inside); per-token masks; bf16 and float32.
 FWD_CASES = [
-    (1, 16, None, jnp.float32, 32, 16),
-    (1, 32, "head", jnp.bfloat16, 32, 32),
-    (1, 64, None, jnp.bfloat16, 24, 20),
-    (2, 16, "token", jnp.bfloat16, 32, 16),
-    (2, 32, "token", jnp.float32, 40, 24),
-    (2, 64, "shared", jnp.float32, 32, 16),
-    (4, 16, "head", jnp.bfloat16, 64, 16),
-    (4, 32, "token", jnp.float32, 64, 16),
-    (8, 16, "token", jnp.float32, 128, 16),
+  (1, 16, None, jnp.float32, 32, 16),
+  (1, 32, "head", jnp.bfloat16, 32, 32),
+  (1, 64, None, jnp.bfloat16, 24, 20),
+  (2, 16, "token", jnp.bfloat16, 32, 16),
+  (2, 32, "token", jnp.float32, 40, 24),
+  (2, 64, "shared", jnp.float32, 32, 16),
+  (4, 16, "head", jnp.bfloat16, 64, 16),
+  (4, 32, "token", jnp.float32, 64, 16),
+  (8, 16, "token", jnp.float32, 128, 16),
 ]
 
 
 @pytest.mark.parametrize("r,chunk,mask_kind,dtype,K,V", FWD_CASES)
 def test_chunk_fwd_matches_stages(r, chunk, mask_kind, dtype, K, V):
   ref, kern, unpad = padded_stage_inputs(r, chunk, mask_kind, dtype, K, V)
-  gamma, w, u, ai = chunk_fwd.chunk_fwd(kern["k"], kern["v"], kern["g"], kern["beta"],
-                                        kern["mask"], key_blocks=r, chunk=chunk, save_ai=True)
+  gamma, w, u, ai = chunk_fwd.chunk_fwd(
+    kern["k"],
+    kern["v"],
+    kern["g"],
+    kern["beta"],
+    kern["mask"],
+    key_blocks=r,
+    chunk=chunk,
+    save_ai=True,
+  )
   assert w.dtype == dtype and u.dtype == dtype and ai.dtype == dtype
   assert gamma.dtype == jnp.float32
   t = tol(dtype)
@@ -91,23 +114,34 @@ def test_chunk_fwd_matches_stages(r, chunk, mask_kind, dtype, K, V):
   assert_close(unpad["k"](w), ref["w"], t, "w")
   assert_close(unpad["v"](u), ref["u"], t, "u")
   assert_close(ai, ref["ai"], t, "Ai")
-  if (r, chunk) == (2, 32):           # without save_ai: the same w, u; Ai is not written
-    out = chunk_fwd.chunk_fwd(kern["k"], kern["v"], kern["g"], kern["beta"], kern["mask"],
-                              key_blocks=r, chunk=chunk)
+  if (r, chunk) == (2, 32):  # without save_ai: the same w, u; Ai is not written
+    out = chunk_fwd.chunk_fwd(
+      kern["k"], kern["v"], kern["g"], kern["beta"], kern["mask"], key_blocks=r, chunk=chunk
+    )
     assert len(out) == 3
     assert_close(out[1], w, 0.0, "w without save_ai")
 
 
-@pytest.mark.parametrize("merge,inverse", [("blocks", "substitution"), ("panels", "squaring"),
-                                           ("blocks", "squaring")])
+@pytest.mark.parametrize(
+  "merge,inverse", [("blocks", "substitution"), ("panels", "squaring"), ("blocks", "squaring")]
+)
 def test_chunk_fwd_variants(merge, inverse):
   """merge="blocks" (16 x 16 products only) and inverse="squaring" (the diagonal inverses by
   repeated squaring) give the same w, u, Ai as the default panels with forward substitution."""
   r, chunk, mask_kind, dtype, K, V = 2, 32, "token", jnp.float32, 32, 16
   ref, kern, unpad = padded_stage_inputs(r, chunk, mask_kind, dtype, K, V, seed=1)
-  gamma, w, u, ai = chunk_fwd.chunk_fwd(kern["k"], kern["v"], kern["g"], kern["beta"],
-                                        kern["mask"], key_blocks=r, chunk=chunk, save_ai=True,
-                                        merge=merge, inverse=inverse)
+  gamma, w, u, ai = chunk_fwd.chunk_fwd(
+    kern["k"],
+    kern["v"],
+    kern["g"],
+    kern["beta"],
+    kern["mask"],
+    key_blocks=r,
+    chunk=chunk,
+    save_ai=True,
+    merge=merge,
+    inverse=inverse,
+  )
   t = tol(dtype)
   assert_close(gamma, ref["gamma"], F32, "gamma")
   assert_close(unpad["k"](w), ref["w"], t, "w")
@@ -117,21 +151,31 @@ def test_chunk_fwd_variants(merge, inverse):
 
 # (r, chunk, mask kind, dtype, K, V, block_v, save_states)
 STATE_CASES = [
-    (1, 64, None, jnp.bfloat16, 24, 20, 16, True),
-    (2, 32, "token", jnp.float32, 40, 24, 16, True),
-    (4, 16, "head", jnp.bfloat16, 64, 32, 16, False),
+  (1, 64, None, jnp.bfloat16, 24, 20, 16, True),
+  (2, 32, "token", jnp.float32, 40, 24, 16, True),
+  (4, 16, "head", jnp.bfloat16, 64, 32, 16, False),
 ]
 # r = 8 runs through this kernel in tests/test_pallas_forward.py (the operator, interpret mode).
 
 
 @pytest.mark.parametrize("r,chunk,mask_kind,dtype,K,V,block_v,save_states", STATE_CASES)
-def test_chunk_state_output_matches_stages(r, chunk, mask_kind, dtype, K, V, block_v,
-                                           save_states):
-  ref, kern, unpad = padded_stage_inputs(r, chunk, mask_kind, dtype, K, V, nchunks=3,
-                                         with_state=True)
+def test_chunk_state_output_matches_stages(r, chunk, mask_kind, dtype, K, V, block_v, save_states):
+  ref, kern, unpad = padded_stage_inputs(
+    r, chunk, mask_kind, dtype, K, V, nchunks=3, with_state=True
+  )
   out = chunk_state_output.chunk_state_output(
-      kern["q"], kern["k"], kern["w"], kern["u"], kern["gamma"], kern["h0"], key_blocks=r,
-      chunk=chunk, scale=0.3, save_states=save_states, launch=Launch(block_v=block_v))
+    kern["q"],
+    kern["k"],
+    kern["w"],
+    kern["u"],
+    kern["gamma"],
+    kern["h0"],
+    key_blocks=r,
+    chunk=chunk,
+    scale=0.3,
+    save_states=save_states,
+    launch=Launch(block_v=block_v),
+  )
   assert len(out) == (4 if save_states else 2)
   o, final = out[:2]
   assert o.dtype == dtype and final.dtype == jnp.float32
@@ -146,8 +190,9 @@ def test_chunk_state_output_matches_stages(r, chunk, mask_kind, dtype, K, V, blo
 
 
 def run(implementation, **inputs):
-  return gated_delta_product(**inputs, output_final_state=True, implementation=implementation,
-                             precision="ieee")
+  return gated_delta_product(
+    **inputs, output_final_state=True, implementation=implementation, precision="ieee"
+  )
 
 
 def test_operator_forward_and_gradients():
@@ -204,10 +249,10 @@ def test_forward_only_writes_no_residuals():
   fwd = lambda *a: run("pallas", **dict(zip(names, a)))
   calls = _pallas_outputs(fwd, *args)
   assert sorted(calls) == ["gdp_chunk_fwd", "gdp_chunk_state_output"], sorted(calls)
-  assert [len(x) for x in calls["gdp_chunk_fwd"]] == [3]              # gamma, w, u
-  assert [len(x) for x in calls["gdp_chunk_state_output"]] == [2]     # o, final
+  assert [len(x) for x in calls["gdp_chunk_fwd"]] == [3]  # gamma, w, u
+  assert [len(x) for x in calls["gdp_chunk_state_output"]] == [2]  # o, final
   calls = _pallas_outputs(lambda *a: jax.vjp(fwd, *a)[0], *args)
-  assert [len(x) for x in calls["gdp_chunk_fwd"]] == [4]              # gamma, w, u, Ai
+  assert [len(x) for x in calls["gdp_chunk_fwd"]] == [4]  # gamma, w, u, Ai
   assert [len(x) for x in calls["gdp_chunk_state_output"]] == [2]
 
 
@@ -232,54 +277,98 @@ def test_bad_arguments():
     chunk_fwd.chunk_fwd(k, v, s, s, mask(1), key_blocks=1, chunk=16, inverse="newton")
   with pytest.raises(ValueError, match="block_v"):
     chunk_state_output.chunk_state_output(
-        k, k, jnp.zeros((1, 1, 64, 32), k.dtype), jnp.zeros((1, 1, 64, 16), k.dtype), s,
-        jnp.zeros((1, 1, 32, 16)), key_blocks=1, chunk=16, scale=1.0,
-        launch=Launch(block_v=12))
+      k,
+      k,
+      jnp.zeros((1, 1, 64, 32), k.dtype),
+      jnp.zeros((1, 1, 64, 16), k.dtype),
+      s,
+      jnp.zeros((1, 1, 32, 16)),
+      key_blocks=1,
+      chunk=16,
+      scale=1.0,
+      launch=Launch(block_v=12),
+    )
   with pytest.raises(ValueError, match="w must be"):
     chunk_state_output.chunk_state_output(
-        k, k, jnp.zeros((1, 1, 32, 32), k.dtype), jnp.zeros((1, 1, 64, 16), k.dtype), s,
-        jnp.zeros((1, 1, 32, 16)), key_blocks=1, chunk=16, scale=1.0)
+      k,
+      k,
+      jnp.zeros((1, 1, 32, 32), k.dtype),
+      jnp.zeros((1, 1, 64, 16), k.dtype),
+      s,
+      jnp.zeros((1, 1, 32, 16)),
+      key_blocks=1,
+      chunk=16,
+      scale=1.0,
+    )
   with pytest.raises(ValueError, match="precision must be one of"):
-    pallas_impl.gated_delta_product_pallas(k, k, v, s, s, mask(1), jnp.zeros((1, 1, 32, 16)),
-                                           1.0, 64, precision="bf16")
+    pallas_impl.gated_delta_product_pallas(
+      k, k, v, s, s, mask(1), jnp.zeros((1, 1, 32, 16)), 1.0, 64, precision="bf16"
+    )
 
 
 # --- Triton lowering (no GPU needed) ----------------------------------------------------------
 
+
 def _kernel_avals(r, chunk, K, V, dtype, per_token, T=128):
   S = jax.ShapeDtypeStruct
-  fwd = [S((1, T, 2, K), dtype), S((1, T, 2, V), dtype), S((1, 2, T), jnp.float32),
-         S((1, 2, T), jnp.float32),
-         S((1, T, 2, r, r) if per_token else (1, 1, 2, r, r), jnp.float32)]
-  state = [S((1, T, 2, K), dtype), S((1, T, 2, K), dtype), S((1, 2, T * r, K), dtype),
-           S((1, 2, T * r, V), dtype), S((1, 2, T), jnp.float32), S((1, 2, K, V), jnp.float32)]
+  fwd = [
+    S((1, T, 2, K), dtype),
+    S((1, T, 2, V), dtype),
+    S((1, 2, T), jnp.float32),
+    S((1, 2, T), jnp.float32),
+    S((1, T, 2, r, r) if per_token else (1, 1, 2, r, r), jnp.float32),
+  ]
+  state = [
+    S((1, T, 2, K), dtype),
+    S((1, T, 2, K), dtype),
+    S((1, 2, T * r, K), dtype),
+    S((1, 2, T * r, V), dtype),
+    S((1, 2, T), jnp.float32),
+    S((1, 2, K, V), jnp.float32),
+  ]
   return fwd, state
 
 
-@pytest.mark.parametrize("r,chunk,K,V,dtype,per_token", [
-    (1, 64, 128, 128, jnp.bfloat16, False), (2, 32, 128, 128, jnp.bfloat16, True),
-    (2, 64, 128, 128, jnp.bfloat16, False), (4, 16, 128, 128, jnp.bfloat16, True),
-    (4, 32, 128, 128, jnp.bfloat16, False), (1, 64, 256, 256, jnp.bfloat16, False),
-    (2, 32, 256, 256, jnp.bfloat16, False), (1, 64, 128, 128, jnp.float32, False),
-    (2, 32, 128, 128, jnp.float32, True)])
+@pytest.mark.parametrize(
+  "r,chunk,K,V,dtype,per_token",
+  [
+    (1, 64, 128, 128, jnp.bfloat16, False),
+    (2, 32, 128, 128, jnp.bfloat16, True),
+    (2, 64, 128, 128, jnp.bfloat16, False),
+    (4, 16, 128, 128, jnp.bfloat16, True),
+    (4, 32, 128, 128, jnp.bfloat16, False),
+    (1, 64, 256, 256, jnp.bfloat16, False),
+    (2, 32, 256, 256, jnp.bfloat16, False),
+    (1, 64, 128, 128, jnp.float32, False),
+    (2, 32, 128, 128, jnp.float32, True),
+  ],
+)
 def test_fused_kernels_lower_to_triton(monkeypatch, r, chunk, K, V, dtype, per_token):
   """Both fused kernels through the Pallas Triton lowering for an H200, with their residual
   outputs (save_ai, save_states), both diagonal inverses; at the first shape also without the
   residuals and with merge="blocks".
   """
   from tests.triton_lowering import lower_for_h200
+
   fwd_avals, state_avals = _kernel_avals(r, chunk, K, V, dtype, per_token)
   first = (r, chunk, K, dtype) == (1, 64, 128, jnp.bfloat16)
   variants = [("panels", True, "substitution"), ("panels", True, "squaring")] + (
-      [("panels", False, "substitution"), ("blocks", True, "substitution")] if first else [])
+    [("panels", False, "substitution"), ("blocks", True, "substitution")] if first else []
+  )
 
   def fused(*a):
-    outs = [chunk_fwd.chunk_fwd(*a[:5], key_blocks=r, chunk=chunk, save_ai=save_ai, merge=merge,
-                                inverse=inverse)
-            for merge, save_ai, inverse in variants]
-    for save_states in ((True, False) if first else (True,)):
-      outs.append(chunk_state_output.chunk_state_output(
-          *a[5:], key_blocks=r, chunk=chunk, scale=0.1, save_states=save_states))
+    outs = [
+      chunk_fwd.chunk_fwd(
+        *a[:5], key_blocks=r, chunk=chunk, save_ai=save_ai, merge=merge, inverse=inverse
+      )
+      for merge, save_ai, inverse in variants
+    ]
+    for save_states in (True, False) if first else (True,):
+      outs.append(
+        chunk_state_output.chunk_state_output(
+          *a[5:], key_blocks=r, chunk=chunk, scale=0.1, save_states=save_states
+        )
+      )
     return outs
 
   modules = lower_for_h200(monkeypatch, fused, *fwd_avals, *state_avals)

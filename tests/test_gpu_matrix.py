@@ -19,15 +19,60 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from scripts import gpu_matrix  # noqa: E402
 
-TOP_FIELDS = ("schema", "date", "jax_version", "jaxlib_version", "gpu", "device", "platform",
-              "interpret_mode", "default_precision", "shape", "chunk_size", "cache_dir", "jobs",
-              "tolerances", "tf32_tolerance", "command", "wall_s", "configs", "summary")
-RECORD_FIELDS = ("key", "dtype", "K", "V", "r", "mask", "precision", "mask_shape", "tolerance",
-                 "planted", "fwd", "bwd", "reference_error", "errors", "status", "failures",
-                 "seconds")
+TOP_FIELDS = (
+  "schema",
+  "date",
+  "jax_version",
+  "jaxlib_version",
+  "gpu",
+  "device",
+  "platform",
+  "interpret_mode",
+  "default_precision",
+  "shape",
+  "chunk_size",
+  "cache_dir",
+  "jobs",
+  "tolerances",
+  "tf32_tolerance",
+  "command",
+  "wall_s",
+  "configs",
+  "summary",
+)
+RECORD_FIELDS = (
+  "key",
+  "dtype",
+  "K",
+  "V",
+  "r",
+  "mask",
+  "precision",
+  "mask_shape",
+  "tolerance",
+  "planted",
+  "fwd",
+  "bwd",
+  "reference_error",
+  "errors",
+  "status",
+  "failures",
+  "seconds",
+)
 STAGE_FIELDS = ("lower_s", "compile_s", "cache_hit", "first_compile_s", "ok", "error", "phase")
-SUMMARY_FIELDS = ("configs", "passed", "failed", "failures", "slowest_compiles", "over_60s",
-                  "compiles", "cache_hits", "worst_error_over_tolerance", "not_run", "lost")
+SUMMARY_FIELDS = (
+  "configs",
+  "passed",
+  "failed",
+  "failures",
+  "slowest_compiles",
+  "over_60s",
+  "compiles",
+  "cache_hits",
+  "worst_error_over_tolerance",
+  "not_run",
+  "lost",
+)
 
 
 def listed(capsys, *argv):
@@ -45,9 +90,11 @@ def test_plan_covers_the_matrix_and_slices_it(capsys):
   assert "f32 ieee K=64 V=128 r=1 mask=none" in every
   assert "f32 tf32 K=256 V=64 r=4 mask=shared" in every
   assert listed(capsys, "--only", "r=8", "--dtype", "bf16") == [
-      k for k in every if k.startswith("bf16 ") and " r=8 " in k]
+    k for k in every if k.startswith("bf16 ") and " r=8 " in k
+  ]
   assert listed(capsys, "--only", "mask=none", "--only", "K=16") == [
-      k for k in every if k.endswith("mask=none") and " K=16 " in k]
+    k for k in every if k.endswith("mask=none") and " K=16 " in k
+  ]
   assert len(listed(capsys, "--only", "precision=ieee")) == 120
   # Shards partition the plan, and the two float32 precisions of a shape stay together.
   shards = [listed(capsys, "--shard", f"{i}/3") for i in range(3)]
@@ -58,9 +105,15 @@ def test_plan_covers_the_matrix_and_slices_it(capsys):
     assert ieee == tf32
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--only", "rank=2"], "KEY=VALUE"), (["--shard", "3/3"], "0 <= I < N"),
-    (["--dims", "16,x"], "--dims"), (["--dtype", "f64"], "--dtype")])
+@pytest.mark.parametrize(
+  "argv,message",
+  [
+    (["--only", "rank=2"], "KEY=VALUE"),
+    (["--shard", "3/3"], "0 <= I < N"),
+    (["--dims", "16,x"], "--dims"),
+    (["--dtype", "f64"], "--dtype"),
+  ],
+)
 def test_bad_arguments_are_clear(argv, message):
   with pytest.raises(SystemExit, match=message):
     gpu_matrix.main(["--list", *argv])
@@ -69,14 +122,27 @@ def test_bad_arguments_are_clear(argv, message):
 def test_summary_flags_slow_compiles_and_failures():
   def rec(key, fwd_s, bwd_s, status="pass", hit=False):
     stage = lambda s: dict(compile_s=s, first_compile_s=s if not hit else 70.0, cache_hit=hit)
-    return dict(key=key, dtype="bf16", precision=None, fwd=stage(fwd_s), bwd=stage(bwd_s),
-                errors={"o": 1e-3}, tolerance=dict(forward=3e-2, gradient=5e-2), status=status,
-                failures=[] if status == "pass" else ["dq: relative error 1 > 0.05"])
-  summary = gpu_matrix.summarize([rec("a", 1.0, 61.0), rec("b", 2.0, 3.0, "fail"),
-                                  rec("c", 0.1, 0.2, hit=True)])
+    return dict(
+      key=key,
+      dtype="bf16",
+      precision=None,
+      fwd=stage(fwd_s),
+      bwd=stage(bwd_s),
+      errors={"o": 1e-3},
+      tolerance=dict(forward=3e-2, gradient=5e-2),
+      status=status,
+      failures=[] if status == "pass" else ["dq: relative error 1 > 0.05"],
+    )
+
+  summary = gpu_matrix.summarize(
+    [rec("a", 1.0, 61.0), rec("b", 2.0, 3.0, "fail"), rec("c", 0.1, 0.2, hit=True)]
+  )
   assert summary["failed"] == 1 and summary["failures"][0]["key"] == "b"
   assert [(c["key"], c["stage"]) for c in summary["over_60s"]] == [
-      ("c", "fwd"), ("c", "bwd"), ("a", "bwd")]           # a cached 70 s first compile counts
+    ("c", "fwd"),
+    ("c", "bwd"),
+    ("a", "bwd"),
+  ]  # a cached 70 s first compile counts
   assert summary["slowest_compiles"][3]["key"] == "b"
   assert summary["cache_hits"] == 2 and summary["compiles"] == 6
 
@@ -85,9 +151,23 @@ def test_tiny_run_reports_a_planted_mismatch(tmp_path):
   out = tmp_path / "matrix.json"
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, "scripts/gpu_matrix.py", "--tiny", "--self-check", "--out", str(out),
-       "--cache-dir", str(tmp_path / "cache")],
-      check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      "scripts/gpu_matrix.py",
+      "--tiny",
+      "--self-check",
+      "--out",
+      str(out),
+      "--cache-dir",
+      str(tmp_path / "cache"),
+    ],
+    check=False,
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
   result = json.loads(out.read_text())
   for field in TOP_FIELDS:
@@ -96,8 +176,7 @@ def test_tiny_run_reports_a_planted_mismatch(tmp_path):
   assert result["platform"] == "cpu" and result["interpret_mode"] is True
   assert result["cache_dir"] == str(tmp_path / "cache")
   configs = result["configs"]
-  assert [c["key"] for c in configs] == [gpu_matrix.Config(*c).key
-                                         for c in gpu_matrix.TINY_CONFIGS]
+  assert [c["key"] for c in configs] == [gpu_matrix.Config(*c).key for c in gpu_matrix.TINY_CONFIGS]
   for c in configs:
     for field in RECORD_FIELDS:
       assert field in c, (c["key"], field)

@@ -18,8 +18,7 @@ import optax
 import pytest
 from flax import nnx
 
-from gdp_jax import (gated_delta_product, householder_delta_product,
-                     householder_delta_product_step)
+from gdp_jax import gated_delta_product, householder_delta_product, householder_delta_product_step
 from gdp_jax.layers import GatedDeltaProduct, rotation_mask
 from gdp_jax.models import HybridConfig, HybridLM
 from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, tol
@@ -27,8 +26,7 @@ from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, tol
 F32, GRAD_F32 = tol(jnp.float32), GRAD_TOLERANCE[jnp.float32]
 
 
-def hh_inputs(seed, n_h, B=2, T=7, H=2, K=16, V=8, with_state=True, with_g=True,
-              dtype=jnp.float32):
+def hh_inputs(seed, n_h, B=2, T=7, H=2, K=16, V=8, with_state=True, with_g=True, dtype=jnp.float32):
   """Random inputs in the layer's regime: unit keys, beta in (0, 2) (negative eigenvalues)."""
   rng = np.random.default_rng(seed)
   normal = lambda *s: rng.standard_normal(s).astype(np.float32)
@@ -37,15 +35,24 @@ def hh_inputs(seed, n_h, B=2, T=7, H=2, K=16, V=8, with_state=True, with_g=True,
   q = normal(B, T, H, K)
   q = q / np.linalg.norm(q, axis=-1, keepdims=True)
   cast = lambda x: jnp.asarray(x, dtype)
-  return dict(q=cast(q), k=cast(k), v=cast(normal(B, T * n_h, H, V)),
-              g=jnp.asarray(-np.abs(normal(B, T, H)) * 0.2 - 0.01) if with_g else None,
-              beta=jnp.asarray(2.0 / (1.0 + np.exp(-normal(B, T * n_h, H)))),
-              initial_state=jnp.asarray(normal(B, H, K, V) * 0.5) if with_state else None)
+  return dict(
+    q=cast(q),
+    k=cast(k),
+    v=cast(normal(B, T * n_h, H, V)),
+    g=jnp.asarray(-np.abs(normal(B, T, H)) * 0.2 - 0.01) if with_g else None,
+    beta=jnp.asarray(2.0 / (1.0 + np.exp(-normal(B, T * n_h, H)))),
+    initial_state=jnp.asarray(normal(B, H, K, V) * 0.5) if with_state else None,
+  )
 
 
 def run(implementation, n_h, chunk_size=16, **inputs):
-  return householder_delta_product(**inputs, num_householder=n_h, output_final_state=True,
-                                   implementation=implementation, chunk_size=chunk_size)
+  return householder_delta_product(
+    **inputs,
+    num_householder=n_h,
+    output_final_state=True,
+    implementation=implementation,
+    chunk_size=chunk_size,
+  )
 
 
 def np_householder(q, k, v, g, beta, n_h, scale, h0=None):
@@ -68,19 +75,30 @@ def np_householder(q, k, v, g, beta, n_h, scale, h0=None):
 
 # ---- the reference against numpy --------------------------------------------------------------
 
-@pytest.mark.parametrize("n_h,with_state,with_g", [
-    (1, True, True), (2, False, True), (3, True, False), (4, True, True)])
+
+@pytest.mark.parametrize(
+  "n_h,with_state,with_g", [(1, True, True), (2, False, True), (3, True, False), (4, True, True)]
+)
 def test_reference_matches_numpy(n_h, with_state, with_g):
   inputs = hh_inputs(n_h, n_h, T=6, with_state=with_state, with_g=with_g)
   o, f = run("reference", n_h, **inputs)
-  o_np, f_np = np_householder(inputs["q"], inputs["k"], inputs["v"], inputs["g"],
-                              inputs["beta"], n_h, 16 ** -0.5, inputs["initial_state"])
+  o_np, f_np = np_householder(
+    inputs["q"],
+    inputs["k"],
+    inputs["v"],
+    inputs["g"],
+    inputs["beta"],
+    n_h,
+    16**-0.5,
+    inputs["initial_state"],
+  )
   assert o.dtype == jnp.float32 and f.dtype == jnp.float32
   assert_close(o, o_np, F32, "o")
   assert_close(f, f_np, F32, "final state")
 
 
 # ---- the chunked implementations against the reference: forward and every gradient -------------
+
 
 def check_against_reference(implementation, n_h, inputs, chunk_size=16):
   o_ref, f_ref = run("reference", n_h, **inputs)
@@ -89,8 +107,7 @@ def check_against_reference(implementation, n_h, inputs, chunk_size=16):
   assert_close(o, o_ref, F32, f"{implementation} o")
   assert_close(f, f_ref, F32, f"{implementation} final state")
   g_ref = loss_and_grads(jax.jit(functools.partial(run, "reference", n_h)), inputs)
-  g_got = loss_and_grads(jax.jit(functools.partial(run, implementation, n_h, chunk_size)),
-                         inputs)
+  g_got = loss_and_grads(jax.jit(functools.partial(run, implementation, n_h, chunk_size)), inputs)
   assert set(g_got) == set(g_ref) == {n for n, x in inputs.items() if x is not None}
   for name in g_ref:
     assert g_got[name].shape == inputs[name].shape, name
@@ -98,25 +115,25 @@ def check_against_reference(implementation, n_h, inputs, chunk_size=16):
 
 
 # T * n_h = 7, 14, 21, 28 sub-steps: never a multiple of the chunk (16).
-@pytest.mark.parametrize("n_h,with_state,with_g", [
-    (1, True, True), (2, False, False), (3, True, True), (4, False, True)])
+@pytest.mark.parametrize(
+  "n_h,with_state,with_g", [(1, True, True), (2, False, False), (3, True, True), (4, False, True)]
+)
 def test_xla_matches_reference(n_h, with_state, with_g):
-  check_against_reference("xla", n_h, hh_inputs(10 + n_h, n_h, T=7, with_state=with_state,
-                                                with_g=with_g))
+  check_against_reference(
+    "xla", n_h, hh_inputs(10 + n_h, n_h, T=7, with_state=with_state, with_g=with_g)
+  )
 
 
 # Interpret-mode Pallas is slow: few, tiny cases (T * n_h = 10 and 27 sub-steps).
 @pytest.mark.parametrize("n_h,T,with_state", [(2, 5, True), (3, 9, False)])
 def test_pallas_matches_reference(n_h, T, with_state):
-  check_against_reference("pallas", n_h, hh_inputs(20 + n_h, n_h, T=T, H=1,
-                                                   with_state=with_state))
+  check_against_reference("pallas", n_h, hh_inputs(20 + n_h, n_h, T=T, H=1, with_state=with_state))
 
 
 def test_one_step_is_the_gated_delta_rule():
   """n_h = 1 is the r = 1 operator (mask None) itself, for every implementation."""
   inputs = hh_inputs(30, 1, T=9)
-  o_ref, f_ref = gated_delta_product(**inputs, output_final_state=True,
-                                     implementation="reference")
+  o_ref, f_ref = gated_delta_product(**inputs, output_final_state=True, implementation="reference")
   for implementation in ("reference", "xla"):
     o, f = run(implementation, 1, **inputs)
     assert_close(o, o_ref, F32, f"{implementation} o")
@@ -125,12 +142,16 @@ def test_one_step_is_the_gated_delta_rule():
 
 def test_bfloat16_scale_and_jit():
   inputs = hh_inputs(31, 2, T=6, dtype=jnp.bfloat16)
-  fn = jax.jit(lambda **kw: householder_delta_product(
-      **kw, num_householder=2, scale=0.3, output_final_state=True, implementation="xla"))
+  fn = jax.jit(
+    lambda **kw: householder_delta_product(
+      **kw, num_householder=2, scale=0.3, output_final_state=True, implementation="xla"
+    )
+  )
   o, f = fn(**inputs)
   assert o.dtype == jnp.bfloat16 and f.dtype == jnp.float32
-  o_ref, f_ref = householder_delta_product(**inputs, num_householder=2, scale=0.3,
-                                           output_final_state=True, implementation="reference")
+  o_ref, f_ref = householder_delta_product(
+    **inputs, num_householder=2, scale=0.3, output_final_state=True, implementation="reference"
+  )
   assert_close(o, o_ref, tol(jnp.bfloat16), "o")
   assert_close(f, f_ref, tol(jnp.bfloat16), "final state")
   o2, none = householder_delta_product(**inputs, num_householder=2, implementation="xla")
@@ -139,19 +160,25 @@ def test_bfloat16_scale_and_jit():
 
 # ---- the one-token step -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("implementation,n_h,with_g", [
-    ("xla", 1, True), ("xla", 3, False), ("pallas", 2, True)])
+
+@pytest.mark.parametrize(
+  "implementation,n_h,with_g", [("xla", 1, True), ("xla", 3, False), ("pallas", 2, True)]
+)
 def test_step_matches_sequence(implementation, n_h, with_g):
   inputs = hh_inputs(40 + n_h, n_h, T=4, with_g=with_g)
   o_ref, f_ref = run("reference", n_h, **inputs)
-  step = jax.jit(functools.partial(householder_delta_product_step, num_householder=n_h,
-                                   implementation=implementation))
+  step = jax.jit(
+    functools.partial(
+      householder_delta_product_step, num_householder=n_h, implementation=implementation
+    )
+  )
   q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
   state, outs = inputs["initial_state"], []
   for t in range(q.shape[1]):
     sub = slice(t * n_h, (t + 1) * n_h)
-    o, state = step(q[:, t], k[:, sub], v[:, sub], None if g is None else g[:, t], beta[:, sub],
-                    state)
+    o, state = step(
+      q[:, t], k[:, sub], v[:, sub], None if g is None else g[:, t], beta[:, sub], state
+    )
     outs.append(o)
   assert state.dtype == jnp.float32
   assert_close(jnp.stack(outs, axis=1), o_ref, F32, "o")
@@ -169,18 +196,36 @@ def test_step_from_no_state():
 
 # ---- bad input ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("change,error,words", [
-    (dict(k=jnp.zeros((2, 7, 2, 16))), ValueError,
-     "k has shape (2, 7, 2, 16), expected (2, 14, 2, 16) ([B, T*n_h, H, K]"),
+
+@pytest.mark.parametrize(
+  "change,error,words",
+  [
+    (
+      dict(k=jnp.zeros((2, 7, 2, 16))),
+      ValueError,
+      "k has shape (2, 7, 2, 16), expected (2, 14, 2, 16) ([B, T*n_h, H, K]",
+    ),
     (dict(v=jnp.zeros((2, 7, 2, 8))), ValueError, "expected [B, T*n_h, H, V] = [2, 14, 2, V]"),
     (dict(beta=jnp.zeros((2, 7, 2))), ValueError, "beta has shape (2, 7, 2), expected (2, 14, 2)"),
     (dict(beta=None), ValueError, "beta is required"),
     (dict(g=jnp.zeros((2, 14, 2))), ValueError, "g has shape (2, 14, 2), expected (2, 7, 2)"),
     (dict(q=jnp.zeros((2, 7, 16))), ValueError, "q must be [B, T, H, K] (rank 4)"),
-    (dict(q=jnp.zeros((2, 0, 2, 16)), k=jnp.zeros((2, 0, 2, 16)), v=jnp.zeros((2, 0, 2, 8)),
-          beta=jnp.zeros((2, 0, 2)), g=jnp.zeros((2, 0, 2))), ValueError, "need T >= 1"),
-    (dict(initial_state=jnp.zeros((2, 2, 16, 4))), ValueError,
-     "initial_state has shape (2, 2, 16, 4)"),
+    (
+      dict(
+        q=jnp.zeros((2, 0, 2, 16)),
+        k=jnp.zeros((2, 0, 2, 16)),
+        v=jnp.zeros((2, 0, 2, 8)),
+        beta=jnp.zeros((2, 0, 2)),
+        g=jnp.zeros((2, 0, 2)),
+      ),
+      ValueError,
+      "need T >= 1",
+    ),
+    (
+      dict(initial_state=jnp.zeros((2, 2, 16, 4))),
+      ValueError,
+      "initial_state has shape (2, 2, 16, 4)",
+    ),
     (dict(v=jnp.zeros((2, 14, 2, 8), jnp.bfloat16)), TypeError, "share one dtype"),
     (dict(q=jnp.zeros((2, 7, 2, 16), jnp.int32)), TypeError, "q must have a floating dtype"),
     (dict(beta=jnp.zeros((2, 14, 2), jnp.int32)), TypeError, "beta must have a floating dtype"),
@@ -191,7 +236,8 @@ def test_step_from_no_state():
     (dict(precision="fp8"), ValueError, "precision must be None"),
     (dict(chunk_size=48), ValueError, "chunk_size must be one of"),
     (dict(cu_seqlens=jnp.array([0, 3, 7])), NotImplementedError, "cu_seqlens"),
-])
+  ],
+)
 def test_bad_inputs_raise(change, error, words):
   kw = dict(hh_inputs(50, 2), num_householder=2, implementation="xla")
   kw.update(change)
@@ -203,14 +249,20 @@ def test_bad_inputs_raise(change, error, words):
 @pytest.mark.parametrize("precision", [None, "default", "tf32", "highest"])
 def test_precision_strings_accepted(precision):
   inputs = hh_inputs(51, 2, T=3)
-  o, _ = householder_delta_product(**inputs, num_householder=2, precision=precision,
-                                   implementation="xla")
+  o, _ = householder_delta_product(
+    **inputs, num_householder=2, precision=precision, implementation="xla"
+  )
   assert o.shape == (2, 3, 2, 8)
 
 
-@pytest.mark.parametrize("change,error,words", [
-    (dict(k=jnp.zeros((2, 3, 2, 16))), ValueError, "k has shape (2, 3, 2, 16), expected "
-     "(2, 2, 2, 16) ([B, n_h, H, K]"),
+@pytest.mark.parametrize(
+  "change,error,words",
+  [
+    (
+      dict(k=jnp.zeros((2, 3, 2, 16))),
+      ValueError,
+      "k has shape (2, 3, 2, 16), expected (2, 2, 2, 16) ([B, n_h, H, K]",
+    ),
     (dict(v=jnp.zeros((2, 2, 8))), ValueError, "expected [B, n_h, H, V] = [2, 2, 2, V]"),
     (dict(beta=jnp.zeros((2, 2))), ValueError, "beta has shape (2, 2), expected (2, 2, 2)"),
     (dict(q=jnp.zeros((2, 1, 2, 16))), ValueError, "q must be [B, H, K] (rank 3"),
@@ -218,11 +270,19 @@ def test_precision_strings_accepted(precision):
     (dict(state=jnp.zeros((2, 2, 16, 3))), ValueError, "state has shape (2, 2, 16, 3)"),
     (dict(num_householder=3), ValueError, "n_h = num_householder = 3"),
     (dict(implementation="reference"), ValueError, "implementation must be one of"),
-])
+  ],
+)
 def test_step_bad_inputs_raise(change, error, words):
   inputs = hh_inputs(52, 2, T=1)
-  kw = dict(q=inputs["q"][:, 0], k=inputs["k"], v=inputs["v"], g=inputs["g"][:, 0],
-            beta=inputs["beta"], state=inputs["initial_state"], num_householder=2)
+  kw = dict(
+    q=inputs["q"][:, 0],
+    k=inputs["k"],
+    v=inputs["v"],
+    g=inputs["g"][:, 0],
+    beta=inputs["beta"],
+    state=inputs["initial_state"],
+    num_householder=2,
+  )
   kw.update(change)
   with pytest.raises(error) as info:
     householder_delta_product_step(**kw)
@@ -249,10 +309,14 @@ def run_steps(layer, x, cache):
   return jnp.stack(ys, axis=1), cache
 
 
-@pytest.mark.parametrize("kw", [
+@pytest.mark.parametrize(
+  "kw",
+  [
     dict(mask_mode="householder", num_householder=2, allow_neg_eigval=True),
     dict(mask_mode="householder", num_householder=3, use_short_conv=False, use_gate=False),
-    dict(mask_mode="rotation", num_blocks=2)])
+    dict(mask_mode="rotation", num_blocks=2),
+  ],
+)
 def test_layer_sequence_matches_steps(kw):
   layer = layer_of(**kw)
   x = jax.random.normal(jax.random.key(1), (2, 7, D))
@@ -275,13 +339,14 @@ def test_householder_layer_ragged_prefill_and_gradients():
   lengths = jnp.array([3, 6], jnp.int32)
   pad = jnp.arange(8)[None, :, None] >= lengths[:, None, None]
   _, cache = nnx.jit(lambda m, x, n: m(x, n, return_cache=True))(
-      layer, jnp.where(pad, 50.0, x), lengths)
+    layer, jnp.where(pad, 50.0, x), lengths
+  )
   y_full = nnx.jit(lambda m, x: m(x))(layer, x)
   for b in range(2):
     n = int(lengths[b])
-    row = jax.tree.map(lambda a: a[b:b + 1], cache)
-    y_rest, _ = run_steps(layer, x[b:b + 1, n:], row)
-    assert_close(y_rest, y_full[b:b + 1, n:], 2e-5, f"row {b} after {n} tokens")
+    row = jax.tree.map(lambda a: a[b : b + 1], cache)
+    y_rest, _ = run_steps(layer, x[b : b + 1, n:], row)
+    assert_close(y_rest, y_full[b : b + 1, n:], 2e-5, f"row {b} after {n} tokens")
   grads = nnx.jit(nnx.grad(lambda m: jnp.sum(jnp.sin(m(x)))))(layer)
   for path, g in jax.tree_util.tree_leaves_with_path(nnx.state(grads, nnx.Param)):
     assert np.all(np.isfinite(g)) and np.any(np.asarray(g) != 0), jax.tree_util.keystr(path)
@@ -296,32 +361,36 @@ def test_householder_layer_is_the_operator():
   np.testing.assert_allclose(np.linalg.norm(np.asarray(k), axis=-1), 1.0, atol=1e-5)
   g, beta = layer._gates(x)
   assert g.shape == (1, 5, H) and beta.shape == (1, 5, 2, H)
-  assert float(beta.max()) < 1.0                                     # allow_neg_eigval off
+  assert float(beta.max()) < 1.0  # allow_neg_eigval off
 
 
 def test_rotation_mask_is_a_contraction_that_rotates():
   """I - beta M = (1 - beta) I + beta C with ||C|| <= 1; C at c1 = c2 = 1 is a rotation."""
-  w = jax.random.normal(jax.random.key(4), (64, 2, 3)) * 3.0        # r = 4: two pairs
+  w = jax.random.normal(jax.random.key(4), (64, 2, 3)) * 3.0  # r = 4: two pairs
   m = np.asarray(rotation_mask(w))
   assert m.shape == (64, 4, 4)
   assert np.abs(m[:, :2, 2:]).max() == 0 and np.abs(m[:, 2:, :2]).max() == 0
   for beta in (0.3, 1.0):
     norms = np.linalg.norm(np.eye(4) - beta * m, ord=2, axis=(-2, -1))
     assert norms.max() <= 1 + 1e-5
-  big = 20.0                                                         # tanh -> 1
+  big = 20.0  # tanh -> 1
   theta = 2 * np.pi / 3
   w_rot = jnp.array([[[np.arctanh(theta / np.pi), big, big]]], jnp.float32)
-  trans = np.eye(2) - np.asarray(rotation_mask(w_rot))[0]            # beta = 1
-  np.testing.assert_allclose(trans, [[np.cos(theta), -np.sin(theta)],
-                                     [np.sin(theta), np.cos(theta)]], atol=1e-5)
+  trans = np.eye(2) - np.asarray(rotation_mask(w_rot))[0]  # beta = 1
+  np.testing.assert_allclose(
+    trans, [[np.cos(theta), -np.sin(theta)], [np.sin(theta), np.cos(theta)]], atol=1e-5
+  )
 
 
-@pytest.mark.parametrize("kw,match", [
+@pytest.mark.parametrize(
+  "kw,match",
+  [
     (dict(mask_mode="householder", num_householder=0), "num_householder must be a positive"),
     (dict(mask_mode="rotation", num_blocks=1), "num_blocks must be even"),
     (dict(mask_mode="rotation", key_norm="full"), "needs key_norm='block'"),
     (dict(mask_mode="rotation", allow_neg_eigval=True), "set allow_neg_eigval=False"),
-])
+  ],
+)
 def test_layer_bad_configuration(kw, match):
   with pytest.raises(ValueError, match=match):
     layer_of(**kw)
@@ -329,11 +398,23 @@ def test_layer_bad_configuration(kw, match):
 
 # ---- the hybrid model ---------------------------------------------------------------------------
 
+
 def test_hybrid_model_with_a_householder_layer_trains_a_step():
-  config = HybridConfig(vocab_size=11, hidden_size=16, layer_pattern="DHA", num_heads=2,
-                        head_dim=8, num_blocks=2, num_householder=2, allow_neg_eigval=True,
-                        attn_num_heads=2, attn_num_kv_heads=1, mlp_ratio=2, chunk_size=16,
-                        implementation="xla")
+  config = HybridConfig(
+    vocab_size=11,
+    hidden_size=16,
+    layer_pattern="DHA",
+    num_heads=2,
+    head_dim=8,
+    num_blocks=2,
+    num_householder=2,
+    allow_neg_eigval=True,
+    attn_num_heads=2,
+    attn_num_kv_heads=1,
+    mlp_ratio=2,
+    chunk_size=16,
+    implementation="xla",
+  )
   model = HybridLM(config, rngs=nnx.Rngs(0))
   assert [b.mixer.mask_mode for b in model.blocks[:2]] == ["static", "householder"]
   tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, 11, jnp.int32)

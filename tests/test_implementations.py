@@ -22,16 +22,27 @@ from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, make_input
 CHUNKED = [n for n in dispatch.implementations("gated_delta_product") if n != "reference"]
 
 # (r, mask kind, T, chunk): every mask shape, T on and off the chunk grid, each chunk size.
-FORWARD_CASES = [(1, None, 45, 64), (2, "shared", 37, 16), (2, "head", 64, 32),
-                 (4, "token", 50, 16), (4, "head", 9, 64)]
+FORWARD_CASES = [
+  (1, None, 45, 64),
+  (2, "shared", 37, 16),
+  (2, "head", 64, 32),
+  (4, "token", 50, 16),
+  (4, "head", 9, 64),
+]
 # (r, mask kind, T, with an initial state)
-GRADIENT_CASES = [(1, None, 45, True), (2, "shared", 37, False), (2, "head", 64, True),
-                  (4, "token", 50, True), (4, "head", 20, False)]
+GRADIENT_CASES = [
+  (1, None, 45, True),
+  (2, "shared", 37, False),
+  (2, "head", 64, True),
+  (4, "token", 50, True),
+  (4, "head", 20, False),
+]
 
 
 def run(implementation, chunk_size=64, **inputs):
-  return gated_delta_product(**inputs, output_final_state=True, chunk_size=chunk_size,
-                             implementation=implementation)
+  return gated_delta_product(
+    **inputs, output_final_state=True, chunk_size=chunk_size, implementation=implementation
+  )
 
 
 @pytest.mark.parametrize("implementation", CHUNKED)
@@ -56,16 +67,19 @@ def test_forward_half_precision(implementation, dtype):
   assert_close(o, o_ref, tol(dtype), "o")
   assert_close(f, f_ref, tol(dtype), "final state")
   # and against the float32 computation on the same (rounded) inputs
-  o32, _ = run("reference", **{n: (x.astype(jnp.float32) if x is not None else None)
-                                for n, x in inputs.items()})
+  o32, _ = run(
+    "reference",
+    **{n: (x.astype(jnp.float32) if x is not None else None) for n, x in inputs.items()},
+  )
   assert_close(o, o32, tol(dtype), "o vs float32")
 
 
 @pytest.mark.parametrize("implementation", CHUNKED)
 @pytest.mark.parametrize("r,mask_kind,T,with_state", GRADIENT_CASES)
 def test_gradients_match_reference(implementation, r, mask_kind, T, with_state):
-  inputs = make_inputs(11, B=2, T=T, H=2, K=32, V=16, r=r, mask_kind=mask_kind,
-                       with_state=with_state)
+  inputs = make_inputs(
+    11, B=2, T=T, H=2, K=32, V=16, r=r, mask_kind=mask_kind, with_state=with_state
+  )
   g_ref = loss_and_grads(functools.partial(run, "reference"), inputs)
   g_got = loss_and_grads(functools.partial(run, implementation, 16), inputs)
   assert set(g_got) == set(g_ref)
@@ -109,15 +123,16 @@ def test_transformations_compose(implementation):
   args = [inputs[n] for n in names]
 
   def loss(impl, *a):
-    o, f = gated_delta_product(*a[:6], initial_state=a[6], output_final_state=True,
-                               chunk_size=16, implementation=impl)
+    o, f = gated_delta_product(
+      *a[:6], initial_state=a[6], output_final_state=True, chunk_size=16, implementation=impl
+    )
     return jnp.sum(o * o) + jnp.sum(jnp.sin(f))
 
   argnums = tuple(range(1, 8))
   ref_val, ref_grads = jax.value_and_grad(loss, argnums=argnums)("reference", *args)
-  val, grads = jax.jit(jax.value_and_grad(jax.checkpoint(loss, static_argnums=0),
-                                          argnums=argnums), static_argnums=0)(implementation,
-                                                                              *args)
+  val, grads = jax.jit(
+    jax.value_and_grad(jax.checkpoint(loss, static_argnums=0), argnums=argnums), static_argnums=0
+  )(implementation, *args)
   assert_close(val, ref_val, tol(jnp.float32), "loss")
   for gr, ref, name in zip(grads, ref_grads, names):
     assert_close(gr, ref, GRAD_TOLERANCE[jnp.float32], f"d{name}")

@@ -4,8 +4,6 @@ parameter, use from flax.linen, and configuration errors."""
 
 from __future__ import annotations
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -32,7 +30,7 @@ def x_of(seed, B=2, T=7, dtype=jnp.float32):
 
 
 def run_steps(layer, x, cache):
-  step = jax.jit(lambda x_t, c: layer.step(x_t, c))        # one compilation per layer
+  step = jax.jit(lambda x_t, c: layer.step(x_t, c))  # one compilation per layer
   ys = []
   for t in range(x.shape[1]):
     y, cache = step(x[:, t], cache)
@@ -42,16 +40,18 @@ def run_steps(layer, x, cache):
 
 # ---- the block mask ---------------------------------------------------------------------------
 
+
 def test_block_mask_properties():
   w = jax.random.normal(jax.random.key(0), (3, 4, 4))
   m = np.asarray(block_mask(w))
   np.testing.assert_allclose(m, np.swapaxes(m, -1, -2), atol=1e-6)
   np.testing.assert_allclose(np.diagonal(m, axis1=-2, axis2=-1), 1.0, atol=1e-4)  # eps 1e-6
   assert m.min() >= 0.0 and m.max() <= 1.0 + 1e-6
-  assert np.all(np.linalg.eigvalsh(m) > -1e-5)                      # a Gram matrix: PSD
+  assert np.all(np.linalg.eigvalsh(m) > -1e-5)  # a Gram matrix: PSD
 
 
 # ---- GatedDeltaProduct --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gdp_shapes_and_dtypes(dtype):
@@ -63,14 +63,22 @@ def test_gdp_shapes_and_dtypes(dtype):
   assert cache.conv.shape == (2, 3, 2 * H * K + H * 2 * K) and cache.conv.dtype == dtype
   y1, cache1 = layer.step(x[:, 0], layer.init_cache(2))
   assert y1.shape == (2, D) and y1.dtype == dtype
-  assert jax.tree.map(lambda a: (a.shape, a.dtype), cache1) == \
-      jax.tree.map(lambda a: (a.shape, a.dtype), cache)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), cache1) == jax.tree.map(
+    lambda a: (a.shape, a.dtype), cache
+  )
   assert np.all(np.isfinite(np.asarray(y, np.float32)))
 
 
-@pytest.mark.parametrize("mask_mode,use_short_conv,use_gate", [
-    ("static", True, True), ("static", False, False), ("token", True, False),
-    ("token", False, True), ("ones", True, True)])
+@pytest.mark.parametrize(
+  "mask_mode,use_short_conv,use_gate",
+  [
+    ("static", True, True),
+    ("static", False, False),
+    ("token", True, False),
+    ("token", False, True),
+    ("ones", True, True),
+  ],
+)
 def test_gdp_sequence_matches_steps(mask_mode, use_short_conv, use_gate):
   layer = gdp(mask_mode=mask_mode, use_short_conv=use_short_conv, use_gate=use_gate)
   x = x_of(1)
@@ -84,8 +92,13 @@ def test_gdp_sequence_matches_steps(mask_mode, use_short_conv, use_gate):
     assert cache.conv is None and cache_steps.conv is None
 
 
-@pytest.mark.parametrize("kw", [dict(key_norm="full", allow_neg_eigval=True, num_blocks=4),
-                                dict(key_norm="full", mask_mode="ones", num_blocks=1)])
+@pytest.mark.parametrize(
+  "kw",
+  [
+    dict(key_norm="full", allow_neg_eigval=True, num_blocks=4),
+    dict(key_norm="full", mask_mode="ones", num_blocks=1),
+  ],
+)
 def test_gdp_variants_match_steps(kw):
   layer = gdp(**kw)
   x = x_of(2, T=5)
@@ -100,15 +113,15 @@ def test_gdp_ragged_prefill_then_steps():
   T = 9
   x = x_of(3, T=T)
   lengths = jnp.array([3, 6], jnp.int32)
-  garbage = 100.0 * x_of(4, T=T)                                    # padding content is ignored
+  garbage = 100.0 * x_of(4, T=T)  # padding content is ignored
   pad = jnp.arange(T)[None, :, None] >= lengths[:, None, None]
   _, cache = layer(jnp.where(pad, garbage, x), lengths, return_cache=True)
   y_full = layer(x)
   for b in range(2):
     n = int(lengths[b])
-    row = jax.tree.map(lambda a: a[b:b + 1], cache)
-    y_rest, _ = run_steps(layer, x[b:b + 1, n:], row)
-    assert_close(y_rest, y_full[b:b + 1, n:], 2e-5, f"row {b} continued after {n} tokens")
+    row = jax.tree.map(lambda a: a[b : b + 1], cache)
+    y_rest, _ = run_steps(layer, x[b : b + 1, n:], row)
+    assert_close(y_rest, y_full[b : b + 1, n:], 2e-5, f"row {b} continued after {n} tokens")
 
 
 def test_gdp_mask_ones_is_the_gated_delta_rule():
@@ -126,18 +139,19 @@ def test_gdp_mask_ones_is_the_gated_delta_rule():
 def test_gdp_transition_eigenvalues_stay_in_range(r):
   """With block-normalised keys and beta / rho(M), the per-token transition
   I - beta/rho Kb M Kb^T has eigenvalues in [1 - beta, 1] for any mask of the layer's form."""
-  layer = GatedDeltaProduct(D, H, 4 * r, num_blocks=r, mask_mode="token",
-                            allow_neg_eigval=True, rngs=nnx.Rngs(0))
+  layer = GatedDeltaProduct(
+    D, H, 4 * r, num_blocks=r, mask_mode="token", allow_neg_eigval=True, rngs=nnx.Rngs(0)
+  )
   rng = np.random.default_rng(r)
   w = jnp.asarray(rng.standard_normal((64, r, r)) * 2.0, jnp.float32)
-  mask = block_mask(w)                                               # [64, r, r]
-  scaled = layer._scale_beta(jnp.full((64,), 2.0), mask)            # beta = 2, the extreme
+  mask = block_mask(w)  # [64, r, r]
+  scaled = layer._scale_beta(jnp.full((64,), 2.0), mask)  # beta = 2, the extreme
   kb = layer._qk_norm(jnp.asarray(rng.standard_normal((64, H * 4 * r)), jnp.float32))
-  kb = np.asarray(kb)[:, 0].reshape(64, r, 4)                       # head 0's key blocks
+  kb = np.asarray(kb)[:, 0].reshape(64, r, 4)  # head 0's key blocks
   for i in range(64):
     blocks = np.zeros((4 * r, r))
     for a in range(r):
-      blocks[4 * a:4 * a + 4, a] = kb[i, a]
+      blocks[4 * a : 4 * a + 4, a] = kb[i, a]
     trans = np.eye(4 * r) - float(scaled[i]) * blocks @ np.asarray(mask[i]) @ blocks.T
     eig = np.linalg.eigvalsh(trans)
     assert eig.min() >= -1 - 1e-5 and eig.max() <= 1 + 1e-5, eig
@@ -167,8 +181,9 @@ def test_linen_bridge():
     @nn.compact
     def __call__(self, x):
       x = nn.Dense(D)(x)
-      x = x + bridge.to_linen(GatedDeltaProduct, D, H, K, num_blocks=2, chunk_size=16,
-                              implementation="xla", name="mixer")(x)
+      x = x + bridge.to_linen(
+        GatedDeltaProduct, D, H, K, num_blocks=2, chunk_size=16, implementation="xla", name="mixer"
+      )(x)
       return nn.Dense(3)(x)
 
   net = Net()
@@ -182,7 +197,9 @@ def test_linen_bridge():
   assert mixer and all(np.any(np.asarray(g) != 0) for g in mixer)
 
 
-@pytest.mark.parametrize("kw,match", [
+@pytest.mark.parametrize(
+  "kw,match",
+  [
     (dict(num_blocks=3), "head_dim = 8 must be divisible by num_blocks = 3"),
     (dict(mask_mode="dynamic"), r"mask_mode must be one of \('static', 'token', 'ones', "),
     (dict(key_norm="l1"), "key_norm must be one of"),
@@ -190,7 +207,8 @@ def test_linen_bridge():
     (dict(num_blocks=0), "num_blocks must be a positive integer"),
     (dict(chunk_size=48), "chunk_size must be one of"),
     (dict(implementation="cuda"), "implementation must be"),
-])
+  ],
+)
 def test_gdp_bad_configuration(kw, match):
   with pytest.raises(ValueError, match=match):
     gdp(**kw)
@@ -214,7 +232,7 @@ def test_lengths_out_of_range(make):
   above T used to leave nan in the convolution cache, a negative one garbage)."""
   layer, T = make(), 5
   x = x_of(20, B=2, T=T)
-  for bad in ([T + 3, 2], [-1, 2], np.array([2 ** 31 + 5, 1], np.int64)):
+  for bad in ([T + 3, 2], [-1, 2], np.array([2**31 + 5, 1], np.int64)):
     with pytest.raises(ValueError, match=r"lengths (must lie in \[0, T = 5\]|holds values)"):
       layer(x, jnp.asarray(bad) if isinstance(bad, list) else bad, return_cache=True)
   prefill = jax.jit(lambda x, n: layer(x, n, return_cache=True))
@@ -244,12 +262,13 @@ def test_inputs_and_caches_are_checked(make):
   wrong_batch = layer.init_cache(3) if is_gdp else layer.init_cache(3, 8)
   with pytest.raises(ValueError, match=r"cache\.\w+ has shape \(3, .*another layer or batch"):
     layer.step(x[:, 0], wrong_batch)
-  if is_gdp:          # a cache of a layer with other sizes
+  if is_gdp:  # a cache of a layer with other sizes
     with pytest.raises(ValueError, match=r"cache\.state has shape"):
       layer.step(x[:, 0], gdp(num_blocks=1, expand_v=1).init_cache(2))
 
 
 # ---- packed documents (segment_ids) -------------------------------------------------------------
+
 
 def packed(lengths, T):
   """segment_ids [1, T] of documents of `lengths` (ids 3, 4, ...), plus (start, end) of each."""
@@ -265,18 +284,21 @@ def check_packed_matches_separate(layer, T, lengths, rtol):
   x = x_of(11, B=1, T=T)
   seg, spans = packed(lengths, T)
   y = jax.jit(lambda x, s: layer(x, segment_ids=s))(x, seg)
-  alone = jnp.concatenate([jnp.pad(x[:, a:e], ((0, 0), (0, T - (e - a)), (0, 0)))
-                           for a, e in spans])
+  alone = jnp.concatenate(
+    [jnp.pad(x[:, a:e], ((0, 0), (0, T - (e - a)), (0, 0))) for a, e in spans]
+  )
   y_alone = jax.jit(layer)(alone)
   for i, (a, e) in enumerate(spans):
-    assert_close(y[:, a:e], y_alone[i:i + 1, :e - a], rtol, f"document {i} at [{a}, {e})")
+    assert_close(y[:, a:e], y_alone[i : i + 1, : e - a], rtol, f"document {i} at [{a}, {e})")
 
 
-@pytest.mark.parametrize("mask_mode,use_short_conv,lengths", [
-    ("static", True, (5, 30, 3, 26)), ("ones", False, (21, 43)), ("token", True, (1, 47, 16))])
+@pytest.mark.parametrize(
+  "mask_mode,use_short_conv,lengths",
+  [("static", True, (5, 30, 3, 26)), ("ones", False, (21, 43)), ("token", True, (1, 47, 16))],
+)
 def test_gdp_packed_documents_match_separate_runs(mask_mode, use_short_conv, lengths):
   layer = gdp(mask_mode=mask_mode, use_short_conv=use_short_conv)
-  check_packed_matches_separate(layer, 64, lengths, 1e-4)   # float32 cumsum from -112: 1e-5
+  check_packed_matches_separate(layer, 64, lengths, 1e-4)  # float32 cumsum from -112: 1e-5
 
 
 def test_gdp_document_start_resets_the_state():
@@ -297,15 +319,18 @@ def doc_gradients(layer, lengths, T):
   """grads[i] = d(sum sin(y) over document i) / dx, for x [1, T, D] packed as `lengths`."""
   x = x_of(14, B=1, T=T)
   seg, spans = packed(lengths, T)
-  weights = jnp.asarray([(np.arange(T) >= a) & (np.arange(T) < e) for a, e in spans],
-                        jnp.float32)[:, None, :, None]           # [docs, 1, T, 1]: one doc each
+  weights = jnp.asarray([(np.arange(T) >= a) & (np.arange(T) < e) for a, e in spans], jnp.float32)[
+    :, None, :, None
+  ]  # [docs, 1, T, 1]: one doc each
   loss = lambda x, s, w: jnp.sum(jnp.sin(layer(x, segment_ids=s)) * w)
-  run = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, None, 0)))   # seg traced: one compile
+  run = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, None, 0)))  # seg traced: one compile
   return np.abs(np.asarray(run(x, seg, weights))), spans
 
 
-@pytest.mark.parametrize("implementation,lengths", [
-    ("xla", (16, 32, 16)), ("reference", (7, 40, 17)), ("pallas", (16, 16))])
+@pytest.mark.parametrize(
+  "implementation,lengths",
+  [("xla", (16, 32, 16)), ("reference", (7, 40, 17)), ("pallas", (16, 16))],
+)
 def test_gdp_packed_gradients_do_not_cross_documents(implementation, lengths):
   """d(loss of one document) / d(inputs of the others) is exactly zero: documents starting at
   multiples of the chunk (16) with the chunked forms, anywhere with the recurrence. With the
@@ -350,6 +375,7 @@ def test_segment_ids_bad_inputs():
 
 # ---- GroupedQueryAttention ----------------------------------------------------------------------
 
+
 def attn(**kw):
   return GroupedQueryAttention(D, 4, 2, 8, implementation="xla", rngs=nnx.Rngs(1), **kw)
 
@@ -388,9 +414,9 @@ def test_attention_ragged_prefill_then_steps():
   y_full = layer(x)
   for b in range(2):
     n = int(lengths[b])
-    row = jax.tree.map(lambda a: a[b:b + 1], cache)
-    y_rest, row = run_steps(layer, x[b:b + 1, n:], row)
-    assert_close(y_rest, y_full[b:b + 1, n:], 2e-5, f"row {b}")
+    row = jax.tree.map(lambda a: a[b : b + 1], cache)
+    y_rest, row = run_steps(layer, x[b : b + 1, n:], row)
+    assert_close(y_rest, y_full[b : b + 1, n:], 2e-5, f"row {b}")
     assert int(row.lengths[0]) == T
 
 
@@ -409,11 +435,14 @@ def test_attention_lengths_are_traced():
   assert len(calls) == 1
 
 
-@pytest.mark.parametrize("kw,match", [
+@pytest.mark.parametrize(
+  "kw,match",
+  [
     (dict(num_heads=4, num_kv_heads=3), "num_heads = 4 must be a multiple of num_kv_heads = 3"),
     (dict(num_heads=4, head_dim=7), "head_dim must be even for RoPE"),
     (dict(num_heads=3), "hidden_size = 16 is not divisible by num_heads = 3"),
-])
+  ],
+)
 def test_attention_bad_configuration(kw, match):
   with pytest.raises(ValueError, match=match):
     GroupedQueryAttention(D, rngs=nnx.Rngs(0), **kw)
@@ -427,8 +456,9 @@ def test_flash_attention_matches_xla_with_segments():
   """attention_impl="flash" (JAX's Pallas flash attention, interpreted here) against the
   jnp path: outputs and gradients with packed documents and grouped key/value heads."""
   x = x_of(16, B=2, T=32)
-  seg = jnp.asarray(np.stack([np.repeat([0, 1, 2], [5, 20, 7]), np.repeat([4, 9], [16, 16])]),
-                    jnp.int32)
+  seg = jnp.asarray(
+    np.stack([np.repeat([0, 1, 2], [5, 20, 7]), np.repeat([4, 9], [16, 16])]), jnp.int32
+  )
   ref, flash = attn(), attn(attention_impl="flash")
 
   def run(layer):
@@ -448,9 +478,10 @@ def test_flash_attention_lowers_for_h200(monkeypatch):
   """The flash path (forward and backward, segment ids, repeated key/value heads) goes through
   the Pallas Triton lowering for an H200."""
   from tests.triton_lowering import lower_for_h200
+
   layer = attn(attention_impl="flash", dtype=jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, 64), jnp.int32)
   xs = jax.ShapeDtypeStruct((1, 64, D), jnp.bfloat16)
   fn = lambda x, s: jax.grad(lambda x: jnp.sum(layer(x, segment_ids=s).astype(jnp.float32)))(x)
   modules = lower_for_h200(monkeypatch, fn, xs, seg)
-  assert len(modules) >= 3          # forward, the backward's preprocessing and its kernel(s)
+  assert len(modules) >= 3  # forward, the backward's preprocessing and its kernel(s)

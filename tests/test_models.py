@@ -20,9 +20,20 @@ VOCAB = 13
 
 
 def tiny(**kw):
-  args = dict(vocab_size=VOCAB, hidden_size=16, layer_pattern="DAD", num_heads=2, head_dim=8,
-              num_blocks=2, mask_mode="token", attn_num_heads=2, attn_num_kv_heads=1,
-              mlp_ratio=2, chunk_size=16, implementation="xla")
+  args = dict(
+    vocab_size=VOCAB,
+    hidden_size=16,
+    layer_pattern="DAD",
+    num_heads=2,
+    head_dim=8,
+    num_blocks=2,
+    mask_mode="token",
+    attn_num_heads=2,
+    attn_num_kv_heads=1,
+    mlp_ratio=2,
+    chunk_size=16,
+    implementation="xla",
+  )
   args.update(kw)
   return HybridLM(HybridConfig(**args), rngs=nnx.Rngs(0))
 
@@ -82,7 +93,7 @@ def test_ragged_prefill_then_steps(model):
   _, cache = nnx.jit(lambda m, t, n: m.prefill(t, n, cache_size=16))(model, padded, lengths)
   full = forward(model, tokens)
   rows = jnp.arange(2)
-  for i in range(9 - 5):                        # each row is fed its own next token
+  for i in range(9 - 5):  # each row is fed its own next token
     logits, cache = step(model, tokens[rows, lengths + i], cache)
     assert_close(logits, full[rows, lengths + i], 2e-5, f"decode step {i}")
 
@@ -98,7 +109,7 @@ def test_greedy_generation_equals_full_recompute(model):
   logits = np.asarray(forward(model, batch))
   for b, (p, o) in enumerate(zip(prompts, out)):
     # Recomputing the full sequence, the argmax at each generating position is the next token.
-    np.testing.assert_array_equal(np.argmax(logits[b, len(p) - 1:len(p) + n_new - 1], -1), o)
+    np.testing.assert_array_equal(np.argmax(logits[b, len(p) - 1 : len(p) + n_new - 1], -1), o)
 
 
 def test_generate_array_prompts_and_sampling(model):
@@ -153,13 +164,16 @@ def test_training_step_lowers_loss():
   assert float(loss(params)) < 0.9 * first
 
 
-@pytest.mark.parametrize("kw,match", [
+@pytest.mark.parametrize(
+  "kw,match",
+  [
     (dict(layer_pattern="DXA"), r"unknown letters \['X'\]"),
     (dict(layer_pattern=""), "layer_pattern must be a non-empty string"),
     (dict(mask_mode="full"), "mask_mode must be one of"),
     (dict(vocab_size=0), "vocab_size must be a positive integer"),
     (dict(head_dim=6, num_blocks=4), "head_dim = 6 must be divisible by num_blocks = 4"),
-])
+  ],
+)
 def test_bad_configuration(kw, match):
   with pytest.raises(ValueError, match=match):
     tiny(**kw)
@@ -170,21 +184,41 @@ def test_permutation_task():
   assert elems.shape == (6, 3)
   e = [tuple(p) for p in elems].index((0, 1, 2))
   assert np.all(table[e] == np.arange(6)) and np.all(table[:, e] == np.arange(6))
-  assert all(sorted(row) == list(range(6)) for row in table)        # a Latin square
+  assert all(sorted(row) == list(range(6)) for row in table)  # a Latin square
   x = np.array([[1, 2, 3, 4]])
   y = demo.running_products(table, x)
   assert y[0, 3] == table[table[table[1, 2], 3], 4]
   signs = demo.signs_of(elems)
   assert signs.sum() == 3 and signs[e] == 0
-  assert np.all(signs[table] == signs[:, None] ^ signs[None, :])   # the sign is a homomorphism
+  assert np.all(signs[table] == signs[:, None] ^ signs[None, :])  # the sign is a homomorphism
   assert demo.permutation_group("A5")[0].shape == (60, 5)
   assert not demo.signs_of(demo.permutation_group("A4")[0]).any()
 
 
 def test_demo_command_runs(capsys):
-  rc = main(["demo", "--steps", "3", "--seq-len", "16", "--batch", "4", "--eval-batch", "8",
-             "--layers", "DA", "--hidden", "16", "--head-dim", "8", "--generate", "2",
-             "--no-baseline", "--rotation"])
+  rc = main(
+    [
+      "demo",
+      "--steps",
+      "3",
+      "--seq-len",
+      "16",
+      "--batch",
+      "4",
+      "--eval-batch",
+      "8",
+      "--layers",
+      "DA",
+      "--hidden",
+      "16",
+      "--head-dim",
+      "8",
+      "--generate",
+      "2",
+      "--no-baseline",
+      "--rotation",
+    ]
+  )
   out = capsys.readouterr().out
   assert rc == 0
   assert "held-out accuracy" in out and "mask = ones" not in out

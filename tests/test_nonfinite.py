@@ -19,29 +19,33 @@ from gdp_jax import dispatch, gated_delta_product
 from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs, tol
 
 IMPLS = dispatch.implementations("gated_delta_product")
-KERNEL_FIX = ("the Pallas kernels do not clean their loads nor mark their outputs yet: inside a "
-              "chunk, products of zero entries with a later token's nan (0 * nan = nan) reach "
-              "the earlier tokens, forward and backward (docs/precision.md#non-finite-inputs)")
-T, CHUNK, BAD_T = 40, 16, 28          # token 28: second chunk, lower half of its chunk matrix
+KERNEL_FIX = (
+  "the Pallas kernels do not clean their loads nor mark their outputs yet: inside a "
+  "chunk, products of zero entries with a later token's nan (0 * nan = nan) reach "
+  "the earlier tokens, forward and backward (docs/precision.md#non-finite-inputs)"
+)
+T, CHUNK, BAD_T = 40, 16, 28  # token 28: second chunk, lower half of its chunk matrix
 # Exact up to float32 rounding: the bad and the clean runs share every value before BAD_T.
 SAME = 1e-6
 
 
 def run(implementation, **inputs):
-  return gated_delta_product(**inputs, output_final_state=True, chunk_size=CHUNK,
-                             implementation=implementation)
+  return gated_delta_product(
+    **inputs, output_final_state=True, chunk_size=CHUNK, implementation=implementation
+  )
 
 
 # ---- g = -inf: a reset ---------------------------------------------------------------------------
 
+
 def reset_inputs():
   inputs = make_inputs(40, B=2, T=T, H=2, K=32, V=16, r=2, mask_kind="head")
   g = np.array(inputs["g"])
-  g[0, 0, 0] = -np.inf            # the first token
-  g[0, 20, 1] = -np.inf           # inside a chunk
-  g[1, 31, 0] = -np.inf           # a chunk's last token
-  g[1, 34, 1] = g[1, 38, 1] = -np.inf   # two in one chunk
-  g[0, 10, 1] = -1e4              # finite, exp(g) = 0 in float32: also a reset
+  g[0, 0, 0] = -np.inf  # the first token
+  g[0, 20, 1] = -np.inf  # inside a chunk
+  g[1, 31, 0] = -np.inf  # a chunk's last token
+  g[1, 34, 1] = g[1, 38, 1] = -np.inf  # two in one chunk
+  g[0, 10, 1] = -1e4  # finite, exp(g) = 0 in float32: also a reset
   inputs["g"] = jnp.asarray(g)
   return inputs
 
@@ -81,9 +85,16 @@ def test_reset_is_a_fresh_start(implementation):
 # ---- nan and inf stay causal ---------------------------------------------------------------------
 
 # (input, value): one bad entry at (batch 0, token BAD_T, head 1)
-BAD = [("k", np.nan), ("v", np.inf), ("q", np.nan), ("g", np.nan), ("g", np.inf),
-       ("beta", np.nan), ("mask", np.nan)]
-PALLAS_BAD = [("k", np.nan), ("v", np.inf)]     # the interpreted kernels are slow: two cases
+BAD = [
+  ("k", np.nan),
+  ("v", np.inf),
+  ("q", np.nan),
+  ("g", np.nan),
+  ("g", np.inf),
+  ("beta", np.nan),
+  ("mask", np.nan),
+]
+PALLAS_BAD = [("k", np.nan), ("v", np.inf)]  # the interpreted kernels are slow: two cases
 
 
 def spoil(inputs, name, value):
@@ -96,8 +107,8 @@ def spoil(inputs, name, value):
 def _cases():
   out = []
   for impl in IMPLS:
-    for name, value in (PALLAS_BAD if impl == "pallas" else BAD):
-      marks = ([pytest.mark.xfail(strict=True, reason=KERNEL_FIX)] if impl == "pallas" else [])
+    for name, value in PALLAS_BAD if impl == "pallas" else BAD:
+      marks = [pytest.mark.xfail(strict=True, reason=KERNEL_FIX)] if impl == "pallas" else []
       out.append(pytest.param(impl, name, value, marks=marks, id=f"{impl}-{name}-{value}"))
   return out
 
@@ -127,10 +138,13 @@ def test_nonfinite_gradient_is_causal(implementation, name, value):
 
   def grads(inp):
     names = ("q", "k", "v", "g", "beta", "mask", "initial_state")
+
     def loss(*arrays):
-      o, _ = gated_delta_product(*arrays[:6], initial_state=arrays[6], chunk_size=CHUNK,
-                                 implementation=implementation)
+      o, _ = gated_delta_product(
+        *arrays[:6], initial_state=arrays[6], chunk_size=CHUNK, implementation=implementation
+      )
       return jnp.sum(o[:, :BAD_T] * do[:, :BAD_T])
+
     return dict(zip(names, jax.grad(loss, argnums=tuple(range(7)))(*[inp[n] for n in names])))
 
   clean = grads(inputs)

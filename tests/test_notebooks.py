@@ -44,20 +44,31 @@ def test_notebook_runs(path, monkeypatch, tmp_path):
   # machine's Jupyter knows: a kernel spec of our own, first on JUPYTER_PATH.
   spec_dir = tmp_path / "jupyter" / "kernels" / KERNEL
   spec_dir.mkdir(parents=True)
-  (spec_dir / "kernel.json").write_text(json.dumps({
-      "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-      "display_name": "gdp-jax tests", "language": "python"}))
+  (spec_dir / "kernel.json").write_text(
+    json.dumps(
+      {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "gdp-jax tests",
+        "language": "python",
+      }
+    )
+  )
   monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
   # The kernel inherits this environment: CPU, quiet, the smoke sizes.
   monkeypatch.setenv("GDP_NOTEBOOK_SMOKE", "1")
   monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
   monkeypatch.setenv("PYTHONWARNINGS", "ignore::DeprecationWarning")
   client = nbclient.NotebookClient(
-      nb, timeout=CELL_TIMEOUT_S, kernel_name=KERNEL,
-      resources={"metadata": {"path": str(NOTEBOOKS)}})
+    nb, timeout=CELL_TIMEOUT_S, kernel_name=KERNEL, resources={"metadata": {"path": str(NOTEBOOKS)}}
+  )
   t0 = time.perf_counter()
   client.execute()
   print(f"{path.name}: {time.perf_counter() - t0:.1f} s")
-  errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-            if o.get("output_type") == "error"]
+  errors = [
+    o
+    for c in nb.cells
+    if c.cell_type == "code"
+    for o in c.get("outputs", [])
+    if o.get("output_type") == "error"
+  ]
   assert not errors, errors

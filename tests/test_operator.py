@@ -14,23 +14,26 @@ from tests.cases import assert_close, make_inputs, np_gated_delta_rule, tol
 
 
 def run(implementation, chunk_size=64, **inputs):
-  return gated_delta_product(**inputs, output_final_state=True, chunk_size=chunk_size,
-                             implementation=implementation)
+  return gated_delta_product(
+    **inputs, output_final_state=True, chunk_size=chunk_size, implementation=implementation
+  )
 
 
 # ---- independent checks (numpy recurrences written in the tests) ------------------------------
+
 
 @pytest.mark.parametrize("implementation", ["reference", "xla"])
 @pytest.mark.parametrize("r", [1, 2, 4])
 def test_all_ones_mask_is_gated_delta_rule(implementation, r):
   inputs = make_inputs(4, T=19, r=r, mask_kind=None)
-  k = inputs["k"] / np.sqrt(r)              # one unit-norm key (blocks were normalised)
+  k = inputs["k"] / np.sqrt(r)  # one unit-norm key (blocks were normalised)
   inputs["k"] = k
   inputs["mask"] = jnp.ones((r, r)) if r > 1 else None
   o, f = run(implementation, chunk_size=16, **inputs)
   K = k.shape[-1]
-  o_np, f_np = np_gated_delta_rule(inputs["q"], k, inputs["v"], inputs["g"], inputs["beta"],
-                                   K ** -0.5, inputs["initial_state"])
+  o_np, f_np = np_gated_delta_rule(
+    inputs["q"], k, inputs["v"], inputs["g"], inputs["beta"], K**-0.5, inputs["initial_state"]
+  )
   assert_close(o, o_np, tol(jnp.float32), "o")
   assert_close(f, f_np, tol(jnp.float32), "final")
 
@@ -47,9 +50,15 @@ def test_identity_mask_is_independent_block_rules(implementation):
   finals = []
   for a in range(r):
     sl = slice(a * dk, (a + 1) * dk)
-    o_a, f_a = np_gated_delta_rule(inputs["q"][..., sl], inputs["k"][..., sl], inputs["v"],
-                                   inputs["g"], inputs["beta"], K ** -0.5,
-                                   inputs["initial_state"][:, :, sl])
+    o_a, f_a = np_gated_delta_rule(
+      inputs["q"][..., sl],
+      inputs["k"][..., sl],
+      inputs["v"],
+      inputs["g"],
+      inputs["beta"],
+      K**-0.5,
+      inputs["initial_state"][:, :, sl],
+    )
     o_sum = o_sum + o_a
     finals.append(f_a)
   assert_close(o, o_sum, tol(jnp.float32), "o")
@@ -63,8 +72,9 @@ def test_no_decay_is_delta_rule(implementation):
   o_none, f_none = run(implementation, chunk_size=16, **{**inputs, "g": None})
   o_zero, f_zero = run(implementation, chunk_size=16, **{**inputs, "g": zeros})
   K = inputs["k"].shape[-1]
-  o_np, f_np = np_gated_delta_rule(inputs["q"], inputs["k"], inputs["v"], zeros, inputs["beta"],
-                                   K ** -0.5, inputs["initial_state"])
+  o_np, f_np = np_gated_delta_rule(
+    inputs["q"], inputs["k"], inputs["v"], zeros, inputs["beta"], K**-0.5, inputs["initial_state"]
+  )
   for o, f in ((o_none, f_none), (o_zero, f_zero)):
     assert_close(o, o_np, tol(jnp.float32), "o")
     assert_close(f, f_np, tol(jnp.float32), "final")
@@ -78,6 +88,7 @@ def test_default_scale_and_explicit_scale():
 
 
 # ---- lengths, mask shapes, transformations ----------------------------------------------------
+
 
 @pytest.mark.parametrize("T", [1, 5, 16, 33, 64, 65])
 @pytest.mark.parametrize("mask_kind", ["shared", "head", "token"])
@@ -98,8 +109,11 @@ def test_final_state_only_when_asked():
 
 def test_jit_and_vmap():
   inputs = make_inputs(11, T=20, r=2, mask_kind="head")
-  f = jax.jit(lambda q, k, v, g, beta, mask, h0: gated_delta_product(
-      q, k, v, g, beta, mask, initial_state=h0, output_final_state=True, chunk_size=16))
+  f = jax.jit(
+    lambda q, k, v, g, beta, mask, h0: gated_delta_product(
+      q, k, v, g, beta, mask, initial_state=h0, output_final_state=True, chunk_size=16
+    )
+  )
   args = [inputs[n] for n in ("q", "k", "v", "g", "beta", "mask", "initial_state")]
   o, fin = f(*args)
   o_ref, f_ref = run("reference", **inputs)
@@ -112,11 +126,14 @@ def test_jit_and_vmap():
 
 # ---- bad input ---------------------------------------------------------------------------------
 
+
 def _good():
   return make_inputs(12, B=2, T=8, H=3, K=16, V=8, r=2, mask_kind="head")
 
 
-@pytest.mark.parametrize("change,error,words", [
+@pytest.mark.parametrize(
+  "change,error,words",
+  [
     (dict(q=jnp.zeros((2, 8, 3))), ValueError, "q must be [B, T, H, K]"),
     (dict(k=jnp.zeros((2, 8, 3, 8))), ValueError, "k has shape (2, 8, 3, 8)"),
     (dict(v=jnp.zeros((2, 9, 3, 8))), ValueError, "v has shape (2, 9, 3, 8)"),
@@ -133,18 +150,28 @@ def _good():
     (dict(beta=jnp.zeros((2, 8, 3), jnp.int32)), TypeError, "beta must have a floating dtype"),
     (dict(mask=jnp.ones((2, 2), jnp.int32)), TypeError, "mask must have a floating dtype"),
     (dict(v=jnp.zeros((2, 8, 3, 8), jnp.bfloat16)), TypeError, "share one dtype"),
-    (dict(q=jnp.zeros((2, 8, 3, 0)), k=jnp.zeros((2, 8, 3, 0)), mask=None, initial_state=None),
-     ValueError, "q has K = 0 features (shape (2, 8, 3, 0)); need K >= 1"),
+    (
+      dict(q=jnp.zeros((2, 8, 3, 0)), k=jnp.zeros((2, 8, 3, 0)), mask=None, initial_state=None),
+      ValueError,
+      "q has K = 0 features (shape (2, 8, 3, 0)); need K >= 1",
+    ),
     (dict(chunk_size=64.0), TypeError, "chunk_size must be an int, one of (16, 32, 64), got 64.0"),
     (dict(chunk_size=True), TypeError, "chunk_size must be an int"),
     (dict(scale="0.5"), TypeError, "scale must be a number or a scalar float array, got '0.5'"),
-    (dict(scale=jnp.ones(3)), ValueError, "scale must be a scalar (one output scale for every "
-     "head), got shape (3,)"),
+    (
+      dict(scale=jnp.ones(3)),
+      ValueError,
+      "scale must be a scalar (one output scale for every head), got shape (3,)",
+    ),
     (dict(scale=[0.5]), TypeError, "scale must be a number or a scalar float array, got list"),
-    (dict(output_final_state="no"), TypeError,
-     "output_final_state must be True or False, got 'no' (str)"),
+    (
+      dict(output_final_state="no"),
+      TypeError,
+      "output_final_state must be True or False, got 'no' (str)",
+    ),
     (dict(output_final_state=1), TypeError, "output_final_state must be True or False"),
-])
+  ],
+)
 def test_bad_inputs_raise(change, error, words):
   inputs = _good()
   inputs.update(change)
@@ -174,5 +201,5 @@ def test_traced_scale(implementation):
 
   (_, o), d_scale = jax.jit(jax.value_and_grad(loss, has_aux=True))(jnp.float32(0.5))
   k_dim = inputs["q"].shape[-1]
-  assert_close(o, o_ref * (0.5 / k_dim ** -0.5), tol(jnp.float32), "o")
-  assert_close(d_scale, jnp.sum(o_ref) / k_dim ** -0.5, tol(jnp.float32), "d scale")
+  assert_close(o, o_ref * (0.5 / k_dim**-0.5), tol(jnp.float32), "o")
+  assert_close(d_scale, jnp.sum(o_ref) / k_dim**-0.5, tol(jnp.float32), "d scale")

@@ -17,14 +17,22 @@ from gdp_jax import gated_delta_product, xla
 from gdp_jax import xla_backward as xb
 from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
 from pallas_kernels.common.options import Launch
-from tests.cases import (GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs,
-                         present_arrays, stage_inputs, tol)
+from tests.cases import (
+  GRAD_TOLERANCE,
+  assert_close,
+  loss_and_grads,
+  make_inputs,
+  present_arrays,
+  stage_inputs,
+  tol,
+)
 
 F32 = tol(jnp.float32)
 
 
-@pytest.mark.parametrize("r,mask_kind,chunk", [(1, None, 32), (2, "head", 16), (4, "token", 16),
-                                               (2, "shared", 32)])
+@pytest.mark.parametrize(
+  "r,mask_kind,chunk", [(1, None, 32), (2, "head", 16), (4, "token", 16), (2, "shared", 32)]
+)
 def test_backward_stages_match_xla(r, mask_kind, chunk):
   s = stage_inputs(r, mask_kind, chunk)
   q, k, v, beta, mask, gcum = s["q"], s["k"], s["v"], s["beta_hm"], s["mask"], s["gcum"]
@@ -38,20 +46,37 @@ def test_backward_stages_match_xla(r, mask_kind, chunk):
   h, v_new, _ = xla.chunk_state(k, w, u, gcum, s["initial_state"], chunk, chunk)
 
   dvl = xb.chunk_bwd_dv_local(q, k, gcum, do, 0.3, chunk, r)
-  assert_close(bwd_dv_local.chunk_bwd_dv_local(q, k, gcum, do, scale=0.3, chunk=chunk,
-                                               key_blocks=r), dvl, F32,
-               "dv_local")
+  assert_close(
+    bwd_dv_local.chunk_bwd_dv_local(q, k, gcum, do, scale=0.3, chunk=chunk, key_blocks=r),
+    dvl,
+    F32,
+    "dv_local",
+  )
 
   dh, dh0, dvn = xb.chunk_bwd_dhu(q, k, w, gcum, do, dvl, dfinal, 0.3, chunk)
   for got, ref, name in zip(
-      bwd_dhu.chunk_bwd_dhu(q, k, w, gcum, do, dvl, dfinal, scale=0.3, chunk=chunk, key_blocks=r,
-                            launch=Launch(block_v=16)),
-      (dh, dh0, dvn), ("dh", "dh0", "dv_new")):
+    bwd_dhu.chunk_bwd_dhu(
+      q,
+      k,
+      w,
+      gcum,
+      do,
+      dvl,
+      dfinal,
+      scale=0.3,
+      chunk=chunk,
+      key_blocks=r,
+      launch=Launch(block_v=16),
+    ),
+    (dh, dh0, dvn),
+    ("dh", "dh0", "dv_new"),
+  ):
     assert_close(got, ref, F32, name)
 
   ref3 = xb.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, 0.3, chunk)
-  got3 = bwd_dqkwg.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, scale=0.3, chunk=chunk,
-                                   key_blocks=r)
+  got3 = bwd_dqkwg.chunk_bwd_dqkwg(
+    q, k, v_new, gcum, h, dh, do, dvn, scale=0.3, chunk=chunk, key_blocks=r
+  )
   for got, ref, name in zip(got3, ref3, ("dq", "dk", "dw", "dgamma")):
     assert_close(got, ref, F32, name)
 
@@ -66,16 +91,23 @@ def test_backward_stages_match_xla(r, mask_kind, chunk):
 
 def run(implementation, precision="ieee", **inputs):
   """Float32 checks against the reference use full float32 products (precision="ieee")."""
-  return gated_delta_product(**inputs, output_final_state=True, implementation=implementation,
-                             precision=precision)
+  return gated_delta_product(
+    **inputs, output_final_state=True, implementation=implementation, precision=precision
+  )
 
 
-@pytest.mark.parametrize("r,mask_kind,K,V,dtype", [
-    (1, None, 128, 128, jnp.bfloat16), (2, "head", 64, 64, jnp.float32),
-    (4, "token", 64, 32, jnp.bfloat16)])
+@pytest.mark.parametrize(
+  "r,mask_kind,K,V,dtype",
+  [
+    (1, None, 128, 128, jnp.bfloat16),
+    (2, "head", 64, 64, jnp.float32),
+    (4, "token", 64, 32, jnp.bfloat16),
+  ],
+)
 def test_backward_lowers_to_triton(monkeypatch, r, mask_kind, K, V, dtype):
   """Forward and backward kernels of jax.grad go through the Triton lowering (no GPU needed)."""
   from tests.triton_lowering import lower_for_h200
+
   inputs = make_inputs(14, B=1, T=64, H=2, K=K, V=V, r=r, mask_kind=mask_kind, dtype=dtype)
   names, avals = present_arrays(inputs)
 
@@ -83,15 +115,25 @@ def test_backward_lowers_to_triton(monkeypatch, r, mask_kind, K, V, dtype):
     def loss(*a):
       o, f = run("pallas", **dict(zip(names, a)))
       return jnp.sum(o.astype(jnp.float32)) + jnp.sum(f)
+
     # value_and_grad: with grad alone the forward's outputs are dead code (the backward reads
     # only the residuals) and chunk_state_output would not be lowered
     return jax.value_and_grad(loss, argnums=tuple(range(len(names))))(*arrays)
+
   modules = lower_for_h200(monkeypatch, grads, *avals)
   names = {m.split("tt.func public @")[1].split("(")[0] for m in modules}
   # the fused forward (chunk_fwd, chunk_state_output); the backward recomputes w, u and h
-  expected = {"gdp_chunk_fwd", "gdp_chunk_state_output", "gdp_recompute_w_u", "gdp_chunk_h",
-              "gdp_bwd_dv_local", "gdp_bwd_dhu", "gdp_bwd_dqkwg", "gdp_bwd_wy",
-              "gdp_chunk_cumsum"}
+  expected = {
+    "gdp_chunk_fwd",
+    "gdp_chunk_state_output",
+    "gdp_recompute_w_u",
+    "gdp_chunk_h",
+    "gdp_bwd_dv_local",
+    "gdp_bwd_dhu",
+    "gdp_bwd_dqkwg",
+    "gdp_bwd_wy",
+    "gdp_chunk_cumsum",
+  }
   assert expected <= names, sorted(names)
 
 

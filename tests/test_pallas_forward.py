@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import pytest
 
 from gdp_jax import gated_delta_product, xla
-from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy
 from pallas_kernels.common import cumsum
 from pallas_kernels.common.options import Launch
+from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy
 from tests.cases import assert_close, make_inputs, present_arrays, stage_inputs, tol
 
 STAGE_CASES = [(1, None, 32), (2, "head", 32), (4, "token", 16), (2, "shared", 16)]
@@ -29,13 +29,15 @@ def test_stages_match_xla(r, mask_kind, chunk):
   assert_close(cumsum.chunk_local_cumsum(s["g_hm"], chunk), gcum, f32, "cumsum")
   rev_ref = jnp.flip(xla.chunk_local_cumsum(jnp.flip(s["g_hm"], -1), chunk), -1)
   if s["g_hm"].shape[-1] == chunk:
-    assert_close(cumsum.chunk_local_cumsum(s["g_hm"], chunk, reverse=True), rev_ref, f32,
-                 "reverse cumsum")
+    assert_close(
+      cumsum.chunk_local_cumsum(s["g_hm"], chunk, reverse=True), rev_ref, f32, "reverse cumsum"
+    )
 
   a_ref = xla.chunk_kkt(k, beta, mask, gcum, chunk)
   assert_close(kkt.chunk_kkt(k, beta, mask, gcum, chunk=chunk, key_blocks=r), a_ref, f32, "kkt")
-  a_fused, gcum_fused = kkt.chunk_kkt(k, beta, mask, s["g_hm"], chunk=chunk, key_blocks=r,
-                                          from_g=True)
+  a_fused, gcum_fused = kkt.chunk_kkt(
+    k, beta, mask, s["g_hm"], chunk=chunk, key_blocks=r, from_g=True
+  )
   assert_close(a_fused, a_ref, f32, "kkt with fused cumsum")
   assert_close(gcum_fused, gcum, f32, "fused cumsum")
 
@@ -49,15 +51,17 @@ def test_stages_match_xla(r, mask_kind, chunk):
 
   h0 = s["initial_state"]
   h_ref, vn_ref, fin_ref = xla.chunk_state(k, w_ref, u_ref, gcum, h0, chunk, chunk)
-  h, vn, fin = chunk_h.chunk_state(k, w_ref, u_ref, gcum, h0, chunk=chunk, key_blocks=r,
-                                     launch=Launch(block_v=16))
+  h, vn, fin = chunk_h.chunk_state(
+    k, w_ref, u_ref, gcum, h0, chunk=chunk, key_blocks=r, launch=Launch(block_v=16)
+  )
   assert_close(h, h_ref, f32, "h")
   assert_close(vn, vn_ref, f32, "v_new")
   assert_close(fin, fin_ref, f32, "final state")
 
   o_ref = xla.chunk_output(s["q"], k, vn_ref, h_ref, gcum, 0.3, chunk)
-  o = chunk_o.chunk_output(s["q"], k, vn_ref, h_ref, gcum, scale=0.3, chunk=chunk, key_blocks=r,
-                           launch=Launch(block_v=16))
+  o = chunk_o.chunk_output(
+    s["q"], k, vn_ref, h_ref, gcum, scale=0.3, chunk=chunk, key_blocks=r, launch=Launch(block_v=16)
+  )
   assert_close(o, o_ref, f32, "o")
 
 
@@ -75,21 +79,22 @@ def test_solve_tril_is_the_inverse():
   a = jax.random.normal(jax.random.key(1), (1, 1, n, n)) * 0.2
   a = jnp.where(jnp.tril(jnp.ones((n, n), bool), -1), a, 0.0)
   ai = solve_tril.solve_tril(a, chunk_rows=n)
-  prod = jnp.einsum("ij,jk->ik", jnp.eye(n) + a[0, 0], ai[0, 0],
-                    precision=jax.lax.Precision.HIGHEST)
+  prod = jnp.einsum(
+    "ij,jk->ik", jnp.eye(n) + a[0, 0], ai[0, 0], precision=jax.lax.Precision.HIGHEST
+  )
   assert_close(prod, jnp.eye(n), 1e-5, "(I + A) Ai")
 
 
 def run(implementation, precision="ieee", **inputs):
   """Float32 checks against the reference use full float32 products (precision="ieee")."""
-  return gated_delta_product(**inputs, output_final_state=True, implementation=implementation,
-                             precision=precision)
+  return gated_delta_product(
+    **inputs, output_final_state=True, implementation=implementation, precision=precision
+  )
 
 
 def test_forward_without_state_and_odd_dims():
   """No initial state; V not a power of two and dk = 4 < 16 (both padded inside); r = 8."""
-  inputs = make_inputs(5, B=1, T=20, H=1, K=32, V=24, r=8, mask_kind="shared",
-                       with_state=False)
+  inputs = make_inputs(5, B=1, T=20, H=1, K=32, V=24, r=8, mask_kind="shared", with_state=False)
   o_ref, f_ref = run("reference", **inputs)
   o, f = run("pallas", **inputs)
   assert_close(o, o_ref, tol(jnp.float32), "o")
@@ -117,20 +122,28 @@ def test_float32_precisions_on_gpu(precision, bound):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("r,mask_kind,K,V,dtype", [
-    (1, None, 128, 128, jnp.bfloat16), (2, "head", 128, 128, jnp.bfloat16),
-    (4, "token", 64, 32, jnp.float32), (8, "shared", 32, 24, jnp.bfloat16)])
+@pytest.mark.parametrize(
+  "r,mask_kind,K,V,dtype",
+  [
+    (1, None, 128, 128, jnp.bfloat16),
+    (2, "head", 128, 128, jnp.bfloat16),
+    (4, "token", 64, 32, jnp.float32),
+    (8, "shared", 32, 24, jnp.bfloat16),
+  ],
+)
 def test_forward_lowers_to_triton(monkeypatch, r, mask_kind, K, V, dtype, fused):
   """Every forward kernel goes through the Pallas Triton lowering for an H200 (no GPU needed):
   the fused forward (chunk_fwd, chunk_state_output) and the five-kernel one."""
   from pallas_kernels.common import options
   from tests.triton_lowering import lower_for_h200
+
   opts = options.DEFAULT.replace(fused=fused)
   inputs = make_inputs(8, B=1, T=64, H=2, K=K, V=V, r=r, mask_kind=mask_kind, dtype=dtype)
   names, avals = present_arrays(inputs)
 
   def fwd(*arrays):
     return run("pallas", options=opts, **dict(zip(names, arrays)))
+
   modules = lower_for_h200(monkeypatch, fwd, *avals)
   # fused: chunk_fwd, chunk_state_output; else kkt (+cumsum), solve_tril, wy, chunk_h, chunk_o
   assert len(modules) == (2 if fused else 5)

@@ -16,10 +16,21 @@ from pallas_kernels.common.backend import resolve_precision
 from tests.cases import assert_close, make_inputs, tol
 
 
-@pytest.mark.parametrize("given,expected", [
-    (None, "tf32"), ("default", "tf32"), ("high", "tf32"), ("highest", "tf32x3"),
-    ("float32", "tf32x3"), ("tf32", "tf32"), ("tf32x3", "tf32x3"), ("ieee", "ieee"),
-    (jax.lax.Precision.HIGHEST, "tf32x3"), (jax.lax.Precision.DEFAULT, "tf32")])
+@pytest.mark.parametrize(
+  "given,expected",
+  [
+    (None, "tf32"),
+    ("default", "tf32"),
+    ("high", "tf32"),
+    ("highest", "tf32x3"),
+    ("float32", "tf32x3"),
+    ("tf32", "tf32"),
+    ("tf32x3", "tf32x3"),
+    ("ieee", "ieee"),
+    (jax.lax.Precision.HIGHEST, "tf32x3"),
+    (jax.lax.Precision.DEFAULT, "tf32"),
+  ],
+)
 def test_resolution(given, expected):
   assert resolve_precision(given) == expected
 
@@ -49,8 +60,7 @@ def test_precision_reaches_the_kernel_options(monkeypatch):
   inputs = make_inputs(1, B=1, T=16, H=1, K=16, V=16, r=1, mask_kind=None)
   o_ref, _ = gated_delta_product(**inputs, implementation="reference")
   for given in (None, "highest", "ieee"):
-    o, _ = gated_delta_product(**inputs, implementation="pallas", chunk_size=16,
-                               precision=given)
+    o, _ = gated_delta_product(**inputs, implementation="pallas", chunk_size=16, precision=given)
     assert_close(o, o_ref, tol(jnp.float32), f"precision {given}")
   explicit = options.DEFAULT.replace(precision="ieee")
   gated_delta_product(**inputs, implementation="pallas", chunk_size=16, options=explicit)
@@ -59,6 +69,7 @@ def test_precision_reaches_the_kernel_options(monkeypatch):
 
 def test_step_accepts_and_validates_precision():
   from gdp_jax import gated_delta_product_step
+
   q = k = jnp.ones((1, 1, 16)) * 0.25
   v = jnp.ones((1, 1, 16))
   beta = jnp.full((1, 1), 0.5)

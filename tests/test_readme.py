@@ -23,23 +23,32 @@ BASH_BLOCKS = re.findall(r"^```bash\n(.*?)^```", README, re.S | re.M)
 
 
 def first_code_line(block):
-  return next(line for line in block.splitlines() if line and not line.startswith(("#", "import",
-                                                                                   "from")))
+  return next(
+    line for line in block.splitlines() if line and not line.startswith(("#", "import", "from"))
+  )
 
 
 def test_readme_has_its_examples():
   assert len(PYTHON_BLOCKS) >= 6, len(PYTHON_BLOCKS)
 
 
-@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[f"block{i}" for i in range(len(PYTHON_BLOCKS))])
+@pytest.mark.parametrize(
+  "block", PYTHON_BLOCKS, ids=[f"block{i}" for i in range(len(PYTHON_BLOCKS))]
+)
 def test_python_block_runs_on_its_own(block):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-             XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             PYTHONWARNINGS="ignore::DeprecationWarning")
-  out = subprocess.run([sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
-  assert out.returncode == 0, (f"README block starting {first_code_line(block)!r} failed:\n"
-                               f"{out.stderr[-3000:]}")
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=str(ROOT),
+    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    PYTHONWARNINGS="ignore::DeprecationWarning",
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+  )
+  assert out.returncode == 0, (
+    f"README block starting {first_code_line(block)!r} failed:\n{out.stderr[-3000:]}"
+  )
 
 
 def _bash_lines():
@@ -55,6 +64,7 @@ def test_bash_commands_name_what_exists():
   makefile = (ROOT / "Makefile").read_text()
   targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
   from gdp_jax.__main__ import main
+
   lines = list(_bash_lines())
   assert lines
   for line in lines:

@@ -29,7 +29,8 @@ def test_rewrites_badges_and_install_cells(tmp_path, monkeypatch):
   assert script.current() == {"someone/a-fork"}
   cells = json.loads(notebook.read_text())["cells"]
   assert "github/someone/a-fork/blob/main/notebooks/01_quickstart.ipynb" in "".join(
-      cells[0]["source"])
+    cells[0]["source"]
+  )
   assert "git+https://github.com/someone/a-fork.git" in "".join(cells[1]["source"])
   assert "github/someone/a-fork/blob/main/notebooks/" in readme.read_text()
 

@@ -27,11 +27,12 @@ SCRIPT = os.path.join(HERE, "sharding_checks.py")
 
 def run_group(group):
   env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
-  proc = subprocess.run([sys.executable, SCRIPT, group], capture_output=True, text=True,
-                        env=env, timeout=1200)
+  proc = subprocess.run(
+    [sys.executable, SCRIPT, group], capture_output=True, text=True, env=env, timeout=1200
+  )
   results = []
   for line in proc.stdout.splitlines():
     try:
@@ -43,16 +44,17 @@ def run_group(group):
   return proc, results
 
 
-@pytest.mark.parametrize("group", ["operator_a", "operator_b", "operator_c", "pallas", "step",
-                                   "model", "api", "bench"])
+@pytest.mark.parametrize(
+  "group", ["operator_a", "operator_b", "operator_c", "pallas", "step", "model", "api", "bench"]
+)
 def test_sharding_group(group):
   proc, results = run_group(group)
   failed = [r for r in results if r["ok"] is False]
-  report = "\n".join(f"[{r['ok']}] {r['name']} ({r['seconds']} s): {r['detail']}"
-                     for r in results)
+  report = "\n".join(f"[{r['ok']}] {r['name']} ({r['seconds']} s): {r['detail']}" for r in results)
   assert not failed, f"{len(failed)} check(s) failed:\n{report}"
-  assert proc.returncode == 0, (f"exit status {proc.returncode}\n{report}\n"
-                                f"stderr:\n{proc.stderr[-4000:]}")
+  assert proc.returncode == 0, (
+    f"exit status {proc.returncode}\n{report}\nstderr:\n{proc.stderr[-4000:]}"
+  )
   assert results, f"no results from {group}\nstderr:\n{proc.stderr[-4000:]}"
   skipped = [r for r in results if r["ok"] is None]
   assert not skipped, f"skipped on 8 simulated devices:\n{report}"

@@ -30,6 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # ---- float64: rejected by every public function (everything is computed in float32) ----------
 
+
 def _operator_inputs():
   return make_inputs(50, B=1, T=4, H=2, K=8, V=4, r=2, mask_kind="head")
 
@@ -50,34 +51,54 @@ def test_float64_step_and_decode_inputs_are_rejected(implementation):
   with jax.enable_x64(True):
     f64 = lambda *shape: jnp.ones(shape, jnp.float64)
     with pytest.raises(TypeError, match="q is float64"):
-      gated_delta_product_step(f64(1, 2, 8), f64(1, 2, 8), f64(1, 2, 4), None,
-                               jnp.ones((1, 2), jnp.float32), implementation=implementation)
+      gated_delta_product_step(
+        f64(1, 2, 8),
+        f64(1, 2, 8),
+        f64(1, 2, 4),
+        None,
+        jnp.ones((1, 2), jnp.float32),
+        implementation=implementation,
+      )
     with pytest.raises(TypeError, match="state is float64"):
       ones = jnp.ones((1, 2, 8), jnp.float32)
-      gated_delta_product_step(ones, ones, ones[..., :4], None, jnp.ones((1, 2), jnp.float32),
-                               state=f64(1, 2, 8, 4), implementation=implementation)
+      gated_delta_product_step(
+        ones,
+        ones,
+        ones[..., :4],
+        None,
+        jnp.ones((1, 2), jnp.float32),
+        state=f64(1, 2, 8, 4),
+        implementation=implementation,
+      )
     cache = jnp.ones((1, 8, 1, 4), jnp.float32)
     with pytest.raises(TypeError, match="query is float64"):
       gqa_decode(f64(1, 2, 4), cache, cache, jnp.array([3]), implementation=implementation)
     with pytest.raises(TypeError, match="key_cache is float64"):
-      gqa_decode(jnp.ones((1, 2, 4), jnp.float32), f64(1, 8, 1, 4), f64(1, 8, 1, 4),
-                 jnp.array([3]),
-                 implementation=implementation)
+      gqa_decode(
+        jnp.ones((1, 2, 4), jnp.float32),
+        f64(1, 8, 1, 4),
+        f64(1, 8, 1, 4),
+        jnp.array([3]),
+        implementation=implementation,
+      )
 
 
 def test_float64_numpy_without_x64_is_float32():
   """Without x64, JAX makes float64 NumPy arrays float32: accepted, computed as float32."""
-  inputs = {n: (None if x is None else np.asarray(x, np.float64))
-            for n, x in _operator_inputs().items()}
+  inputs = {
+    n: (None if x is None else np.asarray(x, np.float64)) for n, x in _operator_inputs().items()
+  }
   o, _ = gated_delta_product(**inputs, implementation="xla")
   assert o.dtype == jnp.float32
 
 
 # ---- derivatives the Pallas implementations do not have: clear errors -------------------------
 
+
 def _pallas_loss(q, inputs):
-  o, _ = gated_delta_product(q, *(inputs[n] for n in ("k", "v", "g", "beta", "mask")),
-                             implementation="pallas")
+  o, _ = gated_delta_product(
+    q, *(inputs[n] for n in ("k", "v", "g", "beta", "mask")), implementation="pallas"
+  )
   return jnp.sum(o * o)
 
 
@@ -86,19 +107,27 @@ def test_pallas_forward_mode_and_second_order_are_clear_errors(transform):
   inputs = _operator_inputs()
   q = inputs["q"]
   loss = lambda q: _pallas_loss(q, inputs)
-  run = {"jvp": lambda: jax.jvp(loss, (q,), (q,)),
-         "jacfwd": lambda: jax.jacfwd(loss)(q),
-         "grad of grad": lambda: jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2))(q)}
-  with pytest.raises(NotImplementedError,
-                     match="implementation='pallas' supports reverse-mode first derivatives "
-                           "only.*need implementation='xla'"):
+  run = {
+    "jvp": lambda: jax.jvp(loss, (q,), (q,)),
+    "jacfwd": lambda: jax.jacfwd(loss)(q),
+    "grad of grad": lambda: jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2))(q),
+  }
+  with pytest.raises(
+    NotImplementedError,
+    match="implementation='pallas' supports reverse-mode first derivatives "
+    "only.*need implementation='xla'",
+  ):
     run[transform]()
 
 
 def test_xla_supports_forward_mode_and_second_order():
   inputs = _operator_inputs()
-  loss = lambda q: jnp.sum(gated_delta_product(
-      q, *(inputs[n] for n in ("k", "v", "g", "beta", "mask")), implementation="xla")[0] ** 2)
+  loss = lambda q: jnp.sum(
+    gated_delta_product(
+      q, *(inputs[n] for n in ("k", "v", "g", "beta", "mask")), implementation="xla"
+    )[0]
+    ** 2
+  )
   _, tangent = jax.jvp(loss, (inputs["q"],), (inputs["q"],))
   grad = jax.grad(loss)(inputs["q"])
   np.testing.assert_allclose(float(tangent), float(jnp.sum(grad * inputs["q"])), rtol=1e-4)
@@ -108,27 +137,35 @@ def test_xla_supports_forward_mode_and_second_order():
 def test_pallas_decode_steps_have_no_gradient_and_say_so():
   q = jnp.ones((2, 2, 8)) / 4
   beta = jnp.full((2, 2), 0.5)
-  with pytest.raises(NotImplementedError, match="gated_delta_product_step with "
-                     "implementation='pallas' has no derivatives.*use implementation='xla'"):
-    jax.grad(lambda q: jnp.sum(gated_delta_product_step(q, q, q, None, beta,
-                                                        implementation="pallas")[0]))(q)
+  with pytest.raises(
+    NotImplementedError,
+    match="gated_delta_product_step with "
+    "implementation='pallas' has no derivatives.*use implementation='xla'",
+  ):
+    jax.grad(
+      lambda q: jnp.sum(gated_delta_product_step(q, q, q, None, beta, implementation="pallas")[0])
+    )(q)
   cache = jnp.ones((2, 16, 1, 8))
-  with pytest.raises(NotImplementedError, match="gqa_decode with implementation='pallas' has "
-                     "no derivatives.*use implementation='xla'"):
-    jax.grad(lambda q: jnp.sum(gqa_decode(q, cache, cache, jnp.array([3, 9]),
-                                          implementation="pallas")))(q)
+  with pytest.raises(
+    NotImplementedError,
+    match="gqa_decode with implementation='pallas' has no derivatives.*use implementation='xla'",
+  ):
+    jax.grad(
+      lambda q: jnp.sum(gqa_decode(q, cache, cache, jnp.array([3, 9]), implementation="pallas"))
+    )(q)
   # the jnp versions are differentiable
-  jax.grad(lambda q: jnp.sum(gqa_decode(q, cache, cache, jnp.array([3, 9]),
-                                        implementation="xla")))(q)
+  jax.grad(lambda q: jnp.sum(gqa_decode(q, cache, cache, jnp.array([3, 9]), implementation="xla")))(
+    q
+  )
 
 
 # ---- annotations, docstrings, reachability --------------------------------------------------------
 
 PUBLIC_FUNCTIONS = [gated_delta_product, gated_delta_product_step, gqa_decode, models.generate]
 PUBLIC_CLASSES = {
-    layers.GatedDeltaProduct: ("__init__", "__call__", "step", "init_cache"),
-    layers.GroupedQueryAttention: ("__init__", "__call__", "step", "init_cache"),
-    models.HybridLM: ("__init__", "__call__", "prefill", "step", "init_cache"),
+  layers.GatedDeltaProduct: ("__init__", "__call__", "step", "init_cache"),
+  layers.GroupedQueryAttention: ("__init__", "__call__", "step", "init_cache"),
+  models.HybridLM: ("__init__", "__call__", "prefill", "step", "init_cache"),
 }
 
 
@@ -141,8 +178,9 @@ def _public_callables():
       yield f"{cls.__qualname__}.{m}", getattr(cls, m)
 
 
-@pytest.mark.parametrize("name,obj", list(_public_callables()),
-                         ids=[n for n, _ in _public_callables()])
+@pytest.mark.parametrize(
+  "name,obj", list(_public_callables()), ids=[n for n, _ in _public_callables()]
+)
 def test_public_api_is_annotated_and_documented(name, obj):
   doc = inspect.getdoc(obj)
   assert doc and len(doc) > 20, f"{name} has no docstring"
@@ -151,19 +189,29 @@ def test_public_api_is_annotated_and_documented(name, obj):
   if inspect.isclass(obj):
     return
   signature = inspect.signature(obj)
-  missing = [p.name for p in signature.parameters.values()
-             if p.name != "self" and p.annotation is inspect.Parameter.empty]
+  missing = [
+    p.name
+    for p in signature.parameters.values()
+    if p.name != "self" and p.annotation is inspect.Parameter.empty
+  ]
   assert not missing, f"{name}: parameters without a type annotation: {missing}"
   if not name.endswith("__init__"):
     assert signature.return_annotation is not inspect.Signature.empty, f"{name}: no return type"
 
 
 def test_submodules_reachable_after_import_gdp_jax():
-  code = ("import gdp_jax; print(gdp_jax.layers.GatedDeltaProduct.__name__, "
-          "gdp_jax.models.HybridLM.__name__, gdp_jax.sharding.ShardingConfig.__name__)")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
-                                      "JAX_PLATFORMS": "cpu"}, timeout=300)
+  code = (
+    "import gdp_jax; print(gdp_jax.layers.GatedDeltaProduct.__name__, "
+    "gdp_jax.models.HybridLM.__name__, gdp_jax.sharding.ShardingConfig.__name__)"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
+    timeout=300,
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.split() == ["GatedDeltaProduct", "HybridLM", "ShardingConfig"]
   assert "layers" in dir(gdp_jax)
@@ -173,11 +221,17 @@ def test_submodules_reachable_after_import_gdp_jax():
 
 # ---- make gpu-check, the test extra ------------------------------------------------------------
 
+
 def test_make_gpu_check_runs_the_gpu_script():
   """`make gpu-check` is a real rule (it used to print "Nothing to be done"): a dry run shows it
   calling scripts/gpu_check.sh with the sections asked for."""
-  out = subprocess.run(["make", "-n", "gpu-check", "SECTIONS=tests decode"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+  out = subprocess.run(
+    ["make", "-n", "gpu-check", "SECTIONS=tests decode"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert out.returncode == 0, out.stderr
   assert "Nothing to be done" not in out.stdout + out.stderr
   assert re.search(r"scripts/gpu_check\.sh tests decode", out.stdout), out.stdout
@@ -199,8 +253,10 @@ def _normalise(name):
 
 def test_test_extra_lists_what_the_tests_import():
   project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-  declared = {_normalise(re.split(r"[<>=!~;\[ ]", d)[0])
-              for d in project["dependencies"] + project["optional-dependencies"]["test"]}
+  declared = {
+    _normalise(re.split(r"[<>=!~;\[ ]", d)[0])
+    for d in project["dependencies"] + project["optional-dependencies"]["test"]
+  }
   modules = set()
   for path in (ROOT / "tests").glob("*.py"):
     modules |= _imports(path.read_text())

@@ -31,8 +31,8 @@ def test_tiny_preset_trains_and_validation_loss_goes_down(tmp_path):
   m = tl.train_lm(tl.preset_config("tiny", out=out, **QUIET))
   ev = m["eval"]
   assert [e["step"] for e in ev] == [0, 20, 40, 60]
-  assert ev[0]["val_bpb"] > 7.5                       # about log2(258) = 8.0 at initialisation
-  assert ev[-1]["val_bpb"] < ev[0]["val_bpb"] - 2.5   # about 4.3 after 60 steps
+  assert ev[0]["val_bpb"] > 7.5  # about log2(258) = 8.0 at initialisation
+  assert ev[-1]["val_bpb"] < ev[0]["val_bpb"] - 2.5  # about 4.3 after 60 steps
   assert ev[2]["val_bpb"] < ev[1]["val_bpb"] < ev[0]["val_bpb"]
   assert m["history"]["step"] == list(range(1, 61))
   assert np.mean(m["history"]["train_loss"][-10:]) < np.mean(m["history"]["train_loss"][:10])
@@ -46,6 +46,7 @@ def test_tiny_preset_trains_and_validation_loss_goes_down(tmp_path):
   assert os.path.isdir(os.path.join(out, "checkpoints", "60"))
   try:
     import matplotlib  # noqa: F401
+
     assert os.path.getsize(os.path.join(out, "curves.png")) > 1000
   except ImportError:
     pass
@@ -69,10 +70,16 @@ def test_checkpoint_resumes_to_the_same_step_and_loss(tmp_path):
 
 
 def test_corpus_rules_and_split_are_deterministic(tmp_path):
-  files = {"a.py": b"x = 1\n", "pkg/b.py": b"y = 2\n", "pkg/test/t.py": b"assert 1\n",
-           "site-packages/s.py": b"skip\n", "pkg/__pycache__/c.py": b"skip\n",
-           "empty.py": b"", "notes.txt": b"skip\n",
-           "big.py": b"#" * (tl.MAX_FILE_BYTES + 1)}
+  files = {
+    "a.py": b"x = 1\n",
+    "pkg/b.py": b"y = 2\n",
+    "pkg/test/t.py": b"assert 1\n",
+    "site-packages/s.py": b"skip\n",
+    "pkg/__pycache__/c.py": b"skip\n",
+    "empty.py": b"",
+    "notes.txt": b"skip\n",
+    "big.py": b"#" * (tl.MAX_FILE_BYTES + 1),
+  }
   for rel, data in files.items():
     path = tmp_path / "root" / rel
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -115,12 +122,13 @@ def test_packing_and_batches():
   for a, b in zip(x1, x2):
     np.testing.assert_array_equal(a, b)
   assert not np.array_equal(x1[0], x3[0])
-  inputs, targets, seg = (np.concatenate(a) for a in
-                          zip(*(tl.train_batch(corpus.train, s, 0, 8, 512) for s in range(20))))
+  inputs, targets, seg = (
+    np.concatenate(a) for a in zip(*(tl.train_batch(corpus.train, s, 0, 8, 512) for s in range(20)))
+  )
   np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
   rows, cols = np.nonzero(np.diff(seg, axis=1))
-  starts = cols + 1                                     # a new document inside a window
-  assert starts.size > 5 and np.all(starts % tl.ALIGN == 0)     # at multiples of 64
+  starts = cols + 1  # a new document inside a window
+  assert starts.size > 5 and np.all(starts % tl.ALIGN == 0)  # at multiples of 64
   assert np.all(inputs[rows, starts] == tl.BOS)
   val = tl.val_batches(corpus.val, 4, 128, 2)
   assert len(val) == 2 and all(v[0].shape == (4, 128) for v in val)
@@ -131,15 +139,25 @@ def test_packed_documents_do_not_see_each_other():
   as in training): the gradient of one document's loss with respect to the embedded inputs of
   every other document in the row is exactly zero."""
   docs = [b"def f(x):\n    return x\n" * 5, b"import os\n", b"class A:\n    pass\n", b"#"]
-  stream = tl.pack(docs)                                 # 128 + 64 + 64 + 64 tokens
+  stream = tl.pack(docs)  # 128 + 64 + 64 + 64 tokens
   inputs, targets, seg = (jnp.asarray(a) for a in tl._windows(stream, np.asarray([64]), 192))
-  config = HybridConfig(vocab_size=tl.VOCAB_SIZE, hidden_size=16, layer_pattern="DA",
-                        num_heads=2, head_dim=8, num_blocks=2, chunk_size=16,
-                        attn_num_heads=2, attn_num_kv_heads=1, mlp_ratio=2,
-                        implementation="xla", dtype=jnp.bfloat16)
+  config = HybridConfig(
+    vocab_size=tl.VOCAB_SIZE,
+    hidden_size=16,
+    layer_pattern="DA",
+    num_heads=2,
+    head_dim=8,
+    num_blocks=2,
+    chunk_size=16,
+    attn_num_heads=2,
+    attn_num_kv_heads=1,
+    mlp_ratio=2,
+    implementation="xla",
+    dtype=jnp.bfloat16,
+  )
   model = HybridLM(config, rngs=nnx.Rngs(0))
   ids = np.unique(np.asarray(seg))
-  assert len(ids) == 3                  # the end of document 0 (no BOS in the row), 1 and 2
+  assert len(ids) == 3  # the end of document 0 (no BOS in the row), 1 and 2
   weights = jnp.stack([(seg == i) & (targets < 256) for i in ids]).astype(jnp.float32)
 
   def doc_loss(x, w):
@@ -148,7 +166,7 @@ def test_packed_documents_do_not_see_each_other():
 
   x = model.embed(inputs).astype(jnp.bfloat16)
   grads = jax.jit(jax.vmap(jax.grad(doc_loss), in_axes=(None, 0)))(x, weights)
-  grads = np.abs(np.asarray(grads, np.float32)).sum(-1)[:, 0]          # [docs, T]
+  grads = np.abs(np.asarray(grads, np.float32)).sum(-1)[:, 0]  # [docs, T]
   seg_np, counted = np.asarray(seg)[0], np.asarray(targets)[0] < 256
   for k, i in enumerate(ids):
     assert np.all(grads[k][seg_np != i] == 0), f"document {i} reaches another document"
@@ -157,26 +175,53 @@ def test_packed_documents_do_not_see_each_other():
 
 
 def test_flops_per_token():
-  c = HybridConfig(vocab_size=258, hidden_size=64, layer_pattern="DA", num_heads=2,
-                   head_dim=32, num_blocks=2, attn_num_heads=2, attn_num_kv_heads=1,
-                   mlp_ratio=2)
+  c = HybridConfig(
+    vocab_size=258,
+    hidden_size=64,
+    layer_pattern="DA",
+    num_heads=2,
+    head_dim=32,
+    num_blocks=2,
+    attn_num_heads=2,
+    attn_num_kv_heads=1,
+    mlp_ratio=2,
+  )
   f = tl.flops_per_token(c, 128)
   p = f["forward_parts"]
   D, HK = 64, 64
-  assert p["projections"] == 2 * D * (3 * HK + 4) + 2 * HK * D + 2 * D * HK \
-      + 2 * D * (64 + 2 * 32) + 2 * 64 * D
+  assert (
+    p["projections"]
+    == 2 * D * (3 * HK + 4) + 2 * HK * D + 2 * D * HK + 2 * D * (64 + 2 * 32) + 2 * 64 * D
+  )
   assert p["attention"] == 2 * 64 * 129
   assert p["mlp"] == 2 * (2 * 3 * D * 2 * D) and p["head"] == 2 * D * 258
   from gdp_jax.bench import forward_flops
+
   assert p["operator"] == forward_flops(1, 128, 2, 32, 32, 2) / 128
   assert f["train"] == 3 * sum(p.values())
 
 
 def test_command_line_and_bad_configuration(tmp_path, capsys):
   from gdp_jax.__main__ import main
+
   out = str(tmp_path / "cli")
-  assert main(["train-lm", "--preset", "tiny", "--steps", "3", "--eval-every", "3",
-               "--out", out, "--no-plot"]) == 0
+  assert (
+    main(
+      [
+        "train-lm",
+        "--preset",
+        "tiny",
+        "--steps",
+        "3",
+        "--eval-every",
+        "3",
+        "--out",
+        out,
+        "--no-plot",
+      ]
+    )
+    == 0
+  )
   text = capsys.readouterr().out
   assert "bits/byte" in text and "tokens/s" in text and "MFU" in text
   assert main(["train-lm", "--compare", os.path.join(out, "metrics.json"), "--out", out]) == 0
@@ -187,5 +232,8 @@ def test_command_line_and_bad_configuration(tmp_path, capsys):
     tl.train_lm(tl.preset_config("tiny", model="mamba"))
   with pytest.raises(ValueError, match="resume and stop_at need an out folder"):
     tl.train_lm(tl.preset_config("tiny", resume=True))
-  assert math.isclose(tl.lr_value(tl.Hyper(1.0, 0.1, 10, 100, 0, 0, 0, 0), 99),
-                      float(tl.lr_at(tl.Hyper(1.0, 0.1, 10, 100, 0, 0, 0, 0), 99)), rel_tol=1e-6)
+  assert math.isclose(
+    tl.lr_value(tl.Hyper(1.0, 0.1, 10, 100, 0, 0, 0, 0), 99),
+    float(tl.lr_at(tl.Hyper(1.0, 0.1, 10, 100, 0, 0, 0, 0), 99)),
+    rel_tol=1e-6,
+  )

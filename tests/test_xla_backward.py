@@ -16,20 +16,30 @@ from gdp_jax import xla_backward as xb
 from gdp_jax.operator import normalize_mask
 from tests.cases import GRAD_TOLERANCE, assert_close, cotangents, make_inputs, tol
 
-TOL = tol(jnp.float32)           # 2e-5 relative (max-norm): the stages agree to ~1e-6
+TOL = tol(jnp.float32)  # 2e-5 relative (max-norm): the stages agree to ~1e-6
 B, H, K, V = 2, 2, 16, 8
-T = 64                           # a multiple of both chunks (the operator pads before)
+T = 64  # a multiple of both chunks (the operator pads before)
 
 # (r, mask kind, with initial state, chunk): every r with every mask kind, both chunks, both
 # state cases.
 CASES = [
-    (1, "shared", True, 16), (1, "head", False, 32), (1, "token", True, 32),
-    (2, "shared", False, 32), (2, "head", True, 16), (2, "token", False, 16),
-    (4, "shared", True, 32), (4, "head", False, 16), (4, "token", True, 16),
+  (1, "shared", True, 16),
+  (1, "head", False, 32),
+  (1, "token", True, 32),
+  (2, "shared", False, 32),
+  (2, "head", True, 16),
+  (2, "token", False, 16),
+  (4, "shared", True, 32),
+  (4, "head", False, 16),
+  (4, "token", True, 16),
 ]
 STAGE_CASES = [(1, "head", True, 16), (2, "token", False, 32), (4, "shared", True, 16)]
-WY_CASES = [(1, "shared", True, 16), (2, "head", False, 32), (2, "token", True, 32),
-            (4, "token", True, 16)]
+WY_CASES = [
+  (1, "shared", True, 16),
+  (2, "head", False, 32),
+  (2, "token", True, 32),
+  (4, "token", True, 16),
+]
 
 
 def _nonzero(x, what):
@@ -56,28 +66,44 @@ def _jit(fn, s):
 def _forward_parts(s):
   """What the forward computes: gcum, beta head-major, Ai, w, u, h, v_new."""
   chunk, r = s["chunk"], s["r"]
-  out = dict(gcum=xla.chunk_local_cumsum(xla.to_head_major(s["g"]), chunk),
-             beta_hm=xla.to_head_major(s["beta"]))
-  out["ai"] = xla.solve_tril(xla.chunk_kkt(s["k"], out["beta_hm"], s["mask"], out["gcum"], chunk),
-                             chunk * r)
-  out["w"], out["u"] = xla.recompute_w_u(s["k"], s["v"], out["beta_hm"], s["mask"], out["gcum"],
-                                         out["ai"], chunk)
-  out["h"], out["v_new"], _ = xla.chunk_state(s["k"], out["w"], out["u"], out["gcum"],
-                                              s["initial_state"], chunk, chunk)
+  out = dict(
+    gcum=xla.chunk_local_cumsum(xla.to_head_major(s["g"]), chunk),
+    beta_hm=xla.to_head_major(s["beta"]),
+  )
+  out["ai"] = xla.solve_tril(
+    xla.chunk_kkt(s["k"], out["beta_hm"], s["mask"], out["gcum"], chunk), chunk * r
+  )
+  out["w"], out["u"] = xla.recompute_w_u(
+    s["k"], s["v"], out["beta_hm"], s["mask"], out["gcum"], out["ai"], chunk
+  )
+  out["h"], out["v_new"], _ = xla.chunk_state(
+    s["k"], out["w"], out["u"], out["gcum"], s["initial_state"], chunk, chunk
+  )
   return out
 
 
 def _setup(seed, r, mask_kind, with_state, chunk, t_len=T, g_scale=None, parts=True):
   """Normalised inputs, cotangents do, dfinal, and (parts) everything the forward computes."""
-  inp = make_inputs(seed, B=B, T=t_len, H=H, K=K, V=V, r=r, mask_kind=mask_kind,
-                    with_state=with_state)
+  inp = make_inputs(
+    seed, B=B, T=t_len, H=H, K=K, V=V, r=r, mask_kind=mask_kind, with_state=with_state
+  )
   mask, _ = normalize_mask(inp["mask"], B, t_len, H, K)
   h0 = inp["initial_state"]
   if h0 is None:
     h0 = jnp.zeros((B, H, K, V), jnp.float32)
   g = inp["g"] if g_scale is None else inp["g"] * g_scale
-  s = dict(q=inp["q"], k=inp["k"], v=inp["v"], g=g, beta=inp["beta"], mask=mask,
-           initial_state=h0, scale=K ** -0.5, chunk=chunk, r=r)
+  s = dict(
+    q=inp["q"],
+    k=inp["k"],
+    v=inp["v"],
+    g=g,
+    beta=inp["beta"],
+    mask=mask,
+    initial_state=h0,
+    scale=K**-0.5,
+    chunk=chunk,
+    r=r,
+  )
   s["do"], s["dfinal"] = cotangents(seed, (B, t_len, H, V), (B, H, K, V))
   if parts:
     s.update(_jit(_forward_parts, s))
@@ -92,28 +118,39 @@ def _state_and_output(s, q, k, w, u, gcum, h0):
 
 # ---- stage 1 -----------------------------------------------------------------------------------
 
+
 def _dv_local_ref(s):
   """Stage 1 from autodiff: the vjp of chunk_output with respect to v_new (h held fixed)."""
-  _, vjp = jax.vjp(lambda vn: xla.chunk_output(s["q"], s["k"], vn, s["h"], s["gcum"],
-                                               s["scale"], s["chunk"]), s["v_new"])
+  _, vjp = jax.vjp(
+    lambda vn: xla.chunk_output(s["q"], s["k"], vn, s["h"], s["gcum"], s["scale"], s["chunk"]),
+    s["v_new"],
+  )
   return vjp(s["do"])[0]
 
 
 @pytest.mark.parametrize("r,mask_kind,with_state,chunk", STAGE_CASES)
 def test_dv_local(r, mask_kind, with_state, chunk):
   s = _setup(1, r, mask_kind, with_state, chunk)
-  got, ref = _jit(lambda s: (xb.chunk_bwd_dv_local(s["q"], s["k"], s["gcum"], s["do"],
-                                                   s["scale"], s["chunk"], s["r"]),
-                             _dv_local_ref(s)), s)
+  got, ref = _jit(
+    lambda s: (
+      xb.chunk_bwd_dv_local(s["q"], s["k"], s["gcum"], s["do"], s["scale"], s["chunk"], s["r"]),
+      _dv_local_ref(s),
+    ),
+    s,
+  )
   _check(got, ref, "dv_local")
 
 
 # ---- stage 2 -----------------------------------------------------------------------------------
 
+
 def _dhu_case(s):
   chunk, r = s["chunk"], s["r"]
-  _, vjp = jax.vjp(lambda u, h0: _state_and_output(s, s["q"], s["k"], s["w"], u, s["gcum"], h0),
-                   s["u"], s["initial_state"])
+  _, vjp = jax.vjp(
+    lambda u, h0: _state_and_output(s, s["q"], s["k"], s["w"], u, s["gcum"], h0),
+    s["u"],
+    s["initial_state"],
+  )
   du_ref, dh0_ref = vjp((s["do"], s["dfinal"]))
   # dh[n] = dL/d(state at the end of chunk n); dh[NT-1] = dfinal. Autodiff sees it through an
   # additive perturbation of each chunk's end state, the forward run one chunk at a time.
@@ -123,8 +160,15 @@ def _dhu_case(s):
     state, outs = s["initial_state"], []
     for n in range(nt):
       tok, rows = slice(n * chunk, (n + 1) * chunk), slice(n * chunk * r, (n + 1) * chunk * r)
-      o, state = _state_and_output(s, s["q"][:, tok], s["k"][:, tok], s["w"][:, :, rows],
-                                   s["u"][:, :, rows], s["gcum"][:, :, tok], state)
+      o, state = _state_and_output(
+        s,
+        s["q"][:, tok],
+        s["k"][:, tok],
+        s["w"][:, :, rows],
+        s["u"][:, :, rows],
+        s["gcum"][:, :, tok],
+        state,
+      )
       state = state + eps[:, :, n]
       outs.append(o)
     return jnp.concatenate(outs, axis=1), state
@@ -133,8 +177,9 @@ def _dhu_case(s):
   _, vjp_eps = jax.vjp(perturbed, eps)
   (dh_ref,) = vjp_eps((s["do"], s["dfinal"]))
   # stage 1 from autodiff, so that this test sees stage 2 alone
-  got = xb.chunk_bwd_dhu(s["q"], s["k"], s["w"], s["gcum"], s["do"], _dv_local_ref(s),
-                         s["dfinal"], s["scale"], chunk)
+  got = xb.chunk_bwd_dhu(
+    s["q"], s["k"], s["w"], s["gcum"], s["do"], _dv_local_ref(s), s["dfinal"], s["scale"], chunk
+  )
   return got, (dh_ref, dh0_ref, du_ref)
 
 
@@ -154,8 +199,9 @@ def test_dhu_without_dfinal():
   s["dfinal"] = jnp.zeros_like(s["dfinal"])
   (_, dh0_ref, du_ref) = _jit(_dhu_case, s)[1]
   dv_local = xb.chunk_bwd_dv_local(s["q"], s["k"], s["gcum"], s["do"], s["scale"], 16, 2)
-  dh, dh0, dv_new = xb.chunk_bwd_dhu(s["q"], s["k"], s["w"], s["gcum"], s["do"], dv_local,
-                                     None, s["scale"], 16)
+  dh, dh0, dv_new = xb.chunk_bwd_dhu(
+    s["q"], s["k"], s["w"], s["gcum"], s["do"], dv_local, None, s["scale"], 16
+  )
   assert not np.any(np.asarray(dh[:, :, -1]))
   _check(dv_new, du_ref, "dv_new")
   _check(dh0, dh0_ref, "d initial_state")
@@ -163,17 +209,24 @@ def test_dhu_without_dfinal():
 
 # ---- stage 3 -----------------------------------------------------------------------------------
 
+
 def _dqkwg_case(s):
   chunk, r = s["chunk"], s["r"]
-  _, vjp = jax.vjp(lambda q, k, w, gcum: _state_and_output(s, q, k, w, s["u"], gcum,
-                                                           s["initial_state"]),
-                   s["q"], s["k"], s["w"], s["gcum"])
+  _, vjp = jax.vjp(
+    lambda q, k, w, gcum: _state_and_output(s, q, k, w, s["u"], gcum, s["initial_state"]),
+    s["q"],
+    s["k"],
+    s["w"],
+    s["gcum"],
+  )
   refs = vjp((s["do"], s["dfinal"]))
   dv_local = xb.chunk_bwd_dv_local(s["q"], s["k"], s["gcum"], s["do"], s["scale"], chunk, r)
-  dh, _, dv_new = xb.chunk_bwd_dhu(s["q"], s["k"], s["w"], s["gcum"], s["do"], dv_local,
-                                   s["dfinal"], s["scale"], chunk)
-  got = xb.chunk_bwd_dqkwg(s["q"], s["k"], s["v_new"], s["gcum"], s["h"], dh, s["do"], dv_new,
-                           s["scale"], chunk)
+  dh, _, dv_new = xb.chunk_bwd_dhu(
+    s["q"], s["k"], s["w"], s["gcum"], s["do"], dv_local, s["dfinal"], s["scale"], chunk
+  )
+  got = xb.chunk_bwd_dqkwg(
+    s["q"], s["k"], s["v_new"], s["gcum"], s["h"], dh, s["do"], dv_new, s["scale"], chunk
+  )
   return got, refs
 
 
@@ -181,12 +234,14 @@ def _dqkwg_case(s):
 def test_dqkwg(r, mask_kind, with_state, chunk):
   s = _setup(4, r, mask_kind, with_state, chunk)
   got, refs = _jit(_dqkwg_case, s)
-  for name, x, ref in zip(("dq", "dk (o and state part)", "dw", "dgcum (o and state part)"),
-                          got, refs):
+  for name, x, ref in zip(
+    ("dq", "dk (o and state part)", "dw", "dgcum (o and state part)"), got, refs
+  ):
     _check(x, ref, name)
 
 
 # ---- stage 4 -----------------------------------------------------------------------------------
+
 
 def _wy_case(s):
   chunk, r = s["chunk"], s["r"]
@@ -217,16 +272,19 @@ def test_wy_bwd(r, mask_kind, with_state, chunk):
 
 def test_reduce_dmask_broadcasts():
   rng = np.random.default_rng(6)
-  d = jnp.asarray(rng.standard_normal((2, 3, 5, 2, 2)), jnp.float32)      # [B,H,Tp,r,r]
-  tm = jnp.moveaxis(d, 1, 2)                                               # [B,Tp,H,r,r]
-  for shape, ref in (((1, 1, 1, 2, 2), tm.sum((0, 1, 2), keepdims=True)),
-                     ((1, 1, 3, 2, 2), tm.sum((0, 1), keepdims=True)),
-                     ((2, 5, 3, 2, 2), tm),
-                     ((2, 1, 3, 2, 2), tm.sum(1, keepdims=True))):
+  d = jnp.asarray(rng.standard_normal((2, 3, 5, 2, 2)), jnp.float32)  # [B,H,Tp,r,r]
+  tm = jnp.moveaxis(d, 1, 2)  # [B,Tp,H,r,r]
+  for shape, ref in (
+    ((1, 1, 1, 2, 2), tm.sum((0, 1, 2), keepdims=True)),
+    ((1, 1, 3, 2, 2), tm.sum((0, 1), keepdims=True)),
+    ((2, 5, 3, 2, 2), tm),
+    ((2, 1, 3, 2, 2), tm.sum(1, keepdims=True)),
+  ):
     assert_close(xb.reduce_dmask(d, shape), ref, 1e-6, f"reduce_dmask {shape}")
 
 
 # ---- stage 5 -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("chunk", [16, 32])
 def test_reverse_cumsum(chunk):
@@ -251,8 +309,9 @@ def _full_case(s, residual_ai=False):
   kw = {}
   if residual_ai:
     kw["ai"] = _forward_parts(s)["ai"]
-  got = xb.gated_delta_product_xla_bwd(*[s[n] for n in PRIMALS], s["scale"], s["chunk"],
-                                       s["do"], s["dfinal"], **kw)
+  got = xb.gated_delta_product_xla_bwd(
+    *[s[n] for n in PRIMALS], s["scale"], s["chunk"], s["do"], s["dfinal"], **kw
+  )
   return got, refs
 
 
@@ -288,17 +347,19 @@ def test_full_backward_padded_tokens():
   q, k, v, g, beta = (pad(inp[n]) for n in ("q", "k", "v", "g", "beta"))
   mask_p = pad(mask) if mask.shape[1] != 1 else mask
   do, dfinal = cotangents(21, (B, t_len, H, V), (B, H, K, V))
-  got = xb.gated_delta_product_xla_bwd(q, k, v, g, beta, mask_p, inp["initial_state"],
-                                       K ** -0.5, chunk, pad(do), dfinal)
+  got = xb.gated_delta_product_xla_bwd(
+    q, k, v, g, beta, mask_p, inp["initial_state"], K**-0.5, chunk, pad(do), dfinal
+  )
   for name, x in zip(NAMES, got):
     assert np.all(np.isfinite(np.asarray(x))), name
 
   def loss(q, k, v, g, beta, mask, h0):
-    o, final = reference.gated_delta_product_reference(q, k, v, g, beta, mask, h0, K ** -0.5)
+    o, final = reference.gated_delta_product_reference(q, k, v, g, beta, mask, h0, K**-0.5)
     return jnp.sum(o * do) + jnp.sum(final * dfinal)
 
   refs = jax.jit(jax.grad(loss, argnums=tuple(range(7))))(
-      inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], mask, inp["initial_state"])
+    inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], mask, inp["initial_state"]
+  )
   cut = lambda x: x[:, :t_len]
   got = [cut(x) for x in got[:5]] + [cut(got[5]) if mask.shape[1] != 1 else got[5], got[6]]
   for name, x, ref in zip(NAMES, got, refs):

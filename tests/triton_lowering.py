@@ -24,6 +24,7 @@ def lower_for_h200(monkeypatch, fn, *avals, clear=()):
   except ImportError as e:  # private modules: another jax may lay them out differently
     pytest.skip(f"Pallas Triton lowering internals not importable here: {e}")
   from pallas_kernels.common import backend
+
   monkeypatch.setattr(backend, "interpret_mode", lambda: False)
   if jax.default_backend() != "gpu":
     h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)

@@ -20,8 +20,24 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import backend, options, specs
 
 
-def _dhu_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref,
-                dh_ref, dv_new_ref, dh0_ref, *, r, chunk, num_chunks, scale, precision):
+def _dhu_kernel(
+  q_ref,
+  k_ref,
+  w_ref,
+  g_ref,
+  do_ref,
+  dvl_ref,
+  dfinal_ref,
+  dh_ref,
+  dv_new_ref,
+  dh0_ref,
+  *,
+  r,
+  chunk,
+  num_chunks,
+  scale,
+  precision,
+):
   dot = functools.partial(backend.dot, precision=precision)
   dim_k = k_ref.shape[-1]
   dk = dim_k // r
@@ -60,8 +76,22 @@ def _dhu_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref,
     dh0_ref[cols(d), :] = ds[d]
 
 
-def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, *, scale, chunk, key_blocks,
-                  dh_dtype=None, launch=options.DEFAULT.bwd_dhu, precision="ieee"):
+def chunk_bwd_dhu(
+  q,
+  k,
+  w,
+  gcum,
+  do,
+  dv_local,
+  dfinal,
+  *,
+  scale,
+  chunk,
+  key_blocks,
+  dh_dtype=None,
+  launch=options.DEFAULT.bwd_dhu,
+  precision="ieee",
+):
   """q, k [B, Tp, H, K]; w [B, H, Tp*r, K]; gcum [B, H, Tp]; do [B, Tp, H, V];
   dv_local [B, H, Tp*r, V]; dfinal [B, H, K, V] f32 ->
   dh [B, H, NT, K, V] (dh_dtype, default float32), d initial_state [B, H, K, V] f32,
@@ -76,19 +106,27 @@ def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, *, scale, chunk, key_bloc
   dvl5 = dv_local.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
   dh, dv_new, dh0 = backend.pallas_call(
-      lambda *refs: _dhu_kernel(*refs, precision=precision, r=r, chunk=chunk, num_chunks=nt, scale=scale),
-      grid=(dim_v // bv, bsz, heads),
-      in_specs=[specs.seq_tokens(t_len, dim_k), specs.seq_tokens(t_len, dim_k),
-                specs.seq_rows(t_len, r, dim_k), specs.seq_scalars(t_len),
-                specs.seq_tokens(t_len, bv, v_block=True), per_row_v, specs.state(dim_k, bv)],
-      out_specs=[specs.chunk_states(nt, dim_k, bv), per_row_v, specs.state(dim_k, bv)],
-      out_shape=[
-          jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), dh_dtype),
-          jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), jnp.float32),
-          jax.ShapeDtypeStruct((bsz, heads, dim_k, dim_v), jnp.float32),
-      ],
-      num_warps=launch.num_warps,
-      num_stages=launch.num_stages,
-      name="gdp_bwd_dhu",
+    lambda *refs: _dhu_kernel(
+      *refs, precision=precision, r=r, chunk=chunk, num_chunks=nt, scale=scale
+    ),
+    grid=(dim_v // bv, bsz, heads),
+    in_specs=[
+      specs.seq_tokens(t_len, dim_k),
+      specs.seq_tokens(t_len, dim_k),
+      specs.seq_rows(t_len, r, dim_k),
+      specs.seq_scalars(t_len),
+      specs.seq_tokens(t_len, bv, v_block=True),
+      per_row_v,
+      specs.state(dim_k, bv),
+    ],
+    out_specs=[specs.chunk_states(nt, dim_k, bv), per_row_v, specs.state(dim_k, bv)],
+    out_shape=[
+      jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), dh_dtype),
+      jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), jnp.float32),
+      jax.ShapeDtypeStruct((bsz, heads, dim_k, dim_v), jnp.float32),
+    ],
+    num_warps=launch.num_warps,
+    num_stages=launch.num_stages,
+    name="gdp_bwd_dhu",
   )(q, k, w5, gcum, do, dvl5, dfinal)
   return dh, dh0, dv_new.reshape(bsz, heads, t_len * r, dim_v)

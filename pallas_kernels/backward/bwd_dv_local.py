@@ -24,7 +24,7 @@ def _dv_local_kernel(q_ref, k_ref, g_ref, do_ref, dv_ref, *, r, scale, precision
   dtype = q_ref.dtype
   g = g_ref[...]
   tok = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-  decay = scale * rows.causal_decay(g, g, tok, tok, strict=False)   # [t, s]
+  decay = scale * rows.causal_decay(g, g, tok, tok, strict=False)  # [t, s]
   do = do_ref[...].astype(dtype)
   for a in range(r):
     cols = pl.ds(a * dk, dk)
@@ -32,21 +32,26 @@ def _dv_local_kernel(q_ref, k_ref, g_ref, do_ref, dv_ref, *, r, scale, precision
     dv_ref[:, a, :] = dot(p.astype(dtype), do, trans_a=True).astype(dv_ref.dtype)
 
 
-def chunk_bwd_dv_local(q, k, gcum, do, *, scale, chunk, key_blocks,
-                       launch=options.DEFAULT.bwd_dv_local, precision="ieee"):
+def chunk_bwd_dv_local(
+  q, k, gcum, do, *, scale, chunk, key_blocks, launch=options.DEFAULT.bwd_dv_local, precision="ieee"
+):
   """q, k [B, Tp, H, K]; gcum [B, H, Tp]; do [B, Tp, H, V] -> dv_local [B, H, Tp*r, V] f32."""
   bsz, t_len, heads, dim_k = q.shape
   dim_v = do.shape[-1]
   r = key_blocks
   out = backend.pallas_call(
-      lambda *refs: _dv_local_kernel(*refs, precision=precision, r=r, scale=scale),
-      grid=(t_len // chunk, bsz, heads),
-      in_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_k), specs.scalars(chunk),
-                specs.tokens(chunk, dim_v)],
-      out_specs=pl.BlockSpec((None, None, chunk, r, dim_v), lambda t, b, h: (b, h, t, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), jnp.float32),
-      num_warps=launch.num_warps,
-      num_stages=launch.num_stages,
-      name="gdp_bwd_dv_local",
+    lambda *refs: _dv_local_kernel(*refs, precision=precision, r=r, scale=scale),
+    grid=(t_len // chunk, bsz, heads),
+    in_specs=[
+      specs.tokens(chunk, dim_k),
+      specs.tokens(chunk, dim_k),
+      specs.scalars(chunk),
+      specs.tokens(chunk, dim_v),
+    ],
+    out_specs=pl.BlockSpec((None, None, chunk, r, dim_v), lambda t, b, h: (b, h, t, 0, 0)),
+    out_shape=jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), jnp.float32),
+    num_warps=launch.num_warps,
+    num_stages=launch.num_stages,
+    name="gdp_bwd_dv_local",
   )(q, k, gcum, do)
   return out.reshape(bsz, heads, t_len * r, dim_v)

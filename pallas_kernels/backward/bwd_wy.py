@@ -28,8 +28,24 @@ def _per_token(x, chunk, r):
   return x if r == 1 else jnp.sum(x.reshape(chunk, r), axis=1)
 
 
-def _wy_bwd_kernel(k_ref, v_ref, beta_ref, g_ref, mask_ref, ai_ref, dw_ref, du_ref,
-                   dk_ref, dv_ref, dbeta_ref, dmask_ref, dg_ref, *, r, precision):
+def _wy_bwd_kernel(
+  k_ref,
+  v_ref,
+  beta_ref,
+  g_ref,
+  mask_ref,
+  ai_ref,
+  dw_ref,
+  du_ref,
+  dk_ref,
+  dv_ref,
+  dbeta_ref,
+  dmask_ref,
+  dg_ref,
+  *,
+  r,
+  precision,
+):
   dot = functools.partial(backend.dot, precision=precision)
   # Ordered to keep few [N, K] tiles live at once (registers): the dw part, the du part, then
   # the Ag part, each consuming its products as soon as they are formed.
@@ -44,35 +60,35 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, g_ref, mask_ref, ai_ref, dw_ref, du_r
   beta_r = rows.per_row(beta, r)
   eg_r = rows.per_row(jnp.exp(g), r)
   scale_w = beta_r * eg_r
-  kw = rows.masked_keys(k, mask_ref, r)                               # [N, K] f32
+  kw = rows.masked_keys(k, mask_ref, r)  # [N, K] f32
   kw_c = kw.astype(dtype)
   kb_c = rows.block_keys(k, r).astype(dtype)
   ai = ai_ref[...].astype(dtype)
 
   # w = Ai W~ with W~ = beta exp(gamma) Kw:  dW~ = Ai^T dw
   dw = dw_ref[...].astype(dtype)
-  dwt = dot(ai, dw, trans_a=True)                              # [N, K]
-  s_w = jnp.sum(dwt * kw, axis=1)                                     # <dW~, Kw> per row
+  dwt = dot(ai, dw, trans_a=True)  # [N, K]
+  s_w = jnp.sum(dwt * kw, axis=1)  # <dW~, Kw> per row
   dkw = scale_w[:, None] * dwt
-  x = dot(dw, (scale_w[:, None] * kw).astype(dtype), trans_b=True)   # dw W~^T  [N, N]
+  x = dot(dw, (scale_w[:, None] * kw).astype(dtype), trans_b=True)  # dw W~^T  [N, N]
 
   # u = Ai U~ with U~ = beta v (per token, repeated over a):  dU~ = Ai^T du
   v = v_ref[...].astype(f32)
   du = du_ref[...].astype(dtype)
-  dut = dot(ai, du, trans_a=True)                              # [N, V]
+  dut = dot(ai, du, trans_a=True)  # [N, V]
   dut_sum = dut if r == 1 else jnp.sum(dut.reshape(chunk, r, dim_v), axis=1)
   dv_ref[...] = (beta[:, None] * dut_sum).astype(dv_ref.dtype)
   dbeta_u = jnp.sum(dut_sum * v, axis=1)
   u_tilde = rows.repeat_rows((beta[:, None] * v).astype(dtype), r)
-  x = x + dot(du, u_tilde, trans_b=True)                       # + du U~^T
+  x = x + dot(du, u_tilde, trans_b=True)  # + du U~^T
 
   # Ai = (I + Ag)^-1:  dAg = -Ai^T (dw W~^T + du U~^T) Ai^T on token-strictly-lower entries
   xa = dot(ai, x.astype(dtype), trans_a=True)
   dag = -dot(xa.astype(dtype), ai, trans_b=True)
   tok = rows.row_tokens(n, r)
   g_r = rows.per_row(g, r)
-  gd = dag * rows.causal_decay(g_r, g_r, tok, tok, strict=True)     # G
-  kk = dot(kw_c, kb_c, trans_b=True)                          # Kw Kb^T
+  gd = dag * rows.causal_decay(g_r, g_r, tok, tok, strict=True)  # G
+  kk = dot(kw_c, kb_c, trans_b=True)  # Kw Kb^T
   gkk = gd * kk
   z = beta_r[:, None] * gkk
   dbeta_r = jnp.sum(gkk, axis=1) + eg_r * s_w
@@ -89,22 +105,37 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, g_ref, mask_ref, ai_ref, dw_ref, du_r
     dmask_ref[...] = jnp.sum(dkw * kf, axis=1).reshape(chunk, 1, 1)
     return
   dkw3 = dkw.reshape(chunk, r, dim_k)
-  ind = rows.block_indicator(r, dim_k)                                # [r, K]
-  dk_ref[...] = (jnp.sum(dkw3 * rows.expanded_mask(mask_ref, r, dim_k), axis=1)
-                 + jnp.sum(dkb.reshape(chunk, r, dim_k) * ind[None], axis=1)).astype(dk_ref.dtype)
-  prod = dkw3 * kf[:, None, :]                                        # [t, a, c]
+  ind = rows.block_indicator(r, dim_k)  # [r, K]
+  dk_ref[...] = (
+    jnp.sum(dkw3 * rows.expanded_mask(mask_ref, r, dim_k), axis=1)
+    + jnp.sum(dkb.reshape(chunk, r, dim_k) * ind[None], axis=1)
+  ).astype(dk_ref.dtype)
+  prod = dkw3 * kf[:, None, :]  # [t, a, c]
   col_block = jax.lax.broadcasted_iota(jnp.int32, (1, 1, dim_k), 2) // (dim_k // r)
   onehot = jax.lax.broadcasted_iota(jnp.int32, (1, 1, r), 2)
   dmask = None
   for b in range(r):
-    col = jnp.sum(jnp.where(col_block == b, prod, 0.0), axis=2)      # dM[:, :, b]  [BT, r]
+    col = jnp.sum(jnp.where(col_block == b, prod, 0.0), axis=2)  # dM[:, :, b]  [BT, r]
     term = col[:, :, None] * (onehot == b).astype(f32)
     dmask = term if dmask is None else dmask + term
   dmask_ref[...] = dmask
 
 
-def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, *, chunk, key_blocks,
-           launch=options.DEFAULT.bwd_wy, precision="ieee"):
+def wy_bwd(
+  k,
+  v,
+  beta,
+  mask,
+  gcum,
+  ai,
+  dw,
+  du,
+  *,
+  chunk,
+  key_blocks,
+  launch=options.DEFAULT.bwd_wy,
+  precision="ieee",
+):
   """k [B, Tp, H, K]; v [B, Tp, H, V]; beta, gcum [B, H, Tp]; mask [Bm, Tm, Hm, r, r];
   ai [B, H, Tp*r, N]; dw [B, H, Tp*r, K]; du [B, H, Tp*r, V] ->
   dk [B, Tp, H, K], dv [B, Tp, H, V], dbeta [B, H, Tp], per-token dmask [B, H, Tp, r, r],
@@ -116,19 +147,33 @@ def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, *, chunk, key_blocks,
   n = chunk * r
   f32 = jnp.float32
   return backend.pallas_call(
-      lambda *refs: _wy_bwd_kernel(*refs, precision=precision, r=r),
-      grid=(t_len // chunk, bsz, heads),
-      in_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_v), specs.scalars(chunk),
-                specs.scalars(chunk), specs.mask(mask.shape, chunk), specs.rows(n, n),
-                specs.rows(n, dim_k), specs.rows(n, dim_v)],
-      out_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_v), specs.scalars(chunk),
-                 pl.BlockSpec((None, None, chunk, r, r), lambda t, b, h: (b, h, t, 0, 0)),
-                 specs.scalars(chunk)],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, f32), jax.ShapeDtypeStruct(v.shape, f32),
-                 jax.ShapeDtypeStruct(beta.shape, f32),
-                 jax.ShapeDtypeStruct((bsz, heads, t_len, r, r), f32),
-                 jax.ShapeDtypeStruct(gcum.shape, f32)],
-      num_warps=launch.num_warps,
-      num_stages=launch.num_stages,
-      name="gdp_bwd_wy",
+    lambda *refs: _wy_bwd_kernel(*refs, precision=precision, r=r),
+    grid=(t_len // chunk, bsz, heads),
+    in_specs=[
+      specs.tokens(chunk, dim_k),
+      specs.tokens(chunk, dim_v),
+      specs.scalars(chunk),
+      specs.scalars(chunk),
+      specs.mask(mask.shape, chunk),
+      specs.rows(n, n),
+      specs.rows(n, dim_k),
+      specs.rows(n, dim_v),
+    ],
+    out_specs=[
+      specs.tokens(chunk, dim_k),
+      specs.tokens(chunk, dim_v),
+      specs.scalars(chunk),
+      pl.BlockSpec((None, None, chunk, r, r), lambda t, b, h: (b, h, t, 0, 0)),
+      specs.scalars(chunk),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct(k.shape, f32),
+      jax.ShapeDtypeStruct(v.shape, f32),
+      jax.ShapeDtypeStruct(beta.shape, f32),
+      jax.ShapeDtypeStruct((bsz, heads, t_len, r, r), f32),
+      jax.ShapeDtypeStruct(gcum.shape, f32),
+    ],
+    num_warps=launch.num_warps,
+    num_stages=launch.num_stages,
+    name="gdp_bwd_wy",
   )(k, v, beta, gcum, mask, ai, dw, du)

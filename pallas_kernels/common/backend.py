@@ -20,7 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 warnings.filterwarnings(
-    "ignore", message=r"The Pallas Triton backend is deprecated", category=DeprecationWarning)
+  "ignore", message=r"The Pallas Triton backend is deprecated", category=DeprecationWarning
+)
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -95,9 +96,9 @@ def _varying_out_shape(out_shape, args):
 # accumulation). See docs/precision.md.
 PRECISIONS = ("tf32", "tf32x3", "ieee")
 _GPU_ALGORITHM = {
-    "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
-    "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
-    "ieee": jax.lax.DotAlgorithmPreset.F32_F32_F32,
+  "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
+  "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+  "ieee": jax.lax.DotAlgorithmPreset.F32_F32_F32,
 }
 
 
@@ -113,17 +114,28 @@ def resolve_precision(precision=None) -> str:
   if precision is None:
     precision = jax.config.jax_default_matmul_precision
   if isinstance(precision, jax.lax.Precision):
-    precision = {jax.lax.Precision.DEFAULT: "default", jax.lax.Precision.HIGH: "high",
-                 jax.lax.Precision.HIGHEST: "highest"}[precision]
-  if precision is None or precision in ("default", "bfloat16", "tensorfloat32", "high",
-                                        "fastest", "ANY_F32_F32"):
+    precision = {
+      jax.lax.Precision.DEFAULT: "default",
+      jax.lax.Precision.HIGH: "high",
+      jax.lax.Precision.HIGHEST: "highest",
+    }[precision]
+  if precision is None or precision in (
+    "default",
+    "bfloat16",
+    "tensorfloat32",
+    "high",
+    "fastest",
+    "ANY_F32_F32",
+  ):
     return "tf32"
   if precision in ("highest", "float32"):
     return "tf32x3"
   if precision in PRECISIONS:
     return precision
-  raise ValueError(f"precision must be None, 'default', 'high', 'highest', one of {PRECISIONS} "
-                   f"or a jax.lax.Precision, got {precision!r}")
+  raise ValueError(
+    f"precision must be None, 'default', 'high', 'highest', one of {PRECISIONS} "
+    f"or a jax.lax.Precision, got {precision!r}"
+  )
 
 
 def dot(a, b, *, trans_a=False, trans_b=False, precision="ieee"):
@@ -141,5 +153,6 @@ def dot(a, b, *, trans_a=False, trans_b=False, precision="ieee"):
   algorithm = None
   if a.dtype == jnp.float32:
     algorithm = HIGHEST if interpret_mode() else _GPU_ALGORITHM[precision]
-  return jax.lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=algorithm,
-                             preferred_element_type=jnp.float32)
+  return jax.lax.dot_general(
+    a, b, (((ca,), (cb,)), ((), ())), precision=algorithm, preferred_element_type=jnp.float32
+  )

@@ -26,11 +26,11 @@ def chunk_local_cumsum(g, chunk, *, reverse=False):
   bsz, heads, t_len = g.shape
   spec = pl.BlockSpec((None, None, chunk), lambda t, b, h: (b, h, t))
   return backend.pallas_call(
-      lambda g_ref, o_ref: _cumsum_kernel(g_ref, o_ref, reverse=reverse),
-      grid=(t_len // chunk, bsz, heads),
-      in_specs=[spec],
-      out_specs=spec,
-      out_shape=jax.ShapeDtypeStruct(g.shape, jnp.float32),
-      num_warps=1,
-      name="gdp_chunk_cumsum",
+    lambda g_ref, o_ref: _cumsum_kernel(g_ref, o_ref, reverse=reverse),
+    grid=(t_len // chunk, bsz, heads),
+    in_specs=[spec],
+    out_specs=spec,
+    out_shape=jax.ShapeDtypeStruct(g.shape, jnp.float32),
+    num_warps=1,
+    name="gdp_chunk_cumsum",
   )(g)

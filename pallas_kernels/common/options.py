@@ -24,6 +24,7 @@ from pallas_kernels.common import backend
 @dataclasses.dataclass(frozen=True)
 class Launch:
   """Triton launch parameters of one kernel. `block_v`: V tile of kernels that split V."""
+
   num_warps: int = 4
   num_stages: int = 2
   block_v: int | None = None
@@ -32,6 +33,7 @@ class Launch:
 @dataclasses.dataclass(frozen=True)
 class DeviceInfo:
   """What the launch heuristics need to know about the GPU (or the CPU, in interpret mode)."""
+
   platform: str = "cpu"
   name: str = "cpu"
   compute_capability: tuple[int, int] | None = None
@@ -42,9 +44,16 @@ class DeviceInfo:
 # Opt-in shared memory per thread block by compute capability (bytes), from NVIDIA's CUDA
 # programming guide (table of technical specifications per compute capability).
 _SHARED_MEMORY = {
-    (7, 0): 96 * 1024, (7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024,
-    (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024,
-    (10, 3): 227 * 1024, (12, 0): 99 * 1024,
+  (7, 0): 96 * 1024,
+  (7, 5): 64 * 1024,
+  (8, 0): 163 * 1024,
+  (8, 6): 99 * 1024,
+  (8, 7): 163 * 1024,
+  (8, 9): 99 * 1024,
+  (9, 0): 227 * 1024,
+  (10, 0): 227 * 1024,
+  (10, 3): 227 * 1024,
+  (12, 0): 99 * 1024,
 }
 
 
@@ -64,9 +73,13 @@ def device_info(device=None) -> DeviceInfo:
     return DeviceInfo(platform=device.platform, name=str(device.device_kind))
   capability = _parse_capability(getattr(device, "compute_capability", None))
   smem = _SHARED_MEMORY.get(capability, 99 * 1024) if capability else 99 * 1024
-  return DeviceInfo(platform="gpu", name=str(device.device_kind), compute_capability=capability,
-                    sm_count=int(getattr(device, "core_count", 0) or 132),
-                    shared_memory_per_block=smem)
+  return DeviceInfo(
+    platform="gpu",
+    name=str(device.device_kind),
+    compute_capability=capability,
+    sm_count=int(getattr(device, "core_count", 0) or 132),
+    shared_memory_per_block=smem,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +93,7 @@ class KernelOptions:
     the fused kernel's variants (pallas_kernels/forward/chunk_fwd.py).
   Each stage field is the `Launch` of the kernel of the same name (docs/kernels.md).
   """
+
   precision: str = "tf32"
   fused: bool = True
   chunk_fwd: Launch = Launch(num_warps=2, num_stages=1)
@@ -108,8 +122,15 @@ DEFAULT = KernelOptions()
 
 
 @functools.cache
-def heuristic_options(*, r: int, dim_k: int, dim_v: int, dtype, precision: str = "tf32",
-                      device: DeviceInfo | None = None) -> KernelOptions:
+def heuristic_options(
+  *,
+  r: int,
+  dim_k: int,
+  dim_v: int,
+  dtype,
+  precision: str = "tf32",
+  device: DeviceInfo | None = None,
+) -> KernelOptions:
   """The launch configuration for a problem on a device (H200-tuned, scaled down elsewhere).
 
   Today the tuned values do not depend on (r, K, V); the V tiles shrink where a device has less
@@ -120,27 +141,39 @@ def heuristic_options(*, r: int, dim_k: int, dim_v: int, dtype, precision: str =
   opts = DEFAULT.replace(precision=precision)
   small_smem = device.shared_memory_per_block < 160 * 1024
   if small_smem or (jnp.dtype(dtype) == jnp.float32 and max(dim_k, dim_v) > 128):
-    opts = opts.replace(chunk_o=dataclasses.replace(opts.chunk_o, block_v=64),
-                        chunk_h=dataclasses.replace(opts.chunk_h, block_v=32),
-                        bwd_dhu=dataclasses.replace(opts.bwd_dhu, block_v=32))
-  logging.vlog(1, "gdp kernel options for r=%d K=%d V=%d %s on %s: %s", r, dim_k, dim_v,
-               jnp.dtype(dtype).name, device.name, opts)
+    opts = opts.replace(
+      chunk_o=dataclasses.replace(opts.chunk_o, block_v=64),
+      chunk_h=dataclasses.replace(opts.chunk_h, block_v=32),
+      bwd_dhu=dataclasses.replace(opts.bwd_dhu, block_v=32),
+    )
+  logging.vlog(
+    1,
+    "gdp kernel options for r=%d K=%d V=%d %s on %s: %s",
+    r,
+    dim_k,
+    dim_v,
+    jnp.dtype(dtype).name,
+    device.name,
+    opts,
+  )
   return opts
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
   """Launch parameters of the grouped-query decode kernel (pallas_kernels/inference)."""
+
   block_s: int = 64
   num_warps: int = 4
   num_stages: int = 3
-  programs_per_sm: int = 16          # enough programs for a few waves and a short tail
+  programs_per_sm: int = 16  # enough programs for a few waves and a short tail
   min_blocks_per_split: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
   """Launch parameters of the recurrent step kernel (pallas_kernels/inference)."""
+
   block_v: int = 64
   num_warps: int = 4
   num_stages: int = 1

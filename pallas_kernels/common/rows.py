@@ -39,7 +39,7 @@ def expanded_mask(mask_ref, r, dim_k, tokens=slice(None)):
   col_block = jax.lax.broadcasted_iota(jnp.int32, (1, 1, dim_k), 2) // dk
   out = None
   for b in range(r):
-    col = mask_ref[tokens, :, b].astype(f32)                  # M[:, :, b]: [X, r]
+    col = mask_ref[tokens, :, b].astype(f32)  # M[:, :, b]: [X, r]
     term = col[:, :, None] * (col_block == b).astype(f32)
     out = term if out is None else out + term
   return out
@@ -53,7 +53,7 @@ def masked_keys(k, mask_ref, r, tokens=slice(None)):
   bt, dim_k = k.shape
   k = k.astype(f32)
   if r == 1:
-    return k * mask_ref[tokens, :, 0].astype(f32)            # [X, 1] broadcasts over [BT, K]
+    return k * mask_ref[tokens, :, 0].astype(f32)  # [X, 1] broadcasts over [BT, K]
   kw = k[:, None, :] * expanded_mask(mask_ref, r, dim_k, tokens)
   return kw.reshape(bt * r, dim_k)
 

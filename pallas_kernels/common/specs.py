@@ -29,12 +29,14 @@ def mask(mask_shape, bt):
   bm, tm, hm, r, _ = mask_shape
   x = bt if tm > 1 else 1
   return pl.BlockSpec(
-      (None, x, None, r, r),
-      lambda t, b, h: (b if bm > 1 else 0, t if tm > 1 else 0, h if hm > 1 else 0, 0, 0))
+    (None, x, None, r, r),
+    lambda t, b, h: (b if bm > 1 else 0, t if tm > 1 else 0, h if hm > 1 else 0, 0, 0),
+  )
 
 
 # The sequential kernels (chunk_h.py, bwd_dhu.py) walk the whole sequence in one program; their
 # grid is (V block iv, batch b, head h) and their blocks span all Tp tokens.
+
 
 def seq_tokens(t_len, dim, *, v_block=False):
   """All [Tp, D] tokens of a [B, Tp, H, D] array (D split in blocks of `dim` if v_block)."""
@@ -68,5 +70,7 @@ def chunk_states(nt, dim_k, bv):
 def check_key_blocks(mask, key_blocks):
   """The mask's r x r must match the key blocks a kernel was asked to use."""
   if mask.shape[-1] != key_blocks or mask.shape[-2] != key_blocks:
-    raise ValueError(f"mask has shape {mask.shape}; expected [..., {key_blocks}, {key_blocks}] "
-                     f"for key_blocks = {key_blocks}")
+    raise ValueError(
+      f"mask has shape {mask.shape}; expected [..., {key_blocks}, {key_blocks}] "
+      f"for key_blocks = {key_blocks}"
+    )

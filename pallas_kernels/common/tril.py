@@ -29,9 +29,9 @@ def unit_lower_inverse(a, *, precision="ieee"):
   dot = lambda x, y: backend.dot(x, y, precision=precision)
   row = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
   col = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
-  p = jnp.where(row == col, 1.0, 0.0) - a                       # I - A
+  p = jnp.where(row == col, 1.0, 0.0) - a  # I - A
   power = a
-  for _ in range(3):                                             # A^2, A^4, A^8
+  for _ in range(3):  # A^2, A^4, A^8
     power = dot(power, power)
-    p = p + dot(p, power)                                        # p (I + A^(2^j))
+    p = p + dot(p, power)  # p (I + A^(2^j))
   return p

@@ -42,7 +42,7 @@ class _Chunk:
   def __init__(self, k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask):
     self.k_ref, self.v_ref, self.beta_ref, self.mask_ref = k_ref, v_ref, beta_ref, mask_ref
     self.r = r
-    self.tb = BLOCK // r                          # tokens per 16-row block
+    self.tb = BLOCK // r  # tokens per 16-row block
     self.per_token_mask = per_token_mask
     self.dtype = k_ref.dtype
 
@@ -59,8 +59,7 @@ class _Chunk:
 
   def masked_keys(self, i):
     """Kw_i, the masked keys of block i: [16, K] float32."""
-    return rows.masked_keys(self.k_ref[self.toks(i), :], self.mask_ref, self.r,
-                            self.mask_rows(i))
+    return rows.masked_keys(self.k_ref[self.toks(i), :], self.mask_ref, self.r, self.mask_rows(i))
 
   def block_keys(self, i):
     """Kb_i, the block keys of block i: [16, K] float32."""
@@ -98,7 +97,7 @@ def _invert_diagonal(a_blocks, method="substitution"):
   def body(j, ys):
     out = []
     for y in ys:
-      row = jnp.sum(jnp.where(idx == j, y, 0.0), axis=0)             # -A[j], zero from column j
+      row = jnp.sum(jnp.where(idx == j, y, 0.0), axis=0)  # -A[j], zero from column j
       row = row + jnp.sum(row[:, None] * y, axis=0)
       out.append(jnp.where(idx == j, row[None, :], y))
     return tuple(out)
@@ -108,19 +107,32 @@ def _invert_diagonal(a_blocks, method="substitution"):
   return [y + eye for y in ys]
 
 
-def _blocks_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref, u_ref, *ai_ref,
-                   r, per_token_mask, precision, inverse):
+def _blocks_kernel(
+  k_ref,
+  v_ref,
+  g_ref,
+  beta_ref,
+  mask_ref,
+  gamma_ref,
+  w_ref,
+  u_ref,
+  *ai_ref,
+  r,
+  per_token_mask,
+  precision,
+  inverse,
+):
   """merge="blocks": every product on [16, 16] blocks; X kept as its lower-triangular blocks."""
   bt = k_ref.shape[0]
   nb = bt * r // BLOCK
   c = _Chunk(k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask)
   dtype = c.dtype
   dot = functools.partial(backend.dot, precision=precision)
-  local = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0) // r     # token of each row in a block
+  local = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0) // r  # token of each row in a block
   blk = lambda i: pl.ds(i * BLOCK, BLOCK)
 
   # gamma: chunk-local cumsum of g, block by block with a running prefix.
-  gammas = []                                                         # per row, [16] each
+  gammas = []  # per row, [16] each
   prefix = jnp.zeros((), f32)
   for i in range(nb):
     g = g_ref[c.toks(i)].astype(f32)
@@ -131,8 +143,7 @@ def _blocks_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref, u_
 
   def a_block(kw_i, i, kb_j, j):
     """A_ij, gated and token-strictly causal: [16, 16] float32."""
-    decay = rows.causal_decay(gammas[i], gammas[j], local + i * c.tb, local + j * c.tb,
-                              strict=True)
+    decay = rows.causal_decay(gammas[i], gammas[j], local + i * c.tb, local + j * c.tb, strict=True)
     kk = dot(kw_i.astype(dtype), kb_j.astype(dtype), trans_b=True)
     return c.beta(i)[:, None] * kk * decay
 
@@ -171,12 +182,25 @@ def _blocks_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref, u_
         ai_ref[0][blk(i), blk(j)] = x[i, j].astype(ai_ref[0].dtype) if j <= i else zeros
 
 
-def _panels_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref, u_ref, *ai_ref,
-                   r, per_token_mask, precision, inverse):
+def _panels_kernel(
+  k_ref,
+  v_ref,
+  g_ref,
+  beta_ref,
+  mask_ref,
+  gamma_ref,
+  w_ref,
+  u_ref,
+  *ai_ref,
+  r,
+  per_token_mask,
+  precision,
+  inverse,
+):
   """merge="panels": row block i of A, X, w, u as [16, N] panels, one dot each:
-    A_i  = beta_i (Kw_i Kb^T) decay, kept left of the diagonal block     [16, N]
-    X_i  = place_i(X_ii) - X_ii (A_i X)        (X: the rows above, [N, N])  [16, N]
-    w_i  = X_i (exp(gamma) beta Kw),  u_i = X_i (beta v)
+  A_i  = beta_i (Kw_i Kb^T) decay, kept left of the diagonal block     [16, N]
+  X_i  = place_i(X_ii) - X_ii (A_i X)        (X: the rows above, [N, N])  [16, N]
+  w_i  = X_i (exp(gamma) beta Kw),  u_i = X_i (beta v)
   """
   bt = k_ref.shape[0]
   n = bt * r
@@ -190,7 +214,7 @@ def _panels_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref, u_
   gamma_tok = jnp.cumsum(g_ref[...].astype(f32))
   gamma_ref[...] = gamma_tok
   beta_tok = beta_ref[...].astype(f32)
-  gamma = rows.per_row(gamma_tok, r)                                  # [N]
+  gamma = rows.per_row(gamma_tok, r)  # [N]
   beta = rows.per_row(beta_tok, r)
   tok = rows.row_tokens(n, r)
   local = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0) // r
@@ -203,10 +227,10 @@ def _panels_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref, u_
 
   # The whole chunk's operands, rebuilt from the refs at each use (short register lives).
   block_keys = lambda: rows.block_keys(k_ref[...], r).astype(dtype)
-  w_rhs = lambda: ((jnp.exp(gamma) * beta)[:, None]
-                   * rows.masked_keys(k_ref[...], mask_ref, r)).astype(dtype)
-  u_rhs = lambda: rows.repeat_rows(
-      (beta_tok[:, None] * v_ref[...].astype(f32)).astype(dtype), r)
+  w_rhs = lambda: (
+    (jnp.exp(gamma) * beta)[:, None] * rows.masked_keys(k_ref[...], mask_ref, r)
+  ).astype(dtype)
+  u_rhs = lambda: rows.repeat_rows((beta_tok[:, None] * v_ref[...].astype(f32)).astype(dtype), r)
 
   gammas = [pick(gamma, i) for i in range(nb)]
   betas = [pick(beta, i) for i in range(nb)]
@@ -220,16 +244,16 @@ def _panels_kernel(k_ref, v_ref, g_ref, beta_ref, mask_ref, gamma_ref, w_ref, u_
 
   col_block = col // BLOCK
   row_block_n = iota(jnp.int32, (n, n), 0) // BLOCK
-  x = None                                                            # rows of X above row block i
+  x = None  # rows of X above row block i
   for i in range(nb):
     tiled = jnp.broadcast_to(x_diag[i][:, None, :], (BLOCK, nb, BLOCK)).reshape(BLOCK, n)
-    panel = jnp.where(col_block == i, tiled, 0.0)                     # X_ii at its place
+    panel = jnp.where(col_block == i, tiled, 0.0)  # X_ii at its place
     if i:
       decay = rows.causal_decay(gammas[i], gamma, local + i * c.tb, tok, strict=True)
       a = betas[i][:, None] * dot(c.masked_keys(i).astype(dtype), block_keys(), trans_b=True)
-      a = jnp.where(col < i * BLOCK, a * decay, 0.0)                  # A_ik, k < i
+      a = jnp.where(col < i * BLOCK, a * decay, 0.0)  # A_ik, k < i
       panel = panel - dot(x_diag[i], dot(a, x))
-    if i < nb - 1:                                                  # row block i of X
+    if i < nb - 1:  # row block i of X
       stacked = jnp.broadcast_to(panel[None], (nb, BLOCK, n)).reshape(n, n)
       x = jnp.where(row_block_n == i, stacked, 0.0 if x is None else x)
     p = panel.astype(dtype) if half else panel
@@ -244,8 +268,10 @@ _KERNELS = {"panels": _panels_kernel, "blocks": _blocks_kernel}
 
 def _check(k, v, g, beta, mask, key_blocks, chunk):
   if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
-    raise ValueError(f"k must be [B, Tp, H, K] and v [B, Tp, H, V] with the same B, Tp, H; got "
-                     f"k {k.shape}, v {v.shape}")
+    raise ValueError(
+      f"k must be [B, Tp, H, K] and v [B, Tp, H, V] with the same B, Tp, H; got "
+      f"k {k.shape}, v {v.shape}"
+    )
   bsz, t_len, heads, dim_k = k.shape
   dim_v = v.shape[-1]
   for name, x in (("g", g), ("beta", beta)):
@@ -253,25 +279,41 @@ def _check(k, v, g, beta, mask, key_blocks, chunk):
       raise ValueError(f"{name} must be [B, H, Tp] = {(bsz, heads, t_len)}, got {x.shape}")
   r = key_blocks
   if mask.ndim != 5 or mask.shape[-2:] != (r, r):
-    raise ValueError(f"mask must be [Bm, Tm, Hm, r, r] with r = key_blocks = {r}, got "
-                     f"{mask.shape}")
+    raise ValueError(f"mask must be [Bm, Tm, Hm, r, r] with r = key_blocks = {r}, got {mask.shape}")
   if chunk not in CHUNKS:
     raise ValueError(f"chunk must be one of {CHUNKS}, got {chunk!r}")
   if r not in (1, 2, 4, 8):
-    raise ValueError(f"key_blocks must be 1, 2, 4 or 8 (a 16-row block must hold whole tokens; "
-                     f"r = 16 is not supported), got {r!r}")
+    raise ValueError(
+      f"key_blocks must be 1, 2, 4 or 8 (a 16-row block must hold whole tokens; "
+      f"r = 16 is not supported), got {r!r}"
+    )
   if chunk * r > MAX_ROWS:
     raise ValueError(f"chunk * key_blocks = {chunk} * {r} rows exceeds {MAX_ROWS}")
   if t_len % chunk:
     raise ValueError(f"Tp = {t_len} must be a multiple of chunk = {chunk}")
   dk = dim_k // r
   if dim_k % r or dk < 16 or dk & (dk - 1) or dim_v < 16 or dim_v & (dim_v - 1):
-    raise ValueError(f"K / key_blocks and V must be powers of two >= 16 (pad them); got K = "
-                     f"{dim_k}, key_blocks = {r}, V = {dim_v}")
+    raise ValueError(
+      f"K / key_blocks and V must be powers of two >= 16 (pad them); got K = "
+      f"{dim_k}, key_blocks = {r}, V = {dim_v}"
+    )
 
 
-def chunk_fwd(k, v, g, beta, mask, *, key_blocks, chunk, precision="tf32", save_ai=False,
-              merge="panels", inverse="substitution", launch=options.DEFAULT.chunk_fwd):
+def chunk_fwd(
+  k,
+  v,
+  g,
+  beta,
+  mask,
+  *,
+  key_blocks,
+  chunk,
+  precision="tf32",
+  save_ai=False,
+  merge="panels",
+  inverse="substitution",
+  launch=options.DEFAULT.chunk_fwd,
+):
   """The fused intra-chunk forward.
 
   k [B, Tp, H, K], v [B, Tp, H, V] (K / key_blocks and V powers of two >= 16); g (the raw
@@ -303,22 +345,32 @@ def chunk_fwd(k, v, g, beta, mask, *, key_blocks, chunk, precision="tf32", save_
   n = chunk * r
   per_token_mask = mask.shape[1] > 1
   out_specs = [specs.scalars(chunk), specs.rows(n, dim_k), specs.rows(n, dim_v)]
-  out_shape = [jax.ShapeDtypeStruct((bsz, heads, t_len), f32),
-               jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_k), k.dtype),
-               jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_v), k.dtype)]
+  out_shape = [
+    jax.ShapeDtypeStruct((bsz, heads, t_len), f32),
+    jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_k), k.dtype),
+    jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_v), k.dtype),
+  ]
   if save_ai:
     out_specs.append(specs.rows(n, n))
     out_shape.append(jax.ShapeDtypeStruct((bsz, heads, t_len * r, n), k.dtype))
-  kernel = functools.partial(_KERNELS[merge], r=r, per_token_mask=per_token_mask,
-                             precision=precision, inverse=inverse)
-  return tuple(backend.pallas_call(
+  kernel = functools.partial(
+    _KERNELS[merge], r=r, per_token_mask=per_token_mask, precision=precision, inverse=inverse
+  )
+  return tuple(
+    backend.pallas_call(
       kernel,
       grid=(t_len // chunk, bsz, heads),
-      in_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_v), specs.scalars(chunk),
-                specs.scalars(chunk), specs.mask(mask.shape, chunk)],
+      in_specs=[
+        specs.tokens(chunk, dim_k),
+        specs.tokens(chunk, dim_v),
+        specs.scalars(chunk),
+        specs.scalars(chunk),
+        specs.mask(mask.shape, chunk),
+      ],
       out_specs=out_specs,
       out_shape=out_shape,
       num_warps=launch.num_warps,
       num_stages=launch.num_stages,
       name="gdp_chunk_fwd",
-  )(k, v, g.astype(f32), beta.astype(f32), mask))
+    )(k, v, g.astype(f32), beta.astype(f32), mask)
+  )

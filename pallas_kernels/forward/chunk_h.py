@@ -20,8 +20,21 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import backend, options, specs
 
 
-def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_ref, *,
-                    r, chunk, num_chunks, precision):
+def _chunk_h_kernel(
+  k_ref,
+  w_ref,
+  u_ref,
+  g_ref,
+  h0_ref,
+  h_ref,
+  v_new_ref,
+  final_ref,
+  *,
+  r,
+  chunk,
+  num_chunks,
+  precision,
+):
   dot = functools.partial(backend.dot, precision=precision)
   dim_k = k_ref.shape[-1]
   dk = dim_k // r
@@ -58,8 +71,19 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_
     final_ref[cols(d), :] = state[d]
 
 
-def chunk_state(k, w, u, gcum, initial_state, *, chunk, key_blocks, h_dtype=None,
-                launch=options.DEFAULT.chunk_h, precision="ieee"):
+def chunk_state(
+  k,
+  w,
+  u,
+  gcum,
+  initial_state,
+  *,
+  chunk,
+  key_blocks,
+  h_dtype=None,
+  launch=options.DEFAULT.chunk_h,
+  precision="ieee",
+):
   """k [B, Tp, H, K]; w [B, H, Tp*r, K]; u [B, H, Tp*r, V]; gcum [B, H, Tp] f32;
   initial_state [B, H, K, V] f32 ->
   h [B, H, NT, K, V] (h_dtype, default k's dtype), v_new [B, H, Tp*r, V] (k's dtype),
@@ -74,18 +98,23 @@ def chunk_state(k, w, u, gcum, initial_state, *, chunk, key_blocks, h_dtype=None
   u5 = u.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
   h, v_new, final = backend.pallas_call(
-      lambda *refs: _chunk_h_kernel(*refs, precision=precision, r=r, chunk=chunk, num_chunks=nt),
-      grid=(dim_v // bv, bsz, heads),
-      in_specs=[specs.seq_tokens(t_len, dim_k), specs.seq_rows(t_len, r, dim_k), per_row_v,
-                specs.seq_scalars(t_len), specs.state(dim_k, bv)],
-      out_specs=[specs.chunk_states(nt, dim_k, bv), per_row_v, specs.state(dim_k, bv)],
-      out_shape=[
-          jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), h_dtype),
-          jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype),
-          jax.ShapeDtypeStruct((bsz, heads, dim_k, dim_v), jnp.float32),
-      ],
-      num_warps=launch.num_warps,
-      num_stages=launch.num_stages,
-      name="gdp_chunk_h",
+    lambda *refs: _chunk_h_kernel(*refs, precision=precision, r=r, chunk=chunk, num_chunks=nt),
+    grid=(dim_v // bv, bsz, heads),
+    in_specs=[
+      specs.seq_tokens(t_len, dim_k),
+      specs.seq_rows(t_len, r, dim_k),
+      per_row_v,
+      specs.seq_scalars(t_len),
+      specs.state(dim_k, bv),
+    ],
+    out_specs=[specs.chunk_states(nt, dim_k, bv), per_row_v, specs.state(dim_k, bv)],
+    out_shape=[
+      jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), h_dtype),
+      jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype),
+      jax.ShapeDtypeStruct((bsz, heads, dim_k, dim_v), jnp.float32),
+    ],
+    num_warps=launch.num_warps,
+    num_stages=launch.num_stages,
+    name="gdp_chunk_h",
   )(k, w5, u5, gcum, initial_state)
   return h, v_new.reshape(bsz, heads, t_len * r, dim_v), final

@@ -36,8 +36,20 @@ def _chunk_o_kernel(q_ref, k_ref, v_new_ref, h_ref, g_ref, o_ref, *, r, scale, p
   o_ref[...] = (scale * o).astype(o_ref.dtype)
 
 
-def chunk_output(q, k, v_new, h, gcum, *, scale, chunk, key_blocks, out_dtype=None,
-                 launch=options.DEFAULT.chunk_o, precision="ieee"):
+def chunk_output(
+  q,
+  k,
+  v_new,
+  h,
+  gcum,
+  *,
+  scale,
+  chunk,
+  key_blocks,
+  out_dtype=None,
+  launch=options.DEFAULT.chunk_o,
+  precision="ieee",
+):
   """q, k [B, Tp, H, K]; v_new [B, H, Tp*r, V]; h [B, H, NT, K, V]; gcum [B, H, Tp] ->
   o [B, Tp, H, V] (out_dtype, default q's dtype)."""
   bsz, t_len, heads, dim_k = q.shape
@@ -49,18 +61,18 @@ def chunk_output(q, k, v_new, h, gcum, *, scale, chunk, key_blocks, out_dtype=No
   out_dtype = q.dtype if out_dtype is None else out_dtype
   v5 = v_new.reshape(bsz, heads, t_len, r, dim_v)
   return backend.pallas_call(
-      lambda *refs: _chunk_o_kernel(*refs, precision=precision, r=r, scale=scale),
-      grid=(nt * nv, bsz, heads),
-      in_specs=[
-          pl.BlockSpec((None, chunk, None, dim_k), lambda i, b, h: (b, i // nv, h, 0)),
-          pl.BlockSpec((None, chunk, None, dim_k), lambda i, b, h: (b, i // nv, h, 0)),
-          pl.BlockSpec((None, None, chunk, r, bv), lambda i, b, h: (b, h, i // nv, 0, i % nv)),
-          pl.BlockSpec((None, None, None, dim_k, bv), lambda i, b, h: (b, h, i // nv, 0, i % nv)),
-          pl.BlockSpec((None, None, chunk), lambda i, b, h: (b, h, i // nv)),
-      ],
-      out_specs=pl.BlockSpec((None, chunk, None, bv), lambda i, b, h: (b, i // nv, h, i % nv)),
-      out_shape=jax.ShapeDtypeStruct((bsz, t_len, heads, dim_v), out_dtype),
-      num_warps=launch.num_warps,
-      num_stages=launch.num_stages,
-      name="gdp_chunk_o",
+    lambda *refs: _chunk_o_kernel(*refs, precision=precision, r=r, scale=scale),
+    grid=(nt * nv, bsz, heads),
+    in_specs=[
+      pl.BlockSpec((None, chunk, None, dim_k), lambda i, b, h: (b, i // nv, h, 0)),
+      pl.BlockSpec((None, chunk, None, dim_k), lambda i, b, h: (b, i // nv, h, 0)),
+      pl.BlockSpec((None, None, chunk, r, bv), lambda i, b, h: (b, h, i // nv, 0, i % nv)),
+      pl.BlockSpec((None, None, None, dim_k, bv), lambda i, b, h: (b, h, i // nv, 0, i % nv)),
+      pl.BlockSpec((None, None, chunk), lambda i, b, h: (b, h, i // nv)),
+    ],
+    out_specs=pl.BlockSpec((None, chunk, None, bv), lambda i, b, h: (b, i // nv, h, i % nv)),
+    out_shape=jax.ShapeDtypeStruct((bsz, t_len, heads, dim_v), out_dtype),
+    num_warps=launch.num_warps,
+    num_stages=launch.num_stages,
+    name="gdp_chunk_o",
   )(q, k, v5, h, gcum)

@@ -28,8 +28,22 @@ CHUNKS = (16, 32, 64)
 f32 = jnp.float32
 
 
-def _kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *state_refs, r, chunk,
-            num_chunks, scale, precision):
+def _kernel(
+  q_ref,
+  k_ref,
+  w_ref,
+  u_ref,
+  g_ref,
+  h0_ref,
+  o_ref,
+  final_ref,
+  *state_refs,
+  r,
+  chunk,
+  num_chunks,
+  scale,
+  precision,
+):
   dim_k = k_ref.shape[-1]
   dk = dim_k // r
   dtype = k_ref.dtype
@@ -46,8 +60,8 @@ def _kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *state_
         state_refs[0][c, cols(d), :] = state[d].astype(state_refs[0].dtype)
     g = g_ref[tt]
     g_last = jnp.sum(jnp.where(last, g, 0.0))
-    s_op = [s.astype(dtype) for s in state]                         # dot operands
-    q = [q_ref[tt, cols(d)] for d in range(r)]                      # [BT, dk] each, loaded once
+    s_op = [s.astype(dtype) for s in state]  # dot operands
+    q = [q_ref[tt, cols(d)] for d in range(r)]  # [BT, dk] each, loaded once
     k = [k_ref[tt, cols(d)] for d in range(r)]
     # The chunk's start-state part of the output: exp(gamma_t) q_t^T S.
     o = None
@@ -69,7 +83,7 @@ def _kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *state_
       o = o + dot(p.astype(dtype), vn)
       v_new.append(vn)
     o_ref[tt, :] = (scale * o).astype(o_ref.dtype)
-    k_decay = jnp.exp(g_last - g)[:, None]                          # g_last <= g: no overflow
+    k_decay = jnp.exp(g_last - g)[:, None]  # g_last <= g: no overflow
     out = []
     for d in range(r):
       k_dec = (k[d].astype(f32) * k_decay).astype(dtype)
@@ -82,9 +96,22 @@ def _kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *state_
     final_ref[cols(d), :] = state[d]
 
 
-def chunk_state_output(q, k, w, u, gamma, initial_state, *, key_blocks, chunk, scale,
-                       precision="tf32", save_states=False, h_dtype=None,
-                       launch=options.DEFAULT.chunk_state_output):
+def chunk_state_output(
+  q,
+  k,
+  w,
+  u,
+  gamma,
+  initial_state,
+  *,
+  key_blocks,
+  chunk,
+  scale,
+  precision="tf32",
+  save_states=False,
+  h_dtype=None,
+  launch=options.DEFAULT.chunk_state_output,
+):
   """The state recurrence and the output in one walk over the chunks.
 
   q, k [B, Tp, H, K] (K / key_blocks a power of two >= 16); w [B, H, Tp*r, K], u [B, H, Tp*r, V]
@@ -105,46 +132,58 @@ def chunk_state_output(q, k, w, u, gamma, initial_state, *, key_blocks, chunk, s
   if chunk not in CHUNKS or t_len % chunk:
     raise ValueError(f"chunk must be one of {CHUNKS} and divide Tp = {t_len}, got {chunk!r}")
   if w.shape != (bsz, heads, t_len * r, dim_k):
-    raise ValueError(f"w must be [B, H, Tp*r, K] = {(bsz, heads, t_len * r, dim_k)}, got "
-                     f"{w.shape}")
+    raise ValueError(f"w must be [B, H, Tp*r, K] = {(bsz, heads, t_len * r, dim_k)}, got {w.shape}")
   dim_v = u.shape[-1]
   if u.shape != (bsz, heads, t_len * r, dim_v):
-    raise ValueError(f"u must be [B, H, Tp*r, V] = {(bsz, heads, t_len * r, dim_v)}, got "
-                     f"{u.shape}")
+    raise ValueError(f"u must be [B, H, Tp*r, V] = {(bsz, heads, t_len * r, dim_v)}, got {u.shape}")
   if gamma.shape != (bsz, heads, t_len):
     raise ValueError(f"gamma must be [B, H, Tp] = {(bsz, heads, t_len)}, got {gamma.shape}")
   if initial_state.shape != (bsz, heads, dim_k, dim_v):
-    raise ValueError(f"initial_state must be [B, H, K, V] = {(bsz, heads, dim_k, dim_v)}, got "
-                     f"{initial_state.shape}")
+    raise ValueError(
+      f"initial_state must be [B, H, K, V] = {(bsz, heads, dim_k, dim_v)}, got "
+      f"{initial_state.shape}"
+    )
   bv = min(launch.block_v, dim_v)
   if dim_v % bv or bv < 16 or bv & (bv - 1) or dim_k // r < 16 or (dim_k // r) & (dim_k // r - 1):
-    raise ValueError(f"V = {dim_v} must be a multiple of block_v = {bv} (a power of two >= 16) "
-                     f"and K / key_blocks = {dim_k // r} a power of two >= 16")
+    raise ValueError(
+      f"V = {dim_v} must be a multiple of block_v = {bv} (a power of two >= 16) "
+      f"and K / key_blocks = {dim_k // r} a power of two >= 16"
+    )
   nt = t_len // chunk
   h_dtype = k.dtype if h_dtype is None else h_dtype
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   u5 = u.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
   out_specs = [specs.seq_tokens(t_len, bv, v_block=True), specs.state(dim_k, bv)]
-  out_shape = [jax.ShapeDtypeStruct((bsz, t_len, heads, dim_v), q.dtype),
-               jax.ShapeDtypeStruct((bsz, heads, dim_k, dim_v), f32)]
+  out_shape = [
+    jax.ShapeDtypeStruct((bsz, t_len, heads, dim_v), q.dtype),
+    jax.ShapeDtypeStruct((bsz, heads, dim_k, dim_v), f32),
+  ]
   if save_states:
     out_specs += [specs.chunk_states(nt, dim_k, bv), per_row_v]
-    out_shape += [jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), h_dtype),
-                  jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype)]
-  kernel = functools.partial(_kernel, r=r, chunk=chunk, num_chunks=nt, scale=scale,
-                             precision=precision)
+    out_shape += [
+      jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), h_dtype),
+      jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype),
+    ]
+  kernel = functools.partial(
+    _kernel, r=r, chunk=chunk, num_chunks=nt, scale=scale, precision=precision
+  )
   out = backend.pallas_call(
-      kernel,
-      grid=(dim_v // bv, bsz, heads),
-      in_specs=[specs.seq_tokens(t_len, dim_k), specs.seq_tokens(t_len, dim_k),
-                specs.seq_rows(t_len, r, dim_k), per_row_v, specs.seq_scalars(t_len),
-                specs.state(dim_k, bv)],
-      out_specs=out_specs,
-      out_shape=out_shape,
-      num_warps=launch.num_warps,
-      num_stages=launch.num_stages,
-      name="gdp_chunk_state_output",
+    kernel,
+    grid=(dim_v // bv, bsz, heads),
+    in_specs=[
+      specs.seq_tokens(t_len, dim_k),
+      specs.seq_tokens(t_len, dim_k),
+      specs.seq_rows(t_len, r, dim_k),
+      per_row_v,
+      specs.seq_scalars(t_len),
+      specs.state(dim_k, bv),
+    ],
+    out_specs=out_specs,
+    out_shape=out_shape,
+    num_warps=launch.num_warps,
+    num_stages=launch.num_stages,
+    name="gdp_chunk_state_output",
   )(q, k, w5, u5, gamma.astype(f32), initial_state.astype(f32))
   if save_states:
     o, final, h, v_new = out

@@ -22,10 +22,10 @@ def _kkt_kernel(k_ref, beta_ref, g_ref, mask_ref, a_ref, *gcum_ref, r, precision
   n = bt * r
   kw = rows.masked_keys(k, mask_ref, r).astype(k.dtype)
   kb = rows.block_keys(k, r).astype(k.dtype)
-  kkt = dot(kw, kb, trans_b=True)                           # [N, N] float32
+  kkt = dot(kw, kb, trans_b=True)  # [N, N] float32
   tok = rows.row_tokens(n, r)
   g = g_ref[...].astype(jnp.float32)
-  if gcum_ref:                       # fused chunk-local cumsum: g_ref holds g, not gamma
+  if gcum_ref:  # fused chunk-local cumsum: g_ref holds g, not gamma
     g = jnp.cumsum(g)
     gcum_ref[0][...] = g
   g = rows.per_row(g, r)
@@ -34,8 +34,19 @@ def _kkt_kernel(k_ref, beta_ref, g_ref, mask_ref, a_ref, *gcum_ref, r, precision
   a_ref[...] = (beta[:, None] * kkt * decay).astype(a_ref.dtype)
 
 
-def chunk_kkt(k, beta, mask, gcum, *, chunk, key_blocks, out_dtype=jnp.float32, from_g=False,
-              launch=options.DEFAULT.kkt, precision="ieee"):
+def chunk_kkt(
+  k,
+  beta,
+  mask,
+  gcum,
+  *,
+  chunk,
+  key_blocks,
+  out_dtype=jnp.float32,
+  from_g=False,
+  launch=options.DEFAULT.kkt,
+  precision="ieee",
+):
   """k [B, Tp, H, K]; beta, gcum [B, H, Tp]; mask [Bm, Tm, Hm, r, r] -> A [B, H, Tp*r, N].
 
   from_g=True: the third argument is g itself; the kernel also does the chunk-local cumsum
@@ -51,13 +62,17 @@ def chunk_kkt(k, beta, mask, gcum, *, chunk, key_blocks, out_dtype=jnp.float32, 
     out_specs = [out_specs, specs.scalars(chunk)]
     out_shape = [a_shape, jax.ShapeDtypeStruct(gcum.shape, jnp.float32)]
   return backend.pallas_call(
-      lambda *refs: _kkt_kernel(*refs, precision=precision, r=r),
-      grid=(t_len // chunk, bsz, heads),
-      in_specs=[specs.tokens(chunk, dim_k), specs.scalars(chunk), specs.scalars(chunk),
-                specs.mask(mask.shape, chunk)],
-      out_specs=out_specs,
-      out_shape=out_shape,
-      num_warps=launch.num_warps,
-      num_stages=launch.num_stages,
-      name="gdp_chunk_kkt",
+    lambda *refs: _kkt_kernel(*refs, precision=precision, r=r),
+    grid=(t_len // chunk, bsz, heads),
+    in_specs=[
+      specs.tokens(chunk, dim_k),
+      specs.scalars(chunk),
+      specs.scalars(chunk),
+      specs.mask(mask.shape, chunk),
+    ],
+    out_specs=out_specs,
+    out_shape=out_shape,
+    num_warps=launch.num_warps,
+    num_stages=launch.num_stages,
+    name="gdp_chunk_kkt",
   )(k, beta, gcum, mask)

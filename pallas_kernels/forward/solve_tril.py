@@ -32,13 +32,14 @@ def _invert_diagonal_blocks(a_ref, nb):
   idx = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
   col = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
   blk = lambda i: pl.ds(i * BLOCK, BLOCK)
-  ys = tuple(jnp.where(idx > col, -a_ref[blk(i), blk(i)].astype(jnp.float32), 0.0)
-             for i in range(nb))
+  ys = tuple(
+    jnp.where(idx > col, -a_ref[blk(i), blk(i)].astype(jnp.float32), 0.0) for i in range(nb)
+  )
 
   def body(j, ys):
     out = []
     for i, y in enumerate(ys):
-      row = -a_ref[i * BLOCK + j, blk(i)].astype(jnp.float32)      # [16], zero from column j on
+      row = -a_ref[i * BLOCK + j, blk(i)].astype(jnp.float32)  # [16], zero from column j on
       row = row + jnp.sum(row[:, None] * y, axis=0)
       out.append(jnp.where(idx == j, row[None, :], y))
     return tuple(out)
@@ -65,24 +66,27 @@ def _solve_tril_kernel(a_ref, ai_ref, *, precision):
         term = dot(load(i, k), x[k, j])
         acc = term if acc is None else acc + term
       x[i, j] = -dot(x[i, i], acc)
-    for j in range(nb):                                              # row block i is final
+    for j in range(nb):  # row block i is final
       ai_ref[blk(i), blk(j)] = x[i, j].astype(ai_ref.dtype) if j <= i else zeros
 
 
-def solve_tril(a, *, chunk_rows, out_dtype=jnp.float32, launch=options.DEFAULT.solve_tril,
-               precision="ieee"):
+def solve_tril(
+  a, *, chunk_rows, out_dtype=jnp.float32, launch=options.DEFAULT.solve_tril, precision="ieee"
+):
   """a [B, H, Tp*r, N] (N = chunk_rows, a multiple of 16) -> (I + A)^-1 blockwise, same shape."""
   bsz, heads, total_rows, n = a.shape
   if n != chunk_rows or n % BLOCK:
-    raise ValueError(f"solve_tril needs [.., N] blocks with N = {chunk_rows} a multiple of "
-                     f"{BLOCK}, got shape {a.shape}")
+    raise ValueError(
+      f"solve_tril needs [.., N] blocks with N = {chunk_rows} a multiple of "
+      f"{BLOCK}, got shape {a.shape}"
+    )
   return backend.pallas_call(
-      functools.partial(_solve_tril_kernel, precision=precision),
-      grid=(total_rows // n, bsz, heads),
-      in_specs=[specs.rows(n, n)],
-      out_specs=specs.rows(n, n),
-      out_shape=jax.ShapeDtypeStruct(a.shape, out_dtype),
-      num_warps=launch.num_warps,
-      num_stages=launch.num_stages,
-      name="gdp_solve_tril",
+    functools.partial(_solve_tril_kernel, precision=precision),
+    grid=(total_rows // n, bsz, heads),
+    in_specs=[specs.rows(n, n)],
+    out_specs=specs.rows(n, n),
+    out_shape=jax.ShapeDtypeStruct(a.shape, out_dtype),
+    num_warps=launch.num_warps,
+    num_stages=launch.num_stages,
+    name="gdp_solve_tril",
   )(a)

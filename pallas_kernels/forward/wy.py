@@ -28,8 +28,9 @@ def _wy_kernel(k_ref, v_ref, beta_ref, g_ref, mask_ref, ai_ref, w_ref, u_ref, *,
   u_ref[...] = dot(ai, u_tilde).astype(u_ref.dtype)
 
 
-def recompute_w_u(k, v, beta, mask, gcum, ai, *, chunk, key_blocks, launch=options.DEFAULT.wy,
-                  precision="ieee"):
+def recompute_w_u(
+  k, v, beta, mask, gcum, ai, *, chunk, key_blocks, launch=options.DEFAULT.wy, precision="ieee"
+):
   """-> w [B, H, Tp*r, K], u [B, H, Tp*r, V] in k's dtype."""
   bsz, t_len, heads, dim_k = k.shape
   dim_v = v.shape[-1]
@@ -37,14 +38,22 @@ def recompute_w_u(k, v, beta, mask, gcum, ai, *, chunk, key_blocks, launch=optio
   specs.check_key_blocks(mask, r)
   n = chunk * r
   return backend.pallas_call(
-      lambda *refs: _wy_kernel(*refs, precision=precision, r=r),
-      grid=(t_len // chunk, bsz, heads),
-      in_specs=[specs.tokens(chunk, dim_k), specs.tokens(chunk, dim_v), specs.scalars(chunk),
-                specs.scalars(chunk), specs.mask(mask.shape, chunk), specs.rows(n, n)],
-      out_specs=[specs.rows(n, dim_k), specs.rows(n, dim_v)],
-      out_shape=[jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_k), k.dtype),
-                 jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_v), k.dtype)],
-      num_warps=launch.num_warps,
-      num_stages=launch.num_stages,
-      name="gdp_recompute_w_u",
+    lambda *refs: _wy_kernel(*refs, precision=precision, r=r),
+    grid=(t_len // chunk, bsz, heads),
+    in_specs=[
+      specs.tokens(chunk, dim_k),
+      specs.tokens(chunk, dim_v),
+      specs.scalars(chunk),
+      specs.scalars(chunk),
+      specs.mask(mask.shape, chunk),
+      specs.rows(n, n),
+    ],
+    out_specs=[specs.rows(n, dim_k), specs.rows(n, dim_v)],
+    out_shape=[
+      jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_k), k.dtype),
+      jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_v), k.dtype),
+    ],
+    num_warps=launch.num_warps,
+    num_stages=launch.num_stages,
+    name="gdp_recompute_w_u",
   )(k, v, beta, gcum, mask, ai)

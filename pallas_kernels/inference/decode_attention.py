@@ -63,13 +63,30 @@ def default_num_splits(batch, kv_heads, seq_len, block_s=DEFAULTS.block_s, sm_co
   return int(max(1, min(want, most)))
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, seq_len, group, dim,
-            gp, dp, block_s, num_splits, scale, split_bf16):
+def _kernel(
+  len_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  o_ref,
+  m_ref,
+  l_ref,
+  *,
+  seq_len,
+  group,
+  dim,
+  gp,
+  dp,
+  block_s,
+  num_splits,
+  scale,
+  split_bf16,
+):
   # Refs: len_ref [] int32; q_ref [G, D]; k_ref, v_ref [S, D] (b and h squeezed: the native
   # layout, row stride Hkv * D); outputs o_ref [G, D], m_ref, l_ref [G] of split j.
   j = pl.program_id(2)
   length = jnp.minimum(jnp.maximum(len_ref[()], 0), seq_len)
-  per_split = jax.lax.div(length + (num_splits - 1), jnp.int32(num_splits))   # int32 under x64 too
+  per_split = jax.lax.div(length + (num_splits - 1), jnp.int32(num_splits))  # int32 under x64 too
   per_split = jax.lax.div(per_split + (block_s - 1), jnp.int32(block_s)) * block_s
   start = j * per_split
   end = jnp.minimum(start + per_split, length)
@@ -99,15 +116,16 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, seq_len, group
 
   def scores(k):
     if split_bf16:
-      return (backend.dot(q_hi, k, trans_b=True, precision="tf32")
-              + backend.dot(q_lo, k, trans_b=True, precision="tf32"))
+      return backend.dot(q_hi, k, trans_b=True, precision="tf32") + backend.dot(
+        q_lo, k, trans_b=True, precision="tf32"
+      )
     return backend.dot(q, k.astype(f32), trans_b=True, precision="ieee")
 
   def weighted(p, v):
     if split_bf16:
       p_hi = p.astype(jnp.bfloat16)
       p_lo = (p - p_hi.astype(f32)).astype(jnp.bfloat16)
-      return (backend.dot(p_hi, v, precision="tf32") + backend.dot(p_lo, v, precision="tf32"))
+      return backend.dot(p_hi, v, precision="tf32") + backend.dot(p_lo, v, precision="tf32")
     return backend.dot(p, v.astype(f32), precision="ieee")
 
   def body(i, carry):
@@ -117,9 +135,9 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, seq_len, group
     if pad_d:
       tile_mask = tile_mask & col_ok
     k = pltriton.load(k_ref.at[pl.ds(pos, block_s), pl.ds(zero, dp)], mask=tile_mask, other=0)
-    s = scores(k)                                                   # [GP, BS] float32
-    s = jnp.where((pos + pos_iota) < end, s, -jnp.inf)              # stale slots: no weight
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))                      # finite: >= 1 valid slot
+    s = scores(k)  # [GP, BS] float32
+    s = jnp.where((pos + pos_iota) < end, s, -jnp.inf)  # stale slots: no weight
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))  # finite: >= 1 valid slot
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])
     l = alpha * l + jnp.sum(p, axis=1)
@@ -151,16 +169,27 @@ def combine_splits(acc, m, l):
   """
   m_max = jnp.max(m, axis=-2)
   m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-  w = jnp.exp(m - m_safe[..., None, :])                             # exp(-inf) = 0
+  w = jnp.exp(m - m_safe[..., None, :])  # exp(-inf) = 0
   total = jnp.sum(w * l, axis=-2)
   out = jnp.sum(w[..., None] * acc, axis=-3)
   return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "scale", "block_s", "num_splits", "num_warps", "num_stages"))
-def gqa_decode(query, key_cache, value_cache, lengths, *, scale, block_s=None, num_splits=None,
-               num_warps=DEFAULTS.num_warps, num_stages=DEFAULTS.num_stages):
+@functools.partial(
+  jax.jit, static_argnames=("scale", "block_s", "num_splits", "num_warps", "num_stages")
+)
+def gqa_decode(
+  query,
+  key_cache,
+  value_cache,
+  lengths,
+  *,
+  scale,
+  block_s=None,
+  num_splits=None,
+  num_warps=DEFAULTS.num_warps,
+  num_stages=DEFAULTS.num_stages,
+):
   """Flash-decoding GQA step. query [B, Hq, D]; caches [B, S, Hkv, D] (one dtype);
   lengths [B] int32 (clamped to [0, S] in the kernel); scale a Python float.
 
@@ -182,31 +211,40 @@ def gqa_decode(query, key_cache, value_cache, lengths, *, scale, block_s=None, n
   split_bf16 = key_cache.dtype == jnp.bfloat16
 
   kernel = functools.partial(
-      _kernel, seq_len=seq_len, group=group, dim=dim, gp=gp, dp=dp, block_s=block_s,
-      num_splits=num_splits, scale=float(scale), split_bf16=split_bf16)
+    _kernel,
+    seq_len=seq_len,
+    group=group,
+    dim=dim,
+    gp=gp,
+    dp=dp,
+    block_s=block_s,
+    num_splits=num_splits,
+    scale=float(scale),
+    split_bf16=split_bf16,
+  )
   cache_spec = pl.BlockSpec((None, seq_len, None, dim), lambda b, h, j: (b, 0, h, 0))
   acc, m, l = backend.pallas_call(
-      kernel,
-      num_warps=num_warps,
-      num_stages=num_stages,
-      grid=(batch, kv_heads, num_splits),
-      in_specs=[
-          pl.BlockSpec((None,), lambda b, h, j: (b,)),                     # lengths
-          pl.BlockSpec((None, group, dim), lambda b, h, j: (b, h, 0)),     # query heads of h
-          cache_spec,                                                      # keys
-          cache_spec,                                                      # values
-      ],
-      out_specs=[
-          pl.BlockSpec((None, None, None, group, dim), lambda b, h, j: (b, h, j, 0, 0)),
-          pl.BlockSpec((None, None, None, group), lambda b, h, j: (b, h, j, 0)),
-          pl.BlockSpec((None, None, None, group), lambda b, h, j: (b, h, j, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((batch, kv_heads, num_splits, group, dim), f32),
-          jax.ShapeDtypeStruct((batch, kv_heads, num_splits, group), f32),
-          jax.ShapeDtypeStruct((batch, kv_heads, num_splits, group), f32),
-      ],
-      name="gqa_decode",
+    kernel,
+    num_warps=num_warps,
+    num_stages=num_stages,
+    grid=(batch, kv_heads, num_splits),
+    in_specs=[
+      pl.BlockSpec((None,), lambda b, h, j: (b,)),  # lengths
+      pl.BlockSpec((None, group, dim), lambda b, h, j: (b, h, 0)),  # query heads of h
+      cache_spec,  # keys
+      cache_spec,  # values
+    ],
+    out_specs=[
+      pl.BlockSpec((None, None, None, group, dim), lambda b, h, j: (b, h, j, 0, 0)),
+      pl.BlockSpec((None, None, None, group), lambda b, h, j: (b, h, j, 0)),
+      pl.BlockSpec((None, None, None, group), lambda b, h, j: (b, h, j, 0)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((batch, kv_heads, num_splits, group, dim), f32),
+      jax.ShapeDtypeStruct((batch, kv_heads, num_splits, group), f32),
+      jax.ShapeDtypeStruct((batch, kv_heads, num_splits, group), f32),
+    ],
+    name="gqa_decode",
   )(lengths.astype(jnp.int32), query, key_cache, value_cache)
-  out = combine_splits(acc, m, l)                                  # [B, Hkv, G, D]
+  out = combine_splits(acc, m, l)  # [B, Hkv, G, D]
   return out.reshape(batch, q_heads, dim)

@@ -39,13 +39,29 @@ f32 = jnp.float32
 DEFAULTS = options.StepOptions()
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, mask_ref, state_ref, o_ref, new_ref, *,
-            dim_k, dim_v, kp, block_v, r, scale):
+def _kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  g_ref,
+  beta_ref,
+  mask_ref,
+  state_ref,
+  o_ref,
+  new_ref,
+  *,
+  dim_k,
+  dim_v,
+  kp,
+  block_v,
+  r,
+  scale,
+):
   # Refs (b, h squeezed): q_ref, k_ref [K]; v_ref [V]; g_ref, beta_ref []; mask_ref [r, r];
   # state_ref, new_ref [K, V]; o_ref [V]. This program owns columns [c0, c0 + block_v).
   j = pl.program_id(2)
   c0 = j * block_v
-  zero = j * 0              # traced start for padded row tiles (a static overrun is rejected)
+  zero = j * 0  # traced start for padded row tiles (a static overrun is rejected)
   pad_k = kp != dim_k
   pad_v = dim_v % block_v != 0
 
@@ -61,7 +77,7 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, mask_ref, state_ref, o_ref, ne
   vec_rows = jax.lax.broadcasted_iota(jnp.int32, (kp,), 0)
   vec_cols = c0 + jax.lax.broadcasted_iota(jnp.int32, (block_v,), 0)
 
-  def load_vec(ref):                                              # [K] -> [KP] float32
+  def load_vec(ref):  # [K] -> [KP] float32
     if pad_k:
       return pltriton.load(ref.at[pl.ds(zero, kp)], mask=vec_rows < dim_k, other=0).astype(f32)
     return ref[...].astype(f32)
@@ -82,15 +98,15 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, mask_ref, state_ref, o_ref, ne
     s = pltriton.load(tile, mask=tile_mask, other=0)
   else:
     s = tile[...]
-  s = decay * s.astype(f32)                                       # S' = exp(g) S
-  ks = k[:, None] * s                                             # k_i S'_i
+  s = decay * s.astype(f32)  # S' = exp(g) S
+  ks = k[:, None] * s  # k_i S'_i
 
   if r == 1:
-    pred = mask_ref[0, 0].astype(f32) * jnp.sum(ks, axis=0)       # [BV]
+    pred = mask_ref[0, 0].astype(f32) * jnp.sum(ks, axis=0)  # [BV]
     u_rows = jnp.broadcast_to((beta * (v - pred))[None, :], (kp, block_v))
   else:
     dk = dim_k // r
-    blk = jax.lax.div(rows, jnp.int32(dk))                         # key block of each row
+    blk = jax.lax.div(rows, jnp.int32(dk))  # key block of each row
     proj = [jnp.sum(jnp.where(blk == d, ks, 0.0), axis=0) for d in range(r)]
     u_rows = None
     for a in range(r):
@@ -99,8 +115,8 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, mask_ref, state_ref, o_ref, ne
         pred = pred + mask_ref[a, d].astype(f32) * proj[d]
       u_a = jnp.broadcast_to((beta * (v - pred))[None, :], (kp, block_v))
       u_rows = u_a if u_rows is None else jnp.where(blk == a, u_a, u_rows)
-  new = s + k[:, None] * u_rows                                    # block a writes its rows
-  o = scale * jnp.sum(q[:, None] * new, axis=0)                    # [BV]
+  new = s + k[:, None] * u_rows  # block a writes its rows
+  o = scale * jnp.sum(q[:, None] * new, axis=0)  # [BV]
 
   out_tile = new_ref.at[pl.ds(zero, kp), pl.ds(c0, block_v)]
   if tile_mask is not None:
@@ -113,10 +129,25 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, mask_ref, state_ref, o_ref, ne
     o_ref[pl.ds(c0, block_v)] = o.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "scale", "out_dtype", "block_v", "num_warps", "num_stages", "in_place"))
-def recurrent_step(q, k, v, g, beta, mask, state, *, scale, out_dtype=None, block_v=None,
-                   num_warps=DEFAULTS.num_warps, num_stages=DEFAULTS.num_stages, in_place=True):
+@functools.partial(
+  jax.jit, static_argnames=("scale", "out_dtype", "block_v", "num_warps", "num_stages", "in_place")
+)
+def recurrent_step(
+  q,
+  k,
+  v,
+  g,
+  beta,
+  mask,
+  state,
+  *,
+  scale,
+  out_dtype=None,
+  block_v=None,
+  num_warps=DEFAULTS.num_warps,
+  num_stages=DEFAULTS.num_stages,
+  in_place=True,
+):
   """One token for every (b, h). Shapes in the module docstring; scale a Python float.
 
   Returns (o [B, H, V] in out_dtype (default q.dtype), new state [B, H, K, V] float32).
@@ -134,23 +165,27 @@ def recurrent_step(q, k, v, g, beta, mask, state, *, scale, out_dtype=None, bloc
   out_dtype = q.dtype if out_dtype is None else out_dtype
   n_v = pl.cdiv(dim_v, block_v)
 
-  kernel = functools.partial(_kernel, dim_k=dim_k, dim_v=dim_v, kp=kp, block_v=block_v, r=r,
-                             scale=float(scale))
+  kernel = functools.partial(
+    _kernel, dim_k=dim_k, dim_v=dim_v, kp=kp, block_v=block_v, r=r, scale=float(scale)
+  )
   vec = lambda n: pl.BlockSpec((None, None, n), lambda b, h, j: (b, h, 0))
   scalar = pl.BlockSpec((None, None), lambda b, h, j: (b, h))
   mask_spec = pl.BlockSpec(
-      (None, None, r, r), lambda b, h, j: (b if bm > 1 else 0, h if hm > 1 else 0, 0, 0))
+    (None, None, r, r), lambda b, h, j: (b if bm > 1 else 0, h if hm > 1 else 0, 0, 0)
+  )
   state_spec = pl.BlockSpec((None, None, dim_k, dim_v), lambda b, h, j: (b, h, 0, 0))
   o, new_state = backend.pallas_call(
-      kernel,
-      num_warps=num_warps,
-      num_stages=num_stages,
-      grid=(batch, heads, n_v),
-      in_specs=[vec(dim_k), vec(dim_k), vec(dim_v), scalar, scalar, mask_spec, state_spec],
-      out_specs=[vec(dim_v), state_spec],
-      out_shape=[jax.ShapeDtypeStruct((batch, heads, dim_v), out_dtype),
-                 jax.ShapeDtypeStruct((batch, heads, dim_k, dim_v), f32)],
-      input_output_aliases={6: 1} if in_place else {},
-      name="gdp_recurrent_step",
+    kernel,
+    num_warps=num_warps,
+    num_stages=num_stages,
+    grid=(batch, heads, n_v),
+    in_specs=[vec(dim_k), vec(dim_k), vec(dim_v), scalar, scalar, mask_spec, state_spec],
+    out_specs=[vec(dim_v), state_spec],
+    out_shape=[
+      jax.ShapeDtypeStruct((batch, heads, dim_v), out_dtype),
+      jax.ShapeDtypeStruct((batch, heads, dim_k, dim_v), f32),
+    ],
+    input_output_aliases={6: 1} if in_place else {},
+    name="gdp_recurrent_step",
   )(q, k, v, g, beta, mask, state.astype(f32))
   return o, new_state
