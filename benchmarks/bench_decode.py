@@ -15,8 +15,9 @@ Pallas (in place and not) vs xla, and a sweep of block_v / num_warps.
 Every figure is the median over `--reps` timed runs (after warm-up) of one jitted
 `lax.fori_loop` of `--inner` calls, so dispatch overhead is not counted; each call depends on the
 previous one (the decode query is nudged by 1e-20 x the last output; the step carries its state,
-updated in place by the aliased kernel), so nothing can be hoisted out of the loop. Each case runs in try/except: a failure records its
-error text in the JSON and the run goes on. The JSON is rewritten after every case.
+updated in place by the aliased kernel), so nothing can be hoisted out of the loop. Each case runs
+in try/except: a failure records its error text in the JSON and the run goes on. The JSON is
+rewritten after every case.
 """
 
 from __future__ import annotations

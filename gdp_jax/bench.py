@@ -33,7 +33,8 @@ Timing: per case, the jitted function is compiled and run twice, then `--reps` t
 `--inner` back-to-back calls each; the figure is the median over the runs of the time per call.
 
 What the figures count (the same nominal count for every implementation, so TFLOP/s and GB/s rank
-exactly like time): see `FLOPS_DOC` and `BYTES_DOC` below; both texts are also written into the JSON.
+exactly like time): see `FLOPS_DOC` and `BYTES_DOC` below; both texts are also written into the
+JSON.
 
 Outputs: a table on stdout, a JSON file (`--out`) and a PNG bar chart (`--plot`, needs
 matplotlib; skipped with a message when it is not installed).
@@ -622,7 +623,7 @@ def run(args) -> int:
     raise SystemExit(
       f"--devices {args.devices}: only {jax.device_count()} {backend} device(s) here"
     )
-  for B, T, H, K, V in shapes:
+  for _B, _T, _H, K, _V in shapes:
     for r in rs:
       if r < 1 or K % r:
         raise SystemExit(f"--rs: K = {K} must be divisible by r = {r}")
@@ -742,7 +743,7 @@ def run(args) -> int:
           import fla  # noqa: F401
           import torch  # noqa: F401
         except ImportError as e:
-          raise _Skip(f"flash-linear-attention is not installed ({e})")
+          raise _Skip(f"flash-linear-attention is not installed ({e})") from None
         case["ms"], case["all_ms"] = fla_case(mode, shape, dtype, args.reps, bar.update)
         case["peer_impl"] = "flash-linear-attention chunk_gated_delta_rule"
       elif impl == "jla":
@@ -751,7 +752,7 @@ def run(args) -> int:
         try:
           import jla.ops  # noqa: F401
         except ImportError as e:
-          raise _Skip(f"jax-linear-attention is not installed ({e})")
+          raise _Skip(f"jax-linear-attention is not installed ({e})") from None
         case["ms"], case["all_ms"], which = jla_case(
           mode, inputs, args.reps, args.inner, bar.update
         )

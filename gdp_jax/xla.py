@@ -255,7 +255,8 @@ def chunk_state(k, w, u, gcum, initial_state, chunk, state_chunk, seg=None):
 
 
 def chunk_output(q, k, v_new, h, gcum, scale, chunk, seg=None):
-  """o_t = scale (exp(g_t) q_t^T S0 + sum_{s<=t} sum_a exp(g_t - g_s) <q_t^(a), k_s^(a)> v_new[(s,a)]).
+  """o_t = scale (exp(g_t) q_t^T S0
+                 + sum_{s<=t} sum_a exp(g_t - g_s) <q_t^(a), k_s^(a)> v_new[(s,a)]).
 
   `chunk` here is the state chunk (h holds one state per chunk); seg: the reset counts of
   `gate_cumsum` (None: no resets). Returns [B, Tp, H, V] float32.

@@ -159,7 +159,7 @@ def test_pallas_decode_steps_have_no_gradient_and_say_so():
   )
 
 
-# ---- annotations, docstrings, reachability --------------------------------------------------------
+# ---- annotations, docstrings, reachability ----------------------------------------------------
 
 PUBLIC_FUNCTIONS = [gated_delta_product, gated_delta_product_step, gqa_decode, models.generate]
 PUBLIC_CLASSES = {
@@ -216,7 +216,7 @@ def test_submodules_reachable_after_import_gdp_jax():
   assert out.stdout.split() == ["GatedDeltaProduct", "HybridLM", "ShardingConfig"]
   assert "layers" in dir(gdp_jax)
   with pytest.raises(AttributeError, match="no attribute 'nope'"):
-    gdp_jax.nope
+    _ = gdp_jax.nope
 
 
 # ---- make gpu-check, the test extra ------------------------------------------------------------

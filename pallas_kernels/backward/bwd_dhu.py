@@ -5,7 +5,8 @@ chunk, kept in registers as r row blocks [dk, BV], float32) starts at d final_st
 last to first:
   dh[c]          = dS
   dv_new[(t,a)]  = dv_local[(t,a)] + exp(gamma_L - gamma_t) k_t^(a) dS^(a)
-  dS^(d)         = exp(gamma_L) dS^(d) + scale (exp(gamma) q^(d))^T do - sum_a w[(.,a), d]^T dv_new_a
+  dS^(d)         = exp(gamma_L) dS^(d) + scale (exp(gamma) q^(d))^T do
+                   - sum_a w[(.,a), d]^T dv_new_a
 and the dS left after chunk 0 is d initial_state. jnp counterpart: `xla_backward.chunk_bwd_dhu`.
 """
 

@@ -1,4 +1,5 @@
-"""BlockSpecs shared by the kernels. Chunk-parallel kernels have the grid (chunk t, batch b, head h).
+"""BlockSpecs shared by the kernels. Chunk-parallel kernels have the grid (chunk t, batch b,
+head h).
 
 Layouts (see gdp_jax/xla.py): q, k [B, Tp, H, K]; v [B, Tp, H, V]; per-token scalars [B, H, Tp];
 mask [Bm, Tm, Hm, r, r] broadcast against [B, Tp, H, r, r]; chunk matrices [B, H, Tp*r, N].
