@@ -666,13 +666,16 @@ class GatedDeltaProduct(nnx.Module):
     or from a prefill (`return_cache=True`) of this layer."""
     _check_x(x, self.hidden_size, 2, "[B, D] (one token per sequence)")
     H, K, V, B = self.num_heads, self.head_dim, self.value_dim, x.shape[0]
-    conv_shape = (B, self.conv_size - 1, 2 * H * K + H * V) if self.use_short_conv else None
+    conv_shape = (B, self.conv_size - 1, self._conv_channels()) if self.use_short_conv else None
     _check_cache(
       cache,
       GatedDeltaProductCache,
       {
         "state": ((B, H, K, V), "[B, H, K, V]"),
-        "conv": (conv_shape, "[B, conv_size - 1, 2 H K + H V], None without the convolution"),
+        "conv": (
+          conv_shape,
+          "[B, conv_size - 1, channels of the short convolution], None without the convolution",
+        ),
       },
     )
     if self.dtype is not None:

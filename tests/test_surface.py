@@ -266,7 +266,7 @@ def test_test_extra_lists_what_the_tests_import():
         code = "".join(cell["source"])
         code = "\n".join(l for l in code.splitlines() if not l.lstrip().startswith(("%", "!")))
         modules |= _imports(code)
-  local = {"gdp_jax", "pallas_kernels", "tests", "benchmarks"}
+  local = {"gdp_jax", "pallas_kernels", "tests", "benchmarks", "scripts"}
   third_party = {m for m in modules if m not in sys.stdlib_module_names and m not in local}
   providers = importlib.metadata.packages_distributions()
   missing = []
