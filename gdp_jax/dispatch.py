@@ -107,6 +107,18 @@ def default_implementation(device=None) -> str:
   return "pallas" if pallas_supported(device) else "xla"
 
 
+def describe_runtime(device=None) -> str:
+  """One line naming the device and the implementation `None` picks there (for notebooks/logs)."""
+  device = jax.devices()[0] if device is None else device
+  if device.platform == "gpu":
+    where = (
+      f"{device.device_kind} (compute capability {getattr(device, 'compute_capability', '?')})"
+    )
+  else:
+    where = f"{device.platform.upper()} ({device.device_kind})"
+  return f"{where}: implementation=None runs {default_implementation(device)!r}"
+
+
 def resolve(function: str, implementation: str | None, device=None) -> str:
   """Validate `implementation` for `function` (None -> the default) and return its name."""
   names = implementations(function)

@@ -5,7 +5,8 @@
   python scripts/set_repo_url.py --check         # print the repository they point at now
 
 The badges open `https://colab.research.google.com/github/OWNER/NAME/blob/main/notebooks/...`
-and the install cells `pip install "gdp-jax @ git+https://github.com/OWNER/NAME.git"`. The
+and the install cells `pip install "gdp-jax @ git+https://github.com/OWNER/NAME.git"` (and any
+other `https://github.com/OWNER/NAME.git`, such as notebook 04's clone of the results). The
 notebooks are rewritten in place with the same JSON layout (indent 1) they are kept in.
 """
 
@@ -20,7 +21,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FILES = sorted((ROOT / "notebooks").glob("*.ipynb")) + [ROOT / "README.md"]
 BADGE = re.compile(r"colab\.research\.google\.com/github/([\w.-]+/[\w.-]+)/blob/")
-INSTALL = re.compile(r"git\+https://github\.com/([\w.-]+/[\w.-]+?)\.git")
+INSTALL = re.compile(r"(?<=https://github\.com/)([\w.-]+/[\w.-]+?)(?=\.git)")
 
 
 def repo_from_remote() -> str:
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
   for path in FILES:
     text = path.read_text()
     new = BADGE.sub(f"colab.research.google.com/github/{repo}/blob/", text)
-    new = INSTALL.sub(f"git+https://github.com/{repo}.git", new)
+    new = INSTALL.sub(repo, new)
     if new != text:
       path.write_text(new)
       print(f"{path.name}: now {repo}")

@@ -140,3 +140,21 @@ def test_decode_splits_follow_the_sm_count():
   few = decode_attention.default_num_splits(2, 2, 65536, 64, sm_count=20)
   many = decode_attention.default_num_splits(2, 2, 65536, 64, sm_count=132)
   assert few < many
+
+
+@pytest.mark.parametrize(
+  "device,words",
+  [
+    (
+      SimpleNamespace(platform="cpu", device_kind="cpu"),
+      "CPU (cpu): implementation=None runs 'xla'",
+    ),
+    (
+      _gpu("9.0", "NVIDIA H200"),
+      "NVIDIA H200 (compute capability 9.0): implementation=None runs 'pallas'",
+    ),
+    (_gpu("7.5", "Tesla T4"), "runs 'xla'"),
+  ],
+)
+def test_describe_runtime_names_the_device_and_the_choice(device, words):
+  assert words in dispatch.describe_runtime(device)

@@ -23,7 +23,9 @@ def test_rewrites_badges_and_install_cells(tmp_path, monkeypatch):
   shutil.copy(ROOT / "notebooks/01_quickstart.ipynb", notebook)
   readme = tmp_path / "README.md"
   shutil.copy(ROOT / "README.md", readme)
-  monkeypatch.setattr(script, "FILES", [notebook, readme])
+  bench_notebook = tmp_path / "04_benchmarks.ipynb"  # also clones the repository
+  shutil.copy(ROOT / "notebooks/04_benchmarks.ipynb", bench_notebook)
+  monkeypatch.setattr(script, "FILES", [notebook, readme, bench_notebook])
   assert script.current() == {"gdp-jax/gdp-jax"}
   assert script.main(["someone/a-fork"]) == 0
   assert script.current() == {"someone/a-fork"}
@@ -33,6 +35,9 @@ def test_rewrites_badges_and_install_cells(tmp_path, monkeypatch):
   )
   assert "git+https://github.com/someone/a-fork.git" in "".join(cells[1]["source"])
   assert "github/someone/a-fork/blob/main/notebooks/" in readme.read_text()
+  for path in (notebook, bench_notebook):  # links, install cells, clone
+    assert "gdp-jax/gdp-jax" not in path.read_text(), path.name
+  assert "github.com/gdp-jax/gdp-jax" not in readme.read_text()
 
 
 def test_refuses_a_bad_name(tmp_path, monkeypatch):
