@@ -272,7 +272,7 @@ def householder_delta_product_step(
     state: [B, H, K, V] (computed in float32), or None for zeros.
     num_householder: n_h >= 1 (k.shape[1]).
     scale: output scale, default K ** -0.5.
-    implementation: "xla", "pallas" or None ("pallas" on a GPU backend, else "xla").
+    implementation: "xla", "pallas" or None ("pallas" on a supported GPU, else "xla").
 
   Returns:
     (o [B, H, V] in q.dtype, new_state [B, H, K, V] float32).

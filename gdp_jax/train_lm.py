@@ -61,6 +61,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from gdp_jax import dispatch
+
 SCHEMA = "gdp_jax.train_lm/1"
 BOS, PAD = 256, 257
 VOCAB_SIZE = 258
@@ -95,8 +97,8 @@ class TrainConfig:
   Model: hidden_size, layers (pattern of "D" gated delta product / "A" attention letters; the
   "attention" model uses "A" for all), num_heads, head_dim (K; V = K), attn_num_heads,
   attn_num_kv_heads, attn_head_dim, mlp_ratio, chunk_size, use_short_conv, dtype ("bf16": bf16
-  compute, float32 parameters; "f32"), implementation (operator: None = Pallas on a GPU, xla
-  elsewhere), attn_impl ("auto" = "flash" on a GPU, "xla" elsewhere).
+  compute, float32 parameters; "f32"), implementation (operator: None = Pallas on a supported
+  GPU, xla elsewhere), attn_impl ("auto" = "flash" on a GPU, "xla" elsewhere).
   Run: steps (the schedule's length) or minutes (steps set from the timed step), stop_at (stop
   after this step, checkpointed, to continue with resume), batch_size, seq_len (a multiple of
   64), lr (peak), min_lr_ratio, warmup_steps, weight_decay, b1, b2, clip_norm, eval_every,
@@ -1051,8 +1053,8 @@ def add_arguments(p):
   p.add_argument(
     "--implementation",
     default=None,
-    choices=["xla", "pallas", "reference"],
-    help="operator (default: Pallas on a GPU, xla elsewhere)",
+    choices=list(dispatch.implementations("gated_delta_product")),
+    help="operator (default: Pallas on a supported GPU, xla elsewhere; gdp_jax/dispatch.py)",
   )
   p.add_argument(
     "--attn-impl",
