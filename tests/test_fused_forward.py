@@ -123,7 +123,8 @@ def test_chunk_fwd_matches_stages(r, chunk, mask_kind, dtype, K, V):
 
 
 @pytest.mark.parametrize(
-  "merge,inverse", [("blocks", "substitution"), ("panels", "squaring"), ("blocks", "squaring")]
+  "merge,inverse",
+  [("blocks", "substitution"), ("panels", "squaring"), ("blocks", "squaring-x3")],
 )
 def test_chunk_fwd_variants(merge, inverse):
   """merge="blocks" (16 x 16 products only) and inverse="squaring" (the diagonal inverses by
@@ -353,7 +354,13 @@ def test_fused_kernels_lower_to_triton(monkeypatch, r, chunk, K, V, dtype, per_t
   fwd_avals, state_avals = _kernel_avals(r, chunk, K, V, dtype, per_token)
   first = (r, chunk, K, dtype) == (1, 64, 128, jnp.bfloat16)
   variants = [("panels", True, "substitution"), ("panels", True, "squaring")] + (
-    [("panels", False, "substitution"), ("blocks", True, "substitution")] if first else []
+    [
+      ("panels", False, "substitution"),
+      ("blocks", True, "substitution"),
+      ("blocks", True, "squaring-x3"),
+    ]
+    if first
+    else []
   )
 
   def fused(*a):

@@ -76,21 +76,27 @@ class _Chunk:
     return rows.repeat_rows(bv.astype(self.dtype), self.r)
 
 
-INVERSES = ("substitution", "squaring")
+# Diagonal-inverse methods: forward substitution, or repeated squaring with its six products in
+# float32 on the CUDA cores ("squaring"), as three TF32 products on the tensor cores
+# ("squaring-x3", close to float32) or as one TF32 product ("squaring-tf32", for half inputs).
+SQUARING_PRECISION = {"squaring": "ieee", "squaring-x3": "tf32x3", "squaring-tf32": "tf32"}
+INVERSES = ("substitution", *SQUARING_PRECISION)
 
 
 def _invert_diagonal(a_blocks, method="substitution"):
   """(I + A_ii)^-1 of strictly lower [16, 16] float32 tiles, in registers.
 
-  method "squaring": (I - A)(I + A^2)(I + A^4)(I + A^8), six small products per block in full
-  float32 (pallas_kernels/common/tril.py). method "substitution": forward substitution, below.
+  methods "squaring*": (I - A)(I + A^2)(I + A^4)(I + A^8), six small products per block at the
+  method's precision (SQUARING_PRECISION; pallas_kernels/common/tril.py). method "substitution":
+  forward substitution, below.
 
   With X = I + Y: Y[j] = -A[j] + sum_{k<j} (-A[j, k]) Y[k]. Y starts as -A, so row j of Y still
   holds -A[j] when step j picks it (jnp.where on the row index + sum: no slicing). Rows 0 and 1
   are already final. All blocks advance in the same loop (independent work for the scheduler).
   """
-  if method == "squaring":
-    return [tril.unit_lower_inverse(a, precision="ieee") for a in a_blocks]
+  if method in SQUARING_PRECISION:
+    precision = SQUARING_PRECISION[method]
+    return [tril.unit_lower_inverse(a, precision=precision) for a in a_blocks]
   idx = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
   col = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
 
@@ -331,7 +337,8 @@ def chunk_fwd(
   lives as one [N, N] tile) or "blocks" (16 x 16 block products only; X lives as its
   N (N + 16) / 512 lower blocks, more and smaller dots).
   inverse: how the 16 x 16 diagonal blocks are inverted: "substitution" (forward substitution,
-  one row per step) or "squaring" (six products, pallas_kernels/common/tril.py).
+  one row per step) or by repeated squaring ("squaring", "squaring-x3", "squaring-tf32": six
+  products at float32, TF32 x 3 or TF32 precision; pallas_kernels/common/tril.py).
   launch: warps and pipeline stages (pallas_kernels/common/options.py).
   """
   _check(k, v, g, beta, mask, key_blocks, chunk)
