@@ -80,7 +80,11 @@ class _Chunk:
 # float32 on the CUDA cores ("squaring"), as three TF32 products on the tensor cores
 # ("squaring-x3", close to float32) or as one TF32 product ("squaring-tf32", for half inputs).
 SQUARING_PRECISION = {"squaring": "ieee", "squaring-x3": "tf32x3", "squaring-tf32": "tf32"}
-INVERSES = ("substitution", *SQUARING_PRECISION)
+INVERSES = ("auto", "substitution", *SQUARING_PRECISION)
+# "auto": squaring at the kernel's float32 precision where that runs on the tensor cores (the
+# fastest on an H200: benchmarks/results/h200_2026-11-29_fused_inverse_sweep.json), forward
+# substitution for "ieee" (squaring on the CUDA cores is slower than substitution).
+AUTO_INVERSE = {"tf32": "squaring-tf32", "tf32x3": "squaring-x3", "ieee": "substitution"}
 
 
 def _invert_diagonal(a_blocks, method="substitution"):
@@ -317,7 +321,7 @@ def chunk_fwd(
   precision="tf32",
   save_ai=False,
   merge="panels",
-  inverse="substitution",
+  inverse="auto",
   launch=options.DEFAULT.chunk_fwd,
 ):
   """The fused intra-chunk forward.
@@ -336,8 +340,8 @@ def chunk_fwd(
   "panels" (each row block as one [16, N] panel against the rows above: few, wider dots; X
   lives as one [N, N] tile) or "blocks" (16 x 16 block products only; X lives as its
   N (N + 16) / 512 lower blocks, more and smaller dots).
-  inverse: how the 16 x 16 diagonal blocks are inverted: "substitution" (forward substitution,
-  one row per step) or by repeated squaring ("squaring", "squaring-x3", "squaring-tf32": six
+  inverse: how the 16 x 16 diagonal blocks are inverted: "auto" (AUTO_INVERSE: by the
+  precision), "substitution" (forward substitution, one row per step) or by repeated squaring ("squaring", "squaring-x3", "squaring-tf32": six
   products at float32, TF32 x 3 or TF32 precision; pallas_kernels/common/tril.py).
   launch: warps and pipeline stages (pallas_kernels/common/options.py).
   """
@@ -346,6 +350,8 @@ def chunk_fwd(
     raise ValueError(f"merge must be one of {sorted(_KERNELS)}, got {merge!r}")
   if inverse not in INVERSES:
     raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
+  if inverse == "auto":
+    inverse = AUTO_INVERSE[precision]
   bsz, t_len, heads, dim_k = k.shape
   dim_v = v.shape[-1]
   r = key_blocks
