@@ -73,15 +73,20 @@ SHUFFLE_SEED = 1234  # the training documents' order (fixed: not the run's seed)
 
 # --model: how each choice builds the token mixers. "attention" replaces every layer of the
 # pattern by attention; the others keep the pattern's "D" layers as GatedDeltaProduct with
-# these settings. Extension point: Householder DeltaProduct (n_h rank-1 delta steps per token;
-# docs/operator.md) becomes one more entry here, e.g.
-#   "householder-2": dict(attention_only=False, mixer="householder", num_householder=2),
-# once the operator and the layer have it (then `model_config` passes the new fields on).
+# these settings. "dp-2" is the Householder DeltaProduct (2 rank-1 delta steps per token,
+# eigenvalues in [-1, 1]; docs/operator.md).
 MODELS: dict[str, dict[str, Any]] = {
   "attention": dict(attention_only=True, mask_mode="ones", num_blocks=1),
   "gdn": dict(attention_only=False, mask_mode="ones", num_blocks=1),  # Gated DeltaNet
   "gdp-r2": dict(attention_only=False, mask_mode="static", num_blocks=2),
   "gdp-r4": dict(attention_only=False, mask_mode="static", num_blocks=4),
+  "dp-2": dict(
+    attention_only=False,
+    mask_mode="householder",
+    num_blocks=1,
+    num_householder=2,
+    allow_neg_eigval=True,
+  ),
 }
 
 
@@ -246,6 +251,8 @@ def model_config(cfg: TrainConfig):
     head_dim=cfg.head_dim,
     num_blocks=spec["num_blocks"],
     mask_mode=spec["mask_mode"],
+    num_householder=spec.get("num_householder", 2),
+    allow_neg_eigval=spec.get("allow_neg_eigval", False),
     use_short_conv=cfg.use_short_conv,
     chunk_size=cfg.chunk_size,
     attn_num_heads=cfg.attn_num_heads,
@@ -427,7 +434,14 @@ def flops_per_token(mc, seq_len: int) -> dict:
   dh = mc.attn_head_dim or D // hq
   parts = dict(projections=0.0, operator=0.0, attention=0.0, mlp=0.0, head=2.0 * D * mc.vocab_size)
   for kind in mc.layer_pattern:
-    if kind == "D":
+    householder = kind == "H" or (kind == "D" and mc.mask_mode == "householder")
+    if householder:  # n_h keys, values and betas per token; the r = 1 operator over T*n_h steps
+      n = mc.num_householder
+      parts["projections"] += 2.0 * D * (H * K + n * (H * K + H * V + H) + H) + 2.0 * H * V * D
+      if mc.use_gate:
+        parts["projections"] += 2.0 * D * H * V
+      parts["operator"] += forward_flops(1, T * n, H, K, V, 1) / T
+    elif kind == "D":
       parts["projections"] += 2.0 * D * (2 * H * K + H * V + 2 * H) + 2.0 * H * V * D
       if mc.use_gate:
         parts["projections"] += 2.0 * D * H * V
@@ -1011,7 +1025,7 @@ def add_arguments(p):
     default="gdp-r2",
     choices=list(MODELS),
     help="attention (every layer), gdn (Gated DeltaNet, mask = ones), gdp-r2, "
-    "gdp-r4 (block mask r = 2, 4) (default gdp-r2)",
+    "gdp-r4 (block mask r = 2, 4), dp-2 (Householder DeltaProduct, n_h = 2) (default gdp-r2)",
   )
   p.add_argument("--out", default=None, help="folder for metrics.json, curves.png, checkpoints")
   p.add_argument("--steps", type=int, default=None, help="schedule length (preset's default)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The train-lm comparison on one GPU: attention only, Gated DeltaNet, the block mask r = 2 and
-# r = 4, each with the h200 preset and the same budget.
+# r = 4, and the Householder DeltaProduct (n_h = 2), each with the h200 preset and the same budget.
 #
 #   scripts/train_lm_gpu.sh OUT [--steps N | --minutes M] [--models "attention gdn ..."] [FLAGS]
 #
@@ -28,7 +28,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 PY="${PY:-python3}"
 PRESET="${PRESET:-h200}"
-models="attention gdn gdp-r2 gdp-r4"
+models="attention gdn gdp-r2 gdp-r4 dp-2"
 budget=()
 extra=()
 while [ $# -gt 0 ]; do
