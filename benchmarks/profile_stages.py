@@ -1,13 +1,19 @@
-"""Time each Pallas forward stage alone (median of repeated loops) at one shape, per r.
+"""Time each Pallas stage alone (median of repeated loops) at one shape, per r.
 
   python benchmarks/profile_stages.py --out stages.json [--shape B,T,H,K,V] [--rs 1,2,4]
+  python benchmarks/profile_stages.py --out sweep.json --launch-sweep bwd_dqkwg,bwd_wy \
+      [--warps 4,8] [--num-stages 1,2,3]
 
-Stage times tell where the forward goes; their sum is close to the whole forward.
+Stage times tell where the forward and the backward go (the five-kernel forward and the backward
+kernels). --launch-sweep times the named backward stages instead, once per (num_warps,
+num_stages) of the grid, to choose their `Launch` in pallas_kernels/common/options.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import itertools
 import json
 import os
 import sys
@@ -20,14 +26,17 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from gdp_jax import pallas_impl  # noqa: E402
-from gdp_jax.bench import DTYPES, make_inputs, time_jax  # noqa: E402
+from gdp_jax.bench import DTYPES, command_line, make_inputs, time_jax  # noqa: E402
 from gdp_jax.operator import normalize_mask  # noqa: E402
 from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy  # noqa: E402
 from pallas_kernels.common import cumsum  # noqa: E402
+from pallas_kernels.common.options import DEFAULT, Launch  # noqa: E402
 from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy  # noqa: E402
 
 
-def stages(inputs, r, chunk_size=64, **overrides):
+def stages(inputs, r, chunk_size=64, launches=None, **overrides):
+  """{stage name: (jitted fn, args)}; `launches` {backward stage: Launch} overrides the defaults."""
+  launch = lambda name: dict(launch=(launches or {}).get(name, getattr(DEFAULT, name)))
   q, k, v = inputs["q"], inputs["k"], inputs["v"]
   B, T, H, K = q.shape
   mask, _ = normalize_mask(inputs["mask"], B, T, H, K)
@@ -47,18 +56,23 @@ def stages(inputs, r, chunk_size=64, **overrides):
   dw = bwd_dqkwg.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, scale=0.1, **cr)[2]
   backward = {
     "bwd_dv_local": (
-      jax.jit(lambda *x: bwd_dv_local.chunk_bwd_dv_local(*x, scale=0.1, **cr)),
+      jax.jit(
+        lambda *x: bwd_dv_local.chunk_bwd_dv_local(*x, scale=0.1, **cr, **launch("bwd_dv_local"))
+      ),
       (q, k, gcum, do),
     ),
     "bwd_dhu": (
-      jax.jit(lambda *x: bwd_dhu.chunk_bwd_dhu(*x, scale=0.1, **cr)),
+      jax.jit(lambda *x: bwd_dhu.chunk_bwd_dhu(*x, scale=0.1, **cr, **launch("bwd_dhu"))),
       (q, k, w, gcum, do, dvl, h0),
     ),
     "bwd_dqkwg": (
-      jax.jit(lambda *x: bwd_dqkwg.chunk_bwd_dqkwg(*x, scale=0.1, **cr)),
+      jax.jit(lambda *x: bwd_dqkwg.chunk_bwd_dqkwg(*x, scale=0.1, **cr, **launch("bwd_dqkwg"))),
       (q, k, v_new, gcum, h, dh, do, dvn),
     ),
-    "bwd_wy": (jax.jit(lambda *x: bwd_wy.wy_bwd(*x, **cr)), (k, v, beta, mask, gcum, ai, dw, dvn)),
+    "bwd_wy": (
+      jax.jit(lambda *x: bwd_wy.wy_bwd(*x, **cr, **launch("bwd_wy"))),
+      (k, v, beta, mask, gcum, ai, dw, dvn),
+    ),
     "bwd_cumsum": (jax.jit(lambda x: cumsum.chunk_local_cumsum(x, bt, reverse=True)), (g,)),
   }
   return backward | {
@@ -91,9 +105,22 @@ def main(argv=None):
   p.add_argument("--dtype", default="bf16")
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--inner", type=int, default=5)
+  p.add_argument("--launch-sweep", default="", help="backward stages to sweep, comma separated")
+  p.add_argument("--warps", default="4,8", help="num_warps values of the sweep")
+  p.add_argument("--num-stages", default="1,2,3", help="num_stages values of the sweep")
   args = p.parse_args(argv)
   B, T, H, K, V = (int(x) for x in args.shape.split(","))
-  res = dict(shape=args.shape, dtype=args.dtype, device=str(jax.devices()[0]), stages=[])
+  res = dict(
+    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    jax=jax.__version__,
+    device=jax.devices()[0].device_kind,
+    command=command_line(),
+    shape=args.shape,
+    dtype=args.dtype,
+    stages=[],
+  )
+  if args.launch_sweep:
+    return launch_sweep(args, res, (B, T, H, K, V))
   for r in (int(x) for x in args.rs.split(",")):
     inputs = make_inputs(B, T, H, K, V, r, DTYPES[args.dtype])
     try:
@@ -117,6 +144,31 @@ def main(argv=None):
     print(f"r={r} sum of stages {total:.3f} ms", flush=True)
   with open(args.out, "w") as f:
     json.dump(res, f, indent=1)
+
+
+def launch_sweep(args, res, shape):
+  """Each named backward stage at every (num_warps, num_stages); JSON rewritten after each."""
+  grid = list(
+    itertools.product(
+      (int(x) for x in args.warps.split(",")), (int(x) for x in args.num_stages.split(","))
+    )
+  )
+  for r in (int(x) for x in args.rs.split(",")):
+    inputs = make_inputs(*shape, r, DTYPES[args.dtype])
+    for name in args.launch_sweep.split(","):
+      for warps, num_stages in grid:
+        base = getattr(DEFAULT, name)
+        lau = Launch(num_warps=warps, num_stages=num_stages, block_v=base.block_v)
+        row = dict(r=r, stage=name, num_warps=warps, num_stages=num_stages)
+        try:
+          fn, fargs = stages(inputs, r, launches={name: lau})[name]
+          row["ms"] = time_jax(fn, fargs, args.reps, args.inner)[0]
+        except Exception as e:
+          row["error"] = f"{type(e).__name__}: {e}"[:1000]
+        res["stages"].append(row)
+        print(json.dumps(row)[:300], flush=True)
+        with open(args.out, "w") as f:
+          json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
