@@ -429,3 +429,34 @@ def test_dense_kernel_multi_token_lowers_to_triton(monkeypatch):
     clear=(decode_attention.gqa_decode,),
   )
   assert "scf.for" in modules[0] and modules[0].count("tt.dot") == 4
+
+
+# ---- the benchmark's smoke run -----------------------------------------------------------------
+
+
+def test_bench_decode_smoke(tmp_path):
+  """`benchmarks/bench_decode.py --smoke` runs the paged cases and writes its JSON (what the GPU
+  run records: date, jax version, GPU name, command); every case agrees with the jnp output."""
+  import importlib.util
+  import json
+  import pathlib
+
+  path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_decode.py"
+  spec = importlib.util.spec_from_file_location("bench_decode", path)
+  bench_decode = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench_decode)
+  out = tmp_path / "decode.json"
+  args = ["--smoke", "--out", str(out), "--reps", "1", "--inner", "1"]
+  args += ["--sections", "decode,paged_sweep", "--impls", "paged,jax_paged"]
+  assert bench_decode.main(args) == 0
+  results = json.loads(out.read_text())
+  for field in ("date", "jax_version", "gpu_name", "command", "goals"):
+    assert field in results, field
+  assert "--smoke" in results["command"]
+  cases = results["decode"] + results["decode_sweep"]
+  assert {c["impl"] for c in cases} >= {"paged"}
+  for case in cases:
+    if case["impl"] == "jax_paged" and not results["jax_peers"]["paged_attention"]:
+      continue
+    assert "error" not in case, case.get("error")
+    assert case["TBps"] > 0 and case["max_abs_diff_vs_xla"] < 1e-2, case
