@@ -63,9 +63,9 @@ def _check_query(query):
   return batch, tq, q_heads, dim
 
 
-def _check_cache_pair(names, key, value, layout, expected):
-  """Shape, dtype and head checks of a key/value pair; `expected` the full key shape."""
-  check_shape(names[0], key, expected, f"{layout} as query")
+def _check_cache_pair(names, query, key, value, layout, expected):
+  """Shape and dtype checks of a key/value pair; `expected` the full key shape."""
+  check_shape(names[0], key, expected, f"{layout} as query {tuple(query.shape)}")
   check_shape(names[1], value, key.shape, f"{names[1]} must match {names[0]}: {layout}")
   if key.dtype != value.dtype:
     raise TypeError(
@@ -237,6 +237,7 @@ def gqa_decode(
   seq_len, kv_heads = key_cache.shape[1], key_cache.shape[2]
   _check_cache_pair(
     ("key_cache", "value_cache"),
+    query,
     key_cache,
     value_cache,
     f"[B, S, Hkv, D] with B = {batch} and D = {dim}",
@@ -401,6 +402,7 @@ def paged_gqa_decode(
   num_pages, page_size, kv_heads = key_pages.shape[:3]
   _check_cache_pair(
     ("key_pages", "value_pages"),
+    query,
     key_pages,
     value_pages,
     f"[num_pages, page_size, Hkv, D] with D = {dim}",

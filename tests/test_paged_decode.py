@@ -386,6 +386,24 @@ def test_dense_tq_policy_errors():
   gqa_decode(q, kc, vc, jnp.asarray([0, 60]))  # 0 (idle) and > S (clipped to S) are fine
 
 
+# ---- large shapes, compiled, on a GPU only ---------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("Tq", [None, 4])
+def test_large_on_gpu(dtype, Tq):
+  lengths = [4096, 1 if Tq is None else 0, 2049, 0, 4000, 16]
+  arrays, dense_k, dense_v = make_paged(
+    9, lengths, page_size=16, max_pages=256, Hkv=4, G=4, D=128, Tq=Tq, dtype=dtype
+  )
+  ref = reference(arrays, dense_k, dense_v)
+  # D = 128 sums 128 products whose query factor carries the ~2^-18 error of its bf16 split.
+  tol = 5e-4 if dtype == jnp.bfloat16 else TOL[dtype]
+  assert_close(paged_gqa_decode(**arrays, implementation="pallas"), ref, tol, "pallas, large")
+  assert_close(paged_gqa_decode(**arrays, implementation="xla"), ref, TOL[dtype], "xla, large")
+
+
 # ---- the Triton lowering, without a GPU --------------------------------------------------------
 
 
