@@ -566,8 +566,7 @@ def main(argv=None):
     interpret_mode=backend.interpret_mode(),
     date=time.strftime("%Y-%m-%d %H:%M:%S"),
     command=" ".join(
-      [os.path.relpath(sys.argv[0]) if sys.argv else "bench_decode.py"]
-      + (list(argv) if argv is not None else sys.argv[1:])
+      ["python", "benchmarks/bench_decode.py"] + list(sys.argv[1:] if argv is None else argv)
     ),
     reps=reps,
     inner=inner,
