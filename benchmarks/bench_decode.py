@@ -1,23 +1,35 @@
-"""Time the inference steps: `gqa_decode` and `gated_delta_product_step`
+"""Time the inference steps: `gqa_decode`, `paged_gqa_decode` and `gated_delta_product_step`
 (docs/inference.md, docs/performance.md#inference-steps).
 
-  python benchmarks/bench_decode.py --out results.json            # the H200 shapes
-  python benchmarks/bench_decode.py --tiny --out /tmp/tiny.json   # a smoke run on CPU
+  python benchmarks/bench_decode.py --out results.json            # the H200 shapes (minutes)
+  python benchmarks/bench_decode.py --quick --out results.json    # the same cases, smaller sweeps
+  python benchmarks/bench_decode.py --smoke --out /tmp/smoke.json  # tiny shapes, a CPU smoke run
 
 Grouped-query decode, bf16 cache, Hq=32, Hkv=8, D=128, at B=32, S=32768 and B=8, S=8192, with
-every length S and every length S/2: our Pallas kernel, our jnp version ("xla") and
-`jax.experimental.pallas.ops.gpu.decode_attention.gqa`, in milliseconds and effective GB/s of
-cache read (bytes = the K and V cache bytes the lengths cover). Then a small sweep of the
-kernel's knobs (block_s, num_warps, num_stages, num_splits) at the large shape.
-Recurrent step, B=64, H=16, K=V=128, float32 state, r in {1, 2}: GB/s of state read + written,
-Pallas (in place and not) vs xla, and a sweep of block_v / num_warps.
+every length S and every length S/2, dense and paged side by side:
+  pallas     our dense kernel (`gqa_decode`)
+  xla        our jnp dense version
+  jax_gqa    `jax.experimental.pallas.ops.gpu.decode_attention.gqa` (dense)
+  paged      our paged kernel (`paged_gqa_decode`): the same cache cut into pages of
+             `--page-size` positions, shuffled over the page pool (random block tables)
+  paged_xla  our jnp paged version (gathers the pages)
+  jax_paged  `jax.experimental.pallas.ops.gpu.paged_attention.paged_attention` (its own layout,
+             [Hkv, num_pages, page_size, D], same pages and tables)
+in milliseconds and TB/s of cache read (bytes = the K and V bytes the lengths cover), each
+checked against the jnp dense output. Then sweeps of the kernels' launch parameters: the dense
+kernel (DecodeOptions: block_s, num_warps, num_stages, num_splits) and the paged kernel
+(PagedDecodeOptions: block_s = cache rows per inner iteration, i.e. block_s / page_size pages,
+num_warps, num_stages, num_splits) at both shapes.
+Recurrent step, B=64 and B=8, H=16, K=V=128, float32 state, r in {1, 2}: TB/s of state read +
+written, Pallas (in place and not) vs xla, and a sweep of StepOptions (block_v, num_warps,
+num_stages) at r = 1.
 
 Every figure is the median over `--reps` timed runs (after warm-up) of one jitted
 `lax.fori_loop` of `--inner` calls, so dispatch overhead is not counted; each call depends on the
 previous one (the decode query is nudged by 1e-20 x the last output; the step carries its state,
 updated in place by the aliased kernel), so nothing can be hoisted out of the loop. Each case runs
-in try/except: a failure records its error text in the JSON and the run goes on. The JSON is
-rewritten after every case.
+in try/except: a failure records its error text in the JSON and the run goes on. The JSON (with
+the date, jax version, GPU name and command) is rewritten after every case.
 """
 
 from __future__ import annotations
@@ -36,17 +48,19 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from gdp_jax import gated_delta_product_step, gqa_decode  # noqa: E402
+from gdp_jax import gated_delta_product_step, gqa_decode, paged_gqa_decode  # noqa: E402
 from pallas_kernels.common import backend  # noqa: E402
 from pallas_kernels.inference import decode_attention as da  # noqa: E402
+from pallas_kernels.inference import paged_decode_attention as pda  # noqa: E402
 from pallas_kernels.inference import recurrent_step as rs  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+PAGED_IMPLS = ("paged", "paged_xla", "jax_paged")
 
 
 def median_ms(run, carry, args, reps):
   """run(carry, *args) -> carry does `inner` calls; returns (median ms per run, all ms)."""
-  jax.block_until_ready(run(carry, *args))  # compile
+  jax.block_until_ready(run(carry, *args))  # compile (once per jitted run)
   jax.block_until_ready(run(carry, *args))  # warm-up
   times = []
   for _ in range(reps):
@@ -66,6 +80,24 @@ def loop(step, inner):
   return run
 
 
+def error_fields(e):
+  return dict(error=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
+
+
+def jax_peer(name):
+  """jax's own Pallas GPU kernel module `name`, or None if this jax has none."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    try:
+      if name == "decode_attention":
+        from jax.experimental.pallas.ops.gpu import decode_attention as module
+      else:
+        from jax.experimental.pallas.ops.gpu import paged_attention as module
+    except ImportError:
+      return None
+  return module
+
+
 # ---- grouped-query decode --------------------------------------------------------------------
 
 
@@ -77,35 +109,71 @@ def make_cache(B, S, Hq, Hkv, D, dtype, seed=0):
   return q, kc, vc
 
 
-def decode_fn(impl, D, tiny, knobs=None):
-  """(q f32, kc, vc, lengths) -> f32 [B, Hq, D] for one implementation."""
+def make_pages(kc, vc, page_size, seed=1):
+  """The dense cache cut into pages, scattered over a shuffled page pool: page
+  block_tables[b, i] holds positions [i * page_size, (i + 1) * page_size) of sequence b."""
+  B, S, Hkv, D = kc.shape
+  P = S // page_size
+  perm = jax.random.permutation(jax.random.key(seed), B * P).astype(jnp.int32)
+  tables = perm.reshape(B, P)
+
+  def scatter(c):
+    pages = jnp.zeros((B * P, page_size, Hkv, D), c.dtype)
+    return pages.at[perm].set(c.reshape(B * P, page_size, Hkv, D))
+
+  return jax.jit(scatter)(kc), jax.jit(scatter)(vc), tables
+
+
+def decode_fn(impl, D, smoke, knobs=None):
+  """The function to time: dense impls take (q f32, kc, vc, lengths), paged ones
+  (q f32, key_pages, value_pages, tables, lengths); each returns f32 [B, Hq, D]."""
   if impl == "pallas":
     if knobs:
       return lambda q, kc, vc, n: da.gqa_decode(q, kc, vc, n, scale=D**-0.5, **knobs)
     return lambda q, kc, vc, n: gqa_decode(q, kc, vc, n, implementation="pallas")
   if impl == "xla":
     return lambda q, kc, vc, n: gqa_decode(q, kc, vc, n, implementation="xla")
+  if impl == "paged":
+    if knobs:
+      return lambda q, kp, vp, t, n: pda.paged_gqa_decode(q, kp, vp, t, n, scale=D**-0.5, **knobs)
+    return lambda q, kp, vp, t, n: paged_gqa_decode(q, kp, vp, t, n, implementation="pallas")
+  if impl == "paged_xla":
+    return lambda q, kp, vp, t, n: paged_gqa_decode(q, kp, vp, t, n, implementation="xla")
   if impl == "jax_gqa":
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore", DeprecationWarning)
-      from jax.experimental.pallas.ops.gpu import decode_attention as jax_da
-    extra = dict(interpret=True, k_splits=4) if tiny else {}
+    module = jax_peer("decode_attention")
+    if module is None:
+      raise ImportError("this jax has no jax.experimental.pallas.ops.gpu.decode_attention")
+    extra = dict(interpret=True, k_splits=4) if smoke else {}
 
     def f(q, kc, vc, n):
       # Its kernel dots q with the cache tile: both must share the cache's dtype.
-      out = jax_da.gqa(q.astype(kc.dtype), kc, vc, kv_seq_len=n, **extra)
+      out = module.gqa(q.astype(kc.dtype), kc, vc, kv_seq_len=n, **extra)
+      return out.astype(jnp.float32)
+
+    return f
+  if impl == "jax_paged":
+    module = jax_peer("paged_attention")
+    if module is None:
+      raise ImportError("this jax has no jax.experimental.pallas.ops.gpu.paged_attention")
+    extra = dict(interpret=True, k_splits=2, pages_per_compute_block=2) if smoke else {}
+
+    def f(q, kp, vp, t, n):
+      # Its layout puts the heads first: kp, vp [Hkv, num_pages, page_size, D] (made once,
+      # outside the timed loop); q in the pages' dtype, as for jax_gqa. It has no score scale:
+      # the query carries it.
+      q = (q * D**-0.5).astype(kp.dtype)
+      out = module.paged_attention(q, kp, vp, t, n, **extra)
       return out.astype(jnp.float32)
 
     return f
   raise ValueError(f"unknown implementation {impl}")
 
 
-def time_decode(fn, q, kc, vc, lengths, reps, inner):
-  def step(qc, kc, vc, n):
-    return qc + 1e-20 * fn(qc, kc, vc, n)  # a real dependency between calls
+def decode_step(fn):
+  def step(qc, *args):
+    return qc + 1e-20 * fn(qc, *args)  # a real dependency between calls
 
-  ms, all_ms = median_ms(loop(step, inner), q, (kc, vc, lengths), reps)
-  return ms / inner, [t / inner for t in all_ms]
+  return step
 
 
 def cache_bytes(lengths, S, Hkv, D, dtype):
@@ -113,23 +181,53 @@ def cache_bytes(lengths, S, Hkv, D, dtype):
   return 2 * covered * Hkv * D * jnp.dtype(dtype).itemsize
 
 
-def decode_section(results, save, shapes, dtype, impls, reps, inner, tiny):
+def rate(case, nbytes, ms, all_ms, inner):
+  case["ms"], case["all_ms"] = ms / inner, [t / inner for t in all_ms]
+  case["GBps"] = nbytes / (case["ms"] * 1e-3) / 1e9
+  case["TBps"] = case["GBps"] / 1e3
+
+
+def decode_inputs(impl, dense, paged, jax_pages):
+  """The cache arguments of `impl` (after q): dense (kc, vc), or paged (kp, vp, tables)."""
+  if impl == "jax_paged":
+    return (*jax_pages, paged[2])
+  return paged if impl in PAGED_IMPLS else dense
+
+
+def decode_section(results, save, shapes, dtype, impls, reps, inner, smoke, page_size):
   Hq, Hkv, D = shapes["heads"]
   for B, S in shapes["sizes"]:
     try:
       q, kc, vc = make_cache(B, S, Hq, Hkv, D, dtype)
+      paged = jax_pages = None
+      if any(i in PAGED_IMPLS for i in impls):
+        paged = make_pages(kc, vc, page_size)
+      if "jax_paged" in impls:
+        to_heads_first = jax.jit(lambda p: p.transpose(2, 0, 1, 3))
+        jax_pages = (to_heads_first(paged[0]), to_heads_first(paged[1]))
     except Exception as e:
-      results["decode"].append(dict(B=B, S=S, error=f"{type(e).__name__}: {e}"[:2000]))
+      results["decode"].append(dict(B=B, S=S, **error_fields(e)))
       save()
       continue
+    refs = {}
     for frac_name, L in (("full", S), ("half", S // 2)):
-      lengths = jnp.full((B,), L, jnp.int32)
-      nbytes = cache_bytes(lengths, S, Hkv, D, dtype)
       try:
-        ref = jax.jit(decode_fn("xla", D, tiny))(q, kc, vc, lengths)
+        lengths = jnp.full((B,), L, jnp.int32)
+        refs[frac_name] = jax.jit(decode_fn("xla", D, smoke))(q, kc, vc, lengths)
       except Exception:
-        ref = None
-      for impl in impls:
+        refs[frac_name] = None
+    for impl in impls:
+      try:
+        fn = decode_fn(impl, D, smoke)
+        run = loop(decode_step(fn), inner)  # one compilation for both sets of lengths
+        args = decode_inputs(impl, (kc, vc), paged, jax_pages)
+      except Exception as e:
+        results["decode"].append(dict(section="decode", impl=impl, B=B, S=S, **error_fields(e)))
+        save()
+        continue
+      for frac_name, L in (("full", S), ("half", S // 2)):
+        lengths = jnp.full((B,), L, jnp.int32)
+        nbytes = cache_bytes(lengths, S, Hkv, D, dtype)
         case = dict(
           section="decode",
           impl=impl,
@@ -143,13 +241,14 @@ def decode_section(results, save, shapes, dtype, impls, reps, inner, tiny):
           length=L,
           cache_bytes_read=nbytes,
         )
+        if impl in PAGED_IMPLS:
+          case["page_size"] = page_size
         try:
-          fn = decode_fn(impl, D, tiny)
-          case["ms"], case["all_ms"] = time_decode(fn, q, kc, vc, lengths, reps, inner)
-          case["GBps"] = nbytes / (case["ms"] * 1e-3) / 1e9
-          if ref is not None and impl != "xla":
-            out = jax.jit(fn)(q, kc, vc, lengths)
-            case["max_abs_diff_vs_xla"] = float(jnp.max(jnp.abs(out - ref)))
+          ms, all_ms = median_ms(run, q, (*args, lengths), reps)
+          rate(case, nbytes, ms, all_ms, inner)
+          if refs[frac_name] is not None and impl != "xla":
+            out = jax.jit(fn)(q, *args, lengths)
+            case["max_abs_diff_vs_xla"] = float(jnp.max(jnp.abs(out - refs[frac_name])))
           if impl == "pallas":
             case["num_splits"] = da.default_num_splits(B, Hkv, S)
             case["defaults"] = dict(
@@ -157,38 +256,61 @@ def decode_section(results, save, shapes, dtype, impls, reps, inner, tiny):
               num_warps=da.DEFAULTS.num_warps,
               num_stages=da.DEFAULTS.num_stages,
             )
+          if impl == "paged":
+            case["num_splits"] = da.default_num_splits(B, Hkv, S, defaults=pda.DEFAULTS)
+            case["defaults"] = dict(
+              block_s=pda.DEFAULTS.block_s,
+              num_warps=pda.DEFAULTS.num_warps,
+              num_stages=pda.DEFAULTS.num_stages,
+            )
         except Exception as e:
-          case["error"] = f"{type(e).__name__}: {e}"[:2000]
-          case["traceback"] = traceback.format_exc()[-4000:]
+          case.update(error_fields(e))
         results["decode"].append(case)
         save()
         show(case)
-    # lengths S/2 should take about half the time of lengths S
-    for impl in impls:
-      by = {
-        c["lengths"]: c
-        for c in results["decode"]
-        if c.get("impl") == impl and c.get("B") == B and c.get("S") == S and "ms" in c
-      }
-      if "full" in by and "half" in by:
-        ratio = by["half"]["ms"] / by["full"]["ms"]
-        results["half_over_full"].append(dict(impl=impl, B=B, S=S, ratio=ratio))
-        print(f"  {impl:8s} B={B} S={S}: time(lengths S/2) / time(lengths S) = {ratio:.2f}")
+    ratios(results, B, S, impls)
     save()
-    del q, kc, vc, ref
+    del q, kc, vc, paged, jax_pages, refs
 
 
-def decode_sweep(results, save, shape, dtype, configs, reps, inner):
+def ratios(results, B, S, impls):
+  """Half lengths over full lengths (should be about 0.5), and paged over dense time."""
+  by = {
+    (c["impl"], c["lengths"]): c
+    for c in results["decode"]
+    if c.get("B") == B and c.get("S") == S and "ms" in c
+  }
+  for impl in impls:
+    if (impl, "full") in by and (impl, "half") in by:
+      ratio = by[impl, "half"]["ms"] / by[impl, "full"]["ms"]
+      results["half_over_full"].append(dict(impl=impl, B=B, S=S, ratio=ratio))
+      print(f"  {impl:9s} B={B} S={S}: time(lengths S/2) / time(lengths S) = {ratio:.2f}")
+  for paged, dense in (("paged", "pallas"), ("paged_xla", "xla"), ("jax_paged", "jax_gqa")):
+    for frac in ("full", "half"):
+      if (paged, frac) in by and (dense, frac) in by:
+        ratio = by[paged, frac]["ms"] / by[dense, frac]["ms"]
+        results["paged_over_dense"].append(
+          dict(paged=paged, dense=dense, B=B, S=S, lengths=frac, ratio=ratio)
+        )
+        print(f"  {paged:9s} / {dense:7s} B={B} S={S} L={frac}: time ratio {ratio:.3f}")
+
+
+def decode_sweep(results, save, shape, dtype, configs, reps, inner, kind, page_size):
+  """Launch-parameter sweep of our dense (kind "pallas") or paged (kind "paged") kernel."""
   Hq, Hkv, D = shape["heads"]
   B, S = shape["size"]
   q, kc, vc = make_cache(B, S, Hq, Hkv, D, dtype)
   lengths = jnp.full((B,), S, jnp.int32)
   nbytes = cache_bytes(lengths, S, Hkv, D, dtype)
   ref = jax.jit(decode_fn("xla", D, False))(q, kc, vc, lengths)
+  args = (kc, vc)
+  if kind == "paged":
+    args = make_pages(kc, vc, page_size)
+    del kc, vc
   for knobs in configs:
     case = dict(
-      section="decode_sweep",
-      impl="pallas",
+      section=f"{kind}_sweep" if kind == "paged" else "decode_sweep",
+      impl=kind,
       B=B,
       S=S,
       Hq=Hq,
@@ -198,18 +320,44 @@ def decode_sweep(results, save, shape, dtype, configs, reps, inner):
       knobs=knobs,
       cache_bytes_read=nbytes,
     )
+    if kind == "paged":
+      case["page_size"] = page_size
+      block_s = knobs.get("block_s", pda.DEFAULTS.block_s)
+      case["pages_per_block"] = block_s / page_size
     try:
-      fn = decode_fn("pallas", D, False, knobs)
-      case["ms"], case["all_ms"] = time_decode(fn, q, kc, vc, lengths, reps, inner)
-      case["GBps"] = nbytes / (case["ms"] * 1e-3) / 1e9
-      case["max_abs_diff_vs_xla"] = float(jnp.max(jnp.abs(jax.jit(fn)(q, kc, vc, lengths) - ref)))
+      fn = decode_fn(kind, D, False, knobs)
+      ms, all_ms = median_ms(loop(decode_step(fn), inner), q, (*args, lengths), reps)
+      rate(case, nbytes, ms, all_ms, inner)
+      out = jax.jit(fn)(q, *args, lengths)
+      case["max_abs_diff_vs_xla"] = float(jnp.max(jnp.abs(out - ref)))
     except Exception as e:
-      case["error"] = f"{type(e).__name__}: {e}"[:2000]
-      case["traceback"] = traceback.format_exc()[-4000:]
+      case.update(error_fields(e))
     results["decode_sweep"].append(case)
     save()
     show(case, label=str(knobs))
-  del q, kc, vc, ref
+  del q, args, ref
+
+
+def decode_configs(quick, B, S, Hkv, defaults):
+  """Launch configurations to sweep: (block_s, warps, stages) grid, then num_splits around the
+  default."""
+  if quick:
+    grid = [(bs, w, 3) for bs in (32, 64, 128) for w in (4, 8)]
+  else:
+    grid = [(bs, w, st) for bs in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+  configs = [dict(block_s=bs, num_warps=w, num_stages=st) for bs, w, st in grid]
+  ns = da.default_num_splits(B, Hkv, S, defaults.block_s, defaults=defaults)
+  splits = {max(1, ns // 2), ns * 2} if quick else {max(1, ns // 4), max(1, ns // 2), ns * 2}
+  configs += [
+    dict(
+      block_s=defaults.block_s,
+      num_warps=defaults.num_warps,
+      num_stages=defaults.num_stages,
+      num_splits=n,
+    )
+    for n in sorted(splits - {ns})
+  ]
+  return configs
 
 
 # ---- recurrent step --------------------------------------------------------------------------
@@ -285,8 +433,9 @@ def step_section(results, save, shape, rs_list, impls, sweep, reps, inner):
       try:
         fn = step_fn(impl, K, knobs)
         ms, all_ms = median_ms(loop(fn, inner), carry, rest, reps)
-        case["ms"], case["all_ms"] = ms / inner, [t / inner for t in all_ms]
-        case["GBps"] = 2 * state_bytes / (case["ms"] * 1e-3) / 1e9
+        rate(case, 2 * state_bytes, ms, all_ms, inner)
+        # the time to read and write the state once at the copy bandwidth (about 4.3 TB/s)
+        case["over_copy_time_at_4.3TBps"] = case["ms"] / (2 * state_bytes / 4.3e12 * 1e3)
         new, o = jax.jit(fn)(carry, *rest)
         if impl == "xla":
           ref = (new, o)
@@ -302,12 +451,22 @@ def step_section(results, save, shape, rs_list, impls, sweep, reps, inner):
             num_stages=rs.DEFAULTS.num_stages,
           )
       except Exception as e:
-        case["error"] = f"{type(e).__name__}: {e}"[:2000]
-        case["traceback"] = traceback.format_exc()[-4000:]
+        case.update(error_fields(e))
       results["step"].append(case)
       save()
       show(case, label=f"r={r}" + (f" {knobs}" if knobs else ""))
     del args, state, rest, ref, carry
+
+
+def step_configs(quick, smoke):
+  if smoke:
+    return [dict(block_v=16, num_warps=4, num_stages=1), dict(block_v=32, num_warps=4)]
+  if quick:
+    grid = [(bv, w, 1) for bv in (32, 64, 128) for w in (4, 8)]
+  else:
+    grid = [(bv, w, st) for bv in (16, 32, 64, 128) for w in (2, 4, 8) for st in (1, 2)]
+  # block_v 128 at 2 warps spills registers
+  return [dict(block_v=bv, num_warps=w, num_stages=st) for bv, w, st in grid if (bv, w) != (128, 2)]
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -315,7 +474,7 @@ def step_section(results, save, shape, rs_list, impls, sweep, reps, inner):
 
 def show(case, label=""):
   head = case.get("section", "")
-  if head.startswith("decode"):
+  if head.startswith(("decode", "paged")):
     what = f"B={case['B']:<3d} S={case['S']:<6d} L={case.get('lengths', 'full'):4s}"
   else:
     what = f"B={case['B']} H={case['H']} K={case['K']} V={case['V']}"
@@ -324,7 +483,7 @@ def show(case, label=""):
     extra = ""
     if "max_abs_diff_vs_xla" in case:
       extra = f"  |diff vs xla| {case['max_abs_diff_vs_xla']:.2e}"
-    print(f"{name:70s} {case['ms']:9.4f} ms {case['GBps']:9.1f} GB/s{extra}", flush=True)
+    print(f"{name:70s} {case['ms']:9.4f} ms {case['TBps']:7.3f} TB/s{extra}", flush=True)
   else:
     print(f"{name:70s} ERROR {case['error'][:300]}", flush=True)
 
@@ -336,7 +495,7 @@ def summary(results):
       if "GBps" not in c:
         continue
       key = (
-        c["section"].replace("_sweep", ""),
+        c["section"].replace("_sweep", "").replace("paged", "decode"),
         c["impl"],
         c.get("B"),
         c.get("S"),
@@ -344,87 +503,91 @@ def summary(results):
         c.get("lengths", "full"),
       )
       if key not in best or c["GBps"] > best[key]["GBps"]:
-        best[key] = dict(GBps=c["GBps"], ms=c["ms"], knobs=c.get("knobs"))
+        best[key] = dict(GBps=c["GBps"], TBps=c["TBps"], ms=c["ms"], knobs=c.get("knobs"))
   results["best"] = [
     dict(zip(("section", "impl", "B", "S", "r", "lengths"), k), **v)
     for k, v in sorted(best.items(), key=lambda kv: str(kv[0]))
   ]
-  print("\nbest per case (GB/s):")
+  print("\nbest per case (TB/s):")
   for row in results["best"]:
     print(
       f"  {row['section']:7s} {row['impl']:11s} B={row['B']} S={row['S']} r={row['r']} "
-      f"L={row['lengths']}: {row['GBps']:8.1f} GB/s  {row['ms']:.4f} ms  {row['knobs'] or ''}"
+      f"L={row['lengths']}: {row['TBps']:7.3f} TB/s  {row['ms']:.4f} ms  {row['knobs'] or ''}"
     )
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser()
-  p.add_argument("--out", required=True)
-  p.add_argument("--tiny", action="store_true", help="small shapes for a CPU smoke run")
-  p.add_argument("--reps", type=int, default=7)
-  p.add_argument("--inner", type=int, default=50)
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--out", required=True, help="the JSON file to write")
+  p.add_argument("--smoke", "--tiny", action="store_true", help="tiny shapes: a CPU smoke run")
+  p.add_argument("--quick", action="store_true", help="fewer repetitions and smaller sweeps")
+  p.add_argument("--reps", type=int, default=None, help="timed runs (default 7, quick 5)")
+  p.add_argument("--inner", type=int, default=None, help="calls per run (default 50, quick 20)")
   p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-  p.add_argument("--impls", default="pallas,xla,jax_gqa")
+  p.add_argument("--page-size", type=int, default=16, help="positions per page (paged cases)")
+  p.add_argument("--impls", default="pallas,xla,jax_gqa,paged,paged_xla,jax_paged")
   p.add_argument("--step-impls", default="xla,pallas,pallas_copy")
   p.add_argument("--no-sweep", action="store_true")
-  p.add_argument("--sections", default="decode,sweep,step")
+  p.add_argument("--sections", default="decode,sweep,paged_sweep,step")
   args = p.parse_args(argv)
   dtype = DTYPES[args.dtype]
   sections = args.sections.split(",")
+  reps = args.reps or (2 if args.smoke else 5 if args.quick else 7)
+  inner = args.inner or (2 if args.smoke else 20 if args.quick else 50)
 
-  if args.tiny:
-    args.reps, args.inner = 2, 2
-    shapes = dict(heads=(8, 2, 32), sizes=[(2, 256), (1, 128)])
-    sweep_shape = dict(heads=(8, 2, 32), size=(2, 256))
-    decode_configs = [
+  if args.smoke:
+    heads = (8, 2, 32)
+    sizes = [(2, 256), (1, 128)]
+    sweep_sizes = [(2, 256)]
+    step_shapes = [(2, 2, 32, 32)]
+    dense_cfgs = lambda B, S: [
       dict(block_s=16, num_warps=4, num_stages=2, num_splits=2),
       dict(block_s=32, num_warps=4, num_stages=3, num_splits=1),
     ]
-    step_shape = (2, 2, 32, 32)
-    step_configs = [dict(block_v=16, num_warps=4), dict(block_v=32, num_warps=4)]
+    paged_cfgs = dense_cfgs
   else:
-    shapes = dict(heads=(32, 8, 128), sizes=[(32, 32768), (8, 8192)])
-    sweep_shape = dict(heads=(32, 8, 128), size=(32, 32768))
-    ns = da.default_num_splits(32, 8, 32768)
-    decode_configs = [
-      dict(block_s=bs, num_warps=w, num_stages=st)
-      for bs in (32, 64, 128)
-      for w in (4, 8)
-      for st in (2, 3)
-    ]
-    decode_configs += [
-      dict(
-        block_s=da.DEFAULTS.block_s,
-        num_warps=da.DEFAULTS.num_warps,
-        num_stages=da.DEFAULTS.num_stages,
-        num_splits=n,
-      )
-      for n in sorted({max(1, ns // 4), max(1, ns // 2), ns * 2})
-    ]
-    step_shape = (64, 16, 128, 128)
-    step_configs = [
-      dict(block_v=bv, num_warps=w)
-      for bv in (16, 32, 64, 128)
-      for w in (2, 4, 8)
-      if not (bv == 128 and w == 2)
-    ]  # that one spills registers
+    heads = (32, 8, 128)
+    sizes = [(32, 32768), (8, 8192)]
+    sweep_sizes = sizes
+    step_shapes = [(64, 16, 128, 128), (8, 16, 128, 128)]
+    dense_cfgs = lambda B, S: decode_configs(args.quick, B, S, heads[1], da.DEFAULTS)
+    paged_cfgs = lambda B, S: decode_configs(args.quick, B, S, heads[1], pda.DEFAULTS)
+  step_cfgs = step_configs(args.quick, args.smoke)
   if args.no_sweep:
-    decode_configs, step_configs = [], []
+    dense_cfgs = paged_cfgs = lambda B, S: []
+    step_cfgs = []
 
+  device = jax.devices()[0]
   results = dict(
-    device=str(jax.devices()[0]),
+    device=str(device),
+    gpu_name=str(device.device_kind),
     backend=jax.default_backend(),
     jax_version=jax.__version__,
     interpret_mode=backend.interpret_mode(),
     date=time.strftime("%Y-%m-%d %H:%M:%S"),
-    command=" ".join(sys.argv),
-    reps=args.reps,
-    inner=args.inner,
-    bars=dict(decode_GBps_at_B32_S32768=3000, step_GBps_at_B64_H16_K128_V128=2500),
+    command=" ".join(
+      ["python", "benchmarks/bench_decode.py"] + list(sys.argv[1:] if argv is None else argv)
+    ),
+    reps=reps,
+    inner=inner,
+    page_size=args.page_size,
+    jax_peers=dict(
+      decode_attention=jax_peer("decode_attention") is not None,
+      paged_attention=jax_peer("paged_attention") is not None,
+    ),
+    goals=dict(
+      decode_TBps_at_B32_S32768=4.3,
+      decode_TBps_at_B8_S8192=3.5,
+      paged_over_dense_time=1.1,
+      step_TBps_at_B64_H16_K128_V128=3.0,
+      step_B8_over_copy_time=2.0,
+    ),
     decode=[],
     half_over_full=[],
+    paged_over_dense=[],
     decode_sweep=[],
     step=[],
+    seconds={},
   )
 
   def save():
@@ -432,32 +595,31 @@ def main(argv=None):
       json.dump(results, f, indent=1)
 
   impls = args.impls.split(",")
+  shapes = dict(heads=heads, sizes=sizes)
   for section in sections:
+    t0 = time.perf_counter()
     try:
       if section == "decode":
-        decode_section(results, save, shapes, dtype, impls, args.reps, args.inner, args.tiny)
-      elif section == "sweep" and decode_configs:
-        decode_sweep(results, save, sweep_shape, dtype, decode_configs, args.reps, args.inner)
+        decode_section(results, save, shapes, dtype, impls, reps, inner, args.smoke, args.page_size)
+      elif section in ("sweep", "paged_sweep"):
+        kind = "pallas" if section == "sweep" else "paged"
+        make = dense_cfgs if section == "sweep" else paged_cfgs
+        for B, S in sweep_sizes:
+          configs = make(B, S)
+          if configs:
+            shape = dict(heads=heads, size=(B, S))
+            decode_sweep(results, save, shape, dtype, configs, reps, inner, kind, args.page_size)
       elif section == "step":
-        step_section(
-          results,
-          save,
-          step_shape,
-          (1, 2),
-          args.step_impls.split(","),
-          step_configs,
-          args.reps,
-          args.inner,
-        )
+        for shape in step_shapes:
+          step_section(
+            results, save, shape, (1, 2), args.step_impls.split(","), step_cfgs, reps, inner
+          )
+      else:
+        raise ValueError(f"unknown section {section!r}")
     except Exception as e:  # a whole section failing (e.g. out of memory): record, go on
-      results.setdefault("errors", []).append(
-        dict(
-          section=section,
-          error=f"{type(e).__name__}: {e}"[:2000],
-          traceback=traceback.format_exc()[-4000:],
-        )
-      )
+      results.setdefault("errors", []).append(dict(section=section, **error_fields(e)))
       print(f"section {section}: ERROR {e}"[:400], flush=True)
+    results["seconds"][section] = round(time.perf_counter() - t0, 1)
     save()
   summary(results)
   save()

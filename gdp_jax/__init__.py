@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from gdp_jax.decode import gated_delta_product_step, gqa_decode
+from gdp_jax.decode import gated_delta_product_step, gqa_decode, paged_gqa_decode
 from gdp_jax.householder import householder_delta_product, householder_delta_product_step
 from gdp_jax.operator import gated_delta_product
 
@@ -19,6 +19,7 @@ __all__ = [
   "gqa_decode",
   "householder_delta_product",
   "householder_delta_product_step",
+  "paged_gqa_decode",
 ]
 __version__ = "0.2.0"
 

@@ -51,46 +51,49 @@ def _no_gradients(function):
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_gqa(query, key_cache, value_cache, lengths):
-  for name, x in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-    check_float(name, x)
-  if query.ndim != 3:
-    raise ValueError(f"query must be [B, Hq, D] (rank 3), got shape {tuple(query.shape)}")
-  if key_cache.ndim != 4:
+def _check_query(query):
+  check_float("query", query)
+  if query.ndim not in (3, 4):
     raise ValueError(
-      f"key_cache must be [B, S, Hkv, D] (rank 4), got shape {tuple(key_cache.shape)}"
+      f"query must be [B, Hq, D] (rank 3) or [B, Tq, Hq, D] (rank 4: Tq new tokens per "
+      f"sequence), got shape {tuple(query.shape)}"
     )
-  batch, q_heads, dim = query.shape
-  _, seq_len, kv_heads, _ = key_cache.shape
-  check_shape(
-    "key_cache",
-    key_cache,
-    (batch, seq_len, kv_heads, dim),
-    f"[B, S, Hkv, D] with B = {batch} and D = {dim} as query {tuple(query.shape)}",
-  )
-  check_shape(
-    "value_cache", value_cache, key_cache.shape, "value_cache must match key_cache: [B, S, Hkv, D]"
-  )
-  if key_cache.dtype != value_cache.dtype:
+  batch, q_heads, dim = query.shape[0], query.shape[-2], query.shape[-1]
+  tq = 1 if query.ndim == 3 else query.shape[1]
+  return batch, tq, q_heads, dim
+
+
+def _check_cache_pair(names, query, key, value, layout, expected):
+  """Shape and dtype checks of a key/value pair; `expected` the full key shape."""
+  check_shape(names[0], key, expected, f"{layout} as query {tuple(query.shape)}")
+  check_shape(names[1], value, key.shape, f"{names[1]} must match {names[0]}: {layout}")
+  if key.dtype != value.dtype:
     raise TypeError(
-      f"key_cache and value_cache must share one dtype, got key_cache "
-      f"{key_cache.dtype} and value_cache {value_cache.dtype}"
+      f"{names[0]} and {names[1]} must share one dtype, got {names[0]} "
+      f"{key.dtype} and {names[1]} {value.dtype}"
     )
-  if not any(key_cache.dtype == d for d in CACHE_DTYPES):
+  if not any(key.dtype == d for d in CACHE_DTYPES):
     raise TypeError(
-      f"key_cache and value_cache must be float32, bfloat16 or float16, got "
-      f"{key_cache.dtype} with shape {tuple(key_cache.shape)}"
+      f"{names[0]} and {names[1]} must be float32, bfloat16 or float16, got "
+      f"{key.dtype} with shape {tuple(key.shape)}"
     )
+
+
+def _check_heads(query, q_heads, key, key_name):
+  kv_heads = key.shape[-2]
   if kv_heads < 1:
     raise ValueError(
-      f"key_cache has Hkv = {kv_heads} heads (shape {tuple(key_cache.shape)}); need Hkv >= 1"
+      f"{key_name} has Hkv = {kv_heads} heads (shape {tuple(key.shape)}); need Hkv >= 1"
     )
   if q_heads % kv_heads != 0:
     raise ValueError(
       f"the number of query heads Hq = {q_heads} (query shape "
       f"{tuple(query.shape)}) must be a multiple of the number of cache heads "
-      f"Hkv = {kv_heads} (key_cache shape {tuple(key_cache.shape)})"
+      f"Hkv = {kv_heads} ({key_name} shape {tuple(key.shape)})"
     )
+
+
+def _check_lengths(lengths, batch):
   if not hasattr(lengths, "dtype"):
     lengths = np.asarray(lengths)
   if not jnp.issubdtype(lengths.dtype, jnp.integer):
@@ -101,6 +104,44 @@ def _check_gqa(query, key_cache, value_cache, lengths):
   check_shape("lengths", lengths, (batch,), f"[B] = [{batch}]: one length per sequence")
   check_int32_values("lengths", lengths)
   return lengths
+
+
+def _concrete(x):
+  """x as a NumPy array, or None when it is traced."""
+  return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+
+
+def _check_new_tokens(query, tq, lengths, capacity, cache_name):
+  """Multi-token queries: Tq <= the capacity, and concrete lengths either 0 or >= Tq."""
+  if tq <= 1:
+    return
+  if tq > capacity:
+    raise ValueError(
+      f"query has Tq = {tq} new tokens (shape {tuple(query.shape)}) but {cache_name} holds "
+      f"only {capacity} positions: the new tokens must be in the cache"
+    )
+  values = _concrete(lengths)
+  if values is None:
+    return
+  clipped = np.clip(values.astype(np.int64), 0, capacity)
+  bad = np.flatnonzero((clipped > 0) & (clipped < tq))
+  if bad.size:
+    b = int(bad[0])
+    raise ValueError(
+      f"lengths[{b}] = {int(values[b])} is smaller than the Tq = {tq} new tokens of query "
+      f"(shape {tuple(query.shape)}): token i sits at position lengths[b] - Tq + i, so a "
+      f"length must be 0 (an idle sequence: zero rows) or at least Tq"
+    )
+
+
+def _as_tokens(query):
+  """[B, Hq, D] -> [B, 1, Hq, D]; [B, Tq, Hq, D] unchanged (what the implementations take)."""
+  return query[:, None] if query.ndim == 3 else query
+
+
+def _prepare_scale(scale, dim):
+  static, dynamic = _static_scale(scale, dim**-0.5)
+  return static if dynamic is None else dynamic
 
 
 def gqa_decode_pallas(query, key_cache, value_cache, lengths, scale):
@@ -117,26 +158,31 @@ def gqa_decode_pallas(query, key_cache, value_cache, lengths, scale):
 
 
 def gqa_decode_xla(query, key_cache, value_cache, lengths, scale):
-  """The jnp version: query [B, Hq, D], caches [B, S, Hkv, D], lengths [B] int -> f32 [B, Hq, D].
+  """The jnp version: query [B, Tq, Hq, D], caches [B, S, Hkv, D], lengths [B] int (clipped to
+  [0, S]) -> f32 [B, Tq, Hq, D].
 
-  Scores of slots j >= lengths[b] are set to -inf before the softmax and their values to 0
-  (a `where`, so even an inf in a stale slot cannot make a NaN).
+  Token t of sequence b sees slots j <= lengths[b] - Tq + t. Other scores are set to -inf before
+  the softmax, and values of slots j >= lengths[b] to 0 (a `where`, so even an inf in a stale
+  slot cannot make a NaN).
   """
   f32 = jnp.float32
-  batch, q_heads, dim = query.shape
+  batch, tq, q_heads, dim = query.shape
   _, seq_len, kv_heads, _ = key_cache.shape
   group = q_heads // kv_heads
-  q = query.astype(f32).reshape(batch, kv_heads, group, dim)
-  valid = jnp.arange(seq_len, dtype=jnp.int32)[None, :] < lengths[:, None]  # [B, S]
-  s = jnp.einsum("bkgd,bskd->bkgs", q, key_cache.astype(f32), precision=HIGHEST) * scale
-  s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+  q = query.astype(f32).reshape(batch, tq, kv_heads, group, dim)
+  pos = jnp.arange(seq_len, dtype=jnp.int32)
+  limit = lengths[:, None] - (tq - 1) + jnp.arange(tq, dtype=jnp.int32)  # [B, Tq], exclusive
+  visible = pos[None, None, :] < limit[:, :, None]  # [B, Tq, S]
+  s = jnp.einsum("btkgd,bskd->btkgs", q, key_cache.astype(f32), precision=HIGHEST) * scale
+  s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
-  p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))  # stale: 0
+  p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))  # invisible: 0
   total = jnp.sum(p, axis=-1)
-  v = jnp.where(valid[:, :, None, None], value_cache.astype(f32), 0.0)
-  o = jnp.einsum("bkgs,bskd->bkgd", p, v, precision=HIGHEST)
+  stale = pos[None, :] >= lengths[:, None]  # [B, S]
+  v = jnp.where(stale[:, :, None, None], 0.0, value_cache.astype(f32))
+  o = jnp.einsum("btkgs,bskd->btkgd", p, v, precision=HIGHEST)
   o = o / jnp.where(total > 0, total, 1.0)[..., None]
-  return o.reshape(batch, q_heads, dim)
+  return o.reshape(batch, tq, q_heads, dim)
 
 
 def gqa_decode(
@@ -148,24 +194,28 @@ def gqa_decode(
   scale: float | jax.Array | None = None,
   implementation: str | None = None,
 ) -> jax.Array:
-  """Attention of one new token per sequence over a grouped-query KV cache.
+  """Attention of the new tokens of each sequence over a grouped-query KV cache.
 
-  For sequence b and query head h (cache head h // G, G = Hq / Hkv):
-    s_j = scale * q . K_j,  w = softmax over j < lengths[b],  o = sum_{j < lengths[b]} w_j V_j.
+  For sequence b, query head h (cache head h // G, G = Hq / Hkv) and new token t (Tq of them,
+  at positions L - Tq + t with L = lengths[b], already written into the cache):
+    s_j = scale * q_t . K_j,  w = softmax over j <= L - Tq + t,  o_t = sum_j w_j V_j.
+  With one token (Tq = 1, or a [B, Hq, D] query) that is a softmax over j < L.
 
   Args:
-    query: [B, Hq, D], any float dtype (computed in float32).
+    query: [B, Hq, D] (one new token per sequence) or [B, Tq, Hq, D] (Tq new tokens:
+      speculative verification, chunked prefill), any float dtype (computed in float32).
     key_cache, value_cache: [B, S, Hkv, D], one dtype: float32, bfloat16 or float16.
     lengths: [B] integers, may be traced under `jax.jit` (a new set of lengths never
       recompiles; the Pallas kernel's work follows the lengths, not S). Slots j >= lengths[b]
       get exactly zero weight whatever they hold. lengths[b] <= 0 gives a zero output row;
       lengths[b] > S behaves as S (int64 values too; concrete values outside int32 are an
-      error rather than wrapping around).
+      error rather than wrapping around). With Tq > 1 a concrete length must be 0 or >= Tq
+      (else ValueError); under `jax.jit` a token at a negative position gets a zero row.
     scale: score scale, default D ** -0.5 (a number, or an array: then folded in at run time).
     implementation: "xla", "pallas" or None ("pallas" on a supported GPU, else "xla").
 
   Returns:
-    float32 [B, Hq, D].
+    float32 in the query's shape: [B, Hq, D] or [B, Tq, Hq, D].
 
   Derivatives: "xla" is plain jnp (JAX differentiates it); "pallas" raises NotImplementedError.
 
@@ -177,18 +227,210 @@ def gqa_decode(
     >>> gqa_decode(query, cache, cache, jnp.array([5, 32])).shape
     (2, 4, 16)
   """
-  lengths = _check_gqa(query, key_cache, value_cache, lengths)
+  for name, x in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+    check_float(name, x)
+  batch, tq, q_heads, dim = _check_query(query)
+  if key_cache.ndim != 4:
+    raise ValueError(
+      f"key_cache must be [B, S, Hkv, D] (rank 4), got shape {tuple(key_cache.shape)}"
+    )
+  seq_len, kv_heads = key_cache.shape[1], key_cache.shape[2]
+  _check_cache_pair(
+    ("key_cache", "value_cache"),
+    query,
+    key_cache,
+    value_cache,
+    f"[B, S, Hkv, D] with B = {batch} and D = {dim}",
+    (batch, seq_len, kv_heads, dim),
+  )
+  _check_heads(query, q_heads, key_cache, "key_cache")
+  lengths = _check_lengths(lengths, batch)
+  _check_new_tokens(query, tq, lengths, seq_len, "key_cache")
   implementation = dispatch.resolve("gqa_decode", implementation)
   query, key_cache, value_cache = (jnp.asarray(x) for x in (query, key_cache, value_cache))
   # Clipped before the cast: an int64 length (x64) beyond int32 behaves as S, never wraps.
-  lengths = jnp.clip(jnp.asarray(lengths), 0, key_cache.shape[1]).astype(jnp.int32)
-  batch, q_heads, dim = query.shape
-  seq_len = key_cache.shape[1]
-  if 0 in (batch, q_heads, dim, seq_len):
-    return jnp.zeros((batch, q_heads, dim), jnp.float32)
-  static, dynamic = _static_scale(scale, dim**-0.5)
+  lengths = jnp.clip(jnp.asarray(lengths), 0, seq_len).astype(jnp.int32)
+  if 0 in (batch, tq, q_heads, dim, seq_len):
+    return jnp.zeros(query.shape, jnp.float32)
   run = dispatch.entry("gqa_decode", implementation)
-  return run(query, key_cache, value_cache, lengths, static if dynamic is None else dynamic)
+  out = run(_as_tokens(query), key_cache, value_cache, lengths, _prepare_scale(scale, dim))
+  return out.reshape(query.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped-query decode over a paged KV cache
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_block_tables(block_tables, batch, num_pages, lengths, capacity, page_size):
+  """Dtype and shape of the table; with concrete tables and lengths, the used entries' range."""
+  dtype = getattr(block_tables, "dtype", None)
+  if dtype is None:
+    block_tables = np.asarray(block_tables)
+    dtype = block_tables.dtype
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(
+      f"block_tables must have an integer dtype (int32 page ids), got {dtype} with shape "
+      f"{tuple(np.shape(block_tables))}"
+    )
+  shape = tuple(np.shape(block_tables))
+  if len(shape) != 2 or shape[0] != batch:
+    raise ValueError(
+      f"block_tables must be [B, max_pages] = [{batch}, max_pages] (the page ids of each "
+      f"sequence), got shape {shape}"
+    )
+  table, lens = _concrete(block_tables), _concrete(lengths)
+  if table is None or lens is None or table.size == 0:
+    return block_tables
+  used = -(-np.clip(lens.astype(np.int64), 0, capacity) // page_size)  # pages holding tokens
+  for b in range(batch):
+    ids = table[b, : used[b]]
+    bad = np.flatnonzero((ids < 0) | (ids >= num_pages))
+    if bad.size:
+      i = int(bad[0])
+      raise ValueError(
+        f"block_tables[{b}, {i}] = {int(ids[i])} is not a page id: key_pages has "
+        f"num_pages = {num_pages}, and lengths[{b}] = {int(lens[b])} uses the first "
+        f"{int(used[b])} entries of the row (unused entries may hold anything)"
+      )
+  return block_tables
+
+
+def paged_gqa_decode_pallas(query, key_pages, value_pages, block_tables, lengths, scale):
+  """The Pallas kernel (pallas_kernels/inference/paged_decode_attention.py)."""
+  from pallas_kernels.inference import paged_decode_attention
+
+  if isinstance(scale, jax.Array):
+    query = query.astype(jnp.float32) * scale
+    scale = 1.0
+  kernel = dispatch.raise_if_differentiated(
+    lambda *a: paged_decode_attention.paged_gqa_decode(*a, scale=scale),
+    _no_gradients("paged_gqa_decode"),
+  )
+  return kernel(query, key_pages, value_pages, block_tables, lengths)
+
+
+def paged_gqa_decode_xla(query, key_pages, value_pages, block_tables, lengths, scale):
+  """The jnp version: gather each sequence's pages into a dense [B, max_pages * page_size,
+  Hkv, D] cache (reads every page of the table: XLA cannot follow the lengths), then
+  `gqa_decode_xla`. Table entries are in [0, num_pages) (clipped by the caller)."""
+  num_pages, page_size, kv_heads, dim = key_pages.shape
+  batch, max_pages = block_tables.shape
+  dense_shape = (batch, max_pages * page_size, kv_heads, dim)
+  key = jnp.take(key_pages, block_tables, axis=0).reshape(dense_shape)
+  value = jnp.take(value_pages, block_tables, axis=0).reshape(dense_shape)
+  return gqa_decode_xla(query, key, value, lengths, scale)
+
+
+def paged_gqa_decode_reference(query, key_pages, value_pages, block_tables, lengths, scale):
+  """The definition, position by position: sequence b's position p is slot p % page_size of
+  page block_tables[b, p // page_size]; token t attends to positions p <= lengths[b] - Tq + t
+  with a plain masked softmax (float32)."""
+  f32 = jnp.float32
+  batch, tq, q_heads, _ = query.shape
+  _, page_size, kv_heads, _ = key_pages.shape
+  pos = jnp.arange(block_tables.shape[1] * page_size)
+  page = block_tables[:, pos // page_size]  # [B, C]
+  key = key_pages[page, pos % page_size].astype(f32)  # [B, C, Hkv, D]
+  value = value_pages[page, pos % page_size].astype(f32)
+  head = jnp.arange(q_heads) // (q_heads // kv_heads)  # cache head of each query head
+  key, value = key[:, :, head], value[:, :, head]  # [B, C, Hq, D]
+  sees = pos[None, None, :] <= (lengths[:, None] - tq + jnp.arange(tq))[:, :, None]  # [B, Tq, C]
+  sees = sees[:, :, None, :]  # [B, Tq, 1, C]
+  s = jnp.einsum("bthd,bchd->bthc", query.astype(f32), key, precision=HIGHEST) * scale
+  w = jax.nn.softmax(jnp.where(sees, s, -jnp.inf), axis=-1, where=sees)
+  w = jnp.where(sees, w, 0.0)  # rows that see nothing: zeros
+  value = jnp.where((pos[None, :] < lengths[:, None])[:, :, None, None], value, 0.0)
+  return jnp.einsum("bthc,bchd->bthd", w, value, precision=HIGHEST)
+
+
+def paged_gqa_decode(
+  query: jax.Array,
+  key_pages: jax.Array,
+  value_pages: jax.Array,
+  block_tables: jax.Array,
+  lengths: jax.Array,
+  *,
+  scale: float | jax.Array | None = None,
+  implementation: str | None = None,
+) -> jax.Array:
+  """`gqa_decode` over a paged KV cache (docs/inference.md#paged-kv-cache).
+
+  Sequence b's cache position p is slot p % page_size of page block_tables[b, p // page_size]
+  (vLLM's block-table layout, heads inside the page). Pages may be shared across sequences
+  (a common prefix) and lie in any order. The result equals `gqa_decode` on the dense cache
+  key_pages[block_tables].reshape(B, max_pages * page_size, Hkv, D).
+
+  Args:
+    query: [B, Hq, D] or [B, Tq, Hq, D] (Tq new tokens at positions lengths[b] - Tq + t,
+      already written into the pages), any float dtype (computed in float32).
+    key_pages, value_pages: [num_pages, page_size, Hkv, D], one dtype: float32, bfloat16 or
+      float16; page_size a power of two >= 16.
+    block_tables: [B, max_pages] integer page ids (int32), may be traced: a new table never
+      recompiles. Only the first ceil(lengths[b] / page_size) entries of row b are read; the
+      others may hold anything (e.g. -1). Concrete tables and lengths are checked (a used entry
+      outside [0, num_pages) is a ValueError); traced entries are clamped into [0, num_pages).
+    lengths: [B] integers, may be traced; as in `gqa_decode`, with the capacity
+      max_pages * page_size in place of S (longer lengths behave as the capacity; <= 0 gives
+      zero rows; with Tq > 1 a concrete length must be 0 or >= Tq).
+    scale: score scale, default D ** -0.5 (a number, or an array: then folded in at run time).
+    implementation: "reference", "xla", "pallas" or None ("pallas" on a supported GPU, else
+      "xla").
+
+  Returns:
+    float32 in the query's shape: [B, Hq, D] or [B, Tq, Hq, D].
+
+  Derivatives: "xla" and "reference" are plain jnp; "pallas" raises NotImplementedError.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from gdp_jax import paged_gqa_decode
+    >>> pages = jnp.ones((6, 16, 2, 32), jnp.bfloat16)  # 6 pages of 16 positions
+    >>> tables = jnp.array([[4, 0, -1], [2, 5, 1]])  # sequence 0 uses 2 pages, 1 uses 3
+    >>> out = paged_gqa_decode(jnp.ones((2, 4, 32)), pages, pages, tables, jnp.array([20, 40]))
+    >>> out.shape
+    (2, 4, 32)
+  """
+  for name, x in (("query", query), ("key_pages", key_pages), ("value_pages", value_pages)):
+    check_float(name, x)
+  batch, tq, q_heads, dim = _check_query(query)
+  if key_pages.ndim != 4:
+    raise ValueError(
+      f"key_pages must be [num_pages, page_size, Hkv, D] (rank 4), got shape "
+      f"{tuple(key_pages.shape)}"
+    )
+  num_pages, page_size, kv_heads = key_pages.shape[:3]
+  _check_cache_pair(
+    ("key_pages", "value_pages"),
+    query,
+    key_pages,
+    value_pages,
+    f"[num_pages, page_size, Hkv, D] with D = {dim}",
+    (num_pages, page_size, kv_heads, dim),
+  )
+  if page_size < 16 or page_size & (page_size - 1):
+    raise ValueError(
+      f"page_size (key_pages.shape[1], shape {tuple(key_pages.shape)}) must be a power of two "
+      f">= 16, got {page_size}"
+    )
+  _check_heads(query, q_heads, key_pages, "key_pages")
+  lengths = _check_lengths(lengths, batch)
+  max_pages = np.shape(block_tables)[1] if np.ndim(block_tables) == 2 else 0
+  capacity = max_pages * page_size
+  block_tables = _check_block_tables(block_tables, batch, num_pages, lengths, capacity, page_size)
+  _check_new_tokens(query, tq, lengths, capacity, "block_tables (max_pages * page_size)")
+  implementation = dispatch.resolve("paged_gqa_decode", implementation)
+  query, key_pages, value_pages = (jnp.asarray(x) for x in (query, key_pages, value_pages))
+  lengths = jnp.clip(jnp.asarray(lengths), 0, capacity).astype(jnp.int32)
+  if 0 in (batch, tq, q_heads, dim, capacity, num_pages):
+    return jnp.zeros(query.shape, jnp.float32)
+  # Clamped (and then cast: int64 ids never wrap): a bad traced id reads a real page.
+  block_tables = jnp.clip(jnp.asarray(block_tables), 0, num_pages - 1).astype(jnp.int32)
+  run = dispatch.entry("paged_gqa_decode", implementation)
+  out = run(
+    _as_tokens(query), key_pages, value_pages, block_tables, lengths, _prepare_scale(scale, dim)
+  )
+  return out.reshape(query.shape)
 
 
 # ----------------------------------------------------------------------------------------------

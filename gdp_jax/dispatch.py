@@ -1,9 +1,10 @@
 """The implementations of every public function, and which one runs where: one table.
 
-Each public function (`gated_delta_product`, `gated_delta_product_step`, `gqa_decode`, and the
-layers that call them) resolves its `implementation=` argument here. `None` means the fastest one
-that works on the default device: "pallas" on an NVIDIA GPU the kernels support (compute
-capability >= 8.0: bfloat16 tensor cores, see docs/implementations.md), "xla" everywhere else.
+Each public function (`gated_delta_product`, `gated_delta_product_step`, `gqa_decode`,
+`paged_gqa_decode`, and the layers that call them) resolves its `implementation=` argument here.
+`None` means the fastest one that works on the default device: "pallas" on an NVIDIA GPU the
+kernels support (compute capability >= 8.0: bfloat16 tensor cores, see docs/implementations.md),
+"xla" everywhere else.
 An explicit "pallas" on a CPU runs the kernels in the Pallas interpreter (slow, for tests); on an
 unsupported GPU it is an error that names the GPU.
 """
@@ -49,9 +50,13 @@ class Implementation:
 TABLE: dict[str, Implementation] = {
   "reference": Implementation(
     "reference",
-    "the recurrence over time (lax.scan, float32): the ground truth",
+    "the definitions in float32 (the recurrence over time; paged decode position by position): "
+    "the ground truth",
     ("cpu", "gpu", "tpu"),
-    {"gated_delta_product": "gdp_jax.reference:gated_delta_product_reference"},
+    {
+      "gated_delta_product": "gdp_jax.reference:gated_delta_product_reference",
+      "paged_gqa_decode": "gdp_jax.decode:paged_gqa_decode_reference",
+    },
   ),
   "xla": Implementation(
     "xla",
@@ -61,6 +66,7 @@ TABLE: dict[str, Implementation] = {
       "gated_delta_product": "gdp_jax.xla:gated_delta_product_xla",
       "gated_delta_product_step": "gdp_jax.decode:gated_delta_product_step_xla",
       "gqa_decode": "gdp_jax.decode:gqa_decode_xla",
+      "paged_gqa_decode": "gdp_jax.decode:paged_gqa_decode_xla",
     },
   ),
   "pallas": Implementation(
@@ -71,6 +77,7 @@ TABLE: dict[str, Implementation] = {
       "gated_delta_product": "gdp_jax.pallas_impl:gated_delta_product_pallas",
       "gated_delta_product_step": "gdp_jax.decode:gated_delta_product_step_pallas",
       "gqa_decode": "gdp_jax.decode:gqa_decode_pallas",
+      "paged_gqa_decode": "gdp_jax.decode:paged_gqa_decode_pallas",
     },
   ),
 }

@@ -9,7 +9,8 @@ attention layers) and `generate` for a batch of prompts of different lengths.
 Prefill runs the whole (right-padded) prompts through the chunked operator and causal attention;
 the decode loop is one `jax.jit`-ed `lax.scan` of `HybridLM.step` with the per-sequence lengths
 traced, so prompts of new lengths reuse the compiled loop (shapes are rounded up to multiples of
-`pad_to`).
+`pad_to`). `generate(..., page_size=16)` keeps the attention layers' decode cache in pages
+(`PagedKVCache`, `paged_gqa_decode`; docs/inference.md#paged-kv-cache).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gdp_jax.decode import paged_gqa_decode
 from gdp_jax.layers import (
   ATTENTION_IMPLS,
   KEY_NORMS,
@@ -33,6 +35,7 @@ from gdp_jax.layers import (
   GatedRMSNorm,
   GroupedQueryAttention,
   KVCache,
+  apply_rope,
 )
 from gdp_jax.sharding import ShardingConfig
 
@@ -128,6 +131,64 @@ class SwiGLU(nnx.Module):
     return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
+class PagedKVCache(NamedTuple):
+  """Paged decode cache of one attention layer (docs/inference.md#paged-kv-cache): key_pages,
+  value_pages [num_pages, page_size, Hkv, Dh] (keys already rotated), block_tables
+  [B, max_pages] int32 (position p of sequence b is slot p % page_size of page
+  block_tables[b, p // page_size]) and lengths [B] int32 (tokens each sequence holds)."""
+
+  key_pages: jax.Array
+  value_pages: jax.Array
+  block_tables: jax.Array
+  lengths: jax.Array
+
+
+def to_paged(cache: KVCache, page_size: int) -> PagedKVCache:
+  """A dense `KVCache` [B, S, Hkv, Dh] (S a multiple of page_size) moved into a page pool of
+  B * S / page_size pages. The sequences' pages are interleaved in the pool (page i of sequence b
+  is page i * B + b), so the decode reads them through the table, as from a server's pool."""
+  batch, size, kv_heads, dim = cache.key.shape
+  if size % page_size:
+    raise ValueError(f"the cache's {size} slots are not a multiple of page_size = {page_size}")
+  max_pages = size // page_size
+  tables = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * batch
+  tables = tables + jnp.arange(batch, dtype=jnp.int32)[:, None]
+
+  def pages(x):
+    pool = jnp.zeros((batch * max_pages, page_size, kv_heads, dim), x.dtype)
+    return pool.at[tables.reshape(-1)].set(x.reshape(batch * max_pages, page_size, kv_heads, dim))
+
+  return PagedKVCache(pages(cache.key), pages(cache.value), tables, cache.lengths)
+
+
+def paged_attention_step(
+  layer: GroupedQueryAttention, x: jax.Array, cache: PagedKVCache
+) -> tuple[jax.Array, PagedKVCache]:
+  """`layer.step` with a `PagedKVCache`: one token per sequence at position cache.lengths[b],
+  written into its page, then `paged_gqa_decode` (x [B, D] -> (y [B, D], cache)). As in the
+  dense step, a token past the capacity (max_pages * page_size) is dropped."""
+  batch = x.shape[0]
+  if layer.dtype is not None:
+    x = x.astype(layer.dtype)
+  q, k, v = layer._qkv(x)  # [B, H, Dh]
+  pos = cache.lengths
+  q, k = apply_rope(q, pos, layer.rope_theta), apply_rope(k, pos, layer.rope_theta)
+  num_pages, page_size = cache.key_pages.shape[:2]
+  max_pages = cache.block_tables.shape[1]
+  entry = jnp.minimum(pos // page_size, max_pages - 1)[:, None]
+  page = jnp.take_along_axis(cache.block_tables, entry, axis=1)[:, 0]
+  page = jnp.where(pos < max_pages * page_size, page, num_pages)  # out of range: dropped
+  slot = pos % page_size
+  key_pages = cache.key_pages.at[page, slot].set(k.astype(cache.key_pages.dtype), mode="drop")
+  value_pages = cache.value_pages.at[page, slot].set(v.astype(cache.value_pages.dtype), mode="drop")
+  lengths = pos + 1
+  o = paged_gqa_decode(
+    q, key_pages, value_pages, cache.block_tables, lengths, implementation=layer.implementation
+  )
+  y = layer.o_proj(o.astype(x.dtype).reshape(batch, layer.num_heads * layer.head_dim))
+  return y, PagedKVCache(key_pages, value_pages, cache.block_tables, lengths)
+
+
 class Block(nnx.Module):
   """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
 
@@ -185,7 +246,10 @@ class Block(nnx.Module):
     return (x, cache) if return_cache else x
 
   def step(self, x, cache):
-    y, cache = self.mixer.step(self.mixer_norm(x), cache)
+    if isinstance(cache, PagedKVCache):
+      y, cache = paged_attention_step(self.mixer, self.mixer_norm(x), cache)
+    else:
+      y, cache = self.mixer.step(self.mixer_norm(x), cache)
     return self._mlp(x + y.astype(x.dtype)), cache
 
 
@@ -198,7 +262,8 @@ class HybridLM(nnx.Module):
   `model.prefill(tokens, lengths, cache_size) -> (logits, cache)`;
   `model.step(token [B], cache) -> (logits [B, vocab], cache)`;
   `model.init_cache(batch_size, cache_size)`. The cache is a tuple with one entry per layer
-  (`GatedDeltaProductCache` or `KVCache`).
+  (`GatedDeltaProductCache` or `KVCache`; an attention layer's `KVCache` may be replaced by its
+  paged form, `to_paged(cache, page_size)`, which `step` decodes with `paged_gqa_decode`).
 
   `sharding`: a `gdp_jax.sharding.ShardingConfig` for the gated delta product layers (their
   operator runs split over batch, heads and sequence under `jax.shard_map`), or None for one
@@ -304,10 +369,12 @@ def _pick(logits, key, temperature):
   return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_size", "temperature"))
-def _prefill(graphdef, state, tokens, lengths, key, cache_size, temperature):
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_size", "temperature", "page_size"))
+def _prefill(graphdef, state, tokens, lengths, key, cache_size, temperature, page_size=None):
   model = nnx.merge(graphdef, state)
   logits, cache = model.prefill(tokens, lengths, cache_size)
+  if page_size is not None:
+    cache = tuple(to_paged(c, page_size) if isinstance(c, KVCache) else c for c in cache)
   last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
   return _pick(last, key, temperature), cache
 
@@ -335,6 +402,7 @@ def generate(
   temperature: float = 0.0,
   rng: jax.Array | None = None,
   pad_to: int = 64,
+  page_size: int | None = None,
 ) -> jax.Array:
   """Continue a batch of prompts of different lengths.
 
@@ -347,6 +415,10 @@ def generate(
     rng: a `jax.random` key for sampling (default key 0).
     pad_to: prompts and the KV cache are padded to a multiple of this, so calls with other
       prompt lengths reuse the compiled prefill and decode loop.
+    page_size: None (default) keeps each attention layer's cache dense ([B, S, Hkv, Dh],
+      `gqa_decode`); a power of two >= 16 keeps it in pages of that many positions
+      (`PagedKVCache`, decoded by `paged_gqa_decode`; the cache size is rounded up to a multiple
+      of it). The tokens are the same either way.
 
   Returns:
     int32 [B, max_new_tokens]: the generated tokens of each prompt (all of them: there is no
@@ -385,9 +457,18 @@ def generate(
   vocab = model.config.vocab_size
   if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
     raise ValueError(f"prompt tokens must lie in [0, vocab_size = {vocab})")
+  if page_size is not None and (
+    isinstance(page_size, bool)
+    or not isinstance(page_size, int)
+    or page_size < 16
+    or page_size & (page_size - 1)
+  ):
+    raise ValueError(f"page_size must be None or a power of two >= 16, got {page_size!r}")
   t_pad = _round_up(tokens.shape[1], pad_to)
   tokens = np.pad(tokens, ((0, 0), (0, t_pad - tokens.shape[1])))
   cache_size = _round_up(t_pad + max_new_tokens, pad_to)
+  if page_size is not None:
+    cache_size = _round_up(cache_size, page_size)
   key = jax.random.key(0) if rng is None else rng
   k1, k2 = jax.random.split(key)
   graphdef, state = nnx.split(model)
@@ -399,5 +480,6 @@ def generate(
     k1,
     cache_size,
     float(temperature),
+    page_size,
   )
   return _decode(graphdef, state, first, cache, k2, max_new_tokens - 1, float(temperature))

@@ -183,3 +183,18 @@ class StepOptions:
   block_v: int = 64
   num_warps: int = 4
   num_stages: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedDecodeOptions:
+  """Launch parameters of the paged grouped-query decode kernel (pallas_kernels/inference).
+
+  block_s: cache rows per inner iteration, gathered through the block table (a block may span
+  several pages, or a part of one); the other fields as in DecodeOptions.
+  """
+
+  block_s: int = 64
+  num_warps: int = 4
+  num_stages: int = 3
+  programs_per_sm: int = 16
+  min_blocks_per_split: int = 4
