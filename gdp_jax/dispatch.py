@@ -3,8 +3,9 @@
 Each public function (`gated_delta_product`, `gated_delta_product_step`, `gqa_decode`,
 `paged_gqa_decode`, and the layers that call them) resolves its `implementation=` argument here.
 `None` means the fastest one that works on the default device: "pallas" on an NVIDIA GPU the
-kernels support (compute capability >= 8.0: bfloat16 tensor cores, see docs/implementations.md),
-"xla" everywhere else.
+kernels support (compute capability >= 8.0: bfloat16 tensor cores, see
+docs/implementations.md#supported-gpus), "xla" everywhere else, whatever the input dtype (float16
+too: an older GPU such as the T4 runs "xla").
 An explicit "pallas" on a CPU runs the kernels in the Pallas interpreter (slow, for tests); on an
 unsupported GPU it is an error that names the GPU.
 """
@@ -92,6 +93,11 @@ def implementations(function: str) -> tuple[str, ...]:
   return tuple(name for name, impl in TABLE.items() if function in impl.entry_points)
 
 
+def default_device():
+  """The device `None` decides for: the first device of the default backend."""
+  return jax.devices()[0]
+
+
 def _capability(device) -> tuple[int, int] | None:
   try:
     major, minor = str(device.compute_capability).split(".")[:2]
@@ -101,8 +107,8 @@ def _capability(device) -> tuple[int, int] | None:
 
 
 def pallas_supported(device=None) -> bool:
-  """True on an NVIDIA GPU whose compute capability the kernels support."""
-  device = jax.devices()[0] if device is None else device
+  """True on an NVIDIA GPU whose compute capability the kernels support (any input dtype)."""
+  device = default_device() if device is None else device
   if device.platform != "gpu":
     return False
   capability = _capability(device)
@@ -116,7 +122,7 @@ def default_implementation(device=None) -> str:
 
 def describe_runtime(device=None) -> str:
   """One line naming the device and the implementation `None` picks there (for notebooks/logs)."""
-  device = jax.devices()[0] if device is None else device
+  device = default_device() if device is None else device
   if device.platform == "gpu":
     where = (
       f"{device.device_kind} (compute capability {getattr(device, 'compute_capability', '?')})"
@@ -137,13 +143,14 @@ def resolve(function: str, implementation: str | None, device=None) -> str:
       f"implementation must be one of {names} or None for {function}, got {implementation!r}"
     )
   if implementation == "pallas":
-    device = jax.devices()[0] if device is None else device
+    device = default_device() if device is None else device
     if device.platform == "gpu" and not pallas_supported(device):
       have = getattr(device, "compute_capability", "unknown")
       need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
       raise ValueError(
         f"implementation='pallas' needs an NVIDIA GPU of compute capability >= {need} "
-        f"(bfloat16 tensor cores; e.g. {', '.join(SUPPORTED_GPUS)}); this device is "
+        f"(bfloat16 tensor cores, for every input dtype; e.g. {', '.join(SUPPORTED_GPUS)}); "
+        f"this device is "
         f"{device.device_kind} with compute capability {have}. Use implementation='xla' "
         f"(or None, which picks it here)."
       )

@@ -128,10 +128,12 @@ def test_heuristic_respects_a_smaller_gpu():
   )
   big = options.DeviceInfo(platform="gpu", name="NVIDIA H200", compute_capability=(9, 0))
   kw = dict(r=1, dim_k=128, dim_v=128, dtype=jnp.bfloat16)
-  assert (
-    options.heuristic_options(**kw, device=small).chunk_o.block_v
-    < options.heuristic_options(**kw, device=big).chunk_o.block_v
-  )
+  picked = {
+    d.name: options.heuristic_options(**kw, device=d).chunk_state_output for d in (small, big)
+  }
+  assert picked["NVIDIA H200"] == options.DEFAULT.chunk_state_output
+  assert (picked["NVIDIA L4"].num_stages, picked["NVIDIA L4"].block_v) < (3, 64)
+  assert not options.over_budget(options.heuristic_options(**kw, device=small), **kw, device=small)
 
 
 def test_decode_splits_follow_the_sm_count():
@@ -158,3 +160,34 @@ def test_decode_splits_follow_the_sm_count():
 )
 def test_describe_runtime_names_the_device_and_the_choice(device, words):
   assert words in dispatch.describe_runtime(device)
+
+
+def test_float16_on_a_gpu_without_bf16_tensor_cores_runs_xla(monkeypatch):
+  # a T4 (compute capability 7.5) has float16 tensor cores but not the bf16 / TF32 ones the
+  # kernels are built for: None picks "xla" there for float16 inputs too, "pallas" is refused
+  t4 = _gpu("7.5", "Tesla T4")
+  monkeypatch.setattr(dispatch, "default_device", lambda: t4)
+  picked = []
+  entry = dispatch.entry
+  monkeypatch.setattr(dispatch, "entry", lambda f, impl: picked.append(impl) or entry(f, impl))
+  inputs = make_inputs(4, B=1, T=16, H=1, K=16, V=16, r=2, mask_kind="head")
+  half = {n: x.astype(jnp.float16) if n in ("q", "k", "v") else x for n, x in inputs.items()}
+  o, _ = gated_delta_product(**half, chunk_size=16)
+  assert picked == ["xla"] and o.dtype == jnp.float16
+  o_ref, _ = gated_delta_product(**half, chunk_size=16, implementation="xla")
+  assert_close(o, o_ref, 0.0, "float16 on a T4")
+  with pytest.raises(ValueError, match=r"Tesla T4 with compute capability 7\.5"):
+    gated_delta_product(**half, chunk_size=16, implementation="pallas")
+
+
+def test_readme_lists_the_supported_gpus():
+  import pathlib
+
+  readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+  section = readme.split("## Supported GPUs", 1)[1].split("\n## ", 1)[0]
+  rows = [line for line in section.splitlines() if line.startswith("| ") and "pallas" in line]
+  assert len(rows) == len(dispatch.SUPPORTED_GPUS)
+  for gpu, row in zip(dispatch.SUPPORTED_GPUS, rows):
+    assert row.startswith(f"| {gpu} |"), (gpu, row)
+  assert "compute capability 8.0 or newer" in section
+  assert dispatch.MIN_COMPUTE_CAPABILITY == (8, 0)

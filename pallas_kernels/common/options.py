@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from pallas_kernels.common import backend
+from pallas_kernels.common import backend, shared_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +121,111 @@ class KernelOptions:
 DEFAULT = KernelOptions()
 
 
+# The most tokens per chunk the operator gives the kernels for r key blocks (gdp_jax.pallas_impl:
+# BT = min(chunk_size, 64 // r), at least 16); the tiles only shrink with a smaller chunk.
+MAX_CHUNK_ROWS = 64
+
+
+def operator_problem(*, r: int, dim_k: int, dim_v: int, dtype, precision: str = "tf32"):
+  """The tile sizes the operator's kernels see for q, k [.., K], v [.., V] and r key blocks: each
+  key block and V padded to a power of two >= 16 (gdp_jax.pallas_impl.padded_dims) and the
+  largest chunk (MAX_CHUNK_ROWS)."""
+  dkp = max(16, 1 << max(dim_k // r - 1, 0).bit_length())
+  vp = max(16, 1 << max(dim_v - 1, 0).bit_length())
+  chunk = max(16, MAX_CHUNK_ROWS // r)
+  return shared_memory.Problem(
+    r=r, dim_k=r * dkp, dim_v=vp, chunk=chunk, dtype=jnp.dtype(dtype), precision=precision
+  )
+
+
+# Measured beats estimated: kernels that compiled and ran on an H200 (compute capability 9.0,
+# 227 KB per block; jaxlib 0.11.2's Triton) with their DEFAULT launch at K = V = 128, for
+# (dtype, float32 precision, r); benchmarks/results/ and docs/performance.md. The estimate follows
+# Triton 3.9, which allocates more than that Triton for float32 TF32 (it puts chunk_h, bwd_dhu
+# and bwd_dqkwg of r = 1 above 227 KB), so the heuristic keeps these launches on such a GPU.
+_H200_MEASURED = {
+  ("bfloat16", "tf32", r): shared_memory.OPERATOR_KERNELS for r in (1, 2, 4)
+} | {  # float32: the five-kernel forward and the backward (the fused forward not yet)
+  ("float32", "tf32", r): shared_memory.FORWARD_UNFUSED + shared_memory.BACKWARD for r in (1, 2, 4)
+}
+
+
+def _measured_on_h200(problem, device: DeviceInfo) -> tuple[str, ...]:
+  """The kernels whose default launch is known to compile on `device` for `problem`."""
+  if device.compute_capability != (9, 0) or device.shared_memory_per_block < 227 * 1024:
+    return ()
+  if (problem.dim_k, problem.dim_v) != (128, 128):
+    return ()
+  precision = problem.precision if problem.dtype == jnp.float32 else "tf32"
+  return _H200_MEASURED.get((jnp.dtype(problem.dtype).name, precision, problem.r), ())
+
+
+def _candidates(launch: Launch, dim_v: int):
+  """Launches to try, in order of preference: the given one; then fewer pipeline stages (down
+  to 2) before narrower V tiles (down to 16); a single stage (no pipelining) last."""
+  yield launch
+  widths: list[int | None] = [launch.block_v]
+  if launch.block_v is not None:
+    width = min(launch.block_v, dim_v)
+    widths = [width]
+    while width > 16:
+      width //= 2
+      widths.append(width)
+  for floor in (2, 1):
+    for bv in widths:
+      for stages in range(launch.num_stages, floor - 1, -1):
+        yield dataclasses.replace(launch, num_stages=stages, block_v=bv)
+
+
+def fit_launch(kernel: str, launch: Launch, problem, device: DeviceInfo, merge="blocks"):
+  """(launch, estimated bytes): the first candidate launch of `kernel` whose estimated shared
+  memory (pallas_kernels/common/shared_memory.py) fits the device's per-block limit, or the
+  smallest candidate when none does."""
+  wgmma = shared_memory.has_wgmma(device)
+  best = None
+  for cand in _candidates(launch, problem.dim_v):
+    size = shared_memory.estimate_bytes(
+      kernel,
+      problem,
+      num_stages=cand.num_stages,
+      num_warps=cand.num_warps,
+      block=cand.block_v,
+      wgmma=wgmma,
+      merge=merge,
+    )
+    if size <= device.shared_memory_per_block:
+      return cand, size
+    if best is None or size < best[1]:
+      best = (cand, size)
+  return best
+
+
+def over_budget(
+  opts: KernelOptions, *, r: int, dim_k: int, dim_v: int, dtype, device: DeviceInfo | None = None
+) -> dict[str, int]:
+  """The operator's kernels whose estimated shared memory with `opts` exceeds the device's per
+  block limit ({kernel: estimated bytes}; empty when all fit). K, V as the caller gives them
+  (padded here); launches measured to compile on the device count as fitting."""
+  device = device_info() if device is None else device
+  problem = operator_problem(r=r, dim_k=dim_k, dim_v=dim_v, dtype=dtype, precision=opts.precision)
+  report = shared_memory.operator_report(
+    opts,
+    r=r,
+    dim_k=problem.dim_k,
+    dim_v=problem.dim_v,
+    chunk=problem.chunk,
+    dtype=problem.dtype,
+    device=device,
+  )
+  measured = _measured_on_h200(problem, device)
+  return {
+    kernel: size
+    for kernel, size in report.items()
+    if size > device.shared_memory_per_block
+    and not (kernel in measured and getattr(opts, kernel) == getattr(DEFAULT, kernel))
+  }
+
+
 @functools.cache
 def heuristic_options(
   *,
@@ -133,25 +238,43 @@ def heuristic_options(
 ) -> KernelOptions:
   """The launch configuration for a problem on a device (H200-tuned, scaled down elsewhere).
 
-  Today the tuned values do not depend on (r, K, V); the V tiles shrink where a device has less
-  shared memory than an H200, and float32 operands (twice the bytes per tile) get the narrower
-  tile too.
+  Starts from the H200 defaults (`DEFAULT`) and, kernel by kernel, takes the first launch whose
+  estimated shared memory per block (pallas_kernels/common/shared_memory.py, at the operator's
+  padded tiles and largest chunk) fits `device.shared_memory_per_block`: fewer pipeline stages,
+  then narrower V tiles, then no pipelining. Launches measured to compile on an H200
+  (`_H200_MEASURED`) are kept there whatever the estimate says. Warps are left as tuned (they
+  hardly change shared memory). A kernel that fits with no launch (its tiles alone are too
+  large: e.g. the float32 backward at K = V = 256) keeps the smallest one and is logged as a
+  warning: it will not compile on this GPU, and implementation="xla" is the way there.
   """
   device = device_info() if device is None else device
   opts = DEFAULT.replace(precision=precision)
-  small_smem = device.shared_memory_per_block < 160 * 1024
-  if small_smem or (jnp.dtype(dtype) == jnp.float32 and max(dim_k, dim_v) > 128):
-    opts = opts.replace(
-      chunk_o=dataclasses.replace(opts.chunk_o, block_v=64),
-      chunk_h=dataclasses.replace(opts.chunk_h, block_v=32),
-      bwd_dhu=dataclasses.replace(opts.bwd_dhu, block_v=32),
-    )
-  if jnp.dtype(dtype) == jnp.float32:
-    # Float32 q, k, w tiles are twice the bytes: three pipeline stages of chunk_state_output
-    # asked for 290 KB at K = V = 128 on an H200 (227 KB per block); one stage fits.
-    opts = opts.replace(
-      chunk_state_output=dataclasses.replace(opts.chunk_state_output, num_stages=1)
-    )
+  problem = operator_problem(r=r, dim_k=dim_k, dim_v=dim_v, dtype=dtype, precision=precision)
+  changes = {}
+  measured = _measured_on_h200(problem, device)
+  for kernel in shared_memory.OPERATOR_KERNELS:
+    if kernel in measured:
+      continue
+    launch = getattr(opts, kernel)
+    merge = opts.chunk_fwd_merge if kernel == "chunk_fwd" else "blocks"
+    fitted, size = fit_launch(kernel, launch, problem, device, merge)
+    if fitted != launch:
+      changes[kernel] = fitted
+    if size > device.shared_memory_per_block:
+      logging.warning(
+        "gdp kernel %s needs about %d KB of shared memory per block for r=%d K=%d V=%d %s; "
+        "%s allows %d KB: it will not compile there (use implementation='xla')",
+        kernel,
+        size // 1024,
+        r,
+        dim_k,
+        dim_v,
+        jnp.dtype(dtype).name,
+        device.name,
+        device.shared_memory_per_block // 1024,
+      )
+  if changes:
+    opts = opts.replace(**changes)
   logging.vlog(
     1,
     "gdp kernel options for r=%d K=%d V=%d %s on %s: %s",

@@ -1,0 +1,353 @@
+"""Shared memory per thread block of each Pallas kernel, estimated on the CPU from its tiles.
+
+A Triton kernel that needs more shared memory than the GPU grants one thread block does not
+compile ("out of resource: shared memory, Required: ..., Hardware limit: ..."). The launch
+heuristic (`options.heuristic_options`) uses this estimate to shrink pipeline stages and V tiles
+until every kernel of the operator fits the device (`DeviceInfo.shared_memory_per_block`).
+
+Where Triton puts a kernel's shared memory (its software pipeliner and its allocation analysis;
+the estimate follows them):
+
+1. Pipelined loads. In a loop with a dot (the chunk loop of the sequential kernels, the cache
+   loop of the decode kernel), with `num_stages = s > 1`, every load whose value reaches a dot
+   operand (directly or through elementwise work) becomes an asynchronous copy into a ring of
+   `s - 1` buffers of its tile, alive for the whole loop. On Hopper (warpgroup MMA: a multiple of
+   4 warps and 64 or more rows) a tile the tensor cores read straight from shared memory gets one
+   buffer more.
+2. Dot operands. Dot operands pass through shared memory: warpgroup MMA reads its B operand (and
+   A, unless it sits in registers) from there; mma.sync and the FMA dot of IEEE float32 operands
+   go through it to lay the operand out for the threads. A tile made in registers (a cast, a
+   scaled key block, the carried state) is written there before its dot, and a tile that feeds
+   several dots stays there across them.
+3. Scratch. A layout conversion (an accumulator re-laid for elementwise work or for a store) or a
+   reduction uses a scratch buffer for one operation; the allocator lays buffers whose lifetimes
+   do not overlap on the same bytes, so the estimate counts the larger of the staged operands
+   and the conversion scratch, not their sum.
+
+The tiles are counted in the bytes of the dots' operand dtype (the input dtype: 2 for bfloat16 /
+float16, 4 for float32; float32 at "tf32x3" splits each operand into two TF32 halves, twice the
+bytes), per kernel in `_TILES` below (the kernels and their tiles: docs/kernels.md).
+
+This is an estimate, not Triton's allocator. It was checked against Triton 3.9 compiling the
+kernels' lowered Triton IR for sm_90 and sm_80 (tests/test_shared_memory.py keeps those
+figures): it is never below them there. Another Triton version allocates differently (the one
+inside jaxlib on an H200 asked 311 KB for the float32 IEEE backward at K = V = 128, r = 1, where
+Triton 3.9 allocates 240 KB), so `estimate_bytes` adds a safety margin: `MARGIN` times the tiles
+plus `SLACK` bytes (barriers, small reductions). A kernel that still fails to compile on some GPU
+is a case to add to the tests' table and to the margin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+# Safety margin over the tile count (see the module docstring).
+MARGIN = 1.1
+SLACK = 4 * 1024
+BLOCK = 16  # rows of the inverse's diagonal blocks (chunk_fwd, solve_tril)
+F32 = 4
+
+# The Pallas kernels the operator launches (the KernelOptions field of each) and the inference
+# kernels (options.DecodeOptions, options.StepOptions).
+FORWARD_FUSED = ("chunk_fwd", "chunk_state_output")
+FORWARD_UNFUSED = ("kkt", "solve_tril", "wy", "chunk_h", "chunk_o")
+BACKWARD = ("wy", "chunk_h", "bwd_dv_local", "bwd_dhu", "bwd_dqkwg", "bwd_wy")
+OPERATOR_KERNELS = FORWARD_FUSED + FORWARD_UNFUSED + BACKWARD[2:]
+INFERENCE_KERNELS = ("gqa_decode", "recurrent_step")
+KERNELS = OPERATOR_KERNELS + INFERENCE_KERNELS
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """What the tiles depend on, as the kernels see it (feature dimensions already padded).
+
+  r: key blocks; dim_k = r * (K / r padded to a power of two >= 16); dim_v: V padded likewise;
+  chunk: tokens per chunk (BT); dtype: the input dtype (q, k, v); precision: float32 dots'
+  precision. For gqa_decode: dim_k is the head dimension D, chunk the query heads per cache head
+  (G), dtype the cache's dtype.
+  """
+
+  r: int
+  dim_k: int
+  dim_v: int
+  chunk: int
+  dtype: Any
+  precision: str = "tf32"
+
+  @property
+  def e(self) -> int:
+    """Bytes per element of a dot operand."""
+    size = jnp.dtype(self.dtype).itemsize
+    return 2 * size if size == 4 and self.precision == "tf32x3" else size
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """A kernel's shared memory in three parts (bytes; see the module docstring).
+
+  pipelined: loads of the loop body that feed dots; `direct` those the tensor cores read from
+  shared memory (one more buffer with warpgroup MMA, which needs dots of 64 or more `rows` and a
+  multiple of 4 warps). staged: the operand tiles alive at the worst point. scratch: the largest
+  conversion scratch (overlaid with the staged tiles).
+  """
+
+  direct: int = 0
+  pipelined: int = 0
+  staged: int = 0
+  scratch: int = 0
+  rows: int = 0
+  staged_sync: int | None = None  # staged without warpgroup MMA (None: as `staged`)
+
+  def bytes(self, num_stages: int, num_warps: int = 4, wgmma: bool = True) -> int:
+    buffers = max(num_stages - 1, 0)
+    ring = buffers * (self.direct + self.pipelined)
+    if buffers and wgmma and num_warps % 4 == 0 and self.rows >= 64:
+      ring += self.direct
+    staged = self.staged if wgmma or self.staged_sync is None else self.staged_sync
+    return ring + max(staged, self.scratch)
+
+
+def _chunk_fwd(p: Problem, bv: int, merge: str) -> Tiles:
+  k, v, e, n = p.dim_k, p.dim_v, p.e, p.chunk * p.r
+  if merge == "panels":  # [16, N] panels against the rows above, X an [N, N] float32 tile
+    staged = max(
+      (BLOCK + n) * k * e,  # Kw_i Kb^T
+      (BLOCK * n + n * n) * F32,  # X_ii (A_i X), float32 operands
+      BLOCK * n * e + n * max(k, v) * e,  # X_i (W~), X_i (U~)
+    )
+    return Tiles(staged=staged, scratch=n * n * F32)
+  # 16 x 16 blocks: Kw_i Kb_j^T, X_ij W~_j, X_ij U~_j, and the float32 merge products.
+  staged = max(
+    2 * BLOCK * k * e, BLOCK * BLOCK * e + BLOCK * max(k, v) * e, 2 * BLOCK * BLOCK * F32
+  )
+  return Tiles(staged=staged, scratch=BLOCK * max(k, v) * F32)
+
+
+def _chunk_state_output(p: Problem, bv: int, merge: str) -> Tiles:
+  bt, k, r, e = p.chunk, p.dim_k, p.r, p.e
+  return Tiles(
+    rows=bt,
+    direct=2 * bt * k * e,  # q, k: [BT, K] each
+    pipelined=bt * r * k * e + bt * r * bv * e + bt * F32,  # w, u, gamma
+    # the state's r blocks [dk, BV] (two dots each), v_new's r blocks [BT, BV] (two dots each),
+    # and one [BT, dk] decayed key block or [BT, BT] score tile
+    staged=k * bv * e + r * bt * bv * e + bt * max(k // r, bt) * e,
+    scratch=bt * bv * F32,
+  )
+
+
+def _chunk_h(p: Problem, bv: int, merge: str) -> Tiles:
+  bt, k, r, e = p.chunk, p.dim_k, p.r, p.e
+  return Tiles(
+    rows=bt,
+    direct=bt * r * k * e,  # w
+    pipelined=bt * k * e + bt * r * bv * e + bt * F32,  # k, u, gamma
+    staged=k * bv * e + r * bt * bv * e + bt * (k // r) * e,
+    scratch=bt * bv * F32,
+  )
+
+
+def _chunk_o(p: Problem, bv: int, merge: str) -> Tiles:
+  bt, k, dk, e = p.chunk, p.dim_k, p.dim_k // p.r, p.e
+  staged = max(bt * k * e + k * bv * e, 2 * bt * dk * e, bt * bt * e + bt * bv * e)
+  return Tiles(staged=staged, scratch=bt * bv * F32)
+
+
+def _kkt(p: Problem, bv: int, merge: str) -> Tiles:
+  n = p.chunk * p.r
+  return Tiles(staged=2 * n * p.dim_k * p.e, scratch=n * n * F32)
+
+
+def _solve_tril(p: Problem, bv: int, merge: str) -> Tiles:
+  # 16 x 16 float32 block products; the substitution loop has no dot (not pipelined).
+  return Tiles(staged=2 * BLOCK * BLOCK * F32, scratch=BLOCK * BLOCK * F32)
+
+
+def _wy(p: Problem, bv: int, merge: str) -> Tiles:
+  n, wide = p.chunk * p.r, max(p.dim_k, p.dim_v)
+  return Tiles(staged=n * n * p.e + n * wide * p.e, scratch=n * wide * F32)  # Ai, then W~ / U~
+
+
+def _bwd_dv_local(p: Problem, bv: int, merge: str) -> Tiles:
+  bt, dk, e = p.chunk, p.dim_k // p.r, p.e
+  # do [BT, V] stays across the key blocks; q_a k_a^T, then P_a^T do
+  staged = bt * p.dim_v * e + max(2 * bt * dk * e, bt * bt * e)
+  return Tiles(staged=staged, scratch=bt * p.dim_v * F32)
+
+
+def _bwd_dhu(p: Problem, bv: int, merge: str) -> Tiles:
+  bt, k, r, e = p.chunk, p.dim_k, p.r, p.e
+  return Tiles(
+    rows=bt,
+    direct=bt * r * k * e,  # w
+    # k, q, do, dv_local (float32), gamma
+    pipelined=2 * bt * k * e + bt * bv * e + bt * r * bv * F32 + bt * F32,
+    # dS's r blocks, dv_new's r blocks, do, one scaled q or k block, a float32 dv_new block
+    staged=k * bv * e + r * bt * bv * e + bt * bv * e + bt * (k // r) * e + bt * bv * F32,
+    scratch=bt * bv * F32,
+  )
+
+
+def _bwd_dqkwg(p: Problem, bv: int, merge: str) -> Tiles:
+  bt, r, v, e = p.chunk, p.r, p.dim_v, p.e
+  dk = p.dim_k // r
+  # do and dv_new (all rows) stay; per key block q_a, k_a, v_new_a, h_a, dh_a and dS_a
+  staged = (bt * v + bt * r * v) * e + (2 * bt * dk + bt * v + 2 * dk * v + bt * bt) * e
+  # mma.sync reads each operand into registers right after staging it: the largest dot's two
+  # operands plus h_a, which feeds two dots (Triton 3.9, sm_80: 64 KB at bf16, K = V = 128, r = 1)
+  largest = max(bt * v + dk * v, bt * r * v + dk * v, 2 * bt * v, bt * bt + bt * dk, 2 * bt * dk)
+  staged_sync = (largest + dk * v) * e
+  return Tiles(staged=staged, staged_sync=staged_sync, scratch=bt * max(dk, v) * F32)
+
+
+def _bwd_wy(p: Problem, bv: int, merge: str) -> Tiles:
+  n, k, v, e = p.chunk * p.r, p.dim_k, p.dim_v, p.e
+  # Ai, Kw, Kb, dw, du each feed two or more dots and stay; the one-dot operands (W~, U~, X,
+  # Ai^T X, G beta) come and go in the room of those that are done
+  staged = (n * n + 2 * n * k + n * k + n * v) * e
+  return Tiles(staged=staged, scratch=n * max(k, v) * F32)
+
+
+def _gqa_decode(p: Problem, block_s: int, merge: str) -> Tiles:
+  # problem: dim_k = D, chunk = G (query heads per cache head), dtype = the cache's dtype
+  gp, dp = max(16, _pow2(p.chunk)), max(16, _pow2(p.dim_k))
+  cache = jnp.dtype(p.dtype).itemsize
+  if cache == 2:  # split-bf16 products: q and the weights as bf16 high and low halves
+    staged = 2 * gp * dp * 2 + 2 * gp * block_s * 2
+  else:  # float32 dots on the cache tiles converted to float32
+    staged = gp * dp * F32 + gp * block_s * F32 + 2 * block_s * dp * F32
+  return Tiles(pipelined=2 * block_s * dp * cache, staged=staged, scratch=gp * dp * F32)
+
+
+def _recurrent_step(p: Problem, bv: int, merge: str) -> Tiles:
+  # no dot and no loop: column reductions of the [K, BV] state tile only
+  kp = max(16, _pow2(p.dim_k))
+  return Tiles(scratch=kp * bv * F32)
+
+
+def _pow2(x: int) -> int:
+  return 1 << max(int(x) - 1, 0).bit_length()
+
+
+_TILES = {
+  "chunk_fwd": _chunk_fwd,
+  "chunk_state_output": _chunk_state_output,
+  "kkt": _kkt,
+  "solve_tril": _solve_tril,
+  "wy": _wy,
+  "chunk_h": _chunk_h,
+  "chunk_o": _chunk_o,
+  "bwd_dv_local": _bwd_dv_local,
+  "bwd_dhu": _bwd_dhu,
+  "bwd_dqkwg": _bwd_dqkwg,
+  "bwd_wy": _bwd_wy,
+  "gqa_decode": _gqa_decode,
+  "recurrent_step": _recurrent_step,
+}
+
+
+def tiles(kernel: str, problem: Problem, *, block: int | None = None, merge="blocks") -> Tiles:
+  """The tile count of `kernel` (bytes, before the margin). `block`: its V tile (block_v; the
+  decode kernel's block_s), None for the whole V."""
+  if kernel not in _TILES:
+    raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+  if problem.r < 1 or problem.dim_k % problem.r:
+    raise ValueError(f"r = {problem.r} must be >= 1 and divide dim_k = {problem.dim_k}")
+  bv = problem.dim_v if block is None else min(block, problem.dim_v)
+  if kernel == "gqa_decode":
+    bv = 64 if block is None else block
+  return _TILES[kernel](problem, bv, merge)
+
+
+def estimate_bytes(
+  kernel: str,
+  problem: Problem,
+  *,
+  num_stages: int,
+  num_warps: int = 4,
+  block: int | None = None,
+  wgmma: bool = True,
+  merge: str = "blocks",
+) -> int:
+  """Estimated shared memory per thread block of one kernel launch, safety margin included.
+
+  wgmma: the device has Hopper's warpgroup MMA (compute capability 9.0; unknown devices count as
+  having it, the larger figure).
+  """
+  t = tiles(kernel, problem, block=block, merge=merge)
+  return int(MARGIN * t.bytes(num_stages, num_warps, wgmma)) + SLACK
+
+
+def has_wgmma(device) -> bool:
+  """Whether a DeviceInfo's GPU has warpgroup MMA (Hopper); True when unknown (conservative)."""
+  capability = getattr(device, "compute_capability", None)
+  return capability is None or tuple(capability)[:1] == (9,)
+
+
+def shared_memory_bytes(
+  kernel: str,
+  options,
+  *,
+  r: int,
+  dim_k: int,
+  dim_v: int,
+  chunk: int,
+  dtype,
+  device=None,
+) -> int:
+  """Estimated shared memory per block of `kernel` launched with `options` (bytes).
+
+  options: a KernelOptions for the operator's kernels (its field named `kernel` gives the launch,
+  its `precision` the float32 dots); a DecodeOptions for "gqa_decode" (dim_k = head dimension,
+  chunk = query heads per cache head, dtype = the cache's dtype); a StepOptions for
+  "recurrent_step". dim_k, dim_v: as the kernels see them (padded, see `Problem`).
+  device: a DeviceInfo (decides the Hopper extra buffer); None counts it.
+  """
+  precision = getattr(options, "precision", "tf32")
+  problem = Problem(r=r, dim_k=dim_k, dim_v=dim_v, chunk=chunk, dtype=dtype, precision=precision)
+  wgmma = has_wgmma(device)
+  if kernel == "gqa_decode":
+    return estimate_bytes(
+      kernel,
+      problem,
+      num_stages=options.num_stages,
+      num_warps=options.num_warps,
+      block=options.block_s,
+      wgmma=wgmma,
+    )
+  if kernel == "recurrent_step":
+    return estimate_bytes(
+      kernel,
+      problem,
+      num_stages=options.num_stages,
+      num_warps=options.num_warps,
+      block=options.block_v,
+      wgmma=wgmma,
+    )
+  if kernel not in OPERATOR_KERNELS:
+    raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+  launch = getattr(options, kernel)
+  merge = getattr(options, "chunk_fwd_merge", "blocks") if kernel == "chunk_fwd" else "blocks"
+  return estimate_bytes(
+    kernel,
+    problem,
+    num_stages=launch.num_stages,
+    num_warps=launch.num_warps,
+    block=launch.block_v,
+    wgmma=wgmma,
+    merge=merge,
+  )
+
+
+def operator_report(options, *, r, dim_k, dim_v, chunk, dtype, device=None) -> dict[str, int]:
+  """Estimated bytes of every kernel the operator can launch with `options` (forward fused and
+  five-kernel, backward), by kernel name."""
+  return {
+    name: shared_memory_bytes(
+      name, options, r=r, dim_k=dim_k, dim_v=dim_v, chunk=chunk, dtype=dtype, device=device
+    )
+    for name in OPERATOR_KERNELS
+  }
