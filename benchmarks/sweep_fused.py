@@ -85,7 +85,9 @@ def main(argv=None):
   p.add_argument("--max-rows", type=int, default=128, help="skip chunk * r above this")
   p.add_argument("--merges", default="panels,blocks", help="chunk_fwd merge variants")
   p.add_argument(
-    "--inverses", default="substitution,squaring-x3,squaring-tf32", help="chunk_fwd diagonal-inverse variants"
+    "--inverses",
+    default="substitution,squaring-x3,squaring-tf32",
+    help="chunk_fwd diagonal-inverse variants",
   )
   p.add_argument("--fwd-warps", default="1,2,4,8")
   p.add_argument("--fwd-stages", default="1,2")

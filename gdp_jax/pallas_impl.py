@@ -278,7 +278,9 @@ def _gated_delta_product_pallas(
   v = _pad_last(v, vp)
   h0 = _pad_last(pad_key_blocks(initial_state.swapaxes(-1, -2), r, dkp).swapaxes(-1, -2), vp)
   if options is None:
-    options = kernel_options.heuristic_options(r=r, dim_k=dim_k, dim_v=dim_v, dtype=q.dtype)
+    options = kernel_options.heuristic_options(
+      r=r, dim_k=dim_k, dim_v=dim_v, dtype=q.dtype, precision=precision or "tf32"
+    )
   if precision is not None:
     options = options.replace(precision=precision)
   # A reset (g = -inf) would make the kernels' chunk-local gamma -inf and their decay differences

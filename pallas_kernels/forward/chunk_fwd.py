@@ -341,8 +341,9 @@ def chunk_fwd(
   lives as one [N, N] tile) or "blocks" (16 x 16 block products only; X lives as its
   N (N + 16) / 512 lower blocks, more and smaller dots).
   inverse: how the 16 x 16 diagonal blocks are inverted: "auto" (AUTO_INVERSE: by the
-  precision), "substitution" (forward substitution, one row per step) or by repeated squaring ("squaring", "squaring-x3", "squaring-tf32": six
-  products at float32, TF32 x 3 or TF32 precision; pallas_kernels/common/tril.py).
+  precision), "substitution" (forward substitution, one row per step) or by repeated squaring
+  ("squaring", "squaring-x3", "squaring-tf32": six products at float32, TF32 x 3 or TF32
+  precision; pallas_kernels/common/tril.py).
   launch: warps and pipeline stages (pallas_kernels/common/options.py).
   """
   _check(k, v, g, beta, mask, key_blocks, chunk)
