@@ -127,14 +127,20 @@ def main(argv=None):
       torch.cuda.empty_cache()
     except Exception as e:  # keep timing the rest
       case["check_error"] = repr(e)[:300]
+    result["cases"].append(case)
+
+    def save():  # after every figure: a run cut short keeps what it measured
+      print(json.dumps(case), flush=True)
+      with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+    save()
     for mode in ("fwd", "fwdbwd"):
       case[f"ours_{mode}_ms"] = time_jax(ours(nh, mode), jin, args.reps, args.inner)[0]
+      save()
       case[f"fla_{mode}_ms"] = fla_time(inputs, nh, mode, args.reps)
       case[f"ratio_{mode}"] = case[f"ours_{mode}_ms"] / case[f"fla_{mode}_ms"]
-    print(json.dumps(case), flush=True)
-    result["cases"].append(case)
-    with open(args.out, "w") as f:
-      json.dump(result, f, indent=1)
+      save()
   return 0
 
 
