@@ -1,7 +1,8 @@
 """The implementations of every public function, and which one runs where: one table.
 
 Each public function (`gated_delta_product`, `gated_delta_product_step`, `gqa_decode`, and the
-layers that call them) resolves its `implementation=` argument here. `None` means the fastest one
+layers that call them) resolves its `implementation=` argument here; `gated_delta_product` with
+`cu_seqlens` resolves it as "gated_delta_product_varlen" (no Pallas entry yet, so None picks "xla"). `None` means the fastest one
 that works on the default device: "pallas" on an NVIDIA GPU the kernels support (compute
 capability >= 8.0: bfloat16 tensor cores, see docs/implementations.md), "xla" everywhere else.
 An explicit "pallas" on a CPU runs the kernels in the Pallas interpreter (slow, for tests); on an
@@ -51,7 +52,10 @@ TABLE: dict[str, Implementation] = {
     "reference",
     "the recurrence over time (lax.scan, float32): the ground truth",
     ("cpu", "gpu", "tpu"),
-    {"gated_delta_product": "gdp_jax.reference:gated_delta_product_reference"},
+    {
+      "gated_delta_product": "gdp_jax.reference:gated_delta_product_reference",
+      "gated_delta_product_varlen": "gdp_jax.reference:gated_delta_product_reference_varlen",
+    },
   ),
   "xla": Implementation(
     "xla",
@@ -59,6 +63,7 @@ TABLE: dict[str, Implementation] = {
     ("cpu", "gpu", "tpu"),
     {
       "gated_delta_product": "gdp_jax.xla:gated_delta_product_xla",
+      "gated_delta_product_varlen": "gdp_jax.xla:gated_delta_product_xla_varlen",
       "gated_delta_product_step": "gdp_jax.decode:gated_delta_product_step_xla",
       "gqa_decode": "gdp_jax.decode:gqa_decode_xla",
     },
