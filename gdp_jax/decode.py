@@ -245,9 +245,9 @@ def _check_step(q, k, v, g, beta, mask, state, grouped=False):
       )
     if heads < 1 or v.shape[1] < 1 or v.shape[1] % heads != 0:
       raise ValueError(
-        f"v has HV = {v.shape[1]} value heads (shape {tuple(v.shape)}), not a positive "
-        f"multiple of the H = {heads} key heads of q and k (shape {tuple(q.shape)}): value "
-        f"head i reads key head i // (HV // H)"
+        f"v has shape {tuple(v.shape)}, expected [B, H, V] = [{batch}, {heads}, V] or, with "
+        f"grouped value heads, [B, HV, V] with HV a positive multiple of H = {heads} (the key "
+        f"heads of q and k, shape {tuple(q.shape)}; value head i reads key head i // (HV // H))"
       )
   heads_v = v.shape[1]
   h = "HV" if grouped else "H"

@@ -198,9 +198,10 @@ def check_inputs(q, k, v, g, beta, mask, initial_state, *, grouped=False, num_st
       )
     if heads < 1 or v.shape[2] % heads != 0 or v.shape[2] < 1:
       raise ValueError(
-        f"v has HV = {v.shape[2]} value heads (shape {_shape(v)}), not a positive multiple "
-        f"of the H = {heads} key heads of q and k (shape {_shape(q)}): value head i reads "
-        f"key head i // (HV // H)"
+        f"v has shape {_shape(v)}, expected [B, T, H, V] = [{batch}, {t_len}, {heads}, V] or, "
+        f"with grouped value heads, [B, T, HV, V] with HV a positive multiple of H = {heads} "
+        f"(the key heads of q and k, shape {_shape(q)}; value head i reads key head "
+        f"i // (HV // H))"
       )
   heads_v = v.shape[2]
   h = "HV" if grouped else "H"
