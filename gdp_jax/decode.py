@@ -255,9 +255,7 @@ def _check_step(q, k, v, g, beta, mask, state, grouped=False):
     raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
   dim_v = v.shape[-1]
   if beta is None:
-    raise ValueError(
-      f"beta is required: the write strength, shape [B, {h}] = [{batch}, {heads_v}]"
-    )
+    raise ValueError(f"beta is required: the write strength, shape [B, {h}] = [{batch}, {heads_v}]")
   check_float("beta", beta)
   check_shape("beta", beta, (batch, heads_v), f"[B, {h}] as v")
   if g is not None:

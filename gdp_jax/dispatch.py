@@ -1,12 +1,14 @@
 """The implementations of every public function, and which one runs where: one table.
 
 Each public function (`gated_delta_product`, `gated_delta_product_step`, `gqa_decode`, and the
-layers that call them) resolves its `implementation=` argument here; `gated_delta_product` with
-`cu_seqlens` resolves it as "gated_delta_product_varlen" (no Pallas entry yet, so None picks "xla"). `None` means the fastest one
+layers that call them) resolves its `implementation=` argument here. `None` means the fastest one
 that works on the default device: "pallas" on an NVIDIA GPU the kernels support (compute
 capability >= 8.0: bfloat16 tensor cores, see docs/implementations.md), "xla" everywhere else.
 An explicit "pallas" on a CPU runs the kernels in the Pallas interpreter (slow, for tests); on an
 unsupported GPU it is an error that names the GPU.
+
+`gated_delta_product` with `cu_seqlens` (packed sequences, docs/varlen.md) looks up
+"gated_delta_product_varlen", which has no Pallas entry yet: `None` picks "xla" there.
 """
 
 from __future__ import annotations

@@ -618,13 +618,14 @@ class GatedDeltaProduct(nnx.Module):
       segment_ids: None, or [B, T] int: packed documents, one id per token (a document is a run
         of equal ids; see `segment_starts`). At each document's first token the recurrent state
         is reset: the operator gets g = RESET_LOG_DECAY there, so exp(g) S = 0 exactly and the
-        token writes into an empty state (the operator has no variable-length form yet), and
-        the short convolution reads zeros instead of other documents' inputs. The forward is
-        exact. In the chunked backward, a document that starts inside a chunk leaves
-        rounding-level gradient (about 1e-7 relative) in the log-decay of the earlier tokens of
-        that chunk (through the chunk's cumulative sum of g, whose terms cancel only up to
-        rounding); documents starting at multiples of `chunk_size` are exactly separated, also
-        in the gradient (docs/train_lm.md). Not with `return_cache`.
+        token writes into an empty state (any number of documents per row, any B; see
+        `cu_seqlens` for the operator's packed form), and the short convolution reads zeros
+        instead of other documents' inputs. The forward is exact. In the chunked backward, a
+        document that starts inside a chunk leaves rounding-level gradient (about 1e-7
+        relative) in the log-decay of the earlier tokens of that chunk (through the chunk's
+        cumulative sum of g, whose terms cancel only up to rounding); documents starting at
+        multiples of `chunk_size` are exactly separated, also in the gradient
+        (docs/train_lm.md). Not with `return_cache`.
       cu_seqlens: None, or int [N + 1] offsets of N documents packed in one row (B = 1):
         document n holds tokens [cu_seqlens[n], cu_seqlens[n + 1]) (docs/varlen.md). The
         operator runs them as separate sequences (its `cu_seqlens` form: exact in the forward

@@ -260,8 +260,7 @@ def check_cu_seqlens(cu_seqlens):
     )
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(
-      f"cu_seqlens must have an integer dtype (int32), got {dtype} with shape "
-      f"{_shape(cu_seqlens)}"
+      f"cu_seqlens must have an integer dtype (int32), got {dtype} with shape {_shape(cu_seqlens)}"
     )
   if len(_shape(cu_seqlens)) != 1 or _shape(cu_seqlens)[0] < 2:
     raise ValueError(
