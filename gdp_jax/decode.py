@@ -20,6 +20,7 @@ from gdp_jax.operator import (
   check_int32_values,
   check_scale,
   check_shape,
+  expand_key_heads,
   normalize_mask,
 )
 from gdp_jax.reference import recurrent_step as _recurrent_step
@@ -461,7 +462,10 @@ def _step_mask(mask, batch, heads, dim_k):
   return mask5[:, 0], r
 
 
-def _check_step(q, k, v, g, beta, mask, state):
+def _check_step(q, k, v, g, beta, mask, state, grouped=False):
+  """Validate the step's arguments; returns (B, HV, K, V, mask [Bm, Hm, r, r], r). grouped:
+  allow HV value heads (v, g, beta, the mask, the state) for H key heads (q, k), HV % H == 0;
+  without it HV must equal H."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     check_float(name, x)
   if q.ndim != 3:
@@ -470,25 +474,40 @@ def _check_step(q, k, v, g, beta, mask, state):
     )
   batch, heads, dim_k = q.shape
   check_shape("k", k, q.shape, "k must match q: [B, H, K]")
-  if v.ndim != 3 or tuple(v.shape[:2]) != (batch, heads):
-    raise ValueError(
-      f"v has shape {tuple(v.shape)}, expected [B, H, V] = [{batch}, {heads}, V] (B, H as q)"
-    )
+  if not grouped:
+    if v.ndim != 3 or tuple(v.shape[:2]) != (batch, heads):
+      raise ValueError(
+        f"v has shape {tuple(v.shape)}, expected [B, H, V] = [{batch}, {heads}, V] (B, H as q)"
+      )
+  else:
+    if v.ndim != 3 or v.shape[0] != batch:
+      raise ValueError(
+        f"v has shape {tuple(v.shape)}, expected [B, HV, V] = [{batch}, HV, V] (B as q; HV "
+        f"a multiple of H = {heads})"
+      )
+    if heads < 1 or v.shape[1] < 1 or v.shape[1] % heads != 0:
+      raise ValueError(
+        f"v has shape {tuple(v.shape)}, expected [B, H, V] = [{batch}, {heads}, V] or, with "
+        f"grouped value heads, [B, HV, V] with HV a positive multiple of H = {heads} (the key "
+        f"heads of q and k, shape {tuple(q.shape)}; value head i reads key head i // (HV // H))"
+      )
+  heads_v = v.shape[1]
+  h = "HV" if grouped else "H"
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
   dim_v = v.shape[-1]
   if beta is None:
-    raise ValueError(f"beta is required: the write strength, shape [B, H] = [{batch}, {heads}]")
+    raise ValueError(f"beta is required: the write strength, shape [B, {h}] = [{batch}, {heads_v}]")
   check_float("beta", beta)
-  check_shape("beta", beta, (batch, heads), "[B, H] as q")
+  check_shape("beta", beta, (batch, heads_v), f"[B, {h}] as v")
   if g is not None:
     check_float("g", g)
-    check_shape("g", g, (batch, heads), "[B, H] as q: the log-decay")
-  mask4, r = _step_mask(mask, batch, heads, dim_k)
+    check_shape("g", g, (batch, heads_v), f"[B, {h}] as v: the log-decay")
+  mask4, r = _step_mask(mask, batch, heads_v, dim_k)
   if state is not None:
     check_float("state", state)
-    check_shape("state", state, (batch, heads, dim_k, dim_v), "[B, H, K, V]")
-  return batch, heads, dim_k, dim_v, mask4, r
+    check_shape("state", state, (batch, heads_v, dim_k, dim_v), f"[B, {h}, K, V]")
+  return batch, heads_v, dim_k, dim_v, mask4, r
 
 
 def gated_delta_product_step(
@@ -511,11 +530,13 @@ def gated_delta_product_step(
     o = scale q^T S_new
 
   Args:
-    q, k: [B, H, K]. v: [B, H, V]. One dtype for all three: float32, bfloat16 or float16.
-    g: [B, H] log-decay (<= 0), or None for no decay.
-    beta: [B, H] write strength (required; a keyword default only to keep the operator's order).
-    mask: None (r = 1), [r, r], [H, r, r] or [B, H, r, r]; K % r == 0.
-    state: [B, H, K, V] (computed in float32), or None for zeros.
+    q, k: [B, H, K]. v: [B, HV, V] with HV a multiple of H (grouped value heads: value head i
+      reads key head i // (HV // H), as in `gated_delta_product`). One dtype for all three:
+      float32, bfloat16 or float16.
+    g: [B, HV] log-decay (<= 0), or None for no decay.
+    beta: [B, HV] write strength (required; a keyword default only to keep the operator's order).
+    mask: None (r = 1), [r, r], [HV, r, r] or [B, HV, r, r]; K % r == 0.
+    state: [B, HV, K, V] (computed in float32), or None for zeros.
     scale: output scale, default K ** -0.5.
     implementation: "xla", "pallas" or None ("pallas" on a supported GPU, else "xla").
     precision: accepted as in `gated_delta_product` (validated); one token has no matmul to
@@ -524,7 +545,7 @@ def gated_delta_product_step(
       is carried through a jitted loop or donated; otherwise XLA copies it first).
 
   Returns:
-    (o [B, H, V] in q.dtype, new_state [B, H, K, V] float32).
+    (o [B, HV, V] in q.dtype, new_state [B, HV, K, V] float32).
 
   Derivatives: "xla" is plain jnp (JAX differentiates it); "pallas" raises NotImplementedError.
 
@@ -538,8 +559,10 @@ def gated_delta_product_step(
     ((2, 3, 8), (2, 3, 16, 8))
   """
   in_place = check_bool("in_place", in_place)
-  batch, heads, dim_k, dim_v, mask4, r = _check_step(q, k, v, g, beta, mask, state)
+  batch, heads, dim_k, dim_v, mask4, r = _check_step(q, k, v, g, beta, mask, state, grouped=True)
   q, k, v, beta, mask4 = (jnp.asarray(x) for x in (q, k, v, beta, mask4))
+  # grouped value heads: both implementations run on q and k repeated across each group
+  q, k = (expand_key_heads(x, heads) for x in (q, k))
   g = None if g is None else jnp.asarray(g)
   implementation = dispatch.resolve("gated_delta_product_step", implementation)
   resolve_precision(precision)  # a clear error for a bad value

@@ -8,6 +8,9 @@ docs/implementations.md#supported-gpus), "xla" everywhere else, whatever the inp
 too: an older GPU such as the T4 runs "xla").
 An explicit "pallas" on a CPU runs the kernels in the Pallas interpreter (slow, for tests); on an
 unsupported GPU it is an error that names the GPU.
+
+`gated_delta_product` with `cu_seqlens` (packed sequences, docs/varlen.md) looks up
+"gated_delta_product_varlen", which has no Pallas entry yet: `None` picks "xla" there.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ TABLE: dict[str, Implementation] = {
     ("cpu", "gpu", "tpu"),
     {
       "gated_delta_product": "gdp_jax.reference:gated_delta_product_reference",
+      "gated_delta_product_varlen": "gdp_jax.reference:gated_delta_product_reference_varlen",
       "paged_gqa_decode": "gdp_jax.decode:paged_gqa_decode_reference",
     },
   ),
@@ -65,6 +69,7 @@ TABLE: dict[str, Implementation] = {
     ("cpu", "gpu", "tpu"),
     {
       "gated_delta_product": "gdp_jax.xla:gated_delta_product_xla",
+      "gated_delta_product_varlen": "gdp_jax.xla:gated_delta_product_xla_varlen",
       "gated_delta_product_step": "gdp_jax.decode:gated_delta_product_step_xla",
       "gqa_decode": "gdp_jax.decode:gqa_decode_xla",
       "paged_gqa_decode": "gdp_jax.decode:paged_gqa_decode_xla",

@@ -6,7 +6,9 @@ Both layers run in two modes that agree with each other:
   chunked operator (Pallas kernels on a GPU, `implementation=None`) or causal attention; with
   `return_cache=True` it also returns the cache after each sequence's first `lengths[b]` tokens
   (a prefill of right-padded prompts of different lengths); with `segment_ids` [B, T] several
-  documents are packed in one row and none sees another (see `segment_starts`);
+  documents are packed in one row and none sees another (see `segment_starts`); the gated delta
+  product layer also takes `cu_seqlens` [N + 1] for N documents packed in one row (the
+  operator's variable-length form, docs/varlen.md);
 - one token per sequence, `layer.step(x_t, cache) -> (y_t, cache)`, through
   `gated_delta_product_step` or `gqa_decode`; `layer.init_cache(...)` is the empty cache.
 
@@ -28,10 +30,15 @@ import numpy as np
 from flax import nnx
 from jax.typing import DTypeLike
 
-from gdp_jax import dispatch
+from gdp_jax import dispatch, varlen
 from gdp_jax.decode import gqa_decode
 from gdp_jax.householder import householder_delta_product, householder_delta_product_step
-from gdp_jax.operator import CHUNK_SIZES
+from gdp_jax.operator import (
+  CHUNK_SIZES,
+  check_cu_seqlens,
+  check_cu_seqlens_values,
+  gated_delta_product,
+)
 from gdp_jax.sharding import (
   ShardingConfig,
   sharded_gated_delta_product,
@@ -234,6 +241,14 @@ class ShortConv(nnx.Module):
       )
     return jax.nn.silu(y)
 
+  def state_after_packed(self, x, cu_seqlens):
+    """The step state after each of the N documents packed in x [1, T, C] (cu_seqlens [N + 1],
+    sanitised): [N, size-1, C], zeros before a document's first token."""
+    idx = cu_seqlens[1:, None] - (self.size - 1) + jnp.arange(self.size - 1)[None, :]
+    inside = idx >= cu_seqlens[:-1, None]  # [N, size-1]
+    values = jnp.take(x[0], jnp.clip(idx, 0, x.shape[1] - 1), axis=0)  # [N, size-1, C]
+    return jnp.where(inside[..., None], values, jnp.zeros((), x.dtype))
+
   def state_after(self, x, lengths):
     """The step state after `lengths[b]` tokens of x [B, T, C] (None: all T): [B, size-1, C]."""
     batch, t_len, _ = x.shape
@@ -257,9 +272,9 @@ class ShortConv(nnx.Module):
 class GatedDeltaProductCache(NamedTuple):
   """Decode cache of one `GatedDeltaProduct` layer.
 
-  conv: [B, conv_size - 1, 2*H*K + H*V] the last inputs of the short convolution (q | k | v
+  conv: [B, conv_size - 1, 2*H*K + HV*V] the last inputs of the short convolution (q | k | v
     channels; H*K + n_h*H*(K + V) in "householder" mode), or None without the convolution.
-  state: [B, H, K, V] float32 recurrent state.
+  state: [B, HV, K, V] float32 recurrent state (HV = num_v_heads).
   """
 
   conv: Any
@@ -315,8 +330,12 @@ class GatedDeltaProduct(nnx.Module):
 
   Args:
     hidden_size: D, the model width.
-    num_heads: H.
+    num_heads: H, the query/key heads.
     head_dim: K, the key dimension per head; K % num_blocks == 0.
+    num_v_heads: HV, the value heads (default H): a multiple of H, value head i reading
+      query/key head i // (HV // H) (grouped value heads, as Qwen3-Next and Kimi Linear). g,
+      beta, the mask, the state and the output have HV heads. Not with "householder" or
+      `sharding` yet.
     expand_v: value dim V = head_dim * expand_v (a whole number).
     num_blocks: r, the number of key blocks (the mask is r x r).
     mask_mode: "static" | "token" | "ones" | "rotation" | "householder" (see above).
@@ -359,11 +378,29 @@ class GatedDeltaProduct(nnx.Module):
     param_dtype: DTypeLike = f32,
     sharding: ShardingConfig | None = None,
     num_householder: int = 2,
+    num_v_heads: int | None = None,
     rngs: nnx.Rngs,
   ) -> None:
     _check_positive_int("hidden_size", hidden_size)
     _check_positive_int("num_heads", num_heads)
     _check_positive_int("head_dim", head_dim)
+    num_v_heads = num_heads if num_v_heads is None else num_v_heads
+    _check_positive_int("num_v_heads", num_v_heads)
+    if num_v_heads % num_heads != 0:
+      raise ValueError(
+        f"num_v_heads = {num_v_heads} must be a multiple of num_heads = {num_heads} (value "
+        f"head i reads query/key head i // (num_v_heads // num_heads))"
+      )
+    if num_v_heads != num_heads and mask_mode == "householder":
+      raise ValueError(
+        "num_v_heads != num_heads is not supported with mask_mode='householder' yet; use "
+        "a block-mask mode"
+      )
+    if num_v_heads != num_heads and sharding is not None:
+      raise ValueError(
+        "num_v_heads != num_heads is not supported with sharding yet (the sharded operator "
+        "takes one head count); use sharding=None"
+      )
     _check_positive_int("num_blocks", num_blocks)
     _check_choice("mask_mode", mask_mode, MASK_MODES)
     householder = mask_mode == "householder"
@@ -425,6 +462,7 @@ class GatedDeltaProduct(nnx.Module):
       )
     self.sharding = sharding
     self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+    self.num_v_heads = num_v_heads
     self.value_dim = int(value_dim)
     self.num_blocks, self.mask_mode, self.key_norm = num_blocks, mask_mode, key_norm
     self.use_short_conv, self.conv_size, self.use_gate = use_short_conv, conv_size, use_gate
@@ -434,40 +472,41 @@ class GatedDeltaProduct(nnx.Module):
     self.dtype = dtype
 
     H, K, V, r, D = num_heads, head_dim, self.value_dim, num_blocks, hidden_size
+    HV = num_v_heads  # value heads: v, g, beta, the mask, the state and the output
     n = self.num_householder
     lin = lambda i, o: nnx.Linear(
       i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
     )
     # In "householder" mode k, v and beta have one slice per step: [..., n_h, H, *].
-    self.q_proj, self.k_proj, self.v_proj = lin(D, H * K), lin(D, n * H * K), lin(D, n * H * V)
-    self.a_proj, self.b_proj = lin(D, H), lin(D, n * H)
+    self.q_proj, self.k_proj, self.v_proj = lin(D, H * K), lin(D, n * H * K), lin(D, n * HV * V)
+    self.a_proj, self.b_proj = lin(D, HV), lin(D, n * HV)
     # Mamba-2 / Gated DeltaNet initialisation: A in [1, 16], dt in [1e-3, 1e-1].
     self.A_log = nnx.Param(
-      jnp.log(jax.random.uniform(rngs.params(), (H,), f32, 1.0, 16.0)).astype(param_dtype)
+      jnp.log(jax.random.uniform(rngs.params(), (HV,), f32, 1.0, 16.0)).astype(param_dtype)
     )
-    dt = jnp.exp(jax.random.uniform(rngs.params(), (H,), f32, math.log(1e-3), math.log(1e-1)))
+    dt = jnp.exp(jax.random.uniform(rngs.params(), (HV,), f32, math.log(1e-3), math.log(1e-1)))
     dt = jnp.maximum(dt, 1e-4)
     self.dt_bias = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(param_dtype))  # softplus^-1
     # Mask parameters: W = I + small positive noise (no exact zeros: d|w|/dw = 0 there).
-    w0 = jnp.eye(r, dtype=f32) + 0.1 * jax.random.uniform(rngs.params(), (H, r, r), f32, 0.1, 1.0)
+    w0 = jnp.eye(r, dtype=f32) + 0.1 * jax.random.uniform(rngs.params(), (HV, r, r), f32, 0.1, 1.0)
     if mask_mode == "static":
       self.mask_weight = nnx.Param(w0.astype(param_dtype))
     elif mask_mode == "token":
       self.mask_proj = nnx.Linear(
         D,
-        H * r * r,
+        HV * r * r,
         use_bias=True,
         dtype=dtype,
         param_dtype=param_dtype,
         kernel_init=nnx.initializers.normal(0.02),
-        bias_init=lambda *_: w0.reshape(H * r * r).astype(param_dtype),
+        bias_init=lambda *_: w0.reshape(HV * r * r).astype(param_dtype),
         rngs=rngs,
       )
     elif mask_mode == "rotation":
       # theta, c1, c2 per head and pair of key blocks; zero at init: C = 0, M = I.
       self.mask_proj = nnx.Linear(
         D,
-        H * (r // 2) * 3,
+        HV * (r // 2) * 3,
         use_bias=True,
         dtype=dtype,
         param_dtype=param_dtype,
@@ -478,21 +517,21 @@ class GatedDeltaProduct(nnx.Module):
     if use_short_conv:
       self.conv = ShortConv(self._conv_channels(), conv_size, param_dtype=param_dtype, rngs=rngs)
     if use_gate:
-      self.g_proj = lin(D, H * V)
+      self.g_proj = lin(D, HV * V)
     self.o_norm = GatedRMSNorm(V, eps=norm_eps, param_dtype=param_dtype)
-    self.o_proj = lin(H * V, D)
+    self.o_proj = lin(HV * V, D)
 
   # -- pieces shared by both modes -------------------------------------------------------------
 
   def _conv_channels(self):
     """Channels of the short convolution: q | k | v (k and v n_h times in "householder")."""
     H, K, V, n = self.num_heads, self.head_dim, self.value_dim, self.num_householder
-    return H * K + n * H * K + n * H * V
+    return H * K + n * H * K + n * self.num_v_heads * V
 
   def _mask(self, x):
-    """[H, r, r] (static), [..., H, r, r] (token, rotation: from x [..., D]), or None (ones,
+    """[HV, r, r] (static), [..., HV, r, r] (token, rotation: from x [..., D]), or None (ones,
     householder: r = 1)."""
-    H, r = self.num_heads, self.num_blocks
+    H, r = self.num_v_heads, self.num_blocks
     if self.mask_mode == "static":
       return block_mask(self.mask_weight[...])
     if self.mask_mode == "token":
@@ -522,7 +561,7 @@ class GatedDeltaProduct(nnx.Module):
     if self.allow_neg_eigval:
       beta = 2.0 * beta
     if self.mask_mode == "householder":
-      beta = beta.reshape(beta.shape[:-1] + (self.num_householder, self.num_heads))
+      beta = beta.reshape(beta.shape[:-1] + (self.num_householder, self.num_v_heads))
     return g, beta
 
   def _scale_beta(self, beta, mask):
@@ -545,7 +584,7 @@ class GatedDeltaProduct(nnx.Module):
       k = l2norm(k.reshape(k.shape[:-1] + (n, H, K))).astype(dtype)
       return q, k, v.reshape(v.shape[:-1] + (n, H, V))
     k = self._qk_norm(k).astype(dtype)
-    return q, k, v.reshape(v.shape[:-1] + (H, V))
+    return q, k, v.reshape(v.shape[:-1] + (self.num_v_heads, V))
 
   def _project_in(self, x):
     return jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
@@ -556,7 +595,7 @@ class GatedDeltaProduct(nnx.Module):
     if self.use_gate:
       gate = self.g_proj(x).reshape(o.shape)
     o = self.o_norm(o, gate)
-    return self.o_proj(o.reshape(o.shape[:-2] + (self.num_heads * self.value_dim,)))
+    return self.o_proj(o.reshape(o.shape[:-2] + (self.num_v_heads * self.value_dim,)))
 
   # -- whole sequence ---------------------------------------------------------------------------
 
@@ -566,6 +605,7 @@ class GatedDeltaProduct(nnx.Module):
     lengths: jax.Array | None = None,
     *,
     segment_ids: jax.Array | None = None,
+    cu_seqlens: jax.Array | None = None,
     return_cache: bool = False,
   ) -> jax.Array | tuple[jax.Array, GatedDeltaProductCache]:
     """The whole sequence through the chunked operator.
@@ -578,14 +618,24 @@ class GatedDeltaProduct(nnx.Module):
       segment_ids: None, or [B, T] int: packed documents, one id per token (a document is a run
         of equal ids; see `segment_starts`). At each document's first token the recurrent state
         is reset: the operator gets g = RESET_LOG_DECAY there, so exp(g) S = 0 exactly and the
-        token writes into an empty state (the operator has no variable-length form yet), and
-        the short convolution reads zeros instead of other documents' inputs. The forward is
-        exact. In the chunked backward, a document that starts inside a chunk leaves
-        rounding-level gradient (about 1e-7 relative) in the log-decay of the earlier tokens of
-        that chunk (through the chunk's cumulative sum of g, whose terms cancel only up to
-        rounding); documents starting at multiples of `chunk_size` are exactly separated, also
-        in the gradient (docs/train_lm.md). Not with `return_cache`.
-      return_cache: also return the `GatedDeltaProductCache` after lengths[b] tokens.
+        token writes into an empty state (any number of documents per row, any B; see
+        `cu_seqlens` for the operator's packed form), and the short convolution reads zeros
+        instead of other documents' inputs. The forward is exact. In the chunked backward, a
+        document that starts inside a chunk leaves rounding-level gradient (about 1e-7
+        relative) in the log-decay of the earlier tokens of that chunk (through the chunk's
+        cumulative sum of g, whose terms cancel only up to rounding); documents starting at
+        multiples of `chunk_size` are exactly separated, also in the gradient
+        (docs/train_lm.md). Not with `return_cache`.
+      cu_seqlens: None, or int [N + 1] offsets of N documents packed in one row (B = 1):
+        document n holds tokens [cu_seqlens[n], cu_seqlens[n + 1]) (docs/varlen.md). The
+        operator runs them as separate sequences (its `cu_seqlens` form: exact in the forward
+        and the gradient wherever the documents start) and the short convolution reads zeros
+        across a boundary. May be traced (new boundaries with the same N do not recompile).
+        With `return_cache` the cache has one row per document (B = N): a prefill of N packed
+        prompts for a decode of N sequences. Not with `lengths`, `segment_ids`, "householder"
+        or `sharding`.
+      return_cache: also return the `GatedDeltaProductCache` after lengths[b] tokens (after
+        each document with cu_seqlens).
 
     Returns:
       y [B, T, D], or (y, cache) with `return_cache`.
@@ -599,10 +649,14 @@ class GatedDeltaProduct(nnx.Module):
         "segment_ids with return_cache is not supported: a decode cache "
         "continues one sequence per row, not packed documents"
       )
+    conv_segments = segment_ids
+    if cu_seqlens is not None:
+      cu_seqlens = self._check_cu_seqlens(cu_seqlens, lengths, segment_ids, batch, t_len)
+      conv_segments = varlen.token_sequences(cu_seqlens, t_len)[None]
     if self.dtype is not None:
       x = x.astype(self.dtype)
     pre = self._project_in(x)
-    qkv = self.conv(pre, segment_ids) if self.use_short_conv else jax.nn.silu(pre)
+    qkv = self.conv(pre, conv_segments) if self.use_short_conv else jax.nn.silu(pre)
     q, k, v = self._split_qkv(qkv)
     g, beta = self._gates(x)
     if segment_ids is not None:
@@ -628,30 +682,76 @@ class GatedDeltaProduct(nnx.Module):
     else:
       mask = self._mask(x)
       beta = self._scale_beta(beta, mask)
-      o, final = sharded_gated_delta_product(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        mask,
-        output_final_state=return_cache,
-        chunk_size=self.chunk_size,
-        implementation=self.implementation,
-        sharding=self.sharding,
-      )
+      if cu_seqlens is not None:
+        o, final = gated_delta_product(
+          q,
+          k,
+          v,
+          g,
+          beta,
+          mask,
+          output_final_state=return_cache,
+          chunk_size=self.chunk_size,
+          implementation=self._varlen_implementation(),
+          cu_seqlens=cu_seqlens,
+        )
+      else:
+        o, final = sharded_gated_delta_product(
+          q,
+          k,
+          v,
+          g,
+          beta,
+          mask,
+          output_final_state=return_cache,
+          chunk_size=self.chunk_size,
+          implementation=self.implementation,
+          sharding=self.sharding,
+        )
     y = self._output(o, x)
     if not return_cache:
       return y
-    conv = self.conv.state_after(pre, lengths) if self.use_short_conv else None
+    conv = None
+    if self.use_short_conv:
+      if cu_seqlens is not None:
+        conv = self.conv.state_after_packed(pre, cu_seqlens)
+      else:
+        conv = self.conv.state_after(pre, lengths)
     return y, GatedDeltaProductCache(conv, final)
+
+  def _check_cu_seqlens(self, cu_seqlens, lengths, segment_ids, batch, t_len):
+    """Checked offsets (concrete ones: a ValueError unless valid), sanitised as int32."""
+    if lengths is not None or segment_ids is not None:
+      raise ValueError(
+        "cu_seqlens packs documents in one row: pass it without lengths and segment_ids"
+      )
+    if batch != 1:
+      raise ValueError(
+        f"with cu_seqlens the batch size must be 1 (documents packed in one row), got x of "
+        f"shape [B, T, D] with B = {batch}"
+      )
+    if self.mask_mode == "householder":
+      raise ValueError(
+        "cu_seqlens is not supported with mask_mode='householder' yet; use segment_ids"
+      )
+    if self.sharding is not None:
+      raise ValueError("cu_seqlens is not supported with sharding yet; use segment_ids")
+    cu_seqlens, _ = check_cu_seqlens(cu_seqlens)
+    check_cu_seqlens_values(cu_seqlens, t_len)
+    return varlen.sanitize(cu_seqlens, t_len)
+
+  def _varlen_implementation(self):
+    """The layer's implementation for the operator's cu_seqlens form: "pallas" (also the
+    default on a GPU) has none yet, so it runs "xla" there."""
+    names = dispatch.implementations("gated_delta_product_varlen")
+    return self.implementation if self.implementation in names else None
 
   # -- one token --------------------------------------------------------------------------------
 
   def init_cache(self, batch_size: int, dtype: DTypeLike | None = None) -> GatedDeltaProductCache:
     """The empty cache: zero convolution inputs (in `dtype`, default the layer's dtype or f32)
     and a zero float32 state."""
-    H, K, V = self.num_heads, self.head_dim, self.value_dim
+    H, K, V = self.num_v_heads, self.head_dim, self.value_dim
     conv = None
     if self.use_short_conv:
       conv = jnp.zeros(
@@ -665,13 +765,13 @@ class GatedDeltaProduct(nnx.Module):
     """One token per sequence: x [B, D] -> (y [B, D], new cache); `cache` from `init_cache(B)`
     or from a prefill (`return_cache=True`) of this layer."""
     _check_x(x, self.hidden_size, 2, "[B, D] (one token per sequence)")
-    H, K, V, B = self.num_heads, self.head_dim, self.value_dim, x.shape[0]
+    H, K, V, B = self.num_v_heads, self.head_dim, self.value_dim, x.shape[0]
     conv_shape = (B, self.conv_size - 1, self._conv_channels()) if self.use_short_conv else None
     _check_cache(
       cache,
       GatedDeltaProductCache,
       {
-        "state": ((B, H, K, V), "[B, H, K, V]"),
+        "state": ((B, H, K, V), "[B, HV, K, V]"),
         "conv": (
           conv_shape,
           "[B, conv_size - 1, channels of the short convolution], None without the convolution",

@@ -2,7 +2,12 @@
 
 The public operator (docs/operator.md). Every implementation receives the same normalised inputs:
 T padded to a multiple of the chunk (padding tokens have beta = 0, g = 0: exact no-ops), the mask
-as a 5-D array [Bm, Tm, Hm, r, r] that broadcasts against [B, T, H, r, r], and a float32 state.
+as a 5-D array [Bm, Tm, Hm, r, r] that broadcasts against [B, T, HV, r, r], and a float32 state.
+q and k keep their H key heads (grouped value heads: v, g, beta, the mask and the state have
+HV = a multiple of H; each implementation maps them with `expand_key_heads`). With `cu_seqlens`
+(packed variable-length sequences, docs/varlen.md) T is not padded: the implementation's varlen
+entry point ("gated_delta_product_varlen" in gdp_jax/dispatch.py) gets the offsets and an
+initial state per sequence, [N, HV, K, V].
 """
 
 from __future__ import annotations
@@ -157,8 +162,20 @@ def normalize_mask(mask, batch, t_len, heads, dim_k):
   return mask, r
 
 
-def check_inputs(q, k, v, g, beta, mask, initial_state):
-  """Validate the operator's arguments; returns (B, T, H, K, V, normalised mask, r)."""
+def _state_what(num_states, batch, heads, grouped):
+  h = "HV" if grouped else "H"
+  if num_states is None:
+    return f"[B, {h}, K, V]"
+  return f"[N, {h}, K, V]: one state per sequence of cu_seqlens (N = {num_states})"
+
+
+def check_inputs(q, k, v, g, beta, mask, initial_state, *, grouped=False, num_states=None):
+  """Validate the operator's arguments; returns (B, T, HV, K, V, normalised mask, r).
+
+  grouped: allow HV value heads (v, g, beta, the mask, the state) for H key heads (q, k) with
+  HV % H == 0 (value head i reads key head i // (HV // H)); without it HV must equal H.
+  num_states: the initial state's leading axis (N, the sequences of cu_seqlens), default B.
+  """
   for name, x in (("q", q), ("k", k), ("v", v)):
     check_float(name, x)
   if q.ndim != 4:
@@ -167,11 +184,27 @@ def check_inputs(q, k, v, g, beta, mask, initial_state):
   if dim_k < 1:
     raise ValueError(f"q has K = {dim_k} features (shape {_shape(q)}); need K >= 1")
   check_shape("k", k, q.shape, "k must match q: [B, T, H, K]")
-  if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
-    raise ValueError(
-      f"v has shape {_shape(v)}, expected [B, T, H, V] = "
-      f"[{batch}, {t_len}, {heads}, V] (B, T, H as q)"
-    )
+  if not grouped:
+    if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
+      raise ValueError(
+        f"v has shape {_shape(v)}, expected [B, T, H, V] = "
+        f"[{batch}, {t_len}, {heads}, V] (B, T, H as q)"
+      )
+  else:
+    if v.ndim != 4 or v.shape[:2] != q.shape[:2]:
+      raise ValueError(
+        f"v has shape {_shape(v)}, expected [B, T, HV, V] = "
+        f"[{batch}, {t_len}, HV, V] (B, T as q; HV a multiple of H = {heads})"
+      )
+    if heads < 1 or v.shape[2] % heads != 0 or v.shape[2] < 1:
+      raise ValueError(
+        f"v has shape {_shape(v)}, expected [B, T, H, V] = [{batch}, {t_len}, {heads}, V] or, "
+        f"with grouped value heads, [B, T, HV, V] with HV a positive multiple of H = {heads} "
+        f"(the key heads of q and k, shape {_shape(q)}; value head i reads key head "
+        f"i // (HV // H))"
+      )
+  heads_v = v.shape[2]
+  h = "HV" if grouped else "H"
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
   if t_len < 1:
@@ -179,18 +212,85 @@ def check_inputs(q, k, v, g, beta, mask, initial_state):
   dim_v = v.shape[-1]
   if beta is None:
     raise ValueError(
-      f"beta is required: the write strength, shape [B, T, H] = [{batch}, {t_len}, {heads}]"
+      f"beta is required: the write strength, shape [B, T, {h}] = [{batch}, {t_len}, {heads_v}]"
     )
   check_float("beta", beta)
-  check_shape("beta", beta, (batch, t_len, heads), "[B, T, H] as q")
+  check_shape("beta", beta, (batch, t_len, heads_v), f"[B, T, {h}] as v")
   if g is not None:
     check_float("g", g)
-    check_shape("g", g, (batch, t_len, heads), "[B, T, H] as q: the log-decay")
-  mask5, r = normalize_mask(mask, batch, t_len, heads, dim_k)
+    check_shape("g", g, (batch, t_len, heads_v), f"[B, T, {h}] as v: the log-decay")
+  mask5, r = normalize_mask(mask, batch, t_len, heads_v, dim_k)
   if initial_state is not None:
     check_float("initial_state", initial_state)
-    check_shape("initial_state", initial_state, (batch, heads, dim_k, dim_v), "[B, H, K, V]")
-  return batch, t_len, heads, dim_k, dim_v, mask5, r
+    states = batch if num_states is None else num_states
+    check_shape(
+      "initial_state",
+      initial_state,
+      (states, heads_v, dim_k, dim_v),
+      _state_what(num_states, batch, heads_v, grouped),
+    )
+  return batch, t_len, heads_v, dim_k, dim_v, mask5, r
+
+
+def expand_key_heads(x, value_heads):
+  """[..., H, K] -> [..., HV, K]: key head i // (HV // H) for value head i (grouped value heads,
+  docs/varlen.md#grouped-value-heads). Autodiff of the repeat sums the gradient over the group."""
+  group = value_heads // x.shape[-2]
+  return x if group == 1 else jnp.repeat(x, group, axis=-2)
+
+
+def sum_key_heads(dx, heads):
+  """The vjp of `expand_key_heads`: [..., HV, K] -> [..., H, K], the sum over each group."""
+  group = dx.shape[-2] // heads
+  if group == 1:
+    return dx
+  summed = dx.astype(jnp.float32).reshape(dx.shape[:-2] + (heads, group, dx.shape[-1])).sum(-2)
+  return summed.astype(dx.dtype)
+
+
+def check_cu_seqlens(cu_seqlens):
+  """A TypeError / ValueError unless cu_seqlens is a rank-1 integer array of N + 1 >= 2 offsets;
+  returns it as an array (NumPy when concrete, so that its values can be checked) and N."""
+  if isinstance(cu_seqlens, (list, tuple)):
+    cu_seqlens = np.asarray(cu_seqlens)
+  dtype = getattr(cu_seqlens, "dtype", None)
+  if dtype is None:
+    raise TypeError(
+      f"cu_seqlens must be an int32 array [N + 1] of offsets, got {type(cu_seqlens).__name__}"
+    )
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(
+      f"cu_seqlens must have an integer dtype (int32), got {dtype} with shape {_shape(cu_seqlens)}"
+    )
+  if len(_shape(cu_seqlens)) != 1 or _shape(cu_seqlens)[0] < 2:
+    raise ValueError(
+      f"cu_seqlens must be [N + 1] (rank 1, N >= 1 sequences: 0, the end of sequence 0, ..., "
+      f"T), got shape {_shape(cu_seqlens)}"
+    )
+  if not isinstance(cu_seqlens, jax.core.Tracer):
+    cu_seqlens = np.asarray(cu_seqlens)
+  return cu_seqlens, _shape(cu_seqlens)[0] - 1
+
+
+def check_cu_seqlens_values(cu_seqlens, t_len):
+  """For concrete offsets: a ValueError unless they start at 0, end at T and never decrease
+  (traced ones cannot be checked: see `gdp_jax.varlen.sanitize`)."""
+  if isinstance(cu_seqlens, jax.core.Tracer):
+    return
+  check_int32_values("cu_seqlens", cu_seqlens)
+  values = np.asarray(cu_seqlens)
+  shown = values.tolist() if values.size <= 16 else f"{values[:8].tolist()} ..."
+  if values[0] != 0:
+    raise ValueError(f"cu_seqlens must start at 0, got {shown}")
+  if values[-1] != t_len:
+    raise ValueError(
+      f"cu_seqlens must end at T = {t_len} (the tokens of q, shape [1, T, H, K]), got "
+      f"{values[-1]} (cu_seqlens = {shown})"
+    )
+  if np.any(np.diff(values) < 0):
+    raise ValueError(
+      f"cu_seqlens must be non-decreasing (equal neighbours make an empty sequence), got {shown}"
+    )
 
 
 def _pad_time(x, t_pad):
@@ -222,28 +322,32 @@ def gated_delta_product(
   precision: str | None = None,
   backward: str = "pallas",
   options: KernelOptions | None = None,
+  cu_seqlens: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Block-masked gated delta product linear attention (docs/operator.md).
 
-  Per batch row and head a float32 state S [K, V] evolves as
+  Per batch row and value head a float32 state S [K, V] evolves as
     S' = exp(g_t) S_{t-1};  u_a = beta_t (v_t - sum_d M_t[a,d] k_t^(d)T S'^(d));
     S_t^(a) = S'^(a) + k_t^(a) u_a^T;  o_t = scale q_t^T S_t
   with the key dimension split into r blocks (r = mask size).
 
   Args:
-    q, k: [B, T, H, K]. v: [B, T, H, V]. One dtype for all three: float32, bfloat16 or
-      float16 (float64 is rejected: everything is computed in float32).
-    g: [B, T, H] log-decay (<= 0), or None for no decay.
-    beta: [B, T, H] write strength (required).
-    mask: None (r = 1), [r, r], [H, r, r] or per token [B, T, H, r, r]; K % r == 0.
+    q, k: [B, T, H, K]. v: [B, T, HV, V] with HV a multiple of H (grouped value heads: value
+      head i reads key head i // (HV // H); HV = H is the plain case). One dtype for all three:
+      float32, bfloat16 or float16 (float64 is rejected: everything is computed in float32).
+    g: [B, T, HV] log-decay (<= 0), or None for no decay.
+    beta: [B, T, HV] write strength (required).
+    mask: None (r = 1), [r, r], [HV, r, r] or per token [B, T, HV, r, r]; K % r == 0.
     scale: output scale, default K ** -0.5: a number, or a scalar array (traced ones included,
       e.g. a learned scale under `jax.jit`; differentiable).
-    initial_state: [B, H, K, V] or None (zeros).
-    output_final_state: True to also return the final state [B, H, K, V] float32 (a bool).
+    initial_state: [B, HV, K, V] ([N, HV, K, V] with cu_seqlens) or None (zeros).
+    output_final_state: True to also return the final state [B, HV, K, V] float32 (a bool).
     chunk_size: tokens per chunk of the chunked forms, one of 16, 32, 64.
     implementation: "reference" (recurrence over time), "xla" (chunked jnp), "pallas" (GPU
       kernels; interpreted on CPU, slowly), or None for the fastest one available on the
-      device ("pallas" on a supported GPU, "xla" elsewhere; see gdp_jax/dispatch.py).
+      device ("pallas" on a supported GPU, "xla" elsewhere; see gdp_jax/dispatch.py). With
+      cu_seqlens, None picks "xla" everywhere and "pallas" is a NotImplementedError (the
+      kernels have no variable-length form yet).
     precision: float32 matmuls of the Pallas kernels: None follows
       `jax.default_matmul_precision` (TF32 by default, as XLA's float32 dots on these GPUs),
       "highest" gives tf32x3 (close to float32), "ieee" full float32 on the CUDA cores
@@ -254,17 +358,27 @@ def gated_delta_product(
       the chunked form behind the Pallas forward: a debugging switch).
     options: with implementation "pallas": a `pallas_kernels.common.options.KernelOptions`
       (matmul precision and launch parameters); None picks them by heuristic.
+    cu_seqlens: None, or int32 [N + 1] offsets of N sequences packed back to back in one row
+      (docs/varlen.md): B must be 1, sequence n holds tokens [cu_seqlens[n], cu_seqlens[n + 1]),
+      offsets start at 0, end at T and never decrease (two equal offsets: an empty sequence,
+      whose final state is its initial state). Every sequence starts from its own initial state
+      (zeros if none) and nothing crosses a boundary. May be traced under `jax.jit`: new
+      boundaries with the same N and T do not recompile. Concrete offsets are checked; invalid
+      traced ones are undefined behaviour (they are repaired, `gdp_jax.varlen.sanitize`, so
+      nothing reads out of bounds, but the result means nothing).
 
   Returns:
-    (o [B, T, H, V] in q.dtype, final_state [B, H, K, V] float32 or None).
+    (o [B, T, HV, V] in q.dtype, final_state [B, HV, K, V] ([N, HV, K, V] with cu_seqlens)
+    float32 or None).
 
   Derivatives: every implementation supports reverse mode (`jax.grad`, `jax.vjp`) in every
   input; "reference" and "xla" also forward mode and higher orders (JAX differentiates their
   jnp code), "pallas" raises a NotImplementedError for those (its backward is a custom_vjp).
+  With grouped value heads dq and dk sum over each group.
 
   Values: g = -inf (a reset) gives the recurrence's result in every implementation. A nan or
   inf at token t leaves the outputs before t and their gradients unchanged in "reference" and
-  "xla" (docs/precision.md#non-finite-inputs).
+  "xla" (docs/precision.md#non-finite-inputs); with cu_seqlens it spoils its own sequence only.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -276,7 +390,19 @@ def gated_delta_product(
     >>> o.shape, state.shape
     ((1, 8, 2, 16), (1, 2, 16, 16))
   """
-  batch, t_len, heads, dim_k, dim_v, mask5, r = check_inputs(q, k, v, g, beta, mask, initial_state)
+  num_seqs = None
+  if cu_seqlens is not None:
+    cu_seqlens, num_seqs = check_cu_seqlens(cu_seqlens)
+  batch, t_len, heads_v, dim_k, dim_v, mask5, r = check_inputs(
+    q, k, v, g, beta, mask, initial_state, grouped=True, num_states=num_seqs
+  )
+  if cu_seqlens is not None:
+    if batch != 1:
+      raise ValueError(
+        f"with cu_seqlens the batch size must be 1 (the N = {num_seqs} sequences packed back "
+        f"to back in one row), got B = {batch} (q shape {_shape(q)})"
+      )
+    check_cu_seqlens_values(cu_seqlens, t_len)
   # NumPy arrays in JAX's dtypes from here (float64 NumPy input is float32 without x64).
   q, k, v, beta, mask5 = (jnp.asarray(x) for x in (q, k, v, beta, mask5))
   g = None if g is None else jnp.asarray(g)
@@ -284,7 +410,13 @@ def gated_delta_product(
   output_final_state = check_bool("output_final_state", output_final_state)
   chunk_size = check_chunk_size(chunk_size)
   scale = check_scale(scale)
-  implementation = dispatch.resolve("gated_delta_product", implementation)
+  function = "gated_delta_product" if cu_seqlens is None else "gated_delta_product_varlen"
+  if cu_seqlens is not None and implementation == "pallas":
+    raise NotImplementedError(
+      "gated_delta_product with cu_seqlens has no Pallas kernels yet: use "
+      "implementation='xla' (or None, which picks 'xla' when cu_seqlens is given)"
+    )
+  implementation = dispatch.resolve(function, implementation)
   dispatch.check_backward(backward, implementation)
   # None with explicit options keeps options.precision; else None follows jax's default.
   kernel_precision = (
@@ -293,13 +425,20 @@ def gated_delta_product(
   if scale is None:
     scale = dim_k**-0.5
   if g is None:
-    g = jnp.zeros((batch, t_len, heads), jnp.float32)
+    g = jnp.zeros((batch, t_len, heads_v), jnp.float32)
   if initial_state is None:
-    initial_state = jnp.zeros((batch, heads, dim_k, dim_v), jnp.float32)
+    states = batch if num_seqs is None else num_seqs
+    initial_state = jnp.zeros((states, heads_v, dim_k, dim_v), jnp.float32)
   initial_state = initial_state.astype(jnp.float32)
 
-  run = dispatch.entry("gated_delta_product", implementation)
-  if implementation == "reference":
+  run = dispatch.entry(function, implementation)
+  if cu_seqlens is not None:
+    cu = jnp.asarray(cu_seqlens)
+    if implementation == "reference":
+      o, final = run(q, k, v, g, beta, mask5, initial_state, scale, cu)
+    else:
+      o, final = run(q, k, v, g, beta, mask5, initial_state, scale, chunk_size, cu)
+  elif implementation == "reference":
     o, final = run(q, k, v, g, beta, mask5, initial_state, scale)
   else:
     t_pad = -(-t_len // chunk_size) * chunk_size

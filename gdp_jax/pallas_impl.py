@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gdp_jax import dispatch, xla_backward
+from gdp_jax.operator import expand_key_heads
 from gdp_jax.xla import RESET_LOG_DECAY
 from gdp_jax.xla_backward import reduce_dmask
 from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
@@ -213,8 +214,8 @@ def gated_delta_product_pallas(
   backward="pallas",
   precision=None,
 ):
-  """q, k [B, Tp, H, K]; v [B, Tp, H, V]; g, beta [B, Tp, H]; mask [Bm, Tm, Hm, r, r];
-  initial_state [B, H, K, V] f32 -> (o [B, Tp, H, V] in q's dtype, final [B, H, K, V] f32).
+  """q, k [B, Tp, H, K]; v [B, Tp, HV, V]; g, beta [B, Tp, HV]; mask [Bm, Tm, Hm, r, r];
+  initial_state [B, HV, K, V] f32 -> (o [B, Tp, HV, V] in q's dtype, final [B, HV, K, V] f32).
 
   Differentiable in every input (jax.custom_vjp); the padding around the kernels is plain jnp.
   options: a `KernelOptions` (precision, launch parameters); None picks the heuristic's.
@@ -224,7 +225,13 @@ def gated_delta_product_pallas(
     behind the Pallas forward, for debugging).
   scale: a Python number is passed to the kernels; an array (a traced scale under `jax.jit`, a
     learned one) runs them with 1 and multiplies o afterwards (o is linear in the scale).
+  Grouped value heads (HV a multiple of H): q and k are repeated across each group before the
+  kernels, and JAX's vjp of the repeat sums dq and dk over the group.
   """
+  # The kernels see HV heads throughout. Faster follow-up: index maps that read key head
+  # i // (HV // H) for value head i (no repeated copy of q and k in memory), with the backward
+  # kernels accumulating dq and dk over the group.
+  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
   if not isinstance(scale, (int, float)):
     o, final = gated_delta_product_pallas(
       q,

@@ -4,8 +4,13 @@
 Ground truth for every other implementation. Plain `lax.scan` over time, float32 throughout, no
 chunking. Inputs are already validated and normalised by `gdp_jax.operator`:
 
-  q, k: [B, T, H, K]   v: [B, T, H, V]   g, beta: [B, T, H]   mask: [B, T, H, r, r] (broadcastable)
-  initial_state: [B, H, K, V] float32
+  q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]
+  mask: [B, T, HV, r, r] (broadcastable)   initial_state: [B, HV, K, V] float32
+
+HV is a multiple of H (grouped value heads): q and k are repeated across each group first
+(`operator.expand_key_heads`). Packed sequences (`cu_seqlens`, docs/varlen.md) run the same scan
+over the packed row, with the state replaced by the sequence's initial state at each sequence's
+first token.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import nonfinite
+from gdp_jax import nonfinite, varlen
+from gdp_jax.operator import expand_key_heads
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -49,6 +55,7 @@ def gated_delta_product_reference(q, k, v, g, beta, mask, initial_state, scale):
   marked nan (gdp_jax/nonfinite.py), so a bad token never reaches earlier gradients through
   `0 * nan` in the scan's backward.
   """
+  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
   (q, k, v, g, beta, mask), marks = nonfinite.clean(q, k, v, g, beta, mask)
   o, final = _scan(q, k, v, g, beta, mask, initial_state, scale)
   return nonfinite.mark(o, final, marks)
@@ -66,3 +73,34 @@ def _scan(q, k, v, g, beta, mask, initial_state, scale):
   xs = tuple(time_major(x) for x in (q, k, v, g, beta, mask))
   final, o = jax.lax.scan(step, initial_state.astype(jnp.float32), xs)
   return jnp.moveaxis(o, 0, 1), final
+
+
+def gated_delta_product_reference_varlen(q, k, v, g, beta, mask, initial_state, scale, cu_seqlens):
+  """Packed sequences (docs/varlen.md): q, k [1, T, H, K], v [1, T, HV, V], g, beta [1, T, HV],
+  mask [1, Tm, Hm, r, r], initial_state [N, HV, K, V] float32, cu_seqlens [N + 1] int.
+
+  One scan over the T tokens: at a sequence's first token the state becomes that sequence's
+  initial state; after its last token the state is stored as its final state (a sequence without
+  tokens keeps its initial state). Returns (o [1, T, HV, V] float32, final [N, HV, K, V] float32).
+  A non-finite input spoils its own sequence only (`varlen.clean`).
+  """
+  t_len = q.shape[1]
+  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
+  cu = varlen.sanitize(cu_seqlens, t_len)
+  (q, k, v, g, beta, mask), marks = varlen.clean(q, k, v, g, beta, mask, cu)
+  seq, first, last = varlen.token_boundaries(cu, t_len)
+  mask = jnp.broadcast_to(mask, q.shape[:3] + mask.shape[-2:])
+  h0 = initial_state.astype(jnp.float32)
+
+  def step(carry, xs):
+    state, finals = carry
+    *token, n, is_first, is_last = xs
+    state = jnp.where(is_first, h0[n][None], state)
+    o, state = recurrent_step(*token, state, scale)
+    finals = finals.at[n].set(jnp.where(is_last, state[0], finals[n]))
+    return (state, finals), o
+
+  time_major = lambda x: jnp.moveaxis(x, 1, 0)
+  xs = tuple(time_major(x) for x in (q, k, v, g, beta, mask)) + (seq, first, last)
+  (_, final), o = jax.lax.scan(step, (h0[:1], h0), xs)
+  return nonfinite.mark(jnp.moveaxis(o, 0, 1), final, marks)

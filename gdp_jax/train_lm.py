@@ -29,9 +29,10 @@ from its own document's BOS and earlier bytes only. Bits per byte = mean nats / 
 Documents do not see each other: segment ids (one per document, PADs belong to the document
 before them) go to every layer (`HybridLM(tokens, segment_ids=...)`): attention is masked by
 segment, the short convolution reads zeros across a boundary, and the gated delta product state
-is reset at each BOS through the log-decay g = -112 (exp(g) = 0 in float32). The operator has
-no variable-length (cu_seqlens) form yet; with documents starting at chunk boundaries the reset
-is exact in the gradient too (docs/train_lm.md).
+is reset at each BOS through the log-decay g = -112 (exp(g) = 0 in float32). The operator's
+packed form (cu_seqlens, docs/varlen.md) needs one row with a static number of documents, which
+these batches of B random windows do not have; with documents starting at chunk boundaries the
+reset is exact in the gradient too (docs/train_lm.md).
 
 Training: AdamW (weight decay on matrices only), linear warm-up then cosine decay to
 `min_lr_ratio` of the peak, global-norm gradient clipping, bfloat16 compute with float32

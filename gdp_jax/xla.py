@@ -16,6 +16,13 @@ layout, so the kernels are tested stage by stage against these functions:
 Everything is computed in float32 with HIGHEST matmul precision: this is ground truth, also on GPU.
 Padding tokens carry beta = 0 and g = 0, which makes them exact no-ops
 (docs/chunked_form.md#padding).
+
+The whole forward (`gated_delta_product_xla`) takes grouped value heads (v, g, beta, the mask and
+the state with HV heads, q and k with H, HV % H == 0) and repeats q and k across each group before
+the stages, which all see one head count. Packed sequences (`gated_delta_product_xla_varlen`,
+docs/varlen.md) run the same stages on the chunk-aligned padded layout of gdp_jax/varlen.py; only
+the state recurrence changes (`chunk_state_varlen`: the state entering a sequence's first chunk is
+that sequence's initial state, and each sequence's final state is read after its last chunk).
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import nonfinite
+from gdp_jax import nonfinite, varlen
+from gdp_jax.operator import expand_key_heads
 
 HIGHEST = jax.lax.Precision.HIGHEST
 f32 = jnp.float32
@@ -254,6 +262,43 @@ def chunk_state(k, w, u, gcum, initial_state, chunk, state_chunk, seg=None):
   return h, v_new, final
 
 
+def chunk_state_varlen(k, w, u, gcum, start_states, first, chunk, seg=None):
+  """`chunk_state` over packed sequences (docs/varlen.md), one state per chunk of `chunk`
+  tokens: at a chunk where `first` [NT] (bool) is set, the state entering it is replaced by
+  `start_states` [NT, B, H, K, V] (its sequence's initial state; B = 1 in the packed layout).
+  Returns h [B, H, NT, K, V] (the state each chunk starts from, after the replacement),
+  v_new [B, H, Tp*r, V] and ends [B, H, NT, K, V] (the state after each chunk), from which
+  `varlen.final_states` reads every sequence's final state.
+  """
+  bsz, t_len, heads, dim_k = k.shape
+  dim_v = u.shape[-1]
+  r = w.shape[2] // t_len
+  dk = dim_k // r
+  n = chunk * r
+  nt = t_len // chunk
+  kc = _head_major_chunks(k, chunk).reshape(bsz, heads, nt, chunk, r, dk)
+  gc = _chunks(gcum, chunk, 2)
+  sc = _chunks(jnp.zeros(gcum.shape, jnp.int32) if seg is None else seg, chunk, 2)
+  wc = w.astype(f32).reshape(bsz, heads, nt, n, dim_k)
+  uc = u.astype(f32).reshape(bsz, heads, nt, n, dim_v)
+
+  def one_chunk(state, xs):
+    k_c, g_c, s_c, w_c, u_c, start, is_first = xs
+    state = jnp.where(is_first, start, state)
+    v_new = u_c - _einsum("zyik,zykv->zyiv", w_c, state)  # [B,H,N,V]
+    k_dec = k_c * _to_end(g_c, s_c)[..., None, None]
+    upd = _einsum("zytad,zytav->zyadv", k_dec, v_new.reshape(bsz, heads, chunk, r, dim_v))
+    decay = _from_start(g_c, s_c)[..., -1]  # exp(gamma_L)
+    end = decay[..., None, None] * state + upd.reshape(bsz, heads, dim_k, dim_v)
+    return end, (state, v_new, end)
+
+  xs = tuple(jnp.moveaxis(x, 2, 0) for x in (kc, gc, sc, wc, uc))
+  xs = xs + (start_states.astype(f32), first)
+  _, (h, v_new, ends) = jax.lax.scan(one_chunk, jnp.zeros_like(start_states[0], f32), xs)
+  v_new = jnp.moveaxis(v_new, 0, 2).reshape(bsz, heads, t_len * r, dim_v)
+  return jnp.moveaxis(h, 0, 2), v_new, jnp.moveaxis(ends, 0, 2)
+
+
 def chunk_output(q, k, v_new, h, gcum, scale, chunk, seg=None):
   """o_t = scale (exp(g_t) q_t^T S0
                  + sum_{s<=t} sum_a exp(g_t - g_s) <q_t^(a), k_s^(a)> v_new[(s,a)]).
@@ -295,13 +340,15 @@ def to_head_major(x):
 def gated_delta_product_xla(q, k, v, g, beta, mask, initial_state, scale, chunk_size):
   """The chunked form over already padded inputs (Tp % chunk_size == 0).
 
-  q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; g, beta: [B, Tp, H]; mask: [Bm, Tm, Hm, r, r].
-  Returns (o [B, Tp, H, V] float32, final_state [B, H, K, V] float32).
+  q, k: [B, Tp, H, K]; v: [B, Tp, HV, V]; g, beta: [B, Tp, HV]; mask: [Bm, Tm, Hm, r, r]
+  (Hm in {1, HV}); initial_state [B, HV, K, V]; HV a multiple of H (grouped value heads).
+  Returns (o [B, Tp, HV, V] float32, final_state [B, HV, K, V] float32).
 
   Causal under non-finite inputs: a nan or inf at token t leaves every output before t (and the
   gradients of a loss on them) as without it (gdp_jax/nonfinite.py); g <= RESET_LOG_DECAY
   (g = -inf included) is an exact reset (`gate_cumsum`).
   """
+  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
   (q, k, v, g, beta, mask), marks = nonfinite.clean(q, k, v, g, beta, mask)
   o, final = chunked_forward(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
   return nonfinite.mark(o, final, marks)
@@ -318,4 +365,44 @@ def chunked_forward(q, k, v, g, beta, mask, initial_state, scale, chunk_size):
   w, u = recompute_w_u(k, v, beta_hm, mask, gcum, ai, chunk_size, seg)
   h, v_new, final = chunk_state(k, w, u, gcum, initial_state, chunk_size, chunk_size, seg)
   o = chunk_output(q, k, v_new, h, gcum, scale, chunk_size, seg)
+  return o, final
+
+
+def gated_delta_product_xla_varlen(
+  q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens
+):
+  """Packed sequences (docs/varlen.md): q, k [1, T, H, K]; v [1, T, HV, V]; g, beta [1, T, HV];
+  mask [1, Tm, Hm, r, r]; initial_state [N, HV, K, V] float32; cu_seqlens [N + 1] int (T not
+  padded). Returns (o [1, T, HV, V] float32, final [N, HV, K, V] float32).
+
+  The inputs are cleaned (`varlen.clean`: a non-finite input spoils its own sequence only) and
+  packed into the chunk-aligned layout (`varlen.layout`: each sequence from a chunk boundary,
+  zeros between); the chunked stages run on it unchanged except the state recurrence
+  (`chunk_state_varlen`), and the outputs are gathered back.
+  """
+  t_len = q.shape[1]
+  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
+  lay = varlen.layout(cu_seqlens, t_len, chunk_size)
+  (q, k, v, g, beta, mask), marks = varlen.clean(q, k, v, g, beta, mask, lay.cu_seqlens)
+  q, k, v, g, beta = (varlen.pack(x, lay) for x in (q, k, v, g, beta))
+  if mask.shape[1] != 1:
+    mask = varlen.pack(mask, lay)
+  o, final = chunked_forward_varlen(q, k, v, g, beta, mask, initial_state, scale, lay)
+  return nonfinite.mark(varlen.unpack(o, lay), final, marks)
+
+
+def chunked_forward_varlen(q, k, v, g, beta, mask, initial_state, scale, lay):
+  """The chunked form on packed, finite inputs [1, T_pad, ...] (`varlen.pack`) with the layout
+  `lay`; initial_state [N, H, K, V]. Returns (o [1, T_pad, H, V], final [N, H, K, V])."""
+  chunk = lay.chunk
+  r = mask.shape[-1]
+  gcum, seg = gate_cumsum(to_head_major(g), chunk)
+  beta_hm = to_head_major(beta)
+  a = chunk_kkt(k, beta_hm, mask, gcum, chunk, seg)
+  ai = solve_tril(a, chunk * r)
+  w, u = recompute_w_u(k, v, beta_hm, mask, gcum, ai, chunk, seg)
+  starts = varlen.chunk_initial_states(initial_state, lay)[:, None]  # [NT, 1, H, K, V]
+  h, v_new, ends = chunk_state_varlen(k, w, u, gcum, starts, lay.chunk_first, chunk, seg)
+  o = chunk_output(q, k, v_new, h, gcum, scale, chunk, seg)
+  final = varlen.final_states(jnp.moveaxis(ends[0], 1, 0), initial_state, lay)
   return o, final

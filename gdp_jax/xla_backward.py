@@ -44,6 +44,11 @@ Stages (the loss is L = <o, do> + <final, dfinal>):
 5. `chunk_local_reverse_cumsum`: gcum = chunk-local cumsum of g, so dg = the suffix sum of dgcum
    inside each chunk.
 6. `gated_delta_product_xla_bwd`: 1-5 composed, the vjp of `xla.gated_delta_product_xla`.
+   `gated_delta_product_xla_varlen_bwd` is the vjp of `xla.gated_delta_product_xla_varlen`
+   (packed sequences, docs/varlen.md): the same stages on the chunk-aligned layout, stage 2 as
+   `chunk_bwd_dhu_varlen` (dfinal enters at each sequence's last chunk, the gradient of each
+   initial state leaves at its first chunk); stages 1, 3, 4 and 5 work on whole chunks and need
+   no table.
 
 Residuals. The backward takes the primal inputs and recomputes what it needs: gcum (a cumsum),
 w, u (`recompute_w_u`), h, v_new (`chunk_state`, the forward state kernel). Ai may be passed in
@@ -72,8 +77,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import nonfinite
+from gdp_jax import nonfinite, varlen
 from gdp_jax import xla as _xla
+from gdp_jax.operator import expand_key_heads, sum_key_heads
 from gdp_jax.xla import (
   _chunks,
   _decay,
@@ -94,6 +100,8 @@ __all__ = [
   "reduce_dmask",
   "chunk_local_reverse_cumsum",
   "gated_delta_product_xla_bwd",
+  "chunk_bwd_dhu_varlen",
+  "gated_delta_product_xla_varlen_bwd",
 ]
 
 
@@ -156,7 +164,25 @@ def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, seg=None):
   bsz, t_len, heads, dim_k = q.shape
   dim_v = do.shape[-1]
   r = w.shape[2] // t_len
-  dk = dim_k // r
+  if dfinal is None:
+    dfinal = jnp.zeros((bsz, heads, dim_k, dim_v), f32)
+
+  def one_chunk(dh, xs):
+    ds0, dv_new = _dhu_chunk(dh, *xs, scale)
+    return ds0, (dh, dv_new)
+
+  xs = _dhu_inputs(q, k, w, gcum, do, dv_local, chunk, seg)
+  dh0, (dh, dv_new) = jax.lax.scan(one_chunk, dfinal.astype(f32), xs, reverse=True)
+  dh = jnp.moveaxis(dh, 0, 2)  # [B,H,NT,K,V]
+  dv_new = jnp.moveaxis(dv_new, 0, 2).reshape(bsz, heads, t_len * r, dim_v)
+  return dh, dh0, dv_new
+
+
+def _dhu_inputs(q, k, w, gcum, do, dv_local, chunk, seg):
+  """The per-chunk inputs of the reverse state recurrence, chunk axis first."""
+  bsz, t_len, heads, dim_k = q.shape
+  dim_v = do.shape[-1]
+  r = w.shape[2] // t_len
   nt = t_len // chunk
   n = chunk * r
   qc = _head_major_chunks(q, chunk)  # [B,H,NT,C,K]
@@ -166,26 +192,58 @@ def chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, seg=None):
   wc = w.astype(f32).reshape(bsz, heads, nt, n, dim_k)
   doc = _head_major_chunks(do, chunk)
   dvl = dv_local.astype(f32).reshape(bsz, heads, nt, n, dim_v)
-  if dfinal is None:
-    dfinal = jnp.zeros((bsz, heads, dim_k, dim_v), f32)
+  return tuple(jnp.moveaxis(x, 2, 0) for x in (qc, kc, gc, sc, wc, doc, dvl))
 
-  def one_chunk(dh, xs):
-    q_c, k_c, g_c, s_c, w_c, do_c, dvl_c = xs
-    from_start = _from_start(g_c, s_c)  # exp(gamma), [B,H,C]
-    k_dec = k_c * _to_end(g_c, s_c)[..., None, None]  # [B,H,C,r,dk]
-    dv_state = _einsum("zytad,zyadv->zytav", k_dec, dh.reshape(bsz, heads, r, dk, dim_v))
-    dv_new = dvl_c + dv_state.reshape(bsz, heads, n, dim_v)
-    q_dec = q_c * (scale * from_start)[..., None]
-    ds0 = (
-      from_start[..., -1, None, None] * dh
-      + _einsum("zytk,zytv->zykv", q_dec, do_c)
-      - _einsum("zyik,zyiv->zykv", w_c, dv_new)
-    )
-    return ds0, (dh, dv_new)
 
-  xs = tuple(jnp.moveaxis(x, 2, 0) for x in (qc, kc, gc, sc, wc, doc, dvl))
-  dh0, (dh, dv_new) = jax.lax.scan(one_chunk, dfinal.astype(f32), xs, reverse=True)
-  dh = jnp.moveaxis(dh, 0, 2)  # [B,H,NT,K,V]
+def _dhu_chunk(dh, q_c, k_c, g_c, s_c, w_c, do_c, dvl_c, scale):
+  """One chunk of the reverse recurrence: dh (the gradient of the state leaving the chunk) ->
+  (dS0, the gradient of the state entering it; dv_new of the chunk)."""
+  bsz, heads, _, r, dk = k_c.shape
+  dim_v = dh.shape[-1]
+  from_start = _from_start(g_c, s_c)  # exp(gamma), [B,H,C]
+  k_dec = k_c * _to_end(g_c, s_c)[..., None, None]  # [B,H,C,r,dk]
+  dv_state = _einsum("zytad,zyadv->zytav", k_dec, dh.reshape(bsz, heads, r, dk, dim_v))
+  dv_new = dvl_c + dv_state.reshape(dvl_c.shape)
+  q_dec = q_c * (scale * from_start)[..., None]
+  ds0 = (
+    from_start[..., -1, None, None] * dh
+    + _einsum("zytk,zytv->zykv", q_dec, do_c)
+    - _einsum("zyik,zyiv->zykv", w_c, dv_new)
+  )
+  return ds0, dv_new
+
+
+def chunk_bwd_dhu_varlen(q, k, w, gcum, do, dv_local, dfinal, lay, scale, seg=None):
+  """`chunk_bwd_dhu` over packed sequences (docs/varlen.md), chunks of `lay.chunk` tokens.
+
+  The reverse of `xla.chunk_state_varlen`: the gradient of the state leaving a sequence's last
+  chunk (`lay.chunk_last`) is that sequence's dfinal, not the next chunk's dS0 (the next chunk
+  starts another sequence from its own initial state); the dS0 of a sequence's first chunk
+  (`lay.chunk_first`) is the gradient of that sequence's initial state.
+  dfinal: [N, H, K, V] float32 (B = 1 in the packed layout).
+  Returns (dh [1,H,NT,K,V]: the gradient of the state leaving each chunk; dh0 [N,H,K,V]: the
+  gradient of each initial state (an empty sequence's is its dfinal); dv_new [1,H,Tp*r,V]).
+  """
+  bsz, t_len, heads, _ = q.shape
+  dim_v = do.shape[-1]
+  r = w.shape[2] // t_len
+  xs = _dhu_inputs(q, k, w, gcum, do, dv_local, lay.chunk, seg)
+  dfinal = dfinal.astype(f32)
+  dfinal_chunks = jnp.take(dfinal, lay.chunk_seq, axis=0)[:, None]  # [NT,1,H,K,V]
+
+  def one_chunk(carry, xs):
+    *chunk_xs, df, is_last, is_first = xs
+    dh = jnp.where(is_last, df, carry)
+    ds0, dv_new = _dhu_chunk(dh, *chunk_xs, scale)
+    return jnp.where(is_first, 0.0, ds0), (dh, ds0, dv_new)
+
+  xs = xs + (dfinal_chunks, lay.chunk_last, lay.chunk_first)
+  start = jnp.zeros(dfinal_chunks.shape[1:], f32)
+  _, (dh, ds0, dv_new) = jax.lax.scan(one_chunk, start, xs, reverse=True)
+  ds0 = jnp.where(lay.chunk_first[:, None, None, None, None], ds0, 0.0)[:, 0]  # [NT,H,K,V]
+  dh0 = jnp.zeros_like(dfinal).at[lay.chunk_seq].add(ds0)  # one first chunk per sequence
+  dh0 = jnp.where(lay.empty[:, None, None, None], dfinal, dh0)
+  dh = jnp.moveaxis(dh, 0, 2)
   dv_new = jnp.moveaxis(dv_new, 0, 2).reshape(bsz, heads, t_len * r, dim_v)
   return dh, dh0, dv_new
 
@@ -365,14 +423,33 @@ def gated_delta_product_xla_bwd(
   """The vjp of `xla.gated_delta_product_xla` (same padded, normalised inputs), resets and
   non-finite inputs included (gdp_jax/nonfinite.py).
 
-  do: [B,Tp,H,V] cotangent of o; dfinal: [B,H,K,V] cotangent of the final state (or None).
-  ai: the forward's (I + Ag)^-1 [B,H,Tp*r,N] if saved, else recomputed.
+  do: [B,Tp,HV,V] cotangent of o; dfinal: [B,HV,K,V] cotangent of the final state (or None).
+  ai: the forward's (I + Ag)^-1 [B,HV,Tp*r,N] if saved, else recomputed.
+  Grouped value heads (q, k with H heads, HV % H == 0): q and k are repeated across each group
+  and dq, dk summed back over it.
   Returns (dq, dk, dv, dg, dbeta, dmask, d_initial_state), each in its primal's shape and dtype.
   """
+  heads, dtypes = q.shape[2], (q.dtype, k.dtype)
+  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
   primals = (q, k, v, g, beta, mask)
   (q, k, v, g, beta, mask), marks = nonfinite.clean(*primals)
   do, dfinal = nonfinite.mark_cotangents(do.astype(f32), dfinal, marks)
-  chunk = chunk_size
+  grads, dh0 = _stages(q, k, v, g, beta, mask, initial_state, scale, chunk_size, do, dfinal, ai)
+  grads = nonfinite.clean_gradients(grads, primals)
+  return _grouped(grads, primals, heads, dtypes) + (dh0.astype(initial_state.dtype),)
+
+
+def _grouped(grads, primals, heads, dtypes):
+  """The gradients in the primals' dtypes, dq and dk summed over each group of value heads."""
+  dq, dk, *rest = grads
+  dq, dk = (sum_key_heads(d, heads).astype(t) for d, t in zip((dq, dk), dtypes))
+  return (dq, dk) + tuple(d.astype(x.dtype) for d, x in zip(rest, primals[2:]))
+
+
+def _stages(q, k, v, g, beta, mask, initial_state, scale, chunk, do, dfinal, ai=None, lay=None):
+  """Stages 1-5 on cleaned, time-padded inputs (packed ones with the layout `lay`, whose
+  initial_state and dfinal are [N, H, K, V]). Returns ((dq, dk, dv, dg, dbeta, dmask) float32 in
+  the (packed) primal shapes, d initial_state)."""
   r = mask.shape[-1]
   g_hm = _xla.to_head_major(g)
   gcum, seg = _xla.gate_cumsum(g_hm, chunk)
@@ -380,19 +457,48 @@ def gated_delta_product_xla_bwd(
   if ai is None:
     ai = _xla.solve_tril(_xla.chunk_kkt(k, beta_hm, mask, gcum, chunk, seg), chunk * r)
   w, u = _xla.recompute_w_u(k, v, beta_hm, mask, gcum, ai, chunk, seg)
-  h, v_new, _ = _xla.chunk_state(k, w, u, gcum, initial_state, chunk, chunk, seg)
-
   dv_local = chunk_bwd_dv_local(q, k, gcum, do, scale, chunk, r, seg)
-  dh, dh0, dv_new = chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, seg)
+  if lay is None:
+    h, v_new, _ = _xla.chunk_state(k, w, u, gcum, initial_state, chunk, chunk, seg)
+    dh, dh0, dv_new = chunk_bwd_dhu(q, k, w, gcum, do, dv_local, dfinal, scale, chunk, seg)
+  else:
+    starts = varlen.chunk_initial_states(initial_state, lay)[:, None]
+    h, v_new, _ = _xla.chunk_state_varlen(k, w, u, gcum, starts, lay.chunk_first, chunk, seg)
+    dh, dh0, dv_new = chunk_bwd_dhu_varlen(q, k, w, gcum, do, dv_local, dfinal, lay, scale, seg)
   dq, dk1, dw, dg1 = chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk, seg)
   dk2, dv, dbeta, dmask, dg2 = wy_bwd(k, v, beta_hm, mask, gcum, ai, dw, dv_new, chunk, w, u, seg)
   # gamma is the cumsum of g with resets counted as 0: a reset's dg is exactly 0.
   dg = jnp.where(_xla.resets(g_hm), 0.0, chunk_local_reverse_cumsum(dg1 + dg2, chunk))
-
   time_major = lambda x: jnp.moveaxis(x, 1, 2)  # [B,H,Tp] -> [B,Tp,H]
-  grads = nonfinite.clean_gradients(
-    (dq, dk1 + dk2, dv, time_major(dg), time_major(dbeta), dmask), primals
+  return (dq, dk1 + dk2, dv, time_major(dg), time_major(dbeta), dmask), dh0
+
+
+def gated_delta_product_xla_varlen_bwd(
+  q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens, do, dfinal
+):
+  """The vjp of `xla.gated_delta_product_xla_varlen` (packed sequences, docs/varlen.md; the same
+  unpadded inputs): the stages above on the chunk-aligned padded layout, with the reverse state
+  recurrence of `chunk_bwd_dhu_varlen`; every other stage works on whole chunks and needs no
+  table. do: [1,T,HV,V]; dfinal: [N,HV,K,V] or None.
+  Returns (dq, dk, dv, dg, dbeta, dmask, d_initial_state [N,HV,K,V]) in the primals' shapes.
+  """
+  heads, dtypes = q.shape[2], (q.dtype, k.dtype)
+  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
+  lay = varlen.layout(cu_seqlens, q.shape[1], chunk_size)
+  primals = (q, k, v, g, beta, mask)
+  (q, k, v, g, beta, mask), marks = varlen.clean(*primals, lay.cu_seqlens)
+  if dfinal is None:
+    dfinal = jnp.zeros(initial_state.shape, f32)
+  do, dfinal = nonfinite.mark_cotangents(do.astype(f32), dfinal, marks)
+  per_token = mask.shape[1] != 1
+  q, k, v, g, beta, do = (varlen.pack(x, lay) for x in (q, k, v, g, beta, do))
+  if per_token:
+    mask = varlen.pack(mask, lay)
+  grads, dh0 = _stages(
+    q, k, v, g, beta, mask, initial_state, scale, chunk_size, do, dfinal, lay=lay
   )
-  return tuple(d.astype(x.dtype) for d, x in zip(grads, primals)) + (
-    dh0.astype(initial_state.dtype),
+  grads = tuple(varlen.unpack(d, lay) for d in grads[:5]) + (
+    varlen.unpack(grads[5], lay) if per_token else grads[5],
   )
+  grads = nonfinite.clean_gradients(grads, primals)
+  return _grouped(grads, primals, heads, dtypes) + (dh0.astype(initial_state.dtype),)

@@ -74,9 +74,8 @@ def present_arrays(inputs):
 def loss_and_grads(fn, inputs, seed=0):
   """Gradient of <o, do> + <final, dfinal> with respect to every array input of `fn`."""
   names, _ = present_arrays(inputs)
-  q = inputs["q"]
-  B, T, H, K = q.shape
-  V = inputs["v"].shape[-1]
+  B, T, _, K = inputs["q"].shape
+  H, V = inputs["v"].shape[2:]  # the value heads (grouped value heads: q, k may have fewer)
   do, dfinal = cotangents(seed, (B, T, H, V), (B, H, K, V))
 
   def loss(*arrays):

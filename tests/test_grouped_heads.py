@@ -1,0 +1,179 @@
+"""Grouped value heads (HV value heads for H query/key heads, HV % H == 0, value head i reading
+key head i // (HV // H); docs/varlen.md#grouped-value-heads): every implementation of the operator
+and of the step equals the same call with q and k repeated across each group, forward and
+gradients (dq, dk summed over the group); the argument checks; the layer's `num_v_heads`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from gdp_jax import dispatch, gated_delta_product, gated_delta_product_step
+from gdp_jax.layers import GatedDeltaProduct
+from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs, tol
+
+
+def grouped_inputs(seed, B=1, T=20, H=1, HV=2, K=16, V=16, r=2, mask_kind="head"):
+  inputs = make_inputs(seed, B=B, T=T, H=HV, K=K, V=V, r=r, mask_kind=mask_kind)
+  # distinct key heads: the first H of the HV drawn ones
+  inputs["q"], inputs["k"] = inputs["q"][:, :, :H], inputs["k"][:, :, :H]
+  return inputs
+
+
+def repeat_keys(inputs, axis=2):
+  group = inputs["v"].shape[axis] // inputs["q"].shape[axis]
+  return dict(inputs, **{n: jnp.repeat(inputs[n], group, axis=axis) for n in ("q", "k")})
+
+
+def first_token(inputs):
+  """The step's arguments for token 0 of operator inputs (state = the initial state)."""
+  step = {n: inputs[n][:, 0] for n in ("q", "k", "v", "g", "beta")}
+  mask = inputs.get("mask")
+  step["mask"] = mask[:, 0] if mask is not None and mask.ndim == 5 else mask
+  step["state"] = inputs["initial_state"]
+  return step
+
+
+def sum_groups(d, heads, axis=2):
+  d = jnp.moveaxis(d, axis, -2)
+  d = d.reshape(d.shape[:-2] + (heads, -1, d.shape[-1])).sum(-2)
+  return jnp.moveaxis(d, -2, axis)
+
+
+# (implementation, H, HV, r, mask kind); pallas is interpreted on a CPU: tiny.
+CASES = [
+  ("reference", 1, 2, 2, "head"),
+  ("xla", 2, 4, 2, "token"),
+  ("xla", 1, 3, 1, None),
+  ("pallas", 1, 2, 2, "head"),
+]
+
+
+@pytest.mark.parametrize("implementation,H,HV,r,mask_kind", CASES)
+def test_grouped_equals_repeated_keys(implementation, H, HV, r, mask_kind):
+  assert implementation in dispatch.implementations("gated_delta_product")
+  inputs = grouped_inputs(1, H=H, HV=HV, r=r, mask_kind=mask_kind)
+  run = functools.partial(
+    gated_delta_product, output_final_state=True, chunk_size=16, implementation=implementation
+  )
+  o, final = jax.jit(lambda kw: run(**kw))(inputs)
+  o_rep, final_rep = jax.jit(lambda kw: run(**kw))(repeat_keys(inputs))
+  assert o.shape == inputs["v"].shape and final.shape == inputs["initial_state"].shape
+  assert_close(o, o_rep, tol(jnp.float32), "o")
+  assert_close(final, final_rep, tol(jnp.float32), "final state")
+
+  grads_of = jax.jit(lambda kw: loss_and_grads(run, kw))
+  grads, grads_rep = grads_of(inputs), grads_of(repeat_keys(inputs))
+  for name, d in grads.items():
+    expected = sum_groups(grads_rep[name], H) if name in ("q", "k") else grads_rep[name]
+    assert d.shape == inputs[name].shape, name
+    assert_close(d, expected, tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
+
+
+@pytest.mark.parametrize("implementation", dispatch.implementations("gated_delta_product_step"))
+def test_grouped_step_equals_repeated_keys(implementation):
+  inputs = grouped_inputs(2, B=2, T=1, H=2, HV=4, r=2, mask_kind="token")
+  step = first_token(inputs)
+  state = step["state"]
+  o, new = gated_delta_product_step(**step, implementation=implementation)
+  o_rep, new_rep = gated_delta_product_step(
+    **repeat_keys(step, axis=1), implementation=implementation
+  )
+  assert o.shape == step["v"].shape and new.shape == state.shape
+  assert_close(o, o_rep, tol(jnp.float32), "o")
+  assert_close(new, new_rep, tol(jnp.float32), "state")
+
+
+def test_grouped_step_gradients():
+  """The step's "xla" implementation is plain jnp: its dq, dk sum over the group."""
+  inputs = grouped_inputs(3, B=1, T=1, H=1, HV=2, r=1, mask_kind=None)
+  step = first_token(inputs)
+
+  def loss(q, k, kw):
+    o, new = gated_delta_product_step(**dict(kw, q=q, k=k), implementation="xla")
+    return jnp.sum(o**2) + jnp.sum(jnp.sin(new))
+
+  kw = {n: x for n, x in step.items() if n not in ("q", "k")}
+  dq, dk = jax.grad(loss, argnums=(0, 1))(step["q"], step["k"], kw)
+  rep = repeat_keys(step, axis=1)
+  dq_rep, dk_rep = jax.grad(loss, argnums=(0, 1))(rep["q"], rep["k"], kw)
+  assert_close(dq, sum_groups(dq_rep, 1, axis=1), tol(jnp.float32, GRAD_TOLERANCE), "dq")
+  assert_close(dk, sum_groups(dk_rep, 1, axis=1), tol(jnp.float32, GRAD_TOLERANCE), "dk")
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "change,words",
+  [
+    (dict(v=jnp.zeros((1, 8, 3, 8))), "with HV a positive multiple of H = 2"),
+    (dict(g=jnp.zeros((1, 8, 2))), "g has shape (1, 8, 2), expected (1, 8, 4)"),
+    (dict(beta=jnp.zeros((1, 8, 2))), "beta has shape (1, 8, 2), expected (1, 8, 4)"),
+    (dict(mask=jnp.zeros((2, 2, 2))), "[H, r, r] = [4, 2, 2]"),
+    (dict(initial_state=jnp.zeros((1, 2, 16, 8))), "expected (1, 4, 16, 8) ([B, HV, K, V])"),
+  ],
+)
+def test_bad_grouped_inputs_raise(change, words):
+  inputs = grouped_inputs(4, T=8, H=2, HV=4, V=8)
+  inputs.update(change)
+  with pytest.raises(ValueError) as info:
+    gated_delta_product(**inputs)
+  assert words in str(info.value)
+
+
+@pytest.mark.parametrize(
+  "change,words",
+  [
+    (dict(v=jnp.zeros((1, 3, 8))), "with HV a positive multiple of H = 2"),
+    (dict(g=jnp.zeros((1, 2))), "g has shape (1, 2), expected (1, 4)"),
+    (dict(state=jnp.zeros((1, 2, 16, 8))), "expected (1, 4, 16, 8) ([B, HV, K, V])"),
+  ],
+)
+def test_bad_grouped_step_inputs_raise(change, words):
+  inputs = grouped_inputs(5, T=1, H=2, HV=4, V=8)
+  step = first_token(inputs)
+  step.update(change)
+  with pytest.raises(ValueError) as info:
+    gated_delta_product_step(**step)
+  assert words in str(info.value)
+
+
+# ---- the layer ---------------------------------------------------------------------------------
+
+
+def test_layer_grouped_sequence_matches_steps():
+  D = 16
+  layer = GatedDeltaProduct(
+    D, 2, 8, num_v_heads=4, num_blocks=2, chunk_size=16, implementation="xla", rngs=nnx.Rngs(0)
+  )
+  assert layer.v_proj.kernel.shape == (D, 4 * 8) and layer.a_proj.kernel.shape == (D, 4)
+  assert layer.o_proj.kernel.shape == (4 * 8, D) and layer.mask_weight.shape == (4, 2, 2)
+  x = jax.random.normal(jax.random.key(0), (2, 7, D))
+  y, cache = layer(x, return_cache=True)
+  assert cache.state.shape == (2, 4, 8, 8)
+  step = jax.jit(lambda x_t, c: layer.step(x_t, c))
+  c = layer.init_cache(2)
+  ys = []
+  for t in range(x.shape[1]):
+    y_t, c = step(x[:, t], c)
+    ys.append(y_t)
+  assert_close(jnp.stack(ys, axis=1), y, 1e-5, "steps")
+  assert_close(c.state, cache.state, 1e-5, "state")
+
+
+@pytest.mark.parametrize(
+  "kw,match",
+  [
+    (dict(num_v_heads=3), "num_v_heads = 3 must be a multiple of num_heads = 2"),
+    (dict(num_v_heads=0), "num_v_heads must be a positive integer"),
+    (dict(num_v_heads=4, mask_mode="householder"), "not supported with mask_mode='householder'"),
+  ],
+)
+def test_layer_bad_num_v_heads(kw, match):
+  with pytest.raises(ValueError, match=match):
+    GatedDeltaProduct(16, 2, 8, rngs=nnx.Rngs(0), **kw)

@@ -1,0 +1,353 @@
+"""Packed variable-length sequences (`cu_seqlens`, docs/varlen.md): the chunk-aligned layout,
+packed equals separate (outputs, final states and the gradient of every input) in "reference"
+and "xla" (separate: each sequence in its own row of a batch) and against the float64 recurrence
+(each sequence on its own), one compilation for new boundaries, non-finite
+inputs kept inside their sequence, the jnp backward of the packed chunked form, the argument
+checks, and the Flax layer's packed call."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gdp_jax import gated_delta_product, varlen, xla, xla_backward
+from gdp_jax.layers import GatedDeltaProduct
+from gdp_jax.operator import normalize_mask
+from tests.cases import (
+  GRAD_TOLERANCE,
+  assert_close,
+  cotangents,
+  make_inputs,
+  np_gated_delta_rule,
+  tol,
+)
+
+# Lengths 1, 16 (= the chunk), others off the chunk grid (one over two chunks), an empty sequence.
+LENGTHS = (5, 1, 0, 23, 16)
+CHUNK = 16
+ARRAYS = ("q", "k", "v", "g", "beta", "mask", "initial_state")
+
+
+def cu_of(lengths):
+  return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def packed_inputs(seed, lengths, H=2, HV=None, K=16, V=8, r=2, mask_kind="head"):
+  """Operator inputs [1, T, ...] for the packed sequences and one initial state per sequence."""
+  HV = H if HV is None else HV
+  T, N = sum(lengths), len(lengths)
+  inputs = make_inputs(seed, B=1, T=T, H=HV, K=K, V=V, r=r, mask_kind=mask_kind, with_state=False)
+  inputs["q"], inputs["k"] = inputs["q"][:, :, :H], inputs["k"][:, :, :H]
+  rng = np.random.default_rng(seed + 7)
+  inputs["initial_state"] = jnp.asarray(0.5 * rng.standard_normal((N, HV, K, V)), jnp.float32)
+  return inputs
+
+
+def run_packed(implementation, inputs, cu, chunk=CHUNK):
+  return gated_delta_product(
+    **inputs,
+    cu_seqlens=cu,
+    output_final_state=True,
+    chunk_size=chunk,
+    implementation=implementation,
+  )
+
+
+def run_separate(implementation, inputs, cu, chunk=CHUNK):
+  """The N sequences run apart: one row each (a batch of N rows, right-padded with identity
+  tokens: k = v = beta = g = 0), from their own initial states. Returns the rows' real outputs
+  put back in packed order [1, T, HV, V] and the final states [N, HV, K, V] (an empty row's final
+  state is its initial state)."""
+  n_seq = len(cu) - 1
+  lengths = np.diff(cu)
+  width = int(lengths.max())
+
+  def rows(x):
+    pieces = [x[:, cu[n] : cu[n + 1]] for n in range(n_seq)]
+    padding = lambda p: [(0, 0), (0, width - p.shape[1])] + [(0, 0)] * (p.ndim - 2)
+    return jnp.concatenate([jnp.pad(p, padding(p)) for p in pieces])
+
+  batch = dict(inputs)
+  for name in ("q", "k", "v", "g", "beta"):
+    batch[name] = rows(inputs[name])
+  if inputs.get("mask") is not None and inputs["mask"].ndim == 5:
+    batch["mask"] = rows(inputs["mask"])
+  o, final = gated_delta_product(
+    **batch, output_final_state=True, chunk_size=chunk, implementation=implementation
+  )
+  o = jnp.concatenate([o[n : n + 1, : lengths[n]] for n in range(n_seq)], axis=1)
+  return o, final
+
+
+def grads_of(fn, inputs, seed=0):
+  """The gradient of <o, do> + <final, dfinal> in every array input."""
+  names = [n for n in ARRAYS if inputs.get(n) is not None]
+  do, dfinal = cotangents(seed, inputs["v"].shape, inputs["initial_state"].shape)
+
+  def loss(*arrays):
+    o, final = fn({**inputs, **dict(zip(names, arrays))})
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * dfinal)
+
+  grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))
+  return dict(zip(names, grad(*[inputs[n] for n in names])))
+
+
+# ---- the layout -----------------------------------------------------------------------------
+
+
+def test_layout_tables():
+  cu = cu_of((5, 1, 0, 23))
+  lay = varlen.layout(cu, 29, 16)
+  assert lay.num_chunks == varlen.max_chunks(29, 4, 16) == 5 and lay.t_pad == 80
+  expected = list(range(5)) + [16] + list(range(32, 55))
+  np.testing.assert_array_equal(lay.positions, expected)
+  np.testing.assert_array_equal(lay.token_seq, [0] * 5 + [1] + [3] * 23)
+  np.testing.assert_array_equal(lay.chunk_seq, [0, 1, 3, 3, 3])
+  np.testing.assert_array_equal(lay.chunk_first, [1, 1, 1, 0, 0])
+  np.testing.assert_array_equal(lay.chunk_last, [1, 1, 0, 1, 0])
+  np.testing.assert_array_equal(lay.chunk_valid, [1, 1, 1, 1, 0])
+  np.testing.assert_array_equal(lay.last_chunk, [0, 1, -1, 3])
+  np.testing.assert_array_equal(lay.empty, [0, 0, 1, 0])
+  x = jnp.arange(1.0, 30.0)[None, :, None]
+  packed = varlen.pack(x, lay)
+  assert packed.shape == (1, 80, 1)
+  assert float(jnp.sum(packed)) == float(jnp.sum(x))  # zeros elsewhere
+  np.testing.assert_array_equal(varlen.unpack(packed, lay), x)
+
+
+def test_max_chunks_is_a_bound_and_attained():
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    n, c = int(rng.integers(1, 6)), int(rng.choice([4, 16]))
+    lengths = rng.integers(0, 20, n)
+    t_len = int(lengths.sum())
+    if t_len == 0:
+      continue
+    used = int(np.sum(-(-lengths // c)))
+    assert used <= varlen.max_chunks(t_len, n, c)
+  # N - 1 sequences of one token and one of 17 = 1 mod 16 tokens: every chunk is used
+  lengths = (1, 1, 1, 17)
+  lay = varlen.layout(cu_of(lengths), 20, 16)
+  assert bool(jnp.all(lay.chunk_valid)) and lay.num_chunks == 5
+
+
+def test_sanitize_repairs_invalid_offsets():
+  np.testing.assert_array_equal(varlen.sanitize(jnp.array([0, 4, 2, 9]), 7), [0, 4, 4, 7])
+  np.testing.assert_array_equal(varlen.sanitize(jnp.array([3, 5]), 7), [0, 7])
+
+
+# ---- packed equals separate ---------------------------------------------------------------------
+
+# (implementation, r, mask kind, H, HV)
+CASES = [
+  ("reference", 1, None, 2, 2),
+  ("reference", 2, "token", 1, 2),
+  ("xla", 2, "head", 2, 2),
+  ("xla", 2, "token", 1, 2),
+]
+
+
+@pytest.mark.parametrize("implementation,r,mask_kind,H,HV", CASES)
+def test_packed_equals_separate(implementation, r, mask_kind, H, HV):
+  inputs = packed_inputs(1, LENGTHS, H=H, HV=HV, r=r, mask_kind=mask_kind)
+  cu = cu_of(LENGTHS)
+  o, final = jax.jit(lambda kw: run_packed(implementation, kw, cu))(inputs)
+  assert o.shape == inputs["v"].shape and final.shape == inputs["initial_state"].shape
+  o_sep, final_sep = jax.jit(lambda kw: run_separate(implementation, kw, cu))(inputs)
+  assert_close(o, o_sep, tol(jnp.float32), "o")
+  assert_close(final, final_sep, tol(jnp.float32), "final states")
+  np.testing.assert_array_equal(final[2], inputs["initial_state"][2])  # the empty sequence
+
+  grads = grads_of(lambda kw: run_packed(implementation, kw, cu), inputs)
+  grads_sep = grads_of(lambda kw: run_separate(implementation, kw, cu), inputs)
+  for name, d in grads.items():
+    assert d.shape == inputs[name].shape, name
+    assert_close(d, grads_sep[name], tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+def test_packed_against_float64_recurrence(implementation):
+  """r = 1 without a mask is the gated delta rule: each sequence against tests/cases.py's
+  float64 recurrence, from its own initial state; a reset (g = -inf) inside one of them."""
+  inputs = packed_inputs(2, LENGTHS, H=2, r=1, mask_kind=None)
+  inputs["g"] = inputs["g"].at[0, 30].set(-jnp.inf)  # inside sequence 3 ([6, 29))
+  cu = cu_of(LENGTHS)
+  o, final = run_packed(implementation, inputs, cu)
+  K = inputs["q"].shape[-1]
+  for n in range(len(LENGTHS)):
+    a, e = cu[n], cu[n + 1]
+    h0 = inputs["initial_state"][n : n + 1]
+    if a == e:
+      np.testing.assert_array_equal(final[n], h0[0])
+      continue
+    arrays = (inputs[name][:, a:e] for name in ("q", "k", "v", "g", "beta"))
+    o_np, f_np = np_gated_delta_rule(*arrays, K**-0.5, h0)
+    assert_close(o[:, a:e], o_np, tol(jnp.float32), f"o of sequence {n}")
+    assert_close(final[n], f_np[0], tol(jnp.float32), f"final state of sequence {n}")
+
+
+def test_one_compilation_for_new_boundaries():
+  traces = []
+
+  @jax.jit
+  def packed(cu, inputs):
+    traces.append(cu.shape)
+    return run_packed("xla", inputs, cu)
+
+  inputs = packed_inputs(3, LENGTHS, r=2, mask_kind="token")
+  for lengths in (LENGTHS, (20, 0, 0, 10, 15)):
+    cu = cu_of(lengths)
+    o, final = packed(jnp.asarray(cu), inputs)
+    o_sep, final_sep = jax.jit(lambda kw, cu=cu: run_separate("xla", kw, cu))(inputs)
+    assert_close(o, o_sep, tol(jnp.float32), f"o for {lengths}")
+    assert_close(final, final_sep, tol(jnp.float32), f"final for {lengths}")
+  assert len(traces) == 1
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+def test_non_finite_input_stays_in_its_sequence(implementation):
+  inputs = packed_inputs(4, LENGTHS, r=2, mask_kind="head")
+  cu = cu_of(LENGTHS)
+  o, final = run_packed(implementation, inputs, cu)
+  bad = dict(inputs, v=inputs["v"].at[0, 2, 0].set(jnp.nan))  # sequence 0, head 0, token 2
+  o_bad, final_bad = run_packed(implementation, bad, cu)
+  assert bool(jnp.all(jnp.isnan(o_bad[0, 2:5, 0]))) and bool(jnp.all(jnp.isnan(final_bad[0, 0])))
+  np.testing.assert_array_equal(o_bad[0, :2], o[0, :2])
+  np.testing.assert_array_equal(o_bad[0, 5:], o[0, 5:])
+  np.testing.assert_array_equal(o_bad[0, :, 1], o[0, :, 1])
+  np.testing.assert_array_equal(final_bad[1:], final[1:])
+
+
+@pytest.mark.parametrize("mask_kind", ["head", "token"])
+def test_jnp_backward_of_packed_form(mask_kind):
+  """xla_backward.gated_delta_product_xla_varlen_bwd (the stage-by-stage backward the kernels
+  follow) equals JAX's vjp of the packed chunked form, grouped value heads included."""
+  inputs = packed_inputs(5, LENGTHS, H=1, HV=2, r=2, mask_kind=mask_kind)
+  T = sum(LENGTHS)
+  mask, _ = normalize_mask(inputs["mask"], 1, T, 2, 16)
+  cu = jnp.asarray(cu_of(LENGTHS))
+  args = tuple(inputs[n] for n in ("q", "k", "v", "g", "beta")) + (mask, inputs["initial_state"])
+  forward = lambda *a: xla.gated_delta_product_xla_varlen(*a, 0.3, CHUNK, cu)
+  o, final = jax.eval_shape(forward, *args)
+  do, dfinal = cotangents(6, o.shape, final.shape)
+  expected = jax.jit(lambda *a: jax.vjp(forward, *a)[1]((do, dfinal)))(*args)
+  backward = xla_backward.gated_delta_product_xla_varlen_bwd
+  got = jax.jit(lambda *a: backward(*a, 0.3, CHUNK, cu, do, dfinal))(*args)
+  for name, d, e in zip(ARRAYS, got, expected):
+    assert d.shape == e.shape, name
+    assert_close(d, e, tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
+
+
+def test_default_implementation_is_xla(monkeypatch):
+  """implementation=None with cu_seqlens runs "xla", also where it would pick "pallas"."""
+  from gdp_jax import dispatch
+
+  monkeypatch.setattr(dispatch, "default_implementation", lambda device=None: "pallas")
+  assert dispatch.resolve("gated_delta_product", None) == "pallas"
+  inputs = packed_inputs(7, (3, 9), r=1, mask_kind=None)
+  cu = cu_of((3, 9))
+  calls = []
+  original = dispatch.entry
+  monkeypatch.setattr(dispatch, "entry", lambda f, i: calls.append((f, i)) or original(f, i))
+  o, final = gated_delta_product(**inputs, cu_seqlens=cu, output_final_state=True)
+  assert calls == [("gated_delta_product_varlen", "xla")]
+  o_none, none = gated_delta_product(**{**inputs, "initial_state": None}, cu_seqlens=cu)
+  assert none is None and o_none.shape == o.shape == inputs["v"].shape
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "change,error,words",
+  [
+    (dict(cu_seqlens=[0, 2, 9, 12]), ValueError, "cu_seqlens must end at T = 10"),
+    (dict(cu_seqlens=[1, 2, 5, 10]), ValueError, "cu_seqlens must start at 0"),
+    (dict(cu_seqlens=[0, 6, 5, 10]), ValueError, "cu_seqlens must be non-decreasing"),
+    (dict(cu_seqlens=np.array([0.0, 2, 5, 10])), TypeError, "integer dtype"),
+    (dict(cu_seqlens=np.zeros((2, 2), np.int32)), ValueError, "cu_seqlens must be [N + 1]"),
+    (dict(cu_seqlens=np.zeros((1,), np.int32)), ValueError, "cu_seqlens must be [N + 1]"),
+    (dict(cu_seqlens="0,10"), TypeError, "cu_seqlens must be an int32 array"),
+    (
+      dict(cu_seqlens=np.array([0, 2, 2**33, 10], np.int64)),
+      ValueError,
+      "cu_seqlens holds values outside int32",
+    ),
+    (
+      dict(initial_state=jnp.zeros((1, 2, 16, 8))),
+      ValueError,
+      "initial_state has shape (1, 2, 16, 8), expected (3, 2, 16, 8)",
+    ),
+    (dict(implementation="pallas"), NotImplementedError, "implementation='xla'"),
+    (dict(implementation="cuda"), ValueError, "implementation must be one of"),
+  ],
+)
+def test_bad_inputs_raise(change, error, words):
+  inputs = packed_inputs(8, (2, 3, 5), r=2, mask_kind="head")
+  kw = dict(inputs, cu_seqlens=cu_of((2, 3, 5)))
+  kw.update(change)
+  with pytest.raises(error) as info:
+    gated_delta_product(**kw)
+  assert words in str(info.value)
+
+
+def test_batch_must_be_one():
+  inputs = make_inputs(9, B=2, T=10, H=2, K=16, V=8, r=1, mask_kind=None, with_state=False)
+  with pytest.raises(ValueError, match="with cu_seqlens the batch size must be 1"):
+    gated_delta_product(**inputs, cu_seqlens=cu_of((4, 6)))
+
+
+# ---- the layer ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(num_v_heads=4, mask_mode="token")])
+def test_layer_packed_call_equals_separate_calls(kw):
+  """Outputs, the per-document caches of a packed prefill and the gradient in x equal those of
+  the documents run apart (one row each, right-padded, with `lengths`): neither the short
+  convolution nor the state crosses a document boundary."""
+  D = 16
+  layer = GatedDeltaProduct(
+    D, 2, 8, num_blocks=2, expand_v=2, chunk_size=16, implementation="xla", rngs=nnx.Rngs(0), **kw
+  )
+  lengths = (5, 1, 0, 21)
+  cu, width = cu_of(lengths), max(lengths)
+  x = jax.random.normal(jax.random.key(1), (1, sum(lengths), D))
+  w = jax.random.normal(jax.random.key(2), x.shape)
+
+  def packed(x, cu):
+    y, cache = layer(x, cu_seqlens=cu, return_cache=True)
+    return jnp.sum(y * w), (y, cache)
+
+  def apart(x):
+    rows = jnp.concatenate(
+      [jnp.pad(x[:, a:e], ((0, 0), (0, width - (e - a)), (0, 0))) for a, e in zip(cu, cu[1:])]
+    )
+    y, cache = layer(rows, jnp.asarray(lengths), return_cache=True)
+    y = jnp.concatenate([y[n : n + 1, :length] for n, length in enumerate(lengths)], axis=1)
+    return jnp.sum(y * w), (y, cache)
+
+  (dx, (y, cache)) = jax.jit(jax.grad(packed, has_aux=True))(x, jnp.asarray(cu))
+  (dx1, (y1, cache1)) = jax.jit(jax.grad(apart, has_aux=True))(x)
+  assert cache.state.shape == cache1.state.shape and cache.conv.shape == cache1.conv.shape
+  assert not np.any(cache.state[2]) and not np.any(cache.conv[2])  # the empty document
+  assert_close(y, y1, 1e-5, "y")
+  assert_close(cache.state, cache1.state, 1e-5, "states")
+  assert_close(cache.conv, cache1.conv, 1e-6, "conv states")
+  assert_close(dx, dx1, 1e-4, "dx")
+
+
+def test_layer_cu_seqlens_bad_inputs():
+  layer = GatedDeltaProduct(16, 2, 8, chunk_size=16, implementation="xla", rngs=nnx.Rngs(0))
+  x = jnp.ones((2, 6, 16))
+  with pytest.raises(ValueError, match="batch size must be 1"):
+    layer(x, cu_seqlens=cu_of((2, 4)))
+  with pytest.raises(ValueError, match="without lengths and segment_ids"):
+    layer(x[:1], jnp.array([6]), cu_seqlens=cu_of((2, 4)))
+  with pytest.raises(ValueError, match="cu_seqlens must end at T = 6"):
+    layer(x[:1], cu_seqlens=cu_of((2, 3)))
+  hh = GatedDeltaProduct(16, 2, 8, mask_mode="householder", implementation="xla", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="householder"):
+    hh(x[:1], cu_seqlens=cu_of((2, 4)))
