@@ -194,6 +194,21 @@ def _check_x(x, hidden_size, rank, what):
     )
 
 
+class Linear(nnx.Linear):
+  """`nnx.Linear` whose `dtype=None` means the input's dtype (nnx.Linear would promote bf16 inputs
+  against float32 parameters to float32): bf16 activations keep bf16 projections (and so the
+  operator's bf16 kernels) while the parameters stay float32 (cast at use; their gradients too)."""
+
+  def __call__(self, inputs):
+    if self.dtype is not None or not jnp.issubdtype(inputs.dtype, jnp.floating):
+      return super().__call__(inputs)
+    dtype = inputs.dtype
+    y = jnp.dot(inputs, self.kernel[...].astype(dtype), precision=self.precision)
+    if self.bias is not None:
+      y = y + self.bias[...].astype(dtype)
+    return y
+
+
 class GatedRMSNorm(nnx.Module):
   """RMSNorm over the last axis, times a learned weight, optionally times silu(gate)
   (Gated DeltaNet's output norm). Computed in float32; returns `dtype` or x.dtype."""
@@ -352,7 +367,9 @@ class GatedDeltaProduct(nnx.Module):
     sharding: a `gdp_jax.sharding.ShardingConfig` to run the operator split over a device mesh
       (batch, heads and sequence; the step over batch and heads), or None for one device. The
       projections around it are ordinary jnp code that XLA partitions from the layouts.
-    dtype: computation dtype of projections, q, k, v (None: x's dtype); param_dtype: parameters.
+    dtype: computation dtype of projections, q, k, v (None: x's dtype, so bf16 activations run
+      bf16 projections and the operator's bf16 kernels, the fast path on a GPU, while float32
+      parameters stay float32); param_dtype: parameters.
     rngs: `nnx.Rngs`.
   """
 
@@ -474,9 +491,7 @@ class GatedDeltaProduct(nnx.Module):
     H, K, V, r, D = num_heads, head_dim, self.value_dim, num_blocks, hidden_size
     HV = num_v_heads  # value heads: v, g, beta, the mask, the state and the output
     n = self.num_householder
-    lin = lambda i, o: nnx.Linear(
-      i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-    )
+    lin = lambda i, o: Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     # In "householder" mode k, v and beta have one slice per step: [..., n_h, H, *].
     self.q_proj, self.k_proj, self.v_proj = lin(D, H * K), lin(D, n * H * K), lin(D, n * HV * V)
     self.a_proj, self.b_proj = lin(D, HV), lin(D, n * HV)
@@ -492,7 +507,7 @@ class GatedDeltaProduct(nnx.Module):
     if mask_mode == "static":
       self.mask_weight = nnx.Param(w0.astype(param_dtype))
     elif mask_mode == "token":
-      self.mask_proj = nnx.Linear(
+      self.mask_proj = Linear(
         D,
         HV * r * r,
         use_bias=True,
@@ -504,7 +519,7 @@ class GatedDeltaProduct(nnx.Module):
       )
     elif mask_mode == "rotation":
       # theta, c1, c2 per head and pair of key blocks; zero at init: C = 0, M = I.
-      self.mask_proj = nnx.Linear(
+      self.mask_proj = Linear(
         D,
         HV * (r // 2) * 3,
         use_bias=True,
@@ -939,9 +954,7 @@ class GroupedQueryAttention(nnx.Module):
     self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
     self.head_dim, self.rope_theta = head_dim, float(rope_theta)
     self.cache_dtype, self.implementation, self.dtype = cache_dtype, implementation, dtype
-    lin = lambda i, o: nnx.Linear(
-      i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-    )
+    lin = lambda i, o: Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.q_proj = lin(hidden_size, num_heads * head_dim)
     self.k_proj = lin(hidden_size, num_kv_heads * head_dim)
     self.v_proj = lin(hidden_size, num_kv_heads * head_dim)

@@ -35,6 +35,7 @@ from gdp_jax.layers import (
   GatedRMSNorm,
   GroupedQueryAttention,
   KVCache,
+  Linear,
   apply_rope,
 )
 from gdp_jax.sharding import ShardingConfig
@@ -123,7 +124,7 @@ class HybridConfig:
 
 class SwiGLU(nnx.Module):
   def __init__(self, hidden_size, intermediate_size, *, dtype=None, rngs):
-    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
+    lin = lambda i, o: Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
     self.gate, self.up = lin(hidden_size, intermediate_size), lin(hidden_size, intermediate_size)
     self.down = lin(intermediate_size, hidden_size)
 

@@ -69,6 +69,30 @@ def test_gdp_shapes_and_dtypes(dtype):
   assert np.all(np.isfinite(np.asarray(y, np.float32)))
 
 
+def test_gdp_default_dtype_follows_bf16_inputs(monkeypatch):
+  """dtype=None: bf16 activations reach the operator as bf16 (its fast kernels), not promoted to
+  float32 by the float32 parameters, whose gradients stay float32."""
+  seen = []
+  real = layers.sharded_gated_delta_product
+
+  def spy(q, k, v, *a, **kw):
+    seen.append((q.dtype, k.dtype, v.dtype))
+    return real(q, k, v, *a, **kw)
+
+  monkeypatch.setattr(layers, "sharded_gated_delta_product", spy)
+  layer = gdp()
+  x = x_of(0, dtype=jnp.bfloat16)
+  y = layer(x)
+  assert y.dtype == jnp.bfloat16
+  assert seen == [(jnp.bfloat16,) * 3]
+  grads = nnx.grad(lambda m: jnp.sum(m(x).astype(jnp.float32)))(layer)
+  assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+  # float32 activations keep float32 throughout.
+  seen.clear()
+  assert layer(x.astype(jnp.float32)).dtype == jnp.float32
+  assert seen == [(jnp.float32,) * 3]
+
+
 @pytest.mark.parametrize(
   "mask_mode,use_short_conv,use_gate",
   [
