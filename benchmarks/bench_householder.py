@@ -107,7 +107,7 @@ def main(argv=None):
     command=command_line(),
     shape=dict(zip("BTHKV", shape)),
     dtype="bfloat16",
-    cases=[],
+    runs=[],  # not "cases": that key marks `python -m gdp_jax bench` files
   )
   for nh in (int(n) for n in args.nh.split(",")):
     inputs = torch_inputs(shape, nh)
@@ -127,7 +127,7 @@ def main(argv=None):
       torch.cuda.empty_cache()
     except Exception as e:  # keep timing the rest
       case["check_error"] = repr(e)[:300]
-    result["cases"].append(case)
+    result["runs"].append(case)
 
     def save():  # after every figure: a run cut short keeps what it measured
       print(json.dumps(case), flush=True)
