@@ -18,6 +18,11 @@ implementations run the r = 1 operator `gated_delta_product` over the T*n_h sub-
 token's first sub-step, q on its last, zeros elsewhere) and keep the outputs of the last
 sub-steps, so they use the same Pallas kernels forward and backward. "reference" is a plain
 recurrence of its own over the sub-steps, independent of the operator.
+
+Packed sequences (`cu_seqlens [N + 1]` over the T tokens of q, batch 1; docs/varlen.md): "xla"
+runs the operator's packed form over the T*n_h sub-steps with the offsets `cu_seqlens * n_h`;
+"reference" resets its scan to each sequence's initial state at the sequence's first token and
+records its final state after its last.
 """
 
 from __future__ import annotations
@@ -26,9 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdp_jax import dispatch
+from gdp_jax import dispatch, varlen
 from gdp_jax.decode import gated_delta_product_step
-from gdp_jax.operator import CHUNK_SIZES, check_float, check_shape, gated_delta_product
+from gdp_jax.operator import (
+  CHUNK_SIZES,
+  check_cu_seqlens,
+  check_cu_seqlens_values,
+  check_float,
+  check_shape,
+  gated_delta_product,
+)
 from pallas_kernels.common.backend import resolve_precision
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -58,12 +70,23 @@ def check_num_householder(num_householder):
   return int(num_householder)
 
 
-def _check_implementation(implementation):
-  return dispatch.resolve("gated_delta_product", implementation)
+def _check_implementation(implementation, packed):
+  """The implementation's name; with packed sequences as the operator's rule: None -> "xla",
+  "pallas" a NotImplementedError (no variable-length kernels yet)."""
+  if not packed:
+    return dispatch.resolve("gated_delta_product", implementation)
+  if implementation == "pallas":
+    raise NotImplementedError(
+      "householder_delta_product with cu_seqlens has no Pallas kernels yet: use "
+      "implementation='xla' (or None, which picks 'xla' when cu_seqlens is given)"
+    )
+  return dispatch.resolve("gated_delta_product_varlen", implementation)
 
 
-def check_householder_inputs(q, k, v, g, beta, initial_state, n_h):
-  """Validate the sequence form's arguments; returns (B, T, H, K, V)."""
+def check_householder_inputs(q, k, v, g, beta, initial_state, n_h, num_states=None):
+  """Validate the sequence form's arguments; returns (B, T, H, K, V).
+
+  num_states: the initial state's leading axis (N, the sequences of cu_seqlens), default B."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     check_float(name, x)
   if q.ndim != 4:
@@ -109,7 +132,12 @@ def check_householder_inputs(q, k, v, g, beta, initial_state, n_h):
     )
   if initial_state is not None:
     check_float("initial_state", initial_state)
-    check_shape("initial_state", initial_state, (batch, heads, dim_k, dim_v), "[B, H, K, V]")
+    if num_states is None:
+      states, what = batch, "[B, H, K, V]"
+    else:
+      states = num_states
+      what = f"[N, H, K, V]: one state per sequence of cu_seqlens (N = {num_states})"
+    check_shape("initial_state", initial_state, (states, heads, dim_k, dim_v), what)
   return batch, t_len, heads, dim_k, dim_v
 
 
@@ -118,31 +146,58 @@ def check_householder_inputs(q, k, v, g, beta, initial_state, n_h):
 # ----------------------------------------------------------------------------------------------
 
 
-def householder_reference(q, k, v, g, beta, initial_state, scale, n_h):
+def _token(state, q_t, k_t, v_t, g_t, beta_t, scale, n_h):
+  """One token: decay, its n_h sub-steps in order, the output. q_t [B, H, K], k_t [B, n_h, H, K],
+  v_t [B, n_h, H, V], g_t [B, H], beta_t [B, n_h, H], state [B, H, K, V]; float32."""
+  state = jnp.exp(g_t)[..., None, None] * state
+  for j in range(n_h):
+    kj = k_t[:, j]
+    pred = jnp.einsum("bhk,bhkv->bhv", kj, state, precision=HIGHEST)  # k^T S
+    err = beta_t[:, j][..., None] * (v_t[:, j] - pred)
+    state = state + kj[..., :, None] * err[..., None, :]
+  o = jnp.einsum("bhk,bhkv->bhv", q_t, state, precision=HIGHEST)
+  return state, scale * o
+
+
+def householder_reference(q, k, v, g, beta, initial_state, scale, n_h, cu_seqlens=None):
   """Token by token (`lax.scan`), the n_h sub-steps of a token in order, float32 throughout.
 
   q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H], beta [B, T*n_h, H],
   initial_state [B, H, K, V] float32. Returns (o [B, T, H, V] float32, final state float32).
+
+  With cu_seqlens [N + 1] (offsets over the T tokens; B = 1, initial_state [N, H, K, V]): at a
+  sequence's first token the state becomes that sequence's initial state, after its last token
+  it is recorded as its final state; an empty sequence keeps its initial state. Returns
+  (o [1, T, H, V], final [N, H, K, V]).
   """
   f32 = jnp.float32
   batch, t_len, heads, dim_k = q.shape
   per_token = lambda x: x.astype(f32).reshape((batch, t_len, n_h) + x.shape[2:])
   k, v, beta = per_token(k), per_token(v), per_token(beta)
-
-  def token(state, xs):
-    q_t, k_t, v_t, g_t, beta_t = xs  # [B,H,K], [B,n,H,K], .., [B,H], [B,n,H]
-    state = jnp.exp(g_t)[..., None, None] * state
-    for j in range(n_h):
-      kj = k_t[:, j]
-      pred = jnp.einsum("bhk,bhkv->bhv", kj, state, precision=HIGHEST)  # k^T S
-      err = beta_t[:, j][..., None] * (v_t[:, j] - pred)
-      state = state + kj[..., :, None] * err[..., None, :]
-    o = jnp.einsum("bhk,bhkv->bhv", q_t, state, precision=HIGHEST)
-    return state, scale * o
-
   time_major = lambda x: jnp.moveaxis(x, 1, 0)
   xs = tuple(time_major(x) for x in (q.astype(f32), k, v, g.astype(f32), beta))
-  final, o = jax.lax.scan(token, initial_state.astype(f32), xs)
+  h0 = initial_state.astype(f32)
+
+  if cu_seqlens is None:
+
+    def token(state, xs):
+      return _token(state, *xs, scale, n_h)
+
+    final, o = jax.lax.scan(token, h0, xs)
+    return jnp.moveaxis(o, 0, 1), final
+
+  cu = varlen.sanitize(cu_seqlens, t_len)
+  seq, first, last = varlen.token_boundaries(cu, t_len)
+
+  def packed_token(carry, xs):
+    state, finals = carry
+    *inputs, n, is_first, is_last = xs
+    state = jnp.where(is_first, h0[n][None], state)  # a sequence starts from its own state
+    state, o = _token(state, *inputs, scale, n_h)
+    finals = finals.at[n].set(jnp.where(is_last, state[0], finals[n]))
+    return (state, finals), o
+
+  (_, final), o = jax.lax.scan(packed_token, (h0[:1], h0), xs + (seq, first, last))
   return jnp.moveaxis(o, 0, 1), final
 
 
@@ -200,31 +255,46 @@ def householder_delta_product(
       eigenvalues with unit keys).
     num_householder: n_h >= 1, the sub-steps per token.
     scale: output scale, default K ** -0.5.
-    initial_state: [B, H, K, V] or None (zeros).
-    output_final_state: also return the final state [B, H, K, V] float32.
-    cu_seqlens: packed variable-length sequences; not supported yet (must be None).
+    initial_state: [B, H, K, V] ([N, H, K, V] with cu_seqlens) or None (zeros).
+    output_final_state: also return the final state [B, H, K, V] ([N, H, K, V]) float32.
+    cu_seqlens: None, or int32 [N + 1] offsets of N sequences packed back to back in one row
+      (flash-linear-attention's convention, docs/varlen.md): B must be 1, sequence n holds the
+      tokens [cu_seqlens[n], cu_seqlens[n + 1]) of q and their sub-steps
+      [n_h cu_seqlens[n], n_h cu_seqlens[n + 1]) of k, v and beta; offsets start at 0, end at T
+      (tokens, not sub-steps) and never decrease (equal neighbours: an empty sequence, which
+      keeps its initial state). Each sequence starts from its own initial state and nothing
+      crosses a boundary. May be traced under `jax.jit` (new boundaries with the same N and T
+      do not recompile); concrete offsets are checked, invalid traced ones are undefined
+      behaviour, as in `gated_delta_product`.
     implementation: "reference" (a recurrence over the sub-steps, float32), "xla" or "pallas"
       (the r = 1 operator `gated_delta_product` over the T*n_h sub-steps: the chunked jnp form
       or the Pallas kernels, forward and backward), or None for the fastest one available on the
-      backend ("pallas" on a GPU, "xla" elsewhere).
+      backend ("pallas" on a GPU, "xla" elsewhere). With cu_seqlens, None picks "xla" everywhere
+      and "pallas" is a NotImplementedError (the kernels have no variable-length form yet).
     precision: the float32 matmul precision of the Pallas kernels, as in `gated_delta_product`
       (None follows jax.default_matmul_precision: TF32; "highest": tf32x3; "ieee"); the
       "reference" and "xla" implementations compute at HIGHEST.
     chunk_size: sub-steps per chunk of the chunked forms, one of 16, 32, 64.
 
   Returns:
-    (o [B, T, H, V] in q.dtype, final_state [B, H, K, V] float32 or None).
+    (o [B, T, H, V] in q.dtype, final_state [B, H, K, V] ([N, H, K, V] with cu_seqlens) float32
+    or None).
   """
   n_h = check_num_householder(num_householder)
+  num_seqs = None
   if cu_seqlens is not None:
-    raise NotImplementedError(
-      "cu_seqlens (packed variable-length sequences) is not supported by "
-      "householder_delta_product yet: it comes with packed sequences in the operator. Pass "
-      "cu_seqlens=None with batched [B, T, ...] inputs (right-pad shorter sequences with "
-      "beta = 0 and g = 0, which leaves the state untouched)."
-    )
-  batch, t_len, heads, dim_k, dim_v = check_householder_inputs(q, k, v, g, beta, initial_state, n_h)
-  implementation = _check_implementation(implementation)
+    cu_seqlens, num_seqs = check_cu_seqlens(cu_seqlens)
+  batch, t_len, heads, dim_k, dim_v = check_householder_inputs(
+    q, k, v, g, beta, initial_state, n_h, num_states=num_seqs
+  )
+  if cu_seqlens is not None:
+    if batch != 1:
+      raise ValueError(
+        f"with cu_seqlens the batch size must be 1 (the N = {num_seqs} sequences packed back "
+        f"to back in one row), got B = {batch} (q shape {_shape(q)})"
+      )
+    check_cu_seqlens_values(cu_seqlens, t_len)  # over the T tokens of q
+  implementation = _check_implementation(implementation, cu_seqlens is not None)
   resolve_precision(precision)  # a clear error for a bad value
   if chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
@@ -235,11 +305,22 @@ def householder_delta_product(
     if g is None:
       g = jnp.zeros((batch, t_len, heads), jnp.float32)
     if initial_state is None:
-      initial_state = jnp.zeros((batch, heads, dim_k, dim_v), jnp.float32)
-    o, final = householder_reference(q, k, v, g, beta, initial_state, scale, n_h)
+      states = batch if num_seqs is None else num_seqs
+      initial_state = jnp.zeros((states, heads, dim_k, dim_v), jnp.float32)
+    cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
+    o, final = householder_reference(q, k, v, g, beta, initial_state, scale, n_h, cu)
     return o.astype(q.dtype), (final if output_final_state else None)
 
   q_sub, g_sub = to_substeps(q, g, n_h)
+  cu_sub = None
+  if cu_seqlens is not None:
+    # token offsets -> sub-step offsets (sequence n: sub-steps [n_h cu[n], n_h cu[n + 1]));
+    # traced ones repaired first, as the operator would (`varlen.sanitize`), so that the two
+    # implementations see the same boundaries
+    if isinstance(cu_seqlens, jax.core.Tracer):
+      cu_sub = varlen.sanitize(cu_seqlens, t_len) * n_h
+    else:
+      cu_sub = np.asarray(cu_seqlens, np.int64) * n_h
   o, final = gated_delta_product(
     q_sub,
     k,
@@ -253,6 +334,7 @@ def householder_delta_product(
     chunk_size=chunk_size,
     implementation=implementation,
     precision=precision,
+    cu_seqlens=cu_sub,
   )
   o = o.reshape((batch, t_len, n_h, heads, dim_v))[:, :, -1]  # read after the last step
   return o, final

@@ -3,8 +3,11 @@
 The reference against an independent float64 numpy recurrence (n_h sequential rank-1 updates, one
 decay per token); "xla" and "pallas" (the r = 1 operator over T*n_h sub-steps) against the
 reference, forward and every gradient; n_h = 1 against `gated_delta_product`; the step against the
-whole sequence; argument checks; the layer's "householder" and "rotation" modes (whole sequence
-against decode steps) and a hybrid model with a DeltaProduct layer training a step.
+whole sequence; packed sequences (`cu_seqlens`: packed equals separate calls, outputs, final states
+and every gradient, against the float64 recurrence per sequence, one compilation for new
+boundaries, the default implementation, the errors); argument checks; the layer's "householder"
+and "rotation" modes (whole sequence against decode steps) and a hybrid model with a DeltaProduct
+layer training a step.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from flax import nnx
 from gdp_jax import gated_delta_product, householder_delta_product, householder_delta_product_step
 from gdp_jax.layers import GatedDeltaProduct, rotation_mask
 from gdp_jax.models import HybridConfig, HybridLM
-from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, tol
+from tests.cases import GRAD_TOLERANCE, assert_close, cotangents, loss_and_grads, tol
 
 F32, GRAD_F32 = tol(jnp.float32), GRAD_TOLERANCE[jnp.float32]
 
@@ -194,6 +197,221 @@ def test_step_from_no_state():
   assert_close(s, s_ref, F32, "state")
 
 
+# ---- packed sequences (cu_seqlens) -------------------------------------------------------------
+
+# Token lengths with one of 1 and an empty one; with n_h = 2 or 3 and chunks of 16 sub-steps the
+# sequences hold 10/15, 2/3, 0 and 18/27 sub-steps: none a multiple of the chunk, one over two.
+PACKED = (5, 1, 0, 9)
+HH_ARRAYS = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def cu_of(lengths):
+  return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def packed_hh_inputs(seed, n_h, lengths=PACKED, with_g=True, with_state=True):
+  """Inputs [1, T(*n_h), ...] for the packed sequences, one initial state per sequence."""
+  inputs = hh_inputs(seed, n_h, B=1, T=sum(lengths), with_g=with_g, with_state=False)
+  if with_state:
+    rng = np.random.default_rng(seed + 7)
+    inputs["initial_state"] = jnp.asarray(0.5 * rng.standard_normal((len(lengths), 2, 16, 8)))
+  return inputs
+
+
+def run_packed(implementation, n_h, cu, **inputs):
+  return householder_delta_product(
+    **inputs,
+    num_householder=n_h,
+    cu_seqlens=cu,
+    output_final_state=True,
+    implementation=implementation,
+    chunk_size=16,
+  )
+
+
+def run_separate(implementation, n_h, cu, **inputs):
+  """Each sequence in a call of its own (B = 1) from its own initial state; an empty sequence
+  keeps its initial state. Returns (o [1, T, H, V], final [N, H, K, V]) in packed order."""
+  q, k, v, g, beta, h0 = (inputs[n] for n in HH_ARRAYS)
+  outs, finals = [], []
+  for n in range(len(cu) - 1):
+    a, e = int(cu[n]), int(cu[n + 1])
+    h = None if h0 is None else h0[n : n + 1]
+    if a == e:
+      finals.append(jnp.zeros(q.shape[2:3] + (q.shape[3], v.shape[3])) if h is None else h[0])
+      continue
+    sub = lambda x: x[:, a * n_h : e * n_h]
+    o, f = run(
+      implementation,
+      n_h,
+      q=q[:, a:e],
+      k=sub(k),
+      v=sub(v),
+      g=None if g is None else g[:, a:e],
+      beta=sub(beta),
+      initial_state=h,
+    )
+    outs.append(o)
+    finals.append(f[0])
+  return jnp.concatenate(outs, axis=1), jnp.stack(finals)
+
+
+def packed_grads(fn, inputs, seed=0):
+  """The gradient of <o, do> + <final, dfinal> in every array input of fn(**inputs)."""
+  names = [n for n in HH_ARRAYS if inputs.get(n) is not None]
+  o, final = jax.eval_shape(lambda kw: fn(**kw), inputs)
+  do, dfinal = cotangents(seed, o.shape, final.shape)
+
+  def loss(*arrays):
+    o, final = fn(**{**inputs, **dict(zip(names, arrays))})
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * dfinal)
+
+  grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))
+  return dict(zip(names, grad(*[inputs[n] for n in names])))
+
+
+@pytest.mark.parametrize(
+  "implementation,n_h,with_g,with_state",
+  [
+    ("reference", 2, True, True),
+    ("reference", 3, True, False),
+    ("xla", 2, True, True),
+    ("xla", 3, False, True),
+  ],
+)
+def test_packed_equals_separate(implementation, n_h, with_g, with_state):
+  inputs = packed_hh_inputs(60 + n_h, n_h, with_g=with_g, with_state=with_state)
+  cu = cu_of(PACKED)
+  packed = functools.partial(run_packed, implementation, n_h, cu)
+  separate = functools.partial(run_separate, implementation, n_h, cu)
+  o, final = jax.jit(lambda kw: packed(**kw))(inputs)
+  assert o.shape == (1, sum(PACKED), 2, 8) and o.dtype == jnp.float32
+  assert final.shape == (len(PACKED), 2, 16, 8) and final.dtype == jnp.float32
+  o_sep, final_sep = jax.jit(lambda kw: separate(**kw))(inputs)
+  assert_close(o, o_sep, F32, "o")
+  assert_close(final, final_sep, F32, "final states")
+  h0 = inputs["initial_state"]
+  np.testing.assert_array_equal(final[2], 0.0 if h0 is None else h0[2])  # the empty sequence
+
+  grads = packed_grads(packed, inputs)
+  grads_sep = packed_grads(separate, inputs)
+  assert set(grads) == {n for n in HH_ARRAYS if inputs.get(n) is not None}
+  for name, d in grads.items():
+    assert d.shape == inputs[name].shape, name
+    assert_close(d, grads_sep[name], GRAD_F32, f"{implementation} d{name}")
+
+
+@pytest.mark.parametrize("n_h", [2, 4])
+def test_packed_reference_against_float64_recurrence(n_h):
+  """Each sequence against the independent float64 recurrence from its own initial state."""
+  inputs = packed_hh_inputs(70 + n_h, n_h)
+  cu = cu_of(PACKED)
+  o, final = run_packed("reference", n_h, cu, **inputs)
+  h0 = inputs["initial_state"]
+  for n in range(len(PACKED)):
+    a, e = cu[n], cu[n + 1]
+    if a == e:
+      np.testing.assert_array_equal(final[n], h0[n])
+      continue
+    sub = lambda name: inputs[name][:, a * n_h : e * n_h]
+    o_np, f_np = np_householder(
+      inputs["q"][:, a:e],
+      sub("k"),
+      sub("v"),
+      inputs["g"][:, a:e],
+      sub("beta"),
+      n_h,
+      16**-0.5,
+      h0[n : n + 1],
+    )
+    assert_close(o[:, a:e], o_np, F32, f"o of sequence {n}")
+    assert_close(final[n], f_np[0], F32, f"final state of sequence {n}")
+
+
+def test_packed_one_step_is_the_packed_operator():
+  """n_h = 1 with cu_seqlens is the operator's packed form (mask None)."""
+  inputs = packed_hh_inputs(75, 1)
+  cu = cu_of(PACKED)
+  for implementation in ("reference", "xla"):
+    operator = functools.partial(
+      gated_delta_product, cu_seqlens=cu, output_final_state=True, implementation=implementation
+    )
+    o_ref, f_ref = jax.jit(lambda kw: operator(**kw))(inputs)
+    o, f = jax.jit(lambda kw: run_packed(implementation, 1, cu, **kw))(inputs)
+    assert_close(o, o_ref, F32, f"{implementation} o")
+    assert_close(f, f_ref, F32, f"{implementation} final state")
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+def test_packed_one_compilation_for_new_boundaries(implementation):
+  traces = []
+
+  @jax.jit
+  def packed(cu, inputs):
+    traces.append(cu.shape)
+    return run_packed(implementation, 2, cu, **inputs)
+
+  inputs = packed_hh_inputs(80, 2)
+  # the second set: empty sequences first and last, one of 12 tokens (24 sub-steps)
+  for lengths in (PACKED, (0, 12, 3, 0)):
+    cu = cu_of(lengths)
+    o, final = packed(jnp.asarray(cu), inputs)
+    o_sep, final_sep = run_separate("reference", 2, cu, **inputs)
+    assert_close(o, o_sep, F32, f"o for {lengths}")
+    assert_close(final, final_sep, F32, f"final for {lengths}")
+  assert len(traces) == 1
+
+
+def test_packed_default_implementation_is_xla(monkeypatch):
+  """implementation=None with cu_seqlens runs "xla", also where it would pick "pallas"."""
+  from gdp_jax import dispatch
+
+  monkeypatch.setattr(dispatch, "default_implementation", lambda device=None: "pallas")
+  inputs = packed_hh_inputs(85, 2, lengths=(3, 4))
+  calls = []
+  original = dispatch.entry
+  monkeypatch.setattr(dispatch, "entry", lambda f, i: calls.append((f, i)) or original(f, i))
+  call = functools.partial(
+    householder_delta_product, num_householder=2, cu_seqlens=cu_of((3, 4)), output_final_state=True
+  )
+  o, final = jax.jit(lambda kw: call(**kw))(inputs)
+  assert calls == [("gated_delta_product_varlen", "xla")]
+  assert o.shape == (1, 7, 2, 8) and final.shape == (2, 2, 16, 8)
+
+
+@pytest.mark.parametrize(
+  "change,error,words",
+  [
+    (dict(cu_seqlens=[0, 5, 6, 6, 30]), ValueError, "cu_seqlens must end at T = 15"),
+    (dict(cu_seqlens=[1, 5, 6, 6, 15]), ValueError, "cu_seqlens must start at 0"),
+    (dict(cu_seqlens=[0, 6, 5, 6, 15]), ValueError, "cu_seqlens must be non-decreasing"),
+    (dict(cu_seqlens=np.array([0.0, 5, 6, 6, 15])), TypeError, "integer dtype"),
+    (dict(cu_seqlens=np.zeros((2, 2), np.int32)), ValueError, "cu_seqlens must be [N + 1]"),
+    (dict(cu_seqlens=np.zeros((1,), np.int32)), ValueError, "cu_seqlens must be [N + 1]"),
+    (dict(cu_seqlens="0,15"), TypeError, "cu_seqlens must be an int32 array"),
+    (
+      dict(initial_state=jnp.zeros((1, 2, 16, 8))),
+      ValueError,
+      "initial_state has shape (1, 2, 16, 8), expected (4, 2, 16, 8) ([N, H, K, V]",
+    ),
+    (dict(implementation="pallas"), NotImplementedError, "implementation='xla'"),
+    (dict(implementation="cuda"), ValueError, "implementation must be one of"),
+  ],
+)
+def test_packed_bad_inputs_raise(change, error, words):
+  kw = dict(packed_hh_inputs(90, 2), num_householder=2, cu_seqlens=cu_of(PACKED))
+  kw.update(change)
+  with pytest.raises(error) as info:
+    householder_delta_product(**kw)
+  assert words in str(info.value)
+
+
+def test_packed_batch_must_be_one():
+  inputs = hh_inputs(91, 2, B=2, T=7, with_state=False)
+  with pytest.raises(ValueError, match="with cu_seqlens the batch size must be 1"):
+    householder_delta_product(**inputs, num_householder=2, cu_seqlens=cu_of((3, 4)))
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 
 
@@ -235,7 +453,6 @@ def test_step_from_no_state():
     (dict(implementation="triton"), ValueError, "implementation must be one of"),
     (dict(precision="fp8"), ValueError, "precision must be None"),
     (dict(chunk_size=48), ValueError, "chunk_size must be one of"),
-    (dict(cu_seqlens=jnp.array([0, 3, 7])), NotImplementedError, "cu_seqlens"),
   ],
 )
 def test_bad_inputs_raise(change, error, words):
