@@ -692,7 +692,8 @@ class GatedDeltaProduct(nnx.Module):
         num_householder=n,
         output_final_state=return_cache,
         chunk_size=self.chunk_size,
-        implementation=self.implementation,
+        implementation=self.implementation if cu_seqlens is None else self._varlen_implementation(),
+        cu_seqlens=cu_seqlens,
       )
     else:
       mask = self._mask(x)
@@ -744,10 +745,6 @@ class GatedDeltaProduct(nnx.Module):
       raise ValueError(
         f"with cu_seqlens the batch size must be 1 (documents packed in one row), got x of "
         f"shape [B, T, D] with B = {batch}"
-      )
-    if self.mask_mode == "householder":
-      raise ValueError(
-        "cu_seqlens is not supported with mask_mode='householder' yet; use segment_ids"
       )
     if self.sharding is not None:
       raise ValueError("cu_seqlens is not supported with sharding yet; use segment_ids")

@@ -303,7 +303,14 @@ def test_batch_must_be_one():
 # ---- the layer ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(num_v_heads=4, mask_mode="token")])
+@pytest.mark.parametrize(
+  "kw",
+  [
+    dict(),
+    dict(num_v_heads=4, mask_mode="token"),
+    dict(mask_mode="householder", num_householder=2),
+  ],
+)
 def test_layer_packed_call_equals_separate_calls(kw):
   """Outputs, the per-document caches of a packed prefill and the gradient in x equal those of
   the documents run apart (one row each, right-padded, with `lengths`): neither the short
@@ -348,6 +355,3 @@ def test_layer_cu_seqlens_bad_inputs():
     layer(x[:1], jnp.array([6]), cu_seqlens=cu_of((2, 4)))
   with pytest.raises(ValueError, match="cu_seqlens must end at T = 6"):
     layer(x[:1], cu_seqlens=cu_of((2, 3)))
-  hh = GatedDeltaProduct(16, 2, 8, mask_mode="householder", implementation="xla", rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="householder"):
-    hh(x[:1], cu_seqlens=cu_of((2, 4)))
