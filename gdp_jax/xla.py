@@ -210,6 +210,31 @@ def recompute_w_u(k, v, beta, mask, gcum, ai, chunk, seg=None):
   return w.reshape(bsz, heads, t_len * r, dim_k), u.reshape(bsz, heads, t_len * r, dim_v)
 
 
+def _walk_chunks(k, w, u, gcum, chunk, seg):
+  """The state walk's per-chunk inputs, chunk axis third: k [B, H, NT, C, r, dk], gcum and the
+  reset counts seg [B, H, NT, C], w [B, H, NT, N, K], u [B, H, NT, N, V] (float32)."""
+  bsz, t_len, heads, dim_k = k.shape
+  r = w.shape[2] // t_len
+  nt, n = t_len // chunk, chunk * r
+  kc = _head_major_chunks(k, chunk).reshape(bsz, heads, nt, chunk, r, dim_k // r)
+  gc = _chunks(gcum, chunk, 2)
+  sc = _chunks(jnp.zeros(gcum.shape, jnp.int32) if seg is None else seg, chunk, 2)
+  wc = w.astype(f32).reshape(bsz, heads, nt, n, dim_k)
+  uc = u.astype(f32).reshape(bsz, heads, nt, n, u.shape[-1])
+  return kc, gc, sc, wc, uc
+
+
+def _walk_step(state, k_c, g_c, s_c, w_c, u_c):
+  """One chunk of the state walk: (the state after it, v_new [B, H, N, V]) from the state
+  entering it (docs/chunked_form.md#the-state-update-and-the-output)."""
+  bsz, heads, chunk, r, _ = k_c.shape
+  v_new = u_c - _einsum("zyik,zykv->zyiv", w_c, state)  # [B,H,N,V]
+  k_dec = k_c * _to_end(g_c, s_c)[..., None, None]
+  upd = _einsum("zytad,zytav->zyadv", k_dec, v_new.reshape(bsz, heads, chunk, r, -1))
+  decay = _from_start(g_c, s_c)[..., -1]  # exp(gamma_L)
+  return decay[..., None, None] * state + upd.reshape(state.shape), v_new
+
+
 def chunk_state(k, w, u, gcum, initial_state, chunk, state_chunk, seg=None):
   """The state recurrence over chunks (docs/chunked_form.md#the-state-update-and-the-output).
 
@@ -219,27 +244,13 @@ def chunk_state(k, w, u, gcum, initial_state, chunk, state_chunk, seg=None):
   (None: no resets).
   Returns h [B, H, Tp/state_chunk, K, V], v_new [B, H, Tp*r, V], final state [B, H, K, V].
   """
-  bsz, t_len, heads, dim_k = k.shape
+  bsz, t_len, heads, _ = k.shape
   dim_v = u.shape[-1]
   r = w.shape[2] // t_len
-  dk = dim_k // r
-  n = chunk * r
   nt = t_len // chunk
   per = state_chunk // chunk
-  kc = _head_major_chunks(k, chunk).reshape(bsz, heads, nt, chunk, r, dk)
-  gc = _chunks(gcum, chunk, 2)
-  sc = _chunks(jnp.zeros(gcum.shape, jnp.int32) if seg is None else seg, chunk, 2)
-  wc = w.astype(f32).reshape(bsz, heads, nt, n, dim_k)
-  uc = u.astype(f32).reshape(bsz, heads, nt, n, dim_v)
-
-  def one_chunk(state, xs):
-    k_c, g_c, s_c, w_c, u_c = xs  # [B,H,C,r,dk] [B,H,C] ...
-    v_new = u_c - _einsum("zyik,zykv->zyiv", w_c, state)  # [B,H,N,V]
-    k_dec = k_c * _to_end(g_c, s_c)[..., None, None]
-    upd = _einsum("zytad,zytav->zyadv", k_dec, v_new.reshape(bsz, heads, chunk, r, dim_v))
-    decay = _from_start(g_c, s_c)[..., -1]  # exp(gamma_L)
-    state = decay[..., None, None] * state + upd.reshape(bsz, heads, dim_k, dim_v)
-    return state, v_new
+  kc, gc, sc, wc, uc = _walk_chunks(k, w, u, gcum, chunk, seg)
+  one_chunk = lambda state, xs: _walk_step(state, *xs)
 
   def one_state_chunk(state, xs):
     start = state
@@ -270,26 +281,15 @@ def chunk_state_varlen(k, w, u, gcum, start_states, first, chunk, seg=None):
   v_new [B, H, Tp*r, V] and ends [B, H, NT, K, V] (the state after each chunk), from which
   `varlen.final_states` reads every sequence's final state.
   """
-  bsz, t_len, heads, dim_k = k.shape
+  bsz, t_len, heads, _ = k.shape
   dim_v = u.shape[-1]
   r = w.shape[2] // t_len
-  dk = dim_k // r
-  n = chunk * r
-  nt = t_len // chunk
-  kc = _head_major_chunks(k, chunk).reshape(bsz, heads, nt, chunk, r, dk)
-  gc = _chunks(gcum, chunk, 2)
-  sc = _chunks(jnp.zeros(gcum.shape, jnp.int32) if seg is None else seg, chunk, 2)
-  wc = w.astype(f32).reshape(bsz, heads, nt, n, dim_k)
-  uc = u.astype(f32).reshape(bsz, heads, nt, n, dim_v)
+  kc, gc, sc, wc, uc = _walk_chunks(k, w, u, gcum, chunk, seg)
 
   def one_chunk(state, xs):
-    k_c, g_c, s_c, w_c, u_c, start, is_first = xs
+    *chunk_xs, start, is_first = xs
     state = jnp.where(is_first, start, state)
-    v_new = u_c - _einsum("zyik,zykv->zyiv", w_c, state)  # [B,H,N,V]
-    k_dec = k_c * _to_end(g_c, s_c)[..., None, None]
-    upd = _einsum("zytad,zytav->zyadv", k_dec, v_new.reshape(bsz, heads, chunk, r, dim_v))
-    decay = _from_start(g_c, s_c)[..., -1]  # exp(gamma_L)
-    end = decay[..., None, None] * state + upd.reshape(bsz, heads, dim_k, dim_v)
+    end, v_new = _walk_step(state, *chunk_xs)
     return end, (state, v_new, end)
 
   xs = tuple(jnp.moveaxis(x, 2, 0) for x in (kc, gc, sc, wc, uc))
