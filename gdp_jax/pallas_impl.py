@@ -16,6 +16,10 @@ forward kernels"): chunk_fwd (cumsum, KKT, inverse, w and u per chunk) and chunk
 (the state walk with the output). `fused=False` runs the five-kernel pipeline (kkt, solve_tril,
 wy, chunk_h, chunk_o). A call without gradient writes neither Ai nor h nor v_new. The backward is
 the same either way: it recomputes w, u, h and v_new from the residuals gamma and Ai.
+
+Packed sequences (`cu_seqlens`, `gated_delta_product_pallas_varlen`, docs/varlen.md): the same
+kernels on the chunk-aligned layout, the state walks reading a per-chunk table; a custom_vjp of
+its own (`_gdp_varlen_core`). Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -446,7 +450,19 @@ def gated_delta_product_pallas_varlen(
 
 
 def _gated_delta_product_pallas_varlen(
-  q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens, *, options, backward,
+  q,
+  k,
+  v,
+  g,
+  beta,
+  mask,
+  initial_state,
+  scale,
+  chunk_size,
+  cu_seqlens,
+  *,
+  options,
+  backward,
   precision,
 ):
   if backward == "xla":

@@ -50,8 +50,7 @@ def _chunk_h_kernel(
       # packed sequences (docs/varlen.md): a sequence's first chunk starts from its h0
       seq, first = table_ref[0, c], table_ref[1, c] != 0
       state = tuple(
-        jnp.where(first, h0_ref[seq, cols(d), :].astype(jnp.float32), state[d])
-        for d in range(r)
+        jnp.where(first, h0_ref[seq, cols(d), :].astype(jnp.float32), state[d]) for d in range(r)
       )
     for d in range(r):
       h_ref[c, cols(d), :] = state[d].astype(h_ref.dtype)
