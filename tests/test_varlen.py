@@ -2,8 +2,9 @@
 packed equals separate (outputs, final states and the gradient of every input) in "reference"
 and "xla" (separate: each sequence in its own row of a batch) and against the float64 recurrence
 (each sequence on its own), one compilation for new boundaries, non-finite
-inputs kept inside their sequence, the jnp backward of the packed chunked form, the argument
-checks, and the Flax layer's packed call."""
+inputs kept inside their sequence, the jnp backward of the packed chunked form, "pallas" (in the
+interpreter) equal to "xla" and its state walks with the per-chunk table through the Triton
+lowering, the argument checks, and the Flax layer's packed call."""
 
 from __future__ import annotations
 
