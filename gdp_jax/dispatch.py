@@ -10,7 +10,8 @@ An explicit "pallas" on a CPU runs the kernels in the Pallas interpreter (slow, 
 unsupported GPU it is an error that names the GPU.
 
 `gated_delta_product` with `cu_seqlens` (packed sequences, docs/varlen.md) looks up
-"gated_delta_product_varlen", which has no Pallas entry yet: `None` picks "xla" there.
+"gated_delta_product_varlen": `None` picks "xla" there on every device (`XLA_BY_DEFAULT`: the
+Pallas varlen kernels have not run on a GPU yet; "pallas" runs them when asked for).
 """
 
 from __future__ import annotations
@@ -81,12 +82,16 @@ TABLE: dict[str, Implementation] = {
     ("gpu",),
     {
       "gated_delta_product": "gdp_jax.pallas_impl:gated_delta_product_pallas",
+      "gated_delta_product_varlen": "gdp_jax.pallas_impl:gated_delta_product_pallas_varlen",
       "gated_delta_product_step": "gdp_jax.decode:gated_delta_product_step_pallas",
       "gqa_decode": "gdp_jax.decode:gqa_decode_pallas",
       "paged_gqa_decode": "gdp_jax.decode:paged_gqa_decode_pallas",
     },
   ),
 }
+
+# Functions whose `None` is "xla" on every device (their Pallas entry is opt-in).
+XLA_BY_DEFAULT = frozenset({"gated_delta_product_varlen"})
 
 # Backward passes of the Pallas forward: its own kernels, or the jnp backward of the chunked form
 # (gdp_jax/xla_backward.py), a debugging switch.
@@ -142,7 +147,7 @@ def resolve(function: str, implementation: str | None, device=None) -> str:
   names = implementations(function)
   if implementation is None:
     implementation = default_implementation(device)
-    return implementation if implementation in names else "xla"
+    return implementation if implementation in names and function not in XLA_BY_DEFAULT else "xla"
   if implementation not in names:
     raise ValueError(
       f"implementation must be one of {names} or None for {function}, got {implementation!r}"

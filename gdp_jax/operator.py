@@ -346,8 +346,8 @@ def gated_delta_product(
     implementation: "reference" (recurrence over time), "xla" (chunked jnp), "pallas" (GPU
       kernels; interpreted on CPU, slowly), or None for the fastest one available on the
       device ("pallas" on a supported GPU, "xla" elsewhere; see gdp_jax/dispatch.py). With
-      cu_seqlens, None picks "xla" everywhere and "pallas" is a NotImplementedError (the
-      kernels have no variable-length form yet).
+      cu_seqlens, None picks "xla" everywhere; "pallas" runs the kernels' packed form
+      (checked in the interpreter and the Triton lowering, not yet run on a GPU).
     precision: float32 matmuls of the Pallas kernels: None follows
       `jax.default_matmul_precision` (TF32 by default, as XLA's float32 dots on these GPUs),
       "highest" gives tf32x3 (close to float32), "ieee" full float32 on the CUDA cores
@@ -411,11 +411,6 @@ def gated_delta_product(
   chunk_size = check_chunk_size(chunk_size)
   scale = check_scale(scale)
   function = "gated_delta_product" if cu_seqlens is None else "gated_delta_product_varlen"
-  if cu_seqlens is not None and implementation == "pallas":
-    raise NotImplementedError(
-      "gated_delta_product with cu_seqlens has no Pallas kernels yet: use "
-      "implementation='xla' (or None, which picks 'xla' when cu_seqlens is given)"
-    )
   implementation = dispatch.resolve(function, implementation)
   dispatch.check_backward(backward, implementation)
   # None with explicit options keeps options.precision; else None follows jax's default.
@@ -436,6 +431,9 @@ def gated_delta_product(
     cu = jnp.asarray(cu_seqlens)
     if implementation == "reference":
       o, final = run(q, k, v, g, beta, mask5, initial_state, scale, cu)
+    elif implementation == "pallas":
+      extra = dict(options=options, backward=backward, precision=kernel_precision)
+      o, final = run(q, k, v, g, beta, mask5, initial_state, scale, chunk_size, cu, **extra)
     else:
       o, final = run(q, k, v, g, beta, mask5, initial_state, scale, chunk_size, cu)
   elif implementation == "reference":

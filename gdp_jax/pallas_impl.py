@@ -16,6 +16,10 @@ forward kernels"): chunk_fwd (cumsum, KKT, inverse, w and u per chunk) and chunk
 (the state walk with the output). `fused=False` runs the five-kernel pipeline (kkt, solve_tril,
 wy, chunk_h, chunk_o). A call without gradient writes neither Ai nor h nor v_new. The backward is
 the same either way: it recomputes w, u, h and v_new from the residuals gamma and Ai.
+
+Packed sequences (`cu_seqlens`, `gated_delta_product_pallas_varlen`, docs/varlen.md): the same
+kernels on the chunk-aligned layout, the state walks reading a per-chunk table; a custom_vjp of
+its own (`_gdp_varlen_core`). Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gdp_jax import dispatch, xla_backward
+from gdp_jax import dispatch, varlen, xla_backward
 from gdp_jax.operator import expand_key_heads
 from gdp_jax.xla import RESET_LOG_DECAY
 from gdp_jax.xla_backward import reduce_dmask
@@ -89,11 +93,14 @@ def _pad_last(x, size):
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai):
+def _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, table=None):
   """The forward kernels on feature-padded inputs. Returns (o, final, (gcum, ai)); ai is None
-  when the fused forward runs with save_ai=False (a call without gradient)."""
+  when the fused forward runs with save_ai=False (a call without gradient). table: packed
+  sequences (`_gdp_varlen_core`), passed to the state walks only."""
   r = mask.shape[-1]
   common = dict(chunk=bt, key_blocks=r)
+  if table is not None:
+    common["table"] = table
   prec = dict(precision=opts.precision)
   g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)  # [B, H, Tp]
   beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
@@ -108,7 +115,8 @@ def _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai):
       merge=opts.chunk_fwd_merge,
       inverse=opts.chunk_fwd_inverse,
       launch=opts.chunk_fwd,
-      **common,
+      chunk=bt,
+      key_blocks=r,
       **prec,
     )
     gcum, w, u = out[:3]
@@ -116,13 +124,14 @@ def _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai):
       q, k, w, u, gcum, h0, scale=scale, launch=opts.chunk_state_output, **common, **prec
     )
     return o, final, (gcum, out[3] if save_ai else None)
-  a, gcum = kkt.chunk_kkt(k, beta_hm, mask, g_hm, from_g=True, launch=opts.kkt, **common, **prec)
+  blocks = dict(chunk=bt, key_blocks=r)
+  a, gcum = kkt.chunk_kkt(k, beta_hm, mask, g_hm, from_g=True, launch=opts.kkt, **blocks, **prec)
   ai = solve_tril.solve_tril(
     a, chunk_rows=bt * r, out_dtype=q.dtype, launch=opts.solve_tril, **prec
   )
-  w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, launch=opts.wy, **common, **prec)
+  w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, launch=opts.wy, **blocks, **prec)
   h, v_new, final = chunk_h.chunk_state(k, w, u, gcum, h0, launch=opts.chunk_h, **common, **prec)
-  o = chunk_o.chunk_output(q, k, v_new, h, gcum, scale=scale, launch=opts.chunk_o, **common, **prec)
+  o = chunk_o.chunk_output(q, k, v_new, h, gcum, scale=scale, launch=opts.chunk_o, **blocks, **prec)
   return o, final, (gcum, ai)
 
 
@@ -150,15 +159,17 @@ def _gdp_core_bwd(scale, bt, opts, residuals, cotangents):
   return backward(residuals, cotangents)
 
 
-def _backward(scale, bt, opts, residuals, cotangents):
+def _backward(scale, bt, opts, residuals, cotangents, table=None):
   q, k, v, g, beta, mask, h0, gcum, ai = residuals
   do, dfinal = cotangents
   r = mask.shape[-1]
   common = dict(chunk=bt, key_blocks=r)
   prec = dict(precision=opts.precision)
+  # packed sequences (`_gdp_varlen_core`): the table goes to the state walks only
+  walk = dict(common) if table is None else dict(common, table=table)
   beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
   w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, launch=opts.wy, **common, **prec)
-  h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, launch=opts.chunk_h, **common, **prec)
+  h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, launch=opts.chunk_h, **walk, **prec)
   dv_local = bwd_dv_local.chunk_bwd_dv_local(
     q, k, gcum, do, scale=scale, launch=opts.bwd_dv_local, **common, **prec
   )
@@ -173,7 +184,7 @@ def _backward(scale, bt, opts, residuals, cotangents):
     scale=scale,
     dh_dtype=q.dtype,
     launch=opts.bwd_dhu,
-    **common,
+    **walk,
     **prec,
   )
   dq, dk1, dw, dg1 = bwd_dqkwg.chunk_bwd_dqkwg(
@@ -328,3 +339,202 @@ def _pallas_forward_xla_backward_bwd(scale, chunk_size, options, precision, resi
 _pallas_forward_xla_backward.defvjp(
   _pallas_forward_xla_backward_fwd, _pallas_forward_xla_backward_bwd
 )
+
+
+# ---- packed sequences (cu_seqlens, docs/varlen.md) -------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+def _gdp_varlen_core(q, k, v, g, beta, mask, h0, table, empty, scale, bt, opts):
+  o, final, _ = _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai=False, table=table)
+  return o, _empty_final(final, h0, empty)
+
+
+def _empty_final(final, h0, empty):
+  """An empty sequence has no chunk: the kernels leave its row unwritten, its final state is its
+  initial state."""
+  return jnp.where(empty[:, None, None, None], h0, final)
+
+
+def _gdp_varlen_core_fwd(q, k, v, g, beta, mask, h0, table, empty, scale, bt, opts):
+  forward = dispatch.raise_if_differentiated(
+    lambda *a: _forward(*a, scale, bt, opts, save_ai=True, table=table), NO_HIGHER_DERIVATIVES
+  )
+  o, final, (gcum, ai) = forward(q, k, v, g, beta, mask, h0)
+  residuals = (q, k, v, g, beta, mask, h0, gcum, ai, table, empty)
+  return (o, _empty_final(final, h0, empty)), residuals
+
+
+def _gdp_varlen_core_bwd(scale, bt, opts, residuals, cotangents):
+  *residuals, table, empty = residuals
+  do, dfinal = cotangents
+  backward = dispatch.raise_if_differentiated(
+    lambda res, cot: _backward(scale, bt, opts, res, cot, table=table), NO_HIGHER_DERIVATIVES
+  )
+  grads = backward(tuple(residuals), (do, dfinal))
+  # an empty sequence's initial state is its final state: its gradient is dfinal
+  dh0 = jnp.where(empty[:, None, None, None], dfinal.astype(grads[6].dtype), grads[6])
+  return grads[:6] + (dh0, None, None)
+
+
+_gdp_varlen_core.defvjp(_gdp_varlen_core_fwd, _gdp_varlen_core_bwd)
+
+
+def gated_delta_product_pallas_varlen(
+  q,
+  k,
+  v,
+  g,
+  beta,
+  mask,
+  initial_state,
+  scale,
+  chunk_size,
+  cu_seqlens,
+  *,
+  options=None,
+  backward="pallas",
+  precision=None,
+):
+  """Packed sequences (docs/varlen.md): q, k [1, T, H, K]; v [1, T, HV, V]; g, beta [1, T, HV];
+  mask [1, Tm, Hm, r, r]; initial_state [N, HV, K, V] float32; cu_seqlens [N + 1] int (T not
+  padded) -> (o [1, T, HV, V] in q's dtype, final [N, HV, K, V] float32).
+
+  The inputs are packed into the chunk-aligned layout at the kernels' chunk BT
+  (`varlen.layout`, `pallas_chunk`); every per-chunk kernel runs unchanged on it and the state
+  walks (chunk_state_output, chunk_h, bwd_dhu) read the per-chunk table (chunk_seq, chunk_first,
+  chunk_last). The kernels' varlen form has been checked in the Pallas interpreter and through
+  the Triton lowering only, not yet run on a GPU: `implementation=None` picks "xla" with
+  cu_seqlens. Non-finite inputs are not confined to their sequence here (only "reference" and
+  "xla" do that, docs/precision.md#non-finite-inputs). Other arguments as
+  `gated_delta_product_pallas`.
+  """
+  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
+  if not isinstance(scale, (int, float)):
+    o, final = gated_delta_product_pallas_varlen(
+      q,
+      k,
+      v,
+      g,
+      beta,
+      mask,
+      initial_state,
+      1.0,
+      chunk_size,
+      cu_seqlens,
+      options=options,
+      backward=backward,
+      precision=precision,
+    )
+    return (o.astype(jnp.float32) * scale).astype(o.dtype), final
+  try:
+    return _gated_delta_product_pallas_varlen(
+      q,
+      k,
+      v,
+      g,
+      beta,
+      mask,
+      initial_state,
+      scale,
+      chunk_size,
+      cu_seqlens,
+      options=options,
+      backward=backward,
+      precision=precision,
+    )
+  except TypeError as error:
+    if "forward-mode autodiff" in str(error):  # jax.jvp of a custom_vjp function
+      raise NotImplementedError(NO_HIGHER_DERIVATIVES) from error
+    raise
+
+
+def _gated_delta_product_pallas_varlen(
+  q,
+  k,
+  v,
+  g,
+  beta,
+  mask,
+  initial_state,
+  scale,
+  chunk_size,
+  cu_seqlens,
+  *,
+  options,
+  backward,
+  precision,
+):
+  if backward == "xla":
+    return _pallas_varlen_xla_backward(
+      q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
+    )
+  t_len, dim_k, dim_v = q.shape[1], q.shape[-1], v.shape[-1]
+  r = mask.shape[-1]
+  bt = pallas_chunk(chunk_size, r)
+  lay = varlen.layout(cu_seqlens, t_len, bt)
+  q, k, v, g, beta = (varlen.pack(x, lay) for x in (q, k, v, g, beta))
+  if mask.shape[1] != 1:
+    mask = varlen.pack(mask, lay)
+  table = jnp.stack([lay.chunk_seq, lay.chunk_first, lay.chunk_last]).astype(jnp.int32)
+  dkp, vp = padded_dims(dim_k, dim_v, r)
+  q = pad_key_blocks(q, r, dkp)
+  k = pad_key_blocks(k, r, dkp)
+  v = _pad_last(v, vp)
+  h0 = _pad_last(pad_key_blocks(initial_state.swapaxes(-1, -2), r, dkp).swapaxes(-1, -2), vp)
+  if options is None:
+    options = kernel_options.heuristic_options(
+      r=r, dim_k=dim_k, dim_v=dim_v, dtype=q.dtype, precision=precision or "tf32"
+    )
+  if precision is not None:
+    options = options.replace(precision=precision)
+  g = jnp.maximum(g, jnp.asarray(RESET_LOG_DECAY, g.dtype))  # as in _gated_delta_product_pallas
+  o, final = _gdp_varlen_core(
+    q, k, v, g, beta, mask.astype(jnp.float32), h0, table, lay.empty, scale, bt, options
+  )
+  o = varlen.unpack(o[..., :dim_v], lay)
+  final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
+  return o, final
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _pallas_varlen_xla_backward(
+  q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
+):
+  """The packed Pallas forward with the jnp backward of the packed chunked form
+  (`backward="xla"`)."""
+  return gated_delta_product_pallas_varlen(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    mask,
+    initial_state,
+    scale,
+    chunk_size,
+    cu_seqlens,
+    options=options,
+    precision=precision,
+  )
+
+
+def _pallas_varlen_xla_backward_fwd(
+  q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
+):
+  out = _pallas_varlen_xla_backward(
+    q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
+  )
+  return out, (q, k, v, g, beta, mask, initial_state, cu_seqlens)
+
+
+def _pallas_varlen_xla_backward_bwd(scale, chunk_size, options, precision, residuals, cotangents):
+  *primals, cu_seqlens = residuals
+  do, dfinal = cotangents
+  grads = xla_backward.gated_delta_product_xla_varlen_bwd(
+    *primals, scale, chunk_size, cu_seqlens, do, dfinal
+  )
+  return tuple(grads) + (None,)
+
+
+_pallas_varlen_xla_backward.defvjp(_pallas_varlen_xla_backward_fwd, _pallas_varlen_xla_backward_bwd)

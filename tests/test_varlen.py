@@ -2,8 +2,9 @@
 packed equals separate (outputs, final states and the gradient of every input) in "reference"
 and "xla" (separate: each sequence in its own row of a batch) and against the float64 recurrence
 (each sequence on its own), one compilation for new boundaries, non-finite
-inputs kept inside their sequence, the jnp backward of the packed chunked form, the argument
-checks, and the Flax layer's packed call."""
+inputs kept inside their sequence, the jnp backward of the packed chunked form, "pallas" (in the
+interpreter) equal to "xla" and its state walks with the per-chunk table through the Triton
+lowering, the argument checks, and the Flax layer's packed call."""
 
 from __future__ import annotations
 
@@ -258,6 +259,84 @@ def test_default_implementation_is_xla(monkeypatch):
   assert none is None and o_none.shape == o.shape == inputs["v"].shape
 
 
+# ---- the Pallas kernels' packed form --------------------------------------------------------
+
+# (r, mask kind, H, HV, chunk_size, fused, backward): the fused forward (chunk_state_output) and
+# the five-kernel one (chunk_h), the backward's recompute (chunk_h) and walk (bwd_dhu); BT = 16.
+PALLAS_CASES = [
+  (2, "token", 1, 2, 16, True, "pallas"),
+  (1, None, 2, 2, 64, False, "pallas"),
+  (2, "head", 2, 2, 16, True, "xla"),
+]
+
+
+@pytest.mark.parametrize("r,mask_kind,H,HV,chunk,fused,backward", PALLAS_CASES)
+def test_pallas_packed_equals_xla_packed(r, mask_kind, H, HV, chunk, fused, backward):
+  """implementation="pallas" with cu_seqlens (interpreted) equals "xla": outputs, final states
+  and the gradient of every input (initial_state included, with a final-state cotangent), over
+  lengths 0, 1, the chunk and off the chunk grid (the layout at the kernels' BT = 16 while the
+  xla form packs at chunk_size)."""
+  from pallas_kernels.common.options import DEFAULT
+
+  inputs = packed_inputs(11, LENGTHS, H=H, HV=HV, r=r, mask_kind=mask_kind)
+  cu = cu_of(LENGTHS)
+  extra = dict(options=DEFAULT.replace(fused=fused, precision="ieee"), backward=backward)
+  pallas = lambda kw: gated_delta_product(
+    **kw, **extra, cu_seqlens=cu, output_final_state=True, chunk_size=chunk, implementation="pallas"
+  )
+  o, final = jax.jit(pallas)(inputs)
+  o_xla, final_xla = jax.jit(lambda kw: run_packed("xla", kw, cu, chunk))(inputs)
+  assert o.shape == o_xla.shape and final.shape == final_xla.shape
+  assert_close(o, o_xla, tol(jnp.float32), "o")
+  assert_close(final, final_xla, tol(jnp.float32), "final states")
+  np.testing.assert_array_equal(final[2], inputs["initial_state"][2])  # the empty sequence
+  grads = grads_of(pallas, inputs)
+  grads_xla = grads_of(lambda kw: run_packed("xla", kw, cu, chunk), inputs)
+  for name, d in grads.items():
+    assert d.shape == inputs[name].shape, name
+    assert_close(d, grads_xla[name], tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
+  # the empty sequence's initial state: its gradient is its final state's cotangent
+  _, dfinal = cotangents(0, inputs["v"].shape, inputs["initial_state"].shape)
+  np.testing.assert_array_equal(grads["initial_state"][2], dfinal[2])
+
+
+@pytest.mark.parametrize("r,dtype", [(1, jnp.bfloat16), (2, jnp.float32)])
+def test_pallas_state_walks_with_table_lower_to_triton(monkeypatch, r, dtype):
+  """The state walks with the per-chunk table (chunk_state_output with and without its saved
+  states, chunk_h, bwd_dhu) through the Pallas Triton lowering for an H200; NT = 5 and N = 3
+  are not powers of two."""
+  from pallas_kernels.backward import bwd_dhu
+  from pallas_kernels.forward import chunk_h, chunk_state_output
+  from tests.triton_lowering import lower_for_h200
+
+  S = jax.ShapeDtypeStruct
+  K, V, N, chunk = 128, 64, 3, 64 // r
+  nt = 5
+  T = nt * chunk
+  tok = S((1, T, 1, K), dtype)
+  rows_k, rows_v = S((1, 1, T * r, K), dtype), S((1, 1, T * r, V), dtype)
+  gam, states = S((1, 1, T), jnp.float32), S((N, 1, K, V), jnp.float32)
+  table, do = S((3, nt), jnp.int32), S((1, T, 1, V), dtype)
+
+  def walks(q, k, w, u, gamma, h0, table, do, dvl):
+    common = dict(key_blocks=r, chunk=chunk, table=table)
+    outs = [
+      chunk_state_output.chunk_state_output(
+        q, k, w, u, gamma, h0, scale=0.1, save_states=save, **common
+      )
+      for save in (False, True)
+    ]
+    outs.append(chunk_h.chunk_state(k, w, u, gamma, h0, **common))
+    outs.append(bwd_dhu.chunk_bwd_dhu(q, k, w, gamma, do, dvl, h0, scale=0.1, **common))
+    return outs
+
+  dvl = S(rows_v.shape, jnp.float32)
+  modules = lower_for_h200(
+    monkeypatch, walks, tok, tok, rows_k, rows_v, gam, states, table, do, dvl
+  )
+  assert len(modules) == 4 and all("tt.func" in m for m in modules)
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 
 
@@ -281,7 +360,6 @@ def test_default_implementation_is_xla(monkeypatch):
       ValueError,
       "initial_state has shape (1, 2, 16, 8), expected (3, 2, 16, 8)",
     ),
-    (dict(implementation="pallas"), NotImplementedError, "implementation='xla'"),
     (dict(implementation="cuda"), ValueError, "implementation must be one of"),
   ],
 )

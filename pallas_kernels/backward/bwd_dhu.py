@@ -38,6 +38,7 @@ def _dhu_kernel(
   num_chunks,
   scale,
   precision,
+  table_ref=None,
 ):
   dot = functools.partial(backend.dot, precision=precision)
   dim_k = k_ref.shape[-1]
@@ -49,6 +50,13 @@ def _dhu_kernel(
   def body(i, ds):
     c = num_chunks - 1 - i
     tok = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    if table_ref is not None:
+      # packed sequences (docs/varlen.md): a sequence's last chunk ends at its final state
+      seq, first = table_ref[0, c], table_ref[1, c] != 0
+      ds = tuple(
+        jnp.where(table_ref[2, c] != 0, dfinal_ref[seq, cols(d), :].astype(jnp.float32), ds[d])
+        for d in range(r)
+      )
     for d in range(r):
       dh_ref[c, cols(d), :] = ds[d].astype(dh_ref.dtype)
     g = g_ref[tok]
@@ -69,8 +77,20 @@ def _dhu_kernel(
       for a in range(r):
         nxt = nxt - dot(w_ref[tok, a, cols(d)], dv_new[a], trans_a=True)
       out.append(nxt)
+    if table_ref is not None:
+
+      @pl.when(first)  # a sequence's first chunk: the gradient of its initial state
+      def _():
+        for d in range(r):
+          dh0_ref[seq, cols(d), :] = out[d]
+
+      out = [jnp.where(first, 0.0, x) for x in out]  # nothing flows to the previous sequence
     return tuple(out)
 
+  if table_ref is not None:
+    zeros = jnp.zeros((dk, dh0_ref.shape[-1]), jnp.float32)
+    jax.lax.fori_loop(0, num_chunks, body, (zeros,) * r)
+    return
   ds = tuple(dfinal_ref[cols(d), :].astype(jnp.float32) for d in range(r))
   ds = jax.lax.fori_loop(0, num_chunks, body, ds)
   for d in range(r):
@@ -92,11 +112,16 @@ def chunk_bwd_dhu(
   dh_dtype=None,
   launch=options.DEFAULT.bwd_dhu,
   precision="ieee",
+  table=None,
 ):
   """q, k [B, Tp, H, K]; w [B, H, Tp*r, K]; gcum [B, H, Tp]; do [B, Tp, H, V];
   dv_local [B, H, Tp*r, V]; dfinal [B, H, K, V] f32 ->
   dh [B, H, NT, K, V] (dh_dtype, default float32), d initial_state [B, H, K, V] f32,
-  dv_new [B, H, Tp*r, V] f32."""
+  dv_new [B, H, Tp*r, V] f32.
+
+  table: None, or packed sequences (docs/varlen.md, B = 1): int32 [3, NT] (chunk_seq,
+  chunk_first, chunk_last); dfinal and d initial_state are then [N, H, K, V] (an empty
+  sequence's d initial_state is not written: the caller takes its dfinal)."""
   bsz, t_len, heads, dim_k = q.shape
   dim_v = do.shape[-1]
   r = key_blocks
@@ -106,28 +131,52 @@ def chunk_bwd_dhu(
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   dvl5 = dv_local.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
+  kernel = lambda *refs: _dhu_kernel(
+    *refs, precision=precision, r=r, chunk=chunk, num_chunks=nt, scale=scale
+  )
+  state_spec, num_states = specs.state(dim_k, bv), bsz
+  in_specs = [
+    specs.seq_tokens(t_len, dim_k),
+    specs.seq_tokens(t_len, dim_k),
+    specs.seq_rows(t_len, r, dim_k),
+    specs.seq_scalars(t_len),
+    specs.seq_tokens(t_len, bv, v_block=True),
+    per_row_v,
+    state_spec,
+  ]
+  args = (q, k, w5, gcum, do, dvl5, dfinal)
+  if table is not None:
+    if table.shape != (3, nt) or bsz != 1:
+      raise ValueError(
+        f"table must be int32 [3, NT] = {(3, nt)} with B = 1, got {table.shape} with B = {bsz}"
+      )
+    num_states = dfinal.shape[0]
+    state_spec = specs.seq_states(num_states, dim_k, bv)
+    in_specs[-1] = state_spec
+    kernel = lambda *refs: _dhu_kernel(
+      *refs[:7],
+      *refs[8:],
+      precision=precision,
+      r=r,
+      chunk=chunk,
+      num_chunks=nt,
+      scale=scale,
+      table_ref=refs[7],
+    )
+    in_specs.append(specs.whole(table.shape))
+    args += (table.astype(jnp.int32),)
   dh, dv_new, dh0 = backend.pallas_call(
-    lambda *refs: _dhu_kernel(
-      *refs, precision=precision, r=r, chunk=chunk, num_chunks=nt, scale=scale
-    ),
+    kernel,
     grid=(dim_v // bv, bsz, heads),
-    in_specs=[
-      specs.seq_tokens(t_len, dim_k),
-      specs.seq_tokens(t_len, dim_k),
-      specs.seq_rows(t_len, r, dim_k),
-      specs.seq_scalars(t_len),
-      specs.seq_tokens(t_len, bv, v_block=True),
-      per_row_v,
-      specs.state(dim_k, bv),
-    ],
-    out_specs=[specs.chunk_states(nt, dim_k, bv), per_row_v, specs.state(dim_k, bv)],
+    in_specs=in_specs,
+    out_specs=[specs.chunk_states(nt, dim_k, bv), per_row_v, state_spec],
     out_shape=[
       jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), dh_dtype),
       jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), jnp.float32),
-      jax.ShapeDtypeStruct((bsz, heads, dim_k, dim_v), jnp.float32),
+      jax.ShapeDtypeStruct((num_states, heads, dim_k, dim_v), jnp.float32),
     ],
     num_warps=launch.num_warps,
     num_stages=launch.num_stages,
     name="gdp_bwd_dhu",
-  )(q, k, w5, gcum, do, dvl5, dfinal)
+  )(*args)
   return dh, dh0, dv_new.reshape(bsz, heads, t_len * r, dim_v)

@@ -34,6 +34,7 @@ def _chunk_h_kernel(
   chunk,
   num_chunks,
   precision,
+  table_ref=None,
 ):
   dot = functools.partial(backend.dot, precision=precision)
   dim_k = k_ref.shape[-1]
@@ -45,6 +46,12 @@ def _chunk_h_kernel(
   def body(c, state):
     t0 = pl.multiple_of(c * chunk, chunk)
     tok = pl.ds(t0, chunk)
+    if table_ref is not None:
+      # packed sequences (docs/varlen.md): a sequence's first chunk starts from its h0
+      seq, first = table_ref[0, c], table_ref[1, c] != 0
+      state = tuple(
+        jnp.where(first, h0_ref[seq, cols(d), :].astype(jnp.float32), state[d]) for d in range(r)
+      )
     for d in range(r):
       h_ref[c, cols(d), :] = state[d].astype(h_ref.dtype)
     g = g_ref[tok]
@@ -63,8 +70,19 @@ def _chunk_h_kernel(
     for d in range(r):
       k_dec = (k_ref[tok, cols(d)].astype(jnp.float32) * decay).astype(dtype)
       out.append(jnp.exp(g_last) * state[d] + dot(k_dec, v_new[d], trans_a=True))
+    if table_ref is not None:
+
+      @pl.when(table_ref[2, c] != 0)  # a sequence's last chunk: its final state
+      def _():
+        for d in range(r):
+          final_ref[seq, cols(d), :] = out[d]
+
     return tuple(out)
 
+  if table_ref is not None:
+    zeros = jnp.zeros((dk, final_ref.shape[-1]), jnp.float32)
+    jax.lax.fori_loop(0, num_chunks, body, (zeros,) * r)
+    return
   state = tuple(h0_ref[cols(d), :].astype(jnp.float32) for d in range(r))
   state = jax.lax.fori_loop(0, num_chunks, body, state)
   for d in range(r):
@@ -83,11 +101,16 @@ def chunk_state(
   h_dtype=None,
   launch=options.DEFAULT.chunk_h,
   precision="ieee",
+  table=None,
 ):
   """k [B, Tp, H, K]; w [B, H, Tp*r, K]; u [B, H, Tp*r, V]; gcum [B, H, Tp] f32;
   initial_state [B, H, K, V] f32 ->
   h [B, H, NT, K, V] (h_dtype, default k's dtype), v_new [B, H, Tp*r, V] (k's dtype),
-  final state [B, H, K, V] float32."""
+  final state [B, H, K, V] float32.
+
+  table: None, or packed sequences (docs/varlen.md, B = 1): int32 [3, NT] (chunk_seq,
+  chunk_first, chunk_last); initial_state and the final state are then [N, H, K, V] (an empty
+  sequence's final state is not written)."""
   bsz, t_len, heads, dim_k = k.shape
   dim_v = u.shape[-1]
   r = key_blocks
@@ -97,24 +120,49 @@ def chunk_state(
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   u5 = u.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
+  kernel = lambda *refs: _chunk_h_kernel(
+    *refs, precision=precision, r=r, chunk=chunk, num_chunks=nt
+  )
+  state_spec, num_states = specs.state(dim_k, bv), bsz
+  in_specs = [
+    specs.seq_tokens(t_len, dim_k),
+    specs.seq_rows(t_len, r, dim_k),
+    per_row_v,
+    specs.seq_scalars(t_len),
+    state_spec,
+  ]
+  args = (k, w5, u5, gcum, initial_state)
+  if table is not None:
+    if table.shape != (3, nt) or bsz != 1:
+      raise ValueError(
+        f"table must be int32 [3, NT] = {(3, nt)} with B = 1, got {table.shape} with B = {bsz}"
+      )
+    num_states = initial_state.shape[0]
+    state_spec = specs.seq_states(num_states, dim_k, bv)
+    in_specs[-1] = state_spec
+    kernel = lambda *refs: _chunk_h_kernel(
+      *refs[:5],
+      *refs[6:],
+      precision=precision,
+      r=r,
+      chunk=chunk,
+      num_chunks=nt,
+      table_ref=refs[5],
+    )
+    in_specs.append(specs.whole(table.shape))
+    args += (table.astype(jnp.int32),)
   h, v_new, final = backend.pallas_call(
-    lambda *refs: _chunk_h_kernel(*refs, precision=precision, r=r, chunk=chunk, num_chunks=nt),
+    kernel,
     grid=(dim_v // bv, bsz, heads),
-    in_specs=[
-      specs.seq_tokens(t_len, dim_k),
-      specs.seq_rows(t_len, r, dim_k),
-      per_row_v,
-      specs.seq_scalars(t_len),
-      specs.state(dim_k, bv),
-    ],
-    out_specs=[specs.chunk_states(nt, dim_k, bv), per_row_v, specs.state(dim_k, bv)],
+    in_specs=in_specs,
+    out_specs=[specs.chunk_states(nt, dim_k, bv), per_row_v, state_spec],
     out_shape=[
       jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), h_dtype),
       jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype),
-      jax.ShapeDtypeStruct((bsz, heads, dim_k, dim_v), jnp.float32),
+      jax.ShapeDtypeStruct((num_states, heads, dim_k, dim_v), jnp.float32),
     ],
     num_warps=launch.num_warps,
     num_stages=launch.num_stages,
     name="gdp_chunk_h",
-  )(k, w5, u5, gcum, initial_state)
+  )(*args)
   return h, v_new.reshape(bsz, heads, t_len * r, dim_v), final

@@ -43,6 +43,7 @@ def _kernel(
   num_chunks,
   scale,
   precision,
+  table_ref=None,
 ):
   dim_k = k_ref.shape[-1]
   dk = dim_k // r
@@ -55,6 +56,12 @@ def _kernel(
   def body(c, state):
     t0 = pl.multiple_of(c * chunk, chunk)
     tt = pl.ds(t0, chunk)
+    if table_ref is not None:
+      # packed sequences (docs/varlen.md): a sequence's first chunk starts from its h0
+      seq, first = table_ref[0, c], table_ref[1, c] != 0
+      state = tuple(
+        jnp.where(first, h0_ref[seq, cols(d), :].astype(f32), state[d]) for d in range(r)
+      )
     if state_refs:
       for d in range(r):
         state_refs[0][c, cols(d), :] = state[d].astype(state_refs[0].dtype)
@@ -88,8 +95,19 @@ def _kernel(
     for d in range(r):
       k_dec = (k[d].astype(f32) * k_decay).astype(dtype)
       out.append(jnp.exp(g_last) * state[d] + dot(k_dec, v_new[d], trans_a=True))
+    if table_ref is not None:
+
+      @pl.when(table_ref[2, c] != 0)  # a sequence's last chunk: its final state
+      def _():
+        for d in range(r):
+          final_ref[seq, cols(d), :] = out[d]
+
     return tuple(out)
 
+  if table_ref is not None:
+    zeros = jnp.zeros((dk, final_ref.shape[-1]), f32)
+    jax.lax.fori_loop(0, num_chunks, body, (zeros,) * r)
+    return
   state = tuple(h0_ref[cols(d), :].astype(f32) for d in range(r))
   state = jax.lax.fori_loop(0, num_chunks, body, state)
   for d in range(r):
@@ -111,6 +129,7 @@ def chunk_state_output(
   save_states=False,
   h_dtype=None,
   launch=options.DEFAULT.chunk_state_output,
+  table=None,
 ):
   """The state recurrence and the output in one walk over the chunks.
 
@@ -122,6 +141,11 @@ def chunk_state_output(
   Returns o [B, Tp, H, V] in q's dtype and the final state [B, H, K, V] float32; with
   save_states=True also h [B, H, NT, K, V] (each chunk's start state, h_dtype, default k's dtype)
   and v_new [B, H, Tp*r, V] in k's dtype.
+
+  table: None, or packed sequences (docs/varlen.md, B = 1): int32 [3, NT], the rows chunk_seq,
+  chunk_first, chunk_last of `varlen.Layout` at this chunk; initial_state and the returned final
+  state are then [N, H, K, V] (one per sequence; an empty sequence's final state is not written:
+  the caller takes its initial state).
   """
   if q.ndim != 4 or q.shape != k.shape:
     raise ValueError(f"q and k must both be [B, Tp, H, K], got q {q.shape}, k {k.shape}")
@@ -138,10 +162,16 @@ def chunk_state_output(
     raise ValueError(f"u must be [B, H, Tp*r, V] = {(bsz, heads, t_len * r, dim_v)}, got {u.shape}")
   if gamma.shape != (bsz, heads, t_len):
     raise ValueError(f"gamma must be [B, H, Tp] = {(bsz, heads, t_len)}, got {gamma.shape}")
-  if initial_state.shape != (bsz, heads, dim_k, dim_v):
+  num_states = bsz if table is None else initial_state.shape[0]
+  if initial_state.shape != (num_states, heads, dim_k, dim_v):
     raise ValueError(
-      f"initial_state must be [B, H, K, V] = {(bsz, heads, dim_k, dim_v)}, got "
-      f"{initial_state.shape}"
+      f"initial_state must be [B, H, K, V] = {(num_states, heads, dim_k, dim_v)} ([N, H, K, V] "
+      f"with a table), got {initial_state.shape}"
+    )
+  if table is not None and (table.shape != (3, t_len // chunk) or bsz != 1):
+    raise ValueError(
+      f"table must be int32 [3, NT] = {(3, t_len // chunk)} with B = 1, got {table.shape} "
+      f"with B = {bsz}"
     )
   bv = min(launch.block_v, dim_v)
   if dim_v % bv or bv < 16 or bv & (bv - 1) or dim_k // r < 16 or (dim_k // r) & (dim_k // r - 1):
@@ -154,10 +184,11 @@ def chunk_state_output(
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   u5 = u.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
-  out_specs = [specs.seq_tokens(t_len, bv, v_block=True), specs.state(dim_k, bv)]
+  state_spec = specs.state(dim_k, bv) if table is None else specs.seq_states(num_states, dim_k, bv)
+  out_specs = [specs.seq_tokens(t_len, bv, v_block=True), state_spec]
   out_shape = [
     jax.ShapeDtypeStruct((bsz, t_len, heads, dim_v), q.dtype),
-    jax.ShapeDtypeStruct((bsz, heads, dim_k, dim_v), f32),
+    jax.ShapeDtypeStruct((num_states, heads, dim_k, dim_v), f32),
   ]
   if save_states:
     out_specs += [specs.chunk_states(nt, dim_k, bv), per_row_v]
@@ -168,23 +199,30 @@ def chunk_state_output(
   kernel = functools.partial(
     _kernel, r=r, chunk=chunk, num_chunks=nt, scale=scale, precision=precision
   )
+  in_specs = [
+    specs.seq_tokens(t_len, dim_k),
+    specs.seq_tokens(t_len, dim_k),
+    specs.seq_rows(t_len, r, dim_k),
+    per_row_v,
+    specs.seq_scalars(t_len),
+    state_spec,
+  ]
+  args = (q, k, w5, u5, gamma.astype(f32), initial_state.astype(f32))
+  if table is not None:
+    packed = kernel
+    kernel = lambda *refs: packed(*refs[:6], *refs[7:], table_ref=refs[6])
+    in_specs.append(specs.whole(table.shape))
+    args += (table.astype(jnp.int32),)
   out = backend.pallas_call(
     kernel,
     grid=(dim_v // bv, bsz, heads),
-    in_specs=[
-      specs.seq_tokens(t_len, dim_k),
-      specs.seq_tokens(t_len, dim_k),
-      specs.seq_rows(t_len, r, dim_k),
-      per_row_v,
-      specs.seq_scalars(t_len),
-      specs.state(dim_k, bv),
-    ],
+    in_specs=in_specs,
     out_specs=out_specs,
     out_shape=out_shape,
     num_warps=launch.num_warps,
     num_stages=launch.num_stages,
     name="gdp_chunk_state_output",
-  )(q, k, w5, u5, gamma.astype(f32), initial_state.astype(f32))
+  )(*args)
   if save_states:
     o, final, h, v_new = out
     return o, final, h, v_new.reshape(bsz, heads, t_len * r, dim_v)
