@@ -1154,9 +1154,7 @@ def _check_room(lengths, num_new, capacity, what):
   """A ValueError unless `num_new` more tokens fit after concrete `lengths` [B] within
   `capacity` positions (traced lengths: only num_new <= capacity is checked)."""
   if num_new > capacity:
-    raise ValueError(
-      f"x has Tq = {num_new} new tokens but {what} hold only {capacity} positions"
-    )
+    raise ValueError(f"x has Tq = {num_new} new tokens but {what} hold only {capacity} positions")
   if isinstance(lengths, jax.core.Tracer):
     return
   values = np.asarray(lengths)
