@@ -574,6 +574,19 @@ def test_gdp_step_tokens_from_empty_cache_and_single_token():
   assert_close(c1.state, c1_ref.state, 2e-5, "one token's state")
 
 
+def test_gdp_step_tokens_pallas_matches_xla():
+  """The operator's Pallas kernels (interpreted off a GPU) from a cached state inside the layer
+  (Tq = 3, shorter than a chunk)."""
+  layer = gdp(mask_mode="token")
+  _, cache, x_new = ragged_cache_and_new(layer, 37, [1, 2], 3)
+  y, new = layer.step_tokens(x_new, cache)
+  layer.implementation = "pallas"
+  y_pallas, new_pallas = layer.step_tokens(x_new, cache)
+  assert_close(y_pallas, y, 2e-5, "outputs, pallas versus xla")
+  assert_close(new_pallas.state, new.state, 2e-5, "state, pallas versus xla")
+  np.testing.assert_array_equal(new_pallas.conv, new.conv)
+
+
 def test_attention_step_tokens_matches_steps():
   layer = attn()
   new = check_step_tokens(layer, 32, [2, 5], 3, cache_size=12)
