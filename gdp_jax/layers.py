@@ -10,7 +10,9 @@ Both layers run in two modes that agree with each other:
   product layer also takes `cu_seqlens` [N + 1] for N documents packed in one row (the
   operator's variable-length form, docs/varlen.md);
 - one token per sequence, `layer.step(x_t, cache) -> (y_t, cache)`, through
-  `gated_delta_product_step` or `gqa_decode`; `layer.init_cache(...)` is the empty cache.
+  `gated_delta_product_step` or `gqa_decode`; `layer.init_cache(...)` is the empty cache;
+- Tq new tokens per sequence after a cache, `layer.step_tokens(x [B, Tq, D], cache)` (the same as
+  Tq steps: speculative verification, chunked prefill from a cache).
 
 Caches are plain pytrees (NamedTuples) passed in and returned, never stored in the module, so a
 decode loop can carry them through `jax.lax.scan` / `jax.jit`.
@@ -277,6 +279,15 @@ class ShortConv(nnx.Module):
     window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1)  # [B, size, C]
     y = jnp.sum(window * self.weight[...].astype(x.dtype)[None], axis=1)
     return jax.nn.silu(y), window[:, 1:]
+
+  def step_tokens(self, x, state):
+    """Tq tokens per sequence after the step state: x [B, Tq, C], state [B, size-1, C] ->
+    (y [B, Tq, C], the state after the Tq tokens)."""
+    t_len = x.shape[1]
+    window = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, size-1+Tq, C]
+    w = self.weight[...].astype(x.dtype)
+    y = sum(window[:, i : i + t_len] * w[i] for i in range(self.size))
+    return jax.nn.silu(y), window[:, t_len:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -777,19 +788,7 @@ class GatedDeltaProduct(nnx.Module):
     """One token per sequence: x [B, D] -> (y [B, D], new cache); `cache` from `init_cache(B)`
     or from a prefill (`return_cache=True`) of this layer."""
     _check_x(x, self.hidden_size, 2, "[B, D] (one token per sequence)")
-    H, K, V, B = self.num_v_heads, self.head_dim, self.value_dim, x.shape[0]
-    conv_shape = (B, self.conv_size - 1, self._conv_channels()) if self.use_short_conv else None
-    _check_cache(
-      cache,
-      GatedDeltaProductCache,
-      {
-        "state": ((B, H, K, V), "[B, HV, K, V]"),
-        "conv": (
-          conv_shape,
-          "[B, conv_size - 1, channels of the short convolution], None without the convolution",
-        ),
-      },
-    )
+    self._check_step_cache(cache, x.shape[0])
     if self.dtype is not None:
       x = x.astype(self.dtype)
     pre = self._project_in(x)
@@ -813,6 +812,77 @@ class GatedDeltaProduct(nnx.Module):
       beta = self._scale_beta(beta, mask)
       o, state = sharded_gated_delta_product_step(
         q, k, v, g, beta, mask, cache.state, implementation=impl, sharding=self.sharding
+      )
+    return self._output(o, x), GatedDeltaProductCache(conv, state)
+
+  def _check_step_cache(self, cache, batch):
+    H, K, V, B = self.num_v_heads, self.head_dim, self.value_dim, batch
+    conv_shape = (B, self.conv_size - 1, self._conv_channels()) if self.use_short_conv else None
+    _check_cache(
+      cache,
+      GatedDeltaProductCache,
+      {
+        "state": ((B, H, K, V), "[B, HV, K, V]"),
+        "conv": (
+          conv_shape,
+          "[B, conv_size - 1, channels of the short convolution], None without the convolution",
+        ),
+      },
+    )
+
+  def step_tokens(
+    self, x: jax.Array, cache: GatedDeltaProductCache
+  ) -> tuple[jax.Array, GatedDeltaProductCache]:
+    """Tq new tokens per sequence after the cache (speculative verification, chunked prefill
+    from a cache): x [B, Tq, D] -> (y [B, Tq, D], the cache after the Tq tokens). The same as
+    Tq calls of `step` (up to rounding): the short convolution runs over the Tq tokens from the
+    cached inputs and the chunked operator (`gated_delta_product`, or
+    `householder_delta_product` in "householder" mode) from the cached state
+    (docs/inference.md#several-new-tokens-per-step)."""
+    _check_x(x, self.hidden_size, 3, "[B, Tq, D] (Tq new tokens per sequence)")
+    self._check_step_cache(cache, x.shape[0])
+    batch, t_len, _ = x.shape
+    if self.dtype is not None:
+      x = x.astype(self.dtype)
+    pre = self._project_in(x)
+    conv = None
+    if self.use_short_conv:
+      qkv, conv = self.conv.step_tokens(pre, cache.conv)
+      conv = conv.astype(cache.conv.dtype)
+    else:
+      qkv = jax.nn.silu(pre)
+    q, k, v = self._split_qkv(qkv)
+    g, beta = self._gates(x)
+    if self.mask_mode == "householder":
+      n = self.num_householder
+      sub = lambda a: a.reshape((batch, t_len * n) + a.shape[3:])  # [B, Tq*n_h, ...]
+      o, state = householder_delta_product(
+        q,
+        sub(k),
+        sub(v),
+        g,
+        sub(beta),
+        num_householder=n,
+        initial_state=cache.state,
+        output_final_state=True,
+        chunk_size=self.chunk_size,
+        implementation=self.implementation,
+      )
+    else:
+      mask = self._mask(x)
+      beta = self._scale_beta(beta, mask)
+      o, state = sharded_gated_delta_product(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        mask,
+        initial_state=cache.state,
+        output_final_state=True,
+        chunk_size=self.chunk_size,
+        implementation=self.implementation,
+        sharding=self.sharding,
       )
     return self._output(o, x), GatedDeltaProductCache(conv, state)
 
@@ -1028,17 +1098,7 @@ class GroupedQueryAttention(nnx.Module):
     `cache` from `init_cache(B, S)` or from a prefill (`return_cache=True`) of this layer."""
     _check_x(x, self.hidden_size, 2, "[B, D] (one token per sequence)")
     batch = x.shape[0]
-    size = None if cache is None or not hasattr(cache, "key") else np.shape(cache.key)[1]
-    kv = (batch, size, self.num_kv_heads, self.head_dim)
-    _check_cache(
-      cache,
-      KVCache,
-      {
-        "key": (kv, "[B, S, Hkv, Dh]"),
-        "value": (kv, "[B, S, Hkv, Dh]"),
-        "lengths": ((batch,), "[B]"),
-      },
-    )
+    self._check_step_cache(cache, batch)
     if self.dtype is not None:
       x = x.astype(self.dtype)
     q, k, v = self._qkv(x)  # [B, H, Dh]
@@ -1051,3 +1111,57 @@ class GroupedQueryAttention(nnx.Module):
     o = gqa_decode(q, key, value, lengths, implementation=self.implementation)
     y = self.o_proj(o.astype(x.dtype).reshape(batch, self.num_heads * self.head_dim))
     return y, KVCache(key, value, lengths)
+
+  def _check_step_cache(self, cache, batch):
+    size = None if cache is None or not hasattr(cache, "key") else np.shape(cache.key)[1]
+    kv = (batch, size, self.num_kv_heads, self.head_dim)
+    _check_cache(
+      cache,
+      KVCache,
+      {
+        "key": (kv, "[B, S, Hkv, Dh]"),
+        "value": (kv, "[B, S, Hkv, Dh]"),
+        "lengths": ((batch,), "[B]"),
+      },
+    )
+
+  def step_tokens(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Tq new tokens per sequence at positions cache.lengths[b] + i (speculative verification,
+    chunked prefill from a cache): x [B, Tq, D] -> (y [B, Tq, D], cache). The Tq keys/values
+    are written at slots lengths .. lengths + Tq - 1 and `gqa_decode` attends the [B, Tq, Hq, Dh]
+    query, each token seeing the cache up to itself: the same as Tq calls of `step`. Tq larger
+    than the cache's size S, or concrete lengths with lengths + Tq > S, are a ValueError; under
+    `jax.jit` tokens past S are dropped (as in `step`): size the cache for them."""
+    _check_x(x, self.hidden_size, 3, "[B, Tq, D] (Tq new tokens per sequence)")
+    batch, t_len, _ = x.shape
+    self._check_step_cache(cache, batch)
+    _check_room(cache.lengths, t_len, cache.key.shape[1], "the cache's S slots")
+    if self.dtype is not None:
+      x = x.astype(self.dtype)
+    q, k, v = self._qkv(x)  # [B, Tq, H, Dh]
+    pos = cache.lengths[:, None] + jnp.arange(t_len, dtype=jnp.int32)  # [B, Tq]
+    q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
+    rows = jnp.arange(batch)[:, None]
+    key = cache.key.at[rows, pos].set(k.astype(cache.key.dtype), mode="drop")
+    value = cache.value.at[rows, pos].set(v.astype(cache.value.dtype), mode="drop")
+    lengths = cache.lengths + t_len
+    o = gqa_decode(q, key, value, lengths, implementation=self.implementation)
+    y = self.o_proj(o.astype(x.dtype).reshape(batch, t_len, self.num_heads * self.head_dim))
+    return y, KVCache(key, value, lengths)
+
+
+def _check_room(lengths, num_new, capacity, what):
+  """A ValueError unless `num_new` more tokens fit after concrete `lengths` [B] within
+  `capacity` positions (traced lengths: only num_new <= capacity is checked)."""
+  if num_new > capacity:
+    raise ValueError(f"x has Tq = {num_new} new tokens but {what} hold only {capacity} positions")
+  if isinstance(lengths, jax.core.Tracer):
+    return
+  values = np.asarray(lengths)
+  full = np.flatnonzero(values.astype(np.int64) + num_new > capacity)
+  if full.size:
+    b = int(full[0])
+    raise ValueError(
+      f"cache too small: sequence {b} holds {int(values[b])} tokens, and Tq = {num_new} more "
+      f"need {int(values[b]) + num_new} positions, but {what} hold only {capacity}"
+    )

@@ -36,6 +36,7 @@ from gdp_jax.layers import (
   GroupedQueryAttention,
   KVCache,
   Linear,
+  _check_room,
   apply_rope,
 )
 from gdp_jax.sharding import ShardingConfig
@@ -190,6 +191,51 @@ def paged_attention_step(
   return y, PagedKVCache(key_pages, value_pages, cache.block_tables, lengths)
 
 
+def paged_attention_step_tokens(
+  layer: GroupedQueryAttention, x: jax.Array, cache: PagedKVCache
+) -> tuple[jax.Array, PagedKVCache]:
+  """`layer.step_tokens` with a `PagedKVCache`: Tq new tokens per sequence at positions
+  cache.lengths[b] + i, written into their pages, then `paged_gqa_decode` with the
+  [B, Tq, Hq, Dh] query (x [B, Tq, D] -> (y [B, Tq, D], cache)); the same as Tq calls of
+  `paged_attention_step`. Tq beyond the capacity (max_pages * page_size), or concrete lengths
+  with lengths + Tq beyond it, are a ValueError; under `jax.jit` tokens past it are dropped."""
+  if not hasattr(x, "ndim") or x.ndim != 3 or x.shape[-1] != layer.hidden_size:
+    raise ValueError(
+      f"x has shape {tuple(np.shape(x))}, expected [B, Tq, D] (Tq new tokens per sequence) "
+      f"with D = hidden_size = {layer.hidden_size}"
+    )
+  if not isinstance(cache, PagedKVCache):
+    raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+  batch, t_len, _ = x.shape
+  if cache.lengths.shape != (batch,) or cache.block_tables.shape[0] != batch:
+    raise ValueError(
+      f"cache.lengths {tuple(cache.lengths.shape)} and cache.block_tables "
+      f"{tuple(cache.block_tables.shape)} must have B = {batch} rows (x of shape "
+      f"{tuple(x.shape)}): a cache of another batch size?"
+    )
+  num_pages, page_size = cache.key_pages.shape[:2]
+  max_pages = cache.block_tables.shape[1]
+  capacity = max_pages * page_size
+  _check_room(cache.lengths, t_len, capacity, "the cache's pages (max_pages * page_size)")
+  if layer.dtype is not None:
+    x = x.astype(layer.dtype)
+  q, k, v = layer._qkv(x)  # [B, Tq, H, Dh]
+  pos = cache.lengths[:, None] + jnp.arange(t_len, dtype=jnp.int32)  # [B, Tq]
+  q, k = apply_rope(q, pos, layer.rope_theta), apply_rope(k, pos, layer.rope_theta)
+  entry = jnp.minimum(pos // page_size, max_pages - 1)
+  page = jnp.take_along_axis(cache.block_tables, entry, axis=1)
+  page = jnp.where(pos < capacity, page, num_pages)  # out of range: dropped
+  slot = pos % page_size
+  key_pages = cache.key_pages.at[page, slot].set(k.astype(cache.key_pages.dtype), mode="drop")
+  value_pages = cache.value_pages.at[page, slot].set(v.astype(cache.value_pages.dtype), mode="drop")
+  lengths = cache.lengths + t_len
+  o = paged_gqa_decode(
+    q, key_pages, value_pages, cache.block_tables, lengths, implementation=layer.implementation
+  )
+  y = layer.o_proj(o.astype(x.dtype).reshape(batch, t_len, layer.num_heads * layer.head_dim))
+  return y, PagedKVCache(key_pages, value_pages, cache.block_tables, lengths)
+
+
 class Block(nnx.Module):
   """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
 
@@ -253,6 +299,13 @@ class Block(nnx.Module):
       y, cache = self.mixer.step(self.mixer_norm(x), cache)
     return self._mlp(x + y.astype(x.dtype)), cache
 
+  def step_tokens(self, x, cache):
+    if isinstance(cache, PagedKVCache):
+      y, cache = paged_attention_step_tokens(self.mixer, self.mixer_norm(x), cache)
+    else:
+      y, cache = self.mixer.step_tokens(self.mixer_norm(x), cache)
+    return self._mlp(x + y.astype(x.dtype)), cache
+
 
 class HybridLM(nnx.Module):
   """Embedding, `len(layer_pattern)` residual blocks, final RMSNorm, vocabulary projection.
@@ -262,6 +315,7 @@ class HybridLM(nnx.Module):
   `layers.GatedDeltaProduct.__call__` and `layers.GroupedQueryAttention.__call__`);
   `model.prefill(tokens, lengths, cache_size) -> (logits, cache)`;
   `model.step(token [B], cache) -> (logits [B, vocab], cache)`;
+  `model.step_tokens(tokens [B, Tq], cache) -> (logits [B, Tq, vocab], cache)` (Tq steps at once);
   `model.init_cache(batch_size, cache_size)`. The cache is a tuple with one entry per layer
   (`GatedDeltaProductCache` or `KVCache`; an attention layer's `KVCache` may be replaced by its
   paged form, `to_paged(cache, page_size)`, which `step` decodes with `paged_gqa_decode`).
@@ -340,6 +394,35 @@ class HybridLM(nnx.Module):
   def step(self, token: jax.Array, cache: tuple) -> tuple[jax.Array, tuple]:
     """One token per sequence: token [B] int -> (logits [B, vocab] float32, new cache); `cache`
     from `init_cache` or `prefill`, one entry per layer."""
+    self._check_cache_tuple(cache)
+    x = self._embed(token)
+    new = []
+    for block, c in zip(self.blocks, cache):
+      x, c = block.step(x, c)
+      new.append(c)
+    return self._logits(x), tuple(new)
+
+  def step_tokens(self, tokens: jax.Array, cache: tuple) -> tuple[jax.Array, tuple]:
+    """Tq new tokens per sequence after the cache (speculative verification, chunked prefill
+    from a cache): tokens [B, Tq] int -> (logits [B, Tq, vocab] float32, the cache after them).
+    The same as Tq calls of `step` (up to rounding): each delta product layer runs its chunked
+    operator from the cached state, each attention layer writes the Tq keys/values and decodes
+    the [B, Tq] queries (`gqa_decode` / `paged_gqa_decode`). Attention caches must have room
+    for Tq more tokens (docs/inference.md#several-new-tokens-per-step)."""
+    if not hasattr(tokens, "ndim") or tokens.ndim != 2:
+      raise ValueError(
+        f"tokens has shape {tuple(np.shape(tokens))}, expected [B, Tq] (Tq new tokens per "
+        f"sequence; `step` takes one token [B])"
+      )
+    self._check_cache_tuple(cache)
+    x = self._embed(tokens)
+    new = []
+    for block, c in zip(self.blocks, cache):
+      x, c = block.step_tokens(x, c)
+      new.append(c)
+    return self._logits(x), tuple(new)
+
+  def _check_cache_tuple(self, cache):
     if not isinstance(cache, (tuple, list)) or len(cache) != len(self.blocks):
       raise TypeError(
         f"cache must be a tuple with one entry per layer ({len(self.blocks)}, "
@@ -347,12 +430,6 @@ class HybridLM(nnx.Module):
         f"prefill, got {type(cache).__name__}"
         + (f" of length {len(cache)}" if isinstance(cache, (tuple, list)) else "")
       )
-    x = self._embed(token)
-    new = []
-    for block, c in zip(self.blocks, cache):
-      x, c = block.step(x, c)
-      new.append(c)
-    return self._logits(x), tuple(new)
 
 
 # ----------------------------------------------------------------------------------------------

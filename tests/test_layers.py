@@ -509,3 +509,140 @@ def test_flash_attention_lowers_for_h200(monkeypatch):
   fn = lambda x, s: jax.grad(lambda x: jnp.sum(layer(x, segment_ids=s).astype(jnp.float32)))(x)
   modules = lower_for_h200(monkeypatch, fn, xs, seg)
   assert len(modules) >= 3  # forward, the backward's preprocessing and its kernel(s)
+
+
+# ---- several new tokens per step (step_tokens) --------------------------------------------------
+
+
+def ragged_cache_and_new(layer, seed, lengths, tq, **kw):
+  """x [2, T] with T = max(lengths) + tq, the prefill cache of the first lengths[b] tokens of each
+  row (right-padded), and the tq tokens after them, x_new [2, tq, D]."""
+  T = max(lengths) + tq
+  x = x_of(seed, T=T)
+  n = jnp.asarray(lengths, jnp.int32)
+  _, cache = layer(x, n, return_cache=True, **kw)
+  idx = n[:, None] + jnp.arange(tq)[None, :]
+  return x, cache, jnp.take_along_axis(x, idx[..., None], axis=1)
+
+
+def check_step_tokens(layer, seed, lengths, tq, rtol=2e-5, **kw):
+  """step_tokens from a ragged prefill equals tq single steps (outputs and caches) and the
+  whole-sequence outputs at those positions."""
+  x, cache, x_new = ragged_cache_and_new(layer, seed, lengths, tq, **kw)
+  y, new = layer.step_tokens(x_new, cache)
+  assert y.shape == x_new.shape and y.dtype == x_new.dtype
+  y_steps, new_steps = run_steps(layer, x_new, cache)
+  assert_close(y, y_steps, rtol, "outputs versus single steps")
+  assert jax.tree.structure(new) == jax.tree.structure(new_steps)
+  for got, want in zip(jax.tree.leaves(new), jax.tree.leaves(new_steps)):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert_close(got, want, rtol, "cache versus single steps")
+  y_full = layer(x)
+  for b, n in enumerate(lengths):
+    assert_close(y[b], y_full[b, n : n + tq], rtol, f"row {b} versus the whole sequence")
+  return new
+
+
+@pytest.mark.parametrize(
+  "kw",
+  [
+    dict(mask_mode="static"),
+    dict(mask_mode="token", use_gate=False),
+    dict(mask_mode="ones"),
+    dict(mask_mode="rotation"),
+    dict(mask_mode="householder", num_householder=2),
+    dict(mask_mode="static", use_short_conv=False),
+  ],
+  ids=["static", "token", "ones", "rotation", "householder", "no-conv"],
+)
+def test_gdp_step_tokens_matches_steps(kw):
+  check_step_tokens(gdp(**kw), 30, [2, 4], 3)
+
+
+def test_gdp_step_tokens_from_empty_cache_and_single_token():
+  """From init_cache, Tq tokens are the whole sequence; Tq = 1 is one step."""
+  layer = gdp(mask_mode="token")
+  x = x_of(31, T=5)
+  y, cache = layer.step_tokens(x, layer.init_cache(2))
+  y_ref, cache_ref = layer(x, return_cache=True)
+  assert_close(y, y_ref, 2e-5, "outputs")
+  assert_close(cache.state, cache_ref.state, 2e-5, "state")
+  np.testing.assert_array_equal(cache.conv, cache_ref.conv)
+  y1, c1 = layer.step_tokens(x[:, :1], layer.init_cache(2))
+  y1_ref, c1_ref = layer.step(x[:, 0], layer.init_cache(2))
+  assert_close(y1[:, 0], y1_ref, 2e-5, "one token")
+  assert_close(c1.state, c1_ref.state, 2e-5, "one token's state")
+
+
+def test_gdp_step_tokens_pallas_matches_xla():
+  """The operator's Pallas kernels (interpreted off a GPU) from a cached state inside the layer
+  (Tq = 3, shorter than a chunk)."""
+  layer = gdp(mask_mode="token")
+  _, cache, x_new = ragged_cache_and_new(layer, 37, [1, 2], 3)
+  y, new = layer.step_tokens(x_new, cache)
+  layer.implementation = "pallas"
+  y_pallas, new_pallas = layer.step_tokens(x_new, cache)
+  assert_close(y_pallas, y, 2e-5, "outputs, pallas versus xla")
+  assert_close(new_pallas.state, new.state, 2e-5, "state, pallas versus xla")
+  np.testing.assert_array_equal(new_pallas.conv, new.conv)
+
+
+def test_attention_step_tokens_matches_steps():
+  layer = attn()
+  new = check_step_tokens(layer, 32, [2, 5], 3, cache_size=12)
+  np.testing.assert_array_equal(new.lengths, [5, 8])
+
+
+def test_attention_step_tokens_lengths_are_traced():
+  """Under jax.jit the lengths stay traced: new lengths do not recompile."""
+  layer = attn()
+  calls = []
+
+  @jax.jit
+  def step_tokens(x, cache):
+    calls.append(1)
+    return layer.step_tokens(x, cache)
+
+  x, cache, x_new = ragged_cache_and_new(layer, 33, [1, 3], 2, cache_size=8)
+  y, _ = step_tokens(x_new, cache)
+  y_full = layer(x)
+  assert_close(y[1], y_full[1, 3:5], 2e-5, "row 1")
+  step_tokens(x_new, cache._replace(lengths=cache.lengths + 1))
+  assert len(calls) == 1
+
+
+def test_attention_step_tokens_pallas_matches_xla():
+  """The Pallas multi-token decode (interpreted off a GPU) inside the layer."""
+  layer = attn()
+  _, cache, x_new = ragged_cache_and_new(layer, 34, [1, 3], 2, cache_size=8)
+  y, new = layer.step_tokens(x_new, cache)
+  layer.implementation = "pallas"
+  y_pallas, new_pallas = layer.step_tokens(x_new, cache)
+  assert_close(y_pallas, y, 2e-5, "pallas versus xla")
+  np.testing.assert_array_equal(new_pallas.key, new.key)
+
+
+@pytest.mark.parametrize("make", [gdp, lambda: attn()], ids=["gdp", "attention"])
+def test_step_tokens_inputs_are_checked(make):
+  layer = make()
+  is_gdp = isinstance(layer, GatedDeltaProduct)
+  cache = layer.init_cache(2) if is_gdp else layer.init_cache(2, 8)
+  x = x_of(35, T=3)
+  with pytest.raises(ValueError, match=r"x has shape \(2, 16\), expected \[B, Tq, D\]"):
+    layer.step_tokens(x[:, 0], cache)
+  with pytest.raises(ValueError, match=r"x has shape \(2, 3, 8\), expected \[B, Tq, D\]"):
+    layer.step_tokens(x[..., :8], cache)
+  with pytest.raises(TypeError, match="cache is None"):
+    layer.step_tokens(x, None)
+  with pytest.raises(ValueError, match=r"cache\.\w+ has shape \(3, "):
+    layer.step_tokens(x, layer.init_cache(3) if is_gdp else layer.init_cache(3, 8))
+
+
+def test_attention_step_tokens_cache_too_small():
+  layer = attn()
+  x = x_of(36, T=3)
+  with pytest.raises(ValueError, match=r"Tq = 3 new tokens but the cache's S slots hold only 2"):
+    layer.step_tokens(x, layer.init_cache(2, 2))
+  cache = layer.init_cache(2, 8)._replace(lengths=jnp.array([2, 6], jnp.int32))
+  with pytest.raises(ValueError, match=r"cache too small: sequence 1 holds 6 tokens, and Tq = 3"):
+    layer.step_tokens(x, cache)

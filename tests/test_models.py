@@ -229,3 +229,68 @@ def test_demo_command_runs(capsys):
 def test_check_command_runs(capsys):
   assert main(["check", "--implementation", "xla"]) == 0
   assert "check: OK" in capsys.readouterr().out
+
+
+# ---- several new tokens per step (step_tokens) --------------------------------------------------
+
+
+@nnx.jit
+def step_tokens(model, tokens, cache):
+  return model.step_tokens(tokens, cache)
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["dense", "paged"])
+def test_step_tokens_matches_steps_and_sequence(model, page_size):
+  """From the prefill of prompts of lengths 2 and 5, Tq = 3 new tokens in one step_tokens call
+  give the logits and caches of 3 single steps and the whole-sequence logits."""
+  from gdp_jax.models import KVCache, PagedKVCache, to_paged
+
+  tq = 3
+  tokens = tokens_of(40, T=8)
+  lengths = jnp.array([2, 5], jnp.int32)
+  _, cache = nnx.jit(lambda m, t, n: m.prefill(t, n, cache_size=16))(model, tokens, lengths)
+  if page_size is not None:
+    cache = tuple(to_paged(c, page_size) if isinstance(c, KVCache) else c for c in cache)
+    assert isinstance(cache[1], PagedKVCache)
+  new_tokens = jnp.take_along_axis(tokens, lengths[:, None] + jnp.arange(tq)[None], axis=1)
+  logits, new = step_tokens(model, new_tokens, cache)
+  assert logits.shape == (2, tq, VOCAB) and logits.dtype == jnp.float32
+  outs, cache_steps = [], cache
+  for i in range(tq):
+    out, cache_steps = step(model, new_tokens[:, i], cache_steps)
+    outs.append(out)
+  assert_close(logits, jnp.stack(outs, axis=1), 2e-5, "logits versus single steps")
+  assert jax.tree.structure(new) == jax.tree.structure(cache_steps)
+  for got, want in zip(jax.tree.leaves(new), jax.tree.leaves(cache_steps)):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert_close(got, want, 2e-5, "cache versus single steps")
+  np.testing.assert_array_equal(new[1].lengths, lengths + tq)
+  full = forward(model, tokens)
+  for b in range(2):
+    n = int(lengths[b])
+    assert_close(logits[b], full[b, n : n + tq], 2e-5, f"row {b} versus the whole sequence")
+
+
+def test_step_tokens_householder_layers():
+  """An "HA" model (a DeltaProduct layer) from an empty cache equals its whole-sequence call."""
+  m = tiny(layer_pattern="HA", mask_mode="static", mlp_ratio=0)
+  tokens = tokens_of(41, T=5)
+  logits, cache = m.step_tokens(tokens, m.init_cache(2, 8))
+  assert_close(logits, m(tokens), 2e-5, "logits")
+  np.testing.assert_array_equal(cache[1].lengths, [5, 5])
+
+
+def test_step_tokens_errors(model):
+  from gdp_jax.models import to_paged
+
+  cache = model.init_cache(2, 16)
+  with pytest.raises(ValueError, match=r"tokens has shape \(2,\), expected \[B, Tq\]"):
+    model.step_tokens(tokens_of(42)[:, 0], cache)
+  with pytest.raises(TypeError, match="one entry per layer"):
+    model.step_tokens(tokens_of(42), cache[:2])
+  full = tuple(c._replace(lengths=c.lengths + 12) if hasattr(c, "lengths") else c for c in cache)
+  with pytest.raises(ValueError, match=r"cache too small: sequence 0 holds 12 tokens, and Tq = 7"):
+    model.step_tokens(tokens_of(42), full)
+  paged = tuple(to_paged(c, 16) if hasattr(c, "lengths") else c for c in full)
+  with pytest.raises(ValueError, match=r"cache too small: .* the cache's pages"):
+    model.step_tokens(tokens_of(42), paged)
