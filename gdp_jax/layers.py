@@ -764,9 +764,12 @@ class GatedDeltaProduct(nnx.Module):
     return varlen.sanitize(cu_seqlens, t_len)
 
   def _varlen_implementation(self):
-    """The layer's implementation for the operator's cu_seqlens form: "pallas" (also the
-    default on a GPU) has none yet, so it runs "xla" there."""
+    """The implementation of a packed (cu_seqlens) call: the layer's own where the packed form
+    has it (an explicit "pallas" runs the kernels' packed form, docs/varlen.md), else None
+    (which picks "xla" for packed calls); the Householder form has no Pallas packed path."""
     names = dispatch.implementations("gated_delta_product_varlen")
+    if self.mask_mode == "householder" and self.implementation == "pallas":
+      return None
     return self.implementation if self.implementation in names else None
 
   # -- one token --------------------------------------------------------------------------------
