@@ -792,17 +792,7 @@ class GatedDeltaProduct(nnx.Module):
     or from a prefill (`return_cache=True`) of this layer."""
     _check_x(x, self.hidden_size, 2, "[B, D] (one token per sequence)")
     self._check_step_cache(cache, x.shape[0])
-    if self.dtype is not None:
-      x = x.astype(self.dtype)
-    pre = self._project_in(x)
-    conv = None
-    if self.use_short_conv:
-      qkv, conv = self.conv.step(pre, cache.conv)
-      conv = conv.astype(cache.conv.dtype)
-    else:
-      qkv = jax.nn.silu(pre)
-    q, k, v = self._split_qkv(qkv)
-    g, beta = self._gates(x)
+    x, (q, k, v), (g, beta), conv = self._step_inputs(x, cache, "step")
     impl = self.implementation
     if impl not in (None, *dispatch.implementations("gated_delta_product_step")):
       impl = "xla"  # "reference" has no step of its own
@@ -817,6 +807,20 @@ class GatedDeltaProduct(nnx.Module):
         q, k, v, g, beta, mask, cache.state, implementation=impl, sharding=self.sharding
       )
     return self._output(o, x), GatedDeltaProductCache(conv, state)
+
+  def _step_inputs(self, x, cache, conv_step):
+    """x in the layer's dtype, (q, k, v), (g, beta) and the new convolution state of a step from
+    a cache; conv_step names the short convolution's step: "step" (one token) or "step_tokens"."""
+    if self.dtype is not None:
+      x = x.astype(self.dtype)
+    pre = self._project_in(x)
+    conv = None
+    if self.use_short_conv:
+      qkv, conv = getattr(self.conv, conv_step)(pre, cache.conv)
+      conv = conv.astype(cache.conv.dtype)
+    else:
+      qkv = jax.nn.silu(pre)
+    return x, self._split_qkv(qkv), self._gates(x), conv
 
   def _check_step_cache(self, cache, batch):
     H, K, V, B = self.num_v_heads, self.head_dim, self.value_dim, batch
@@ -845,17 +849,7 @@ class GatedDeltaProduct(nnx.Module):
     _check_x(x, self.hidden_size, 3, "[B, Tq, D] (Tq new tokens per sequence)")
     self._check_step_cache(cache, x.shape[0])
     batch, t_len, _ = x.shape
-    if self.dtype is not None:
-      x = x.astype(self.dtype)
-    pre = self._project_in(x)
-    conv = None
-    if self.use_short_conv:
-      qkv, conv = self.conv.step_tokens(pre, cache.conv)
-      conv = conv.astype(cache.conv.dtype)
-    else:
-      qkv = jax.nn.silu(pre)
-    q, k, v = self._split_qkv(qkv)
-    g, beta = self._gates(x)
+    x, (q, k, v), (g, beta), conv = self._step_inputs(x, cache, "step_tokens")
     if self.mask_mode == "householder":
       n = self.num_householder
       sub = lambda a: a.reshape((batch, t_len * n) + a.shape[3:])  # [B, Tq*n_h, ...]

@@ -243,37 +243,20 @@ def gated_delta_product_pallas(
   # i // (HV // H) for value head i (no repeated copy of q and k in memory), with the backward
   # kernels accumulating dq and dk over the group.
   q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
+  args = (q, k, v, g, beta, mask, initial_state)
+  kw = dict(options=options, backward=backward, precision=precision)
+  return _run_scaled(_gated_delta_product_pallas, args, scale, (chunk_size,), kw)
+
+
+def _run_scaled(inner, args, scale, rest, kw):
+  """inner(*args, scale, *rest, **kw): a Python-number scale goes to the kernels; an array (a
+  traced or learned scale) runs them with 1 and multiplies o afterwards (o is linear in the
+  scale). Forward-mode autodiff through the custom_vjp becomes a clear NotImplementedError."""
   if not isinstance(scale, (int, float)):
-    o, final = gated_delta_product_pallas(
-      q,
-      k,
-      v,
-      g,
-      beta,
-      mask,
-      initial_state,
-      1.0,
-      chunk_size,
-      options=options,
-      backward=backward,
-      precision=precision,
-    )
+    o, final = _run_scaled(inner, args, 1.0, rest, kw)
     return (o.astype(jnp.float32) * scale).astype(o.dtype), final
   try:
-    return _gated_delta_product_pallas(
-      q,
-      k,
-      v,
-      g,
-      beta,
-      mask,
-      initial_state,
-      scale,
-      chunk_size,
-      options=options,
-      backward=backward,
-      precision=precision,
-    )
+    return inner(*args, scale, *rest, **kw)
   except TypeError as error:
     if "forward-mode autodiff" in str(error):  # jax.jvp of a custom_vjp function
       raise NotImplementedError(NO_HIGHER_DERIVATIVES) from error
@@ -410,43 +393,9 @@ def gated_delta_product_pallas_varlen(
   `gated_delta_product_pallas`.
   """
   q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
-  if not isinstance(scale, (int, float)):
-    o, final = gated_delta_product_pallas_varlen(
-      q,
-      k,
-      v,
-      g,
-      beta,
-      mask,
-      initial_state,
-      1.0,
-      chunk_size,
-      cu_seqlens,
-      options=options,
-      backward=backward,
-      precision=precision,
-    )
-    return (o.astype(jnp.float32) * scale).astype(o.dtype), final
-  try:
-    return _gated_delta_product_pallas_varlen(
-      q,
-      k,
-      v,
-      g,
-      beta,
-      mask,
-      initial_state,
-      scale,
-      chunk_size,
-      cu_seqlens,
-      options=options,
-      backward=backward,
-      precision=precision,
-    )
-  except TypeError as error:
-    if "forward-mode autodiff" in str(error):  # jax.jvp of a custom_vjp function
-      raise NotImplementedError(NO_HIGHER_DERIVATIVES) from error
-    raise
+  args = (q, k, v, g, beta, mask, initial_state)
+  kw = dict(options=options, backward=backward, precision=precision)
+  return _run_scaled(_gated_delta_product_pallas_varlen, args, scale, (chunk_size, cu_seqlens), kw)
 
 
 def _gated_delta_product_pallas_varlen(
