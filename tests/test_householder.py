@@ -133,6 +133,70 @@ def test_pallas_matches_reference(n_h, T, with_state):
   check_against_reference("pallas", n_h, hh_inputs(20 + n_h, n_h, T=T, H=1, with_state=with_state))
 
 
+def _jaxpr_parts(fn, *args):
+  """(kernels, others) of fn's jaxpr, traced only (no kernel runs): kernels lists every
+  pallas_call as (name, operand avals, kernel jaxpr text, grid mapping text); others the output
+  avals of every other equation, nested jaxprs included."""
+  kernels, others = [], []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        name = eqn.params.get("name", eqn.params.get("name_and_src_info"))  # jax 0.12 / 0.11
+        operands = tuple(v.aval for v in eqn.invars)
+        grid = str(eqn.params["grid_mapping"])
+        kernels.append((str(getattr(name, "name", name)), operands, str(eqn.params["jaxpr"]), grid))
+        continue
+      others.extend(v.aval for v in eqn.outvars)
+      for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+          if isinstance(item, jax.extend.core.ClosedJaxpr):
+            walk(item.jaxpr)
+          elif isinstance(item, jax.extend.core.Jaxpr):
+            walk(item)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return kernels, others
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
+def test_pallas_runs_the_operator_kernels_in_bfloat16(mode):
+  """The Pallas path is the r = 1 operator's own call at T*n_h sub-steps: the same kernels, the
+  same launches and chunk, the same operands (bf16 q, k, v: no float32 copy of an input), and
+  around them no float32 array of activation size in the forward (the bench's bf16 beta
+  included)."""
+  from gdp_jax.householder import to_substeps
+
+  n_h = 2
+  inputs = hh_inputs(40, n_h, B=1, T=32, H=2, K=16, V=16, with_state=False, dtype=jnp.bfloat16)
+  q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
+  beta = beta.astype(jnp.bfloat16)
+
+  def ours(q, k, v, g, beta):
+    return householder_delta_product(
+      q, k, v, g, beta, num_householder=n_h, implementation="pallas"
+    )[0]
+
+  def r1(q, k, v, g, beta):
+    return gated_delta_product(q, k, v, g, beta, implementation="pallas")[0]
+
+  if mode == "fwdbwd":
+    grad = lambda f: jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=range(5))
+    ours, r1 = grad(ours), grad(r1)
+  kernels, others = _jaxpr_parts(ours, q, k, v, g, beta)
+  q_sub, g_sub = to_substeps(q, g, n_h)
+  expected, _ = _jaxpr_parts(r1, q_sub, k, v, g_sub, beta)
+  assert [c[0] for c in kernels] == [c[0] for c in expected]
+  for (name, operands, body, grid), (_, want, want_body, want_grid) in zip(kernels, expected):
+    assert operands == want, f"{name}: operands {operands}, the operator's call has {want}"
+    assert body == want_body and grid == want_grid, f"{name}: another kernel or launch"
+    for aval in operands:  # the inputs' layout [B, T*n_h, H, K or V] only in bf16
+      assert aval.shape not in (q_sub.shape, v.shape) or aval.dtype == jnp.bfloat16, (name, aval)
+  if mode == "fwd":
+    big_f32 = [a for a in others if a.dtype == jnp.float32 and a.size >= q.size]
+    assert not big_f32, f"float32 activation-sized arrays around the kernels: {big_f32}"
+
+
 def test_one_step_is_the_gated_delta_rule():
   """n_h = 1 is the r = 1 operator (mask None) itself, for every implementation."""
   inputs = hh_inputs(30, 1, T=9)
