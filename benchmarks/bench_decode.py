@@ -70,11 +70,20 @@ def median_ms(run, carry, args, reps):
   return statistics.median(times), times
 
 
+# --unroll: chain the calls as straight-line code in one jit instead of a fori_loop (a while
+# loop whose per-iteration bookkeeping is visible next to a 50-100 us kernel).
+UNROLL = False
+
+
 def loop(step, inner):
-  """A jitted fori_loop of `inner` calls of step(carry, *args) -> carry."""
+  """A jitted chain of `inner` calls of step(carry, *args) -> carry (fori_loop, or unrolled)."""
 
   @jax.jit
   def run(carry, *args):
+    if UNROLL:
+      for _ in range(inner):
+        carry = step(carry, *args)
+      return carry
     return jax.lax.fori_loop(0, inner, lambda i, c: step(c, *args), carry)
 
   return run
@@ -528,8 +537,11 @@ def main(argv=None):
   p.add_argument("--impls", default="pallas,xla,jax_gqa,paged,paged_xla,jax_paged")
   p.add_argument("--step-impls", default="xla,pallas,pallas_copy")
   p.add_argument("--no-sweep", action="store_true")
+  p.add_argument("--unroll", action="store_true", help="chain the calls unrolled, not in a loop")
   p.add_argument("--sections", default="decode,sweep,paged_sweep,step")
   args = p.parse_args(argv)
+  global UNROLL
+  UNROLL = args.unroll
   dtype = DTYPES[args.dtype]
   sections = args.sections.split(",")
   reps = args.reps or (2 if args.smoke else 5 if args.quick else 7)
@@ -570,6 +582,7 @@ def main(argv=None):
     ),
     reps=reps,
     inner=inner,
+    unrolled=args.unroll,
     page_size=args.page_size,
     jax_peers=dict(
       decode_attention=jax_peer("decode_attention") is not None,
