@@ -35,6 +35,11 @@ do_bench). `cu_seqlens` is an argument of the jitted function (traced, as in tra
 Ratios (the goals of the packed form and of grouped heads): packed / unpacked <= 1.15,
 grouped / separate <= 1.1.
 
+Case names (for `--only`, which keeps the cases whose name contains one of its comma-separated
+strings): "packed f32 r=1" ... "grouped bf16 r=2"; "<layout> <mode> <impl>", e.g.
+"packed64 fwdbwd ours" or "unpacked fwd fla". `--impl xla` checks and times the chunked jnp form
+instead of the kernels (the smoke test: its correctness is then the reference against itself).
+
 Every case runs inside a time budget (`--time-limit`, default 220 s from the start): a case that
 would start after it is recorded as not run. The JSON (`--out`) is rewritten after every case,
 so a run cut short keeps what it measured: date, jax version, GPU (device_kind), the command
