@@ -202,8 +202,11 @@ def reference_fits(mode, B, T, H, K, V, max_gb):
   return mode == "fwd" or B * T * H * K * V * 4 <= max_gb * 1e9
 
 
-def fla_case(mode, shape, dtype, reps, tick=None):
-  """flash-linear-attention 0.6.0's chunk_gated_delta_rule (r = 1), timed with triton's do_bench."""
+def fla_case(mode, shape, dtype, reps, tick=None, cu_seqlens=None):
+  """flash-linear-attention 0.6.0's chunk_gated_delta_rule (r = 1), timed with triton's do_bench.
+
+  cu_seqlens: None, or the [N + 1] offsets of N sequences packed in one row (B = 1), passed to
+  fla as its `cu_seqlens` (benchmarks/bench_varlen.py)."""
   import torch
 
   if not torch.cuda.is_available():
@@ -227,15 +230,20 @@ def fla_case(mode, shape, dtype, reps, tick=None):
   v = torch.randn(B, T, H, V, device=dev).to(tdt)
   g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev) + 4.0).float()
   beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(tdt)
+  extra = {}
+  if cu_seqlens is not None:
+    extra["cu_seqlens"] = torch.as_tensor(
+      [int(c) for c in cu_seqlens], dtype=torch.long, device=dev
+    )
   if mode == "fwd":
-    fn = lambda: chunk_gated_delta_rule(q, k, v, g, beta)
+    fn = lambda: chunk_gated_delta_rule(q, k, v, g, beta, **extra)
   else:
     for x in (q, k, v, g, beta):
       x.requires_grad_(True)
     do = torch.ones(B, T, H, V, device=dev, dtype=tdt)
 
     def fn():
-      o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
+      o, _ = chunk_gated_delta_rule(q, k, v, g, beta, **extra)
       o.backward(do)
 
   fn()

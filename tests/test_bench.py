@@ -178,3 +178,38 @@ def test_bad_arguments_are_refused():
   ):
     with pytest.raises(SystemExit):
       bench.main(argv + ["--out", os.devnull, "--no-plot"])
+
+
+def test_bench_varlen_smoke(tmp_path):
+  """benchmarks/bench_varlen.py --smoke (the chunked jnp form standing in for the kernels, a few
+  cases: interpret mode is too slow here) writes the JSON the GPU run records."""
+  spec = importlib.util.spec_from_file_location(
+    "bench_varlen", ROOT / "benchmarks" / "bench_varlen.py"
+  )
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  out = tmp_path / "varlen.json"
+  only = "packed f32 r=1,unpacked fwd ours,packed8 fwd ours,fwd fla"
+  argv = ["--smoke", "--impl", "xla", "--reps", "2", "--inner", "1", "--only", only]
+  assert mod.main(argv + ["--out", str(out)]) == 0
+  res = json.loads(out.read_text())
+  for field in ("schema", "date", "jax_version", "device_kind", "command", "goals", "ratios"):
+    assert field in res, field
+  assert "cases" not in res  # that key marks `python -m gdp_jax bench` files
+  assert res["command"].startswith("python benchmarks/bench_varlen.py --smoke")
+  assert str(tmp_path) not in res["command"] and "--out varlen.json" in res["command"]
+  [case] = res["correctness"]
+  assert case["status"] == "pass" and case["lengths"] == list(mod.SMOKE_LENGTHS)
+  names = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"}
+  assert set(case["arrays"]) == names  # r = 1: no mask
+  for err in case["arrays"].values():
+    assert err["ok"] and err["rel_rms"] == 0.0 and err["tolerance"] in (2e-5, 1e-4)
+  speed = {(c["layout"], c["mode"], c["impl"]): c for c in res["speed"]}
+  for layout in ("unpacked", "packed8"):
+    assert speed[(layout, "fwd", "ours")]["ms"] > 0, speed[(layout, "fwd", "ours")]
+  assert speed[("packed8", "fwd", "ours")]["sequences"] == 2
+  assert speed[("packed64", "fwd", "fla")]["status"] == "skipped"  # no CUDA here
+  ratio = res["ratios"]["ours packed8/unpacked fwd"]
+  assert ratio["goal"] == 1.15 and ratio["ratio"] > 0
+  with pytest.raises(SystemExit):
+    mod.main(["--smoke", "--sections", "nope", "--out", str(out)])
