@@ -106,7 +106,7 @@ class KernelOptions:
   chunk_h: Launch = Launch(num_warps=4, num_stages=3, block_v=64)
   chunk_o: Launch = Launch(num_warps=4, num_stages=2, block_v=128)
   bwd_dv_local: Launch = Launch(num_warps=4)
-  bwd_dhu: Launch = Launch(num_warps=4, num_stages=2, block_v=64)
+  bwd_dhu: Launch = Launch(num_warps=4, num_stages=1, block_v=64)
   bwd_dqkwg: Launch = Launch(num_warps=8, num_stages=2)
   bwd_wy: Launch = Launch(num_warps=8, num_stages=2)
 
