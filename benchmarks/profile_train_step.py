@@ -9,7 +9,7 @@ For one preset and model kind of `python -m gdp_jax train-lm` (bf16 compute, eve
 1. `step`: the full training step, the jitted step train-lm itself runs (`compiled_steps`), on
    one real batch, parameters and optimizer state carried from step to step (donated on a GPU);
    also `forward_backward` (loss and gradients, no optimizer) and `forward` (the loss alone),
-   not with --smoke;
+   timed last, not with --smoke;
 2. `matmuls`: every dense projection and the vocabulary head of one step alone, forward and
    backward (y = x W, dx = dy W^T, dW = x^T dy for each 2-D `kernel` of the parameters, x
    [B*T, in], bf16 operands), as one jitted function (the embedding is a gather, not counted);
@@ -80,11 +80,11 @@ def setup(preset, model, seed=0):
 # ----------------------------------------------------------------------------------------------
 
 
-def step_parts(cfg, graphdef, params, batch, reps, inner, record, extras=True):
-  """record(name, median ms) of the training step, then (`extras`) of loss + gradients without
-  the optimizer and of the loss alone."""
+def step_time(cfg, graphdef, params, batch, reps, inner):
+  """Median ms of train-lm's jitted training step (parameters and optimizer state carried from
+  step to step, donated on a GPU as in train_lm)."""
   donate = jax.default_backend() != "cpu"
-  train_step, eval_sums = tl.compiled_steps(donate)
+  train_step, _ = tl.compiled_steps(donate)
   hp = tl.Hyper(
     cfg.lr,
     cfg.min_lr_ratio,
@@ -100,15 +100,19 @@ def step_parts(cfg, graphdef, params, batch, reps, inner, record, extras=True):
   state = list(jax.device_put((jax.tree.map(jnp.copy, params), opt_state), dev))
   schedule = jnp.asarray(hp.schedule_array())
 
-  def one_step():  # carries the (donated) parameters and optimizer state, as train_lm does
+  def one_step():
     p, o, loss, _ = train_step(graphdef, hp.static(), schedule, state[0], state[1], *batch)
     state[0], state[1] = p, o
     return loss
 
-  record("step", time_jax(one_step, (), reps, inner)[0])
+  ms = time_jax(one_step, (), reps, inner)[0]
   state.clear()  # free the copies before the next parts
-  if not extras:
-    return
+  return ms
+
+
+def extra_times(graphdef, params, batch, reps, inner, record):
+  """record(name, median ms) of loss + gradients without the optimizer ("forward_backward")
+  and of the loss alone ("forward", train-lm's jitted evaluation)."""
 
   def loss_fn(p, inputs, targets, seg):
     total, count = tl._loss_sums(graphdef, p, inputs, targets, seg)
@@ -116,6 +120,7 @@ def step_parts(cfg, graphdef, params, batch, reps, inner, record, extras=True):
 
   grad = jax.jit(jax.value_and_grad(loss_fn))
   record("forward_backward", time_jax(grad, (params, *batch), reps, inner)[0])
+  eval_sums = tl.compiled_steps(jax.default_backend() != "cpu")[1]
   fwd = lambda p, *b: eval_sums(graphdef, p, *b)
   record("forward", time_jax(fwd, (params, *batch), reps, inner)[0])
 
@@ -318,7 +323,7 @@ def main(argv=None):
     dump()
 
   def do_step():
-    step_parts(cfg, graphdef, params, batch, args.reps, args.inner, record, not args.smoke)
+    record("step", step_time(cfg, graphdef, params, batch, args.reps, args.inner))
 
   def do_matmuls():
     shapes = matmul_shapes(params, tokens)
@@ -332,7 +337,10 @@ def main(argv=None):
       tflops_per_s=flops / ms * 1e-9,
       shapes=[dict(param=s, tokens=n, fan_in=a, fan_out=b) for s, n, a, b in shapes],
     )
-    print(f"{'matmuls':18s} {ms:9.3f} ms ({len(shapes)} kernels, {flops / ms * 1e-9:.0f} TFLOP/s)")
+    print(
+      f"{'matmuls':18s} {ms:9.3f} ms ({len(shapes)} kernels, {flops / ms * 1e-9:.0f} TFLOP/s)",
+      flush=True,
+    )
     del fargs
 
   def do_mixer(name, case):
@@ -350,6 +358,8 @@ def main(argv=None):
   part("matmuls", do_matmuls)
   part("operator", lambda: do_mixer("operator", operator_case(cfg, mc, dtype)))
   part("attention", lambda: do_mixer("attention", attention_case(cfg, mc, dtype, batch[2])))
+  if not args.smoke:
+    part("extras", lambda: extra_times(graphdef, params, batch, args.reps, args.inner, record))
   if "ratio" in res:
     print(f"step / (matmuls + operator + attention) = {res['ratio']:.3f} (goal <= 1.25)")
   return res
