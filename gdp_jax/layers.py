@@ -613,7 +613,15 @@ class GatedDeltaProduct(nnx.Module):
     return q, k, v.reshape(v.shape[:-1] + (self.num_v_heads, V))
 
   def _project_in(self, x):
-    return jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+    """q | k | v projections of x [..., D] as one matmul with the three kernels side by side
+    (each output column the same product as its own projection's): x is read once and the
+    outputs need no concatenation, which XLA does not do for us when x is large."""
+    projs = (self.q_proj, self.k_proj, self.v_proj)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      return jnp.concatenate([p(x) for p in projs], axis=-1)
+    dtype = x.dtype if self.q_proj.dtype is None else self.q_proj.dtype  # as `Linear`
+    kernel = jnp.concatenate([p.kernel[...].astype(dtype) for p in projs], axis=1)
+    return jnp.dot(x.astype(dtype), kernel, precision=self.q_proj.precision)
 
   def _output(self, o, x):
     """o [..., H, V] -> [..., D]."""

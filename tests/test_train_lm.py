@@ -237,3 +237,33 @@ def test_command_line_and_bad_configuration(tmp_path, capsys):
     float(tl.lr_at(tl.Hyper(1.0, 0.1, 10, 100, 0, 0, 0, 0), 99)),
     rel_tol=1e-6,
   )
+
+
+def test_profile_train_step_smoke(tmp_path):
+  """benchmarks/profile_train_step.py --smoke (tiny preset): every part timed, the JSON written
+  with its keys, the ratio step / (matmuls + operator + attention) a positive number."""
+  import importlib.util
+
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "profile_train_step.py")
+  spec = importlib.util.spec_from_file_location("profile_train_step", path)
+  prof = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(prof)
+  out = str(tmp_path / "prof.json")
+  prof.main(["--smoke", "--out", out])
+  with open(out) as f:
+    res = json.load(f)
+  assert res["errors"] == {}
+  for key in ("date", "jax", "device", "command", "preset", "model", "parts", "ratio", "sum_ms"):
+    assert key in res, key
+  assert res["preset"] == "tiny" and res["model"] == "gdp-r2"
+  assert "/" not in res["command"].split("--out ")[1]  # absolute paths reduced
+  parts = res["parts"]
+  for key in ("step", "matmuls", "operator_per_layer", "operator_total", "attention_total"):
+    assert parts[key] > 0, key
+  assert parts["operator_total"] == parts["operator_per_layer"] * res["operator"]["layers"]
+  assert res["matmuls"]["count"] == sum(
+    "kernel" in s["param"] for s in res["matmuls"]["shapes"]
+  )  # every dense projection and the head, not the embedding
+  assert not any("embedding" in s["param"] for s in res["matmuls"]["shapes"])
+  assert math.isfinite(res["ratio"]) and res["ratio"] > 0
+  assert res["ratio"] == pytest.approx(parts["step"] / res["sum_ms"])
