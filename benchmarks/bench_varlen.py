@@ -13,8 +13,9 @@ initial states), for
   packed    T = 2048 tokens in one row as 8 sequences of lengths `CORRECT_LENGTHS` (1 token, an
             empty sequence, one of 64 tokens, the others off the chunk grid), one initial state
             each, H = 4, K = V = 128, r = 1 and r = 2 (a per-head mask), float32 inputs with
-            precision "ieee" and bfloat16 inputs;
-  grouped   unpacked, B = 2, T = 1024, H = 4 key heads, HV = 8 value heads (float32 "ieee" r = 1,
+            precision "highest" (TF32 x 3: the float32 "ieee" backward at r = 1 asks more shared
+            memory than an H200 has) and bfloat16 inputs;
+  grouped   unpacked, B = 2, T = 1024, H = 4 key heads, HV = 8 value heads (float32 r = 1,
             bfloat16 r = 2).
 Each array records its relative RMS error sqrt(sum (x - ref)^2 / sum ref^2) and its relative
 max error max|x - ref| / max|ref|; an array passes when the max error is within the tolerance of
@@ -193,7 +194,7 @@ def outputs_and_grads(impl, inputs, cu, cots, precision):
 def correct_case(name, cfg, impl):
   """Compare `impl` with "xla" for one configuration; returns the record."""
   dtype = DTYPES[cfg["dtype"]]
-  precision = "ieee" if cfg["dtype"] == "f32" else None
+  precision = "highest" if cfg["dtype"] == "f32" else None
   tol_fwd, tol_grad = TOLERANCE[dtype], GRAD_TOLERANCE[dtype]
   rec = dict(
     name=name,
