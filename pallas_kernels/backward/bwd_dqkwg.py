@@ -112,7 +112,8 @@ def chunk_bwd_dqkwg(
   precision="ieee",
 ):
   """q, k [B, Tp, H, K]; v_new, dv_new [B, H, Tp*r, V]; gcum [B, H, Tp]; h, dh [B, H, NT, K, V];
-  do [B, Tp, H, V] -> dq, dk [B, Tp, H, K], dw [B, H, Tp*r, K], dgamma [B, H, Tp], float32."""
+  do [B, Tp, H, V] -> dq, dk [B, Tp, H, K], dgamma [B, H, Tp] float32; dw [B, H, Tp*r, K] in
+  q's dtype (bwd_wy, its consumer, uses it in that dtype)."""
   bsz, t_len, heads, dim_k = q.shape
   dim_v = do.shape[-1]
   r = key_blocks
@@ -142,7 +143,7 @@ def chunk_bwd_dqkwg(
     out_shape=[
       jax.ShapeDtypeStruct(q.shape, f32),
       jax.ShapeDtypeStruct(q.shape, f32),
-      jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_k), f32),
+      jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_k), q.dtype),
       jax.ShapeDtypeStruct(gcum.shape, f32),
     ],
     num_warps=launch.num_warps,
