@@ -74,8 +74,21 @@ def test_backward_stages_match_xla(r, mask_kind, chunk):
     assert_close(got, ref, F32, name)
 
   ref3 = xb.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, 0.3, chunk)
+  # key columns in blocks of 16 and V in pieces of 16: several programs per key block (their
+  # dgamma parts summed) and several loop steps
   got3 = bwd_dqkwg.chunk_bwd_dqkwg(
-    q, k, v_new, gcum, h, dh, do, dvn, scale=0.3, chunk=chunk, key_blocks=r
+    q,
+    k,
+    v_new,
+    gcum,
+    h,
+    dh,
+    do,
+    dvn,
+    scale=0.3,
+    chunk=chunk,
+    key_blocks=r,
+    launch=Launch(block_v=16, block_k=16),
   )
   for got, ref, name in zip(got3, ref3, ("dq", "dk", "dw", "dgamma")):
     assert_close(got, ref, F32, name)
