@@ -95,7 +95,22 @@ def test_backward_stages_match_xla(r, mask_kind, chunk):
 
   dw = ref3[2]
   ref4 = xb.wy_bwd(k, v, beta, mask, gcum, ai, dw, dvn, chunk)
-  got4 = list(bwd_wy.wy_bwd(k, v, beta, mask, gcum, ai, dw, dvn, chunk=chunk, key_blocks=r))
+  # K and V in pieces of 16: several pieces per key block (r <= 2) and per V
+  got4 = list(
+    bwd_wy.wy_bwd(
+      k,
+      v,
+      beta,
+      mask,
+      gcum,
+      ai,
+      dw,
+      dvn,
+      chunk=chunk,
+      key_blocks=r,
+      launch=Launch(block_v=16, block_k=16),
+    )
+  )
   got4[3] = xb.reduce_dmask(got4[3], mask.shape)
   for got, ref, name in zip(got4, ref4, ("dk", "dv", "dbeta", "dmask", "dgamma")):
     # dmask sums per-token terms over whatever the mask broadcasts: a longer float32 sum

@@ -24,7 +24,7 @@ from pallas_kernels.common import backend, shared_memory
 @dataclasses.dataclass(frozen=True)
 class Launch:
   """Triton launch parameters of one kernel. `block_v`: V tile of kernels that split V;
-  `block_k`: key column tile of kernels that split K (bwd_dqkwg)."""
+  `block_k`: key column tile of kernels that split K (bwd_dqkwg, bwd_wy)."""
 
   num_warps: int = 4
   num_stages: int = 2
@@ -110,7 +110,7 @@ class KernelOptions:
   bwd_dv_local: Launch = Launch(num_warps=4)
   bwd_dhu: Launch = Launch(num_warps=4, num_stages=2, block_v=64)
   bwd_dqkwg: Launch = Launch(num_warps=8, num_stages=2, block_v=64, block_k=64)
-  bwd_wy: Launch = Launch(num_warps=8, num_stages=2)
+  bwd_wy: Launch = Launch(num_warps=8, num_stages=2, block_v=64, block_k=32)
 
   def __post_init__(self):
     if self.precision not in backend.PRECISIONS:
