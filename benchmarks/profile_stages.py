@@ -2,11 +2,12 @@
 
   python benchmarks/profile_stages.py --out stages.json [--shape B,T,H,K,V] [--rs 1,2,4]
   python benchmarks/profile_stages.py --out sweep.json --launch-sweep bwd_dqkwg,bwd_wy \
-      [--warps 4,8] [--num-stages 1,2,3]
+      [--warps 4,8] [--num-stages 1,2,3] [--block-v 32,64] [--block-k 32,64]
 
 Stage times tell where the forward and the backward go (the five-kernel forward and the backward
 kernels). --launch-sweep times the named backward stages instead, once per (num_warps,
-num_stages) of the grid, to choose their `Launch` in pallas_kernels/common/options.py.
+num_stages, block_v, block_k) of the grid, to choose their `Launch` in
+pallas_kernels/common/options.py.
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def main(argv=None):
   p.add_argument("--launch-sweep", default="", help="backward stages to sweep, comma separated")
   p.add_argument("--warps", default="4,8", help="num_warps values of the sweep")
   p.add_argument("--num-stages", default="1,2,3", help="num_stages values of the sweep")
+  p.add_argument("--block-v", default="", help="block_v values of the sweep (default: the stage's)")
+  p.add_argument("--block-k", default="", help="block_k values of the sweep (default: the stage's)")
   args = p.parse_args(argv)
   B, T, H, K, V = (int(x) for x in args.shape.split(","))
   res = dict(
@@ -147,19 +150,23 @@ def main(argv=None):
 
 
 def launch_sweep(args, res, shape):
-  """Each named backward stage at every (num_warps, num_stages); JSON rewritten after each."""
-  grid = list(
-    itertools.product(
-      (int(x) for x in args.warps.split(",")), (int(x) for x in args.num_stages.split(","))
-    )
-  )
+  """Each named backward stage at every (num_warps, num_stages[, block_v, block_k]); JSON
+  rewritten after each."""
+  values = lambda text, default: [int(x) for x in text.split(",")] if text else [default]
   for r in (int(x) for x in args.rs.split(",")):
     inputs = make_inputs(*shape, r, DTYPES[args.dtype])
     for name in args.launch_sweep.split(","):
-      for warps, num_stages in grid:
-        base = getattr(DEFAULT, name)
-        lau = Launch(num_warps=warps, num_stages=num_stages, block_v=base.block_v)
+      base = getattr(DEFAULT, name)
+      grid = itertools.product(
+        values(args.warps, base.num_warps),
+        values(args.num_stages, base.num_stages),
+        values(args.block_v, base.block_v),
+        values(args.block_k, base.block_k),
+      )
+      for warps, num_stages, block_v, block_k in grid:
+        lau = Launch(num_warps=warps, num_stages=num_stages, block_v=block_v, block_k=block_k)
         row = dict(r=r, stage=name, num_warps=warps, num_stages=num_stages)
+        row.update(block_v=block_v, block_k=block_k)
         try:
           fn, fargs = stages(inputs, r, launches={name: lau})[name]
           row["ms"] = time_jax(fn, fargs, args.reps, args.inner)[0]

@@ -74,15 +74,43 @@ def test_backward_stages_match_xla(r, mask_kind, chunk):
     assert_close(got, ref, F32, name)
 
   ref3 = xb.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, 0.3, chunk)
+  # key columns in blocks of 16 and V in pieces of 16: several programs per key block (their
+  # dgamma parts summed) and several loop steps
   got3 = bwd_dqkwg.chunk_bwd_dqkwg(
-    q, k, v_new, gcum, h, dh, do, dvn, scale=0.3, chunk=chunk, key_blocks=r
+    q,
+    k,
+    v_new,
+    gcum,
+    h,
+    dh,
+    do,
+    dvn,
+    scale=0.3,
+    chunk=chunk,
+    key_blocks=r,
+    launch=Launch(block_v=16, block_k=16),
   )
   for got, ref, name in zip(got3, ref3, ("dq", "dk", "dw", "dgamma")):
     assert_close(got, ref, F32, name)
 
   dw = ref3[2]
   ref4 = xb.wy_bwd(k, v, beta, mask, gcum, ai, dw, dvn, chunk)
-  got4 = list(bwd_wy.wy_bwd(k, v, beta, mask, gcum, ai, dw, dvn, chunk=chunk, key_blocks=r))
+  # K and V in pieces of 16: several pieces per key block (r <= 2) and per V
+  got4 = list(
+    bwd_wy.wy_bwd(
+      k,
+      v,
+      beta,
+      mask,
+      gcum,
+      ai,
+      dw,
+      dvn,
+      chunk=chunk,
+      key_blocks=r,
+      launch=Launch(block_v=16, block_k=16),
+    )
+  )
   got4[3] = xb.reduce_dmask(got4[3], mask.shape)
   for got, ref, name in zip(got4, ref4, ("dk", "dv", "dbeta", "dmask", "dgamma")):
     # dmask sums per-token terms over whatever the mask broadcasts: a longer float32 sum

@@ -65,9 +65,9 @@ def _dhu_kernel(
     dv_new = []
     for a in range(r):
       kd = (k_ref[tok, cols(a)].astype(jnp.float32) * k_dec).astype(dtype)
-      dvn = dvl_ref[tok, a, :] + dot(kd, ds[a].astype(dtype))
-      dv_new_ref[tok, a, :] = dvn.astype(dv_new_ref.dtype)
-      dv_new.append(dvn.astype(dtype))
+      dvn = (dvl_ref[tok, a, :] + dot(kd, ds[a].astype(dtype))).astype(dtype)
+      dv_new_ref[tok, a, :] = dvn  # in the input dtype: every consumer casts it so
+      dv_new.append(dvn)
     q_dec = (scale * jnp.exp(g))[:, None]
     do = do_ref[tok, :].astype(dtype)
     out = []
@@ -117,7 +117,8 @@ def chunk_bwd_dhu(
   """q, k [B, Tp, H, K]; w [B, H, Tp*r, K]; gcum [B, H, Tp]; do [B, Tp, H, V];
   dv_local [B, H, Tp*r, V]; dfinal [B, H, K, V] f32 ->
   dh [B, H, NT, K, V] (dh_dtype, default float32), d initial_state [B, H, K, V] f32,
-  dv_new [B, H, Tp*r, V] f32.
+  dv_new [B, H, Tp*r, V] in q's dtype (its consumers, this kernel's own dots, bwd_dqkwg and
+  bwd_wy, all use it in that dtype).
 
   table: None, or packed sequences (docs/varlen.md, B = 1): int32 [3, NT] (chunk_seq,
   chunk_first, chunk_last); dfinal and d initial_state are then [N, H, K, V] (an empty
@@ -172,7 +173,7 @@ def chunk_bwd_dhu(
     out_specs=[specs.chunk_states(nt, dim_k, bv), per_row_v, state_spec],
     out_shape=[
       jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), dh_dtype),
-      jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), jnp.float32),
+      jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), q.dtype),
       jax.ShapeDtypeStruct((num_states, heads, dim_k, dim_v), jnp.float32),
     ],
     num_warps=launch.num_warps,

@@ -23,11 +23,13 @@ from pallas_kernels.common import backend, shared_memory
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-  """Triton launch parameters of one kernel. `block_v`: V tile of kernels that split V."""
+  """Triton launch parameters of one kernel. `block_v`: V tile of kernels that split V;
+  `block_k`: key column tile of kernels that split K (bwd_dqkwg, bwd_wy)."""
 
   num_warps: int = 4
   num_stages: int = 2
   block_v: int | None = None
+  block_k: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +109,8 @@ class KernelOptions:
   chunk_o: Launch = Launch(num_warps=4, num_stages=2, block_v=128)
   bwd_dv_local: Launch = Launch(num_warps=4)
   bwd_dhu: Launch = Launch(num_warps=4, num_stages=1, block_v=64)
-  bwd_dqkwg: Launch = Launch(num_warps=8, num_stages=2)
-  bwd_wy: Launch = Launch(num_warps=8, num_stages=2)
+  bwd_dqkwg: Launch = Launch(num_warps=8, num_stages=2, block_v=64, block_k=64)
+  bwd_wy: Launch = Launch(num_warps=8, num_stages=2, block_v=64, block_k=32)
 
   def __post_init__(self):
     if self.precision not in backend.PRECISIONS:
@@ -141,8 +143,10 @@ def operator_problem(*, r: int, dim_k: int, dim_v: int, dtype, precision: str = 
 # Measured beats estimated: kernels that compiled and ran on an H200 (compute capability 9.0,
 # 227 KB per block; jaxlib 0.11.2's Triton) with their DEFAULT launch at K = V = 128, for
 # (dtype, float32 precision, r); benchmarks/results/ and docs/performance.md. The estimate follows
-# Triton 3.9, which allocates more than that Triton for float32 TF32 (it puts chunk_h, bwd_dhu
-# and bwd_dqkwg of r = 1 above 227 KB), so the heuristic keeps these launches on such a GPU.
+# Triton 3.9, which allocates more than that Triton for float32 TF32 (it puts chunk_h and bwd_dhu
+# of r = 1 above 227 KB), so the heuristic keeps these launches on such a GPU. (bwd_dqkwg and
+# bwd_wy were measured before they walked K and V in pieces; Triton 3.9 gives their pieces less
+# than half the shared memory of the whole tiles.)
 _H200_MEASURED = {
   ("bfloat16", "tf32", r): shared_memory.OPERATOR_KERNELS for r in (1, 2, 4)
 } | {  # float32: the five-kernel forward and the backward (the fused forward not yet)
@@ -190,6 +194,7 @@ def fit_launch(kernel: str, launch: Launch, problem, device: DeviceInfo, merge="
       num_stages=cand.num_stages,
       num_warps=cand.num_warps,
       block=cand.block_v,
+      block_k=cand.block_k,
       wgmma=wgmma,
       merge=merge,
     )

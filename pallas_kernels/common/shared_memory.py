@@ -40,6 +40,7 @@ is a case to add to the tests' table and to the margin.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -191,24 +192,26 @@ def _bwd_dhu(p: Problem, bv: int, merge: str) -> Tiles:
   )
 
 
-def _bwd_dqkwg(p: Problem, bv: int, merge: str) -> Tiles:
-  bt, r, v, e = p.chunk, p.r, p.dim_v, p.e
-  dk = p.dim_k // r
-  # do and dv_new (all rows) stay; per key block q_a, k_a, v_new_a, h_a, dh_a and dS_a
-  staged = (bt * v + bt * r * v) * e + (2 * bt * dk + bt * v + 2 * dk * v + bt * bt) * e
-  # mma.sync reads each operand into registers right after staging it: the largest dot's two
-  # operands plus h_a, which feeds two dots (Triton 3.9, sm_80: 64 KB at bf16, K = V = 128, r = 1)
-  largest = max(bt * v + dk * v, bt * r * v + dk * v, 2 * bt * v, bt * bt + bt * dk, 2 * bt * dk)
-  staged_sync = (largest + dk * v) * e
-  return Tiles(staged=staged, staged_sync=staged_sync, scratch=bt * max(dk, v) * F32)
+def _bwd_dqkwg(p: Problem, bv: int, merge: str, bk: int) -> Tiles:
+  bt, n, e = p.chunk, p.chunk * p.r, p.e
+  # one program per BK key columns; the V loop loads do, v_new_a [BT, BV], h, dh [BK, BV] and
+  # dv_new [N, BV] (pipelined, and staged again for the dots: float32 operands are), then
+  # dS_a [BT, BT], q, k [BT, BK] for the closing dots; plus a [BT] vector's barriers
+  loop = (2 * bt * bv + 2 * bk * bv + n * bv) * e
+  return Tiles(
+    rows=bt,
+    pipelined=loop + bt * F32,
+    staged=max(loop, (bt * bt + 2 * bt * bk) * e),
+    scratch=max(bt, n) * max(bk, bt) * F32,
+  )
 
 
-def _bwd_wy(p: Problem, bv: int, merge: str) -> Tiles:
-  n, k, v, e = p.chunk * p.r, p.dim_k, p.dim_v, p.e
-  # Ai, Kw, Kb, dw, du each feed two or more dots and stay; the one-dot operands (W~, U~, X,
-  # Ai^T X, G beta) come and go in the room of those that are done
-  staged = (n * n + 2 * n * k + n * k + n * v) * e
-  return Tiles(staged=staged, scratch=n * max(k, v) * F32)
+def _bwd_wy(p: Problem, bv: int, merge: str, bk: int) -> Tiles:
+  n, e = p.chunk * p.r, p.e
+  # Ai [N, N] stays, with one [N, N] operand (X, Ai^T X or beta G) and the pieces of one step:
+  # du, U~ [N, BV], or dw, Kw (or W~), Kb [N, BK] (no loop with a dot: nothing pipelined)
+  staged = 2 * n * n * e + max(2 * n * bv, 3 * n * bk) * e
+  return Tiles(staged=staged, scratch=n * max(bk, bv) * F32)
 
 
 def _gqa_decode(p: Problem, block_s: int, merge: str) -> Tiles:
@@ -232,7 +235,7 @@ def _pow2(x: int) -> int:
   return 1 << max(int(x) - 1, 0).bit_length()
 
 
-_TILES = {
+_TILES: dict[str, Callable[..., Tiles]] = {
   "chunk_fwd": _chunk_fwd,
   "chunk_state_output": _chunk_state_output,
   "kkt": _kkt,
@@ -249,9 +252,20 @@ _TILES = {
 }
 
 
-def tiles(kernel: str, problem: Problem, *, block: int | None = None, merge="blocks") -> Tiles:
+# Kernels that walk K in pieces (Launch.block_k; None: a whole key block of K / r columns).
+SPLIT_K = ("bwd_dqkwg", "bwd_wy")
+
+
+def tiles(
+  kernel: str,
+  problem: Problem,
+  *,
+  block: int | None = None,
+  block_k: int | None = None,
+  merge="blocks",
+) -> Tiles:
   """The tile count of `kernel` (bytes, before the margin). `block`: its V tile (block_v; the
-  decode kernel's block_s), None for the whole V."""
+  decode kernel's block_s), None for the whole V; `block_k`: its K piece (SPLIT_K kernels)."""
   if kernel not in _TILES:
     raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
   if problem.r < 1 or problem.dim_k % problem.r:
@@ -259,6 +273,10 @@ def tiles(kernel: str, problem: Problem, *, block: int | None = None, merge="blo
   bv = problem.dim_v if block is None else min(block, problem.dim_v)
   if kernel == "gqa_decode":
     bv = 64 if block is None else block
+  if kernel in SPLIT_K:
+    dk = problem.dim_k // problem.r
+    bk = dk if block_k is None else min(block_k, dk)
+    return _TILES[kernel](problem, bv, merge, bk)
   return _TILES[kernel](problem, bv, merge)
 
 
@@ -269,6 +287,7 @@ def estimate_bytes(
   num_stages: int,
   num_warps: int = 4,
   block: int | None = None,
+  block_k: int | None = None,
   wgmma: bool = True,
   merge: str = "blocks",
 ) -> int:
@@ -277,7 +296,7 @@ def estimate_bytes(
   wgmma: the device has Hopper's warpgroup MMA (compute capability 9.0; unknown devices count as
   having it, the larger figure).
   """
-  t = tiles(kernel, problem, block=block, merge=merge)
+  t = tiles(kernel, problem, block=block, block_k=block_k, merge=merge)
   return int(MARGIN * t.bytes(num_stages, num_warps, wgmma)) + SLACK
 
 
@@ -337,6 +356,7 @@ def shared_memory_bytes(
     num_stages=launch.num_stages,
     num_warps=launch.num_warps,
     block=launch.block_v,
+    block_k=launch.block_k,
     wgmma=wgmma,
     merge=merge,
   )
