@@ -22,7 +22,7 @@ kernel (DecodeOptions: block_s, num_warps, num_stages, num_splits) and the paged
 num_warps, num_stages, num_splits) at both shapes.
 Recurrent step, B=64 and B=8, H=16, K=V=128, float32 state, r in {1, 2}: TB/s of state read +
 written, Pallas (in place and not) vs xla, and a sweep of StepOptions (block_v, num_warps,
-num_stages) at r = 1.
+num_stages, tiles_per_program) at r = 1.
 
 Every figure is the median over `--reps` timed runs (after warm-up) of one jitted
 `lax.fori_loop` of `--inner` calls, so dispatch overhead is not counted; each call depends on the
@@ -458,6 +458,7 @@ def step_section(results, save, shape, rs_list, impls, sweep, reps, inner):
             block_v=rs.DEFAULTS.block_v,
             num_warps=rs.DEFAULTS.num_warps,
             num_stages=rs.DEFAULTS.num_stages,
+            tiles_per_program=rs.DEFAULTS.tiles_per_program,
           )
       except Exception as e:
         case.update(error_fields(e))
@@ -468,14 +469,30 @@ def step_section(results, save, shape, rs_list, impls, sweep, reps, inner):
 
 
 def step_configs(quick, smoke):
-  if smoke:
-    return [dict(block_v=16, num_warps=4, num_stages=1), dict(block_v=32, num_warps=4)]
-  if quick:
-    grid = [(bv, w, 1) for bv in (32, 64, 128) for w in (4, 8)]
+  """StepOptions to sweep: (block_v, num_warps, num_stages, tiles_per_program)."""
+  if smoke:  # the smoke shape has 8 tiles of 16 columns: 3 per program leaves a ragged tail
+    grid = [(16, 4, 1, 1), (32, 4, 2, 1), (16, 4, 1, 3), (32, 8, 1, 2)]
+  elif quick:
+    grid = [
+      (32, 4, 1, 1),
+      (64, 4, 1, 1),
+      (32, 4, 1, 2),
+      (64, 8, 1, 2),
+      (32, 4, 1, 4),
+      (32, 8, 1, 8),
+    ]
   else:
-    grid = [(bv, w, st) for bv in (16, 32, 64, 128) for w in (2, 4, 8) for st in (1, 2)]
-  # block_v 128 at 2 warps spills registers
-  return [dict(block_v=bv, num_warps=w, num_stages=st) for bv, w, st in grid if (bv, w) != (128, 2)]
+    grid = [(bv, w, 1, 1) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))]
+    # Several tiles per program hold two tiles in registers (the one being updated, the next
+    # one loading): 128 columns at 4 warps spill, so the wide tiles get 8 warps.
+    grid += [(bv, w, 1, 2) for bv, w in ((32, 4), (32, 8), (64, 4), (64, 8), (128, 8))]
+    grid += [(bv, w, 1, 4) for bv, w in ((32, 4), (32, 8), (64, 4), (64, 8))]
+    grid += [(bv, w, 1, 8) for bv, w in ((32, 4), (32, 8), (64, 8))]
+    # num_stages should change nothing (no dots, so no software pipelining): two checks
+    grid += [(64, 4, 2, 1), (32, 4, 3, 4)]
+  return [
+    dict(block_v=bv, num_warps=w, num_stages=st, tiles_per_program=t) for bv, w, st, t in grid
+  ]
 
 
 # ---- output ----------------------------------------------------------------------------------
