@@ -220,3 +220,25 @@ def test_pallas_guard_adds_only_a_reduction(monkeypatch, varlen):
   assert sum(kernels(eqns(c.params["branches"][1].jaxpr)) for c in conds) == kernels(plain)
   outs = [v.aval.shape for v in conds[0].outvars]
   assert len(outs) == 4, f"the forward's outputs and residuals: {outs}"
+
+
+def test_bench_nonfinite_smoke(tmp_path):
+  """benchmarks/bench_nonfinite.py --smoke (the forward only, interpreted): its JSON holds the
+  guarded, unguarded and nan-in-k runs, the guarded output equal to the unguarded one."""
+  import importlib.util
+  import json
+  import pathlib
+
+  path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_nonfinite.py"
+  spec = importlib.util.spec_from_file_location("bench_nonfinite", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  out = tmp_path / "nonfinite.json"
+  assert mod.main(["--smoke", "--modes", "fwd", "--out", str(out)]) == 0
+  res = json.loads(out.read_text())
+  assert {"date", "jax_version", "device", "command", "runs"} <= set(res)
+  assert res["command"].startswith("python benchmarks/bench_nonfinite.py --smoke")
+  cases = {run["case"]: run for run in res["runs"]}
+  assert set(cases) == {"unguarded", "guarded", "nan in k", "summary"}
+  assert all(cases[c]["ms"] > 0 for c in ("unguarded", "guarded", "nan in k"))
+  assert cases["summary"]["guarded_equals_unguarded"] and cases["summary"]["nan_marks_ok"]
