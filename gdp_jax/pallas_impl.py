@@ -459,9 +459,8 @@ _gdp_varlen_core.defvjp(_gdp_varlen_core_fwd, _gdp_varlen_core_bwd)
 def _packed_offsets(lay):
   """[N + 1] int32: where each sequence starts in the chunk-aligned layout, then T_pad (the
   padding after a sequence counts as its own: finite, it never spoils it)."""
-  lengths = lay.cu_seqlens[1:] - lay.cu_seqlens[:-1]
-  chunk_end = jnp.cumsum((lengths + lay.chunk - 1) // lay.chunk)
-  starts = lay.chunk * (chunk_end - (lengths + lay.chunk - 1) // lay.chunk)
+  chunks = (lay.cu_seqlens[1:] - lay.cu_seqlens[:-1] + lay.chunk - 1) // lay.chunk
+  starts = lay.chunk * (jnp.cumsum(chunks) - chunks)  # as in `varlen.layout`
   return jnp.append(starts, lay.t_pad).astype(jnp.int32)
 
 
