@@ -18,6 +18,10 @@ Before the first bad token the result is the clean computation's, exactly; from 
 is `nan`, where the recurrence gives `nan` or `inf`. The gradient of a loss on the outputs before
 the first bad token is the clean computation's gradient: the select sends a zero cotangent to the
 marked outputs, and the cleaned inputs make every product in the backward finite.
+
+"pallas" keeps its kernels as they are and guards them (gdp_jax/pallas_impl.py): one reduction
+over the inputs; when all are finite the kernels run on the raw inputs, else steps 1 and 2 wrap
+them, forward and backward (`mark_cotangents`, `clean_gradients`).
 """
 
 from __future__ import annotations

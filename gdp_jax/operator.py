@@ -377,8 +377,9 @@ def gated_delta_product(
   With grouped value heads dq and dk sum over each group.
 
   Values: g = -inf (a reset) gives the recurrence's result in every implementation. A nan or
-  inf at token t leaves the outputs before t and their gradients unchanged in "reference" and
-  "xla" (docs/precision.md#non-finite-inputs); with cu_seqlens it spoils its own sequence only.
+  inf at token t leaves the outputs before t and their gradients unchanged in every
+  implementation (docs/precision.md#non-finite-inputs; "pallas" through a guard that reads the
+  inputs once); with cu_seqlens it spoils its own sequence only.
 
   Example:
     >>> import jax, jax.numpy as jnp

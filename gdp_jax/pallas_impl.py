@@ -20,6 +20,10 @@ the same either way: it recomputes w, u, h and v_new from the residuals gamma an
 Packed sequences (`cu_seqlens`, `gated_delta_product_pallas_varlen`, docs/varlen.md): the same
 kernels on the chunk-aligned layout, the state walks reading a per-chunk table; a custom_vjp of
 its own (`_gdp_varlen_core`). Not yet run on a GPU.
+
+Non-finite inputs (docs/precision.md#non-finite-inputs): a guard around the kernels' custom vjp
+(`_gdp_guarded`, `_gdp_varlen_guarded`) runs them on the raw inputs when all are finite (one
+reduction over them) and on cleaned inputs with marked outputs otherwise (gdp_jax/nonfinite.py).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gdp_jax import dispatch, varlen, xla_backward
+from gdp_jax import dispatch, nonfinite, varlen, xla_backward
 from gdp_jax.operator import expand_key_heads
 from gdp_jax.xla import RESET_LOG_DECAY
 from gdp_jax.xla_backward import reduce_dmask
@@ -210,6 +214,92 @@ def _backward(scale, bt, opts, residuals, cotangents, table=None):
 _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
 
 
+# ---- non-finite inputs (docs/precision.md#non-finite-inputs) ---------------------------------
+#
+# Inside a chunk the kernels' products mix all its tokens, and 0 * nan = nan would carry a bad
+# token to the earlier ones (forward and backward). The guard keeps the kernels as they are and
+# decides per call, with one reduction over the inputs: all finite (the common case), the custom
+# vjp below runs today's kernels on the raw inputs, forward and backward, with the same
+# residuals; otherwise it runs them on the cleaned inputs and marks the outputs
+# (gdp_jax/nonfinite.py), and its backward zeroes the marked outputs' cotangents and the bad
+# inputs' gradients, all with selects. Under jax.jit the choice is a `lax.cond`; both branches
+# save the same residuals (gamma, Ai), so the guard adds a boolean to them and nothing else.
+
+_NONFINITE_GUARD = True  # False (benchmarks/bench_nonfinite.py and a test only): no guard
+
+
+def _finite_inputs(q, k, v, g, beta, mask):
+  """A scalar bool: no nan or inf in q, k, v, beta and the mask, no nan or +inf in g (g = -inf
+  is a reset, which the kernels handle; it arrives clamped to RESET_LOG_DECAY)."""
+  finite = [jnp.all(jnp.isfinite(x)) for x in (q, k, v, beta, mask)]
+  return functools.reduce(jnp.logical_and, finite, jnp.all(g < jnp.inf))
+
+
+def _branch(ok, good, bad):
+  """good() if ok else bad(): a Python choice for a concrete ok (eager calls compile one branch
+  only), a `lax.cond` under tracing (jax.jit)."""
+  try:
+    concrete = bool(ok)
+  except jax.errors.ConcretizationTypeError:
+    return jax.lax.cond(ok, good, bad)
+  return good() if concrete else bad()
+
+
+def _guarded_forward(forward, inputs, clean, ok):
+  """forward(inputs) -> (o, final, saved): on the raw inputs when ok, else on the cleaned inputs
+  (`clean(*inputs)` -> (cleaned, marks)) with o and final marked nan."""
+
+  def bad():
+    cleaned, marks = clean(*inputs)
+    o, final, saved = forward(cleaned)
+    return (*nonfinite.mark(o, final, marks), saved)
+
+  return _branch(ok, lambda: forward(inputs), bad)
+
+
+def _guarded_backward(backward, inputs, cotangents, clean, ok):
+  """The vjp of `_guarded_forward`: backward(inputs, (do, dfinal)) -> (dq, dk, dv, dg, dbeta,
+  dmask, dh0) when ok; else on the cleaned inputs with the marked outputs' cotangents zeroed,
+  and zero gradients for the non-finite inputs."""
+
+  def bad():
+    cleaned, marks = clean(*inputs)
+    grads = backward(cleaned, nonfinite.mark_cotangents(*cotangents, marks))
+    return nonfinite.clean_gradients(grads[:6], inputs) + tuple(grads[6:])
+
+  return _branch(ok, lambda: tuple(backward(inputs, cotangents)), bad)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _gdp_guarded(q, k, v, g, beta, mask, h0, scale, bt, opts):
+  """`_gdp_core` causal under non-finite inputs (the section's comment)."""
+  inputs = (q, k, v, g, beta, mask)
+  forward = lambda x: (*_gdp_core(*x, h0, scale, bt, opts), ())
+  o, final, _ = _guarded_forward(forward, inputs, nonfinite.clean, _finite_inputs(*inputs))
+  return o, final
+
+
+def _gdp_guarded_fwd(q, k, v, g, beta, mask, h0, scale, bt, opts):
+  inputs = (q, k, v, g, beta, mask)
+  ok = _finite_inputs(*inputs)
+
+  def forward(x):
+    (o, final), residuals = _gdp_core_fwd(*x, h0, scale, bt, opts)
+    return o, final, residuals[7:]  # (gcum, ai); the inputs are the raw ones, saved below
+
+  o, final, saved = _guarded_forward(forward, inputs, nonfinite.clean, ok)
+  return (o, final), (*inputs, h0, *saved, ok)
+
+
+def _gdp_guarded_bwd(scale, bt, opts, residuals, cotangents):
+  *inputs, h0, gcum, ai, ok = residuals
+  backward = lambda x, cot: _gdp_core_bwd(scale, bt, opts, (*x, h0, gcum, ai), cot)
+  return _guarded_backward(backward, tuple(inputs), cotangents, nonfinite.clean, ok)
+
+
+_gdp_guarded.defvjp(_gdp_guarded_fwd, _gdp_guarded_bwd)
+
+
 def gated_delta_product_pallas(
   q,
   k,
@@ -238,6 +328,8 @@ def gated_delta_product_pallas(
     learned one) runs them with 1 and multiplies o afterwards (o is linear in the scale).
   Grouped value heads (HV a multiple of H): q and k are repeated across each group before the
   kernels, and JAX's vjp of the repeat sums dq and dk over the group.
+  Non-finite inputs: a nan or inf at token t changes nothing before t, forward and gradients
+  (`_gdp_guarded`, docs/precision.md#non-finite-inputs).
   """
   # The kernels see HV heads throughout. Faster follow-up: index maps that read key head
   # i // (HV // H) for value head i (no repeated copy of q and k in memory), with the backward
@@ -288,8 +380,9 @@ def _gated_delta_product_pallas(
   # -inf - (-inf) = nan. Clamped to RESET_LOG_DECAY its exp is still 0 in float32 (a reset), and
   # the decays after it inside the chunk stay finite (their exponents lose about 1e-5 of
   # precision; the kernels' own handling, docs/chunked_form.md#resets, would make it exact).
-  g = jnp.maximum(g, jnp.asarray(RESET_LOG_DECAY, g.dtype))
-  o, final = _gdp_core(q, k, v, g, beta, mask.astype(jnp.float32), h0, scale, bt, options)
+  g = jnp.maximum(g, jnp.asarray(RESET_LOG_DECAY, g.dtype))  # (a nan g stays nan)
+  core = _gdp_guarded if _NONFINITE_GUARD else _gdp_core
+  o, final = core(q, k, v, g, beta, mask.astype(jnp.float32), h0, scale, bt, options)
   o = o[..., :dim_v]
   final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
   return o, final
@@ -363,6 +456,59 @@ def _gdp_varlen_core_bwd(scale, bt, opts, residuals, cotangents):
 _gdp_varlen_core.defvjp(_gdp_varlen_core_fwd, _gdp_varlen_core_bwd)
 
 
+def _packed_offsets(lay):
+  """[N + 1] int32: where each sequence starts in the chunk-aligned layout, then T_pad (the
+  padding after a sequence counts as its own: finite, it never spoils it)."""
+  chunks = (lay.cu_seqlens[1:] - lay.cu_seqlens[:-1] + lay.chunk - 1) // lay.chunk
+  starts = lay.chunk * (jnp.cumsum(chunks) - chunks)  # as in `varlen.layout`
+  return jnp.append(starts, lay.t_pad).astype(jnp.int32)
+
+
+def _clean_packed(offsets, empty, q, k, v, g, beta, mask):
+  """`varlen.clean` on the packed layout: a bad token marks its own sequence from it on and
+  that sequence's final state; an empty sequence's final state (its initial state) never."""
+  cleaned, marks = varlen.clean(q, k, v, g, beta, mask, offsets)
+  return cleaned, marks._replace(final=marks.final & ~empty[:, None])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
+def _gdp_varlen_guarded(q, k, v, g, beta, mask, h0, table, empty, offsets, scale, bt, opts):
+  """`_gdp_varlen_core` causal under non-finite inputs, per sequence (as `_gdp_guarded`)."""
+  inputs = (q, k, v, g, beta, mask)
+  clean = functools.partial(_clean_packed, offsets, empty)
+  forward = lambda x: (*_gdp_varlen_core(*x, h0, table, empty, scale, bt, opts), ())
+  o, final, _ = _guarded_forward(forward, inputs, clean, _finite_inputs(*inputs))
+  return o, final
+
+
+def _gdp_varlen_guarded_fwd(q, k, v, g, beta, mask, h0, table, empty, offsets, scale, bt, opts):
+  inputs = (q, k, v, g, beta, mask)
+  ok = _finite_inputs(*inputs)
+
+  def forward(x):
+    (o, final), residuals = _gdp_varlen_core_fwd(*x, h0, table, empty, scale, bt, opts)
+    return o, final, residuals[7:9]  # (gcum, ai)
+
+  clean = functools.partial(_clean_packed, offsets, empty)
+  o, final, saved = _guarded_forward(forward, inputs, clean, ok)
+  return (o, final), (*inputs, h0, *saved, table, empty, offsets, ok)
+
+
+def _gdp_varlen_guarded_bwd(scale, bt, opts, residuals, cotangents):
+  *inputs, h0, gcum, ai, table, empty, offsets, ok = residuals
+
+  def backward(x, cot):
+    residuals = (*x, h0, gcum, ai, table, empty)
+    return _gdp_varlen_core_bwd(scale, bt, opts, residuals, cot)[:7]  # no table, empty
+
+  clean = functools.partial(_clean_packed, offsets, empty)
+  grads = _guarded_backward(backward, tuple(inputs), cotangents, clean, ok)
+  return grads + (None, None, None)
+
+
+_gdp_varlen_guarded.defvjp(_gdp_varlen_guarded_fwd, _gdp_varlen_guarded_bwd)
+
+
 def gated_delta_product_pallas_varlen(
   q,
   k,
@@ -388,9 +534,8 @@ def gated_delta_product_pallas_varlen(
   walks (chunk_state_output, chunk_h, bwd_dhu) read the per-chunk table (chunk_seq, chunk_first,
   chunk_last). The kernels' varlen form has been checked in the Pallas interpreter and through
   the Triton lowering only, not yet run on a GPU: `implementation=None` picks "xla" with
-  cu_seqlens. Non-finite inputs are not confined to their sequence here (only "reference" and
-  "xla" do that, docs/precision.md#non-finite-inputs). Other arguments as
-  `gated_delta_product_pallas`.
+  cu_seqlens. A non-finite input spoils its own sequence only (`_gdp_varlen_guarded`,
+  docs/precision.md#non-finite-inputs). Other arguments as `gated_delta_product_pallas`.
   """
   q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
   args = (q, k, v, g, beta, mask, initial_state)
@@ -438,9 +583,14 @@ def _gated_delta_product_pallas_varlen(
   if precision is not None:
     options = options.replace(precision=precision)
   g = jnp.maximum(g, jnp.asarray(RESET_LOG_DECAY, g.dtype))  # as in _gated_delta_product_pallas
-  o, final = _gdp_varlen_core(
-    q, k, v, g, beta, mask.astype(jnp.float32), h0, table, lay.empty, scale, bt, options
-  )
+  mask = mask.astype(jnp.float32)
+  if _NONFINITE_GUARD:
+    offsets = _packed_offsets(lay)
+    o, final = _gdp_varlen_guarded(
+      q, k, v, g, beta, mask, h0, table, lay.empty, offsets, scale, bt, options
+    )
+  else:
+    o, final = _gdp_varlen_core(q, k, v, g, beta, mask, h0, table, lay.empty, scale, bt, options)
   o = varlen.unpack(o[..., :dim_v], lay)
   final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
   return o, final

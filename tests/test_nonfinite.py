@@ -2,8 +2,9 @@
 reference's result in every implementation, forward and gradients, and a nan or inf at token t
 leaves everything before t unchanged (outputs, and the gradients of a loss on them).
 
-The Pallas kernels are not causal yet: their tests are strict xfails (they must fail today and
-pass once the kernels mask with selects; KERNEL_FIX says where).
+"pallas" gets there with a guard around its kernels (gdp_jax/pallas_impl.py): one reduction
+over the inputs picks the kernels on the raw inputs or on cleaned ones with marked outputs; the
+tests here run it eagerly (a Python choice) and under jax.jit (a `lax.cond`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,6 @@ from gdp_jax import dispatch, gated_delta_product
 from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs, tol
 
 IMPLS = dispatch.implementations("gated_delta_product")
-KERNEL_FIX = (
-  "the Pallas kernels do not clean their loads nor mark their outputs yet: inside a "
-  "chunk, products of zero entries with a later token's nan (0 * nan = nan) reach "
-  "the earlier tokens, forward and backward (docs/precision.md#non-finite-inputs)"
-)
 T, CHUNK, BAD_T = 40, 16, 28  # token 28: second chunk, lower half of its chunk matrix
 # Exact up to float32 rounding: the bad and the clean runs share every value before BAD_T.
 SAME = 1e-6
@@ -94,7 +90,8 @@ BAD = [
   ("beta", np.nan),
   ("mask", np.nan),
 ]
-PALLAS_BAD = [("k", np.nan), ("v", np.inf)]  # the interpreted kernels are slow: two cases
+# the interpreted kernels are slow: four cases
+PALLAS_BAD = [("k", np.nan), ("v", np.inf), ("q", np.nan), ("g", np.nan)]
 
 
 def spoil(inputs, name, value):
@@ -108,8 +105,7 @@ def _cases():
   out = []
   for impl in IMPLS:
     for name, value in PALLAS_BAD if impl == "pallas" else BAD:
-      marks = [pytest.mark.xfail(strict=True, reason=KERNEL_FIX)] if impl == "pallas" else []
-      out.append(pytest.param(impl, name, value, marks=marks, id=f"{impl}-{name}-{value}"))
+      out.append(pytest.param(impl, name, value, id=f"{impl}-{name}-{value}"))
   return out
 
 
@@ -117,11 +113,37 @@ def clean_inputs():
   return make_inputs(42, B=2, T=T, H=2, K=32, V=16, r=2, mask_kind="token")
 
 
+NAMES = ("q", "k", "v", "g", "beta", "mask", "initial_state")
+
+
+def loss_on_prefix(implementation):
+  """A loss on the outputs before the bad token, a function of NAMES."""
+  do = jax.random.normal(jax.random.key(0), clean_inputs()["v"].shape)
+
+  def loss(*arrays):
+    o, _ = gated_delta_product(
+      *arrays[:6], initial_state=arrays[6], chunk_size=CHUNK, implementation=implementation
+    )
+    return jnp.sum(o[:, :BAD_T] * do[:, :BAD_T])
+
+  return loss
+
+
+def grads(implementation, inputs):
+  loss = loss_on_prefix(implementation)
+  argnums = tuple(range(len(NAMES)))
+  return dict(zip(NAMES, jax.grad(loss, argnums=argnums)(*[inputs[n] for n in NAMES])))
+
+
+# The clean results, once per implementation (the interpreted Pallas kernels are slow).
+clean_run = functools.cache(lambda implementation: run(implementation, **clean_inputs()))
+clean_grads = functools.cache(lambda implementation: grads(implementation, clean_inputs()))
+
+
 @pytest.mark.parametrize("implementation,name,value", _cases())
 def test_nonfinite_forward_is_causal(implementation, name, value):
-  inputs = clean_inputs()
-  o_clean, f_clean = run(implementation, **inputs)
-  o, f = run(implementation, **spoil(inputs, name, value))
+  o_clean, f_clean = clean_run(implementation)
+  o, f = run(implementation, **spoil(clean_inputs(), name, value))
   assert_close(o[:, :BAD_T], o_clean[:, :BAD_T], SAME, "o before the bad token")
   # Other batch rows and heads never see it.
   assert_close(o[1], o_clean[1], SAME, "o of batch row 1")
@@ -133,21 +155,90 @@ def test_nonfinite_forward_is_causal(implementation, name, value):
 @pytest.mark.parametrize("implementation,name,value", _cases())
 def test_nonfinite_gradient_is_causal(implementation, name, value):
   """The gradient of a loss on the outputs before the bad token equals the clean one."""
-  inputs = clean_inputs()
-  do = jax.random.normal(jax.random.key(0), inputs["v"].shape).at[:, BAD_T:].set(0.0)
-
-  def grads(inp):
-    names = ("q", "k", "v", "g", "beta", "mask", "initial_state")
-
-    def loss(*arrays):
-      o, _ = gated_delta_product(
-        *arrays[:6], initial_state=arrays[6], chunk_size=CHUNK, implementation=implementation
-      )
-      return jnp.sum(o[:, :BAD_T] * do[:, :BAD_T])
-
-    return dict(zip(names, jax.grad(loss, argnums=tuple(range(7)))(*[inp[n] for n in names])))
-
-  clean = grads(inputs)
-  got = grads(spoil(inputs, name, value))
+  clean = clean_grads(implementation)
+  got = grads(implementation, spoil(clean_inputs(), name, value))
   for n in clean:
     assert_close(got[n], clean[n], SAME, f"d{n}")
+
+
+# ---- the Pallas guard under jax.jit --------------------------------------------------------------
+
+
+def test_pallas_guard_under_jit():
+  """One jitted function serves clean and bad inputs (the guard's `lax.cond`): the value and the
+  gradients of a loss before the bad token are the clean ones, and the clean ones are those of
+  the eager call."""
+  loss = loss_on_prefix("pallas")
+  step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(NAMES)))))
+  inputs = clean_inputs()
+  value, clean = step(*[inputs[n] for n in NAMES])
+  bad = spoil(inputs, "v", np.nan)
+  value_bad, got = step(*[bad[n] for n in NAMES])
+  assert_close(value_bad, value, SAME, "loss")
+  eager = clean_grads("pallas")
+  for n, d, d_bad in zip(NAMES, clean, got):
+    assert_close(d, eager[n], SAME, f"d{n} (jit, clean)")
+    assert_close(d_bad, d, SAME, f"d{n} (jit, bad v)")
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_pallas_guard_adds_only_a_reduction(monkeypatch, varlen):
+  """In the jaxpr of a jitted gradient the guard is two `lax.cond`s (forward, backward) whose
+  all-finite branches hold the unguarded kernels, and the forward's saves nothing beyond
+  today's residuals: its outputs are o, the final state, gamma and Ai."""
+  from gdp_jax import pallas_impl
+
+  inputs = clean_inputs()
+  kw = dict(chunk_size=CHUNK, implementation="pallas", output_final_state=True)
+  if varlen:
+    inputs = {n: x[:1] if n != "initial_state" else x for n, x in inputs.items()}
+    kw["cu_seqlens"] = jnp.array([0, 12, T], jnp.int32)
+
+  def loss(inp):
+    o, final = gated_delta_product(**inp, **kw)
+    return jnp.sum(o) + jnp.sum(final)
+
+  def eqns(jaxpr):
+    for e in jaxpr.eqns:
+      yield e
+      if e.primitive.name not in ("cond", "pallas_call"):  # (the kernels may hold conds)
+        for p in e.params.values():
+          if hasattr(p, "eqns") or hasattr(p, "jaxpr"):
+            yield from eqns(getattr(p, "jaxpr", p))
+
+  def trace():
+    return list(eqns(jax.make_jaxpr(jax.jit(jax.grad(loss)))(inputs).jaxpr))
+
+  guarded = trace()
+  monkeypatch.setattr(pallas_impl, "_NONFINITE_GUARD", False)
+  plain = trace()
+  conds = [e for e in guarded if e.primitive.name == "cond"]
+  assert len(conds) == 2 and not [e for e in plain if e.primitive.name == "cond"]
+  kernels = lambda es: sum(e.primitive.name == "pallas_call" for e in es)
+  assert kernels(guarded) == 0, "every kernel runs inside a cond"
+  # branch 1 runs when ok: the same kernels as without the guard
+  assert sum(kernels(eqns(c.params["branches"][1].jaxpr)) for c in conds) == kernels(plain)
+  outs = [v.aval.shape for v in conds[0].outvars]
+  assert len(outs) == 4, f"the forward's outputs and residuals: {outs}"
+
+
+def test_bench_nonfinite_smoke(tmp_path):
+  """benchmarks/bench_nonfinite.py --smoke (the forward only, interpreted): its JSON holds the
+  guarded, unguarded and nan-in-k runs, the guarded output equal to the unguarded one."""
+  import importlib.util
+  import json
+  import pathlib
+
+  path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_nonfinite.py"
+  spec = importlib.util.spec_from_file_location("bench_nonfinite", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  out = tmp_path / "nonfinite.json"
+  assert mod.main(["--smoke", "--modes", "fwd", "--out", str(out)]) == 0
+  res = json.loads(out.read_text())
+  assert {"date", "jax_version", "device", "command", "runs"} <= set(res)
+  assert res["command"].startswith("python benchmarks/bench_nonfinite.py --smoke")
+  cases = {run["case"]: run for run in res["runs"]}
+  assert set(cases) == {"unguarded", "guarded", "nan in k", "summary"}
+  assert all(cases[c]["ms"] > 0 for c in ("unguarded", "guarded", "nan in k"))
+  assert cases["summary"]["guarded_equals_unguarded"] and cases["summary"]["nan_marks_ok"]

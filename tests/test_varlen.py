@@ -222,6 +222,39 @@ def test_non_finite_input_stays_in_its_sequence(implementation):
   np.testing.assert_array_equal(final_bad[1:], final[1:])
 
 
+def test_pallas_non_finite_input_stays_in_its_sequence():
+  """ "pallas" (its guard, docs/precision.md#non-finite-inputs), one jitted function for clean
+  and bad inputs: a nan inside sequence 3's second chunk spoils that sequence from its token on
+  (outputs and final state) and nothing else, and the gradient of a loss on everything else is
+  the clean one."""
+  inputs = packed_inputs(4, LENGTHS, r=2, mask_kind="token")
+  cu = cu_of(LENGTHS)
+  bad_t, end = 26, 29  # sequence 3 holds tokens 6..28; the kernels' chunks are 16 tokens
+  do, dfinal = cotangents(0, inputs["v"].shape, inputs["initial_state"].shape)
+  keep_o = jnp.ones(do.shape[:3], bool).at[0, bad_t:end, 0].set(False)[..., None]
+  keep_final = jnp.ones(dfinal.shape[:2], bool).at[3, 0].set(False)[..., None, None]
+
+  def loss(kw):
+    o, final = run_packed("pallas", kw, cu)
+    kept = jnp.sum(jnp.where(keep_o, o * do, 0.0)) + jnp.sum(jnp.where(keep_final, final, 0.0))
+    return kept, (o, final)
+
+  step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  (value, (o, final)), grads = step(inputs)
+  bad = dict(inputs, k=inputs["k"].at[0, bad_t, 0, 3].set(jnp.nan))
+  (value_bad, (o_bad, final_bad)), grads_bad = step(bad)
+  assert bool(jnp.all(jnp.isnan(o_bad[0, bad_t:end, 0]))) and bool(
+    jnp.all(jnp.isnan(final_bad[3, 0]))
+  )
+  np.testing.assert_array_equal(jnp.where(keep_o, o_bad, 0.0), jnp.where(keep_o, o, 0.0))
+  np.testing.assert_array_equal(final_bad[:3], final[:3])
+  np.testing.assert_array_equal(final_bad[3, 1], final[3, 1])
+  assert_close(value_bad, value, 1e-6, "loss")
+  for name, d in grads.items():
+    if d is not None:
+      assert_close(grads_bad[name], d, 1e-6, f"d{name}")
+
+
 @pytest.mark.parametrize("mask_kind", ["head", "token"])
 def test_jnp_backward_of_packed_form(mask_kind):
   """xla_backward.gated_delta_product_xla_varlen_bwd (the stage-by-stage backward the kernels
