@@ -213,6 +213,17 @@ def test_grouped_fused_kernels_lower_to_triton(monkeypatch, r, dtype):
   assert len(modules) == 3 and all("tt.func" in m for m in modules)
 
 
+def test_fused_kernels_reject_heads_not_a_multiple():
+  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+
+  k, v, s3 = jnp.zeros((1, 16, 2, 16)), jnp.zeros((1, 16, 3, 16)), jnp.zeros((1, 3, 16))
+  with pytest.raises(ValueError, match="HV a multiple of H; got k"):
+    chunk_fwd.chunk_fwd(k, v, s3, s3, jnp.ones((1, 1, 1, 1, 1)), key_blocks=1, chunk=16)
+  w, h0 = jnp.zeros((1, 3, 16, 16)), jnp.zeros((1, 3, 16, 16))
+  with pytest.raises(ValueError, match="w has 3 value heads"):
+    chunk_state_output.chunk_state_output(k, k, w, w, s3, h0, key_blocks=1, chunk=16, scale=1.0)
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 
 
