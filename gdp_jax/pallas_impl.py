@@ -17,6 +17,11 @@ forward kernels"): chunk_fwd (cumsum, KKT, inverse, w and u per chunk) and chunk
 wy, chunk_h, chunk_o). A call without gradient writes neither Ai nor h nor v_new. The backward is
 the same either way: it recomputes w, u, h and v_new from the residuals gamma and Ai.
 
+Grouped value heads (HV value heads for H key heads, docs/varlen.md#grouped-value-heads): the
+fused forward's kernels read key head h // (HV / H) through their index maps, so q and k stay
+[B, T, H, K] in the forward and in the residuals; the five-kernel forward and the backward repeat
+them (`expand_key_heads`) and the backward sums dq and dk over each group (`sum_key_heads`).
+
 Packed sequences (`cu_seqlens`, `gated_delta_product_pallas_varlen`, docs/varlen.md): the same
 kernels on the chunk-aligned layout, the state walks reading a per-chunk table; a custom_vjp of
 its own (`_gdp_varlen_core`). Not yet run on a GPU.
@@ -35,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gdp_jax import dispatch, nonfinite, varlen, xla_backward
-from gdp_jax.operator import expand_key_heads
+from gdp_jax.operator import expand_key_heads, sum_key_heads
 from gdp_jax.xla import RESET_LOG_DECAY
 from gdp_jax.xla_backward import reduce_dmask
 from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
@@ -100,7 +105,8 @@ def _pad_last(x, size):
 def _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, table=None):
   """The forward kernels on feature-padded inputs. Returns (o, final, (gcum, ai)); ai is None
   when the fused forward runs with save_ai=False (a call without gradient). table: packed
-  sequences (`_gdp_varlen_core`), passed to the state walks only."""
+  sequences (`_gdp_varlen_core`), passed to the state walks only. q and k may have fewer (key)
+  heads than v (grouped value heads)."""
   r = mask.shape[-1]
   common = dict(chunk=bt, key_blocks=r)
   if table is not None:
@@ -128,6 +134,9 @@ def _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, table=None):
       q, k, w, u, gcum, h0, scale=scale, launch=opts.chunk_state_output, **common, **prec
     )
     return o, final, (gcum, out[3] if save_ai else None)
+  # The five-kernel forward (a tuning and debugging path) repeats q and k across each group of
+  # value heads; only the fused kernels read key head h // group in place.
+  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
   blocks = dict(chunk=bt, key_blocks=r)
   a, gcum = kkt.chunk_kkt(k, beta_hm, mask, g_hm, from_g=True, launch=opts.kkt, **blocks, **prec)
   ai = solve_tril.solve_tril(
@@ -146,9 +155,10 @@ def _gdp_core(q, k, v, g, beta, mask, h0, scale, bt, opts):
 
 
 def _gdp_core_fwd(q, k, v, g, beta, mask, h0, scale, bt, opts):
-  # Residuals: the inputs (the caller holds them anyway), gamma ([B, H, Tp] float32) and the
-  # chunk inverses Ai ([B, H, Tp*r, N] in the input dtype: as much memory as one [B, T, H, N]
-  # activation). The backward recomputes w, u (wy.py) and h, v_new (chunk_h.py) from them.
+  # Residuals: the inputs (the caller holds them anyway; q and k with their H key heads), gamma
+  # ([B, HV, Tp] float32) and the chunk inverses Ai ([B, HV, Tp*r, N] in the input dtype: as much
+  # memory as one [B, T, HV, N] activation). The backward recomputes w, u (wy.py) and h, v_new
+  # (chunk_h.py) from them.
   forward = dispatch.raise_if_differentiated(
     lambda *a: _forward(*a, scale, bt, opts, save_ai=True), NO_HIGHER_DERIVATIVES
   )
@@ -166,6 +176,10 @@ def _gdp_core_bwd(scale, bt, opts, residuals, cotangents):
 def _backward(scale, bt, opts, residuals, cotangents, table=None):
   q, k, v, g, beta, mask, h0, gcum, ai = residuals
   do, dfinal = cotangents
+  # Grouped value heads: the backward kernels see HV heads throughout; q and k are repeated here
+  # and dq, dk summed over each group at the end.
+  key_heads, key_dtypes = q.shape[2], (q.dtype, k.dtype)
+  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
   r = mask.shape[-1]
   common = dict(chunk=bt, key_blocks=r)
   prec = dict(precision=opts.precision)
@@ -200,9 +214,10 @@ def _backward(scale, bt, opts, residuals, cotangents, table=None):
   dg = cumsum.chunk_local_cumsum(dg1 + dg2, bt, reverse=True)
   dmask = reduce_dmask(dmask_tok, mask.shape)
   time_major = lambda x: jnp.moveaxis(x, 1, 2)  # [B, H, Tp] -> [B, Tp, H]
+  dq, dk = (sum_key_heads(d.astype(jnp.float32), key_heads) for d in (dq, dk1 + dk2))
   return (
-    dq.astype(q.dtype),
-    (dk1 + dk2).astype(k.dtype),
+    dq.astype(key_dtypes[0]),
+    dk.astype(key_dtypes[1]),
     dv.astype(v.dtype),
     time_major(dg).astype(g.dtype),
     time_major(dbeta).astype(beta.dtype),
@@ -326,15 +341,12 @@ def gated_delta_product_pallas(
     behind the Pallas forward, for debugging).
   scale: a Python number is passed to the kernels; an array (a traced scale under `jax.jit`, a
     learned one) runs them with 1 and multiplies o afterwards (o is linear in the scale).
-  Grouped value heads (HV a multiple of H): q and k are repeated across each group before the
-  kernels, and JAX's vjp of the repeat sums dq and dk over the group.
+  Grouped value heads (HV a multiple of H): the fused forward kernels read key head
+  i // (HV // H) for value head i through their index maps (no repeated copy of q and k); the
+  backward repeats q and k before its kernels and sums dq and dk over each group.
   Non-finite inputs: a nan or inf at token t changes nothing before t, forward and gradients
   (`_gdp_guarded`, docs/precision.md#non-finite-inputs).
   """
-  # The kernels see HV heads throughout. Faster follow-up: index maps that read key head
-  # i // (HV // H) for value head i (no repeated copy of q and k in memory), with the backward
-  # kernels accumulating dq and dk over the group.
-  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
   args = (q, k, v, g, beta, mask, initial_state)
   kw = dict(options=options, backward=backward, precision=precision)
   return _run_scaled(_gated_delta_product_pallas, args, scale, (chunk_size,), kw)
@@ -535,9 +547,9 @@ def gated_delta_product_pallas_varlen(
   chunk_last). The kernels' varlen form has been checked in the Pallas interpreter and through
   the Triton lowering only, not yet run on a GPU: `implementation=None` picks "xla" with
   cu_seqlens. A non-finite input spoils its own sequence only (`_gdp_varlen_guarded`,
-  docs/precision.md#non-finite-inputs). Other arguments as `gated_delta_product_pallas`.
+  docs/precision.md#non-finite-inputs). Other arguments as `gated_delta_product_pallas`
+  (grouped value heads included).
   """
-  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
   args = (q, k, v, g, beta, mask, initial_state)
   kw = dict(options=options, backward=backward, precision=precision)
   return _run_scaled(_gated_delta_product_pallas_varlen, args, scale, (chunk_size, cu_seqlens), kw)

@@ -1,7 +1,9 @@
 """Grouped value heads (HV value heads for H query/key heads, HV % H == 0, value head i reading
 key head i // (HV // H); docs/varlen.md#grouped-value-heads): every implementation of the operator
 and of the step equals the same call with q and k repeated across each group, forward and
-gradients (dq, dk summed over the group); the argument checks; the layer's `num_v_heads`."""
+gradients (dq, dk summed over the group); the Pallas forward reads key head h // group in its
+fused kernels (no repeated q, k in front of them; through the Triton lowering); the argument
+checks; the layer's `num_v_heads`."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -74,6 +77,32 @@ def test_grouped_equals_repeated_keys(implementation, H, HV, r, mask_kind):
     assert_close(d, expected, tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
 
 
+@pytest.mark.parametrize("fused,backward", [(False, "pallas"), (True, "xla")])
+def test_pallas_grouped_other_paths(fused, backward):
+  """The five-kernel forward (which repeats q and k) and the Pallas forward with the jnp
+  backward (which gets q and k un-repeated) equal "xla" with grouped value heads: the forward,
+  and for backward="xla" the gradients."""
+  from pallas_kernels.common.options import DEFAULT
+
+  inputs = grouped_inputs(7, T=16, H=1, HV=2, r=1, mask_kind="token")
+  kw = dict(output_final_state=True, chunk_size=16)
+  options = DEFAULT.replace(fused=fused, precision="ieee")
+  pallas = functools.partial(
+    gated_delta_product, **kw, implementation="pallas", options=options, backward=backward
+  )
+  xla = functools.partial(gated_delta_product, **kw, implementation="xla")
+  for got, expected, name in zip(jax.jit(pallas)(**inputs), xla(**inputs), ("o", "final")):
+    assert_close(got, expected, tol(jnp.float32), name)
+  if backward == "xla":
+    grads, grads_xla = (
+      jax.jit(lambda i: loss_and_grads(pallas, i))(inputs),
+      loss_and_grads(xla, inputs),
+    )
+    for name, d in grads.items():
+      assert d.shape == inputs[name].shape, name
+      assert_close(d, grads_xla[name], tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
+
+
 @pytest.mark.parametrize("implementation", dispatch.implementations("gated_delta_product_step"))
 def test_grouped_step_equals_repeated_keys(implementation):
   inputs = grouped_inputs(2, B=2, T=1, H=2, HV=4, r=2, mask_kind="token")
@@ -103,6 +132,96 @@ def test_grouped_step_gradients():
   dq_rep, dk_rep = jax.grad(loss, argnums=(0, 1))(rep["q"], rep["k"], kw)
   assert_close(dq, sum_groups(dq_rep, 1, axis=1), tol(jnp.float32, GRAD_TOLERANCE), "dq")
   assert_close(dk, sum_groups(dk_rep, 1, axis=1), tol(jnp.float32, GRAD_TOLERANCE), "dk")
+
+
+# ---- the Pallas forward reads the key heads in place ---------------------------------------------
+
+
+def _pallas_operands(jaxpr):
+  """The operand shapes of every pallas_call in a jaxpr, its sub-jaxprs included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      found.append([tuple(x.aval.shape) for x in eqn.invars])
+      continue
+    for value in eqn.params.values():
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(item, jax.extend.core.ClosedJaxpr):
+          found += _pallas_operands(item.jaxpr)
+        elif isinstance(item, jax.extend.core.Jaxpr):
+          found += _pallas_operands(item)
+  return found
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_pallas_forward_does_not_repeat_keys(packed):
+  """The fused forward's pallas_calls take q and k with their H key heads (K = 32 != V = 16, so
+  a [.., HV, 32] operand could only be a repeated q or k), in a call without gradient and in the
+  forward of a gradient; the five-kernel forward still repeats them."""
+  from pallas_kernels.common.options import DEFAULT
+
+  H, HV, K = 1, 2, 32
+  inputs = grouped_inputs(6, T=20, H=H, HV=HV, K=K, V=16, r=1, mask_kind=None)
+  extra = dict(cu_seqlens=np.array([0, 7, 20], np.int32)) if packed else {}
+  if packed:
+    inputs["initial_state"] = jnp.zeros((2, HV, K, 16))
+
+  def shapes(fused, grad):
+    run = lambda kw: gated_delta_product(
+      **kw, **extra, chunk_size=16, implementation="pallas", options=DEFAULT.replace(fused=fused)
+    )[0]
+    fn = (lambda kw: jax.vjp(run, kw)[0]) if grad else run
+    return _pallas_operands(jax.make_jaxpr(fn)(inputs).jaxpr)
+
+  for grad in (False, True):
+    calls = shapes(True, grad)
+    assert len(calls) == 2, calls
+    key_operands = [s for c in calls for s in c if len(s) == 4 and s[-1] == K]
+    assert len(key_operands) == 3, calls  # k in chunk_fwd; q and k in chunk_state_output
+    assert all(s[2] == H for s in key_operands), calls
+  repeated = [s for c in shapes(False, False) for s in c if len(s) == 4 and s[-1] == K]
+  assert repeated and all(s[2] == HV for s in repeated)
+
+
+@pytest.mark.parametrize("r,dtype", [(1, jnp.bfloat16), (2, jnp.float32)])
+def test_grouped_fused_kernels_lower_to_triton(monkeypatch, r, dtype):
+  """chunk_fwd and chunk_state_output (with and without a table) with 2 key heads for 4 value
+  heads (group 2) through the Pallas Triton lowering for an H200."""
+  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+  from tests.triton_lowering import lower_for_h200
+
+  S = jax.ShapeDtypeStruct
+  K = V = 128
+  chunk, T, nt = 64 // r, 128, 128 // (64 // r)
+  keys, vals = S((1, T, 2, K), dtype), S((1, T, 4, V), dtype)
+  per_head, mask = S((1, 4, T), jnp.float32), S((1, 1, 4, r, r), jnp.float32)
+  rows_k, rows_v = S((1, 4, T * r, K), dtype), S((1, 4, T * r, V), dtype)
+  h0, table = S((1, 4, K, V), jnp.float32), S((3, nt), jnp.int32)
+
+  def fused(q, k, v, g, beta, mask, w, u, h0, table):
+    common = dict(key_blocks=r, chunk=chunk)
+    return [
+      chunk_fwd.chunk_fwd(k, v, g, beta, mask, save_ai=True, **common),
+      chunk_state_output.chunk_state_output(q, k, w, u, g, h0, scale=0.1, **common),
+      chunk_state_output.chunk_state_output(
+        q, k, w, u, g, h0, scale=0.1, save_states=True, table=table, **common
+      ),
+    ]
+
+  avals = (keys, keys, vals, per_head, per_head, mask, rows_k, rows_v, h0, table)
+  modules = lower_for_h200(monkeypatch, fused, *avals)
+  assert len(modules) == 3 and all("tt.func" in m for m in modules)
+
+
+def test_fused_kernels_reject_heads_not_a_multiple():
+  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+
+  k, v, s3 = jnp.zeros((1, 16, 2, 16)), jnp.zeros((1, 16, 3, 16)), jnp.zeros((1, 3, 16))
+  with pytest.raises(ValueError, match="HV a multiple of H; got k"):
+    chunk_fwd.chunk_fwd(k, v, s3, s3, jnp.ones((1, 1, 1, 1, 1)), key_blocks=1, chunk=16)
+  w, h0 = jnp.zeros((1, 3, 16, 16)), jnp.zeros((1, 3, 16, 16))
+  with pytest.raises(ValueError, match="w has 3 value heads"):
+    chunk_state_output.chunk_state_output(k, k, w, w, s3, h0, key_blocks=1, chunk=16, scale=1.0)
 
 
 # ---- bad input ---------------------------------------------------------------------------------

@@ -3,6 +3,10 @@ head h).
 
 Layouts (see gdp_jax/xla.py): q, k [B, Tp, H, K]; v [B, Tp, H, V]; per-token scalars [B, H, Tp];
 mask [Bm, Tm, Hm, r, r] broadcast against [B, Tp, H, r, r]; chunk matrices [B, H, Tp*r, N].
+
+Grouped value heads (docs/varlen.md#grouped-value-heads): a kernel whose grid runs over the HV
+value heads reads q and k [B, Tp, HV / group, K] at key head h // group (`group` of the token
+specs), so q and k are never repeated in memory.
 """
 
 from __future__ import annotations
@@ -10,9 +14,16 @@ from __future__ import annotations
 from jax.experimental import pallas as pl
 
 
-def tokens(bt, dim):
-  """A [BT, D] tile of a [B, Tp, H, D] array."""
-  return pl.BlockSpec((None, bt, None, dim), lambda t, b, h: (b, t, h, 0))
+def _key_head(group):
+  """The head of an array with HV / group heads that value head h reads."""
+  return (lambda h: h) if group == 1 else (lambda h: h // group)
+
+
+def tokens(bt, dim, *, group=1):
+  """A [BT, D] tile of a [B, Tp, H, D] array; with group > 1, of [B, Tp, H / group, D] at head
+  h // group (key heads shared by `group` value heads)."""
+  head = _key_head(group)
+  return pl.BlockSpec((None, bt, None, dim), lambda t, b, h: (b, t, head(h), 0))
 
 
 def scalars(bt):
@@ -39,11 +50,13 @@ def mask(mask_shape, bt):
 # grid is (V block iv, batch b, head h) and their blocks span all Tp tokens.
 
 
-def seq_tokens(t_len, dim, *, v_block=False):
-  """All [Tp, D] tokens of a [B, Tp, H, D] array (D split in blocks of `dim` if v_block)."""
+def seq_tokens(t_len, dim, *, v_block=False, group=1):
+  """All [Tp, D] tokens of a [B, Tp, H, D] array (D split in blocks of `dim` if v_block); with
+  group > 1 of a [B, Tp, H / group, D] array at head h // group, as `tokens`."""
+  head = _key_head(group)
   if v_block:
-    return pl.BlockSpec((None, t_len, None, dim), lambda iv, b, h: (b, 0, h, iv))
-  return pl.BlockSpec((None, t_len, None, dim), lambda iv, b, h: (b, 0, h, 0))
+    return pl.BlockSpec((None, t_len, None, dim), lambda iv, b, h: (b, 0, head(h), iv))
+  return pl.BlockSpec((None, t_len, None, dim), lambda iv, b, h: (b, 0, head(h), 0))
 
 
 def seq_rows(t_len, r, dim, *, v_block=False):

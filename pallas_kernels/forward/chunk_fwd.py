@@ -276,14 +276,19 @@ def _panels_kernel(
 _KERNELS = {"panels": _panels_kernel, "blocks": _blocks_kernel}
 
 
+def _divides(k, v):
+  """k's key heads divide v's value heads (grouped value heads)."""
+  return k.shape[2] > 0 and v.shape[2] % k.shape[2] == 0
+
+
 def _check(k, v, g, beta, mask, key_blocks, chunk):
-  if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+  if k.ndim != 4 or v.ndim != 4 or k.shape[:2] != v.shape[:2] or not _divides(k, v):
     raise ValueError(
-      f"k must be [B, Tp, H, K] and v [B, Tp, H, V] with the same B, Tp, H; got "
-      f"k {k.shape}, v {v.shape}"
+      f"k must be [B, Tp, H, K] and v [B, Tp, HV, V] with the same B, Tp and HV a multiple of "
+      f"H; got k {k.shape}, v {v.shape}"
     )
-  bsz, t_len, heads, dim_k = k.shape
-  dim_v = v.shape[-1]
+  bsz, t_len, _, dim_k = k.shape
+  heads, dim_v = v.shape[2:]
   for name, x in (("g", g), ("beta", beta)):
     if x.shape != (bsz, heads, t_len):
       raise ValueError(f"{name} must be [B, H, Tp] = {(bsz, heads, t_len)}, got {x.shape}")
@@ -330,7 +335,9 @@ def chunk_fwd(
   log-decay, not its cumsum), beta [B, H, Tp] float32; mask [Bm, Tm, Hm, r, r] (broadcast
   against [B, Tp, H, r, r]); key_blocks = r in {1, 2, 4, 8}; chunk = BT in {16, 32, 64} tokens
   with N = BT * r <= 256 rows. `precision` is for float32 dots (backend.dot): the merge of the
-  inverse's blocks always, everything when the inputs are float32.
+  inverse's blocks always, everything when the inputs are float32. Grouped value heads
+  (docs/varlen.md#grouped-value-heads): k may have H / group key heads for the H heads of v, g
+  and beta (value head h reads key head h // group; k is not repeated); the outputs have H.
 
   Returns gamma [B, H, Tp] float32 (chunk-local cumsum of g), w [B, H, Tp*r, K] and
   u [B, H, Tp*r, V] in k's dtype, and with save_ai=True also Ai = (I + A)^-1 [B, H, Tp*r, N] in
@@ -353,8 +360,8 @@ def chunk_fwd(
     raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
   if inverse == "auto":
     inverse = AUTO_INVERSE[precision]
-  bsz, t_len, heads, dim_k = k.shape
-  dim_v = v.shape[-1]
+  bsz, t_len, key_heads, dim_k = k.shape
+  heads, dim_v = v.shape[2:]
   r = key_blocks
   n = chunk * r
   per_token_mask = mask.shape[1] > 1
@@ -375,7 +382,7 @@ def chunk_fwd(
       kernel,
       grid=(t_len // chunk, bsz, heads),
       in_specs=[
-        specs.tokens(chunk, dim_k),
+        specs.tokens(chunk, dim_k, group=heads // key_heads),
         specs.tokens(chunk, dim_v),
         specs.scalars(chunk),
         specs.scalars(chunk),

@@ -137,6 +137,9 @@ def chunk_state_output(
   (from chunk_fwd.chunk_fwd, rows in (t, a) order); gamma [B, H, Tp] float32 (chunk-local cumsum
   of g over chunks of `chunk` tokens); initial_state [B, H, K, V] float32. `precision` applies to
   float32 dots (float32 inputs). launch.block_v: the V tile of one program (grid V / block_v, B, H).
+  Grouped value heads (docs/varlen.md#grouped-value-heads): q and k may have H / group key heads
+  for the H heads of w, u, gamma and the state (value head h reads key head h // group; q and k
+  are not repeated).
 
   Returns o [B, Tp, H, V] in q's dtype and the final state [B, H, K, V] float32; with
   save_states=True also h [B, H, NT, K, V] (each chunk's start state, h_dtype, default k's dtype)
@@ -149,7 +152,13 @@ def chunk_state_output(
   """
   if q.ndim != 4 or q.shape != k.shape:
     raise ValueError(f"q and k must both be [B, Tp, H, K], got q {q.shape}, k {k.shape}")
-  bsz, t_len, heads, dim_k = k.shape
+  bsz, t_len, key_heads, dim_k = k.shape
+  heads = w.shape[1] if w.ndim == 4 else key_heads  # value heads (a bad w fails below)
+  if key_heads == 0 or heads % key_heads:
+    raise ValueError(
+      f"w has {heads} value heads (w {w.shape}), not a multiple of the {key_heads} key heads of "
+      f"q and k {k.shape}"
+    )
   r = key_blocks
   if r not in (1, 2, 4, 8, 16) or dim_k % r:
     raise ValueError(f"key_blocks must be a power of two <= 16 dividing K = {dim_k}, got {r!r}")
@@ -200,8 +209,8 @@ def chunk_state_output(
     _kernel, r=r, chunk=chunk, num_chunks=nt, scale=scale, precision=precision
   )
   in_specs = [
-    specs.seq_tokens(t_len, dim_k),
-    specs.seq_tokens(t_len, dim_k),
+    specs.seq_tokens(t_len, dim_k, group=heads // key_heads),
+    specs.seq_tokens(t_len, dim_k, group=heads // key_heads),
     specs.seq_rows(t_len, r, dim_k),
     per_row_v,
     specs.seq_scalars(t_len),
