@@ -44,17 +44,22 @@ def _finite(x):
 
 
 def _bad_rows(x, batch, t_len, heads):
-  """[B, T, H, ...] (or broadcastable mask [Bm, Tm, Hm, r, r]) -> [B, T, H]: any non-finite."""
+  """[B, T, H, ...] (or broadcastable mask [Bm, Tm, Hm, r, r]) -> [B, T, H]: any non-finite.
+  With grouped value heads, q and k have fewer heads than H: key head j // (H // Hk) serves
+  value head j (docs/varlen.md#grouped-value-heads)."""
   bad = ~_finite(x)
   if bad.ndim > 3:
     bad = jnp.any(bad, axis=tuple(range(3, bad.ndim)))
+  if bad.shape[2] not in (1, heads):
+    bad = jnp.repeat(bad, heads // bad.shape[2], axis=2)
   return jnp.broadcast_to(bad, (batch, t_len, heads))
 
 
 def clean(q, k, v, g, beta, mask):
   """(cleaned (q, k, v, g, beta, mask), Marks) for the operator's normalised inputs:
-  q, k [B, T, H, K]; v [B, T, H, V]; g, beta [B, T, H]; mask [Bm, Tm, Hm, r, r]."""
-  batch, t_len, heads = q.shape[:3]
+  q, k [B, T, Hk, K] (Hk = H, or a divisor of H: grouped value heads); v [B, T, H, V];
+  g, beta [B, T, H]; mask [Bm, Tm, Hm, r, r]. Marks are per value head."""
+  batch, t_len, heads = v.shape[:3]
   bad_state = (
     _bad_rows(k, batch, t_len, heads)
     | _bad_rows(v, batch, t_len, heads)

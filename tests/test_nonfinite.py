@@ -161,6 +161,29 @@ def test_nonfinite_gradient_is_causal(implementation, name, value):
     assert_close(got[n], clean[n], SAME, f"d{n}")
 
 
+@pytest.mark.parametrize("implementation", IMPLS)
+def test_nonfinite_key_spoils_its_value_heads_only(implementation):
+  """Grouped value heads (2 key heads, 4 value heads): a nan in key head 1 at BAD_T spoils value
+  heads 2 and 3 from BAD_T on and nothing else, under jax.jit (both guard branches traced)."""
+  inputs = make_inputs(7, B=1, T=32, H=4, K=16, V=16, r=1, mask_kind="head")
+  for name in ("q", "k"):  # key heads 0, 0, 1, 1 for the value heads
+    inputs[name] = inputs[name][:, :, ::2]
+  call = jax.jit(
+    lambda kk: gated_delta_product(
+      **{**inputs, "k": kk},
+      output_final_state=True,
+      chunk_size=CHUNK,
+      implementation=implementation,
+    )[0]
+  )
+  o_clean = call(inputs["k"])
+  bad_t = 20
+  o = call(inputs["k"].at[0, bad_t, 1, 3].set(np.nan))
+  assert_close(o[:, :bad_t], o_clean[:, :bad_t], SAME, "o before the bad token")
+  assert_close(o[:, :, :2], o_clean[:, :, :2], SAME, "o of the other key head's value heads")
+  assert np.all(np.isnan(np.asarray(o[0, bad_t:, 2:]))), "the spoiled value heads"
+
+
 # ---- the Pallas guard under jax.jit --------------------------------------------------------------
 
 
