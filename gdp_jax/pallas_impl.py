@@ -18,7 +18,7 @@ wy, chunk_h, chunk_o). A call without gradient writes neither Ai nor h nor v_new
 the same either way: it recomputes w, u, h and v_new from the residuals gamma and Ai.
 
 Packed sequences (`cu_seqlens`, `gated_delta_product_pallas_varlen`, docs/varlen.md): the same
-kernels on the chunk-aligned layout, the state walks reading a per-chunk table; a custom_vjp of
+kernels on the chunk-aligned layout, the state walks one program per sequence; a custom_vjp of
 its own (`_gdp_varlen_core`). Not yet run on a GPU.
 """
 
@@ -380,9 +380,8 @@ def gated_delta_product_pallas_varlen(
   that sequence's chunks (`varlen.sequence_chunks`, pallas_kernels/common/packed.py). The
   kernels' varlen form has been checked in the Pallas interpreter and through the Triton
   lowering (benchmarks/bench_varlen.py checks and times it on a GPU); `implementation=None` picks
-  "xla" with
-  cu_seqlens. Non-finite inputs are not confined to their sequence here (only "reference" and
-  "xla" do that, docs/precision.md#non-finite-inputs). Other arguments as
+  "xla" with cu_seqlens. Non-finite inputs are not confined to their sequence here (only
+  "reference" and "xla" do that, docs/precision.md#non-finite-inputs). Other arguments as
   `gated_delta_product_pallas`.
   """
   q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))

@@ -350,8 +350,12 @@ def test_pallas_state_walks_run_each_sequence_apart():
   o, final, h, v_new = chunk_state_output.chunk_state_output(
     q, k, w, u, gamma, h0, scale=0.3, save_states=True, h_dtype=jnp.float32, table=table, **kw
   )
-  h2, v_new2, final2 = chunk_h.chunk_state(k, w, u, gamma, h0, h_dtype=jnp.float32, table=table, **kw)
-  dh, dh0, dv_new = bwd_dhu.chunk_bwd_dhu(q, k, w, gamma, do, dvl, dfinal, scale=0.3, table=table, **kw)
+  h2, v_new2, final2 = chunk_h.chunk_state(
+    k, w, u, gamma, h0, h_dtype=jnp.float32, table=table, **kw
+  )
+  dh, dh0, dv_new = bwd_dhu.chunk_bwd_dhu(
+    q, k, w, gamma, do, dvl, dfinal, scale=0.3, table=table, **kw
+  )
   for x in (o, final, h, v_new, h2, v_new2, final2, dh, dh0, dv_new):
     assert bool(jnp.all(jnp.isfinite(x)))
   np.testing.assert_array_equal(h2, h)
@@ -368,8 +372,16 @@ def test_pallas_state_walks_run_each_sequence_apart():
     rows = lambda x: x[:, :, a * r : e * r]
     h0n, dfn = h0[n : n + 1], dfinal[n : n + 1]
     o1, f1, h1, vn1 = chunk_state_output.chunk_state_output(
-      tok(q), tok(k), rows(w), rows(u), gamma[..., a:e], h0n, scale=0.3, save_states=True,
-      h_dtype=jnp.float32, **kw
+      tok(q),
+      tok(k),
+      rows(w),
+      rows(u),
+      gamma[..., a:e],
+      h0n,
+      scale=0.3,
+      save_states=True,
+      h_dtype=jnp.float32,
+      **kw,
     )
     dh1, dh01, dvn1 = bwd_dhu.chunk_bwd_dhu(
       tok(q), tok(k), rows(w), gamma[..., a:e], tok(do), rows(dvl), dfn, scale=0.3, **kw

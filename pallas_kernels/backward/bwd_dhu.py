@@ -1,8 +1,9 @@
 """Backward stage 2 (docs/chunked_form.md#the-backward): the state gradient, backward over chunks.
 
-One program per (V block, batch, head). dS (the gradient of the state at the end of the current
-chunk, kept in registers as r row blocks [dk, BV], float32) starts at d final_state; per chunk,
-last to first:
+One program per (V block, batch, head) (per sequence when packed,
+pallas_kernels/common/packed.py). dS (the gradient of the state at the end of the current chunk,
+kept in registers as r row blocks [dk, BV], float32) starts at d final_state; per chunk, last to
+first:
   dh[c]          = dS
   dv_new[(t,a)]  = dv_local[(t,a)] + exp(gamma_L - gamma_t) k_t^(a) dS^(a)
   dS^(d)         = exp(gamma_L) dS^(d) + scale (exp(gamma) q^(d))^T do

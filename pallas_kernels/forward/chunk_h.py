@@ -1,5 +1,6 @@
 """The state recurrence over chunks (docs/chunked_form.md#the-state-update-and-the-output),
-one program per (V block, batch, head).
+one program per (V block, batch, head) (per sequence when packed,
+pallas_kernels/common/packed.py).
 
 For each chunk c, with S the state at its start (kept in registers as r row blocks [dk, BV]):
   h[c] = S

@@ -1,6 +1,7 @@
 """The state recurrence fused with the output (docs/kernels.md, "Fused forward kernels").
 
-One program per (V tile, batch, head) walks the chunks in order, with S (the state at the chunk's
+One program per (V tile, batch, head) (per sequence when packed,
+pallas_kernels/common/packed.py) walks the chunks in order, with S (the state at the chunk's
 start) in registers as r row blocks [dk, BV] float32. For each chunk (docs/chunked_form.md):
 
   v_new[(t,a)] = u[(t,a)] - sum_d w[(t,a), block d] S^(d)
