@@ -23,7 +23,7 @@ fused forward's kernels read key head h // (HV / H) through their index maps, so
 them (`expand_key_heads`) and the backward sums dq and dk over each group (`sum_key_heads`).
 
 Packed sequences (`cu_seqlens`, `gated_delta_product_pallas_varlen`, docs/varlen.md): the same
-kernels on the chunk-aligned layout, the state walks reading a per-chunk table; a custom_vjp of
+kernels on the chunk-aligned layout, the state walks one program per sequence; a custom_vjp of
 its own (`_gdp_varlen_core`). Not yet run on a GPU.
 
 Non-finite inputs (docs/precision.md#non-finite-inputs): a guard around the kernels' custom vjp
@@ -432,37 +432,28 @@ _pallas_forward_xla_backward.defvjp(
 # ---- packed sequences (cu_seqlens, docs/varlen.md) -------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
-def _gdp_varlen_core(q, k, v, g, beta, mask, h0, table, empty, scale, bt, opts):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _gdp_varlen_core(q, k, v, g, beta, mask, h0, table, scale, bt, opts):
   o, final, _ = _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai=False, table=table)
-  return o, _empty_final(final, h0, empty)
+  return o, final
 
 
-def _empty_final(final, h0, empty):
-  """An empty sequence has no chunk: the kernels leave its row unwritten, its final state is its
-  initial state."""
-  return jnp.where(empty[:, None, None, None], h0, final)
-
-
-def _gdp_varlen_core_fwd(q, k, v, g, beta, mask, h0, table, empty, scale, bt, opts):
+def _gdp_varlen_core_fwd(q, k, v, g, beta, mask, h0, table, scale, bt, opts):
   forward = dispatch.raise_if_differentiated(
     lambda *a: _forward(*a, scale, bt, opts, save_ai=True, table=table), NO_HIGHER_DERIVATIVES
   )
   o, final, (gcum, ai) = forward(q, k, v, g, beta, mask, h0)
-  residuals = (q, k, v, g, beta, mask, h0, gcum, ai, table, empty)
-  return (o, _empty_final(final, h0, empty)), residuals
+  return (o, final), (q, k, v, g, beta, mask, h0, gcum, ai, table)
 
 
 def _gdp_varlen_core_bwd(scale, bt, opts, residuals, cotangents):
-  *residuals, table, empty = residuals
-  do, dfinal = cotangents
+  *residuals, table = residuals
   backward = dispatch.raise_if_differentiated(
     lambda res, cot: _backward(scale, bt, opts, res, cot, table=table), NO_HIGHER_DERIVATIVES
   )
-  grads = backward(tuple(residuals), (do, dfinal))
-  # an empty sequence's initial state is its final state: its gradient is dfinal
-  dh0 = jnp.where(empty[:, None, None, None], dfinal.astype(grads[6].dtype), grads[6])
-  return grads[:6] + (dh0, None, None)
+  # an empty sequence's initial state is its final state: the walks return its dfinal as its
+  # gradient (pallas_kernels/common/packed.py)
+  return backward(tuple(residuals), cotangents) + (None,)
 
 
 _gdp_varlen_core.defvjp(_gdp_varlen_core_fwd, _gdp_varlen_core_bwd)
@@ -488,7 +479,7 @@ def _gdp_varlen_guarded(q, k, v, g, beta, mask, h0, table, empty, offsets, scale
   """`_gdp_varlen_core` causal under non-finite inputs, per sequence (as `_gdp_guarded`)."""
   inputs = (q, k, v, g, beta, mask)
   clean = functools.partial(_clean_packed, offsets, empty)
-  forward = lambda x: (*_gdp_varlen_core(*x, h0, table, empty, scale, bt, opts), ())
+  forward = lambda x: (*_gdp_varlen_core(*x, h0, table, scale, bt, opts), ())
   o, final, _ = _guarded_forward(forward, inputs, clean, _finite_inputs(*inputs))
   return o, final
 
@@ -498,7 +489,7 @@ def _gdp_varlen_guarded_fwd(q, k, v, g, beta, mask, h0, table, empty, offsets, s
   ok = _finite_inputs(*inputs)
 
   def forward(x):
-    (o, final), residuals = _gdp_varlen_core_fwd(*x, h0, table, empty, scale, bt, opts)
+    (o, final), residuals = _gdp_varlen_core_fwd(*x, h0, table, scale, bt, opts)
     return o, final, residuals[7:9]  # (gcum, ai)
 
   clean = functools.partial(_clean_packed, offsets, empty)
@@ -510,8 +501,8 @@ def _gdp_varlen_guarded_bwd(scale, bt, opts, residuals, cotangents):
   *inputs, h0, gcum, ai, table, empty, offsets, ok = residuals
 
   def backward(x, cot):
-    residuals = (*x, h0, gcum, ai, table, empty)
-    return _gdp_varlen_core_bwd(scale, bt, opts, residuals, cot)[:7]  # no table, empty
+    residuals = (*x, h0, gcum, ai, table)
+    return _gdp_varlen_core_bwd(scale, bt, opts, residuals, cot)[:7]  # no table
 
   clean = functools.partial(_clean_packed, offsets, empty)
   grads = _guarded_backward(backward, tuple(inputs), cotangents, clean, ok)
@@ -543,12 +534,13 @@ def gated_delta_product_pallas_varlen(
 
   The inputs are packed into the chunk-aligned layout at the kernels' chunk BT
   (`varlen.layout`, `pallas_chunk`); every per-chunk kernel runs unchanged on it and the state
-  walks (chunk_state_output, chunk_h, bwd_dhu) read the per-chunk table (chunk_seq, chunk_first,
-  chunk_last). The kernels' varlen form has been checked in the Pallas interpreter and through
-  the Triton lowering only, not yet run on a GPU: `implementation=None` picks "xla" with
-  cu_seqlens. A non-finite input spoils its own sequence only (`_gdp_varlen_guarded`,
-  docs/precision.md#non-finite-inputs). Other arguments as `gated_delta_product_pallas`
-  (grouped value heads included).
+  walks (chunk_state_output, chunk_h, bwd_dhu) run one program per (V tile, sequence, head) over
+  that sequence's chunks (`varlen.sequence_chunks`, pallas_kernels/common/packed.py). The
+  kernels' varlen form has been checked in the Pallas interpreter and through the Triton
+  lowering (benchmarks/bench_varlen.py checks and times it on a GPU); `implementation=None` picks
+  "xla" with cu_seqlens. A non-finite input spoils its own sequence only
+  (`_gdp_varlen_guarded`, docs/precision.md#non-finite-inputs). Other arguments as
+  `gated_delta_product_pallas` (grouped value heads included).
   """
   args = (q, k, v, g, beta, mask, initial_state)
   kw = dict(options=options, backward=backward, precision=precision)
@@ -579,10 +571,12 @@ def _gated_delta_product_pallas_varlen(
   r = mask.shape[-1]
   bt = pallas_chunk(chunk_size, r)
   lay = varlen.layout(cu_seqlens, t_len, bt)
-  q, k, v, g, beta = (varlen.pack(x, lay) for x in (q, k, v, g, beta))
+  # reverse_only: the Pallas path has no forward mode, so pack and unpack transpose to gathers
+  pack = lambda x: varlen.pack(x, lay, reverse_only=True)
+  q, k, v, g, beta = (pack(x) for x in (q, k, v, g, beta))
   if mask.shape[1] != 1:
-    mask = varlen.pack(mask, lay)
-  table = jnp.stack([lay.chunk_seq, lay.chunk_first, lay.chunk_last]).astype(jnp.int32)
+    mask = pack(mask)
+  table = varlen.sequence_chunks(lay)  # [2, N]: one program per sequence in the state walks
   dkp, vp = padded_dims(dim_k, dim_v, r)
   q = pad_key_blocks(q, r, dkp)
   k = pad_key_blocks(k, r, dkp)
@@ -602,8 +596,8 @@ def _gated_delta_product_pallas_varlen(
       q, k, v, g, beta, mask, h0, table, lay.empty, offsets, scale, bt, options
     )
   else:
-    o, final = _gdp_varlen_core(q, k, v, g, beta, mask, h0, table, lay.empty, scale, bt, options)
-  o = varlen.unpack(o[..., :dim_v], lay)
+    o, final = _gdp_varlen_core(q, k, v, g, beta, mask, h0, table, scale, bt, options)
+  o = varlen.unpack(o[..., :dim_v], lay, reverse_only=True)
   final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
   return o, final
 

@@ -65,6 +65,8 @@ class Layout:
   cu_seqlens: [N + 1] int32, the (sanitised) offsets.
   token_seq: [T] int32, the sequence of each token.
   positions: [T] int32, the padded position of each token (distinct, in [0, T_pad)).
+  sources: [T_pad] int32, the token at each padded position, T + p (out of range, distinct) at
+    a padding position p: `positions` inverted, so that `pack` is a gather.
   chunk_seq: [NT] int32, the sequence of each chunk (N - 1 for the unused chunks at the end).
   chunk_first: [NT] bool, the chunk is its sequence's first: the state entering it is the
     sequence's initial state, not the previous chunk's.
@@ -79,6 +81,7 @@ class Layout:
   cu_seqlens: jax.Array
   token_seq: jax.Array
   positions: jax.Array
+  sources: jax.Array
   chunk_seq: jax.Array
   chunk_first: jax.Array
   chunk_last: jax.Array
@@ -110,6 +113,7 @@ jax.tree_util.register_dataclass(
     "cu_seqlens",
     "token_seq",
     "positions",
+    "sources",
     "chunk_seq",
     "chunk_first",
     "chunk_last",
@@ -139,10 +143,18 @@ def layout(cu_seqlens, t_len: int, chunk: int) -> Layout:
   chunk_seq = jnp.minimum(chunk_seq, num_seqs - 1).astype(i32)
   valid = j < chunk_end[-1]
   empty = lengths == 0
+  # the inverse of positions, by arithmetic (no scatter): padded position p is token
+  # cu[n] + p - C chunk_start[n] of the sequence n of its chunk, when inside that sequence
+  p = jnp.arange(chunk * nt, dtype=i32)
+  p_seq = chunk_seq[p // chunk]
+  offset = p - chunk * chunk_start[p_seq]
+  inside = valid[p // chunk] & (offset < lengths[p_seq])
+  sources = jnp.where(inside, cu[p_seq] + offset, t_len + p)
   return Layout(
     cu_seqlens=cu,
     token_seq=token_seq,
     positions=positions.astype(i32),
+    sources=sources.astype(i32),
     chunk_seq=chunk_seq,
     chunk_first=valid & (j == chunk_start[chunk_seq]),
     chunk_last=valid & (j == chunk_end[chunk_seq] - 1),
@@ -153,15 +165,58 @@ def layout(cu_seqlens, t_len: int, chunk: int) -> Layout:
   )
 
 
-def pack(x, lay: Layout):
-  """[1, T, ...] -> [1, T_pad, ...]: each token at its padded position, zeros elsewhere."""
-  out = jnp.zeros((x.shape[0], lay.t_pad) + x.shape[2:], x.dtype)
-  return out.at[:, lay.positions].set(x, unique_indices=True, mode="promise_in_bounds")
+def pack(x, lay: Layout, *, reverse_only: bool = False):
+  """[1, T, ...] -> [1, T_pad, ...]: each token at its padded position, zeros elsewhere; a
+  gather (`sources`), which GPUs run faster than a scatter into zeros.
+
+  JAX differentiates it in every mode; its transpose is then a scatter-add. reverse_only=True
+  makes it a custom_vjp whose backward is `unpack`'s gather (the Pallas path, which supports
+  reverse mode only)."""
+  if reverse_only:
+    return _move(x, lay.sources, lay.positions)
+  return _take(x, lay.sources)
 
 
-def unpack(y, lay: Layout):
-  """[1, T_pad, ...] -> [1, T, ...]: the tokens back from their padded positions."""
-  return y.at[:, lay.positions].get(mode="promise_in_bounds", unique_indices=True)
+def unpack(y, lay: Layout, *, reverse_only: bool = False):
+  """[1, T_pad, ...] -> [1, T, ...]: the tokens back from their padded positions (a gather).
+  reverse_only=True: a custom_vjp whose backward is `pack`'s gather instead of JAX's
+  scatter-add."""
+  if reverse_only:
+    return _move(y, lay.positions, lay.sources)
+  return _take(y, lay.positions)
+
+
+def _take(x, index):
+  """out[:, p] = x[:, index[p]], zero where index[p] is out of range (indices distinct)."""
+  return x.at[:, index].get(mode="fill", fill_value=0, unique_indices=True)
+
+
+@jax.custom_vjp
+def _move(x, index, inverse):
+  """_take(x, index) for a one-to-one index with `inverse` its inverse (out of range where no
+  position maps to a token): the transpose is _take(d, inverse), a gather again."""
+  return _take(x, index)
+
+
+def _move_fwd(x, index, inverse):
+  return _take(x, index), (index, inverse)
+
+
+def _move_bwd(residuals, d):
+  index, inverse = residuals
+  return _move(d, inverse, index), None, None
+
+
+_move.defvjp(_move_fwd, _move_bwd)
+
+
+def sequence_chunks(lay: Layout):
+  """int32 [2, N]: each sequence's first chunk and number of chunks (the table of the Pallas
+  state walks, pallas_kernels/common/packed.py). The chunks after the last sequence's (the unused
+  ones, fewer than N) hold padding only."""
+  lengths = lay.cu_seqlens[1:] - lay.cu_seqlens[:-1]
+  chunks = (lengths + lay.chunk - 1) // lay.chunk
+  return jnp.stack([jnp.cumsum(chunks) - chunks, chunks]).astype(i32)
 
 
 def chunk_initial_states(initial_state, lay: Layout):

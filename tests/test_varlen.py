@@ -117,6 +117,24 @@ def test_layout_tables():
   assert packed.shape == (1, 80, 1)
   assert float(jnp.sum(packed)) == float(jnp.sum(x))  # zeros elsewhere
   np.testing.assert_array_equal(varlen.unpack(packed, lay), x)
+  np.testing.assert_array_equal(lay.sources[lay.positions], np.arange(29))
+  assert bool(jnp.all(jnp.delete(lay.sources, lay.positions) >= 29))  # padding: out of range
+  np.testing.assert_array_equal(varlen.sequence_chunks(lay), [[0, 1, 2, 2], [1, 1, 0, 2]])
+
+
+@pytest.mark.parametrize("reverse_only", [False, True])
+def test_pack_and_unpack_gradients(reverse_only):
+  """pack and unpack are gathers; their vjps are each other (reverse_only: a custom_vjp of
+  gathers; otherwise JAX's transposes), and the plain ones also have a jvp."""
+  lay = varlen.layout(cu_of((5, 1, 0, 23)), 29, 16)
+  x = jax.random.normal(jax.random.key(0), (1, 29, 2))
+  y = jax.random.normal(jax.random.key(1), (1, 80, 2))
+  pack = lambda x: varlen.pack(x, lay, reverse_only=reverse_only)
+  unpack = lambda y: varlen.unpack(y, lay, reverse_only=reverse_only)
+  np.testing.assert_array_equal(jax.vjp(pack, x)[1](y)[0], varlen.unpack(y, lay))
+  np.testing.assert_array_equal(jax.vjp(unpack, y)[1](x)[0], varlen.pack(x, lay))
+  if not reverse_only:
+    np.testing.assert_array_equal(jax.jvp(pack, (x,), (x,))[1], varlen.pack(x, lay))
 
 
 def test_max_chunks_is_a_bound_and_attained():
@@ -294,25 +312,29 @@ def test_default_implementation_is_xla(monkeypatch):
 
 # ---- the Pallas kernels' packed form --------------------------------------------------------
 
-# (r, mask kind, H, HV, chunk_size, fused, backward): the fused forward (chunk_state_output) and
-# the five-kernel one (chunk_h), the backward's recompute (chunk_h) and walk (bwd_dhu); BT = 16.
+# (r, mask kind, H, HV, chunk_size, fused, backward, lengths): the fused forward
+# (chunk_state_output) and the five-kernel one (chunk_h), the backward's recompute (chunk_h) and
+# walk (bwd_dhu); BT = 16. LENGTHS leave two unused chunks at the end of the layout (NT = 7, 5
+# used); (0, 17, 1, 0) has an empty first and last sequence and one unused chunk.
 PALLAS_CASES = [
-  (2, "token", 1, 2, 16, True, "pallas"),
-  (1, None, 2, 2, 64, False, "pallas"),
-  (2, "head", 2, 2, 16, True, "xla"),
+  (2, "token", 1, 2, 16, True, "pallas", LENGTHS),
+  (1, None, 2, 2, 64, False, "pallas", LENGTHS),
+  (2, "head", 2, 2, 16, True, "xla", LENGTHS),
+  (1, None, 1, 1, 16, True, "pallas", (0, 17, 1, 0)),
 ]
 
 
-@pytest.mark.parametrize("r,mask_kind,H,HV,chunk,fused,backward", PALLAS_CASES)
-def test_pallas_packed_equals_xla_packed(r, mask_kind, H, HV, chunk, fused, backward):
+@pytest.mark.parametrize("r,mask_kind,H,HV,chunk,fused,backward,lengths", PALLAS_CASES)
+def test_pallas_packed_equals_xla_packed(r, mask_kind, H, HV, chunk, fused, backward, lengths):
   """implementation="pallas" with cu_seqlens (interpreted) equals "xla": outputs, final states
   and the gradient of every input (initial_state included, with a final-state cotangent), over
   lengths 0, 1, the chunk and off the chunk grid (the layout at the kernels' BT = 16 while the
   xla form packs at chunk_size)."""
   from pallas_kernels.common.options import DEFAULT
 
-  inputs = packed_inputs(11, LENGTHS, H=H, HV=HV, r=r, mask_kind=mask_kind)
-  cu = cu_of(LENGTHS)
+  inputs = packed_inputs(11, lengths, H=H, HV=HV, r=r, mask_kind=mask_kind)
+  cu = cu_of(lengths)
+  empty = [n for n, length in enumerate(lengths) if length == 0]
   extra = dict(options=DEFAULT.replace(fused=fused, precision="ieee"), backward=backward)
   pallas = lambda kw: gated_delta_product(
     **kw, **extra, cu_seqlens=cu, output_final_state=True, chunk_size=chunk, implementation="pallas"
@@ -322,22 +344,104 @@ def test_pallas_packed_equals_xla_packed(r, mask_kind, H, HV, chunk, fused, back
   assert o.shape == o_xla.shape and final.shape == final_xla.shape
   assert_close(o, o_xla, tol(jnp.float32), "o")
   assert_close(final, final_xla, tol(jnp.float32), "final states")
-  np.testing.assert_array_equal(final[2], inputs["initial_state"][2])  # the empty sequence
+  for n in empty:
+    np.testing.assert_array_equal(final[n], inputs["initial_state"][n])
   grads = grads_of(pallas, inputs)
   grads_xla = grads_of(lambda kw: run_packed("xla", kw, cu, chunk), inputs)
   for name, d in grads.items():
     assert d.shape == inputs[name].shape, name
     assert_close(d, grads_xla[name], tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
-  # the empty sequence's initial state: its gradient is its final state's cotangent
+  # an empty sequence's initial state: its gradient is its final state's cotangent
   _, dfinal = cotangents(0, inputs["v"].shape, inputs["initial_state"].shape)
-  np.testing.assert_array_equal(grads["initial_state"][2], dfinal[2])
+  for n in empty:
+    np.testing.assert_array_equal(grads["initial_state"][n], dfinal[n])
+
+
+def test_pallas_state_walks_run_each_sequence_apart():
+  """The state walks with the per-sequence table (interpreted) equal the unpacked walks over each
+  sequence's chunks alone, from its own state: chunk counts (0, 2, 1, 0) of NT = 5 (an empty
+  first and last sequence, two unused chunks at the end). The unused chunks, filled with random
+  values here, get what a walk from a zero state writes (h = dh = 0, v_new = u,
+  dv_new = dv_local); an empty sequence's final state is its initial state, its d initial state
+  its dfinal. The interpreter fills unwritten outputs with nan, so a skipped chunk fails."""
+  from pallas_kernels.backward import bwd_dhu
+  from pallas_kernels.forward import chunk_h, chunk_state_output
+
+  chunk, nt, r, K, V = 16, 5, 1, 16, 16
+  counts = np.array([0, 2, 1, 0])
+  starts = np.cumsum(counts) - counts
+  n_seq, T = len(counts), nt * chunk
+  keys = jax.random.split(jax.random.key(3), 9)
+  normal = lambda i, shape: 0.5 * jax.random.normal(keys[i], shape, jnp.float32)
+  q, k, do = normal(0, (1, T, 1, K)), normal(1, (1, T, 1, K)), normal(2, (1, T, 1, V))
+  w, u, dvl = normal(3, (1, 1, T * r, K)), normal(4, (1, 1, T * r, V)), normal(5, (1, 1, T, V))
+  g = -jnp.abs(normal(6, (1, 1, nt, chunk)))
+  gamma = jnp.cumsum(g, axis=-1).reshape(1, 1, T)
+  h0, dfinal = normal(7, (n_seq, 1, K, V)), normal(8, (n_seq, 1, K, V))
+  table = jnp.asarray(np.stack([starts, counts]), jnp.int32)
+  kw = dict(chunk=chunk, key_blocks=r, precision="ieee")
+  o, final, h, v_new = chunk_state_output.chunk_state_output(
+    q, k, w, u, gamma, h0, scale=0.3, save_states=True, h_dtype=jnp.float32, table=table, **kw
+  )
+  h2, v_new2, final2 = chunk_h.chunk_state(
+    k, w, u, gamma, h0, h_dtype=jnp.float32, table=table, **kw
+  )
+  dh, dh0, dv_new = bwd_dhu.chunk_bwd_dhu(
+    q, k, w, gamma, do, dvl, dfinal, scale=0.3, table=table, **kw
+  )
+  for x in (o, final, h, v_new, h2, v_new2, final2, dh, dh0, dv_new):
+    assert bool(jnp.all(jnp.isfinite(x)))
+  np.testing.assert_array_equal(h2, h)
+  np.testing.assert_array_equal(v_new2, v_new)
+  np.testing.assert_array_equal(final2, final)
+  for n in range(n_seq):
+    if counts[n] == 0:
+      np.testing.assert_array_equal(final[n], h0[n])
+      np.testing.assert_array_equal(dh0[n], dfinal[n])
+      continue
+    a, e = starts[n] * chunk, (starts[n] + counts[n]) * chunk
+    cs = slice(starts[n], starts[n] + counts[n])
+    tok = lambda x: x[:, a:e]
+    rows = lambda x: x[:, :, a * r : e * r]
+    h0n, dfn = h0[n : n + 1], dfinal[n : n + 1]
+    o1, f1, h1, vn1 = chunk_state_output.chunk_state_output(
+      tok(q),
+      tok(k),
+      rows(w),
+      rows(u),
+      gamma[..., a:e],
+      h0n,
+      scale=0.3,
+      save_states=True,
+      h_dtype=jnp.float32,
+      **kw,
+    )
+    dh1, dh01, dvn1 = bwd_dhu.chunk_bwd_dhu(
+      tok(q), tok(k), rows(w), gamma[..., a:e], tok(do), rows(dvl), dfn, scale=0.3, **kw
+    )
+    for got, want, what in [
+      (tok(o), o1, "o"),
+      (final[n : n + 1], f1, "final"),
+      (h[:, :, cs], h1, "h"),
+      (rows(v_new), vn1, "v_new"),
+      (dh[:, :, cs], dh1, "dh"),
+      (dh0[n : n + 1], dh01, "dh0"),
+      (rows(dv_new), dvn1, "dv_new"),
+    ]:
+      assert_close(got, want, 1e-5, f"{what} of sequence {n}")
+  used = int(counts.sum()) * chunk  # the unused chunks: a step from a zero state
+  np.testing.assert_array_equal(h[:, :, counts.sum() :], 0.0)
+  np.testing.assert_array_equal(dh[:, :, counts.sum() :], 0.0)
+  assert_close(v_new[:, :, used * r :], u[:, :, used * r :], 1e-6, "v_new of the unused chunks")
+  assert_close(dv_new[:, :, used * r :], dvl[:, :, used * r :], 1e-6, "dv_new of the unused chunks")
 
 
 @pytest.mark.parametrize("r,dtype", [(1, jnp.bfloat16), (2, jnp.float32)])
 def test_pallas_state_walks_with_table_lower_to_triton(monkeypatch, r, dtype):
-  """The state walks with the per-chunk table (chunk_state_output with and without its saved
-  states, chunk_h, bwd_dhu) through the Pallas Triton lowering for an H200; NT = 5 and N = 3
-  are not powers of two."""
+  """The state walks with the per-sequence table (chunk_state_output with and without its saved
+  states, chunk_h, bwd_dhu: a grid over the sequences, loops with traced bounds, the unused
+  chunks' step) through the Pallas Triton lowering for an H200; NT = 5 and N = 3 are not powers
+  of two."""
   from pallas_kernels.backward import bwd_dhu
   from pallas_kernels.forward import chunk_h, chunk_state_output
   from tests.triton_lowering import lower_for_h200
@@ -349,7 +453,7 @@ def test_pallas_state_walks_with_table_lower_to_triton(monkeypatch, r, dtype):
   tok = S((1, T, 1, K), dtype)
   rows_k, rows_v = S((1, 1, T * r, K), dtype), S((1, 1, T * r, V), dtype)
   gam, states = S((1, 1, T), jnp.float32), S((N, 1, K, V), jnp.float32)
-  table, do = S((3, nt), jnp.int32), S((1, T, 1, V), dtype)
+  table, do = S((2, N), jnp.int32), S((1, T, 1, V), dtype)
 
   def walks(q, k, w, u, gamma, h0, table, do, dvl):
     common = dict(key_blocks=r, chunk=chunk, table=table)

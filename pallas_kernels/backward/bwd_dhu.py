@@ -1,8 +1,9 @@
 """Backward stage 2 (docs/chunked_form.md#the-backward): the state gradient, backward over chunks.
 
-One program per (V block, batch, head). dS (the gradient of the state at the end of the current
-chunk, kept in registers as r row blocks [dk, BV], float32) starts at d final_state; per chunk,
-last to first:
+One program per (V block, batch, head) (per sequence when packed,
+pallas_kernels/common/packed.py). dS (the gradient of the state at the end of the current chunk,
+kept in registers as r row blocks [dk, BV], float32) starts at d final_state; per chunk, last to
+first:
   dh[c]          = dS
   dv_new[(t,a)]  = dv_local[(t,a)] + exp(gamma_L - gamma_t) k_t^(a) dS^(a)
   dS^(d)         = exp(gamma_L) dS^(d) + scale (exp(gamma) q^(d))^T do
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import backend, options, specs
+from pallas_kernels.common import backend, options, packed, specs
 
 
 def _dhu_kernel(
@@ -47,16 +48,8 @@ def _dhu_kernel(
   last = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
   cols = lambda d: pl.ds(d * dk, dk)
 
-  def body(i, ds):
-    c = num_chunks - 1 - i
+  def step(c, ds):
     tok = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-    if table_ref is not None:
-      # packed sequences (docs/varlen.md): a sequence's last chunk ends at its final state
-      seq, first = table_ref[0, c], table_ref[1, c] != 0
-      ds = tuple(
-        jnp.where(table_ref[2, c] != 0, dfinal_ref[seq, cols(d), :].astype(jnp.float32), ds[d])
-        for d in range(r)
-      )
     for d in range(r):
       dh_ref[c, cols(d), :] = ds[d].astype(dh_ref.dtype)
     g = g_ref[tok]
@@ -77,22 +70,13 @@ def _dhu_kernel(
       for a in range(r):
         nxt = nxt - dot(w_ref[tok, a, cols(d)], dv_new[a], trans_a=True)
       out.append(nxt)
-    if table_ref is not None:
-
-      @pl.when(first)  # a sequence's first chunk: the gradient of its initial state
-      def _():
-        for d in range(r):
-          dh0_ref[seq, cols(d), :] = out[d]
-
-      out = [jnp.where(first, 0.0, x) for x in out]  # nothing flows to the previous sequence
     return tuple(out)
 
-  if table_ref is not None:
-    zeros = jnp.zeros((dk, dh0_ref.shape[-1]), jnp.float32)
-    jax.lax.fori_loop(0, num_chunks, body, (zeros,) * r)
-    return
   ds = tuple(dfinal_ref[cols(d), :].astype(jnp.float32) for d in range(r))
-  ds = jax.lax.fori_loop(0, num_chunks, body, ds)
+  if table_ref is None:
+    ds = jax.lax.fori_loop(0, num_chunks, lambda i, ds: step(num_chunks - 1 - i, ds), ds)
+  else:
+    ds = packed.walk(table_ref, step, ds, num_chunks, reverse=True)
   for d in range(r):
     dh0_ref[cols(d), :] = ds[d]
 
@@ -120,9 +104,10 @@ def chunk_bwd_dhu(
   dv_new [B, H, Tp*r, V] in q's dtype (its consumers, this kernel's own dots, bwd_dqkwg and
   bwd_wy, all use it in that dtype).
 
-  table: None, or packed sequences (docs/varlen.md, B = 1): int32 [3, NT] (chunk_seq,
-  chunk_first, chunk_last); dfinal and d initial_state are then [N, H, K, V] (an empty
-  sequence's d initial_state is not written: the caller takes its dfinal)."""
+  table: None, or packed sequences (docs/varlen.md, B = 1, pallas_kernels/common/packed.py):
+  int32 [2, N] (chunk_start, num_chunks of each sequence); dfinal and d initial_state are then
+  [N, H, K, V] (an empty sequence's d initial_state is its dfinal) and the grid is
+  (V / block_v, N, H), one program per sequence walking its chunks last to first."""
   bsz, t_len, heads, dim_k = q.shape
   dim_v = do.shape[-1]
   r = key_blocks
@@ -145,15 +130,13 @@ def chunk_bwd_dhu(
     per_row_v,
     state_spec,
   ]
+  out_specs = [specs.chunk_states(nt, dim_k, bv), per_row_v, state_spec]
   args = (q, k, w5, gcum, do, dvl5, dfinal)
   if table is not None:
-    if table.shape != (3, nt) or bsz != 1:
-      raise ValueError(
-        f"table must be int32 [3, NT] = {(3, nt)} with B = 1, got {table.shape} with B = {bsz}"
-      )
     num_states = dfinal.shape[0]
-    state_spec = specs.seq_states(num_states, dim_k, bv)
-    in_specs[-1] = state_spec
+    packed.check_table(table, bsz, num_states, "dfinal")
+    in_specs = [packed.batch_zero(s) for s in in_specs[:6]] + [state_spec]
+    out_specs = [packed.batch_zero(s) for s in out_specs[:2]] + [state_spec]
     kernel = lambda *refs: _dhu_kernel(
       *refs[:7],
       *refs[8:],
@@ -168,9 +151,9 @@ def chunk_bwd_dhu(
     args += (table.astype(jnp.int32),)
   dh, dv_new, dh0 = backend.pallas_call(
     kernel,
-    grid=(dim_v // bv, bsz, heads),
+    grid=(dim_v // bv, num_states, heads),
     in_specs=in_specs,
-    out_specs=[specs.chunk_states(nt, dim_k, bv), per_row_v, state_spec],
+    out_specs=out_specs,
     out_shape=[
       jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), dh_dtype),
       jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), q.dtype),

@@ -76,11 +76,6 @@ def state(dim_k, bv):
   return pl.BlockSpec((None, None, dim_k, bv), lambda iv, b, h: (b, h, 0, iv))
 
 
-def seq_states(num_states, dim_k, bv):
-  """[N, K, BV] of an [N, H, K, V] array of per-sequence states (packed sequences)."""
-  return pl.BlockSpec((num_states, None, dim_k, bv), lambda iv, b, h: (0, h, 0, iv))
-
-
 def whole(shape):
   """The whole array in every program (a small table read at a loop index)."""
   return pl.BlockSpec(tuple(shape), lambda iv, b, h: (0,) * len(shape))

@@ -1,5 +1,6 @@
 """The state recurrence over chunks (docs/chunked_form.md#the-state-update-and-the-output),
-one program per (V block, batch, head).
+one program per (V block, batch, head) (per sequence when packed,
+pallas_kernels/common/packed.py).
 
 For each chunk c, with S the state at its start (kept in registers as r row blocks [dk, BV]):
   h[c] = S
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import backend, options, specs
+from pallas_kernels.common import backend, options, packed, specs
 
 
 def _chunk_h_kernel(
@@ -46,12 +47,6 @@ def _chunk_h_kernel(
   def body(c, state):
     t0 = pl.multiple_of(c * chunk, chunk)
     tok = pl.ds(t0, chunk)
-    if table_ref is not None:
-      # packed sequences (docs/varlen.md): a sequence's first chunk starts from its h0
-      seq, first = table_ref[0, c], table_ref[1, c] != 0
-      state = tuple(
-        jnp.where(first, h0_ref[seq, cols(d), :].astype(jnp.float32), state[d]) for d in range(r)
-      )
     for d in range(r):
       h_ref[c, cols(d), :] = state[d].astype(h_ref.dtype)
     g = g_ref[tok]
@@ -70,21 +65,13 @@ def _chunk_h_kernel(
     for d in range(r):
       k_dec = (k_ref[tok, cols(d)].astype(jnp.float32) * decay).astype(dtype)
       out.append(jnp.exp(g_last) * state[d] + dot(k_dec, v_new[d], trans_a=True))
-    if table_ref is not None:
-
-      @pl.when(table_ref[2, c] != 0)  # a sequence's last chunk: its final state
-      def _():
-        for d in range(r):
-          final_ref[seq, cols(d), :] = out[d]
-
     return tuple(out)
 
-  if table_ref is not None:
-    zeros = jnp.zeros((dk, final_ref.shape[-1]), jnp.float32)
-    jax.lax.fori_loop(0, num_chunks, body, (zeros,) * r)
-    return
   state = tuple(h0_ref[cols(d), :].astype(jnp.float32) for d in range(r))
-  state = jax.lax.fori_loop(0, num_chunks, body, state)
+  if table_ref is None:
+    state = jax.lax.fori_loop(0, num_chunks, body, state)
+  else:
+    state = packed.walk(table_ref, body, state, num_chunks)
   for d in range(r):
     final_ref[cols(d), :] = state[d]
 
@@ -108,9 +95,10 @@ def chunk_state(
   h [B, H, NT, K, V] (h_dtype, default k's dtype), v_new [B, H, Tp*r, V] (k's dtype),
   final state [B, H, K, V] float32.
 
-  table: None, or packed sequences (docs/varlen.md, B = 1): int32 [3, NT] (chunk_seq,
-  chunk_first, chunk_last); initial_state and the final state are then [N, H, K, V] (an empty
-  sequence's final state is not written)."""
+  table: None, or packed sequences (docs/varlen.md, B = 1, pallas_kernels/common/packed.py):
+  int32 [2, N] (chunk_start, num_chunks of each sequence); initial_state and the final state are
+  then [N, H, K, V] (an empty sequence's final state is its initial state) and the grid is
+  (V / block_v, N, H), one program per sequence."""
   bsz, t_len, heads, dim_k = k.shape
   dim_v = u.shape[-1]
   r = key_blocks
@@ -131,15 +119,13 @@ def chunk_state(
     specs.seq_scalars(t_len),
     state_spec,
   ]
+  out_specs = [specs.chunk_states(nt, dim_k, bv), per_row_v, state_spec]
   args = (k, w5, u5, gcum, initial_state)
   if table is not None:
-    if table.shape != (3, nt) or bsz != 1:
-      raise ValueError(
-        f"table must be int32 [3, NT] = {(3, nt)} with B = 1, got {table.shape} with B = {bsz}"
-      )
     num_states = initial_state.shape[0]
-    state_spec = specs.seq_states(num_states, dim_k, bv)
-    in_specs[-1] = state_spec
+    packed.check_table(table, bsz, num_states, "initial_state")
+    in_specs = [packed.batch_zero(s) for s in in_specs[:4]] + [state_spec]
+    out_specs = [packed.batch_zero(s) for s in out_specs[:2]] + [state_spec]
     kernel = lambda *refs: _chunk_h_kernel(
       *refs[:5],
       *refs[6:],
@@ -153,9 +139,9 @@ def chunk_state(
     args += (table.astype(jnp.int32),)
   h, v_new, final = backend.pallas_call(
     kernel,
-    grid=(dim_v // bv, bsz, heads),
+    grid=(dim_v // bv, num_states, heads),
     in_specs=in_specs,
-    out_specs=[specs.chunk_states(nt, dim_k, bv), per_row_v, state_spec],
+    out_specs=out_specs,
     out_shape=[
       jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), h_dtype),
       jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype),

@@ -1,6 +1,7 @@
 """The state recurrence fused with the output (docs/kernels.md, "Fused forward kernels").
 
-One program per (V tile, batch, head) walks the chunks in order, with S (the state at the chunk's
+One program per (V tile, batch, head) (per sequence when packed,
+pallas_kernels/common/packed.py) walks the chunks in order, with S (the state at the chunk's
 start) in registers as r row blocks [dk, BV] float32. For each chunk (docs/chunked_form.md):
 
   v_new[(t,a)] = u[(t,a)] - sum_d w[(t,a), block d] S^(d)
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import backend, options, rows, specs
+from pallas_kernels.common import backend, options, packed, rows, specs
 
 CHUNKS = (16, 32, 64)
 f32 = jnp.float32
@@ -56,12 +57,6 @@ def _kernel(
   def body(c, state):
     t0 = pl.multiple_of(c * chunk, chunk)
     tt = pl.ds(t0, chunk)
-    if table_ref is not None:
-      # packed sequences (docs/varlen.md): a sequence's first chunk starts from its h0
-      seq, first = table_ref[0, c], table_ref[1, c] != 0
-      state = tuple(
-        jnp.where(first, h0_ref[seq, cols(d), :].astype(f32), state[d]) for d in range(r)
-      )
     if state_refs:
       for d in range(r):
         state_refs[0][c, cols(d), :] = state[d].astype(state_refs[0].dtype)
@@ -95,21 +90,13 @@ def _kernel(
     for d in range(r):
       k_dec = (k[d].astype(f32) * k_decay).astype(dtype)
       out.append(jnp.exp(g_last) * state[d] + dot(k_dec, v_new[d], trans_a=True))
-    if table_ref is not None:
-
-      @pl.when(table_ref[2, c] != 0)  # a sequence's last chunk: its final state
-      def _():
-        for d in range(r):
-          final_ref[seq, cols(d), :] = out[d]
-
     return tuple(out)
 
-  if table_ref is not None:
-    zeros = jnp.zeros((dk, final_ref.shape[-1]), f32)
-    jax.lax.fori_loop(0, num_chunks, body, (zeros,) * r)
-    return
   state = tuple(h0_ref[cols(d), :].astype(f32) for d in range(r))
-  state = jax.lax.fori_loop(0, num_chunks, body, state)
+  if table_ref is None:
+    state = jax.lax.fori_loop(0, num_chunks, body, state)
+  else:
+    state = packed.walk(table_ref, body, state, num_chunks)
   for d in range(r):
     final_ref[cols(d), :] = state[d]
 
@@ -145,10 +132,10 @@ def chunk_state_output(
   save_states=True also h [B, H, NT, K, V] (each chunk's start state, h_dtype, default k's dtype)
   and v_new [B, H, Tp*r, V] in k's dtype.
 
-  table: None, or packed sequences (docs/varlen.md, B = 1): int32 [3, NT], the rows chunk_seq,
-  chunk_first, chunk_last of `varlen.Layout` at this chunk; initial_state and the returned final
-  state are then [N, H, K, V] (one per sequence; an empty sequence's final state is not written:
-  the caller takes its initial state).
+  table: None, or packed sequences (docs/varlen.md, B = 1, pallas_kernels/common/packed.py):
+  int32 [2, N], the rows chunk_start and num_chunks of `varlen.sequence_chunks` at this chunk;
+  initial_state and the returned final state are then [N, H, K, V] (one per sequence; an empty
+  sequence's final state is its initial state) and the grid is (V / block_v, N, H).
   """
   if q.ndim != 4 or q.shape != k.shape:
     raise ValueError(f"q and k must both be [B, Tp, H, K], got q {q.shape}, k {k.shape}")
@@ -177,11 +164,8 @@ def chunk_state_output(
       f"initial_state must be [B, H, K, V] = {(num_states, heads, dim_k, dim_v)} ([N, H, K, V] "
       f"with a table), got {initial_state.shape}"
     )
-  if table is not None and (table.shape != (3, t_len // chunk) or bsz != 1):
-    raise ValueError(
-      f"table must be int32 [3, NT] = {(3, t_len // chunk)} with B = 1, got {table.shape} "
-      f"with B = {bsz}"
-    )
+  if table is not None:
+    packed.check_table(table, bsz, num_states, "initial_state")
   bv = min(launch.block_v, dim_v)
   if dim_v % bv or bv < 16 or bv & (bv - 1) or dim_k // r < 16 or (dim_k // r) & (dim_k // r - 1):
     raise ValueError(
@@ -193,7 +177,7 @@ def chunk_state_output(
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   u5 = u.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
-  state_spec = specs.state(dim_k, bv) if table is None else specs.seq_states(num_states, dim_k, bv)
+  state_spec = specs.state(dim_k, bv)
   out_specs = [specs.seq_tokens(t_len, bv, v_block=True), state_spec]
   out_shape = [
     jax.ShapeDtypeStruct((bsz, t_len, heads, dim_v), q.dtype),
@@ -218,13 +202,18 @@ def chunk_state_output(
   ]
   args = (q, k, w5, u5, gamma.astype(f32), initial_state.astype(f32))
   if table is not None:
-    packed = kernel
-    kernel = lambda *refs: packed(*refs[:6], *refs[7:], table_ref=refs[6])
+    # one program per (V tile, sequence, head); the token arrays are those of the one row
+    in_specs[:5] = [packed.batch_zero(s) for s in in_specs[:5]]
+    out_specs = [packed.batch_zero(out_specs[0]), state_spec] + [
+      packed.batch_zero(s) for s in out_specs[2:]
+    ]
+    walk = kernel
+    kernel = lambda *refs: walk(*refs[:6], *refs[7:], table_ref=refs[6])
     in_specs.append(specs.whole(table.shape))
     args += (table.astype(jnp.int32),)
   out = backend.pallas_call(
     kernel,
-    grid=(dim_v // bv, bsz, heads),
+    grid=(dim_v // bv, num_states, heads),
     in_specs=in_specs,
     out_specs=out_specs,
     out_shape=out_shape,
