@@ -244,10 +244,11 @@ def clean(q, k, v, g, beta, mask, cu_seqlens):
   """`nonfinite.clean` per sequence: the cleaned inputs and marks in which a bad token spoils
   the outputs of its own sequence only (from that token on) and that sequence's final state.
 
-  q, k, v, g, beta: [1, T, H, ...]; mask [Bm, Tm, Hm, r, r]; cu_seqlens sanitised [N + 1].
+  q, k: [1, T, Hk, K] (Hk = H or a divisor of H: grouped value heads); v, g, beta: [1, T, H, ...];
+  mask [Bm, Tm, Hm, r, r]; cu_seqlens sanitised [N + 1].
   Returns (cleaned inputs, nonfinite.Marks(o [1, T, H], final [N, H])).
   """
-  batch, t_len, heads = q.shape[:3]
+  batch, t_len, heads = v.shape[:3]
   cleaned, _ = nonfinite.clean(q, k, v, g, beta, mask)
   bad = lambda x: nonfinite._bad_rows(x, batch, t_len, heads)
   bad_state = bad(k) | bad(v) | bad(beta) | bad(mask) | jnp.isnan(g) | (g == jnp.inf)

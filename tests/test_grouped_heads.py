@@ -174,10 +174,13 @@ def test_pallas_forward_does_not_repeat_keys(packed):
     return _pallas_operands(jax.make_jaxpr(fn)(inputs).jaxpr)
 
   for grad in (False, True):
+    # two kernels per forward; the non-finite guard's lax.cond traces the forward twice (raw
+    # and cleaned inputs, gdp_jax/pallas_impl.py)
     calls = shapes(True, grad)
-    assert len(calls) == 2, calls
+    assert len(calls) in (2, 4), calls
     key_operands = [s for c in calls for s in c if len(s) == 4 and s[-1] == K]
-    assert len(key_operands) == 3, calls  # k in chunk_fwd; q and k in chunk_state_output
+    # k in chunk_fwd; q and k in chunk_state_output
+    assert len(key_operands) == 3 * len(calls) // 2, calls
     assert all(s[2] == H for s in key_operands), calls
   repeated = [s for c in shapes(False, False) for s in c if len(s) == 4 and s[-1] == K]
   assert repeated and all(s[2] == HV for s in repeated)
