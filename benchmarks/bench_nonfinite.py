@@ -6,7 +6,7 @@
 `gated_delta_product(..., implementation="pallas")` at B, T, H, K, V = 8, 4096, 16, 128, 128
 (`--shape`), bfloat16, r = 1, forward (o) and forward + backward (the gradient of sum(o * do) in
 q, k, v, g and beta), each
-  guarded:   as shipped (one reduction over the inputs, then the kernels on the raw inputs),
+  guarded:   as shipped (the kernels on the raw inputs, then one reduction over their outputs),
   unguarded: the kernels alone (`pallas_impl._NONFINITE_GUARD = False`, for this script and a
              test only),
   nan in k:  guarded, with one nan in k (the cleaned inputs, the kernels and the marks),

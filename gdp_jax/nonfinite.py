@@ -20,8 +20,8 @@ the first bad token is the clean computation's gradient: the select sends a zero
 marked outputs, and the cleaned inputs make every product in the backward finite.
 
 "pallas" keeps its kernels as they are and guards them (gdp_jax/pallas_impl.py): one reduction
-over the inputs; when all are finite the kernels run on the raw inputs, else steps 1 and 2 wrap
-them, forward and backward (`mark_cotangents`, `clean_gradients`).
+over the raw run's outputs; when they are finite that run is the answer, else steps 1 and 2 wrap
+a second run, forward and backward (`mark_cotangents`, `clean_gradients`).
 """
 
 from __future__ import annotations

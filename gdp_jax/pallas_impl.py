@@ -233,21 +233,22 @@ _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
 #
 # Inside a chunk the kernels' products mix all its tokens, and 0 * nan = nan would carry a bad
 # token to the earlier ones (forward and backward). The guard keeps the kernels as they are and
-# decides per call, with one reduction over the inputs: all finite (the common case), the custom
-# vjp below runs today's kernels on the raw inputs, forward and backward, with the same
-# residuals; otherwise it runs them on the cleaned inputs and marks the outputs
-# (gdp_jax/nonfinite.py), and its backward zeroes the marked outputs' cotangents and the bad
-# inputs' gradients, all with selects. Under jax.jit the choice is a `lax.cond`; both branches
-# save the same residuals (gamma, Ai), so the guard adds a boolean to them and nothing else.
+# checks their outputs: a non-finite input always gives a non-finite output (at its own token,
+# or in the final state: it enters the state), and what it spoils is nan, never a wrong finite
+# value. So when o and the final state are finite (the common case: one reduction over o) the
+# raw run is the answer and the backward is today's, with the same residuals; otherwise the
+# kernels run again on the cleaned inputs and the outputs are marked (gdp_jax/nonfinite.py), and
+# the backward zeroes the marked outputs' cotangents and the bad inputs' gradients, all with
+# selects. Under jax.jit the choice is a `lax.cond`; both branches save the same residuals
+# (gamma, Ai), so the guard adds a boolean to them and nothing else. An overflow without a
+# non-finite input takes the second branch too, which then marks nothing: the same result.
 
 _NONFINITE_GUARD = True  # False (benchmarks/bench_nonfinite.py and a test only): no guard
 
 
-def _finite_inputs(q, k, v, g, beta, mask):
-  """A scalar bool: no nan or inf in q, k, v, beta and the mask, no nan or +inf in g (g = -inf
-  is a reset, which the kernels handle; it arrives clamped to RESET_LOG_DECAY)."""
-  finite = [jnp.all(jnp.isfinite(x)) for x in (q, k, v, beta, mask)]
-  return functools.reduce(jnp.logical_and, finite, jnp.all(g < jnp.inf))
+def _finite_outputs(o, final):
+  """A scalar bool: o and the final state hold no nan or inf."""
+  return jnp.logical_and(jnp.all(jnp.isfinite(o)), jnp.all(jnp.isfinite(final)))
 
 
 def _branch(ok, good, bad):
@@ -260,16 +261,19 @@ def _branch(ok, good, bad):
   return good() if concrete else bad()
 
 
-def _guarded_forward(forward, inputs, clean, ok):
-  """forward(inputs) -> (o, final, saved): on the raw inputs when ok, else on the cleaned inputs
-  (`clean(*inputs)` -> (cleaned, marks)) with o and final marked nan."""
+def _guarded_forward(forward, inputs, clean):
+  """forward(inputs) -> (o, final, saved, ok): the raw run when its outputs are finite (ok),
+  else forward on the cleaned inputs (`clean(*inputs)` -> (cleaned, marks)) with o and final
+  marked nan."""
+  o, final, saved = forward(inputs)
+  ok = _finite_outputs(o, final)
 
   def bad():
     cleaned, marks = clean(*inputs)
     o, final, saved = forward(cleaned)
     return (*nonfinite.mark(o, final, marks), saved)
 
-  return _branch(ok, lambda: forward(inputs), bad)
+  return (*_branch(ok, lambda: (o, final, saved), bad), ok)
 
 
 def _guarded_backward(backward, inputs, cotangents, clean, ok):
@@ -290,19 +294,18 @@ def _gdp_guarded(q, k, v, g, beta, mask, h0, scale, bt, opts):
   """`_gdp_core` causal under non-finite inputs (the section's comment)."""
   inputs = (q, k, v, g, beta, mask)
   forward = lambda x: (*_gdp_core(*x, h0, scale, bt, opts), ())
-  o, final, _ = _guarded_forward(forward, inputs, nonfinite.clean, _finite_inputs(*inputs))
+  o, final, _, _ = _guarded_forward(forward, inputs, nonfinite.clean)
   return o, final
 
 
 def _gdp_guarded_fwd(q, k, v, g, beta, mask, h0, scale, bt, opts):
   inputs = (q, k, v, g, beta, mask)
-  ok = _finite_inputs(*inputs)
 
   def forward(x):
     (o, final), residuals = _gdp_core_fwd(*x, h0, scale, bt, opts)
     return o, final, residuals[7:]  # (gcum, ai); the inputs are the raw ones, saved below
 
-  o, final, saved = _guarded_forward(forward, inputs, nonfinite.clean, ok)
+  o, final, saved, ok = _guarded_forward(forward, inputs, nonfinite.clean)
   return (o, final), (*inputs, h0, *saved, ok)
 
 
@@ -480,20 +483,19 @@ def _gdp_varlen_guarded(q, k, v, g, beta, mask, h0, table, empty, offsets, scale
   inputs = (q, k, v, g, beta, mask)
   clean = functools.partial(_clean_packed, offsets, empty)
   forward = lambda x: (*_gdp_varlen_core(*x, h0, table, scale, bt, opts), ())
-  o, final, _ = _guarded_forward(forward, inputs, clean, _finite_inputs(*inputs))
+  o, final, _, _ = _guarded_forward(forward, inputs, clean)
   return o, final
 
 
 def _gdp_varlen_guarded_fwd(q, k, v, g, beta, mask, h0, table, empty, offsets, scale, bt, opts):
   inputs = (q, k, v, g, beta, mask)
-  ok = _finite_inputs(*inputs)
 
   def forward(x):
     (o, final), residuals = _gdp_varlen_core_fwd(*x, h0, table, scale, bt, opts)
     return o, final, residuals[7:9]  # (gcum, ai)
 
   clean = functools.partial(_clean_packed, offsets, empty)
-  o, final, saved = _guarded_forward(forward, inputs, clean, ok)
+  o, final, saved, ok = _guarded_forward(forward, inputs, clean)
   return (o, final), (*inputs, h0, *saved, table, empty, offsets, ok)
 
 

@@ -206,9 +206,11 @@ def test_pallas_guard_under_jit():
 
 @pytest.mark.parametrize("varlen", [False, True])
 def test_pallas_guard_adds_only_a_reduction(monkeypatch, varlen):
-  """In the jaxpr of a jitted gradient the guard is two `lax.cond`s (forward, backward) whose
-  all-finite branches hold the unguarded kernels, and the forward's saves nothing beyond
-  today's residuals: its outputs are o, the final state, gamma and Ai."""
+  """In the jaxpr of a jitted gradient the guard is two `lax.cond`s (forward, backward): the
+  kernels' forward runs once outside them, the forward cond's all-finite branch passes its
+  results through (no kernel), the backward cond's holds the unguarded backward kernels, and the
+  forward cond saves nothing beyond today's residuals: its outputs are o, the final state, gamma
+  and Ai."""
   from gdp_jax import pallas_impl
 
   inputs = clean_inputs()
@@ -238,9 +240,11 @@ def test_pallas_guard_adds_only_a_reduction(monkeypatch, varlen):
   conds = [e for e in guarded if e.primitive.name == "cond"]
   assert len(conds) == 2 and not [e for e in plain if e.primitive.name == "cond"]
   kernels = lambda es: sum(e.primitive.name == "pallas_call" for e in es)
-  assert kernels(guarded) == 0, "every kernel runs inside a cond"
-  # branch 1 runs when ok: the same kernels as without the guard
-  assert sum(kernels(eqns(c.params["branches"][1].jaxpr)) for c in conds) == kernels(plain)
+  forward_kernels = kernels(guarded)
+  assert forward_kernels == 2, "the fused forward's two kernels, once, outside the conds"
+  # branch 1 runs when the outputs are finite: nothing in the forward, today's backward
+  assert kernels(eqns(conds[0].params["branches"][1].jaxpr)) == 0
+  assert forward_kernels + kernels(eqns(conds[1].params["branches"][1].jaxpr)) == kernels(plain)
   outs = [v.aval.shape for v in conds[0].outvars]
   assert len(outs) == 4, f"the forward's outputs and residuals: {outs}"
 
