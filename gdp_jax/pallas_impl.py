@@ -239,9 +239,11 @@ _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
 # raw run is the answer and the backward is today's, with the same residuals; otherwise the
 # kernels run again on the cleaned inputs and the outputs are marked (gdp_jax/nonfinite.py), and
 # the backward zeroes the marked outputs' cotangents and the bad inputs' gradients, all with
-# selects. Under jax.jit the choice is a `lax.cond`; both branches save the same residuals
-# (gamma, Ai), so the guard adds a boolean to them and nothing else. An overflow without a
-# non-finite input takes the second branch too, which then marks nothing: the same result.
+# selects. Under jax.jit the choice is a `lax.cond` in the forward (only o and the final state
+# pass through it: passing the residuals would copy them) and one in the backward, whose second
+# branch recomputes the residuals (gamma, Ai) from the cleaned inputs; the guard adds a boolean
+# to the residuals and nothing else. An overflow without a non-finite input takes the second
+# branch too, which then marks nothing: the same result.
 
 _NONFINITE_GUARD = True  # False (benchmarks/bench_nonfinite.py and a test only): no guard
 
@@ -261,58 +263,72 @@ def _branch(ok, good, bad):
   return good() if concrete else bad()
 
 
-def _guarded_forward(forward, inputs, clean):
-  """forward(inputs) -> (o, final, saved, ok): the raw run when its outputs are finite (ok),
-  else forward on the cleaned inputs (`clean(*inputs)` -> (cleaned, marks)) with o and final
-  marked nan."""
+def _guarded_forward(forward, outputs, inputs, clean):
+  """forward(inputs) -> (o, final, saved) on the raw inputs; returns (o, final, saved, ok) with
+  o and final replaced, when they are not finite (not ok), by outputs(cleaned inputs) marked nan
+  (`clean(*inputs)` -> (cleaned, marks)). Only o and the final state pass through the
+  `lax.cond`: the residuals `saved` are the raw run's (the backward's second branch recomputes
+  its own)."""
   o, final, saved = forward(inputs)
   ok = _finite_outputs(o, final)
 
   def bad():
     cleaned, marks = clean(*inputs)
-    o, final, saved = forward(cleaned)
-    return (*nonfinite.mark(o, final, marks), saved)
+    return nonfinite.mark(*outputs(cleaned), marks)
 
-  return (*_branch(ok, lambda: (o, final, saved), bad), ok)
+  o, final = _branch(ok, lambda: (o, final), bad)
+  return o, final, saved, ok
 
 
-def _guarded_backward(backward, inputs, cotangents, clean, ok):
-  """The vjp of `_guarded_forward`: backward(inputs, (do, dfinal)) -> (dq, dk, dv, dg, dbeta,
-  dmask, dh0) when ok; else on the cleaned inputs with the marked outputs' cotangents zeroed,
-  and zero gradients for the non-finite inputs."""
+def _guarded_backward(backward, recompute, inputs, saved, cotangents, clean, ok):
+  """The vjp of `_guarded_forward`: backward(inputs, saved, (do, dfinal)) -> (dq, dk, dv, dg,
+  dbeta, dmask, dh0) when ok; else on the cleaned inputs and their residuals
+  (`recompute(cleaned)`) with the marked outputs' cotangents zeroed, and zero gradients for the
+  non-finite inputs."""
 
   def bad():
     cleaned, marks = clean(*inputs)
-    grads = backward(cleaned, nonfinite.mark_cotangents(*cotangents, marks))
+    grads = backward(cleaned, recompute(cleaned), nonfinite.mark_cotangents(*cotangents, marks))
     return nonfinite.clean_gradients(grads[:6], inputs) + tuple(grads[6:])
 
-  return _branch(ok, lambda: tuple(backward(inputs, cotangents)), bad)
+  return _branch(ok, lambda: tuple(backward(inputs, saved, cotangents)), bad)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _gdp_guarded(q, k, v, g, beta, mask, h0, scale, bt, opts):
   """`_gdp_core` causal under non-finite inputs (the section's comment)."""
-  inputs = (q, k, v, g, beta, mask)
-  forward = lambda x: (*_gdp_core(*x, h0, scale, bt, opts), ())
-  o, final, _, _ = _guarded_forward(forward, inputs, nonfinite.clean)
+  outputs = lambda x: _gdp_core(*x, h0, scale, bt, opts)
+  forward = lambda x: (*outputs(x), ())
+  o, final, _, _ = _guarded_forward(forward, outputs, (q, k, v, g, beta, mask), nonfinite.clean)
   return o, final
+
+
+def _core_residuals(h0, scale, bt, opts):
+  """x -> (o, final, (gcum, ai)): the kernels' forward with the backward's residuals (the
+  inputs themselves are saved by the caller)."""
+
+  def run(x):
+    (o, final), residuals = _gdp_core_fwd(*x, h0, scale, bt, opts)
+    return o, final, residuals[7:]
+
+  return run
 
 
 def _gdp_guarded_fwd(q, k, v, g, beta, mask, h0, scale, bt, opts):
   inputs = (q, k, v, g, beta, mask)
-
-  def forward(x):
-    (o, final), residuals = _gdp_core_fwd(*x, h0, scale, bt, opts)
-    return o, final, residuals[7:]  # (gcum, ai); the inputs are the raw ones, saved below
-
-  o, final, saved, ok = _guarded_forward(forward, inputs, nonfinite.clean)
+  outputs = lambda x: _gdp_core(*x, h0, scale, bt, opts)
+  forward = _core_residuals(h0, scale, bt, opts)
+  o, final, saved, ok = _guarded_forward(forward, outputs, inputs, nonfinite.clean)
   return (o, final), (*inputs, h0, *saved, ok)
 
 
 def _gdp_guarded_bwd(scale, bt, opts, residuals, cotangents):
   *inputs, h0, gcum, ai, ok = residuals
-  backward = lambda x, cot: _gdp_core_bwd(scale, bt, opts, (*x, h0, gcum, ai), cot)
-  return _guarded_backward(backward, tuple(inputs), cotangents, nonfinite.clean, ok)
+  backward = lambda x, saved, cot: _gdp_core_bwd(scale, bt, opts, (*x, h0, *saved), cot)
+  recompute = lambda x: _core_residuals(h0, scale, bt, opts)(x)[2]
+  return _guarded_backward(
+    backward, recompute, tuple(inputs), (gcum, ai), cotangents, nonfinite.clean, ok
+  )
 
 
 _gdp_guarded.defvjp(_gdp_guarded_fwd, _gdp_guarded_bwd)
@@ -480,34 +496,42 @@ def _clean_packed(offsets, empty, q, k, v, g, beta, mask):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
 def _gdp_varlen_guarded(q, k, v, g, beta, mask, h0, table, empty, offsets, scale, bt, opts):
   """`_gdp_varlen_core` causal under non-finite inputs, per sequence (as `_gdp_guarded`)."""
-  inputs = (q, k, v, g, beta, mask)
   clean = functools.partial(_clean_packed, offsets, empty)
-  forward = lambda x: (*_gdp_varlen_core(*x, h0, table, scale, bt, opts), ())
-  o, final, _, _ = _guarded_forward(forward, inputs, clean)
+  outputs = lambda x: _gdp_varlen_core(*x, h0, table, scale, bt, opts)
+  forward = lambda x: (*outputs(x), ())
+  o, final, _, _ = _guarded_forward(forward, outputs, (q, k, v, g, beta, mask), clean)
   return o, final
+
+
+def _varlen_residuals(h0, table, scale, bt, opts):
+  """x -> (o, final, (gcum, ai)), as `_core_residuals` for packed sequences."""
+
+  def run(x):
+    (o, final), residuals = _gdp_varlen_core_fwd(*x, h0, table, scale, bt, opts)
+    return o, final, residuals[7:9]
+
+  return run
 
 
 def _gdp_varlen_guarded_fwd(q, k, v, g, beta, mask, h0, table, empty, offsets, scale, bt, opts):
   inputs = (q, k, v, g, beta, mask)
-
-  def forward(x):
-    (o, final), residuals = _gdp_varlen_core_fwd(*x, h0, table, scale, bt, opts)
-    return o, final, residuals[7:9]  # (gcum, ai)
-
   clean = functools.partial(_clean_packed, offsets, empty)
-  o, final, saved, ok = _guarded_forward(forward, inputs, clean)
+  outputs = lambda x: _gdp_varlen_core(*x, h0, table, scale, bt, opts)
+  forward = _varlen_residuals(h0, table, scale, bt, opts)
+  o, final, saved, ok = _guarded_forward(forward, outputs, inputs, clean)
   return (o, final), (*inputs, h0, *saved, table, empty, offsets, ok)
 
 
 def _gdp_varlen_guarded_bwd(scale, bt, opts, residuals, cotangents):
   *inputs, h0, gcum, ai, table, empty, offsets, ok = residuals
 
-  def backward(x, cot):
-    residuals = (*x, h0, gcum, ai, table)
+  def backward(x, saved, cot):
+    residuals = (*x, h0, *saved, table)
     return _gdp_varlen_core_bwd(scale, bt, opts, residuals, cot)[:7]  # no table
 
+  recompute = lambda x: _varlen_residuals(h0, table, scale, bt, opts)(x)[2]
   clean = functools.partial(_clean_packed, offsets, empty)
-  grads = _guarded_backward(backward, tuple(inputs), cotangents, clean, ok)
+  grads = _guarded_backward(backward, recompute, tuple(inputs), (gcum, ai), cotangents, clean, ok)
   return grads + (None, None, None)
 
 

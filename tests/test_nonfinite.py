@@ -207,10 +207,9 @@ def test_pallas_guard_under_jit():
 @pytest.mark.parametrize("varlen", [False, True])
 def test_pallas_guard_adds_only_a_reduction(monkeypatch, varlen):
   """In the jaxpr of a jitted gradient the guard is two `lax.cond`s (forward, backward): the
-  kernels' forward runs once outside them, the forward cond's all-finite branch passes its
-  results through (no kernel), the backward cond's holds the unguarded backward kernels, and the
-  forward cond saves nothing beyond today's residuals: its outputs are o, the final state, gamma
-  and Ai."""
+  kernels' forward runs once outside them, the forward cond's all-finite branch passes o and the
+  final state through (no kernel, and no residual: they come from the raw run), and the backward
+  cond's holds the unguarded backward kernels."""
   from gdp_jax import pallas_impl
 
   inputs = clean_inputs()
@@ -246,7 +245,7 @@ def test_pallas_guard_adds_only_a_reduction(monkeypatch, varlen):
   assert kernels(eqns(conds[0].params["branches"][1].jaxpr)) == 0
   assert forward_kernels + kernels(eqns(conds[1].params["branches"][1].jaxpr)) == kernels(plain)
   outs = [v.aval.shape for v in conds[0].outvars]
-  assert len(outs) == 4, f"the forward's outputs and residuals: {outs}"
+  assert len(outs) == 2, f"the forward cond passes o and the final state only: {outs}"
 
 
 def test_bench_nonfinite_smoke(tmp_path):
