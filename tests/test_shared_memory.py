@@ -146,7 +146,7 @@ def test_h200_too_large_is_exactly_the_list():
 @pytest.mark.parametrize("r", [1, 2, 4, 8])
 def test_h200_keeps_the_tuned_defaults_for_half_precision(dtype, r):
   opts = options.heuristic_options(r=r, dim_k=128, dim_v=128, dtype=dtype, device=H200)
-  assert opts == options.DEFAULT
+  assert opts == options.defaults(r)
   assert not options.over_budget(opts, r=r, dim_k=128, dim_v=128, dtype=dtype, device=H200)
 
 
@@ -170,7 +170,7 @@ def test_h200_keeps_the_tuned_defaults_for_half_precision(dtype, r):
 )
 def test_h200_float32_defaults(r, changed):
   opts = options.heuristic_options(r=r, dim_k=128, dim_v=128, dtype=jnp.float32, device=H200)
-  assert opts == options.DEFAULT.replace(**changed)
+  assert opts == options.defaults(r).replace(**changed)
 
 
 def test_smaller_gpus_get_smaller_launches():
