@@ -7,8 +7,7 @@
 (`--shape`), bfloat16, r = 1, forward (o) and forward + backward (the gradient of sum(o * do) in
 q, k, v, g and beta), each
   guarded:   as shipped (the kernels on the raw inputs, then one reduction over their outputs),
-  unguarded: the kernels alone (`pallas_impl._NONFINITE_GUARD = False`, for this script and a
-             test only),
+  unguarded: the kernels alone (`options=...replace(nonfinite_guard=False)`),
   nan in k:  guarded, with one nan in k (the cleaned inputs, the kernels and the marks),
 the median ms per call over `--reps` loops of `--inner` calls (`gdp_jax.bench.time_jax`), the
 compiled program's temporary memory, and the guard's overhead over the unguarded time. The JSON
@@ -31,8 +30,9 @@ import numpy as np
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
-from gdp_jax import gated_delta_product, pallas_impl  # noqa: E402
+from gdp_jax import gated_delta_product  # noqa: E402
 from gdp_jax.bench import DTYPES, make_inputs, time_jax  # noqa: E402
+from pallas_kernels.common.options import heuristic_options  # noqa: E402
 
 SHAPE = "8,4096,16,128,128"
 SMOKE_SHAPE = "1,64,1,16,16"
@@ -49,8 +49,13 @@ def compiled(mode, inputs, guard):
   """The compiled forward or forward + backward of implementation="pallas" over NAMES, the
   guard on or off (it is read while tracing, hence compiled here)."""
 
+  q, v = inputs["q"], inputs["v"]
+  r = inputs["mask"].shape[-1] if inputs.get("mask") is not None else 1
+  options = heuristic_options(r=r, dim_k=q.shape[-1], dim_v=v.shape[-1], dtype=q.dtype)
+  options = options.replace(nonfinite_guard=guard)
+
   def fwd(*a):
-    o, _ = gated_delta_product(*a, implementation="pallas")
+    o, _ = gated_delta_product(*a, implementation="pallas", options=options)
     return o
 
   if mode == "fwd":
@@ -60,12 +65,7 @@ def compiled(mode, inputs, guard):
     loss = lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) * do)
     fn = jax.jit(jax.grad(loss, argnums=tuple(range(len(NAMES)))))
   args = tuple(inputs[n] for n in NAMES)
-  previous = pallas_impl._NONFINITE_GUARD
-  pallas_impl._NONFINITE_GUARD = guard
-  try:
-    return fn.lower(*args).compile()
-  finally:
-    pallas_impl._NONFINITE_GUARD = previous
+  return fn.lower(*args).compile()
 
 
 def with_nan_in_k(inputs):

@@ -245,7 +245,7 @@ _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
 # to the residuals and nothing else. An overflow without a non-finite input takes the second
 # branch too, which then marks nothing: the same result.
 
-_NONFINITE_GUARD = True  # False (benchmarks/bench_nonfinite.py and a test only): no guard
+# `KernelOptions.nonfinite_guard` (default True) turns the guard on.
 
 
 def _finite_outputs(o, final):
@@ -412,7 +412,7 @@ def _gated_delta_product_pallas(
   # the decays after it inside the chunk stay finite (their exponents lose about 1e-5 of
   # precision; the kernels' own handling, docs/chunked_form.md#resets, would make it exact).
   g = jnp.maximum(g, jnp.asarray(RESET_LOG_DECAY, g.dtype))  # (a nan g stays nan)
-  core = _gdp_guarded if _NONFINITE_GUARD else _gdp_core
+  core = _gdp_guarded if options.nonfinite_guard else _gdp_core
   o, final = core(q, k, v, g, beta, mask.astype(jnp.float32), h0, scale, bt, options)
   o = o[..., :dim_v]
   final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
@@ -616,7 +616,7 @@ def _gated_delta_product_pallas_varlen(
     options = options.replace(precision=precision)
   g = jnp.maximum(g, jnp.asarray(RESET_LOG_DECAY, g.dtype))  # as in _gated_delta_product_pallas
   mask = mask.astype(jnp.float32)
-  if _NONFINITE_GUARD:
+  if options.nonfinite_guard:
     offsets = _packed_offsets(lay)
     o, final = _gdp_varlen_guarded(
       q, k, v, g, beta, mask, h0, table, lay.empty, offsets, scale, bt, options

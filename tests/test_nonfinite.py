@@ -205,12 +205,12 @@ def test_pallas_guard_under_jit():
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-def test_pallas_guard_adds_only_a_reduction(monkeypatch, varlen):
+def test_pallas_guard_adds_only_a_reduction(varlen):
   """In the jaxpr of a jitted gradient the guard is two `lax.cond`s (forward, backward): the
   kernels' forward runs once outside them, the forward cond's all-finite branch passes o and the
   final state through (no kernel, and no residual: they come from the raw run), and the backward
   cond's holds the unguarded backward kernels."""
-  from gdp_jax import pallas_impl
+  from pallas_kernels.common.options import DEFAULT
 
   inputs = clean_inputs()
   kw = dict(chunk_size=CHUNK, implementation="pallas", output_final_state=True)
@@ -218,8 +218,9 @@ def test_pallas_guard_adds_only_a_reduction(monkeypatch, varlen):
     inputs = {n: x[:1] if n != "initial_state" else x for n, x in inputs.items()}
     kw["cu_seqlens"] = jnp.array([0, 12, T], jnp.int32)
 
-  def loss(inp):
-    o, final = gated_delta_product(**inp, **kw)
+  def loss(inp, guard):
+    options = DEFAULT.replace(nonfinite_guard=guard)
+    o, final = gated_delta_product(**inp, **kw, options=options)
     return jnp.sum(o) + jnp.sum(final)
 
   def eqns(jaxpr):
@@ -230,12 +231,12 @@ def test_pallas_guard_adds_only_a_reduction(monkeypatch, varlen):
           if hasattr(p, "eqns") or hasattr(p, "jaxpr"):
             yield from eqns(getattr(p, "jaxpr", p))
 
-  def trace():
-    return list(eqns(jax.make_jaxpr(jax.jit(jax.grad(loss)))(inputs).jaxpr))
+  def trace(guard):
+    grad = jax.grad(functools.partial(loss, guard=guard))
+    return list(eqns(jax.make_jaxpr(jax.jit(grad))(inputs).jaxpr))
 
-  guarded = trace()
-  monkeypatch.setattr(pallas_impl, "_NONFINITE_GUARD", False)
-  plain = trace()
+  guarded = trace(True)
+  plain = trace(False)
   conds = [e for e in guarded if e.primitive.name == "cond"]
   assert len(conds) == 2 and not [e for e in plain if e.primitive.name == "cond"]
   kernels = lambda es: sum(e.primitive.name == "pallas_call" for e in es)
