@@ -10,8 +10,7 @@ An explicit "pallas" on a CPU runs the kernels in the Pallas interpreter (slow, 
 unsupported GPU it is an error that names the GPU.
 
 `gated_delta_product` with `cu_seqlens` (packed sequences, docs/varlen.md) looks up
-"gated_delta_product_varlen": `None` picks "xla" there on every device (`XLA_BY_DEFAULT`: the
-Pallas varlen kernels have not run on a GPU yet; "pallas" runs them when asked for).
+"gated_delta_product_varlen", with the same default.
 """
 
 from __future__ import annotations
@@ -90,9 +89,6 @@ TABLE: dict[str, Implementation] = {
   ),
 }
 
-# Functions whose `None` is "xla" on every device (their Pallas entry is opt-in).
-XLA_BY_DEFAULT = frozenset({"gated_delta_product_varlen"})
-
 # Backward passes of the Pallas forward: its own kernels, or the jnp backward of the chunked form
 # (gdp_jax/xla_backward.py), a debugging switch.
 BACKWARDS = ("pallas", "xla")
@@ -147,7 +143,7 @@ def resolve(function: str, implementation: str | None, device=None) -> str:
   names = implementations(function)
   if implementation is None:
     implementation = default_implementation(device)
-    return implementation if implementation in names and function not in XLA_BY_DEFAULT else "xla"
+    return implementation if implementation in names else "xla"
   if implementation not in names:
     raise ValueError(
       f"implementation must be one of {names} or None for {function}, got {implementation!r}"

@@ -774,7 +774,7 @@ class GatedDeltaProduct(nnx.Module):
   def _varlen_implementation(self):
     """The implementation of a packed (cu_seqlens) call: the layer's own where the packed form
     has it (an explicit "pallas" runs the kernels' packed form, docs/varlen.md), else None
-    (which picks "xla" for packed calls); the Householder form has no Pallas packed path."""
+    (the operator's default); the Householder form has no Pallas packed path."""
     names = dispatch.implementations("gated_delta_product_varlen")
     if self.mask_mode == "householder" and self.implementation == "pallas":
       return None

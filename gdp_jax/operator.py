@@ -345,9 +345,8 @@ def gated_delta_product(
     chunk_size: tokens per chunk of the chunked forms, one of 16, 32, 64.
     implementation: "reference" (recurrence over time), "xla" (chunked jnp), "pallas" (GPU
       kernels; interpreted on CPU, slowly), or None for the fastest one available on the
-      device ("pallas" on a supported GPU, "xla" elsewhere; see gdp_jax/dispatch.py). With
-      cu_seqlens, None picks "xla" everywhere; "pallas" runs the kernels' packed form
-      (checked in the interpreter and the Triton lowering, not yet run on a GPU).
+      device ("pallas" on a supported GPU, "xla" elsewhere; see gdp_jax/dispatch.py), with
+      cu_seqlens too (the kernels' packed form, docs/varlen.md).
     precision: float32 matmuls of the Pallas kernels: None follows
       `jax.default_matmul_precision` (TF32 by default, as XLA's float32 dots on these GPUs),
       "highest" gives tf32x3 (close to float32), "ieee" full float32 on the CUDA cores

@@ -562,11 +562,10 @@ def gated_delta_product_pallas_varlen(
   (`varlen.layout`, `pallas_chunk`); every per-chunk kernel runs unchanged on it and the state
   walks (chunk_state_output, chunk_h, bwd_dhu) run one program per (V tile, sequence, head) over
   that sequence's chunks (`varlen.sequence_chunks`, pallas_kernels/common/packed.py). The
-  kernels' varlen form has been checked in the Pallas interpreter and through the Triton
-  lowering (benchmarks/bench_varlen.py checks and times it on a GPU); `implementation=None` picks
-  "xla" with cu_seqlens. A non-finite input spoils its own sequence only
-  (`_gdp_varlen_guarded`, docs/precision.md#non-finite-inputs). Other arguments as
-  `gated_delta_product_pallas` (grouped value heads included).
+  kernels' varlen form is checked in the Pallas interpreter, through the Triton lowering and on
+  a GPU (benchmarks/bench_varlen.py, docs/varlen.md#speed-on-an-h200). A non-finite input
+  spoils its own sequence only (`_gdp_varlen_guarded`, docs/precision.md#non-finite-inputs).
+  Other arguments as `gated_delta_product_pallas` (grouped value heads included).
   """
   args = (q, k, v, g, beta, mask, initial_state)
   kw = dict(options=options, backward=backward, precision=precision)
