@@ -71,10 +71,12 @@ def check_num_householder(num_householder):
 
 
 def _check_implementation(implementation, packed):
-  """The implementation's name; with packed sequences as the operator's rule: None -> "xla",
-  "pallas" a NotImplementedError (no variable-length kernels yet)."""
+  """The implementation's name; with packed sequences None -> "xla" and "pallas" a
+  NotImplementedError (the Householder layout has no packed Pallas path yet)."""
   if not packed:
     return dispatch.resolve("gated_delta_product", implementation)
+  if implementation is None:
+    return "xla"
   if implementation == "pallas":
     raise NotImplementedError(
       "householder_delta_product with cu_seqlens has no Pallas kernels yet: use "
@@ -270,7 +272,7 @@ def householder_delta_product(
       (the r = 1 operator `gated_delta_product` over the T*n_h sub-steps: the chunked jnp form
       or the Pallas kernels, forward and backward), or None for the fastest one available on the
       backend ("pallas" on a GPU, "xla" elsewhere). With cu_seqlens, None picks "xla" everywhere
-      and "pallas" is a NotImplementedError (the kernels have no variable-length form yet).
+      and "pallas" is a NotImplementedError (no packed Pallas path for this layout yet).
     precision: the float32 matmul precision of the Pallas kernels, as in `gated_delta_product`
       (None follows jax.default_matmul_precision: TF32; "highest": tf32x3; "ieee"); the
       "reference" and "xla" implementations compute at HIGHEST.

@@ -119,13 +119,7 @@ def chunk_bwd_dqkwg(
   r = key_blocks
   n = chunk * r
   dk = dim_k // r
-  bk = dk if launch.block_k is None else min(launch.block_k, dk)
-  bv = dim_v if launch.block_v is None else min(launch.block_v, dim_v)
-  if dk % bk or dim_v % bv:
-    raise ValueError(
-      f"launch.block_k = {launch.block_k} must divide K / r = {dk} and launch.block_v = "
-      f"{launch.block_v} must divide V = {dim_v}"
-    )
+  bk, bv = options.pieces(launch, dk, dim_v)
   per_block = dk // bk  # programs per key block
   nkb = dim_k // bk
   f32 = jnp.float32

@@ -170,13 +170,7 @@ def wy_bwd(
   specs.check_key_blocks(mask, r)
   n = chunk * r
   dk = dim_k // r
-  bk = dk if launch.block_k is None else min(launch.block_k, dk)
-  bv = dim_v if launch.block_v is None else min(launch.block_v, dim_v)
-  if dk % bk or dim_v % bv:
-    raise ValueError(
-      f"launch.block_k = {launch.block_k} must divide K / r = {dk} and launch.block_v = "
-      f"{launch.block_v} must divide V = {dim_v}"
-    )
+  bk, bv = options.pieces(launch, dk, dim_v)
   f32 = jnp.float32
   return backend.pallas_call(
     lambda *refs: _wy_bwd_kernel(*refs, precision=precision, r=r, block_k=bk, block_v=bv),

@@ -32,6 +32,19 @@ class Launch:
   block_k: int | None = None
 
 
+def pieces(launch: Launch, block_cols: int, dim_v: int) -> tuple[int, int]:
+  """(BK, BV): the key columns (of a block of `block_cols`) and the V columns that a kernel
+  walking K and V in pieces takes at a time (`launch.block_k`, `launch.block_v`; None: all)."""
+  bk = block_cols if launch.block_k is None else min(launch.block_k, block_cols)
+  bv = dim_v if launch.block_v is None else min(launch.block_v, dim_v)
+  if block_cols % bk or dim_v % bv:
+    raise ValueError(
+      f"launch.block_k = {launch.block_k} must divide K / r = {block_cols} and launch.block_v = "
+      f"{launch.block_v} must divide V = {dim_v}"
+    )
+  return bk, bv
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceInfo:
   """What the launch heuristics need to know about the GPU (or the CPU, in interpret mode)."""
