@@ -386,16 +386,11 @@ def _run_scaled(inner, args, scale, rest, kw):
     raise
 
 
-def _gated_delta_product_pallas(
-  q, k, v, g, beta, mask, initial_state, scale, chunk_size, *, options, backward, precision
-):
-  if backward == "xla":
-    return _pallas_forward_xla_backward(
-      q, k, v, g, beta, mask, initial_state, scale, chunk_size, options, precision
-    )
+def _kernel_inputs(q, k, v, g, initial_state, r, options, precision):
+  """The kernels' operands and options: q, k and the state's key blocks padded to a power of two
+  >= 16, V likewise (`padded_dims`); g clamped at RESET_LOG_DECAY; the options (the heuristic's
+  when None) at `precision` when given. Returns (q, k, v, g, h0, options)."""
   dim_k, dim_v = q.shape[-1], v.shape[-1]
-  r = mask.shape[-1]
-  bt = pallas_chunk(chunk_size, r)
   dkp, vp = padded_dims(dim_k, dim_v, r)
   q = pad_key_blocks(q, r, dkp)
   k = pad_key_blocks(k, r, dkp)
@@ -412,6 +407,20 @@ def _gated_delta_product_pallas(
   # the decays after it inside the chunk stay finite (their exponents lose about 1e-5 of
   # precision; the kernels' own handling, docs/chunked_form.md#resets, would make it exact).
   g = jnp.maximum(g, jnp.asarray(RESET_LOG_DECAY, g.dtype))  # (a nan g stays nan)
+  return q, k, v, g, h0, options
+
+
+def _gated_delta_product_pallas(
+  q, k, v, g, beta, mask, initial_state, scale, chunk_size, *, options, backward, precision
+):
+  if backward == "xla":
+    return _pallas_forward_xla_backward(
+      q, k, v, g, beta, mask, initial_state, scale, chunk_size, options, precision
+    )
+  dim_k, dim_v = q.shape[-1], v.shape[-1]
+  r = mask.shape[-1]
+  bt = pallas_chunk(chunk_size, r)
+  q, k, v, g, h0, options = _kernel_inputs(q, k, v, g, initial_state, r, options, precision)
   core = _gdp_guarded if options.nonfinite_guard else _gdp_core
   o, final = core(q, k, v, g, beta, mask.astype(jnp.float32), h0, scale, bt, options)
   o = o[..., :dim_v]
@@ -602,18 +611,7 @@ def _gated_delta_product_pallas_varlen(
   if mask.shape[1] != 1:
     mask = pack(mask)
   table = varlen.sequence_chunks(lay)  # [2, N]: one program per sequence in the state walks
-  dkp, vp = padded_dims(dim_k, dim_v, r)
-  q = pad_key_blocks(q, r, dkp)
-  k = pad_key_blocks(k, r, dkp)
-  v = _pad_last(v, vp)
-  h0 = _pad_last(pad_key_blocks(initial_state.swapaxes(-1, -2), r, dkp).swapaxes(-1, -2), vp)
-  if options is None:
-    options = kernel_options.heuristic_options(
-      r=r, dim_k=dim_k, dim_v=dim_v, dtype=q.dtype, precision=precision or "tf32"
-    )
-  if precision is not None:
-    options = options.replace(precision=precision)
-  g = jnp.maximum(g, jnp.asarray(RESET_LOG_DECAY, g.dtype))  # as in _gated_delta_product_pallas
+  q, k, v, g, h0, options = _kernel_inputs(q, k, v, g, initial_state, r, options, precision)
   mask = mask.astype(jnp.float32)
   if options.nonfinite_guard:
     offsets = _packed_offsets(lay)
