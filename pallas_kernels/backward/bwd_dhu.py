@@ -117,8 +117,8 @@ def chunk_bwd_dhu(
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   dvl5 = dv_local.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
-  kernel = lambda *refs: _dhu_kernel(
-    *refs, precision=precision, r=r, chunk=chunk, num_chunks=nt, scale=scale
+  kernel = functools.partial(
+    _dhu_kernel, precision=precision, r=r, chunk=chunk, num_chunks=nt, scale=scale
   )
   state_spec, num_states = specs.state(dim_k, bv), bsz
   in_specs = [
@@ -135,20 +135,9 @@ def chunk_bwd_dhu(
   if table is not None:
     num_states = dfinal.shape[0]
     packed.check_table(table, bsz, num_states, "dfinal")
-    in_specs = [packed.batch_zero(s) for s in in_specs[:6]] + [state_spec]
-    out_specs = [packed.batch_zero(s) for s in out_specs[:2]] + [state_spec]
-    kernel = lambda *refs: _dhu_kernel(
-      *refs[:7],
-      *refs[8:],
-      precision=precision,
-      r=r,
-      chunk=chunk,
-      num_chunks=nt,
-      scale=scale,
-      table_ref=refs[7],
+    kernel, in_specs, out_specs, args = packed.with_table(
+      kernel, in_specs, out_specs, args, table, state_spec
     )
-    in_specs.append(specs.whole(table.shape))
-    args += (table.astype(jnp.int32),)
   dh, dv_new, dh0 = backend.pallas_call(
     kernel,
     grid=(dim_v // bv, num_states, heads),

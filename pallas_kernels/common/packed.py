@@ -23,11 +23,27 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.common import specs
+
 
 def batch_zero(spec):
   """`spec` (a BlockSpec of the (V tile, batch, head) grid) for the (V tile, sequence, head) grid
   of the packed walks: the same block of the one row B = 0 in every sequence's program."""
   return pl.BlockSpec(spec.block_shape, lambda iv, n, h: spec.index_map(iv, 0, h))
+
+
+def with_table(kernel, in_specs, out_specs, args, table, state_spec):
+  """A walk's pallas_call arguments for packed sequences: every token array's spec (all but those
+  that are `state_spec`) reads the one row (`batch_zero`), and the table is appended as the last
+  input, passed to `kernel` as `table_ref`. Returns (kernel, in_specs, out_specs, args)."""
+  zero = lambda spec: spec if spec is state_spec else batch_zero(spec)
+  n = len(in_specs)
+
+  def packed_kernel(*refs):
+    return kernel(*refs[:n], *refs[n + 1 :], table_ref=refs[n])
+
+  in_specs = [*map(zero, in_specs), specs.whole(table.shape)]
+  return packed_kernel, in_specs, list(map(zero, out_specs)), (*args, table.astype(jnp.int32))
 
 
 def walk(table_ref, step, state, num_chunks, *, reverse=False):

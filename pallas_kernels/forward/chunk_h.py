@@ -108,9 +108,7 @@ def chunk_state(
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   u5 = u.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
-  kernel = lambda *refs: _chunk_h_kernel(
-    *refs, precision=precision, r=r, chunk=chunk, num_chunks=nt
-  )
+  kernel = functools.partial(_chunk_h_kernel, precision=precision, r=r, chunk=chunk, num_chunks=nt)
   state_spec, num_states = specs.state(dim_k, bv), bsz
   in_specs = [
     specs.seq_tokens(t_len, dim_k),
@@ -124,19 +122,9 @@ def chunk_state(
   if table is not None:
     num_states = initial_state.shape[0]
     packed.check_table(table, bsz, num_states, "initial_state")
-    in_specs = [packed.batch_zero(s) for s in in_specs[:4]] + [state_spec]
-    out_specs = [packed.batch_zero(s) for s in out_specs[:2]] + [state_spec]
-    kernel = lambda *refs: _chunk_h_kernel(
-      *refs[:5],
-      *refs[6:],
-      precision=precision,
-      r=r,
-      chunk=chunk,
-      num_chunks=nt,
-      table_ref=refs[5],
+    kernel, in_specs, out_specs, args = packed.with_table(
+      kernel, in_specs, out_specs, args, table, state_spec
     )
-    in_specs.append(specs.whole(table.shape))
-    args += (table.astype(jnp.int32),)
   h, v_new, final = backend.pallas_call(
     kernel,
     grid=(dim_v // bv, num_states, heads),

@@ -203,14 +203,9 @@ def chunk_state_output(
   args = (q, k, w5, u5, gamma.astype(f32), initial_state.astype(f32))
   if table is not None:
     # one program per (V tile, sequence, head); the token arrays are those of the one row
-    in_specs[:5] = [packed.batch_zero(s) for s in in_specs[:5]]
-    out_specs = [packed.batch_zero(out_specs[0]), state_spec] + [
-      packed.batch_zero(s) for s in out_specs[2:]
-    ]
-    walk = kernel
-    kernel = lambda *refs: walk(*refs[:6], *refs[7:], table_ref=refs[6])
-    in_specs.append(specs.whole(table.shape))
-    args += (table.astype(jnp.int32),)
+    kernel, in_specs, out_specs, args = packed.with_table(
+      kernel, in_specs, out_specs, args, table, state_spec
+    )
   out = backend.pallas_call(
     kernel,
     grid=(dim_v // bv, num_states, heads),
