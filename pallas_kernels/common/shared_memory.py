@@ -330,22 +330,14 @@ def shared_memory_bytes(
   precision = getattr(options, "precision", "tf32")
   problem = Problem(r=r, dim_k=dim_k, dim_v=dim_v, chunk=chunk, dtype=dtype, precision=precision)
   wgmma = has_wgmma(device)
-  if kernel == "gqa_decode":
+  if kernel in ("gqa_decode", "recurrent_step"):  # one launch: the options themselves
+    block = options.block_s if kernel == "gqa_decode" else options.block_v
     return estimate_bytes(
       kernel,
       problem,
       num_stages=options.num_stages,
       num_warps=options.num_warps,
-      block=options.block_s,
-      wgmma=wgmma,
-    )
-  if kernel == "recurrent_step":
-    return estimate_bytes(
-      kernel,
-      problem,
-      num_stages=options.num_stages,
-      num_warps=options.num_warps,
-      block=options.block_v,
+      block=block,
       wgmma=wgmma,
     )
   if kernel not in OPERATOR_KERNELS:
