@@ -487,12 +487,11 @@ def _gdp_varlen_core_bwd(scale, bt, opts, residuals, cotangents):
 _gdp_varlen_core.defvjp(_gdp_varlen_core_fwd, _gdp_varlen_core_bwd)
 
 
-def _packed_offsets(lay):
-  """[N + 1] int32: where each sequence starts in the chunk-aligned layout, then T_pad (the
-  padding after a sequence counts as its own: finite, it never spoils it)."""
-  chunks = (lay.cu_seqlens[1:] - lay.cu_seqlens[:-1] + lay.chunk - 1) // lay.chunk
-  starts = lay.chunk * (jnp.cumsum(chunks) - chunks)  # as in `varlen.layout`
-  return jnp.append(starts, lay.t_pad).astype(jnp.int32)
+def _packed_offsets(lay, table):
+  """[N + 1] int32: where each sequence starts in the chunk-aligned layout (its first chunk,
+  `table[0]` of `varlen.sequence_chunks`), then T_pad (the padding after a sequence counts as its
+  own: finite, it never spoils it)."""
+  return jnp.append(lay.chunk * table[0], lay.t_pad).astype(jnp.int32)
 
 
 def _clean_packed(offsets, empty, q, k, v, g, beta, mask):
@@ -614,7 +613,7 @@ def _gated_delta_product_pallas_varlen(
   q, k, v, g, h0, options = _kernel_inputs(q, k, v, g, initial_state, r, options, precision)
   mask = mask.astype(jnp.float32)
   if options.nonfinite_guard:
-    offsets = _packed_offsets(lay)
+    offsets = _packed_offsets(lay, table)
     o, final = _gdp_varlen_guarded(
       q, k, v, g, beta, mask, h0, table, lay.empty, offsets, scale, bt, options
     )
