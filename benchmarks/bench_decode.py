@@ -20,9 +20,11 @@ checked against the jnp dense output. Then sweeps of the kernels' launch paramet
 kernel (DecodeOptions: block_s, num_warps, num_stages, num_splits) and the paged kernel
 (PagedDecodeOptions: block_s = cache rows per inner iteration, i.e. block_s / page_size pages,
 num_warps, num_stages, num_splits) at both shapes.
-Recurrent step, B=64 and B=8, H=16, K=V=128, float32 state, r in {1, 2}: TB/s of state read +
-written, Pallas (in place and not) vs xla, and a sweep of StepOptions (block_v, num_warps,
-num_stages, tiles_per_program) at r = 1.
+Recurrent step, B=64 and B=8 (`--step-batches`), H=16, K=V=128, float32 state, r in {1, 2}: TB/s
+of state read + written, Pallas (in place and not) vs xla vs `implementation=None` (auto), each
+also over the time of `copy` (the state read, decayed and written once: the step's floor, measured
+in the same chain), and a sweep of StepOptions (block_v, num_warps, num_stages,
+tiles_per_program) at r = 1.
 
 Every figure is the median over `--reps` timed runs (after warm-up) of one jitted
 `lax.fori_loop` of `--inner` calls, so dispatch overhead is not counted; each call depends on the
@@ -406,8 +408,16 @@ def step_fn(impl, K, knobs=None):
       return new, o
 
     return f
+  if impl == "copy":  # the state read and written once (one decay), the step's floor
+
+    def f(carry, q, k, v, g, beta, mask):
+      new = carry[0] * jnp.exp(g.astype(jnp.float32))[..., None, None]
+      # a barrier per call: an unrolled chain of these would otherwise fuse into one pass
+      return jax.lax.optimization_barrier((new, carry[1]))
+
+    return f
   in_place = impl != "pallas_copy"
-  name = "xla" if impl == "xla" else "pallas"
+  name = {"xla": "xla", "auto": None}.get(impl, "pallas")
 
   def f(carry, q, k, v, g, beta, mask):
     o, new = gated_delta_product_step(
@@ -425,7 +435,7 @@ def step_section(results, save, shape, rs_list, impls, sweep, reps, inner):
     args = make_step(B, H, K, V, r)
     state, rest = args[-1], args[:-1]
     carry = (state, jnp.zeros((B, H, V), rest[0].dtype))
-    ref = None
+    ref = copy_ms = None
     cases = [(impl, None) for impl in impls] + [("pallas", kn) for kn in (sweep if r == 1 else [])]
     for impl, knobs in cases:
       case = dict(
@@ -443,12 +453,16 @@ def step_section(results, save, shape, rs_list, impls, sweep, reps, inner):
         fn = step_fn(impl, K, knobs)
         ms, all_ms = median_ms(loop(fn, inner), carry, rest, reps)
         rate(case, 2 * state_bytes, ms, all_ms, inner)
+        if impl == "copy":
+          copy_ms = case["ms"]
+        elif copy_ms:
+          case["over_measured_copy_time"] = case["ms"] / copy_ms
         # the time to read and write the state once at the copy bandwidth (about 4.3 TB/s)
         case["over_copy_time_at_4.3TBps"] = case["ms"] / (2 * state_bytes / 4.3e12 * 1e3)
         new, o = jax.jit(fn)(carry, *rest)
         if impl == "xla":
           ref = (new, o)
-        if ref is not None:
+        if ref is not None and impl != "copy":
           case["max_abs_diff_vs_xla"] = max(
             float(jnp.max(jnp.abs(new - ref[0]))),
             float(jnp.max(jnp.abs(o.astype(jnp.float32) - ref[1].astype(jnp.float32)))),
@@ -483,6 +497,8 @@ def step_configs(quick, smoke):
     ]
   else:
     grid = [(bv, w, 1, 1) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))]
+    # narrow tiles and few warps: more programs in flight at small batches
+    grid += [(bv, w, 1, 1) for bv, w in ((16, 2), (16, 4), (32, 2), (64, 2))]
     # Several tiles per program hold two tiles in registers (the one being updated, the next
     # one loading): 128 columns at 4 warps spill, so the wide tiles get 8 warps.
     grid += [(bv, w, 1, 2) for bv, w in ((32, 4), (32, 8), (64, 4), (64, 8), (128, 8))]
@@ -552,7 +568,12 @@ def main(argv=None):
   p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
   p.add_argument("--page-size", type=int, default=16, help="positions per page (paged cases)")
   p.add_argument("--impls", default="pallas,xla,jax_gqa,paged,paged_xla,jax_paged")
-  p.add_argument("--step-impls", default="xla,pallas,pallas_copy")
+  p.add_argument(
+    "--step-impls",
+    default="copy,xla,pallas,pallas_copy,auto",
+    help="copy: the state read and written once; auto: implementation=None",
+  )
+  p.add_argument("--step-batches", default="64,8", help="batch sizes of the step cases")
   p.add_argument("--no-sweep", action="store_true")
   p.add_argument("--unroll", action="store_true", help="chain the calls unrolled, not in a loop")
   p.add_argument("--sections", default="decode,sweep,paged_sweep,step")
@@ -578,7 +599,7 @@ def main(argv=None):
     heads = (32, 8, 128)
     sizes = [(32, 32768), (8, 8192)]
     sweep_sizes = sizes
-    step_shapes = [(64, 16, 128, 128), (8, 16, 128, 128)]
+    step_shapes = [(int(b), 16, 128, 128) for b in args.step_batches.split(",")]
     dense_cfgs = lambda B, S: decode_configs(args.quick, B, S, heads[1], da.DEFAULTS)
     paged_cfgs = lambda B, S: decode_configs(args.quick, B, S, heads[1], pda.DEFAULTS)
   step_cfgs = step_configs(args.quick, args.smoke)
