@@ -510,6 +510,14 @@ def _check_step(q, k, v, g, beta, mask, state, grouped=False):
   return batch, heads_v, dim_k, dim_v, mask4, r
 
 
+# implementation=None: the Pallas step up to this many state elements (8 MiB of float32), XLA's
+# fused jnp step above. On an H200 (H=16, K=V=128, r = 1 and 2) the kernel is faster up to B = 8
+# (4.9 vs 11.8 us at B = 1, 8-10 vs 9-14 us at B = 8) and XLA from B = 16 on (11.1 vs 12.6 us;
+# 38 vs 47 us at B = 64): `python benchmarks/bench_decode.py --sections step --no-sweep --unroll
+# --step-batches 1,2,4,16,32,128`, benchmarks/results/h200_2026-11-29_step_batches.json.
+PALLAS_STEP_MAX_STATE = 8 * 16 * 128 * 128
+
+
 def gated_delta_product_step(
   q: jax.Array,
   k: jax.Array,
@@ -538,7 +546,8 @@ def gated_delta_product_step(
     mask: None (r = 1), [r, r], [HV, r, r] or [B, HV, r, r]; K % r == 0.
     state: [B, HV, K, V] (computed in float32), or None for zeros.
     scale: output scale, default K ** -0.5.
-    implementation: "xla", "pallas" or None ("pallas" on a supported GPU, else "xla").
+    implementation: "xla", "pallas" or None: "pallas" on a supported GPU for a state of at most
+      `PALLAS_STEP_MAX_STATE` elements (B * HV * K * V), else "xla" (docs/inference.md).
     precision: accepted as in `gated_delta_product` (validated); one token has no matmul to
       speed up, so both implementations compute the step in full float32 whatever it says.
     in_place: "pallas" only: write the new state into the state's buffer (no copy when the state
@@ -564,6 +573,8 @@ def gated_delta_product_step(
   # grouped value heads: both implementations run on q and k repeated across each group
   q, k = (expand_key_heads(x, heads) for x in (q, k))
   g = None if g is None else jnp.asarray(g)
+  if implementation is None and batch * heads * dim_k * dim_v > PALLAS_STEP_MAX_STATE:
+    implementation = "xla"  # a large state: XLA's fused step reads it faster (see below)
   implementation = dispatch.resolve("gated_delta_product_step", implementation)
   resolve_precision(precision)  # a clear error for a bad value
   if g is None:

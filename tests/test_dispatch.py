@@ -84,6 +84,24 @@ def test_step_reaches_every_implementation(name):
   assert_close(new, f_ref, tol(jnp.float32), name)
 
 
+def test_step_default_follows_the_state_size(monkeypatch):
+  # implementation=None on a supported GPU: the kernel for small states, XLA's fused step for
+  # large ones (decode.PALLAS_STEP_MAX_STATE, measured on an H200); explicit names are obeyed
+  from gdp_jax import decode
+
+  monkeypatch.setattr(dispatch, "default_device", lambda: _gpu("9.0", "NVIDIA H200"))
+  picked = []
+  monkeypatch.setattr(dispatch, "entry", lambda f, impl: lambda *a, **kw: picked.append(impl))
+  limit = decode.PALLAS_STEP_MAX_STATE
+  for heads, expected in ((1, "pallas"), (2, "xla")):
+    dim = int(limit**0.5)  # one head of dim x dim: just under the limit; two heads: over it
+    x = jnp.zeros((1, heads, dim), jnp.float32)
+    gated_delta_product_step(x, x, x, beta=jnp.ones((1, heads)))
+    assert picked[-1] == expected, (heads, picked)
+  gated_delta_product_step(x, x, x, beta=jnp.ones((1, 2)), implementation="pallas")
+  assert picked[-1] == "pallas"
+
+
 @pytest.mark.parametrize("name", dispatch.implementations("gqa_decode"))
 def test_decode_reaches_every_implementation(name):
   q = jnp.ones((1, 2, 16)) * 0.1

@@ -146,7 +146,7 @@ def test_h200_too_large_is_exactly_the_list():
 @pytest.mark.parametrize("r", [1, 2, 4, 8])
 def test_h200_keeps_the_tuned_defaults_for_half_precision(dtype, r):
   opts = options.heuristic_options(r=r, dim_k=128, dim_v=128, dtype=dtype, device=H200)
-  assert opts == options.defaults(r)
+  assert opts == options.DEFAULT
   assert not options.over_budget(opts, r=r, dim_k=128, dim_v=128, dtype=dtype, device=H200)
 
 
@@ -164,13 +164,14 @@ def test_h200_keeps_the_tuned_defaults_for_half_precision(dtype, r):
       {
         "chunk_state_output": options.Launch(num_warps=4, num_stages=2, block_v=64),
         "chunk_h": options.Launch(num_warps=4, num_stages=2, block_v=64),
+        "bwd_wy": options.Launch(num_warps=4, num_stages=2, block_v=64, block_k=64),
       },
     ),
   ],
 )
 def test_h200_float32_defaults(r, changed):
   opts = options.heuristic_options(r=r, dim_k=128, dim_v=128, dtype=jnp.float32, device=H200)
-  assert opts == options.defaults(r).replace(**changed)
+  assert opts == options.DEFAULT.replace(**changed)
 
 
 def test_smaller_gpus_get_smaller_launches():

@@ -140,20 +140,13 @@ class KernelOptions:
 
 DEFAULT = KernelOptions()
 
-# The backward's two per-chunk kernels at r >= 2: the launches measured there on the H200 (8.8 /
-# 18.0 ms forward + backward at r = 2 / 4); DEFAULT's r = 1 launches come from the H200 sweep
-# `python benchmarks/profile_stages.py --rs 1 --launch-sweep bwd_wy,bwd_dqkwg --warps 4,8
-# --num-stages 2 --block-v 32,64,128 --block-k 32,64,128` (bwd_wy 0.59 vs 1.44 ms, bwd_dqkwg 0.82
-# vs 1.28 ms; benchmarks/results/h200_2026-11-29_bwd_launch_sweep2.json), not yet run at r >= 2.
-MULTI_BLOCK_BACKWARD = dict(
-  bwd_dqkwg=Launch(num_warps=8, num_stages=2, block_v=64, block_k=64),
-  bwd_wy=Launch(num_warps=8, num_stages=2, block_v=64, block_k=32),
-)
-
-
-def defaults(r: int) -> KernelOptions:
-  """The H200-tuned options for r key blocks (DEFAULT, with MULTI_BLOCK_BACKWARD at r >= 2)."""
-  return DEFAULT if r == 1 else DEFAULT.replace(**MULTI_BLOCK_BACKWARD)
+# DEFAULT's backward launches come from H200 sweeps at r = 1 (`python benchmarks/profile_stages.py
+# --rs 1 --launch-sweep bwd_wy,bwd_dqkwg --warps 4,8 --num-stages 2 --block-v 32,64,128
+# --block-k 32,64,128`: bwd_wy 0.59 vs 1.44 ms, bwd_dqkwg 0.82 vs 1.28 ms with 8 warps;
+# benchmarks/results/h200_2026-11-29_bwd_launch_sweep2.json) and at r = 2, 4 (`--rs 2,4
+# --launch-sweep bwd_wy,bwd_dqkwg --warps 4,8 --num-stages 2 --block-v 64,128 --block-k 32,64`:
+# the same launches are the fastest there, bwd_wy 1.11 / 2.54 ms vs 2.68 / 5.30 with 8 warps;
+# h200_2026-11-29_bwd_launch_sweep_r24.json).
 
 
 # The most tokens per chunk the operator gives the kernels for r key blocks (gdp_jax.pallas_impl:
@@ -260,7 +253,7 @@ def over_budget(
     kernel: size
     for kernel, size in report.items()
     if size > device.shared_memory_per_block
-    and not (kernel in measured and getattr(opts, kernel) == getattr(defaults(r), kernel))
+    and not (kernel in measured and getattr(opts, kernel) == getattr(DEFAULT, kernel))
   }
 
 
@@ -276,7 +269,7 @@ def heuristic_options(
 ) -> KernelOptions:
   """The launch configuration for a problem on a device (H200-tuned, scaled down elsewhere).
 
-  Starts from the H200 defaults (`defaults(r)`) and, kernel by kernel, takes the first launch whose
+  Starts from the H200 defaults (`DEFAULT`) and, kernel by kernel, takes the first launch whose
   estimated shared memory per block (pallas_kernels/common/shared_memory.py, at the operator's
   padded tiles and largest chunk) fits `device.shared_memory_per_block`: fewer pipeline stages,
   then narrower V tiles, then no pipelining. Launches measured to compile on an H200
@@ -286,7 +279,7 @@ def heuristic_options(
   warning: it will not compile on this GPU, and implementation="xla" is the way there.
   """
   device = device_info() if device is None else device
-  opts = defaults(r).replace(precision=precision)
+  opts = DEFAULT.replace(precision=precision)
   problem = operator_problem(r=r, dim_k=dim_k, dim_v=dim_v, dtype=dtype, precision=precision)
   changes = {}
   measured = _measured_on_h200(problem, device)
