@@ -119,7 +119,9 @@ def test_layout_tables():
   np.testing.assert_array_equal(varlen.unpack(packed, lay), x)
   np.testing.assert_array_equal(lay.sources[lay.positions], np.arange(29))
   assert bool(jnp.all(jnp.delete(lay.sources, lay.positions) >= 29))  # padding: out of range
-  np.testing.assert_array_equal(varlen.sequence_chunks(lay), [[0, 1, 2, 2], [1, 1, 0, 2]])
+  np.testing.assert_array_equal(
+    varlen.sequence_chunks(lay), [[0, 1, 2, 2], [1, 1, 0, 2], [0, 5, 6, 6], [5, 6, 6, 29]]
+  )
 
 
 @pytest.mark.parametrize("reverse_only", [False, True])
@@ -473,6 +475,136 @@ def test_pallas_state_walks_with_table_lower_to_triton(monkeypatch, r, dtype):
     monkeypatch, walks, tok, tok, rows_k, rows_v, gam, states, table, do, dvl
   )
   assert len(modules) == 4 and all("tt.func" in m for m in modules)
+
+
+# ---- the kernels that read the packed row in place --------------------------------------------
+
+# BT = 16: an empty first and last sequence, one token, a sequence ending mid-chunk (5) followed
+# by another, one over a chunk (21) and one that ends the row mid-chunk (9); NT = 7, 5 used.
+INPLACE_LENGTHS = (0, 1, 5, 21, 9, 0)
+
+
+def _in_place_case(lengths, r, H, HV, seed):
+  """Packed-row inputs of the two fused kernels, their chunk-aligned copies and the tables."""
+  K, V, chunk = 16 * r, 16, 16
+  T = sum(lengths)
+  lay = varlen.layout(cu_of(lengths), T, chunk)
+  keys = jax.random.split(jax.random.key(seed), 7)
+  normal = lambda i, shape: 0.5 * jax.random.normal(keys[i], shape, jnp.float32)
+  row = dict(
+    q=normal(0, (1, T, H, K)),
+    k=normal(1, (1, T, H, K)),
+    v=normal(2, (1, T, HV, V)),
+    g=-jnp.abs(normal(3, (1, T, HV))),
+    beta=jax.random.uniform(keys[4], (1, T, HV)),
+  )
+  padded = {n: varlen.pack(x, lay) for n, x in row.items()}
+  if r == 1:
+    mask = jnp.ones((1, 1, 1, 1, 1), jnp.float32)
+  else:  # per token, in the chunk-aligned layout for both
+    mask = varlen.pack(jax.random.uniform(keys[5], (1, T, HV, r, r)), lay)
+  h0 = normal(6, (len(lengths), HV, K, V))
+  return row, padded, mask, h0, lay
+
+
+@pytest.mark.parametrize("r,H,HV,merge", [(1, 1, 1, "panels"), (2, 1, 2, "blocks")])
+def test_fused_kernels_in_place_equal_padded_copy(r, H, HV, merge):
+  """chunk_fwd and chunk_state_output reading (and writing) the packed row in place, with their
+  tables (varlen.chunk_tokens, varlen.sequence_chunks), equal the kernels on the chunk-aligned
+  copy (interpreted): gamma, w, u, Ai, o, the final states, h and v_new; grouped value heads and
+  a per-token mask at r = 2. Then the same walk with the table cut before the 9-token sequence:
+  its rows of o stay unwritten (nan in the interpreter), so no masked store of the 5-token
+  sequence before it (ending mid-chunk) or of an unused chunk touched them."""
+  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+
+  row, padded, mask, h0, lay = _in_place_case(INPLACE_LENGTHS, r, H, HV, seed=12)
+  hm = lambda x: jnp.moveaxis(x, 1, 2)  # [1, T, H] -> [1, H, T]
+  fwd = dict(key_blocks=r, chunk=16, precision="ieee", save_ai=True, merge=merge)
+  want = chunk_fwd.chunk_fwd(
+    padded["k"], padded["v"], hm(padded["g"]), hm(padded["beta"]), mask, **fwd
+  )
+  got = chunk_fwd.chunk_fwd(
+    row["k"], row["v"], hm(row["g"]), hm(row["beta"]), mask, table=varlen.chunk_tokens(lay), **fwd
+  )
+  for x, y, what in zip(got, want, ("gamma", "w", "u", "Ai")):
+    np.testing.assert_array_equal(x, y, err_msg=what)
+
+  gamma, w, u = want[:3]
+  table = varlen.sequence_chunks(lay)
+  walk = dict(key_blocks=r, chunk=16, scale=0.3, precision="ieee", save_states=True)
+  want = chunk_state_output.chunk_state_output(
+    padded["q"], padded["k"], w, u, gamma, h0, table=table[:2], h_dtype=jnp.float32, **walk
+  )
+  got = chunk_state_output.chunk_state_output(
+    row["q"], row["k"], w, u, gamma, h0, table=table, in_place=True, h_dtype=jnp.float32, **walk
+  )
+  assert got[0].shape == row["v"].shape
+  np.testing.assert_array_equal(got[0], varlen.unpack(want[0], lay), err_msg="o")
+  for x, y, what in zip(got[1:], want[1:], ("final", "h", "v_new")):
+    np.testing.assert_array_equal(x, y, err_msg=what)
+
+  cut = 4  # sequences 0..3 only: tokens cu[4] = 27 on are nobody's
+  o_cut, final_cut = chunk_state_output.chunk_state_output(
+    row["q"], row["k"], w, u, gamma, h0[:cut], table=table[:, :cut], in_place=True, **walk
+  )[:2]
+  end = int(lay.cu_seqlens[cut])
+  assert bool(jnp.all(jnp.isnan(o_cut[:, end:]))), "rows past the last sequence were written"
+  np.testing.assert_array_equal(o_cut[:, :end], got[0][:, :end])
+  np.testing.assert_array_equal(final_cut, got[1][:cut])
+
+
+@pytest.mark.parametrize(
+  "r,dtype,T,N,H,HV,per_token",
+  [(1, jnp.bfloat16, 8 * 4096, 64, 16, 16, False), (2, jnp.float32, 200, 3, 1, 2, True)],
+)
+def test_fused_kernels_in_place_lower_to_triton(monkeypatch, r, dtype, T, N, H, HV, per_token):
+  """chunk_fwd with its per-chunk table and chunk_state_output in place (masked loads of the
+  packed row at traced offsets, masked stores of o) through the Pallas Triton lowering for an
+  H200: the benchmark's shape (bf16, 8 x 4096 tokens in 64 sequences, H = 16, K = V = 128), and
+  T = 200 (not a multiple of the chunk) with grouped heads and a per-token mask at r = 2."""
+  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+  from tests.triton_lowering import lower_for_h200
+
+  S = jax.ShapeDtypeStruct
+  K = V = 128
+  chunk = 64 // r
+  nt = varlen.max_chunks(T, N, chunk)
+  tp = nt * chunk
+  keys, vals, per_head = S((1, T, H, K), dtype), S((1, T, HV, V), dtype), S((1, HV, T), jnp.float32)
+  mask = S((1, tp, HV, r, r) if per_token else (1, 1, 1, r, r), jnp.float32)
+  rows_k, rows_v = S((1, HV, tp * r, K), dtype), S((1, HV, tp * r, V), dtype)
+  gamma, h0 = S((1, HV, tp), jnp.float32), S((N, HV, K, V), jnp.float32)
+  chunks, seqs = S((2, nt), jnp.int32), S((4, N), jnp.int32)
+
+  def fused(q, k, v, g, beta, mask, chunks, w, u, gamma, h0, seqs):
+    common = dict(key_blocks=r, chunk=chunk)
+    outs = [
+      chunk_fwd.chunk_fwd(k, v, g, beta, mask, save_ai=save, table=chunks, **common)
+      for save in (False, True)
+    ]
+    for save in (False, True):
+      outs.append(
+        chunk_state_output.chunk_state_output(
+          q, k, w, u, gamma, h0, scale=0.1, save_states=save, table=seqs, in_place=True, **common
+        )
+      )
+    return outs
+
+  avals = (keys, keys, vals, per_head, per_head, mask, chunks, rows_k, rows_v, gamma, h0, seqs)
+  modules = lower_for_h200(monkeypatch, fused, *avals)
+  assert len(modules) == 4 and all("tt.func" in m for m in modules)
+
+
+def test_chunk_tokens_table():
+  """The per-chunk table of the in-place kernels: each chunk's first token and token count."""
+  lay = varlen.layout(cu_of(INPLACE_LENGTHS), sum(INPLACE_LENGTHS), 16)
+  np.testing.assert_array_equal(
+    varlen.chunk_tokens(lay), [[0, 1, 6, 22, 27, 36, 36], [1, 5, 16, 5, 9, 0, 0]]
+  )
+  np.testing.assert_array_equal(
+    varlen.sequence_chunks(lay),
+    [[0, 0, 1, 2, 4, 5], [0, 1, 1, 2, 1, 0], [0, 0, 1, 6, 27, 36], [0, 1, 6, 27, 36, 36]],
+  )
 
 
 # ---- bad input ---------------------------------------------------------------------------------
