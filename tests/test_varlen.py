@@ -315,15 +315,15 @@ def test_default_implementation_with_cu_seqlens(monkeypatch):
 
 # ---- the Pallas kernels' packed form --------------------------------------------------------
 
-# (r, mask kind, H, HV, chunk_size, fused, backward, lengths): the fused forward
-# (chunk_state_output) and the five-kernel one (chunk_h), the backward's recompute (chunk_h) and
-# walk (bwd_dhu); BT = 16. LENGTHS leave two unused chunks at the end of the layout (NT = 7, 5
-# used); (0, 17, 1, 0) has an empty first and last sequence and one unused chunk.
+# (r, mask kind, H, HV, chunk_size, fused, backward, lengths): the fused forward (chunk_fwd and
+# chunk_state_output reading the packed row in place) and the five-kernel one (chunk_h, on the
+# chunk-aligned copy), the backward's recompute (chunk_h) and walk (bwd_dhu); BT = 16. LENGTHS
+# leave two unused chunks at the end of the layout (NT = 7, 5 used); with an empty first and
+# last sequence added, four (NT = 9).
 PALLAS_CASES = [
-  (2, "token", 1, 2, 16, True, "pallas", LENGTHS),
+  (2, "token", 1, 2, 16, True, "pallas", (0, *LENGTHS, 0)),
   (1, None, 2, 2, 64, False, "pallas", LENGTHS),
-  (2, "head", 2, 2, 16, True, "xla", LENGTHS),
-  (1, None, 1, 1, 16, True, "pallas", (0, 17, 1, 0)),
+  (1, "head", 2, 2, 16, True, "xla", LENGTHS),
 ]
 
 
@@ -362,37 +362,47 @@ def test_pallas_packed_equals_xla_packed(r, mask_kind, H, HV, chunk, fused, back
 
 def test_pallas_state_walks_run_each_sequence_apart():
   """The state walks with the per-sequence table (interpreted) equal the unpacked walks over each
-  sequence's chunks alone, from its own state: chunk counts (0, 2, 1, 0) of NT = 5 (an empty
-  first and last sequence, two unused chunks at the end). The unused chunks, filled with random
-  values here, get what a walk from a zero state writes (h = dh = 0, v_new = u,
-  dv_new = dv_local); an empty sequence's final state is its initial state, its d initial state
-  its dfinal. The interpreter fills unwritten outputs with nan, so a skipped chunk fails."""
+  sequence's chunks alone, from its own state: lengths (0, 27, 9, 0), chunk counts (0, 2, 1, 0)
+  of NT = 6 (an empty first and last sequence, three unused chunks at the end). chunk_state_output
+  reads q and k from the packed row in place and writes o there (the sequence of 27 tokens ends
+  mid-chunk, before the one of 9); chunk_h and bwd_dhu walk the chunk-aligned copy. The unused
+  chunks, filled with random values here, get what a walk from a zero state writes (h = dh = 0,
+  v_new = u, dv_new = dv_local); an empty sequence's final state is its initial state, its
+  d initial state its dfinal. The interpreter fills unwritten outputs with nan, so a skipped chunk
+  fails; and with the table cut after the 27 tokens the 9 tokens' rows of o stay nan (no masked
+  store wrote past its sequence)."""
   from pallas_kernels.backward import bwd_dhu
   from pallas_kernels.forward import chunk_h, chunk_state_output
 
-  chunk, nt, r, K, V = 16, 5, 1, 16, 16
-  counts = np.array([0, 2, 1, 0])
-  starts = np.cumsum(counts) - counts
-  n_seq, T = len(counts), nt * chunk
+  chunk, r, K, V = 16, 1, 16, 16
+  lengths = (0, 27, 9, 0)
+  lay = varlen.layout(cu_of(lengths), sum(lengths), chunk)
+  table = varlen.sequence_chunks(lay)
+  starts, counts = np.asarray(table[0]), np.asarray(table[1])
+  n_seq, nt = len(lengths), lay.num_chunks
+  T = nt * chunk
   keys = jax.random.split(jax.random.key(3), 9)
   normal = lambda i, shape: 0.5 * jax.random.normal(keys[i], shape, jnp.float32)
-  q, k, do = normal(0, (1, T, 1, K)), normal(1, (1, T, 1, K)), normal(2, (1, T, 1, V))
+  q_row, k_row = normal(0, (1, lay.t_len, 1, K)), normal(1, (1, lay.t_len, 1, K))
+  q, k = varlen.pack(q_row, lay), varlen.pack(k_row, lay)  # zero padding
+  do = normal(2, (1, T, 1, V))
   w, u, dvl = normal(3, (1, 1, T * r, K)), normal(4, (1, 1, T * r, V)), normal(5, (1, 1, T, V))
   g = -jnp.abs(normal(6, (1, 1, nt, chunk)))
   gamma = jnp.cumsum(g, axis=-1).reshape(1, 1, T)
   h0, dfinal = normal(7, (n_seq, 1, K, V)), normal(8, (n_seq, 1, K, V))
-  table = jnp.asarray(np.stack([starts, counts]), jnp.int32)
   kw = dict(chunk=chunk, key_blocks=r, precision="ieee")
-  o, final, h, v_new = chunk_state_output.chunk_state_output(
-    q, k, w, u, gamma, h0, scale=0.3, save_states=True, h_dtype=jnp.float32, table=table, **kw
+  walk = dict(scale=0.3, save_states=True, h_dtype=jnp.float32, table=table, in_place=True, **kw)
+  o_row, final, h, v_new = chunk_state_output.chunk_state_output(
+    q_row, k_row, w, u, gamma, h0, **walk
   )
+  o = varlen.pack(o_row, lay)
   h2, v_new2, final2 = chunk_h.chunk_state(
     k, w, u, gamma, h0, h_dtype=jnp.float32, table=table, **kw
   )
   dh, dh0, dv_new = bwd_dhu.chunk_bwd_dhu(
     q, k, w, gamma, do, dvl, dfinal, scale=0.3, table=table, **kw
   )
-  for x in (o, final, h, v_new, h2, v_new2, final2, dh, dh0, dv_new):
+  for x in (o_row, final, h, v_new, h2, v_new2, final2, dh, dh0, dv_new):
     assert bool(jnp.all(jnp.isfinite(x)))
   np.testing.assert_array_equal(h2, h)
   np.testing.assert_array_equal(v_new2, v_new)
@@ -422,8 +432,9 @@ def test_pallas_state_walks_run_each_sequence_apart():
     dh1, dh01, dvn1 = bwd_dhu.chunk_bwd_dhu(
       tok(q), tok(k), rows(w), gamma[..., a:e], tok(do), rows(dvl), dfn, scale=0.3, **kw
     )
+    valid = (jnp.arange(a, e) < a + lengths[n])[None, :, None, None]  # o of padding: not kept
     for got, want, what in [
-      (tok(o), o1, "o"),
+      (tok(o), jnp.where(valid, o1, 0.0), "o"),
       (final[n : n + 1], f1, "final"),
       (h[:, :, cs], h1, "h"),
       (rows(v_new), vn1, "v_new"),
@@ -437,6 +448,11 @@ def test_pallas_state_walks_run_each_sequence_apart():
   np.testing.assert_array_equal(dh[:, :, counts.sum() :], 0.0)
   assert_close(v_new[:, :, used * r :], u[:, :, used * r :], 1e-6, "v_new of the unused chunks")
   assert_close(dv_new[:, :, used * r :], dvl[:, :, used * r :], 1e-6, "dv_new of the unused chunks")
+  cut = dict(walk, table=table[:, :2], save_states=False)  # sequences 0 and 1 only
+  o_cut, final_cut = chunk_state_output.chunk_state_output(q_row, k_row, w, u, gamma, h0[:2], **cut)
+  assert bool(jnp.all(jnp.isnan(o_cut[:, 27:]))), "rows past the last sequence were written"
+  np.testing.assert_array_equal(o_cut[:, :27], o_row[:, :27])
+  np.testing.assert_array_equal(final_cut, final[:2])
 
 
 @pytest.mark.parametrize("r,dtype", [(1, jnp.bfloat16), (2, jnp.float32)])
@@ -484,42 +500,31 @@ def test_pallas_state_walks_with_table_lower_to_triton(monkeypatch, r, dtype):
 INPLACE_LENGTHS = (0, 1, 5, 21, 9, 0)
 
 
-def _in_place_case(lengths, r, H, HV, seed):
-  """Packed-row inputs of the two fused kernels, their chunk-aligned copies and the tables."""
-  K, V, chunk = 16 * r, 16, 16
-  T = sum(lengths)
-  lay = varlen.layout(cu_of(lengths), T, chunk)
-  keys = jax.random.split(jax.random.key(seed), 7)
-  normal = lambda i, shape: 0.5 * jax.random.normal(keys[i], shape, jnp.float32)
+def test_chunk_fwd_in_place_equals_padded_copy():
+  """chunk_fwd reading k, v, g and beta of the packed row in place with its per-chunk table
+  (varlen.chunk_tokens; interpreted) gives exactly what it gives on the chunk-aligned copy:
+  gamma, w, u and Ai, over empty sequences, one token, a sequence ending mid-chunk followed by
+  another and the unused chunks; merge="panels" (the default "blocks" in place: the operator's
+  tests above), grouped value heads and a per-token mask. (chunk_state_output in place:
+  test_pallas_state_walks_run_each_sequence_apart.)"""
+  from pallas_kernels.forward import chunk_fwd
+
+  r, H, HV = 2, 1, 2
+
+  K, V, T = 16 * r, 16, sum(INPLACE_LENGTHS)
+  lay = varlen.layout(cu_of(INPLACE_LENGTHS), T, 16)
+  keys = jax.random.split(jax.random.key(12), 5)
   row = dict(
-    q=normal(0, (1, T, H, K)),
-    k=normal(1, (1, T, H, K)),
-    v=normal(2, (1, T, HV, V)),
-    g=-jnp.abs(normal(3, (1, T, HV))),
-    beta=jax.random.uniform(keys[4], (1, T, HV)),
+    k=0.5 * jax.random.normal(keys[0], (1, T, H, K)),
+    v=0.5 * jax.random.normal(keys[1], (1, T, HV, V)),
+    g=-jnp.abs(jax.random.normal(keys[2], (1, T, HV))),
+    beta=jax.random.uniform(keys[3], (1, T, HV)),
   )
   padded = {n: varlen.pack(x, lay) for n, x in row.items()}
-  if r == 1:
-    mask = jnp.ones((1, 1, 1, 1, 1), jnp.float32)
-  else:  # per token, in the chunk-aligned layout for both
-    mask = varlen.pack(jax.random.uniform(keys[5], (1, T, HV, r, r)), lay)
-  h0 = normal(6, (len(lengths), HV, K, V))
-  return row, padded, mask, h0, lay
-
-
-@pytest.mark.parametrize("r,H,HV,merge", [(1, 1, 1, "panels"), (2, 1, 2, "blocks")])
-def test_fused_kernels_in_place_equal_padded_copy(r, H, HV, merge):
-  """chunk_fwd and chunk_state_output reading (and writing) the packed row in place, with their
-  tables (varlen.chunk_tokens, varlen.sequence_chunks), equal the kernels on the chunk-aligned
-  copy (interpreted): gamma, w, u, Ai, o, the final states, h and v_new; grouped value heads and
-  a per-token mask at r = 2. Then the same walk with the table cut before the 9-token sequence:
-  its rows of o stay unwritten (nan in the interpreter), so no masked store of the 5-token
-  sequence before it (ending mid-chunk) or of an unused chunk touched them."""
-  from pallas_kernels.forward import chunk_fwd, chunk_state_output
-
-  row, padded, mask, h0, lay = _in_place_case(INPLACE_LENGTHS, r, H, HV, seed=12)
+  # per token, in the chunk-aligned layout for both
+  mask = varlen.pack(jax.random.uniform(keys[4], (1, T, HV, r, r)), lay)
   hm = lambda x: jnp.moveaxis(x, 1, 2)  # [1, T, H] -> [1, H, T]
-  fwd = dict(key_blocks=r, chunk=16, precision="ieee", save_ai=True, merge=merge)
+  fwd = dict(key_blocks=r, chunk=16, precision="ieee", save_ai=True, merge="panels")
   want = chunk_fwd.chunk_fwd(
     padded["k"], padded["v"], hm(padded["g"]), hm(padded["beta"]), mask, **fwd
   )
@@ -529,29 +534,6 @@ def test_fused_kernels_in_place_equal_padded_copy(r, H, HV, merge):
   for x, y, what in zip(got, want, ("gamma", "w", "u", "Ai")):
     np.testing.assert_array_equal(x, y, err_msg=what)
 
-  gamma, w, u = want[:3]
-  table = varlen.sequence_chunks(lay)
-  walk = dict(key_blocks=r, chunk=16, scale=0.3, precision="ieee", save_states=True)
-  want = chunk_state_output.chunk_state_output(
-    padded["q"], padded["k"], w, u, gamma, h0, table=table[:2], h_dtype=jnp.float32, **walk
-  )
-  got = chunk_state_output.chunk_state_output(
-    row["q"], row["k"], w, u, gamma, h0, table=table, in_place=True, h_dtype=jnp.float32, **walk
-  )
-  assert got[0].shape == row["v"].shape
-  np.testing.assert_array_equal(got[0], varlen.unpack(want[0], lay), err_msg="o")
-  for x, y, what in zip(got[1:], want[1:], ("final", "h", "v_new")):
-    np.testing.assert_array_equal(x, y, err_msg=what)
-
-  cut = 4  # sequences 0..3 only: tokens cu[4] = 27 on are nobody's
-  o_cut, final_cut = chunk_state_output.chunk_state_output(
-    row["q"], row["k"], w, u, gamma, h0[:cut], table=table[:, :cut], in_place=True, **walk
-  )[:2]
-  end = int(lay.cu_seqlens[cut])
-  assert bool(jnp.all(jnp.isnan(o_cut[:, end:]))), "rows past the last sequence were written"
-  np.testing.assert_array_equal(o_cut[:, :end], got[0][:, :end])
-  np.testing.assert_array_equal(final_cut, got[1][:cut])
-
 
 @pytest.mark.parametrize(
   "r,dtype,T,N,H,HV,per_token",
@@ -560,8 +542,9 @@ def test_fused_kernels_in_place_equal_padded_copy(r, H, HV, merge):
 def test_fused_kernels_in_place_lower_to_triton(monkeypatch, r, dtype, T, N, H, HV, per_token):
   """chunk_fwd with its per-chunk table and chunk_state_output in place (masked loads of the
   packed row at traced offsets, masked stores of o) through the Pallas Triton lowering for an
-  H200: the benchmark's shape (bf16, 8 x 4096 tokens in 64 sequences, H = 16, K = V = 128), and
-  T = 200 (not a multiple of the chunk) with grouped heads and a per-token mask at r = 2."""
+  H200: the benchmark's shape (bf16, 8 x 4096 tokens in 64 sequences, H = 16, K = V = 128,
+  merge="blocks"), and T = 200 (not a multiple of the chunk) with grouped heads and a per-token
+  mask at r = 2 (merge="panels")."""
   from pallas_kernels.forward import chunk_fwd, chunk_state_output
   from tests.triton_lowering import lower_for_h200
 
@@ -575,11 +558,12 @@ def test_fused_kernels_in_place_lower_to_triton(monkeypatch, r, dtype, T, N, H, 
   rows_k, rows_v = S((1, HV, tp * r, K), dtype), S((1, HV, tp * r, V), dtype)
   gamma, h0 = S((1, HV, tp), jnp.float32), S((N, HV, K, V), jnp.float32)
   chunks, seqs = S((2, nt), jnp.int32), S((4, N), jnp.int32)
+  merge = "panels" if per_token else "blocks"
 
   def fused(q, k, v, g, beta, mask, chunks, w, u, gamma, h0, seqs):
     common = dict(key_blocks=r, chunk=chunk)
     outs = [
-      chunk_fwd.chunk_fwd(k, v, g, beta, mask, save_ai=save, table=chunks, **common)
+      chunk_fwd.chunk_fwd(k, v, g, beta, mask, save_ai=save, table=chunks, merge=merge, **common)
       for save in (False, True)
     ]
     for save in (False, True):
@@ -593,6 +577,41 @@ def test_fused_kernels_in_place_lower_to_triton(monkeypatch, r, dtype, T, N, H, 
   avals = (keys, keys, vals, per_head, per_head, mask, chunks, rows_k, rows_v, gamma, h0, seqs)
   modules = lower_for_h200(monkeypatch, fused, *avals)
   assert len(modules) == 4 and all("tt.func" in m for m in modules)
+
+
+def test_pallas_packed_forward_makes_no_copies():
+  """The fused packed forward (a call without gradient) gathers no float array: q, k, v, g, beta
+  and o stay in the packed row (the layout's tables are int gathers); the five-kernel forward
+  still gathers them into the chunk-aligned layout (which shows the check can fail)."""
+  from pallas_kernels.common.options import DEFAULT
+
+  inputs = packed_inputs(3, (5, 11, 0, 20), H=2, r=1, mask_kind=None)
+  cu = cu_of((5, 11, 0, 20))
+
+  def float_gathers(fused):
+    options = DEFAULT.replace(fused=fused)
+    run = lambda kw: gated_delta_product(
+      **kw, cu_seqlens=cu, chunk_size=16, implementation="pallas", options=options
+    )
+    found = []
+
+    def walk(jaxpr):
+      for e in jaxpr.eqns:
+        if e.primitive.name in ("gather", "scatter", "scatter-add"):
+          if jnp.issubdtype(e.invars[0].aval.dtype, jnp.floating):
+            found.append(e.invars[0].aval.shape)
+        if e.primitive.name == "pallas_call":
+          continue
+        for p in e.params.values():
+          for sub in p if isinstance(p, (tuple, list)) else (p,):
+            if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+              walk(getattr(sub, "jaxpr", sub))
+
+    walk(jax.make_jaxpr(run)(inputs).jaxpr)
+    return found
+
+  assert float_gathers(True) == []
+  assert len(float_gathers(False)) >= 6  # q, k, v, g, beta in, o out
 
 
 def test_chunk_tokens_table():
