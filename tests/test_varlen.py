@@ -614,6 +614,30 @@ def test_pallas_packed_forward_makes_no_copies():
   assert len(float_gathers(False)) >= 6  # q, k, v, g, beta in, o out
 
 
+def test_in_place_kernels_reject_bad_tables():
+  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+
+  T, tp, K = 20, 48, 16
+  k, w = jnp.zeros((1, T, 1, K)), jnp.zeros((1, 1, tp, K))
+  gamma, h0 = jnp.zeros((1, 1, tp)), jnp.zeros((2, 1, K, K))
+  walk = dict(key_blocks=1, chunk=16, scale=1.0)
+  with pytest.raises(ValueError, match="in_place=True needs the per-sequence table"):
+    chunk_state_output.chunk_state_output(k, k, w, w, gamma, h0, in_place=True, **walk)
+  with pytest.raises(ValueError, match=r"table must be int32 \[4, N\]"):
+    table = jnp.zeros((2, 2), jnp.int32)  # no token rows
+    chunk_state_output.chunk_state_output(k, k, w, w, gamma, h0, table=table, in_place=True, **walk)
+  scalars, mask = jnp.zeros((1, 1, T)), jnp.ones((1, 1, 1, 1, 1))
+  with pytest.raises(ValueError, match=r"table must be int32 \[2, NT\]"):
+    chunk_fwd.chunk_fwd(
+      k, k, scalars, scalars, mask, key_blocks=1, chunk=16, table=jnp.zeros((4, 3), jnp.int32)
+    )
+  with pytest.raises(ValueError, match="per-token mask must be"):
+    per_token = jnp.ones((1, T, 1, 1, 1))  # the packed row's, not the layout's
+    chunk_fwd.chunk_fwd(
+      k, k, scalars, scalars, per_token, key_blocks=1, chunk=16, table=jnp.zeros((2, 3), jnp.int32)
+    )
+
+
 def test_chunk_tokens_table():
   """The per-chunk table of the in-place kernels: each chunk's first token and token count."""
   lay = varlen.layout(cu_of(INPLACE_LENGTHS), sum(INPLACE_LENGTHS), 16)
