@@ -22,9 +22,12 @@ fused forward's kernels read key head h // (HV / H) through their index maps, so
 [B, T, H, K] in the forward and in the residuals; the five-kernel forward and the backward repeat
 them (`expand_key_heads`) and the backward sums dq and dk over each group (`sum_key_heads`).
 
-Packed sequences (`cu_seqlens`, `gated_delta_product_pallas_varlen`, docs/varlen.md): the same
-kernels on the chunk-aligned layout, the state walks one program per sequence; a custom_vjp of
-its own (`_gdp_varlen_core`). Not yet run on a GPU.
+Packed sequences (`cu_seqlens`, `gated_delta_product_pallas_varlen`, docs/varlen.md): the fused
+forward's two kernels read q, k, v, g and beta straight from the packed row and write o there
+(masked loads and stores at each chunk's tokens), their per-chunk intermediates in the
+chunk-aligned layout, the state walks one program per sequence; the five-kernel forward and the
+backward gather the inputs into the chunk-aligned layout (`varlen.pack`) and their results back
+(`varlen.unpack`). A custom_vjp of its own (`_gdp_varlen_core`).
 
 Non-finite inputs (docs/precision.md#non-finite-inputs): a guard around the kernels' custom vjp
 (`_gdp_guarded`, `_gdp_varlen_guarded`) runs them on the raw inputs when all are finite (one
@@ -34,6 +37,7 @@ reduction over them) and on cleaned inputs with marked outputs otherwise (gdp_ja
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -460,87 +464,181 @@ _pallas_forward_xla_backward.defvjp(
 # ---- packed sequences (cu_seqlens, docs/varlen.md) -------------------------------------------
 
 
+class _Packing(NamedTuple):
+  """Packed sequences at the kernels' chunk (docs/varlen.md): the chunk-aligned layout and the
+  kernels' tables (int arrays; no gradient)."""
+
+  layout: varlen.Layout
+  sequences: jax.Array  # [4, N], `varlen.sequence_chunks`: the state walks' table
+  chunks: jax.Array  # [2, NT], `varlen.chunk_tokens`: chunk_fwd's table in place
+
+
+def _packing(cu_seqlens, t_len, bt):
+  lay = varlen.layout(cu_seqlens, t_len, bt)
+  return _Packing(lay, varlen.sequence_chunks(lay), varlen.chunk_tokens(lay))
+
+
+def _pack_padded(x, packing):
+  """[1, T, ...] -> its chunk-aligned copy [1, Tp, ...] (a gather)."""
+  return varlen.pack(x, packing.layout)
+
+
+def _unpack_padded(y, packing):
+  """[1, Tp, ...] -> the packed row [1, T, ...] (a gather)."""
+  return varlen.unpack(y, packing.layout)
+
+
+def _pack_mask(mask, packing):
+  """A per-token mask [1, T, ...] in the chunk-aligned layout (the kernels read it per chunk);
+  a broadcast one as it is."""
+  return mask if mask.shape[1] == 1 else _pack_padded(mask, packing)
+
+
+def _forward_varlen(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, packing):
+  """`_forward` for packed sequences: the inputs are the packed row [1, T, ...] (feature-padded),
+  o comes back as [1, T, HV, Vp] and the residuals gcum, ai in the chunk-aligned layout.
+
+  The fused forward reads the packed row in place: chunk_fwd at each chunk's first token
+  (`packing.chunks`), chunk_state_output at each sequence's (`packing.sequences`), both with
+  masked loads, and chunk_state_output writes o there with masked stores; only a per-token mask
+  is gathered. The five-kernel forward gathers everything into the chunk-aligned layout and o
+  back."""
+  r = mask.shape[-1]
+  mask = _pack_mask(mask, packing)
+  if not opts.fused:
+    q, k, v, g, beta = (_pack_padded(x, packing) for x in (q, k, v, g, beta))
+    o, final, saved = _forward(
+      q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, table=packing.sequences
+    )
+    return _unpack_padded(o, packing), final, saved
+  prec = dict(precision=opts.precision)
+  g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)  # [1, HV, T]
+  beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
+  out = chunk_fwd.chunk_fwd(
+    k,
+    v,
+    g_hm,
+    beta_hm,
+    mask,
+    save_ai=save_ai,
+    merge=opts.chunk_fwd_merge,
+    inverse=opts.chunk_fwd_inverse,
+    launch=opts.chunk_fwd,
+    chunk=bt,
+    key_blocks=r,
+    table=packing.chunks,
+    **prec,
+  )
+  gcum, w, u = out[:3]
+  o, final = chunk_state_output.chunk_state_output(
+    q,
+    k,
+    w,
+    u,
+    gcum,
+    h0,
+    scale=scale,
+    launch=opts.chunk_state_output,
+    chunk=bt,
+    key_blocks=r,
+    table=packing.sequences,
+    in_place=True,
+    **prec,
+  )
+  return o, final, (gcum, out[3] if save_ai else None)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _gdp_varlen_core(q, k, v, g, beta, mask, h0, table, scale, bt, opts):
-  o, final, _ = _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai=False, table=table)
+def _gdp_varlen_core(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
+  o, final, _ = _forward_varlen(q, k, v, g, beta, mask, h0, scale, bt, opts, False, packing)
   return o, final
 
 
-def _gdp_varlen_core_fwd(q, k, v, g, beta, mask, h0, table, scale, bt, opts):
+def _gdp_varlen_core_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
+  # Residuals: the packed row's inputs as they came (no chunk-aligned copies), gamma and Ai in
+  # the chunk-aligned layout, and the packing.
   forward = dispatch.raise_if_differentiated(
-    lambda *a: _forward(*a, scale, bt, opts, save_ai=True, table=table), NO_HIGHER_DERIVATIVES
+    lambda *a: _forward_varlen(*a, scale, bt, opts, True, packing), NO_HIGHER_DERIVATIVES
   )
   o, final, (gcum, ai) = forward(q, k, v, g, beta, mask, h0)
-  return (o, final), (q, k, v, g, beta, mask, h0, gcum, ai, table)
+  return (o, final), (q, k, v, g, beta, mask, h0, gcum, ai, packing)
 
 
 def _gdp_varlen_core_bwd(scale, bt, opts, residuals, cotangents):
-  *residuals, table = residuals
+  *residuals, packing = residuals
+  q, k, v, g, beta, mask, h0, gcum, ai = residuals
+  do, dfinal = cotangents
+  # the backward kernels work on the chunk-aligned layout: gather the inputs and do into it, and
+  # the gradients of the token arrays back to the packed row
+  pack = functools.partial(_pack_padded, packing=packing)
+  unpack = functools.partial(_unpack_padded, packing=packing)
+  padded = (*map(pack, (q, k, v, g, beta)), _pack_mask(mask, packing), h0, gcum, ai)
   backward = dispatch.raise_if_differentiated(
-    lambda res, cot: _backward(scale, bt, opts, res, cot, table=table), NO_HIGHER_DERIVATIVES
+    lambda res, cot: _backward(scale, bt, opts, res, cot, table=packing.sequences),
+    NO_HIGHER_DERIVATIVES,
   )
   # an empty sequence's initial state is its final state: the walks return its dfinal as its
   # gradient (pallas_kernels/common/packed.py)
-  return backward(tuple(residuals), cotangents) + (None,)
+  dq, dk, dv, dg, dbeta, dmask, dh0 = backward(padded, (pack(do), dfinal))
+  if mask.shape[1] != 1:
+    dmask = unpack(dmask)
+  return (*map(unpack, (dq, dk, dv, dg, dbeta)), dmask, dh0, None)
 
 
 _gdp_varlen_core.defvjp(_gdp_varlen_core_fwd, _gdp_varlen_core_bwd)
 
 
-def _packed_offsets(lay, table):
-  """[N + 1] int32: where each sequence starts in the chunk-aligned layout (its first chunk,
-  `table[0]` of `varlen.sequence_chunks`), then T_pad (the padding after a sequence counts as its
-  own: finite, it never spoils it)."""
-  return jnp.append(lay.chunk * table[0], lay.t_pad).astype(jnp.int32)
-
-
 def _clean_packed(offsets, empty, q, k, v, g, beta, mask):
-  """`varlen.clean` on the packed layout: a bad token marks its own sequence from it on and
-  that sequence's final state; an empty sequence's final state (its initial state) never."""
+  """`varlen.clean` on the packed row: a bad token marks its own sequence from it on and that
+  sequence's final state; an empty sequence's final state (its initial state) never."""
   cleaned, marks = varlen.clean(q, k, v, g, beta, mask, offsets)
   return cleaned, marks._replace(final=marks.final & ~empty[:, None])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
-def _gdp_varlen_guarded(q, k, v, g, beta, mask, h0, table, empty, offsets, scale, bt, opts):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _gdp_varlen_guarded(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
   """`_gdp_varlen_core` causal under non-finite inputs, per sequence (as `_gdp_guarded`)."""
-  clean = functools.partial(_clean_packed, offsets, empty)
-  outputs = lambda x: _gdp_varlen_core(*x, h0, table, scale, bt, opts)
+  clean = _packed_cleaner(packing)
+  outputs = lambda x: _gdp_varlen_core(*x, h0, packing, scale, bt, opts)
   forward = lambda x: (*outputs(x), ())
   o, final, _, _ = _guarded_forward(forward, outputs, (q, k, v, g, beta, mask), clean)
   return o, final
 
 
-def _varlen_residuals(h0, table, scale, bt, opts):
+def _packed_cleaner(packing):
+  lay = packing.layout
+  return functools.partial(_clean_packed, lay.cu_seqlens, lay.empty)
+
+
+def _varlen_residuals(h0, packing, scale, bt, opts):
   """x -> (o, final, (gcum, ai)), as `_core_residuals` for packed sequences."""
 
   def run(x):
-    (o, final), residuals = _gdp_varlen_core_fwd(*x, h0, table, scale, bt, opts)
+    (o, final), residuals = _gdp_varlen_core_fwd(*x, h0, packing, scale, bt, opts)
     return o, final, residuals[7:9]
 
   return run
 
 
-def _gdp_varlen_guarded_fwd(q, k, v, g, beta, mask, h0, table, empty, offsets, scale, bt, opts):
+def _gdp_varlen_guarded_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
   inputs = (q, k, v, g, beta, mask)
-  clean = functools.partial(_clean_packed, offsets, empty)
-  outputs = lambda x: _gdp_varlen_core(*x, h0, table, scale, bt, opts)
-  forward = _varlen_residuals(h0, table, scale, bt, opts)
-  o, final, saved, ok = _guarded_forward(forward, outputs, inputs, clean)
-  return (o, final), (*inputs, h0, *saved, table, empty, offsets, ok)
+  outputs = lambda x: _gdp_varlen_core(*x, h0, packing, scale, bt, opts)
+  forward = _varlen_residuals(h0, packing, scale, bt, opts)
+  o, final, saved, ok = _guarded_forward(forward, outputs, inputs, _packed_cleaner(packing))
+  return (o, final), (*inputs, h0, *saved, packing, ok)
 
 
 def _gdp_varlen_guarded_bwd(scale, bt, opts, residuals, cotangents):
-  *inputs, h0, gcum, ai, table, empty, offsets, ok = residuals
+  *inputs, h0, gcum, ai, packing, ok = residuals
 
   def backward(x, saved, cot):
-    residuals = (*x, h0, *saved, table)
-    return _gdp_varlen_core_bwd(scale, bt, opts, residuals, cot)[:7]  # no table
+    residuals = (*x, h0, *saved, packing)
+    return _gdp_varlen_core_bwd(scale, bt, opts, residuals, cot)[:7]  # no packing
 
-  recompute = lambda x: _varlen_residuals(h0, table, scale, bt, opts)(x)[2]
-  clean = functools.partial(_clean_packed, offsets, empty)
+  recompute = lambda x: _varlen_residuals(h0, packing, scale, bt, opts)(x)[2]
+  clean = _packed_cleaner(packing)
   grads = _guarded_backward(backward, recompute, tuple(inputs), (gcum, ai), cotangents, clean, ok)
-  return grads + (None, None, None)
+  return grads + (None,)
 
 
 _gdp_varlen_guarded.defvjp(_gdp_varlen_guarded_fwd, _gdp_varlen_guarded_bwd)
@@ -566,10 +664,12 @@ def gated_delta_product_pallas_varlen(
   mask [1, Tm, Hm, r, r]; initial_state [N, HV, K, V] float32; cu_seqlens [N + 1] int (T not
   padded) -> (o [1, T, HV, V] in q's dtype, final [N, HV, K, V] float32).
 
-  The inputs are packed into the chunk-aligned layout at the kernels' chunk BT
-  (`varlen.layout`, `pallas_chunk`); every per-chunk kernel runs unchanged on it and the state
-  walks (chunk_state_output, chunk_h, bwd_dhu) run one program per (V tile, sequence, head) over
-  that sequence's chunks (`varlen.sequence_chunks`, pallas_kernels/common/packed.py). The
+  The kernels work on the chunk-aligned layout at their chunk BT (`varlen.layout`,
+  `pallas_chunk`): the fused forward reads q, k, v, g and beta in place in the packed row at each
+  chunk's tokens and writes o there, its per-chunk intermediates (gamma, w, u, Ai) in that layout;
+  the five-kernel forward and the backward gather their operands into it. The state walks
+  (chunk_state_output, chunk_h, bwd_dhu) run one program per (V tile, sequence, head) over that
+  sequence's chunks (`varlen.sequence_chunks`, pallas_kernels/common/packed.py). The
   kernels' varlen form is checked in the Pallas interpreter, through the Triton lowering and on
   a GPU (benchmarks/bench_varlen.py, docs/varlen.md#speed-on-an-h200). A non-finite input
   spoils its own sequence only (`_gdp_varlen_guarded`, docs/precision.md#non-finite-inputs).
@@ -603,23 +703,11 @@ def _gated_delta_product_pallas_varlen(
   t_len, dim_k, dim_v = q.shape[1], q.shape[-1], v.shape[-1]
   r = mask.shape[-1]
   bt = pallas_chunk(chunk_size, r)
-  lay = varlen.layout(cu_seqlens, t_len, bt)
-  # reverse_only: the Pallas path has no forward mode, so pack and unpack transpose to gathers
-  pack = lambda x: varlen.pack(x, lay, reverse_only=True)
-  q, k, v, g, beta = (pack(x) for x in (q, k, v, g, beta))
-  if mask.shape[1] != 1:
-    mask = pack(mask)
-  table = varlen.sequence_chunks(lay)  # [2, N]: one program per sequence in the state walks
+  packing = _packing(cu_seqlens, t_len, bt)
   q, k, v, g, h0, options = _kernel_inputs(q, k, v, g, initial_state, r, options, precision)
-  mask = mask.astype(jnp.float32)
-  if options.nonfinite_guard:
-    offsets = _packed_offsets(lay, table)
-    o, final = _gdp_varlen_guarded(
-      q, k, v, g, beta, mask, h0, table, lay.empty, offsets, scale, bt, options
-    )
-  else:
-    o, final = _gdp_varlen_core(q, k, v, g, beta, mask, h0, table, scale, bt, options)
-  o = varlen.unpack(o[..., :dim_v], lay, reverse_only=True)
+  core = _gdp_varlen_guarded if options.nonfinite_guard else _gdp_varlen_core
+  o, final = core(q, k, v, g, beta, mask.astype(jnp.float32), h0, packing, scale, bt, options)
+  o = o[..., :dim_v]
   final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
   return o, final
 

@@ -211,12 +211,33 @@ _move.defvjp(_move_fwd, _move_bwd)
 
 
 def sequence_chunks(lay: Layout):
-  """int32 [2, N]: each sequence's first chunk and number of chunks (the table of the Pallas
-  state walks, pallas_kernels/common/packed.py). The chunks after the last sequence's (the unused
-  ones, fewer than N) hold padding only."""
-  lengths = lay.cu_seqlens[1:] - lay.cu_seqlens[:-1]
+  """int32 [4, N], the per-sequence table of the Pallas state walks
+  (pallas_kernels/common/packed.py): each sequence's first chunk and number of chunks (rows 0
+  and 1, all the walks over the chunk-aligned layout read), then its first token and one past its
+  last token in the packed row (rows 2 and 3, `cu_seqlens[:-1]` and `cu_seqlens[1:]`: where a walk
+  that reads and writes the packed row in place finds its chunks' tokens). The chunks after the
+  last sequence's (the unused ones, fewer than N) hold padding only."""
+  cu = lay.cu_seqlens
+  lengths = cu[1:] - cu[:-1]
   chunks = (lengths + lay.chunk - 1) // lay.chunk
-  return jnp.stack([jnp.cumsum(chunks) - chunks, chunks]).astype(i32)
+  return jnp.stack([jnp.cumsum(chunks) - chunks, chunks, cu[:-1], cu[1:]]).astype(i32)
+
+
+def chunk_tokens(lay: Layout):
+  """int32 [2, NT], the per-chunk table of the Pallas kernels that read the packed row in place
+  (pallas_kernels/forward/chunk_fwd.py): each chunk's first token in the packed row and its number
+  of tokens (C but for a sequence's last chunk; 0 for the unused chunks, whose first token is
+  then clipped to T: they read nothing). Chunk j of sequence n starts at token
+  cu_seqlens[n] + C (j - chunk_start[n])."""
+  cu = lay.cu_seqlens
+  lengths = cu[1:] - cu[:-1]
+  chunks = (lengths + lay.chunk - 1) // lay.chunk
+  chunk_start = jnp.cumsum(chunks) - chunks
+  seq = lay.chunk_seq
+  j = jnp.arange(lay.num_chunks, dtype=i32)
+  first = jnp.minimum(cu[seq] + lay.chunk * (j - chunk_start[seq]), lay.t_len)
+  count = jnp.where(lay.chunk_valid, jnp.clip(cu[seq + 1] - first, 0, lay.chunk), 0)
+  return jnp.stack([first, count]).astype(i32)
 
 
 def chunk_initial_states(initial_state, lay: Layout):

@@ -119,7 +119,9 @@ def test_layout_tables():
   np.testing.assert_array_equal(varlen.unpack(packed, lay), x)
   np.testing.assert_array_equal(lay.sources[lay.positions], np.arange(29))
   assert bool(jnp.all(jnp.delete(lay.sources, lay.positions) >= 29))  # padding: out of range
-  np.testing.assert_array_equal(varlen.sequence_chunks(lay), [[0, 1, 2, 2], [1, 1, 0, 2]])
+  np.testing.assert_array_equal(
+    varlen.sequence_chunks(lay), [[0, 1, 2, 2], [1, 1, 0, 2], [0, 5, 6, 6], [5, 6, 6, 29]]
+  )
 
 
 @pytest.mark.parametrize("reverse_only", [False, True])
@@ -313,15 +315,15 @@ def test_default_implementation_with_cu_seqlens(monkeypatch):
 
 # ---- the Pallas kernels' packed form --------------------------------------------------------
 
-# (r, mask kind, H, HV, chunk_size, fused, backward, lengths): the fused forward
-# (chunk_state_output) and the five-kernel one (chunk_h), the backward's recompute (chunk_h) and
-# walk (bwd_dhu); BT = 16. LENGTHS leave two unused chunks at the end of the layout (NT = 7, 5
-# used); (0, 17, 1, 0) has an empty first and last sequence and one unused chunk.
+# (r, mask kind, H, HV, chunk_size, fused, backward, lengths): the fused forward (chunk_fwd and
+# chunk_state_output reading the packed row in place) and the five-kernel one (chunk_h, on the
+# chunk-aligned copy), the backward's recompute (chunk_h) and walk (bwd_dhu); BT = 16. LENGTHS
+# leave two unused chunks at the end of the layout (NT = 7, 5 used); with an empty first and
+# last sequence added, four (NT = 9).
 PALLAS_CASES = [
-  (2, "token", 1, 2, 16, True, "pallas", LENGTHS),
+  (2, "token", 1, 2, 16, True, "pallas", (0, *LENGTHS, 0)),
   (1, None, 2, 2, 64, False, "pallas", LENGTHS),
-  (2, "head", 2, 2, 16, True, "xla", LENGTHS),
-  (1, None, 1, 1, 16, True, "pallas", (0, 17, 1, 0)),
+  (1, "head", 2, 2, 16, True, "xla", LENGTHS),
 ]
 
 
@@ -360,37 +362,47 @@ def test_pallas_packed_equals_xla_packed(r, mask_kind, H, HV, chunk, fused, back
 
 def test_pallas_state_walks_run_each_sequence_apart():
   """The state walks with the per-sequence table (interpreted) equal the unpacked walks over each
-  sequence's chunks alone, from its own state: chunk counts (0, 2, 1, 0) of NT = 5 (an empty
-  first and last sequence, two unused chunks at the end). The unused chunks, filled with random
-  values here, get what a walk from a zero state writes (h = dh = 0, v_new = u,
-  dv_new = dv_local); an empty sequence's final state is its initial state, its d initial state
-  its dfinal. The interpreter fills unwritten outputs with nan, so a skipped chunk fails."""
+  sequence's chunks alone, from its own state: lengths (0, 27, 9, 0), chunk counts (0, 2, 1, 0)
+  of NT = 6 (an empty first and last sequence, three unused chunks at the end). chunk_state_output
+  reads q and k from the packed row in place and writes o there (the sequence of 27 tokens ends
+  mid-chunk, before the one of 9); chunk_h and bwd_dhu walk the chunk-aligned copy. The unused
+  chunks, filled with random values here, get what a walk from a zero state writes (h = dh = 0,
+  v_new = u, dv_new = dv_local); an empty sequence's final state is its initial state, its
+  d initial state its dfinal. The interpreter fills unwritten outputs with nan, so a skipped chunk
+  fails; and with the table cut after the 27 tokens the 9 tokens' rows of o stay nan (no masked
+  store wrote past its sequence)."""
   from pallas_kernels.backward import bwd_dhu
   from pallas_kernels.forward import chunk_h, chunk_state_output
 
-  chunk, nt, r, K, V = 16, 5, 1, 16, 16
-  counts = np.array([0, 2, 1, 0])
-  starts = np.cumsum(counts) - counts
-  n_seq, T = len(counts), nt * chunk
+  chunk, r, K, V = 16, 1, 16, 16
+  lengths = (0, 27, 9, 0)
+  lay = varlen.layout(cu_of(lengths), sum(lengths), chunk)
+  table = varlen.sequence_chunks(lay)
+  starts, counts = np.asarray(table[0]), np.asarray(table[1])
+  n_seq, nt = len(lengths), lay.num_chunks
+  T = nt * chunk
   keys = jax.random.split(jax.random.key(3), 9)
   normal = lambda i, shape: 0.5 * jax.random.normal(keys[i], shape, jnp.float32)
-  q, k, do = normal(0, (1, T, 1, K)), normal(1, (1, T, 1, K)), normal(2, (1, T, 1, V))
+  q_row, k_row = normal(0, (1, lay.t_len, 1, K)), normal(1, (1, lay.t_len, 1, K))
+  q, k = varlen.pack(q_row, lay), varlen.pack(k_row, lay)  # zero padding
+  do = normal(2, (1, T, 1, V))
   w, u, dvl = normal(3, (1, 1, T * r, K)), normal(4, (1, 1, T * r, V)), normal(5, (1, 1, T, V))
   g = -jnp.abs(normal(6, (1, 1, nt, chunk)))
   gamma = jnp.cumsum(g, axis=-1).reshape(1, 1, T)
   h0, dfinal = normal(7, (n_seq, 1, K, V)), normal(8, (n_seq, 1, K, V))
-  table = jnp.asarray(np.stack([starts, counts]), jnp.int32)
   kw = dict(chunk=chunk, key_blocks=r, precision="ieee")
-  o, final, h, v_new = chunk_state_output.chunk_state_output(
-    q, k, w, u, gamma, h0, scale=0.3, save_states=True, h_dtype=jnp.float32, table=table, **kw
+  walk = dict(scale=0.3, save_states=True, h_dtype=jnp.float32, table=table, in_place=True, **kw)
+  o_row, final, h, v_new = chunk_state_output.chunk_state_output(
+    q_row, k_row, w, u, gamma, h0, **walk
   )
+  o = varlen.pack(o_row, lay)
   h2, v_new2, final2 = chunk_h.chunk_state(
     k, w, u, gamma, h0, h_dtype=jnp.float32, table=table, **kw
   )
   dh, dh0, dv_new = bwd_dhu.chunk_bwd_dhu(
     q, k, w, gamma, do, dvl, dfinal, scale=0.3, table=table, **kw
   )
-  for x in (o, final, h, v_new, h2, v_new2, final2, dh, dh0, dv_new):
+  for x in (o_row, final, h, v_new, h2, v_new2, final2, dh, dh0, dv_new):
     assert bool(jnp.all(jnp.isfinite(x)))
   np.testing.assert_array_equal(h2, h)
   np.testing.assert_array_equal(v_new2, v_new)
@@ -420,8 +432,9 @@ def test_pallas_state_walks_run_each_sequence_apart():
     dh1, dh01, dvn1 = bwd_dhu.chunk_bwd_dhu(
       tok(q), tok(k), rows(w), gamma[..., a:e], tok(do), rows(dvl), dfn, scale=0.3, **kw
     )
+    valid = (jnp.arange(a, e) < a + lengths[n])[None, :, None, None]  # o of padding: not kept
     for got, want, what in [
-      (tok(o), o1, "o"),
+      (tok(o), jnp.where(valid, o1, 0.0), "o"),
       (final[n : n + 1], f1, "final"),
       (h[:, :, cs], h1, "h"),
       (rows(v_new), vn1, "v_new"),
@@ -435,6 +448,11 @@ def test_pallas_state_walks_run_each_sequence_apart():
   np.testing.assert_array_equal(dh[:, :, counts.sum() :], 0.0)
   assert_close(v_new[:, :, used * r :], u[:, :, used * r :], 1e-6, "v_new of the unused chunks")
   assert_close(dv_new[:, :, used * r :], dvl[:, :, used * r :], 1e-6, "dv_new of the unused chunks")
+  cut = dict(walk, table=table[:, :2], save_states=False)  # sequences 0 and 1 only
+  o_cut, final_cut = chunk_state_output.chunk_state_output(q_row, k_row, w, u, gamma, h0[:2], **cut)
+  assert bool(jnp.all(jnp.isnan(o_cut[:, 27:]))), "rows past the last sequence were written"
+  np.testing.assert_array_equal(o_cut[:, :27], o_row[:, :27])
+  np.testing.assert_array_equal(final_cut, final[:2])
 
 
 @pytest.mark.parametrize("r,dtype", [(1, jnp.bfloat16), (2, jnp.float32)])
@@ -473,6 +491,163 @@ def test_pallas_state_walks_with_table_lower_to_triton(monkeypatch, r, dtype):
     monkeypatch, walks, tok, tok, rows_k, rows_v, gam, states, table, do, dvl
   )
   assert len(modules) == 4 and all("tt.func" in m for m in modules)
+
+
+# ---- the kernels that read the packed row in place --------------------------------------------
+
+# BT = 16: an empty first and last sequence, one token, a sequence ending mid-chunk (5) followed
+# by another, one over a chunk (21) and one that ends the row mid-chunk (9); NT = 7, 5 used.
+INPLACE_LENGTHS = (0, 1, 5, 21, 9, 0)
+
+
+def test_chunk_fwd_in_place_equals_padded_copy():
+  """chunk_fwd reading k, v, g and beta of the packed row in place with its per-chunk table
+  (varlen.chunk_tokens; interpreted) gives exactly what it gives on the chunk-aligned copy:
+  gamma, w, u and Ai, over empty sequences, one token, a sequence ending mid-chunk followed by
+  another and the unused chunks; merge="panels" (the default "blocks" in place: the operator's
+  tests above), grouped value heads and a per-token mask. (chunk_state_output in place:
+  test_pallas_state_walks_run_each_sequence_apart.)"""
+  from pallas_kernels.forward import chunk_fwd
+
+  r, H, HV = 2, 1, 2
+
+  K, V, T = 16 * r, 16, sum(INPLACE_LENGTHS)
+  lay = varlen.layout(cu_of(INPLACE_LENGTHS), T, 16)
+  keys = jax.random.split(jax.random.key(12), 5)
+  row = dict(
+    k=0.5 * jax.random.normal(keys[0], (1, T, H, K)),
+    v=0.5 * jax.random.normal(keys[1], (1, T, HV, V)),
+    g=-jnp.abs(jax.random.normal(keys[2], (1, T, HV))),
+    beta=jax.random.uniform(keys[3], (1, T, HV)),
+  )
+  padded = {n: varlen.pack(x, lay) for n, x in row.items()}
+  # per token, in the chunk-aligned layout for both
+  mask = varlen.pack(jax.random.uniform(keys[4], (1, T, HV, r, r)), lay)
+  hm = lambda x: jnp.moveaxis(x, 1, 2)  # [1, T, H] -> [1, H, T]
+  fwd = dict(key_blocks=r, chunk=16, precision="ieee", save_ai=True, merge="panels")
+  want = chunk_fwd.chunk_fwd(
+    padded["k"], padded["v"], hm(padded["g"]), hm(padded["beta"]), mask, **fwd
+  )
+  got = chunk_fwd.chunk_fwd(
+    row["k"], row["v"], hm(row["g"]), hm(row["beta"]), mask, table=varlen.chunk_tokens(lay), **fwd
+  )
+  for x, y, what in zip(got, want, ("gamma", "w", "u", "Ai")):
+    np.testing.assert_array_equal(x, y, err_msg=what)
+
+
+@pytest.mark.parametrize(
+  "r,dtype,T,N,H,HV,per_token",
+  [(1, jnp.bfloat16, 8 * 4096, 64, 16, 16, False), (2, jnp.float32, 200, 3, 1, 2, True)],
+)
+def test_fused_kernels_in_place_lower_to_triton(monkeypatch, r, dtype, T, N, H, HV, per_token):
+  """chunk_fwd with its per-chunk table and chunk_state_output in place (masked loads of the
+  packed row at traced offsets, masked stores of o) through the Pallas Triton lowering for an
+  H200: the benchmark's shape (bf16, 8 x 4096 tokens in 64 sequences, H = 16, K = V = 128,
+  merge="blocks"), and T = 200 (not a multiple of the chunk) with grouped heads and a per-token
+  mask at r = 2 (merge="panels")."""
+  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+  from tests.triton_lowering import lower_for_h200
+
+  S = jax.ShapeDtypeStruct
+  K = V = 128
+  chunk = 64 // r
+  nt = varlen.max_chunks(T, N, chunk)
+  tp = nt * chunk
+  keys, vals, per_head = S((1, T, H, K), dtype), S((1, T, HV, V), dtype), S((1, HV, T), jnp.float32)
+  mask = S((1, tp, HV, r, r) if per_token else (1, 1, 1, r, r), jnp.float32)
+  rows_k, rows_v = S((1, HV, tp * r, K), dtype), S((1, HV, tp * r, V), dtype)
+  gamma, h0 = S((1, HV, tp), jnp.float32), S((N, HV, K, V), jnp.float32)
+  chunks, seqs = S((2, nt), jnp.int32), S((4, N), jnp.int32)
+  merge = "panels" if per_token else "blocks"
+
+  def fused(q, k, v, g, beta, mask, chunks, w, u, gamma, h0, seqs):
+    common = dict(key_blocks=r, chunk=chunk)
+    outs = [
+      chunk_fwd.chunk_fwd(k, v, g, beta, mask, save_ai=save, table=chunks, merge=merge, **common)
+      for save in (False, True)
+    ]
+    for save in (False, True):
+      outs.append(
+        chunk_state_output.chunk_state_output(
+          q, k, w, u, gamma, h0, scale=0.1, save_states=save, table=seqs, in_place=True, **common
+        )
+      )
+    return outs
+
+  avals = (keys, keys, vals, per_head, per_head, mask, chunks, rows_k, rows_v, gamma, h0, seqs)
+  modules = lower_for_h200(monkeypatch, fused, *avals)
+  assert len(modules) == 4 and all("tt.func" in m for m in modules)
+
+
+def test_pallas_packed_forward_makes_no_copies():
+  """The fused packed forward (a call without gradient) gathers no float array: q, k, v, g, beta
+  and o stay in the packed row (the layout's tables are int gathers); the five-kernel forward
+  still gathers them into the chunk-aligned layout (which shows the check can fail)."""
+  from pallas_kernels.common.options import DEFAULT
+
+  inputs = packed_inputs(3, (5, 11, 0, 20), H=2, r=1, mask_kind=None)
+  cu = cu_of((5, 11, 0, 20))
+
+  def float_gathers(fused):
+    options = DEFAULT.replace(fused=fused)
+    run = lambda kw: gated_delta_product(
+      **kw, cu_seqlens=cu, chunk_size=16, implementation="pallas", options=options
+    )
+    found = []
+
+    def walk(jaxpr):
+      for e in jaxpr.eqns:
+        if e.primitive.name in ("gather", "scatter", "scatter-add"):
+          if jnp.issubdtype(e.invars[0].aval.dtype, jnp.floating):
+            found.append(e.invars[0].aval.shape)
+        if e.primitive.name == "pallas_call":
+          continue
+        for p in e.params.values():
+          for sub in p if isinstance(p, (tuple, list)) else (p,):
+            if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+              walk(getattr(sub, "jaxpr", sub))
+
+    walk(jax.make_jaxpr(run)(inputs).jaxpr)
+    return found
+
+  assert float_gathers(True) == []
+  assert len(float_gathers(False)) >= 6  # q, k, v, g, beta in, o out
+
+
+def test_in_place_kernels_reject_bad_tables():
+  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+
+  T, tp, K = 20, 48, 16
+  k, w = jnp.zeros((1, T, 1, K)), jnp.zeros((1, 1, tp, K))
+  gamma, h0 = jnp.zeros((1, 1, tp)), jnp.zeros((2, 1, K, K))
+  walk = dict(key_blocks=1, chunk=16, scale=1.0)
+  with pytest.raises(ValueError, match="in_place=True needs the per-sequence table"):
+    chunk_state_output.chunk_state_output(k, k, w, w, gamma, h0, in_place=True, **walk)
+  with pytest.raises(ValueError, match=r"table must be int32 \[4, N\]"):
+    table = jnp.zeros((2, 2), jnp.int32)  # no token rows
+    chunk_state_output.chunk_state_output(k, k, w, w, gamma, h0, table=table, in_place=True, **walk)
+  scalars, mask = jnp.zeros((1, 1, T)), jnp.ones((1, 1, 1, 1, 1))
+  with pytest.raises(ValueError, match=r"table must be int32 \[2, NT\]"):
+    chunk_fwd.chunk_fwd(
+      k, k, scalars, scalars, mask, key_blocks=1, chunk=16, table=jnp.zeros((4, 3), jnp.int32)
+    )
+  with pytest.raises(ValueError, match="per-token mask must be"):
+    per_token = jnp.ones((1, T, 1, 1, 1))  # the packed row's, not the layout's
+    chunk_fwd.chunk_fwd(
+      k, k, scalars, scalars, per_token, key_blocks=1, chunk=16, table=jnp.zeros((2, 3), jnp.int32)
+    )
+
+
+def test_chunk_tokens_table():
+  """The per-chunk table of the in-place kernels: each chunk's first token and token count."""
+  lay = varlen.layout(cu_of(INPLACE_LENGTHS), sum(INPLACE_LENGTHS), 16)
+  np.testing.assert_array_equal(
+    varlen.chunk_tokens(lay), [[0, 1, 6, 22, 27, 36, 36], [1, 5, 16, 5, 9, 0, 0]]
+  )
+  np.testing.assert_array_equal(
+    varlen.sequence_chunks(lay),
+    [[0, 0, 1, 2, 4, 5], [0, 1, 1, 2, 1, 0], [0, 0, 1, 6, 27, 36], [0, 1, 6, 27, 36, 36]],
+  )
 
 
 # ---- bad input ---------------------------------------------------------------------------------

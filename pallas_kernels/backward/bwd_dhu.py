@@ -105,7 +105,8 @@ def chunk_bwd_dhu(
   bwd_wy, all use it in that dtype).
 
   table: None, or packed sequences (docs/varlen.md, B = 1, pallas_kernels/common/packed.py):
-  int32 [2, N] (chunk_start, num_chunks of each sequence); dfinal and d initial_state are then
+  int32 [2, N] (chunk_start, num_chunks of each sequence; or `varlen.sequence_chunks` [4, N],
+  whose rows 2 and 3 are unused here); dfinal and d initial_state are then
   [N, H, K, V] (an empty sequence's d initial_state is its dfinal) and the grid is
   (V / block_v, N, H), one program per sequence walking its chunks last to first."""
   bsz, t_len, heads, dim_k = q.shape

@@ -1,5 +1,6 @@
 """The state walks over packed sequences (docs/varlen.md#the-pallas-kernels): chunk_state_output,
-chunk_h and bwd_dhu with a per-sequence table.
+chunk_h and bwd_dhu with a per-sequence table; and the masked row loads and stores of the kernels
+that read the packed row in place (chunk_fwd, chunk_state_output).
 
 The packed row (B = 1) holds N sequences in the chunk-aligned layout (`gdp_jax.varlen.layout`):
 sequence n owns the chunks [chunk_start[n], chunk_start[n] + num_chunks[n]), and the NT - used
@@ -13,8 +14,18 @@ written. There are fewer of them than sequences (NT - used <= N (C - 1) / C < N,
 `varlen.max_chunks`), so program n also runs the one step of chunk used + n (when it exists) from
 a zero state and drops the state it leaves: what a walk over padding from a zero state writes.
 
-The table is int32 [2, N] (rows chunk_start and num_chunks, `varlen.sequence_chunks`), read whole
-by every program (the Triton lowering has no scalar prefetch).
+The table is int32 [2, N] (rows chunk_start and num_chunks) or [4, N] (`varlen.sequence_chunks`:
+also each sequence's first token token_start[n] = cu_seqlens[n] and its end
+token_end[n] = cu_seqlens[n + 1] in the packed row), read whole by every program (the Triton
+lowering has no scalar prefetch).
+
+In place (`sequence_rows`, `load_rows`, `store_rows`, `ChunkRows`): a kernel may read its token
+arrays straight from the packed row [1, T, ...] instead of the chunk-aligned copy. Chunk c of
+sequence n is then its tokens token_start[n] + C (c - chunk_start[n]) + [0, C), of which the first
+min(C, token_end[n] - start) are the sequence's: the others (the next sequence's tokens, or past
+the row's end) are masked, read as zeros (the chunk-aligned layout's padding: zero tokens are
+identity transitions, docs/chunked_form.md#padding) and never written. An unused chunk holds no
+token: every row is masked.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import specs
 
@@ -67,10 +79,67 @@ def walk(table_ref, step, state, num_chunks, *, reverse=False):
   return state
 
 
-def check_table(table, batch, num_states, what):
-  """The wrappers' check of a per-sequence table: int32 [2, N], B = 1, N states."""
-  if table.shape != (2, num_states) or batch != 1:
+def check_table(table, batch, num_states, what, *, in_place=False):
+  """The wrappers' check of a per-sequence table: int32 [2, N] or [4, N] ([4, N] in place), B = 1,
+  N states."""
+  rows = (4,) if in_place else (2, 4)
+  if table.ndim != 2 or table.shape[0] not in rows or table.shape[1] != num_states or batch != 1:
+    shapes = " or ".join(str((r, num_states)) for r in rows)
     raise ValueError(
-      f"table must be int32 [2, N] = {(2, num_states)} (N = {what}.shape[0]) with B = 1, got "
-      f"{table.shape} with B = {batch}"
+      f"table must be int32 [{' or '.join(map(str, rows))}, N] = {shapes} (N = {what}.shape[0]) "
+      f"with B = 1, got {table.shape} with B = {batch}"
     )
+
+
+def sequence_rows(table_ref, n, c, chunk, t_len):
+  """(start, valid): where chunk c of sequence n starts in the packed row of t_len tokens, and how
+  many of its `chunk` rows are the sequence's (0 for the unused chunk a walk runs after its
+  sequence: its start, past the sequence, is clipped to t_len). Needs the [4, N] table. n is the
+  program's pl.program_id(1), read outside the walk's loop (the interpreter cannot read a program
+  id inside a loop body)."""
+  start = table_ref[2, n] + chunk * (c - table_ref[0, n])
+  valid = jnp.clip(table_ref[3, n] - start, 0, chunk)
+  return jnp.minimum(start, t_len), valid
+
+
+def _row_mask(shape, valid):
+  return jax.lax.broadcasted_iota(jnp.int32, shape, 0) < valid
+
+
+def load_rows(ref, start, size, valid, cols=()):
+  """ref[start : start + size, *cols] with the rows from `valid` on read as zeros: a masked load
+  that never reads past the sequence (nor the ref's end)."""
+  view = ref.at[(pl.ds(start, size), *cols)]
+  return pltriton.load(view, mask=_row_mask(view.shape, valid), other=0)
+
+
+def store_rows(ref, start, value, valid, cols=()):
+  """ref[start : start + len(value), *cols] = value for the first `valid` rows only: the rows
+  after them belong to the next sequence (or lie past the ref's end)."""
+  view = ref.at[(pl.ds(start, value.shape[0]), *cols)]
+  pltriton.store(view, value.astype(view.dtype), mask=_row_mask(value.shape, valid))
+
+
+class ChunkRows:
+  """A chunk's view of a whole-row ref [T, ...]: `view[rows, ...]` loads rows of the chunk that
+  starts at token `start` of the row and holds `valid` tokens (the rest read as zeros), as a
+  per-chunk block ref [size, ...] would. `rows` is `...`, `:` (the whole chunk) or a `pl.ds`
+  inside the chunk; the other indices are passed on."""
+
+  def __init__(self, ref, start, valid, size):
+    self.ref, self.start, self.valid, self.size = ref, start, valid, size
+    self.shape = (size, *ref.shape[1:])
+    self.dtype = ref.dtype
+
+  def __getitem__(self, idx):
+    if idx is Ellipsis:
+      idx = ()
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    rows, cols = (idx[0], idx[1:]) if idx else (slice(None), ())
+    if isinstance(rows, slice):
+      if rows != slice(None):
+        raise ValueError(f"ChunkRows takes `:`, `...` or a pl.ds for the rows, got {rows}")
+      first, size = 0, self.size
+    else:
+      first, size = rows.start, rows.size
+    return load_rows(self.ref, self.start + first, size, self.valid - first, cols)

@@ -18,6 +18,12 @@ in the Triton lowering, docs/pallas_triton.md). Row block i needs the rows of X 
 stays alive; the A blocks of one row block live only while it is done. Two forms of the merge
 and the products (`merge=`): "panels" does row block i as [16, N] panels (one dot for each of
 A_i, the merge, w_i and u_i), "blocks" as 16 x 16 block products only.
+
+Packed sequences in place (`table=`, docs/varlen.md#the-pallas-kernels): k, v, g and beta are the
+packed row [1, T, ...] itself; program c reads its chunk's tokens at the offset of a per-chunk
+table (`varlen.chunk_tokens`) with masked loads (pallas_kernels/common/packed.py `ChunkRows`), the
+rows past its sequence's end read as zeros: the chunk-aligned layout's padding, so gamma, w, u and
+Ai, written in that layout, are exactly those of the padded copy.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import backend, options, rows, specs, tril
+from pallas_kernels.common import backend, options, packed, rows, specs, tril
 
 BLOCK = 16
 CHUNKS = (16, 32, 64)
@@ -276,12 +282,27 @@ def _panels_kernel(
 _KERNELS = {"panels": _panels_kernel, "blocks": _blocks_kernel}
 
 
+def _in_place(kernel, chunk):
+  """`kernel` on whole-row refs k, v [T, D] and g, beta [T] of the packed row and a per-chunk
+  table [2, NT] (the last input): program c's chunk starts at token table[0, c] and holds
+  table[1, c] tokens; the kernel sees them as its chunk's blocks (`packed.ChunkRows`). The Triton
+  lowering has no scalar prefetch, so the offset is read inside the kernel, not by index maps."""
+
+  def run(k_ref, v_ref, g_ref, beta_ref, mask_ref, table_ref, *out_refs, **kw):
+    c = pl.program_id(0)
+    start, valid = table_ref[0, c], table_ref[1, c]
+    view = lambda ref: packed.ChunkRows(ref, start, valid, chunk)
+    return kernel(view(k_ref), view(v_ref), view(g_ref), view(beta_ref), mask_ref, *out_refs, **kw)
+
+  return run
+
+
 def _divides(k, v):
   """k's key heads divide v's value heads (grouped value heads)."""
   return k.shape[2] > 0 and v.shape[2] % k.shape[2] == 0
 
 
-def _check(k, v, g, beta, mask, key_blocks, chunk):
+def _check(k, v, g, beta, mask, key_blocks, chunk, in_place=False):
   if k.ndim != 4 or v.ndim != 4 or k.shape[:2] != v.shape[:2] or not _divides(k, v):
     raise ValueError(
       f"k must be [B, Tp, H, K] and v [B, Tp, HV, V] with the same B, Tp and HV a multiple of "
@@ -304,7 +325,7 @@ def _check(k, v, g, beta, mask, key_blocks, chunk):
     )
   if chunk * r > MAX_ROWS:
     raise ValueError(f"chunk * key_blocks = {chunk} * {r} rows exceeds {MAX_ROWS}")
-  if t_len % chunk:
+  if t_len % chunk and not in_place:
     raise ValueError(f"Tp = {t_len} must be a multiple of chunk = {chunk}")
   dk = dim_k // r
   if dim_k % r or dk < 16 or dk & (dk - 1) or dim_v < 16 or dim_v & (dim_v - 1):
@@ -328,6 +349,7 @@ def chunk_fwd(
   merge="panels",
   inverse="auto",
   launch=options.DEFAULT.chunk_fwd,
+  table=None,
 ):
   """The fused intra-chunk forward.
 
@@ -352,8 +374,15 @@ def chunk_fwd(
   ("squaring", "squaring-x3", "squaring-tf32": six products at float32, TF32 x 3 or TF32
   precision; pallas_kernels/common/tril.py).
   launch: warps and pipeline stages (pallas_kernels/common/options.py).
+
+  table: None, or packed sequences read in place (docs/varlen.md#the-pallas-kernels, B = 1):
+  int32 [2, NT] (`varlen.chunk_tokens`), each chunk's first token in the packed row and its number
+  of tokens. k, v, g and beta are then the packed row (T any length, [1, H, T] for g and beta)
+  and the outputs are in the chunk-aligned layout of Tp = C * NT tokens; a per-token mask is
+  [1, Tp, Hm, r, r] in that layout (read per chunk as without a table).
   """
-  _check(k, v, g, beta, mask, key_blocks, chunk)
+  in_place = table is not None
+  _check(k, v, g, beta, mask, key_blocks, chunk, in_place)
   if merge not in _KERNELS:
     raise ValueError(f"merge must be one of {sorted(_KERNELS)}, got {merge!r}")
   if inverse not in INVERSES:
@@ -365,6 +394,19 @@ def chunk_fwd(
   r = key_blocks
   n = chunk * r
   per_token_mask = mask.shape[1] > 1
+  tokens = t_len  # the tokens of k, v, g and beta (the packed row's when in place)
+  if in_place:
+    t_len = chunk * table.shape[-1]  # the chunk-aligned layout's
+    if table.ndim != 2 or table.shape[0] != 2 or bsz != 1:
+      raise ValueError(
+        f"table must be int32 [2, NT] (varlen.chunk_tokens) with B = 1, got {table.shape} with "
+        f"B = {bsz}"
+      )
+    if per_token_mask and mask.shape[1] != t_len:
+      raise ValueError(
+        f"a per-token mask must be [1, Tp, Hm, r, r] in the chunk-aligned layout, Tp = C * NT = "
+        f"{t_len}, got {mask.shape}"
+      )
   out_specs = [specs.scalars(chunk), specs.rows(n, dim_k), specs.rows(n, dim_v)]
   out_shape = [
     jax.ShapeDtypeStruct((bsz, heads, t_len), f32),
@@ -377,21 +419,34 @@ def chunk_fwd(
   kernel = functools.partial(
     _KERNELS[merge], r=r, per_token_mask=per_token_mask, precision=precision, inverse=inverse
   )
+  group = heads // key_heads
+  in_specs = [
+    specs.tokens(chunk, dim_k, group=group),
+    specs.tokens(chunk, dim_v),
+    specs.scalars(chunk),
+    specs.scalars(chunk),
+    specs.mask(mask.shape, chunk),
+  ]
+  args = (k, v, g.astype(f32), beta.astype(f32), mask)
+  if in_place:  # whole-row token refs (the grid's chunk index is unused by their index maps)
+    kernel = _in_place(kernel, chunk)
+    in_specs[:4] = [
+      specs.seq_tokens(tokens, dim_k, group=group),
+      specs.seq_tokens(tokens, dim_v),
+      specs.seq_scalars(tokens),
+      specs.seq_scalars(tokens),
+    ]
+    in_specs.append(specs.whole(table.shape))
+    args = (*args, table.astype(jnp.int32))
   return tuple(
     backend.pallas_call(
       kernel,
       grid=(t_len // chunk, bsz, heads),
-      in_specs=[
-        specs.tokens(chunk, dim_k, group=heads // key_heads),
-        specs.tokens(chunk, dim_v),
-        specs.scalars(chunk),
-        specs.scalars(chunk),
-        specs.mask(mask.shape, chunk),
-      ],
+      in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
       num_warps=launch.num_warps,
       num_stages=launch.num_stages,
       name="gdp_chunk_fwd",
-    )(k, v, g.astype(f32), beta.astype(f32), mask)
+    )(*args)
   )

@@ -96,7 +96,8 @@ def chunk_state(
   final state [B, H, K, V] float32.
 
   table: None, or packed sequences (docs/varlen.md, B = 1, pallas_kernels/common/packed.py):
-  int32 [2, N] (chunk_start, num_chunks of each sequence); initial_state and the final state are
+  int32 [2, N] (chunk_start, num_chunks of each sequence; or `varlen.sequence_chunks` [4, N],
+  whose rows 2 and 3 are unused here); initial_state and the final state are
   then [N, H, K, V] (an empty sequence's final state is its initial state) and the grid is
   (V / block_v, N, H), one program per sequence."""
   bsz, t_len, heads, dim_k = k.shape

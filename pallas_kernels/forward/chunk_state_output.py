@@ -13,6 +13,11 @@ The per-chunk states h and v_new never leave the kernel unless save_states=True 
 (what the backward reads). Rows of one block a are read straight from the refs viewed as
 [Tp, r, D], and key blocks as column blocks of the [Tp, K] refs, so no value is ever sliced
 (docs/pallas_triton.md).
+
+Packed sequences in place (`in_place=True`, docs/varlen.md#the-pallas-kernels): q and k are read
+from the packed row itself at each chunk's tokens with masked loads, and o is written there with
+masked stores (the rows past a sequence's end are the next sequence's: never written); w, u,
+gamma, h and v_new stay in the chunk-aligned layout.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ def _kernel(
   num_chunks,
   scale,
   precision,
+  in_place=False,
   table_ref=None,
 ):
   dim_k = k_ref.shape[-1]
@@ -54,17 +60,25 @@ def _kernel(
   last = tok == chunk - 1
   cols = lambda d: pl.ds(d * dk, dk)
 
+  t_len = q_ref.shape[0]  # the tokens of q, k and o (the packed row's when in place)
+  seq = pl.program_id(1) if in_place else None  # the program's sequence
+
   def body(c, state):
     t0 = pl.multiple_of(c * chunk, chunk)
-    tt = pl.ds(t0, chunk)
+    tt = pl.ds(t0, chunk)  # the chunk in the chunk-aligned layout (w, u, gamma, v_new)
     if state_refs:
       for d in range(r):
         state_refs[0][c, cols(d), :] = state[d].astype(state_refs[0].dtype)
     g = g_ref[tt]
     g_last = jnp.sum(jnp.where(last, g, 0.0))
     s_op = [s.astype(dtype) for s in state]  # dot operands
-    q = [q_ref[tt, cols(d)] for d in range(r)]  # [BT, dk] each, loaded once
-    k = [k_ref[tt, cols(d)] for d in range(r)]
+    if in_place:  # the chunk's tokens in the packed row; rows past the sequence read as zeros
+      start, valid = packed.sequence_rows(table_ref, seq, c, chunk, t_len)
+      q = [packed.load_rows(q_ref, start, chunk, valid, (cols(d),)) for d in range(r)]
+      k = [packed.load_rows(k_ref, start, chunk, valid, (cols(d),)) for d in range(r)]
+    else:
+      q = [q_ref[tt, cols(d)] for d in range(r)]  # [BT, dk] each, loaded once
+      k = [k_ref[tt, cols(d)] for d in range(r)]
     # The chunk's start-state part of the output: exp(gamma_t) q_t^T S.
     o = None
     for d in range(r):
@@ -84,7 +98,10 @@ def _kernel(
       p = dot(q[a], k[a], trans_b=True) * decay
       o = o + dot(p.astype(dtype), vn)
       v_new.append(vn)
-    o_ref[tt, :] = (scale * o).astype(o_ref.dtype)
+    if in_place:  # the sequence's rows only: the next ones are another sequence's
+      packed.store_rows(o_ref, start, scale * o, valid)
+    else:
+      o_ref[tt, :] = (scale * o).astype(o_ref.dtype)
     k_decay = jnp.exp(g_last - g)[:, None]  # g_last <= g: no overflow
     out = []
     for d in range(r):
@@ -117,6 +134,7 @@ def chunk_state_output(
   h_dtype=None,
   launch=options.DEFAULT.chunk_state_output,
   table=None,
+  in_place=False,
 ):
   """The state recurrence and the output in one walk over the chunks.
 
@@ -135,12 +153,26 @@ def chunk_state_output(
   table: None, or packed sequences (docs/varlen.md, B = 1, pallas_kernels/common/packed.py):
   int32 [2, N], the rows chunk_start and num_chunks of `varlen.sequence_chunks` at this chunk;
   initial_state and the returned final state are then [N, H, K, V] (one per sequence; an empty
-  sequence's final state is its initial state) and the grid is (V / block_v, N, H).
+  sequence's final state is its initial state) and the grid is (V / block_v, N, H). The table
+  may also be `varlen.sequence_chunks`' [4, N] (rows 2 and 3 unused).
+
+  in_place (with the [4, N] table): q and k are the packed row [1, T, H, K] itself (T any
+  length: the N sequences back to back, `cu_seqlens` = rows 2 and 3 of the table), read at each
+  chunk's tokens with masked loads, and o [1, T, H, V] is written there with masked stores;
+  w, u, gamma (and the saved h, v_new) keep the chunk-aligned layout of Tp = C * NT tokens
+  (pallas_kernels/common/packed.py).
   """
   if q.ndim != 4 or q.shape != k.shape:
     raise ValueError(f"q and k must both be [B, Tp, H, K], got q {q.shape}, k {k.shape}")
   bsz, t_len, key_heads, dim_k = k.shape
   heads = w.shape[1] if w.ndim == 4 else key_heads  # value heads (a bad w fails below)
+  t_tokens = t_len  # the tokens of q, k and o
+  if in_place:
+    if table is None:
+      raise ValueError("in_place=True needs the per-sequence table (varlen.sequence_chunks)")
+    if gamma.ndim != 3:
+      raise ValueError(f"gamma must be [B, H, Tp], got {gamma.shape}")
+    t_len = gamma.shape[2]  # the chunk-aligned layout's tokens
   if key_heads == 0 or heads % key_heads:
     raise ValueError(
       f"w has {heads} value heads (w {w.shape}), not a multiple of the {key_heads} key heads of "
@@ -165,7 +197,7 @@ def chunk_state_output(
       f"with a table), got {initial_state.shape}"
     )
   if table is not None:
-    packed.check_table(table, bsz, num_states, "initial_state")
+    packed.check_table(table, bsz, num_states, "initial_state", in_place=in_place)
   bv = min(launch.block_v, dim_v)
   if dim_v % bv or bv < 16 or bv & (bv - 1) or dim_k // r < 16 or (dim_k // r) & (dim_k // r - 1):
     raise ValueError(
@@ -178,9 +210,9 @@ def chunk_state_output(
   u5 = u.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
   state_spec = specs.state(dim_k, bv)
-  out_specs = [specs.seq_tokens(t_len, bv, v_block=True), state_spec]
+  out_specs = [specs.seq_tokens(t_tokens, bv, v_block=True), state_spec]
   out_shape = [
-    jax.ShapeDtypeStruct((bsz, t_len, heads, dim_v), q.dtype),
+    jax.ShapeDtypeStruct((bsz, t_tokens, heads, dim_v), q.dtype),
     jax.ShapeDtypeStruct((num_states, heads, dim_k, dim_v), f32),
   ]
   if save_states:
@@ -190,11 +222,11 @@ def chunk_state_output(
       jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype),
     ]
   kernel = functools.partial(
-    _kernel, r=r, chunk=chunk, num_chunks=nt, scale=scale, precision=precision
+    _kernel, r=r, chunk=chunk, num_chunks=nt, scale=scale, precision=precision, in_place=in_place
   )
   in_specs = [
-    specs.seq_tokens(t_len, dim_k, group=heads // key_heads),
-    specs.seq_tokens(t_len, dim_k, group=heads // key_heads),
+    specs.seq_tokens(t_tokens, dim_k, group=heads // key_heads),
+    specs.seq_tokens(t_tokens, dim_k, group=heads // key_heads),
     specs.seq_rows(t_len, r, dim_k),
     per_row_v,
     specs.seq_scalars(t_len),
