@@ -3,11 +3,16 @@
   python benchmarks/profile_stages.py --out stages.json [--shape B,T,H,K,V] [--rs 1,2,4]
   python benchmarks/profile_stages.py --out sweep.json --launch-sweep bwd_dqkwg,bwd_wy \
       [--warps 4,8] [--num-stages 1,2,3] [--block-v 32,64] [--block-k 32,64]
+  python benchmarks/profile_stages.py --out packed.json --packed 8,64 [--rs 1]
 
 Stage times tell where the forward and the backward go (the five-kernel forward and the backward
 kernels). --launch-sweep times the named backward stages instead, once per (num_warps,
 num_stages, block_v, block_k) of the grid, to choose their `Launch` in
-pallas_kernels/common/options.py.
+pallas_kernels/common/options.py. --packed N1,N2 times the fused forward's pieces instead: its
+two kernels on the B rows (`chunk_fwd`, `chunk_state_output`), then the same tokens as one packed
+row of N sequences (equal lengths when N = B, else random ones, benchmarks/bench_varlen.py): the
+packing tables (`packing`, gdp_jax/pallas_impl.py), the two kernels reading the row in place, and
+the whole packed forward without the non-finite guard (`forward`), beside the unpacked one.
 """
 
 from __future__ import annotations
@@ -32,7 +37,15 @@ from gdp_jax.operator import normalize_mask  # noqa: E402
 from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy  # noqa: E402
 from pallas_kernels.common import cumsum  # noqa: E402
 from pallas_kernels.common.options import DEFAULT, Launch  # noqa: E402
-from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy  # noqa: E402
+from pallas_kernels.forward import (  # noqa: E402
+  chunk_fwd,
+  chunk_h,
+  chunk_o,
+  chunk_state_output,
+  kkt,
+  solve_tril,
+  wy,
+)
 
 
 def stages(inputs, r, chunk_size=64, launches=None, **overrides):
@@ -98,6 +111,62 @@ def stages(inputs, r, chunk_size=64, launches=None, **overrides):
   }
 
 
+def fused_pieces(q, k, v, g, beta, mask, h0, r, packing=None):
+  """{piece: (jitted fn, args)} of the fused forward on [B, T, ...] inputs (the packed row and
+  its `pallas_impl._Packing` when packing is given)."""
+  bt = pallas_impl.pallas_chunk(64, r)
+  cr = dict(chunk=bt, key_blocks=r)
+  g_hm, beta_hm = (jnp.moveaxis(x.astype(jnp.float32), 1, 2) for x in (g, beta))
+  chunk_table = {} if packing is None else dict(table=packing.chunks)
+  walk_table = {} if packing is None else dict(table=packing.sequences, in_place=True)
+  fwd = lambda *x: chunk_fwd.chunk_fwd(*x, merge=DEFAULT.chunk_fwd_merge, **cr, **chunk_table)
+  gcum, w, u = jax.jit(fwd)(k, v, g_hm, beta_hm, mask)[:3]
+  so = lambda *x: chunk_state_output.chunk_state_output(*x, scale=0.1, **cr, **walk_table)
+  return {
+    "chunk_fwd": (jax.jit(fwd), (k, v, g_hm, beta_hm, mask)),
+    "chunk_state_output": (jax.jit(so), (q, k, w, u, gcum, h0)),
+  }
+
+
+def packed_stages(inputs, r, num_seqs):
+  """{stage: (jitted fn, args)}: the fused forward's pieces unpacked, then packed in num_seqs
+  sequences (module docstring)."""
+  from benchmarks.bench_varlen import random_lengths
+  from gdp_jax import gated_delta_product
+
+  q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  mask, _ = normalize_mask(inputs["mask"], B, T, H, K)
+  mask = mask.astype(jnp.float32)
+  fns = {
+    f"unpacked {name}": fn
+    for name, fn in fused_pieces(
+      q, k, v, g, beta, mask, jnp.zeros((B, H, K, V), jnp.float32), r
+    ).items()
+  }
+  row = lambda x: x.reshape((1, B * T) + x.shape[2:])
+  qp, kp, vp, gp, bp = (row(x) for x in (q, k, v, g, beta))
+  lengths = [T] * B if num_seqs == B else random_lengths(B * T, num_seqs)
+  cu = jnp.cumsum(jnp.array([0] + list(lengths), jnp.int32)).astype(jnp.int32)
+  bt = pallas_impl.pallas_chunk(64, r)
+  pack = jax.jit(lambda c: pallas_impl._packing(c, B * T, bt))
+  packing = pack(cu)
+  h0 = jnp.zeros((num_seqs, H, K, V), jnp.float32)
+  pieces = fused_pieces(qp, kp, vp, gp, bp, mask, h0, r, packing)
+  fns |= {"packing": (pack, (cu,))} | {f"packed {n}": fn for n, fn in pieces.items()}
+  opts = DEFAULT.replace(nonfinite_guard=False)
+  call = lambda cu_seqlens, *x: gated_delta_product(
+    *x, mask=inputs["mask"], cu_seqlens=cu_seqlens, implementation="pallas", options=opts
+  )[0]
+  fns["unpacked forward"] = (
+    jax.jit(lambda *x: gated_delta_product(*x, mask=inputs["mask"], options=opts)[0]),
+    (q, k, v, g, beta),
+  )
+  fns["packed forward"] = (jax.jit(call), (cu, qp, kp, vp, gp, bp))
+  return fns
+
+
 def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--out", required=True)
@@ -111,6 +180,7 @@ def main(argv=None):
   p.add_argument("--num-stages", default="1,2,3", help="num_stages values of the sweep")
   p.add_argument("--block-v", default="", help="block_v values of the sweep (default: the stage's)")
   p.add_argument("--block-k", default="", help="block_k values of the sweep (default: the stage's)")
+  p.add_argument("--packed", default="", help="sequence counts: time the packed forward's pieces")
   args = p.parse_args(argv)
   B, T, H, K, V = (int(x) for x in args.shape.split(","))
   res = dict(
@@ -124,10 +194,11 @@ def main(argv=None):
   )
   if args.launch_sweep:
     return launch_sweep(args, res, (B, T, H, K, V))
-  for r in (int(x) for x in args.rs.split(",")):
+  runs = [(r, n) for r in (int(x) for x in args.rs.split(",")) for n in args.packed.split(",")]
+  for r, packed in runs:
     inputs = make_inputs(B, T, H, K, V, r, DTYPES[args.dtype])
     try:
-      fns = stages(inputs, r)
+      fns = packed_stages(inputs, r, int(packed)) if packed else stages(inputs, r)
     except Exception as e:
       res["stages"].append(
         dict(r=r, error=f"{type(e).__name__}: {e}"[:3000], traceback=traceback.format_exc()[-4000:])
@@ -139,8 +210,8 @@ def main(argv=None):
       try:
         ms = time_jax(fn, fargs, args.reps, args.inner)[0]
         total += ms
-        res["stages"].append(dict(r=r, stage=name, ms=ms))
-        print(f"r={r} {name:10s} {ms:8.3f} ms", flush=True)
+        res["stages"].append(dict(r=r, stage=name, ms=ms, sequences=packed or None))
+        print(f"r={r} {packed} {name:10s} {ms:8.3f} ms", flush=True)
       except Exception as e:
         res["stages"].append(dict(r=r, stage=name, error=f"{type(e).__name__}: {e}"[:3000]))
         print(f"r={r} {name:10s} ERROR {type(e).__name__}: {str(e)[:1500]}", flush=True)
