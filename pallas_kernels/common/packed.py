@@ -19,8 +19,9 @@ also each sequence's first token token_start[n] = cu_seqlens[n] and its end
 token_end[n] = cu_seqlens[n + 1] in the packed row), read whole by every program (the Triton
 lowering has no scalar prefetch).
 
-In place (`sequence_rows`, `load_rows`, `store_rows`, `ChunkRows`): a kernel may read its token
-arrays straight from the packed row [1, T, ...] instead of the chunk-aligned copy. Chunk c of
+In place (`sequence_span`, `sequence_rows`, `load_rows`, `store_rows`, `ChunkRows`): a kernel
+may read its token arrays straight from the packed row [1, T, ...] instead of the chunk-aligned
+copy. Chunk c of
 sequence n is then its tokens token_start[n] + C (c - chunk_start[n]) + [0, C), of which the first
 min(C, token_end[n] - start) are the sequence's: the others (the next sequence's tokens, or past
 the row's end) are masked, read as zeros (the chunk-aligned layout's padding: zero tokens are
@@ -91,14 +92,23 @@ def check_table(table, batch, num_states, what, *, in_place=False):
     )
 
 
-def sequence_rows(table_ref, n, c, chunk, t_len):
-  """(start, valid): where chunk c of sequence n starts in the packed row of t_len tokens, and how
-  many of its `chunk` rows are the sequence's (0 for the unused chunk a walk runs after its
-  sequence: its start, past the sequence, is clipped to t_len). Needs the [4, N] table. n is the
-  program's pl.program_id(1), read outside the walk's loop (the interpreter cannot read a program
-  id inside a loop body)."""
-  start = table_ref[2, n] + chunk * (c - table_ref[0, n])
-  valid = jnp.clip(table_ref[3, n] - start, 0, chunk)
+def sequence_span(table_ref, n):
+  """(first chunk, first token, end token) of sequence n, read from the [4, N] table once, before
+  a walk's loop: read inside the loop (which stores o) the reads could not be hoisted, and the
+  next chunk's loads, whose addresses depend on them, could not be pipelined. n is the program's
+  pl.program_id(1), read outside the loop too (the interpreter cannot read a program id inside a
+  loop body)."""
+  return table_ref[0, n], table_ref[2, n], table_ref[3, n]
+
+
+def sequence_rows(span, c, chunk, t_len):
+  """(start, valid): where chunk c of the sequence of `span` (`sequence_span`) starts in the
+  packed row of t_len tokens, and how many of its `chunk` rows are the sequence's (0 for the
+  unused chunk a walk runs after its sequence: its start, past the sequence, is clipped to
+  t_len)."""
+  first_chunk, first_token, end_token = span
+  start = first_token + chunk * (c - first_chunk)
+  valid = jnp.clip(end_token - start, 0, chunk)
   return jnp.minimum(start, t_len), valid
 
 

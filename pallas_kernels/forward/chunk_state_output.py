@@ -61,7 +61,8 @@ def _kernel(
   cols = lambda d: pl.ds(d * dk, dk)
 
   t_len = q_ref.shape[0]  # the tokens of q, k and o (the packed row's when in place)
-  seq = pl.program_id(1) if in_place else None  # the program's sequence
+  # the program's sequence: its table entries read once, outside the walk's loop
+  span = packed.sequence_span(table_ref, pl.program_id(1)) if in_place else None
 
   def body(c, state):
     t0 = pl.multiple_of(c * chunk, chunk)
@@ -73,7 +74,7 @@ def _kernel(
     g_last = jnp.sum(jnp.where(last, g, 0.0))
     s_op = [s.astype(dtype) for s in state]  # dot operands
     if in_place:  # the chunk's tokens in the packed row; rows past the sequence read as zeros
-      start, valid = packed.sequence_rows(table_ref, seq, c, chunk, t_len)
+      start, valid = packed.sequence_rows(span, c, chunk, t_len)
       q = [packed.load_rows(q_ref, start, chunk, valid, (cols(d),)) for d in range(r)]
       k = [packed.load_rows(k_ref, start, chunk, valid, (cols(d),)) for d in range(r)]
     else:
