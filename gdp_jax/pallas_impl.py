@@ -106,38 +106,58 @@ def _pad_last(x, size):
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
+def _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, chunk_kw, walk_kw):
+  """The fused forward's two kernels (chunk_fwd, then chunk_state_output), with chunk_kw and
+  walk_kw passed to each (packed sequences: their tables). Returns (o, final, (gcum, ai))."""
+  r = mask.shape[-1]
+  prec = dict(precision=opts.precision)
+  g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)  # [B, H, Tp]
+  beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
+  out = chunk_fwd.chunk_fwd(
+    k,
+    v,
+    g_hm,
+    beta_hm,
+    mask,
+    save_ai=save_ai,
+    merge=opts.chunk_fwd_merge,
+    inverse=opts.chunk_fwd_inverse,
+    launch=opts.chunk_fwd,
+    chunk=bt,
+    key_blocks=r,
+    **chunk_kw,
+    **prec,
+  )
+  gcum, w, u = out[:3]
+  o, final = chunk_state_output.chunk_state_output(
+    q,
+    k,
+    w,
+    u,
+    gcum,
+    h0,
+    scale=scale,
+    launch=opts.chunk_state_output,
+    chunk=bt,
+    key_blocks=r,
+    **walk_kw,
+    **prec,
+  )
+  return o, final, (gcum, out[3] if save_ai else None)
+
+
 def _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, table=None):
   """The forward kernels on feature-padded inputs. Returns (o, final, (gcum, ai)); ai is None
   when the fused forward runs with save_ai=False (a call without gradient). table: packed
   sequences (`_gdp_varlen_core`), passed to the state walks only. q and k may have fewer (key)
   heads than v (grouped value heads)."""
   r = mask.shape[-1]
-  common = dict(chunk=bt, key_blocks=r)
-  if table is not None:
-    common["table"] = table
+  walk = {} if table is None else dict(table=table)
+  if opts.fused:
+    return _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, {}, walk)
   prec = dict(precision=opts.precision)
   g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)  # [B, H, Tp]
   beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
-  if opts.fused:
-    out = chunk_fwd.chunk_fwd(
-      k,
-      v,
-      g_hm,
-      beta_hm,
-      mask,
-      save_ai=save_ai,
-      merge=opts.chunk_fwd_merge,
-      inverse=opts.chunk_fwd_inverse,
-      launch=opts.chunk_fwd,
-      chunk=bt,
-      key_blocks=r,
-      **prec,
-    )
-    gcum, w, u = out[:3]
-    o, final = chunk_state_output.chunk_state_output(
-      q, k, w, u, gcum, h0, scale=scale, launch=opts.chunk_state_output, **common, **prec
-    )
-    return o, final, (gcum, out[3] if save_ai else None)
   # The five-kernel forward (a tuning and debugging path) repeats q and k across each group of
   # value heads; only the fused kernels read key head h // group in place.
   q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
@@ -147,7 +167,9 @@ def _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, table=None):
     a, chunk_rows=bt * r, out_dtype=q.dtype, launch=opts.solve_tril, **prec
   )
   w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, launch=opts.wy, **blocks, **prec)
-  h, v_new, final = chunk_h.chunk_state(k, w, u, gcum, h0, launch=opts.chunk_h, **common, **prec)
+  h, v_new, final = chunk_h.chunk_state(
+    k, w, u, gcum, h0, launch=opts.chunk_h, **blocks, **walk, **prec
+  )
   o = chunk_o.chunk_output(q, k, v_new, h, gcum, scale=scale, launch=opts.chunk_o, **blocks, **prec)
   return o, final, (gcum, ai)
 
@@ -503,7 +525,6 @@ def _forward_varlen(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, packin
   masked loads, and chunk_state_output writes o there with masked stores; only a per-token mask
   is gathered. The five-kernel forward gathers everything into the chunk-aligned layout and o
   back."""
-  r = mask.shape[-1]
   mask = _pack_mask(mask, packing)
   if not opts.fused:
     q, k, v, g, beta = (_pack_padded(x, packing) for x in (q, k, v, g, beta))
@@ -511,41 +532,9 @@ def _forward_varlen(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, packin
       q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, table=packing.sequences
     )
     return _unpack_padded(o, packing), final, saved
-  prec = dict(precision=opts.precision)
-  g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)  # [1, HV, T]
-  beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
-  out = chunk_fwd.chunk_fwd(
-    k,
-    v,
-    g_hm,
-    beta_hm,
-    mask,
-    save_ai=save_ai,
-    merge=opts.chunk_fwd_merge,
-    inverse=opts.chunk_fwd_inverse,
-    launch=opts.chunk_fwd,
-    chunk=bt,
-    key_blocks=r,
-    table=packing.chunks,
-    **prec,
-  )
-  gcum, w, u = out[:3]
-  o, final = chunk_state_output.chunk_state_output(
-    q,
-    k,
-    w,
-    u,
-    gcum,
-    h0,
-    scale=scale,
-    launch=opts.chunk_state_output,
-    chunk=bt,
-    key_blocks=r,
-    table=packing.sequences,
-    in_place=True,
-    **prec,
-  )
-  return o, final, (gcum, out[3] if save_ai else None)
+  chunks = dict(table=packing.chunks)
+  walk = dict(table=packing.sequences, in_place=True)
+  return _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, chunks, walk)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
