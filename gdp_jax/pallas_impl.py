@@ -310,17 +310,14 @@ def _guarded_backward(backward, recompute, inputs, saved, cotangents, clean, ok)
   """The vjp of `_guarded_forward`: backward(inputs, saved, (do, dfinal)) -> (dq, dk, dv, dg,
   dbeta, dmask, dh0) when ok; else on the cleaned inputs and their residuals
   (`recompute(cleaned)`) with the marked outputs' cotangents zeroed, and zero gradients for the
-  non-finite inputs. The raw inputs' backward runs outside the `lax.cond` (its all-finite branch
-  passes the gradients through), scheduled as without the guard
-  (docs/precision.md#non-finite-inputs)."""
-  grads = tuple(backward(inputs, saved, cotangents))
+  non-finite inputs."""
 
   def bad():
     cleaned, marks = clean(*inputs)
     grads = backward(cleaned, recompute(cleaned), nonfinite.mark_cotangents(*cotangents, marks))
     return nonfinite.clean_gradients(grads[:6], inputs) + tuple(grads[6:])
 
-  return _branch(ok, lambda: grads, bad)
+  return _branch(ok, lambda: tuple(backward(inputs, saved, cotangents)), bad)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
