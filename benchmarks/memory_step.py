@@ -10,6 +10,7 @@ share is peak - inputs - gradients.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import subprocess
@@ -36,6 +37,7 @@ grads = jax.block_until_ready(step(*args))
 stats = jax.devices()[0].memory_stats() or dict()
 in_bytes = sum(a.nbytes for a in args)
 print(json.dumps(dict(impl={impl!r}, r={r}, peak_bytes=stats.get("peak_bytes_in_use"),
+                      gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
                       inputs_bytes=in_bytes, grads_bytes=sum(g.nbytes for g in grads),
                       before_bytes=before.get("bytes_in_use"))))
 """
@@ -73,8 +75,15 @@ def main(argv=None):
         },
         flush=True,
       )
+  first = next((rec for rec in results if "gpu" in rec), {})
+  meta = dict(
+    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    jax_version=first.get("jax_version"),
+    gpu=first.get("gpu"),
+    command=" ".join(["python", "benchmarks/memory_step.py"] + sys.argv[1:]),
+  )
   with open(args.out, "w") as f:
-    json.dump(dict(shape=args.shape, results=results), f, indent=1)
+    json.dump(dict(**meta, shape=args.shape, results=results), f, indent=1)
 
 
 if __name__ == "__main__":
