@@ -14,6 +14,7 @@ notebook kernels, scripts) inherit it. An XLA_FLAGS that already sets the level 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pkgutil
 
@@ -24,11 +25,11 @@ def _cpu_only() -> bool:
   platforms = os.environ.get("JAX_PLATFORMS", "")
   if platforms:
     return platforms.split(",") == ["cpu"]
-  try:
-    import jax_plugins  # GPU plugins (CUDA, ROCm) install modules in this namespace
-  except ImportError:
+  # GPU plugins (CUDA, ROCm) install modules in the jax_plugins namespace package.
+  spec = importlib.util.find_spec("jax_plugins")
+  if spec is None or not spec.submodule_search_locations:
     return True
-  return not any(True for _ in pkgutil.iter_modules(jax_plugins.__path__))
+  return not any(True for _ in pkgutil.iter_modules(spec.submodule_search_locations))
 
 
 if _cpu_only() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
