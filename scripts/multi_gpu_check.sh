@@ -34,7 +34,7 @@ N=$("$PY" -c "import jax; print(jax.device_count())" 2>/dev/null | tail -1)
 status=0
 if want checks; then
   "$PY" tests/sharding_checks.py --real --impl pallas ${CHECK_GROUPS:-operator_a operator_b \
-      operator_c step model bench} 2>&1 | tee "$OUT/sharding_checks.jsonl" \
+      step model bench} 2>&1 | tee "$OUT/sharding_checks.jsonl" \
       | grep '"group"' | cut -c1-300
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi

@@ -128,10 +128,11 @@ def test_xla_supports_forward_mode_and_second_order():
     )[0]
     ** 2
   )
-  _, tangent = jax.jvp(loss, (inputs["q"],), (inputs["q"],))
-  grad = jax.grad(loss)(inputs["q"])
+  # under jit: one compilation each instead of op-by-op dispatch of the chunked form
+  _, tangent = jax.jit(lambda q: jax.jvp(loss, (q,), (q,)))(inputs["q"])
+  grad = jax.jit(jax.grad(loss))(inputs["q"])
   np.testing.assert_allclose(float(tangent), float(jnp.sum(grad * inputs["q"])), rtol=1e-4)
-  assert np.isfinite(float(jax.hessian(lambda s: loss(s * inputs["q"]))(1.0)))
+  assert np.isfinite(float(jax.jit(jax.hessian(lambda s: loss(s * inputs["q"])))(1.0)))
 
 
 def test_pallas_decode_steps_have_no_gradient_and_say_so():
