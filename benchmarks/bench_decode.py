@@ -23,8 +23,7 @@ num_warps, num_stages, num_splits) at both shapes.
 Recurrent step, B=64 and B=8 (`--step-batches`), H=16, K=V=128, float32 state, r in {1, 2}: TB/s
 of state read + written, Pallas (in place and not) vs xla vs `implementation=None` (auto), each
 also over the time of `copy` (the state read, decayed and written once: the step's floor, measured
-in the same chain), and a sweep of StepOptions (block_v, num_warps, num_stages,
-tiles_per_program) at r = 1.
+in the same chain), and a sweep of StepOptions (block_v, num_warps, num_stages) at r = 1.
 
 Every figure is the median over `--reps` timed runs (after warm-up) of one jitted
 `lax.fori_loop` of `--inner` calls, so dispatch overhead is not counted; each call depends on the
@@ -472,7 +471,6 @@ def step_section(results, save, shape, rs_list, impls, sweep, reps, inner):
             block_v=rs.DEFAULTS.block_v,
             num_warps=rs.DEFAULTS.num_warps,
             num_stages=rs.DEFAULTS.num_stages,
-            tiles_per_program=rs.DEFAULTS.tiles_per_program,
           )
       except Exception as e:
         case.update(error_fields(e))
@@ -483,32 +481,18 @@ def step_section(results, save, shape, rs_list, impls, sweep, reps, inner):
 
 
 def step_configs(quick, smoke):
-  """StepOptions to sweep: (block_v, num_warps, num_stages, tiles_per_program)."""
-  if smoke:  # the smoke shape has 8 tiles of 16 columns: 3 per program leaves a ragged tail
-    grid = [(16, 4, 1, 1), (32, 4, 2, 1), (16, 4, 1, 3), (32, 8, 1, 2)]
+  """StepOptions to sweep: (block_v, num_warps, num_stages)."""
+  if smoke:
+    grid = [(16, 4, 1), (32, 4, 2)]
   elif quick:
-    grid = [
-      (32, 4, 1, 1),
-      (64, 4, 1, 1),
-      (32, 4, 1, 2),
-      (64, 8, 1, 2),
-      (32, 4, 1, 4),
-      (32, 8, 1, 8),
-    ]
+    grid = [(32, 4, 1), (64, 4, 1), (64, 8, 1), (16, 4, 1)]
   else:
-    grid = [(bv, w, 1, 1) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))]
+    grid = [(bv, w, 1) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))]
     # narrow tiles and few warps: more programs in flight at small batches
-    grid += [(bv, w, 1, 1) for bv, w in ((16, 2), (16, 4), (32, 2), (64, 2))]
-    # Several tiles per program hold two tiles in registers (the one being updated, the next
-    # one loading): 128 columns at 4 warps spill, so the wide tiles get 8 warps.
-    grid += [(bv, w, 1, 2) for bv, w in ((32, 4), (32, 8), (64, 4), (64, 8), (128, 8))]
-    grid += [(bv, w, 1, 4) for bv, w in ((32, 4), (32, 8), (64, 4), (64, 8))]
-    grid += [(bv, w, 1, 8) for bv, w in ((32, 4), (32, 8), (64, 8))]
-    # num_stages should change nothing (no dots, so no software pipelining): two checks
-    grid += [(64, 4, 2, 1), (32, 4, 3, 4)]
-  return [
-    dict(block_v=bv, num_warps=w, num_stages=st, tiles_per_program=t) for bv, w, st, t in grid
-  ]
+    grid += [(bv, w, 1) for bv, w in ((16, 2), (16, 4), (32, 2), (64, 2))]
+    # num_stages should change nothing (no dots, so no software pipelining): a check
+    grid += [(64, 4, 2)]
+  return [dict(block_v=bv, num_warps=w, num_stages=st) for bv, w, st in grid]
 
 
 # ---- output ----------------------------------------------------------------------------------

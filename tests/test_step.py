@@ -178,65 +178,19 @@ def test_kernel_block_v():
 
 
 @pytest.mark.parametrize(
-  "B,H,K,V,r,mask_kind,tiles,in_place",
+  "B,H,K,V,r,mask_shape,dtype,in_place",
   [
-    (2, 3, 16, 32, 1, "shared", 4, False),  # 12 tiles of 16 columns: 3 programs of 4
-    (2, 3, 24, 40, 2, "head", 4, True),  # K, V padded; 18 tiles: the last program has 2 of 4
-    (2, 3, 16, 32, 2, "token", 5, False),  # 12 tiles: the last program has 2 of 5
-    (1, 2, 16, 16, 1, None, 8, False),  # more tiles per program than tiles
+    (64, 16, 128, 128, 1, (1, 1, 1, 1), jnp.bfloat16, True),  # the benchmark shape
+    (64, 16, 128, 128, 2, (1, 16, 2, 2), jnp.float32, True),
+    (4, 4, 128, 64, 4, (4, 4, 4, 4), jnp.bfloat16, False),
+    (2, 2, 24, 40, 3, (1, 2, 3, 3), jnp.float32, True),  # K and V padded and masked
   ],
 )
-def test_kernel_tiles_per_program(B, H, K, V, r, mask_kind, tiles, in_place):
-  """Programs that update several state tiles in turn (the next one's loads in flight) match the
-  jnp step, also where tiles_per_program does not divide the number of tiles."""
-  inputs = make_inputs(38, B=B, T=1, H=H, K=K, V=V, r=r, mask_kind=mask_kind)
-  args = [inputs[n][:, 0] for n in ("q", "k", "v", "g", "beta")]
-  mask = step_mask(inputs["mask"], 0)
-  o_ref, s_ref = gated_delta_product_step(
-    *args, mask, inputs["initial_state"], implementation="xla"
-  )
-  mask = jnp.ones((1, 1)) if mask is None else mask
-  mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # [Bm, Hm, r, r]
-  o, s = step_kernel.recurrent_step(
-    *args,
-    mask,
-    inputs["initial_state"],
-    scale=K**-0.5,
-    block_v=16,
-    tiles_per_program=tiles,
-    in_place=in_place,
-  )
-  assert_close(o, o_ref, tol(jnp.float32), f"o tiles_per_program={tiles}")
-  assert_close(s, s_ref, tol(jnp.float32), f"state tiles_per_program={tiles}")
-
-
-def test_kernel_tiles_per_program_must_be_positive():
-  inputs = make_inputs(39, B=1, T=1, H=1, K=16, V=16, r=1, mask_kind=None)
-  args = [inputs[n][:, 0] for n in ("q", "k", "v", "g", "beta")]
-  with pytest.raises(ValueError, match="tiles_per_program must be an integer >= 1, got 0"):
-    step_kernel.recurrent_step(
-      *args, jnp.ones((1, 1, 1, 1)), inputs["initial_state"], scale=0.25, tiles_per_program=0
-    )
-
-
-@pytest.mark.parametrize(
-  "B,H,K,V,r,mask_shape,dtype,in_place,tiles",
-  [
-    (64, 16, 128, 128, 1, (1, 1, 1, 1), jnp.bfloat16, True, 1),  # the benchmark shape
-    (64, 16, 128, 128, 2, (1, 16, 2, 2), jnp.float32, True, 1),
-    (4, 4, 128, 64, 4, (4, 4, 4, 4), jnp.bfloat16, False, 1),
-    (2, 2, 24, 40, 3, (1, 2, 3, 3), jnp.float32, True, 1),  # K and V padded and masked
-    (64, 16, 128, 128, 1, (1, 1, 1, 1), jnp.bfloat16, True, 4),  # several tiles per program
-    (3, 3, 24, 40, 2, (3, 3, 2, 2), jnp.float32, True, 4),  # padded; 9 tiles: a ragged tail
-  ],
-)
-def test_kernel_lowers_to_triton(monkeypatch, B, H, K, V, r, mask_shape, dtype, in_place, tiles):
+def test_kernel_lowers_to_triton(monkeypatch, B, H, K, V, r, mask_shape, dtype, in_place):
   spec = jax.ShapeDtypeStruct
   modules = lower_for_h200(
     monkeypatch,
-    lambda *a: step_kernel.recurrent_step(
-      *a, scale=0.1, in_place=in_place, tiles_per_program=tiles
-    ),
+    lambda *a: step_kernel.recurrent_step(*a, scale=0.1, in_place=in_place),
     spec((B, H, K), dtype),
     spec((B, H, K), dtype),
     spec((B, H, V), dtype),
@@ -247,7 +201,7 @@ def test_kernel_lowers_to_triton(monkeypatch, B, H, K, V, r, mask_shape, dtype, 
     clear=(step_kernel.recurrent_step,),
   )
   assert "tt.reduce" in modules[0] and "tt.dot" not in modules[0]
-  assert ("scf.for" in modules[0]) == (tiles > 1)  # the tile loop
+  assert "scf.for" not in modules[0]  # one tile per program: no loop
 
 
 # ---- bad input ---------------------------------------------------------------------------------

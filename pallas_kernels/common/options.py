@@ -334,16 +334,13 @@ class DecodeOptions:
 class StepOptions:
   """Launch parameters of the recurrent step kernel (pallas_kernels/inference).
 
-  tiles_per_program: [K, block_v] state tiles each program updates in turn, loading the next
-  tile's state while it reduces and stores the current one (the grid shrinks by that factor);
-  1 is the one-tile-per-program kernel. num_stages has no effect on this kernel (it has no dots,
+  num_stages has no effect on this kernel (it has no dots,
   so Triton's pipeliner leaves it alone); it is kept for a uniform launch interface.
   """
 
   block_v: int = 64
   num_warps: int = 4
   num_stages: int = 1
-  tiles_per_program: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

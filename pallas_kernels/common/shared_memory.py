@@ -226,9 +226,7 @@ def _gqa_decode(p: Problem, block_s: int, merge: str) -> Tiles:
 
 
 def _recurrent_step(p: Problem, bv: int, merge: str) -> Tiles:
-  # no dot: column reductions of the [K, BV] state tile only. StepOptions.tiles_per_program adds
-  # no shared memory: its loop has no dot, so Triton does not pipeline it through shared memory
-  # (the next tile waits in registers)
+  # no dot: column reductions of the [K, BV] state tile only
   kp = max(16, _pow2(p.dim_k))
   return Tiles(scratch=kp * bv * F32)
 

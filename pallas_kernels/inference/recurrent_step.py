@@ -20,12 +20,8 @@ the block structure is handled with row masks (`where(blk == d)`) and column red
 one 2-D tile (docs/pallas_triton.md: no slicing of loaded values).
 The mask entries are scalar loads.
 
-With `tiles_per_program` T > 1 (options.StepOptions) the grid is 1-D: the B * H * (V / block_v)
-tiles are numbered head by head, column tile fastest, and program p updates tiles
-[p T, (p + 1) T) in a loop, issuing the loads of tile t + 1 before it reduces and stores tile t (a
-register double buffer), so a program keeps memory busy between its loads and its stores. Where T
-does not divide the number of tiles, the last program's extra iterations re-read an in-bounds
-tile with masked loads and store nothing. The refs are then whole arrays, indexed by hand.
+Several tiles per program (a loop with the next tile's loads in flight) was tried and measured no
+faster on an H200 (benchmarks/results/h200_2026-11-29_step_sweep.json, ..._step_sweep2.json).
 """
 
 from __future__ import annotations
@@ -89,7 +85,6 @@ def _kernel(
   r,
   scale,
 ):
-  # One tile per program (tiles_per_program = 1).
   # Refs (b, h squeezed): q_ref, k_ref [K]; v_ref [V]; g_ref, beta_ref []; mask_ref [r, r];
   # state_ref, new_ref [K, V]; o_ref [V]. This program owns columns [c0, c0 + block_v).
   j = pl.program_id(2)
@@ -147,138 +142,6 @@ def _kernel(
     o_ref[pl.ds(c0, block_v)] = o.astype(o_ref.dtype)
 
 
-def _multi_kernel(
-  q_ref,
-  k_ref,
-  v_ref,
-  g_ref,
-  beta_ref,
-  mask_ref,
-  state_ref,
-  o_ref,
-  new_ref,
-  *,
-  heads,
-  dim_k,
-  dim_v,
-  kp,
-  block_v,
-  r,
-  scale,
-  n_v,
-  n_tiles,
-  tiles,
-  mask_b,
-  mask_h,
-):
-  # tiles_per_program = `tiles` > 1. Whole-array refs: q_ref, k_ref [B, H, K]; v_ref, o_ref
-  # [B, H, V]; g_ref, beta_ref [B, H]; mask_ref [Bm, Hm, r, r]; state_ref, new_ref [B, H, K, V].
-  # Tile i in [0, n_tiles) is column tile j = i % n_v of head bh = i // n_v (bh = b * H + h);
-  # program p owns tiles [p * tiles, (p + 1) * tiles). Tiles past n_tiles (the last program, when
-  # `tiles` does not divide n_tiles) read an in-bounds tile and store nothing.
-  p = pl.program_id(0)
-  zero = p * 0  # traced start for padded row tiles (a static overrun is rejected)
-  pad_k = kp != dim_k
-  pad_v = dim_v % block_v != 0
-  ragged = n_tiles % tiles != 0
-  rows = jax.lax.broadcasted_iota(jnp.int32, (kp, block_v), 0)
-  tile_cols = jax.lax.broadcasted_iota(jnp.int32, (kp, block_v), 1)
-  vec_rows = jax.lax.broadcasted_iota(jnp.int32, (kp,), 0)
-  vec_cols = jax.lax.broadcasted_iota(jnp.int32, (block_v,), 0)
-
-  def where(i):
-    """(b, h, c0, valid) of tile i; valid is None when every tile is real."""
-    valid = (i < n_tiles) if ragged else None
-    i = jnp.minimum(i, n_tiles - 1) if ragged else i
-    bh = jax.lax.div(i, n_v)  # non-negative: truncation is floor
-    b = jax.lax.div(bh, heads)
-    return b, bh - b * heads, (i - bh * n_v) * block_v, valid
-
-  def masks(c0, valid):
-    """The state tile's mask and o's column mask (None: no masking)."""
-    tile_mask = rows < dim_k if pad_k else None
-    col_ok = None
-    if pad_v:
-      cols_ok = c0 + tile_cols < dim_v
-      tile_mask = cols_ok if tile_mask is None else tile_mask & cols_ok
-      col_ok = c0 + vec_cols < dim_v
-    if valid is not None:
-      tile_mask = valid if tile_mask is None else tile_mask & valid
-      tile_mask = jnp.broadcast_to(tile_mask, (kp, block_v))
-      col_ok = valid if col_ok is None else col_ok & valid
-      col_ok = jnp.broadcast_to(col_ok, (block_v,))
-    return tile_mask, col_ok
-
-  def load(i):
-    """Every input of tile i, in float32: (q, k, v, decay, beta, mask entries, state tile)."""
-    b, h, c0, valid = where(i)
-    tile_mask, _ = masks(c0, valid)
-
-    def load_vec(ref):  # [K] -> [KP] float32
-      if pad_k:
-        vec = pltriton.load(ref.at[b, h, pl.ds(zero, kp)], mask=vec_rows < dim_k, other=0)
-      else:
-        vec = ref[b, h, pl.ds(zero, kp)]
-      return vec.astype(f32)
-
-    if pad_v:
-      v = pltriton.load(v_ref.at[b, h, pl.ds(c0, block_v)], mask=c0 + vec_cols < dim_v, other=0)
-    else:
-      v = v_ref[b, h, pl.ds(c0, block_v)]
-    mb = b if mask_b else 0
-    mh = h if mask_h else 0
-    m = tuple(mask_ref[mb, mh, a, d].astype(f32) for a in range(r) for d in range(r))
-    tile = state_ref.at[b, h, pl.ds(zero, kp), pl.ds(c0, block_v)]
-    s = tile[...] if tile_mask is None else pltriton.load(tile, mask=tile_mask, other=0)
-    decay = jnp.exp(g_ref[b, h].astype(f32))
-    beta = beta_ref[b, h].astype(f32)
-    return load_vec(q_ref), load_vec(k_ref), v.astype(f32), decay, beta, m, s
-
-  def update_and_store(i, inputs):
-    q, k, v, decay, beta, entries, s = inputs
-    new, o = _update(
-      s,
-      q,
-      k,
-      v,
-      decay,
-      beta,
-      lambda a, d: entries[a * r + d],
-      rows,
-      dim_k=dim_k,
-      kp=kp,
-      block_v=block_v,
-      r=r,
-      scale=scale,
-    )
-    b, h, c0, valid = where(i)
-    tile_mask, col_ok = masks(c0, valid)
-    out_tile = new_ref.at[b, h, pl.ds(zero, kp), pl.ds(c0, block_v)]
-    if tile_mask is None:
-      out_tile[...] = new
-    else:
-      pltriton.store(out_tile, new, mask=tile_mask)
-    o_tile = o_ref.at[b, h, pl.ds(c0, block_v)]
-    if col_ok is None:
-      o_tile[...] = o.astype(o_ref.dtype)
-    else:
-      pltriton.store(o_tile, o.astype(o_ref.dtype), mask=col_ok)
-
-  # A register double buffer: the loads of tile t + 1 are issued before tile t is reduced and
-  # stored, so they are in flight meanwhile. (Triton's software pipeliner leaves this loop alone:
-  # it pipelines the loads of loops with dots, or of loops marked with their own stage count,
-  # which the Pallas lowering does not set.)
-  first = p * tiles
-
-  def body(t, inputs):
-    ahead = load(first + t + 1)
-    update_and_store(first + t, inputs)
-    return ahead
-
-  last = jax.lax.fori_loop(0, tiles - 1, body, load(first))
-  update_and_store(first + tiles - 1, last)
-
-
 @functools.partial(
   jax.jit,
   static_argnames=(
@@ -287,7 +150,6 @@ def _multi_kernel(
     "block_v",
     "num_warps",
     "num_stages",
-    "tiles_per_program",
     "in_place",
   ),
 )
@@ -305,7 +167,6 @@ def recurrent_step(
   block_v=None,
   num_warps=DEFAULTS.num_warps,
   num_stages=DEFAULTS.num_stages,
-  tiles_per_program=DEFAULTS.tiles_per_program,
   in_place=True,
 ):
   """One token for every (b, h). Shapes in the module docstring; scale a Python float.
@@ -313,7 +174,6 @@ def recurrent_step(
   Returns (o [B, H, V] in out_dtype (default q.dtype), new state [B, H, K, V] float32).
   in_place aliases the state buffer to the new state: free inside a jitted decode loop or when
   the caller donates the state; otherwise XLA inserts a copy of the state first.
-  tiles_per_program: state tiles per program (module docstring); 1 is the one-tile kernel.
   """
   batch, heads, dim_k = q.shape
   dim_v = v.shape[-1]
@@ -323,49 +183,14 @@ def recurrent_step(
     block_v = min(DEFAULTS.block_v, max(16, pl.next_power_of_2(dim_v)))
   if block_v < 16 or block_v & (block_v - 1):
     raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
-  if not isinstance(tiles_per_program, int) or tiles_per_program < 1:
-    raise ValueError(f"tiles_per_program must be an integer >= 1, got {tiles_per_program!r}")
   out_dtype = q.dtype if out_dtype is None else out_dtype
   n_v = pl.cdiv(dim_v, block_v)
-  n_tiles = batch * heads * n_v
-  tiles = min(tiles_per_program, n_tiles)
   out_shape = [
     jax.ShapeDtypeStruct((batch, heads, dim_v), out_dtype),
     jax.ShapeDtypeStruct((batch, heads, dim_k, dim_v), f32),
   ]
   args = (q, k, v, g, beta, mask, state.astype(f32))
   aliases = {6: 1} if in_place else {}
-
-  if tiles > 1:
-    kernel = functools.partial(
-      _multi_kernel,
-      heads=heads,
-      dim_k=dim_k,
-      dim_v=dim_v,
-      kp=kp,
-      block_v=block_v,
-      r=r,
-      scale=float(scale),
-      n_v=n_v,
-      n_tiles=n_tiles,
-      tiles=tiles,
-      mask_b=bm > 1,
-      mask_h=hm > 1,
-    )
-    whole = lambda shape: pl.BlockSpec(shape, lambda p: (0,) * len(shape))
-    return tuple(
-      backend.pallas_call(
-        kernel,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        grid=(pl.cdiv(n_tiles, tiles),),
-        in_specs=[whole(a.shape) for a in args],
-        out_specs=[whole(o.shape) for o in out_shape],
-        out_shape=out_shape,
-        input_output_aliases=aliases,
-        name="gdp_recurrent_step",
-      )(*args)
-    )
 
   kernel = functools.partial(
     _kernel, dim_k=dim_k, dim_v=dim_v, kp=kp, block_v=block_v, r=r, scale=float(scale)
