@@ -209,3 +209,41 @@ def test_readme_lists_the_supported_gpus():
     assert row.startswith(f"| {gpu} |"), (gpu, row)
   assert "compute capability 8.0 or newer" in section
   assert dispatch.MIN_COMPUTE_CAPABILITY == (8, 0)
+
+
+_COMPILE_ONCE = """
+import jax, jax.numpy as jnp
+import gdp_jax
+
+traces = 0
+
+
+@jax.jit
+def f(q, k, v, beta, cu_seqlens):
+  global traces
+  traces += 1
+  return gdp_jax.gated_delta_product(
+    q, k, v, None, beta, cu_seqlens=cu_seqlens, implementation="pallas"
+  )[0]
+
+
+x = jnp.ones((1, 32, 1, 16)) / 8
+beta = jnp.full((1, 32, 1), 0.5)
+for bounds in ([0, 10, 32], [0, 12, 32]):
+  f(x, x, x, beta, jnp.array(bounds, jnp.int32)).block_until_ready()
+print("traces", traces)
+"""
+
+
+def test_a_jitted_pallas_call_compiles_once():
+  # A fresh interpreter: the first Pallas call of a process must not change jax's tracing
+  # context (it did when jax imported a Pallas module lazily during that call), or the second
+  # call with new boundaries traces and compiles the whole function again.
+  import subprocess
+  import sys
+
+  proc = subprocess.run(
+    [sys.executable, "-c", _COMPILE_ONCE], capture_output=True, text=True, timeout=300
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split()[-2:] == ["traces", "1"], proc.stdout
