@@ -1,0 +1,277 @@
+"""Where a first call's time goes: tracing, lowering, XLA compilation, per public entry point.
+
+  python benchmarks/compile_profile.py --out compile.json [--entries operator,layer,generate]
+      [--impls pallas,xla] [--rs 1,2,4,8]
+
+Each entry point is timed in three phases, each in a fresh process: `cold` (an empty persistent
+compilation cache), `warm` (the same cache again: what a notebook restart costs) and, for the jnp
+implementation, `no-autotune` (cold with `--xla_gpu_autotune_level=0`: the share of XLA's GEMM
+autotuner). Per entry and phase: the jitted function's trace, lower and compile times, the first
+and the second call, the number of Pallas kernels in its jaxpr, and jax's own monitoring events
+(backend compile, persistent-cache hits). docs/performance.md#compile-time explains the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+SHAPE = dict(B=8, T=4096, H=16, K=128, V=128)
+
+
+def _count_pallas_calls(jaxpr) -> int:
+  count = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      count += 1
+    for value in eqn.params.values():
+      for item in value if isinstance(value, tuple | list) else (value,):
+        inner = getattr(item, "jaxpr", None)
+        if inner is not None and hasattr(inner, "eqns"):
+          count += _count_pallas_calls(inner)
+        elif hasattr(item, "eqns"):
+          count += _count_pallas_calls(item)
+  return count
+
+
+def _operator_case(impl, r, mode):
+  import jax
+  import jax.numpy as jnp
+
+  from gdp_jax import gated_delta_product
+
+  B, T, H, K, V = (SHAPE[n] for n in "BTHKV")
+  keys = jax.random.split(jax.random.key(0), 6)
+  dt = jnp.bfloat16
+  q = jax.random.normal(keys[0], (B, T, H, K), dt)
+  k = jax.random.normal(keys[1], (B, T, H, K), dt) / jnp.sqrt(K / r).astype(dt)
+  v = jax.random.normal(keys[2], (B, T, H, V), dt)
+  g = -jax.nn.softplus(jax.random.normal(keys[3], (B, T, H), jnp.float32))
+  beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, H), jnp.float32)).astype(dt)
+  mask = None if r == 1 else jnp.tril(jnp.ones((r, r), jnp.float32))
+
+  def forward(q, k, v, g, beta):
+    return gated_delta_product(q, k, v, g, beta, mask, implementation=impl)[0]
+
+  if mode == "fwd":
+    return forward, (q, k, v, g, beta)
+
+  def loss(q, k, v, g, beta):
+    return jnp.sum(forward(q, k, v, g, beta).astype(jnp.float32))
+
+  return jax.grad(loss, argnums=(0, 1, 2, 3, 4)), (q, k, v, g, beta)
+
+
+def _layer_case(impl):
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from gdp_jax.layers import GatedDeltaProduct
+
+  layer = GatedDeltaProduct(
+    2048, 16, 128, num_blocks=2, implementation=impl, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+  )
+  graphdef, state = nnx.split(layer)
+  x = jax.random.normal(jax.random.key(1), (1, 4096, 2048), jnp.bfloat16)
+
+  def loss(state, x):
+    return jnp.sum(nnx.merge(graphdef, state)(x).astype(jnp.float32))
+
+  return jax.grad(loss), (state, x)
+
+
+def _profile(fn, args):
+  """Trace, lower, compile and two calls of jax.jit(fn), with jax's monitoring events."""
+  import jax
+
+  events: list[tuple[str, float]] = []
+  jax.monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **_: events.append((name, secs))
+  )
+  jitted = jax.jit(fn)
+  t0 = time.perf_counter()
+  traced = jitted.trace(*args)
+  t1 = time.perf_counter()
+  lowered = traced.lower()
+  t2 = time.perf_counter()
+  lowered.compile()
+  t3 = time.perf_counter()
+  jax.block_until_ready(jitted(*args))
+  t4 = time.perf_counter()
+  jax.block_until_ready(jitted(*args))
+  t5 = time.perf_counter()
+  totals: dict[str, float] = {}
+  for name, secs in events:
+    totals[name] = totals.get(name, 0.0) + secs
+  return dict(
+    trace_s=t1 - t0,
+    lower_s=t2 - t1,
+    compile_s=t3 - t2,
+    first_call_s=t4 - t3,
+    second_call_s=t5 - t4,
+    pallas_kernels=_count_pallas_calls(traced.jaxpr.jaxpr),
+    events={name: round(secs, 4) for name, secs in sorted(totals.items())},
+  )
+
+
+def _generate_case(impl):
+  """HybridLM.generate's first and second call (vocab 256, width 512, "DDA", 8 x 64 tokens)."""
+  import jax
+  from flax import nnx
+
+  from gdp_jax.models import HybridConfig, HybridLM, generate
+
+  config = HybridConfig(
+    vocab_size=256, hidden_size=512, layer_pattern="DDA", num_heads=4, head_dim=128,
+    implementation=impl,
+  )  # fmt: skip
+  model = HybridLM(config, rngs=nnx.Rngs(0))
+  prompts = [[(7 * b + i) % 256 for i in range(16 + 5 * b)] for b in range(8)]
+  events: list[tuple[str, float]] = []
+  jax.monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **_: events.append((name, secs))
+  )
+  t0 = time.perf_counter()
+  jax.block_until_ready(generate(model, prompts, 64))
+  t1 = time.perf_counter()
+  jax.block_until_ready(generate(model, prompts, 64))
+  t2 = time.perf_counter()
+  compiles = [secs for name, secs in events if name.endswith("backend_compile_duration")]
+  return dict(
+    first_call_s=t1 - t0,
+    second_call_s=t2 - t1,
+    backend_compiles=len(compiles),
+    backend_compile_s=sum(compiles),
+  )
+
+
+def run_cases(entries, impls, rs, modes):
+  """One phase, in this process: every requested case, errors recorded per case."""
+  import jax
+
+  results = []
+  cases = []
+  for entry in entries:
+    if entry == "operator":
+      cases += [(entry, impl, r, mode) for impl in impls for r in rs for mode in modes]
+    elif entry in ("layer", "generate"):
+      cases += [(entry, impl, 2 if entry == "layer" else None, "fwdbwd") for impl in impls]
+  for entry, impl, r, mode in cases:
+    record = dict(entry=entry, impl=impl, r=r, mode=mode)
+    try:
+      if entry == "generate":
+        record.update(_generate_case(impl))
+      else:
+        fn, args = _operator_case(impl, r, mode) if entry == "operator" else _layer_case(impl)
+        record.update(_profile(fn, args))
+    except Exception as error:  # noqa: BLE001  (one failing case must not stop the rest)
+      record["error"] = f"{type(error).__name__}: {str(error)[:500]}"
+    results.append(record)
+    print(json.dumps(record), flush=True)
+    jax.clear_caches()
+  return results
+
+
+def _phase(phase, cache_dir, argv):
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  if phase == "no-autotune":
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
+  cmd = [sys.executable, __file__, "--phase", phase, "--cache-dir", cache_dir, *argv]
+  records = []
+  with subprocess.Popen(
+    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+  ) as proc:
+    for line in proc.stdout:  # streamed: a run cut short keeps the cases it finished
+      if line.startswith("{"):
+        records.append(dict(json.loads(line), phase=phase))
+        print(phase, line.strip(), flush=True)
+    stderr = proc.stderr.read()
+  if proc.returncode != 0:
+    records.append(dict(phase=phase, error=stderr[-3000:]))
+  return records
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", help="JSON file to write")
+  p.add_argument("--entries", default="operator,layer,generate")
+  p.add_argument("--impls", default="pallas,xla")
+  p.add_argument("--rs", default="1,2,4,8")
+  p.add_argument("--modes", default="fwd,fwdbwd", help="the operator's: fwd, fwdbwd")
+  p.add_argument("--phases", default="cold,warm,no-autotune")
+  p.add_argument("--shape", default="8,4096,16,128,128", help="B,T,H,K,V of the operator")
+  p.add_argument("--phase", help=argparse.SUPPRESS)
+  p.add_argument("--cache-dir", help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  SHAPE.update(zip("BTHKV", (int(x) for x in args.shape.split(","))))
+  entries = args.entries.split(",")
+  impls = args.impls.split(",")
+  rs = [int(x) for x in args.rs.split(",")]
+
+  if args.phase:  # a child process: one phase
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    run_cases(entries, impls, rs, args.modes.split(","))
+    return
+
+  common = [
+    "--shape",
+    args.shape,
+    "--rs",
+    args.rs,
+    "--entries",
+    args.entries,
+    "--modes",
+    args.modes,
+  ]
+  passthrough = [*common, "--impls", args.impls]
+  records = []
+  with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as cache2:
+    for phase in args.phases.split(","):
+      if phase == "no-autotune":
+        if "xla" in impls:
+          records += _phase(phase, cache2, [*common, "--impls", "xla"])
+      else:
+        records += _phase(phase, cache, passthrough)
+      print(f"phase {phase} done", flush=True)
+
+  import jax
+
+  meta = dict(
+    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    jax_version=jax.__version__,
+    gpu=jax.devices()[0].device_kind,
+    command="python benchmarks/compile_profile.py " + " ".join(sys.argv[1:]),
+    shape=SHAPE,
+  )
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(dict(meta, results=records), f, indent=1)
+  print(f"{'entry':9} {'impl':6} {'r':>2} {'mode':6} {'phase':12} {'trace':>6} {'lower':>6} "
+        f"{'compile':>7} {'first':>7} kernels")  # fmt: skip
+  for rec in records:
+    if "error" in rec:
+      print(
+        rec.get("entry", ""), rec.get("impl", ""), rec.get("phase"), "ERROR", rec["error"][:200]
+      )
+      continue
+    print(
+      f"{rec['entry']:9} {rec['impl']:6} {rec['r'] or '':>2} {rec['mode']:6} {rec['phase']:12} "
+      f"{rec.get('trace_s', 0):6.1f} {rec.get('lower_s', 0):6.1f} {rec.get('compile_s', 0):7.1f} "
+      f"{rec['first_call_s']:7.1f} {rec.get('pallas_kernels', '')}"
+    )
+
+
+if __name__ == "__main__":
+  main()
