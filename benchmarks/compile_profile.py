@@ -180,7 +180,7 @@ def run_cases(entries, impls, rs, modes):
   return results
 
 
-def _phase(phase, cache_dir, argv):
+def _phase(phase, cache_dir, argv, save):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   if phase == "no-autotune":
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
@@ -192,6 +192,7 @@ def _phase(phase, cache_dir, argv):
     for line in proc.stdout:  # streamed: a run cut short keeps the cases it finished
       if line.startswith("{"):
         records.append(dict(json.loads(line), phase=phase))
+        save(records)
         print(phase, line.strip(), flush=True)
     stderr = proc.stderr.read()
   if proc.returncode != 0:
@@ -236,16 +237,6 @@ def main(argv=None):
     args.modes,
   ]
   passthrough = [*common, "--impls", args.impls]
-  records = []
-  with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as cache2:
-    for phase in args.phases.split(","):
-      if phase == "no-autotune":
-        if "xla" in impls:
-          records += _phase(phase, cache2, [*common, "--impls", "xla"])
-      else:
-        records += _phase(phase, cache, passthrough)
-      print(f"phase {phase} done", flush=True)
-
   import jax
 
   meta = dict(
@@ -255,9 +246,23 @@ def main(argv=None):
     command="python benchmarks/compile_profile.py " + " ".join(sys.argv[1:]),
     shape=SHAPE,
   )
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(dict(meta, results=records), f, indent=1)
+  records: list[dict] = []
+
+  def save(new):  # after every case: a run cut short keeps what it measured
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(dict(meta, results=records + new), f, indent=1)
+
+  with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as cache2:
+    for phase in args.phases.split(","):
+      if phase == "no-autotune":
+        if "xla" in impls:
+          records += _phase(phase, cache2, [*common, "--impls", "xla"], save)
+      else:
+        records += _phase(phase, cache, passthrough, save)
+      save([])
+      print(f"phase {phase} done", flush=True)
+
   print(f"{'entry':9} {'impl':6} {'r':>2} {'mode':6} {'phase':12} {'trace':>6} {'lower':>6} "
         f"{'compile':>7} {'first':>7} kernels")  # fmt: skip
   for rec in records:
