@@ -243,7 +243,11 @@ def main(argv=None):
     date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     jax_version=jax.__version__,
     gpu=jax.devices()[0].device_kind,
-    command="python benchmarks/compile_profile.py " + " ".join(sys.argv[1:]),
+    # The command as run from the repository, --out by file name (no machine paths).
+    command=" ".join(
+      ["python benchmarks/compile_profile.py"]
+      + [os.path.basename(a) if a == args.out else a for a in sys.argv[1:]]
+    ),
     shape=SHAPE,
   )
   records: list[dict] = []
