@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import pathlib
 import sys
 import time
 
-# command: (module in the checkout, the extra it needs, help, description's source, epilog)
+# The packages each extra brings that the lab modules import (matplotlib stays optional: the
+# plots are skipped with a message without it).
+EXTRA_PACKAGES = {"examples": ("optax", "orbax.checkpoint", "tqdm"), "bench": ("tqdm",)}
+
+# command: (module in the checkout, the extra it needs, help, epilog)
 LAB_COMMANDS = {
   "demo": (
     "examples.s3_demo.demo",
@@ -56,15 +61,26 @@ def load_lab_module(command: str):
     )
   if str(root) not in sys.path:
     sys.path.insert(0, str(root))
+
+  def missing(name):
+    return None, (
+      f"`python -m gdp_jax {command}` needs {name!r}, from the `{extra}` extra: "
+      f'pip install -e ".[{extra}]" (or pip install "gdp-jax[{extra}]")'
+    )
+
+  for package in EXTRA_PACKAGES[extra]:  # imported lazily by the module: check them up front
+    try:
+      found = importlib.util.find_spec(package) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+      found = False
+    if not found:
+      return missing(package)
   try:
     return importlib.import_module(module_name), None
   except ModuleNotFoundError as e:
     if e.name and e.name.split(".")[0] in ("examples", "benchmarks", "gdp_jax", "pallas_kernels"):
       raise
-    return None, (
-      f"`python -m gdp_jax {command}` needs {e.name!r}, from the `{extra}` extra: "
-      f'pip install -e ".[{extra}]" (or pip install "gdp-jax[{extra}]")'
-    )
+    return missing(e.name)
 
 
 def check(args) -> int:
@@ -133,8 +149,7 @@ def main(argv=None) -> int:
       p.set_defaults(func=module.run)
     else:
       p = sub.add_parser(name, help=help_text, epilog=epilog)
-      p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-      p.set_defaults(func=_missing(message or ""))
+      p.set_defaults(func=_missing(message or ""), lab_missing=True)
     if name == "demo":
       p = sub.add_parser(
         "check",
@@ -147,7 +162,9 @@ def main(argv=None) -> int:
         choices=list(dispatch.implementations("gated_delta_product")),
       )
       p.set_defaults(func=check)
-  args = parser.parse_args(argv)
+  args, rest = parser.parse_known_args(argv)
+  if rest and not getattr(args, "lab_missing", False):  # the missing command's flags are moot
+    parser.error(f"unrecognized arguments: {' '.join(rest)}")
   return args.func(args)
 
 

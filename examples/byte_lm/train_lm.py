@@ -1,7 +1,7 @@
 """`python -m gdp_jax train-lm`: a byte-level hybrid language model trained on the Python standard
 library's source, with learning curves, tokens per second and MFU.
 
-    python -m gdp_jax train-lm --preset tiny --out runs/tiny            # a CPU, a few minutes
+    python -m gdp_jax train-lm --preset tiny --out runs/tiny            # a CPU, 1-2 minutes
     python -m gdp_jax train-lm --preset h200 --model gdp-r2 --out runs/r2 --minutes 3
     python -m gdp_jax train-lm --compare runs/*/metrics.json --out runs  # curves side by side
 
@@ -864,10 +864,14 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
         log(f"wrote {png}")
     log(f"wrote {_metrics_path(cfg.out)}")
   s = metrics["summary"]
+  mfu = (
+    f"MFU {_percent(s['mfu'], 2)} of {cfg.peak_tflops:g} TFLOP/s"
+    if s["mfu"] is not None
+    else "MFU n/a (off a GPU)"
+  )
   log(
     f"{name}: val {s['final_val_bpb']:.4f} bits/byte at step {s['final_step']} "
-    f"(from {evals[0]['val_bpb']:.3f}); {s['tokens_per_s'] or 0:,.0f} tokens/s, "
-    f"MFU {_percent(s['mfu'], 2)} of {cfg.peak_tflops:g} TFLOP/s; "
+    f"(from {evals[0]['val_bpb']:.3f}); {s['tokens_per_s'] or 0:,.0f} tokens/s, {mfu}; "
     f"compile {s['compile_s'] or 0:.1f}s, wall {s['wall_s']:.1f}s"
   )
   return metrics
