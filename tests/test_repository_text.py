@@ -113,8 +113,17 @@ def _test_functions():
 def test_every_slow_pattern_names_a_test():
   tests = _test_functions()
   for pattern in SLOW:
-    base = pattern.rstrip("*")
+    base = pattern.split("[")[0].rstrip("*")
     assert any(t.startswith(base) for t in tests), f"SLOW names no test: {pattern}"
+
+
+def test_slow_patterns_match_node_ids():
+  from tests.conftest import is_slow
+
+  assert is_slow("tests/test_notebooks.py::test_notebook_runs[01_quickstart]")
+  assert is_slow("tests/test_nonfinite.py::test_reset_matches_reference[pallas]")
+  assert not is_slow("tests/test_nonfinite.py::test_reset_matches_reference[xla]")
+  assert not is_slow("tests/test_operator.py::test_jit_and_vmap")
 
 
 def test_make_targets_run_the_tiers():
