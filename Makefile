@@ -6,10 +6,12 @@ PY := .venv/bin/python
 GPU_PY ?= python3
 SECTIONS ?= all
 
-.PHONY: setup demo lint test gpu-check
+.PHONY: setup demo lint test test-fast gpu-check
 setup:
 	@./scripts/setup_env.sh
 
+# The main job: the S3 word-problem demo (examples/s3_demo; the `examples` extra, which the
+# set-up installs with the test extra).
 demo: setup
 	$(PY) -m gdp_jax demo
 
@@ -19,8 +21,13 @@ lint: setup
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
 
+# Every test (what CI runs). test-fast leaves out the tier marked slow (subprocess and end-to-end
+# checks, heavy interpreted Pallas cases; tests/conftest.py lists them).
 test: lint
 	$(PY) -m pytest -q -n 2 tests
+
+test-fast: setup
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 gpu-check:
 	PY="$(GPU_PY)" ./scripts/gpu_check.sh $(SECTIONS)

@@ -9,7 +9,7 @@ q, k, v, g and beta), each
   guarded:   as shipped (the kernels on the raw inputs, then one reduction over their outputs),
   unguarded: the kernels alone (`options=...replace(nonfinite_guard=False)`),
   nan in k:  guarded, with one nan in k (the cleaned inputs, the kernels and the marks),
-the median ms per call over `--reps` loops of `--inner` calls (`gdp_jax.bench.time_jax`), the
+the median ms per call over `--reps` loops of `--inner` calls (`benchmarks.bench.time_jax`), the
 compiled program's temporary memory, and the guard's overhead over the unguarded time. The JSON
 ("runs") holds the date, the jax version, the GPU name and the command.
 """
@@ -30,8 +30,8 @@ import numpy as np
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
+from benchmarks.bench import DTYPES, make_inputs, time_jax  # noqa: E402
 from gdp_jax import gated_delta_product  # noqa: E402
-from gdp_jax.bench import DTYPES, make_inputs, time_jax  # noqa: E402
 from pallas_kernels.common.options import heuristic_options  # noqa: E402
 
 SHAPE = "8,4096,16,128,128"

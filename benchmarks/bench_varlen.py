@@ -24,14 +24,14 @@ gradients: the same measure and bounds as the test suite and scripts/gpu_matrix.
 
 Section `speed`: bfloat16, 8 x 4096 tokens, H = 16, K = V = 128, r = 1; forward (the output) and
 forward + backward (`jax.grad` of sum(o) with respect to q, k, v, g and beta), each under
-`jax.jit`, median ms over `--reps` runs of `--inner` calls (gdp_jax/bench.py `time_jax`), for
+`jax.jit`, median ms over `--reps` runs of `--inner` calls (benchmarks/bench.py `time_jax`), for
   unpacked         B = 8 rows of 4096;
   packed8          the same tokens in one row as 8 sequences of 4096 (`cu_seqlens`);
   packed64         the same tokens in one row as 64 sequences of random lengths (seed 0);
   grouped          B = 8, H = 8 key heads, HV = 16 value heads (against `unpacked`: H = HV = 16,
                    separate keys);
 and flash-linear-attention's `chunk_gated_delta_rule` (when `fla` and torch import, on CUDA) for
-unpacked, packed8 and packed64 (its own `cu_seqlens`; gdp_jax/bench.py `fla_case`, triton's
+unpacked, packed8 and packed64 (its own `cu_seqlens`; benchmarks/bench.py `fla_case`, triton's
 do_bench). `cu_seqlens` is an argument of the jitted function (traced, as in training).
 Ratios (the goals of the packed form and of grouped heads): packed / unpacked <= 1.15,
 grouped / separate <= 1.1.
@@ -67,8 +67,8 @@ import numpy as np  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
+from benchmarks.bench import _Skip, fla_case, make_inputs, time_jax  # noqa: E402
 from gdp_jax import gated_delta_product  # noqa: E402
-from gdp_jax.bench import _Skip, fla_case, make_inputs, time_jax  # noqa: E402
 from pallas_kernels.common import backend as kernel_backend  # noqa: E402
 from tests.cases import GRAD_TOLERANCE, TOLERANCE, cotangents  # noqa: E402
 from tests.cases import make_inputs as random_inputs  # noqa: E402

@@ -21,7 +21,7 @@ import json, os, sys
 os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 sys.path.insert(0, {root!r})
 import jax, jax.numpy as jnp
-from gdp_jax.bench import make_inputs, DTYPES
+from benchmarks.bench import make_inputs, DTYPES
 from gdp_jax import gated_delta_product
 B, T, H, K, V = {shape}
 inputs = make_inputs(B, T, H, K, V, {r}, DTYPES["bf16"])

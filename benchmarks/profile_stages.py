@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.bench import DTYPES, command_line, make_inputs, time_jax  # noqa: E402
 from gdp_jax import pallas_impl  # noqa: E402
-from gdp_jax.bench import DTYPES, command_line, make_inputs, time_jax  # noqa: E402
 from gdp_jax.operator import normalize_mask  # noqa: E402
 from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy  # noqa: E402
 from pallas_kernels.common import cumsum  # noqa: E402

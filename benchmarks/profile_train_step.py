@@ -4,7 +4,7 @@
   python benchmarks/profile_train_step.py --out smoke.json --smoke   # tiny preset, few reps
 
 For one preset and model kind of `python -m gdp_jax train-lm` (bf16 compute, everything under
-`jax.jit`, medians of repeated timed loops, `gdp_jax.bench.time_jax`):
+`jax.jit`, medians of repeated timed loops, `benchmarks.bench.time_jax`):
 
 1. `step`: the full training step, the jitted step train-lm itself runs (`compiled_steps`), on
    one real batch, parameters and optimizer state carried from step to step (donated on a GPU);
@@ -36,9 +36,9 @@ import jax.numpy as jnp
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
+from benchmarks.bench import time_jax  # noqa: E402
+from examples.byte_lm import train_lm as tl  # noqa: E402
 from gdp_jax import layers  # noqa: E402
-from gdp_jax import train_lm as tl  # noqa: E402
-from gdp_jax.bench import time_jax  # noqa: E402
 from gdp_jax.householder import householder_delta_product  # noqa: E402
 from gdp_jax.sharding import sharded_gated_delta_product  # noqa: E402
 from gdp_jax.testing import random_inputs  # noqa: E402

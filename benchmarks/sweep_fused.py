@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.bench import DTYPES, make_inputs, time_jax  # noqa: E402
 from gdp_jax import pallas_impl, xla  # noqa: E402
-from gdp_jax.bench import DTYPES, make_inputs, time_jax  # noqa: E402
 from gdp_jax.operator import normalize_mask  # noqa: E402
 from pallas_kernels.common.options import DEFAULT, Launch  # noqa: E402
 from pallas_kernels.forward import chunk_fwd, chunk_state_output  # noqa: E402

@@ -1,8 +1,9 @@
 """gdp-jax: gated delta product linear attention for JAX (docs/operator.md).
 
 The operator and the inference steps are imported here; the submodules `layers` and `models`
-(Flax), `sharding`, `dispatch`, `bench` and `demo` load on first use, e.g.
-`gdp_jax.layers.GatedDeltaProduct` after `import gdp_jax`.
+(Flax), `sharding` and `dispatch` load on first use, e.g. `gdp_jax.layers.GatedDeltaProduct`
+after `import gdp_jax`. The demo, the language-model example and the benchmarks live outside the
+package, in the repository's `examples/` and `benchmarks/`.
 """
 
 from __future__ import annotations
@@ -21,22 +22,19 @@ __all__ = [
   "householder_delta_product_step",
   "paged_gqa_decode",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
-# Loaded on first attribute access (flax and the benchmarks stay out of `import gdp_jax`).
+# Loaded on first attribute access (flax stays out of `import gdp_jax`).
 _SUBMODULES = (
   "layers",
   "models",
   "sharding",
   "dispatch",
-  "bench",
-  "demo",
   "reference",
   "xla",
   "xla_backward",
   "pallas_impl",
   "nonfinite",
-  "train_lm",
 )
 
 

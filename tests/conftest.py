@@ -1,8 +1,14 @@
-"""Shared pytest set-up: the GPU switch, the `gpu` marker and the CPU compile level.
+"""Shared pytest set-up: the GPU switch, the `gpu` marker, the slow tier and the CPU compile level.
 
 Kernels run compiled on a GPU backend and in the Pallas interpreter elsewhere (CI's CPUs). Tests
 marked `gpu` need a compiled GPU run (large shapes that would take hours interpreted) and are
 skipped, with that reason, on a CPU.
+
+The slow tier: `SLOW` below lists, in one place, the tests marked `slow` at collection: the
+end-to-end and subprocess checks (notebooks, README blocks, command lines and scripts, sharding
+subprocesses, the GPU-matrix self-check) and the heavy interpreted Pallas cases. `make test` runs
+everything; `make test-fast` (`pytest -m "not slow"`) the rest. A test may also carry
+`@pytest.mark.slow` itself.
 
 On a CPU-only machine (no jax GPU plugin, or JAX_PLATFORMS=cpu) the tests compile with XLA's
 backend optimization level 0: the CPU tests run tiny shapes, so nearly all their time is XLA
@@ -17,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pkgutil
+import re
 
 CPU_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 
@@ -41,11 +48,60 @@ import pytest  # noqa: E402
 ON_GPU = jax.default_backend() == "gpu"
 
 
+# Node-id patterns of the slow tier, against "tests/<file>::<test>[<params>]"; `*` is the only
+# wildcard (brackets are literal).
+SLOW = (
+  # End to end, in subprocesses or through a command line.
+  "tests/test_notebooks.py::test_notebook_runs*",
+  "tests/test_readme.py::test_python_block_runs_on_its_own*",
+  "tests/test_sharding.py::*",
+  "tests/test_gpu_matrix.py::test_tiny_run_reports_a_planted_mismatch*",
+  "tests/test_dispatch.py::test_a_jitted_pallas_call_compiles_once*",
+  "tests/test_surface.py::test_submodules_reachable_after_import_gdp_jax*",
+  "tests/test_bench.py::test_bench_command_tiny*",
+  "tests/test_bench.py::test_bench_operator_script_is_a_thin_caller*",
+  "tests/test_bench.py::test_bench_varlen_smoke*",
+  "tests/test_nonfinite.py::test_bench_nonfinite_smoke*",
+  "tests/test_paged_decode.py::test_bench_decode_smoke*",
+  "tests/test_models.py::test_demo_command_runs*",
+  "tests/test_models.py::test_check_command_runs*",
+  "tests/test_train_lm.py::test_tiny_preset_trains_and_validation_loss_goes_down*",
+  "tests/test_train_lm.py::test_checkpoint_resumes_to_the_same_step_and_loss*",
+  "tests/test_train_lm.py::test_command_line_and_bad_configuration*",
+  "tests/test_train_lm.py::test_profile_train_step_smoke*",
+  # Heavy interpreted Pallas cases: every stage of the kernels against the jnp form, and the
+  # whole Pallas path's gradients where one case takes over 12 s on a 2-core CPU.
+  "tests/test_pallas_forward.py::test_stages_match_xla*",
+  "tests/test_pallas_backward.py::test_backward_stages_match_xla*",
+  "tests/test_fused_forward.py::test_chunk_fwd_matches_stages*",
+  "tests/test_fused_forward.py::test_chunk_state_output_matches_stages*",
+  "tests/test_fused_forward.py::test_operator_forward_and_gradients*",
+  "tests/test_nonfinite.py::test_nonfinite_gradient_is_causal[pallas*",
+  "tests/test_nonfinite.py::test_reset_matches_reference[pallas]",
+  "tests/test_nonfinite.py::test_pallas_guard_under_jit*",
+  "tests/test_implementations.py::test_transformations_compose[pallas]",
+  "tests/test_dispatch.py::test_xla_backward_agrees_with_pallas_backward*",
+  "tests/test_grouped_heads.py::test_grouped_equals_repeated_keys[pallas*",
+  "tests/test_layers.py::test_gdp_packed_gradients_do_not_cross_documents[pallas*",
+)
+
+_SLOW_RE = re.compile("|".join(re.escape(p).replace(r"\*", ".*") for p in SLOW))
+
+
+def is_slow(nodeid: str) -> bool:
+  """Whether a test's node id is in the slow tier (`SLOW`)."""
+  return _SLOW_RE.fullmatch(nodeid.replace(os.sep, "/")) is not None
+
+
 def pytest_configure(config):
   config.addinivalue_line("markers", "gpu: large shapes, run compiled on a GPU only")
 
 
 def pytest_collection_modifyitems(config, items):
+  slow = pytest.mark.slow
+  for item in items:
+    if is_slow(item.nodeid):
+      item.add_marker(slow)
   if ON_GPU:
     return
   skip = pytest.mark.skip(reason="large shapes run compiled on the GPU only")

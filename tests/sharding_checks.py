@@ -486,7 +486,7 @@ def group_bench(impl):
   def bench_devices():
     import tempfile
 
-    from gdp_jax import bench
+    from benchmarks import bench
 
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, "bench.json")

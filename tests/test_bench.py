@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from gdp_jax import bench
+from benchmarks import bench
 from gdp_jax.__main__ import main as cli_main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -73,13 +73,15 @@ def test_gdp_default_dtype_follows_bf16_inputs(monkeypatch):
   """dtype=None: bf16 activations reach the operator as bf16 (its fast kernels), not promoted to
   float32 by the float32 parameters, which stay float32."""
   seen = []
-  real = layers.sharded_gated_delta_product
+  from gdp_jax.layers import delta_product  # the layer's module, where it calls the operator
+
+  real = delta_product.sharded_gated_delta_product
 
   def spy(q, k, v, *a, **kw):
     seen.append((q.dtype, k.dtype, v.dtype))
     return real(q, k, v, *a, **kw)
 
-  monkeypatch.setattr(layers, "sharded_gated_delta_product", spy)
+  monkeypatch.setattr(delta_product, "sharded_gated_delta_product", spy)
   layer = gdp()
   x = x_of(0, dtype=jnp.bfloat16)
   y = layer(x)

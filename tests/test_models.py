@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from gdp_jax import demo
+from examples.s3_demo import demo
 from gdp_jax.__main__ import main
 from gdp_jax.models import HybridConfig, HybridLM, generate
 from tests.cases import assert_close

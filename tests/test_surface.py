@@ -252,11 +252,41 @@ def _normalise(name):
   return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _extra(project, name):
+  """The requirements of an extra, with the project's own extras it names (`gdp-jax[a,b]`)
+  expanded."""
+  out = []
+  for requirement in project["optional-dependencies"][name]:
+    own = re.fullmatch(r"gdp-jax\[([\w,\s-]+)\]", requirement)
+    if own:
+      for extra in own.group(1).split(","):
+        out += _extra(project, extra.strip())
+    else:
+      out.append(requirement)
+  return out
+
+
+def test_core_dependencies_are_the_library_only():
+  """The package needs jax, numpy, flax (and absl-py, which it imports); the lab's tools are
+  extras, and nothing under gdp_jax/ or pallas_kernels/ imports them."""
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  core = {_normalise(re.split(r"[<>=!~;\[ ]", d)[0]) for d in project["dependencies"]}
+  assert core == {"jax", "numpy", "flax", "absl-py"}, core
+  lab = {"optax", "orbax", "tqdm", "matplotlib", "torch", "fla", "jla", "triton"}
+  for folder in ("gdp_jax", "pallas_kernels"):
+    for path in sorted((ROOT / folder).rglob("*.py")):
+      used = _imports(path.read_text()) & lab
+      assert not used, f"{path.relative_to(ROOT)} imports {sorted(used)}: an extra's package"
+  for extra in ("examples", "bench", "test"):
+    assert extra in project["optional-dependencies"], extra
+  assert {"optax", "orbax-checkpoint", "tqdm"} <= {_normalise(d) for d in _extra(project, "test")}
+
+
 def test_test_extra_lists_what_the_tests_import():
   project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
   declared = {
     _normalise(re.split(r"[<>=!~;\[ ]", d)[0])
-    for d in project["dependencies"] + project["optional-dependencies"]["test"]
+    for d in project["dependencies"] + _extra(project, "test")
   }
   modules = set()
   for path in (ROOT / "tests").glob("*.py"):
@@ -267,7 +297,7 @@ def test_test_extra_lists_what_the_tests_import():
         code = "".join(cell["source"])
         code = "\n".join(l for l in code.splitlines() if not l.lstrip().startswith(("%", "!")))
         modules |= _imports(code)
-  local = {"gdp_jax", "pallas_kernels", "tests", "benchmarks", "scripts"}
+  local = {"gdp_jax", "pallas_kernels", "tests", "benchmarks", "scripts", "examples"}
   third_party = {m for m in modules if m not in sys.stdlib_module_names and m not in local}
   providers = importlib.metadata.packages_distributions()
   missing = []

@@ -20,7 +20,7 @@ import optax
 import pytest
 from flax import nnx
 
-from gdp_jax import train_lm as tl
+from examples.byte_lm import train_lm as tl
 from gdp_jax.models import HybridConfig, HybridLM
 
 QUIET = dict(progress=False)
@@ -38,7 +38,10 @@ def test_tiny_preset_trains_and_validation_loss_goes_down(tmp_path):
   assert np.mean(m["history"]["train_loss"][-10:]) < np.mean(m["history"]["train_loss"][:10])
   s = m["summary"]
   assert s["final_step"] == 60 and s["tokens"] == 60 * 8 * 128
-  assert s["tokens_per_s"] > 0 and 0 < s["mfu"] < 1 and s["achieved_tflops"] > 0
+  assert s["tokens_per_s"] > 0 and s["achieved_tflops"] > 0
+  # MFU is measured against a GPU's peak: n/a (None) on the CPU.
+  assert s["mfu"] is None if jax.default_backend() != "gpu" else 0 < s["mfu"] < 1
+  assert m["corpus"]["root"] == "stdlib"  # no machine path in the metrics
   assert m["flops_per_token"]["train"] == 3 * m["flops_per_token"]["forward"]
   assert m["corpus"]["val_files"] > 0 and m["corpus"]["train_files"] > 10 * m["corpus"]["val_files"]
   with open(os.path.join(out, "metrics.json")) as f:
@@ -195,7 +198,7 @@ def test_flops_per_token():
   )
   assert p["attention"] == 2 * 64 * 129
   assert p["mlp"] == 2 * (2 * 3 * D * 2 * D) and p["head"] == 2 * D * 258
-  from gdp_jax.bench import forward_flops
+  from benchmarks.bench import forward_flops
 
   assert p["operator"] == forward_flops(1, 128, 2, 32, 32, 2) / 128
   assert f["train"] == 3 * sum(p.values())

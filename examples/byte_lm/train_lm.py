@@ -1,7 +1,7 @@
 """`python -m gdp_jax train-lm`: a byte-level hybrid language model trained on the Python standard
 library's source, with learning curves, tokens per second and MFU.
 
-    python -m gdp_jax train-lm --preset tiny --out runs/tiny            # a CPU in about a minute
+    python -m gdp_jax train-lm --preset tiny --out runs/tiny            # a CPU, 1-2 minutes
     python -m gdp_jax train-lm --preset h200 --model gdp-r2 --out runs/r2 --minutes 3
     python -m gdp_jax train-lm --compare runs/*/metrics.json --out runs  # curves side by side
 
@@ -41,8 +41,8 @@ tokens/s, validation bits per byte, and `metrics.json` + `curves.png` in `--out`
 
 FLOPs per token (`flops_per_token`, written out in docs/train_lm.md): matmuls of the projections,
 MLP and vocabulary head, causal attention (the average of (T + 1) / 2 keys per query) and the
-operator's chunked form (`bench.forward_flops`), times 3 for forward + backward.
-MFU = FLOPs per token x tokens per second / (--peak-tflops x 1e12).
+operator's chunked form (`benchmarks.bench.forward_flops`), times 3 for forward + backward.
+MFU = FLOPs per token x tokens per second / (--peak-tflops x 1e12), on a GPU; n/a elsewhere.
 """
 
 from __future__ import annotations
@@ -271,6 +271,11 @@ def model_config(cfg: TrainConfig):
 # ----------------------------------------------------------------------------------------------
 
 
+def _percent(fraction: float | None, digits: int) -> str:
+  """A fraction as a percentage, or "n/a" (MFU off a GPU)."""
+  return "n/a" if fraction is None else f"{100 * fraction:.{digits}f}%"
+
+
 def stdlib_root() -> str:
   return sysconfig.get_paths()["stdlib"]
 
@@ -356,7 +361,8 @@ def load_corpus(root: str | None = None, val_percent: float = 2.0) -> Corpus:
   for a in (*train_stream, *val_stream):
     a.flags.writeable = False
   info = dict(
-    root=os.path.abspath(root or stdlib_root()),
+    # "stdlib": the running Python's standard library (no machine path in kept metrics).
+    root="stdlib" if root is None else root,
     python=platform.python_version(),
     files=len(files),
     train_files=len(train),
@@ -425,7 +431,7 @@ def val_batches(stream: Stream, batch_size: int, seq_len: int, n_batches: int):
 def flops_per_token(mc, seq_len: int) -> dict:
   """Forward and training (3x forward) FLOPs per token of HybridLM(mc) at sequence seq_len,
   counting matmuls only (docs/train_lm.md): projections, MLP, head, attention, operator."""
-  from gdp_jax.bench import forward_flops
+  from benchmarks.bench import forward_flops
 
   D, T = mc.hidden_size, seq_len
   H, K = mc.num_heads, mc.head_dim
@@ -616,7 +622,7 @@ def _device_kind():
 
 def _command():
   """The command as typed when run as `python -m gdp_jax train-lm`, else None."""
-  from gdp_jax.bench import command_line
+  from benchmarks.bench import command_line
 
   return command_line() if "train-lm" in sys.argv else None
 
@@ -858,10 +864,14 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
         log(f"wrote {png}")
     log(f"wrote {_metrics_path(cfg.out)}")
   s = metrics["summary"]
+  mfu = (
+    f"MFU {_percent(s['mfu'], 2)} of {cfg.peak_tflops:g} TFLOP/s"
+    if s["mfu"] is not None
+    else "MFU n/a (off a GPU)"
+  )
   log(
     f"{name}: val {s['final_val_bpb']:.4f} bits/byte at step {s['final_step']} "
-    f"(from {evals[0]['val_bpb']:.3f}); {s['tokens_per_s'] or 0:,.0f} tokens/s, "
-    f"MFU {100 * (s['mfu'] or 0):.2f}% of {cfg.peak_tflops:g} TFLOP/s; "
+    f"(from {evals[0]['val_bpb']:.3f}); {s['tokens_per_s'] or 0:,.0f} tokens/s, {mfu}; "
     f"compile {s['compile_s'] or 0:.1f}s, wall {s['wall_s']:.1f}s"
   )
   return metrics
@@ -894,7 +904,7 @@ def _metrics(cfg, mc, corpus, params, fpt, history, evals, steps, start, extra):
     flops_doc=(
       "matmul FLOPs per token, training = 3 x forward: projections, SwiGLU MLP, "
       "vocabulary head, causal attention 2*Hq*Dh*(T+1) per layer, the operator's "
-      "chunked form as `python -m gdp_jax bench` counts it; docs/train_lm.md"
+      "chunked form as benchmarks/bench.py counts it; docs/train_lm.md"
     ),
     history=history,
     eval=evals,
@@ -910,7 +920,10 @@ def _metrics(cfg, mc, corpus, params, fpt, history, evals, steps, start, extra):
       tokens_per_s=rate,
       step_ms=(tokens_per_step / rate * 1e3) if rate else None,
       achieved_tflops=(rate * fpt["train"] / 1e12) if rate else None,
-      mfu=(rate * fpt["train"] / (cfg.peak_tflops * 1e12)) if rate else None,
+      # MFU against a GPU's peak: n/a (None) on other backends.
+      mfu=(rate * fpt["train"] / (cfg.peak_tflops * 1e12))
+      if rate and jax.default_backend() == "gpu"
+      else None,
       compile_s=extra["compile_s"],
       train_s=extra["train_s"],
       timed_steps=timed,
@@ -998,7 +1011,7 @@ def compare(paths, out) -> int:
     print(
       f"{m['config']['model']:<10} {m['params'] / 1e6:7.1f}M {s['final_step']:>6} "
       f"{s['tokens'] / 1e6:8.1f}M {s['final_val_bpb']:8.4f} {s['tokens_per_s'] or 0:10,.0f} "
-      f"{s['achieved_tflops'] or 0:8.1f} {100 * (s['mfu'] or 0):5.1f}%"
+      f"{s['achieved_tflops'] or 0:8.1f} {_percent(s['mfu'], 1):>6}"
     )
   if out:
     os.makedirs(out, exist_ok=True)

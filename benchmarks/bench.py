@@ -46,6 +46,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -521,6 +522,16 @@ def resolve_impls(spec, backend, devices=None):
   return impls
 
 
+def portable_traceback(text: str) -> str:
+  """A traceback without the machine's paths: `File "/x/y/site-packages/jax/..."` becomes
+  `File "site-packages/jax/..."`, the standard library `File "python3.12/..."`, the repository's
+  files relative to it (kept results hold no machine paths)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+  text = text.replace(root, "")
+  text = re.sub(r'File "/[^"]*?/(site-packages|dist-packages)/', r'File "\1/', text)
+  return re.sub(r'File "/[^"]*?/(python3\.\d+)/', r'File "\1/', text)
+
+
 def command_line():
   """The command as typed: `python -m gdp_jax bench ...` rather than the path of __main__.py."""
   argv = list(sys.argv)
@@ -530,6 +541,10 @@ def command_line():
     and os.path.basename(os.path.dirname(os.path.abspath(argv[0]))) == "gdp_jax"
   ):
     return " ".join(["python -m gdp_jax"] + argv[1:])
+  if argv and os.path.isabs(argv[0]):  # a script by its full path: relative to the repository
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.abspath(argv[0]).startswith(root + os.sep):
+      argv[0] = os.path.relpath(os.path.abspath(argv[0]), root)
   return " ".join(["python"] + argv)
 
 
@@ -770,7 +785,7 @@ def run(args) -> int:
     except Exception as e:  # record and go on
       case["status"] = "error"
       case["error"] = f"{type(e).__name__}: {e}"[:2000]
-      case["traceback"] = traceback.format_exc()[-4000:]
+      case["traceback"] = portable_traceback(traceback.format_exc())[-4000:]
     if case["status"] == "ok":
       if case.get("all_ms") is None:
         case.pop("all_ms", None)

@@ -1,0 +1,166 @@
+"""What the layers share: the mode names, the packed-document reset, l2norm, input checks,
+the Linear projection and the gated RMSNorm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+MASK_MODES = ("static", "token", "ones", "rotation", "householder")
+KEY_NORMS = ("block", "full")
+ATTENTION_IMPLS = ("xla", "flash")
+f32 = jnp.float32
+# The log-decay g given to the operator at a document's first token (packed documents, see
+# `GatedDeltaProduct.__call__` and docs/train_lm.md): exp(g) = exp(-112) underflows to exactly 0
+# in float32 (below the smallest subnormal, 1.4e-45, from g < -103.3), so the state carried in is
+# multiplied by an exact zero, while the chunk's float32 cumulative sum of g stays below 128 in
+# magnitude (ulp 7.6e-6) for the tokens after it. g = -inf would give NaN (inf - inf) in the
+# chunked forms' gamma_t - gamma_s.
+RESET_LOG_DECAY = -112.0
+
+
+def l2norm(x, axis=-1, eps=1e-6):
+  """x / sqrt(sum x^2 + eps) along `axis`, computed in float32 (as flash-linear-attention)."""
+  x = x.astype(f32)
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + eps)
+
+
+def _check_positive_int(name, value):
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_choice(name, value, choices):
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_lengths(lengths, batch, t_len):
+  """[B] int32 lengths in [0, T]: concrete values outside are a ValueError, traced ones are
+  clipped to [0, T] (as `gqa_decode` treats lengths beyond its cache)."""
+  if lengths is None:
+    return None
+  if not isinstance(lengths, jax.core.Tracer):
+    lengths = np.asarray(lengths)  # before JAX's int32 conversion could wrap
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"lengths must be integers (int32), got dtype {lengths.dtype}")
+  if lengths.shape != (batch,):
+    raise ValueError(
+      f"lengths has shape {lengths.shape}, expected [B] = [{batch}] "
+      f"(one length per sequence, each in [0, T = {t_len}])"
+    )
+  if (
+    isinstance(lengths, np.ndarray)
+    and lengths.size
+    and (lengths.min() < 0 or lengths.max() > t_len)
+  ):
+    raise ValueError(
+      f"lengths must lie in [0, T = {t_len}] (tokens of each sequence), got {lengths.tolist()}"
+    )
+  return jnp.clip(jnp.asarray(lengths), 0, t_len).astype(jnp.int32)
+
+
+def _check_segment_ids(segment_ids, batch, t_len):
+  if segment_ids is None:
+    return None
+  segment_ids = jnp.asarray(segment_ids)
+  if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+    raise TypeError(f"segment_ids must be integers (int32), got dtype {segment_ids.dtype}")
+  if segment_ids.shape != (batch, t_len):
+    raise ValueError(
+      f"segment_ids has shape {segment_ids.shape}, expected [B, T] = "
+      f"[{batch}, {t_len}] (one document id per token)"
+    )
+  return segment_ids.astype(jnp.int32)
+
+
+def segment_starts(segment_ids):
+  """[B, T] bool: True at each document's first token, i.e. at t = 0 and wherever
+  segment_ids[b, t] != segment_ids[b, t - 1]. A document is a run of equal ids (ids may repeat
+  further on: only changes between neighbours count)."""
+  first = jnp.ones(segment_ids.shape[:1] + (1,), bool)
+  return jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+
+def _check_cache(cache, kind, fields):
+  """A clear error unless `cache` is a `kind` whose arrays have the shapes in `fields`
+  ({name: (expected shape or None, what)})."""
+  name = kind.__name__
+  if cache is None:
+    raise TypeError(
+      f"cache is None; start from layer.init_cache(...) or the cache a prefill "
+      f"returned (return_cache=True): a {name}"
+    )
+  if not isinstance(cache, kind):
+    raise TypeError(
+      f"cache must be a {name} (from this layer's init_cache or a prefill with "
+      f"return_cache=True), got {type(cache).__name__}"
+    )
+  for field, (shape, what) in fields.items():
+    got = getattr(cache, field)
+    got_shape = None if got is None else tuple(np.shape(got))
+    if got_shape != shape:
+      raise ValueError(
+        f"cache.{field} has shape {got_shape}, expected {shape} ({what}): a "
+        f"cache of another layer or batch size?"
+      )
+
+
+def _check_x(x, hidden_size, rank, what):
+  if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+    raise TypeError(f"x must be an array {what} (a jax or NumPy array), got {type(x).__name__}")
+  if x.ndim != rank or x.shape[-1] != hidden_size:
+    raise ValueError(
+      f"x has shape {tuple(x.shape)}, expected {what} with D = hidden_size = {hidden_size}"
+    )
+
+
+class Linear(nnx.Linear):
+  """`nnx.Linear` whose `dtype=None` means the input's dtype (nnx.Linear would promote bf16 inputs
+  against float32 parameters to float32): bf16 activations keep bf16 projections (and so the
+  operator's bf16 kernels) while the parameters stay float32 (cast at use; their gradients too)."""
+
+  def __call__(self, inputs):
+    if self.dtype is not None or not jnp.issubdtype(inputs.dtype, jnp.floating):
+      return super().__call__(inputs)
+    dtype = inputs.dtype
+    y = jnp.dot(inputs, self.kernel[...].astype(dtype), precision=self.precision)
+    if self.bias is not None:
+      y = y + self.bias[...].astype(dtype)
+    return y
+
+
+class GatedRMSNorm(nnx.Module):
+  """RMSNorm over the last axis, times a learned weight, optionally times silu(gate)
+  (Gated DeltaNet's output norm). Computed in float32; returns `dtype` or x.dtype."""
+
+  def __init__(self, num_features: int, *, eps: float = 1e-5, param_dtype=f32):
+    self.eps = eps
+    self.weight = nnx.Param(jnp.ones((num_features,), param_dtype))
+
+  def __call__(self, x, gate=None):
+    y = x.astype(f32)
+    y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.eps)
+    y = y * self.weight[...].astype(f32)
+    if gate is not None:
+      y = y * jax.nn.silu(gate.astype(f32))
+    return y.astype(x.dtype)
+
+
+def _check_room(lengths, num_new, capacity, what):
+  """A ValueError unless `num_new` more tokens fit after concrete `lengths` [B] within
+  `capacity` positions (traced lengths: only num_new <= capacity is checked)."""
+  if num_new > capacity:
+    raise ValueError(f"x has Tq = {num_new} new tokens but {what} hold only {capacity} positions")
+  if isinstance(lengths, jax.core.Tracer):
+    return
+  values = np.asarray(lengths)
+  full = np.flatnonzero(values.astype(np.int64) + num_new > capacity)
+  if full.size:
+    b = int(full[0])
+    raise ValueError(
+      f"cache too small: sequence {b} holds {int(values[b])} tokens, and Tq = {num_new} more "
+      f"need {int(values[b]) + num_new} positions, but {what} hold only {capacity}"
+    )

@@ -1,0 +1,134 @@
+"""The repository speaks only of itself: the README, docs/, the changelog, the notebooks and the
+kept results (benchmarks/results/) hold no words about how the project was developed and no
+absolute paths of the machines it ran on; kept results carry their date, jax version, GPU and a
+command relative to the repository. Also: the slow tier's list (tests/conftest.py) names tests
+that exist, and the two make targets run the two tiers.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import re
+
+import pytest
+
+from tests.conftest import SLOW
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# How the project was developed: rounds of work and the limits of the machines that ran it.
+DEVELOPMENT_WORDS = re.compile(
+  r"\bwaves?\b|\bsessions?\b|\bthe run's (?:time )?limit\b"
+  r"|\bcut by (?:its|the run's) (?:time )?limit\b"
+  r"|\btime limits? of the machine\b|\bthe command's \d+ s limit\b",
+  re.IGNORECASE,
+)
+# Absolute paths of a machine (Colab's /content and the /tmp defaults of scripts are not).
+MACHINE_PATHS = re.compile(r"(?<![\w.~-])/(?:opt|usr|work|root|home|Users|mnt|scratch)/[\w.+-]")
+
+
+def text_files():
+  paths = [ROOT / "README.md", ROOT / "CHANGELOG.md"]
+  paths += sorted((ROOT / "docs").rglob("*.md"))
+  paths += sorted((ROOT / "notebooks").glob("*.ipynb"))
+  paths += sorted(p for p in (ROOT / "benchmarks" / "results").rglob("*") if p.is_file())
+  return [p for p in paths if p.suffix in (".md", ".ipynb", ".json", ".txt", ".csv")]
+
+
+def problems(text: str) -> list[str]:
+  """The development words and machine paths in `text`, each with a little context."""
+  found = []
+  for pattern in (DEVELOPMENT_WORDS, MACHINE_PATHS):
+    for m in pattern.finditer(text):
+      found.append(repr(text[max(0, m.start() - 40) : m.end() + 40]))
+  return found
+
+
+def test_the_check_finds_planted_examples():
+  planted = [
+    "The fused forward (wave 2) was faster.",
+    "Measured in session 3.",
+    "the run's limit cut jax-linear-attention's forward + backward",
+    "the sweep was cut by its time limit at r = 2",
+    'File "/opt/torch/.venv/lib/python3.12/site-packages/jax/_src/core.py", line 1',
+    '"root": "/usr/lib/python3.12"',
+    "see /work/main/README.md",
+  ]
+  for text in planted:
+    assert problems(text), text
+  clean = [
+    "python benchmarks/bench_varlen.py --time-limit 120",
+    "results in /tmp/gdp_gpu_out",
+    'pathlib.Path("/content/gdp-jax/benchmarks/results")',
+    "the state walks limit the forward; a job's time limit",
+  ]
+  for text in clean:
+    assert not problems(text), text
+
+
+def test_files_are_checked():
+  names = {p.relative_to(ROOT).as_posix() for p in text_files()}
+  assert "README.md" in names and "CHANGELOG.md" in names and "docs/performance.md" in names
+  assert any(n.startswith("notebooks/") for n in names)
+  assert sum(n.startswith("benchmarks/results/") and n.endswith(".json") for n in names) > 10
+
+
+@pytest.mark.parametrize("path", text_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_development_words_or_machine_paths(path):
+  found = problems(path.read_text(errors="replace"))
+  assert not found, f"{path.relative_to(ROOT)}: {found[:5]}"
+
+
+def _kept_json():
+  return sorted((ROOT / "benchmarks" / "results").rglob("*.json"))
+
+
+@pytest.mark.parametrize("path", _kept_json(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_kept_results_carry_their_provenance(path):
+  res = json.loads(path.read_text())
+  date = res.get("date") or res.get("started") or res.get("created")
+  assert date and re.match(r"20\d\d-\d\d-\d\d", str(date)), f"{path.name}: no date"
+  jax_version = res.get("jax_version") or res.get("jax") or (res.get("env") or {}).get("jax")
+  assert jax_version, f"{path.name}: no jax version"
+  gpu = json.dumps(
+    {k: res.get(k) for k in ("device_kind", "device", "gpu", "gpu_name", "env", "backend")}
+  )
+  assert "H200" in gpu or "h200" in path.name, f"{path.name}: no GPU named"
+  command = res.get("command")
+  assert command, f"{path.name}: no command"
+  assert not MACHINE_PATHS.search(str(command)), f"{path.name}: {command!r}"
+
+
+def _test_functions():
+  names = set()
+  for path in (ROOT / "tests").glob("test_*.py"):
+    for node in ast.parse(path.read_text()).body:
+      if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
+        names.add(f"tests/{path.name}::{node.name}")
+  return names
+
+
+def test_every_slow_pattern_names_a_test():
+  tests = _test_functions()
+  for pattern in SLOW:
+    base = pattern.split("[")[0].rstrip("*")
+    assert any(t.startswith(base) for t in tests), f"SLOW names no test: {pattern}"
+
+
+def test_slow_patterns_match_node_ids():
+  from tests.conftest import is_slow
+
+  assert is_slow("tests/test_notebooks.py::test_notebook_runs[01_quickstart]")
+  assert is_slow("tests/test_nonfinite.py::test_reset_matches_reference[pallas]")
+  assert not is_slow("tests/test_nonfinite.py::test_reset_matches_reference[xla]")
+  assert not is_slow("tests/test_operator.py::test_jit_and_vmap")
+
+
+def test_make_targets_run_the_tiers():
+  makefile = (ROOT / "Makefile").read_text()
+  fast = re.search(r"^test-fast:.*\n\t(.*)", makefile, re.M)
+  full = re.search(r"^test:.*\n\t(.*)", makefile, re.M)
+  assert fast and '-m "not slow"' in fast.group(1), makefile
+  assert full and "slow" not in full.group(1) and full.group(1).endswith(" tests"), makefile
