@@ -307,6 +307,29 @@ class Block(nnx.Module):
     return self._mlp(x + y.astype(x.dtype)), cache
 
 
+def _check_tokens(tokens, vocab_size, name="tokens"):
+  """`tokens` as an integer array, checked (docs in `HybridLM.__call__`): a TypeError unless
+  its dtype is an integer one; concrete (not traced) ids outside [0, vocab_size) a ValueError
+  naming the first one, its position and the vocabulary size."""
+  if not hasattr(tokens, "dtype"):
+    tokens = np.asarray(tokens)
+  if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.dtype == jnp.bool_:
+    raise TypeError(
+      f"{name} must be integer token ids (e.g. int32) in [0, vocab_size = {vocab_size}), "
+      f"got dtype {tokens.dtype}"
+    )
+  if not isinstance(tokens, jax.core.Tracer):
+    ids = np.asarray(tokens)
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+      where = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(
+        f"{name} holds id {int(ids[where])} at position {list(where)}, outside "
+        f"[0, vocab_size = {vocab_size}) ({int(bad.sum())} such id(s))"
+      )
+  return tokens
+
+
 class HybridLM(nnx.Module):
   """Embedding, `len(layer_pattern)` residual blocks, final RMSNorm, vocabulary projection.
 
@@ -346,8 +369,8 @@ class HybridLM(nnx.Module):
       return x @ self.embed.embedding[...].astype(f32).T
     return self.lm_head(x).astype(f32)
 
-  def _embed(self, tokens):
-    x = self.embed(tokens)
+  def _embed(self, tokens, name="tokens"):
+    x = self.embed(_check_tokens(tokens, self.config.vocab_size, name))
     return x if self.config.dtype is None else x.astype(self.config.dtype)
 
   def __call__(
@@ -358,7 +381,14 @@ class HybridLM(nnx.Module):
     segment_ids: jax.Array | None = None,
   ) -> jax.Array:
     """tokens [B, T] int -> logits [B, T, vocab] float32 (lengths [B]: right padding;
-    segment_ids [B, T]: packed documents)."""
+    segment_ids [B, T]: packed documents).
+
+    Token ids (here and in `prefill`, `step`, `step_tokens`) must be integers in
+    [0, vocab_size): float or bool tokens are a TypeError; concrete ids outside the range are a
+    ValueError naming the first such id and its position. Traced ids (under `jax.jit`) cannot
+    be checked: an id in [-vocab_size, -1] reads the embedding row counted from the end (NumPy
+    indexing) and any other id out of range gives a NaN embedding, hence NaN logits for that
+    position and every later one it reaches (`jnp.take`'s fill mode)."""
     return self.from_embeddings(self._embed(tokens), lengths, segment_ids=segment_ids)
 
   def from_embeddings(self, x, lengths=None, *, segment_ids=None):
@@ -395,7 +425,7 @@ class HybridLM(nnx.Module):
     """One token per sequence: token [B] int -> (logits [B, vocab] float32, new cache); `cache`
     from `init_cache` or `prefill`, one entry per layer."""
     self._check_cache_tuple(cache)
-    x = self._embed(token)
+    x = self._embed(token, "token")
     new = []
     for block, c in zip(self.blocks, cache):
       x, c = block.step(x, c)

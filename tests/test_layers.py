@@ -292,6 +292,23 @@ def test_inputs_and_caches_are_checked(make):
       layer.step(x[:, 0], gdp(num_blocks=1, expand_v=1).init_cache(2))
 
 
+@pytest.mark.parametrize("make", [gdp, lambda: attn()], ids=["gdp", "attention"])
+def test_integer_x_is_a_type_error(make):
+  """Token ids where activations are expected used to run as if they were activations."""
+  layer = make()
+  ids = jnp.ones((2, 3, D), jnp.int32)
+  for call in (lambda: layer(ids), lambda: layer.step_tokens(ids, init(layer))):
+    with pytest.raises(TypeError, match=r"x must be floating-point activations .* dtype int32"):
+      call()
+  with pytest.raises(TypeError, match=r"x must be floating-point .* dtype bool"):
+    layer.step(jnp.zeros((2, D), bool), init(layer))
+  assert layer(ids.astype(jnp.bfloat16)).shape == (2, 3, D)  # any float dtype is fine
+
+
+def init(layer):
+  return layer.init_cache(2) if isinstance(layer, GatedDeltaProduct) else layer.init_cache(2, 8)
+
+
 # ---- packed documents (segment_ids) -------------------------------------------------------------
 
 

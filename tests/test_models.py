@@ -282,6 +282,37 @@ def test_step_tokens_householder_layers():
   np.testing.assert_array_equal(cache[1].lengths, [5, 5])
 
 
+def test_tokens_are_checked(model):
+  """Ids outside the vocabulary used to give all-NaN logits, float tokens an error from inside
+  flax: now a ValueError naming the id, its position and the vocabulary, and a TypeError
+  naming the argument and the dtype. Traced ids are not checked (documented)."""
+  tokens = np.asarray(tokens_of(3))
+  for bad, pos in ((VOCAB, (1, 4)), (-1, (0, 2))):
+    t = tokens.copy()
+    t[pos] = bad
+    for call in (lambda: model(t), lambda: model(jnp.asarray(t)), lambda: model.prefill(t)):
+      with pytest.raises(
+        ValueError,
+        match=rf"tokens holds id {bad} at position \[{pos[0]}, "
+        rf"{pos[1]}\], outside \[0, vocab_size = {VOCAB}\)",
+      ):
+        call()
+  with pytest.raises(ValueError, match=rf"token holds id {VOCAB + 5} at position \[1\]"):
+    model.step(jnp.asarray([0, VOCAB + 5]), model.init_cache(2, 8))
+  for dtype in (jnp.float32, jnp.bool_):
+    with pytest.raises(
+      TypeError, match=rf"tokens must be integer token ids .* dtype {dtype.__name__}"
+    ):
+      model(tokens.astype(dtype))
+  with pytest.raises(TypeError, match="tokens must be integer token ids .* dtype float"):
+    model.step_tokens(tokens.astype(np.float32), model.init_cache(2, 16))
+  # Traced: unchecked; an id >= vocab_size gives NaN logits from its position on (docstring).
+  t = tokens.copy()
+  t[0, 3] = VOCAB
+  logits = np.asarray(forward(model, jnp.asarray(t)))
+  assert np.isnan(logits[0, 3]).all() and np.isfinite(logits[1]).all()
+
+
 def test_step_tokens_errors(model):
   from gdp_jax.models import to_paged
 

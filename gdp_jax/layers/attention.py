@@ -98,7 +98,8 @@ class GroupedQueryAttention(nnx.Module):
   `layer.step(x_t, cache)`, which writes the new key/value at slot `cache.lengths[b]` of a
   fixed-size cache and attends through `gqa_decode` with the traced lengths (no recompilation
   as lengths change). A token written past the cache's size S is dropped: size the cache for
-  prompt + generated tokens.
+  prompt + generated tokens. x must be floating-point activations (integer x, e.g. token ids,
+  is a TypeError naming its dtype); this layer has no gates (g, beta) to keep in range.
 
   Args:
     hidden_size: D. num_heads: query heads Hq. num_kv_heads: Hkv (divides Hq; default Hq).

@@ -111,6 +111,11 @@ def _check_cache(cache, kind, fields):
 def _check_x(x, hidden_size, rank, what):
   if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
     raise TypeError(f"x must be an array {what} (a jax or NumPy array), got {type(x).__name__}")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(
+      f"x must be floating-point activations {what} (e.g. float32 or bfloat16), got dtype "
+      f"{x.dtype}; token ids go through an embedding first (HybridLM does this)"
+    )
   if x.ndim != rank or x.shape[-1] != hidden_size:
     raise ValueError(
       f"x has shape {tuple(x.shape)}, expected {what} with D = hidden_size = {hidden_size}"

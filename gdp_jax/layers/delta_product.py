@@ -67,6 +67,13 @@ class GatedDeltaProduct(nnx.Module):
   ("token": one mask per token). The operator's output is RMS-normalised per head (times
   silu(g_proj(x)) with `use_gate`, Gated DeltaNet's gated RMSNorm) and projected back to D.
 
+  Inside the operator's value contract by construction (docs/operator.md), for any x and any
+  parameters: g = -exp(.) * softplus(.) <= 0 (RESET_LOG_DECAY = -112 at a packed document's
+  first token, 0 at padding); beta = sigmoid(.) in [0, 1], or 2 sigmoid(.) in [0, 2] with
+  `allow_neg_eigval` (0 at padding), and beta / rho(M) <= beta after `beta_norm` (rho(M) >= 1:
+  M's diagonal is 1 and its entries are >= 0). x must be floating-point activations [B, T, D]
+  (`_check_x`: integer x, e.g. token ids, is a TypeError naming its dtype).
+
   Normalisation (`key_norm="block"`, the default). q and k are L2-normalised per key block of
   dk = K / r, so each block is a unit key, and the write strength given to the operator is
   beta / rho(M) with rho(M) = max_a sum_b M[a, b] (>= the largest eigenvalue of M; `beta_norm`).
@@ -365,9 +372,7 @@ class GatedDeltaProduct(nnx.Module):
     """q | k | v projections of x [..., D] as one matmul with the three kernels side by side
     (each output column the same product as its own projection's): x is read once and the
     outputs need no concatenation, which XLA does not do for us when x is large."""
-    projs = (self.q_proj, self.k_proj, self.v_proj)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      return jnp.concatenate([p(x) for p in projs], axis=-1)
+    projs = (self.q_proj, self.k_proj, self.v_proj)  # x is floating (`_check_x`)
     dtype = x.dtype if self.q_proj.dtype is None else self.q_proj.dtype  # as `Linear`
     kernel = jnp.concatenate([p.kernel[...].astype(dtype) for p in projs], axis=1)
     return jnp.dot(x.astype(dtype), kernel, precision=self.q_proj.precision)
