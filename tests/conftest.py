@@ -69,6 +69,8 @@ SLOW = (
   "tests/test_train_lm.py::test_checkpoint_resumes_to_the_same_step_and_loss*",
   "tests/test_train_lm.py::test_command_line_and_bad_configuration*",
   "tests/test_train_lm.py::test_profile_train_step_smoke*",
+  "tests/test_train_lm.py::test_resume_says_what_it_found*",
+  "tests/test_train_lm.py::test_a_killed_save_loses_only_the_unfinished_step*",
   # Heavy interpreted Pallas cases: every stage of the kernels against the jnp form, and the
   # whole Pallas path's gradients where one case takes over 12 s on a 2-core CPU.
   "tests/test_pallas_forward.py::test_stages_match_xla*",

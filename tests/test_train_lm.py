@@ -270,3 +270,205 @@ def test_profile_train_step_smoke(tmp_path):
   assert not any("embedding" in s["param"] for s in res["matmuls"]["shapes"])
   assert math.isfinite(res["ratio"]) and res["ratio"] > 0
   assert res["ratio"] == pytest.approx(parts["step"] / res["sum_ms"])
+
+
+# ---- command-line errors, resume and checkpoints ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "argv, match",
+  [
+    (["--corpus-dir", "/nonexistent"], "corpus folder '/nonexistent' does not exist"),
+    (["--steps", "0"], "steps must be a positive integer, got 0"),
+    (["--steps", "-3"], "steps must be a positive integer, got -3"),
+    (["--eval-every", "0"], "eval_every must be a positive integer, got 0"),
+    (["--ckpt-every", "-1"], "ckpt_every must be a non-negative integer, got -1"),
+    (["--warmup-steps", "-1"], "warmup_steps must be a non-negative integer"),
+    (["--seed", "-1"], "seed must be a non-negative integer"),
+    (["--lr", "0"], "lr must be a positive number, got 0.0"),
+    (["--seq-len", "100"], "seq_len must be a multiple of 64"),
+    (["--layers", "DXA"], "model settings: layer_pattern = 'DXA' has unknown letters"),
+    (["--hidden-size", "0"], "model settings: hidden_size must be a positive integer"),
+    (["--resume"], "resume and stop_at need an out folder"),
+    (["--compare", "/nonexistent/metrics.json"], "--compare: no file"),
+  ],
+)
+def test_command_line_errors_are_one_line_with_status_2(argv, match, capsys):
+  """Argument and data errors used to end in tracebacks: now one line on stderr, exit status 2
+  (argparse's convention), nothing trained."""
+  from gdp_jax.__main__ import main
+
+  assert main(["train-lm", "--no-progress", *argv]) == 2
+  captured = capsys.readouterr()
+  lines = captured.err.strip().splitlines()
+  assert len(lines) == 1, captured.err
+  assert lines[0].startswith("python -m gdp_jax train-lm: error: ")
+  assert match in lines[0]
+  assert captured.out == ""
+
+
+def _ckpt_dir(out):
+  return os.path.join(out, "checkpoints")
+
+
+def _corrupt_data(step_dir):
+  for root, _, files in os.walk(os.path.join(step_dir, "state")):
+    if os.path.basename(root) == "d":
+      for name in files:
+        with open(os.path.join(root, name), "wb") as f:
+          f.write(b"not an ocdbt file" * 8)
+
+
+def _garbage_metadata(step_dir):
+  with open(os.path.join(step_dir, "state", "_METADATA"), "w") as f:
+    f.write("{garbage")
+
+
+def _empty_folder(step_dir):
+  shutil.rmtree(step_dir)
+  os.mkdir(step_dir)
+
+
+def test_resume_says_what_it_found(tmp_path, capsys):
+  """--resume reports the step and path it resumed from, or that there was nothing to resume;
+  --steps at the checkpoint's step trains nothing (it used to report "0 tokens/s"); an
+  unreadable latest step (garbage data files, garbage _METADATA, an empty folder) is reported in
+  one line and the step before is used; a checkpoint of another model is refused naming the
+  settings that differ, on the command line in one line with status 2."""
+  from gdp_jax.__main__ import main
+
+  base = dict(eval_every=2, ckpt_every=2, plot=False, **QUIET)
+  good = str(tmp_path / "good")
+  tl.train_lm(tl.preset_config("tiny", out=good, steps=4, **base))
+  assert sorted(os.listdir(_ckpt_dir(good))) == ["2", "4"]
+  capsys.readouterr()
+
+  # Nothing to resume: says so and starts fresh.
+  fresh = tl.train_lm(
+    tl.preset_config("tiny", out=str(tmp_path / "new"), steps=2, resume=True, **base)
+  )
+  err = capsys.readouterr().err
+  assert "--resume: nothing to resume (no checkpoint in " in err and "starting from step 0" in err
+  assert fresh["history"]["step"] == [1, 2]
+
+  # At or past the schedule: nothing trained, nothing written.
+  before = os.path.getmtime(os.path.join(good, "metrics.json"))
+  m = tl.train_lm(tl.preset_config("tiny", out=good, steps=4, resume=True, **base))
+  err = capsys.readouterr().err
+  assert (
+    f"--resume: resumed from step 4 ({os.path.join(os.path.abspath(good), 'checkpoints', '4')})"
+    in err
+  )
+  assert (
+    "nothing to train: the checkpoint is at step 4 and the run ends at step 4 (--steps 4)" in err
+  )
+  assert m["summary"]["final_step"] == 4 and m["history"]["step"] == [1, 2, 3, 4]
+  assert os.path.getmtime(os.path.join(good, "metrics.json")) == before
+  assert sorted(os.listdir(_ckpt_dir(good))) == ["2", "4"]
+
+  # A corrupted or partial latest step: one line, then the step before.
+  for name, spoil in (
+    ("data", _corrupt_data),
+    ("meta", _garbage_metadata),
+    ("empty", _empty_folder),
+  ):
+    out = str(tmp_path / name)
+    shutil.copytree(good, out)
+    spoil(os.path.join(_ckpt_dir(out), "4"))
+    m = tl.train_lm(tl.preset_config("tiny", out=out, steps=4, resume=True, **base))
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("--resume")]
+    assert len(lines) == 2, (name, lines)
+    assert lines[0].startswith("--resume: checkpoint step 4 (") and "is unreadable (" in lines[0]
+    assert lines[0].endswith("moved to 4.unreadable, trying the step before"), lines[0]
+    assert lines[1].startswith("--resume: resumed from step 2 ("), lines[1]
+    assert m["summary"]["resumed_from"] == 2 and m["history"]["step"] == [1, 2, 3, 4]
+    assert sorted(os.listdir(_ckpt_dir(out))) == ["2", "4", "4.unreadable"]
+
+  # Every step unreadable: a fresh start, said clearly.
+  out = str(tmp_path / "none")
+  shutil.copytree(good, out)
+  for step in ("2", "4"):
+    _empty_folder(os.path.join(_ckpt_dir(out), step))
+  m = tl.train_lm(tl.preset_config("tiny", out=out, steps=2, resume=True, **base))
+  assert "--resume: no readable checkpoint in " in capsys.readouterr().err
+  assert m["summary"]["resumed_from"] is None and m["history"]["step"] == [1, 2]
+
+  # Another model: refused, naming the settings.
+  with pytest.raises(
+    tl.TrainLMError, match=r"another model \(mask_mode 'static' there, 'ones' here"
+  ):
+    tl.train_lm(tl.preset_config("tiny", out=good, model="gdn", steps=6, resume=True, **base))
+  argv = ["train-lm", "--model", "gdn", "--steps", "6", "--out", good, "--resume", "--no-progress"]
+  assert main(argv) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("python -m gdp_jax train-lm: error: the checkpoint")
+  assert "num_blocks 2 there, 1 here" in err[0]
+
+
+# The fault-injected run: orbax renames `<step>.orbax-checkpoint-tmp-*` to `<step>` when a save is
+# complete; this run stops there at step 4 (every file written, not yet renamed) until killed.
+KILLED_RUN = """
+import sys, time
+from orbax.checkpoint.path import atomicity
+
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+async def paused_finalize(self):
+  if self._final_path.name == "4":
+    print("SAVE OF STEP 4 UNDER WAY", flush=True)
+    time.sleep(300)
+  return await finalize(self)
+
+atomicity.AtomicRenameTemporaryPath.finalize = paused_finalize
+from examples.byte_lm import train_lm as tl
+tl.train_lm(tl.preset_config("tiny", out=sys.argv[1], steps=6, eval_every=2, ckpt_every=2,
+                             progress=False, plot=False))
+print("FINISHED", flush=True)
+"""
+
+
+def test_a_killed_save_loses_only_the_unfinished_step(tmp_path):
+  """A run killed (SIGKILL) while the checkpoint of step 4 is being written: step 2 stays the
+  latest readable step, and --resume continues from it to the same losses as a run never
+  interrupted."""
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  out = str(tmp_path / "killed")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+  proc = subprocess.Popen(
+    [sys.executable, "-c", KILLED_RUN, out],
+    cwd=root,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+  try:
+    deadline = time.monotonic() + 240
+    seen = []
+    for line in proc.stdout:
+      seen.append(line)
+      if "SAVE OF STEP 4 UNDER WAY" in line or time.monotonic() > deadline:
+        break
+    assert "SAVE OF STEP 4 UNDER WAY" in "".join(seen), "".join(seen[-30:])
+    names = os.listdir(_ckpt_dir(out))
+    assert "2" in names and "4" not in names
+    assert any(n.startswith("4.orbax-checkpoint-tmp") for n in names), names
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+
+  base = dict(steps=6, eval_every=2, ckpt_every=2, plot=False, **QUIET)
+  rest = tl.train_lm(tl.preset_config("tiny", out=out, resume=True, **base))
+  assert rest["summary"]["resumed_from"] == 2
+  # The temporary folder of the unfinished save is gone; the run's own steps are there.
+  assert sorted(os.listdir(_ckpt_dir(out))) == ["4", "6"]
+  full = tl.train_lm(tl.preset_config("tiny", out=str(tmp_path / "full"), **base))
+  assert rest["history"]["step"] == full["history"]["step"] == [1, 2, 3, 4, 5, 6]
+  assert rest["history"]["train_loss"] == full["history"]["train_loss"]
+  assert rest["eval"][-1]["val_loss"] == full["eval"][-1]["val_loss"]

@@ -48,6 +48,7 @@ MFU = FLOPs per token x tokens per second / (--peak-tflops x 1e12), on a GPU; n/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -94,6 +95,11 @@ MODELS: dict[str, dict[str, Any]] = {
 # ----------------------------------------------------------------------------------------------
 # Configuration
 # ----------------------------------------------------------------------------------------------
+
+
+class TrainLMError(ValueError):
+  """A bad option, corpus or checkpoint, in one line: the command line prints it as
+  `... train-lm: error: <message>` and exits with status 2 (argparse's convention)."""
 
 
 @dataclasses.dataclass
@@ -154,28 +160,36 @@ class TrainConfig:
 
   def validate(self):
     if self.model not in MODELS:
-      raise ValueError(f"model must be one of {tuple(MODELS)}, got {self.model!r}")
+      raise TrainLMError(f"model must be one of {tuple(MODELS)}, got {self.model!r}")
     if self.dtype not in ("bf16", "f32"):
-      raise ValueError(f"dtype must be 'bf16' or 'f32', got {self.dtype!r}")
+      raise TrainLMError(f"dtype must be 'bf16' or 'f32', got {self.dtype!r}")
     if self.attn_impl not in ("auto", "xla", "flash"):
-      raise ValueError(f"attn_impl must be 'auto', 'xla' or 'flash', got {self.attn_impl!r}")
-    for name in ("steps", "batch_size", "seq_len", "eval_batches", "log_every"):
+      raise TrainLMError(f"attn_impl must be 'auto', 'xla' or 'flash', got {self.attn_impl!r}")
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise TrainLMError(f"{name} must be a positive integer, got {value!r}")
     if self.seq_len % ALIGN:
-      raise ValueError(
+      raise TrainLMError(
         f"seq_len must be a multiple of {ALIGN} (documents start at multiples "
         f"of {ALIGN} tokens), got {self.seq_len}"
       )
+    for name in ("ckpt_every", "warmup_steps", "seed"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TrainLMError(f"{name} must be a non-negative integer, got {value!r}")
+    for name in ("lr", "peak_tflops"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise TrainLMError(f"{name} must be a positive number, got {value!r}")
     if self.minutes is not None and not self.minutes > 0:
-      raise ValueError(f"minutes must be > 0, got {self.minutes!r}")
+      raise TrainLMError(f"minutes must be > 0, got {self.minutes!r}")
     if self.stop_at is not None and self.stop_at < 1:
-      raise ValueError(f"stop_at must be >= 1, got {self.stop_at!r}")
+      raise TrainLMError(f"stop_at must be >= 1, got {self.stop_at!r}")
     if not 0 < self.val_percent < 100:
-      raise ValueError(f"val_percent must lie in (0, 100), got {self.val_percent!r}")
+      raise TrainLMError(f"val_percent must lie in (0, 100), got {self.val_percent!r}")
     if (self.resume or self.stop_at) and not (self.out and self.checkpoint):
-      raise ValueError("resume and stop_at need an out folder and checkpoints")
+      raise TrainLMError("resume and stop_at need an out folder and checkpoints")
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -226,24 +240,32 @@ PRESETS: dict[str, dict[str, Any]] = {
 def preset_config(preset: str = "tiny", **overrides) -> TrainConfig:
   """A TrainConfig from a preset ("tiny" or "h200") with fields overridden."""
   if preset not in PRESETS:
-    raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {preset!r}")
+    raise TrainLMError(f"preset must be one of {tuple(PRESETS)}, got {preset!r}")
   fields = dict(PRESETS[preset], preset=preset)
   fields.update({k: v for k, v in overrides.items()})
   return TrainConfig(**fields)
 
 
 def model_config(cfg: TrainConfig):
-  """The HybridConfig of a run."""
+  """The HybridConfig of a run (a TrainLMError if the model's own checks refuse it)."""
   import jax
-  import jax.numpy as jnp
-
-  from gdp_jax.models import HybridConfig
 
   spec = MODELS[cfg.model]
   layers = "A" * len(cfg.layers) if spec["attention_only"] else cfg.layers
   attn_impl = cfg.attn_impl
   if attn_impl == "auto":
     attn_impl = "flash" if jax.default_backend() == "gpu" else "xla"
+  try:
+    return _hybrid_config(cfg, spec, layers, attn_impl)
+  except ValueError as e:  # the model's own checks (widths, heads, layer pattern)
+    raise TrainLMError(f"model settings: {e}") from None
+
+
+def _hybrid_config(cfg, spec, layers, attn_impl):
+  import jax.numpy as jnp
+
+  from gdp_jax.models import HybridConfig
+
   return HybridConfig(
     vocab_size=VOCAB_SIZE,
     hidden_size=cfg.hidden_size,
@@ -292,7 +314,7 @@ def corpus_files(root: str | None = None):
   standard library), by the rules in the module docstring."""
   root = os.path.abspath(root or stdlib_root())
   if not os.path.isdir(root):
-    raise ValueError(f"corpus folder {root!r} does not exist")
+    raise TrainLMError(f"corpus folder {root!r} does not exist (--corpus-dir)")
   out = []
   for dirpath, dirnames, filenames in os.walk(root):
     dirnames[:] = sorted(
@@ -341,7 +363,7 @@ def load_corpus(root: str | None = None, val_percent: float = 2.0) -> Corpus:
   root and val_percent for the process; the arrays are read-only)."""
   files = corpus_files(root)
   if not files:
-    raise ValueError(f"no .py files found under {root or stdlib_root()!r}")
+    raise TrainLMError(f"no .py files found under {root or stdlib_root()!r} (--corpus-dir)")
   train: list[tuple[str, bytes]] = []
   val: list[tuple[str, bytes]] = []
   digest = hashlib.sha256()
@@ -352,7 +374,7 @@ def load_corpus(root: str | None = None, val_percent: float = 2.0) -> Corpus:
     (val if is_validation(rel, val_percent) else train).append((rel, data))
   if not train or not val:
     empty = "training" if not train else "validation"
-    raise ValueError(
+    raise TrainLMError(
       f"the split of {len(files)} files left no {empty} files (val_percent = {val_percent})"
     )
   order = np.random.default_rng(SHUFFLE_SEED).permutation(len(train))
@@ -398,7 +420,7 @@ def train_batch(stream: Stream, step: int, seed: int, batch_size: int, seq_len: 
   seeded by (seed, step)."""
   slots = (stream.tokens.size - seq_len - 1) // ALIGN + 1
   if slots < 1:
-    raise ValueError(
+    raise TrainLMError(
       f"the training stream ({stream.tokens.size} tokens) is shorter than one "
       f"window of seq_len + 1 = {seq_len + 1}"
     )
@@ -412,7 +434,7 @@ def val_batches(stream: Stream, batch_size: int, seq_len: int, n_batches: int):
   window start when fewer fit; in batches of at most B."""
   slots = (stream.tokens.size - seq_len - 1) // ALIGN + 1
   if slots < 1:
-    raise ValueError(
+    raise TrainLMError(
       f"the validation stream ({stream.tokens.size} tokens) is shorter than "
       f"one window of seq_len + 1 = {seq_len + 1}"
     )
@@ -578,34 +600,140 @@ def compiled_steps(donate: bool):
 # ----------------------------------------------------------------------------------------------
 
 
+# The HybridConfig fields that choose kernels, not parameters: a checkpoint resumes across them
+# (e.g. one written on a GPU with flash attention, resumed on a CPU).
+KERNEL_SETTINGS = ("implementation", "attn_impl")
+
+
+def model_settings(mc) -> dict:
+  """The model's settings stored with each checkpoint and compared on resume (JSON values)."""
+  fields = {k: v for k, v in dataclasses.asdict(mc).items() if k not in KERNEL_SETTINGS}
+  fields["dtype"] = str(fields["dtype"])
+  return json.loads(json.dumps(fields))
+
+
 def _manager(out):
+  """Checkpoints in OUT/checkpoints/<step>. Each save writes into `<step>.orbax-checkpoint-tmp-*`
+  and renames it to `<step>` only when every file is written (orbax's atomic rename), so a save
+  cut short (killed, out of disk) never shows as a step; leftover temporary folders are removed
+  when the next run opens the folder (docs/train_lm.md#checkpoints)."""
   import orbax.checkpoint as ocp
+  from orbax.checkpoint.path import atomicity
 
   return ocp.CheckpointManager(
     os.path.abspath(os.path.join(out, "checkpoints")),
-    options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
+    options=ocp.CheckpointManagerOptions(
+      max_to_keep=2,
+      create=True,
+      cleanup_tmp_directories=True,
+      temporary_path_class=atomicity.AtomicRenameTemporaryPath,
+    ),
   )
 
 
-def _save(manager, step, params, opt_state):
+def _save(manager, step, params, opt_state, settings):
+  """The state and the model's settings at `step`, waited for: the step exists (renamed from
+  its temporary folder) when this returns."""
   import orbax.checkpoint as ocp
 
   manager.save(
-    step, args=ocp.args.StandardSave(dict(params=params, opt_state=opt_state)), force=True
+    step,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardSave(dict(params=params, opt_state=opt_state)),
+      model=ocp.args.JsonSave(settings),
+    ),
+    force=True,
   )
   manager.wait_until_finished()  # the next step donates these buffers
 
 
-def _restore(manager, params, opt_state):
+def _one_line(error: BaseException) -> str:
+  lines = str(error).strip().splitlines()
+  text = lines[0] if lines else ""
+  return f"{type(error).__name__}: {text[:160]}{'...' if len(text) > 160 or len(lines) > 1 else ''}"
+
+
+@contextlib.contextmanager
+def _quiet_closed_loop_callbacks():
+  """Drops the "Event loop is closed" RuntimeErrors that tensorstore's late callbacks raise, as
+  unraisable exceptions, after orbax gave up reading a corrupted checkpoint (dozens of
+  tracebacks for one unreadable step); every other unraisable exception is still reported."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  try:
+    yield
+  finally:
+    sys.unraisablehook = previous
+
+
+def _restore(manager, params, opt_state, settings, say):
+  with _quiet_closed_loop_callbacks():
+    return _restore_latest_readable(manager, params, opt_state, settings, say)
+
+
+def _restore_latest_readable(manager, params, opt_state, settings, say):
+  """(step, path, params, opt_state) of the latest readable checkpoint, or None when there is
+  none (said through `say`). An unreadable step (corrupted files, garbage metadata, an empty
+  folder) is reported in one line and the one before it is tried; a checkpoint of another model
+  (other `model_settings`) is a TrainLMError naming the differing settings. An unreadable step
+  folder is renamed `<step>.unreadable` (kept to inspect, out of the way of a new save)."""
   import jax
   import orbax.checkpoint as ocp
 
-  step = manager.latest_step()
-  if step is None:
+  folder = str(manager.directory)
+  manager.reload()
+  steps = sorted(manager.all_steps(), reverse=True)
+  if not steps:
+    say(f"--resume: nothing to resume (no checkpoint in {folder}); starting from step 0")
     return None
   target = jax.tree.map(ocp.utils.to_shape_dtype_struct, dict(params=params, opt_state=opt_state))
-  state = manager.restore(step, args=ocp.args.StandardRestore(target))
-  return step, state["params"], state["opt_state"]
+
+  def set_aside(step, path, error):
+    # Renamed, not deleted: out of the way of this run's own save of that step, kept to inspect.
+    aside = path + ".unreadable"
+    n = 1
+    while os.path.exists(aside):
+      n += 1
+      aside = f"{path}.unreadable-{n}"
+    os.rename(path, aside)
+    manager.reload()
+    say(
+      f"--resume: checkpoint step {step} ({path}) is unreadable ({_one_line(error)}); moved to "
+      f"{os.path.basename(aside)}, trying the step before"
+    )
+
+  for step in steps:
+    path = os.path.join(folder, str(step))
+    try:
+      saved = manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))
+      stored = saved["model"]
+      if not isinstance(stored, dict):
+        raise TypeError(f"the stored model settings are a {type(stored).__name__}, not a dict")
+    except Exception as e:  # anything unreadable: fall back to the step before
+      set_aside(step, path, e)
+      continue
+    differ = [k for k in sorted(set(settings) | set(stored)) if stored.get(k) != settings.get(k)]
+    if differ:
+      what = ", ".join(f"{k} {stored.get(k)!r} there, {settings.get(k)!r} here" for k in differ)
+      raise TrainLMError(
+        f"the checkpoint at step {step} ({path}) is of another model ({what}): resume with the "
+        f"options that wrote it, or train into another --out"
+      )
+    try:
+      state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+      state = state["state"]
+    except Exception as e:
+      set_aside(step, path, e)
+      continue
+    return step, path, state["params"], state["opt_state"]
+  say(f"--resume: no readable checkpoint in {folder}; starting from step 0")
+  return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -668,6 +796,9 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
   def log(msg):
     if not quiet:
       print(msg, flush=True)
+
+  def say(msg):  # what --resume found: shown even without progress output
+    print(msg, file=sys.stderr, flush=True)
 
   previous = None
   if cfg.resume and os.path.exists(_metrics_path(cfg.out)):
@@ -736,17 +867,31 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
   evals = []
   start = 0
   manager = _manager(cfg.out) if (cfg.out and cfg.checkpoint) else None
+  settings = model_settings(mc)
   if cfg.resume:
-    restored = _restore(manager, params, opt_state)
-    if restored is not None:
-      start, params, opt_state = restored
+    restored = _restore(manager, params, opt_state, settings, say)
+    if restored is None:
+      previous = None  # a fresh start keeps none of the old curves
+    else:
+      start, path, params, opt_state = restored
       if previous is not None:
         old = previous["history"]
         keep = [i for i, s in enumerate(old["step"]) if s <= start]
         history = {k: [old[k][i] for i in keep] for k in ("step", "train_loss", "grad_norm", "lr")}
         history["tokens_per_s"] = [x for x in old["tokens_per_s"] if x[0] <= start]
         evals = [e for e in previous["eval"] if e["step"] <= start]
-      log(f"resumed from step {start}")
+      say(f"--resume: resumed from step {start} ({path})")
+      if start >= stop:
+        say(
+          f"--resume: nothing to train: the checkpoint is at step {start} and the run ends at "
+          f"step {stop} (--steps {steps}" + (f", --stop-at {cfg.stop_at})" if cfg.stop_at else ")")
+        )
+        manager.close()
+        if previous is not None:
+          return previous
+        extra = dict(compile_s=None, train_s=0.0, timed_steps=0, stopped_at=None)
+        extra.update(resumed_from=start, command=_command())
+        return _metrics(cfg, mc, corpus, params, fpt, history, evals, steps, start, extra)
   if cfg.out:
     os.makedirs(cfg.out, exist_ok=True)
 
@@ -803,7 +948,7 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
     train_s=0.0,
     timed_steps=0,
     stopped_at=None,
-    resumed_from=start if cfg.resume else None,
+    resumed_from=start if cfg.resume and start else None,  # None: a fresh start
     command=_command(),
   )
   schedule = jnp.asarray(hp.schedule_array())
@@ -843,7 +988,7 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
       bar.set_postfix(stats, refresh=False)
       bar.update(step - bar.n)
       if is_ckpt:
-        _save(manager, step, params, opt_state)
+        _save(manager, step, params, opt_state, settings)
       if is_eval or is_ckpt:
         write_metrics()
       t_mark, since_mark = time.perf_counter(), 0
@@ -1104,6 +1249,7 @@ def add_arguments(p):
   p.add_argument("--val-percent", type=float, default=2.0, help="validation files, percent")
   p.add_argument("--no-progress", action="store_true", help="no progress bar or log lines")
   p.add_argument("--no-plot", action="store_true", help="no PNG")
+  p.set_defaults(train_lm_prog=p.prog)
   p.add_argument(
     "--compare",
     nargs="+",
@@ -1114,7 +1260,20 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+  """The command line: 0, or 2 after a one-line message for a bad option, corpus or checkpoint
+  (TrainLMError; argparse's convention, no traceback)."""
+  try:
+    return _run(args)
+  except TrainLMError as e:
+    print(f"{getattr(args, 'train_lm_prog', 'train-lm')}: error: {e}", file=sys.stderr)
+    return 2
+
+
+def _run(args) -> int:
   if args.compare:
+    for path in args.compare:
+      if not os.path.isfile(path):
+        raise TrainLMError(f"--compare: no file {path!r}")
     return compare(args.compare, args.out)
   overrides = dict(
     model=args.model,
