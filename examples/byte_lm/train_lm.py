@@ -711,6 +711,10 @@ def _restore_latest_readable(manager, params, opt_state, settings, say):
   for step in steps:
     path = os.path.join(folder, str(step))
     try:
+      if os.path.isdir(os.path.join(path, "default")) and not os.path.isdir(
+        os.path.join(path, "model")
+      ):
+        raise TrainLMError("written by an older train-lm, without the model's settings")
       saved = manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))
       stored = saved["model"]
       if not isinstance(stored, dict):
