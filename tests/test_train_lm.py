@@ -365,6 +365,13 @@ def test_resume_says_what_it_found(tmp_path, capsys):
   assert m["summary"]["final_step"] == 4 and m["history"]["step"] == [1, 2, 3, 4]
   assert os.path.getmtime(os.path.join(good, "metrics.json")) == before
   assert sorted(os.listdir(_ckpt_dir(good))) == ["2", "4"]
+  bare = str(tmp_path / "bare")  # the same without metrics.json: a summary of the checkpoint
+  shutil.copytree(good, bare)
+  os.remove(os.path.join(bare, "metrics.json"))
+  m = tl.train_lm(tl.preset_config("tiny", out=bare, steps=3, resume=True, **base))
+  assert "the run ends at step 3 (--steps 3)" in capsys.readouterr().err
+  assert m["summary"]["final_step"] == 4 and m["history"]["step"] == []
+  assert not os.path.exists(os.path.join(bare, "metrics.json"))
 
   # A corrupted or partial latest step: one line, then the step before.
   for name, spoil in (

@@ -890,12 +890,13 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
           f"--resume: nothing to train: the checkpoint is at step {start} and the run ends at "
           f"step {stop} (--steps {steps}" + (f", --stop-at {cfg.stop_at})" if cfg.stop_at else ")")
         )
-        manager.close()
+        if manager is not None:
+          manager.close()
         if previous is not None:
           return previous
-        extra = dict(compile_s=None, train_s=0.0, timed_steps=0, stopped_at=None)
-        extra.update(resumed_from=start, command=_command())
-        return _metrics(cfg, mc, corpus, params, fpt, history, evals, steps, start, extra)
+        untrained: dict[str, Any] = dict(compile_s=None, train_s=0.0, timed_steps=0)
+        untrained.update(stopped_at=None, resumed_from=start, command=_command())
+        return _metrics(cfg, mc, corpus, params, fpt, history, evals, steps, start, untrained)
   if cfg.out:
     os.makedirs(cfg.out, exist_ok=True)
 
