@@ -36,7 +36,8 @@ reset is exact in the gradient too (docs/train_lm.md).
 
 Training: AdamW (weight decay on matrices only), linear warm-up then cosine decay to
 `min_lr_ratio` of the peak, global-norm gradient clipping, bfloat16 compute with float32
-parameters, orbax checkpoints (`--resume` continues the latest), a progress bar with loss and
+parameters, orbax checkpoints (`--resume` continues the latest readable one; what it found, and
+an interrupted save, in docs/train_lm.md#checkpoints), a progress bar with loss and
 tokens/s, validation bits per byte, and `metrics.json` + `curves.png` in `--out`.
 
 FLOPs per token (`flops_per_token`, written out in docs/train_lm.md): matmuls of the projections,
