@@ -11,8 +11,9 @@ num_stages, block_v, block_k) of the grid, to choose their `Launch` in
 pallas_kernels/common/options.py. --packed N1,N2 times the fused forward's pieces instead: its
 two kernels on the B rows (`chunk_fwd`, `chunk_state_output`), then the same tokens as one packed
 row of N sequences (equal lengths when N = B, else random ones, benchmarks/bench_varlen.py): the
-packing tables (`packing`, gdp_jax/pallas_impl.py), the two kernels reading the row in place, and
-the whole packed forward without the non-finite guard (`forward`), beside the unpacked one.
+packing tables (`packing`, gdp_jax/ops/gated_delta_product/triton.py), the two kernels reading the
+row in place, and the whole packed forward without the non-finite guard (`forward`), beside the
+unpacked one.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from gdp_jax import pallas_impl  # noqa: E402
 from gdp_jax.bench import DTYPES, command_line, make_inputs, time_jax  # noqa: E402
-from gdp_jax.operator import normalize_mask  # noqa: E402
-from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy  # noqa: E402
+from gdp_jax.ops.gated_delta_product import triton as gdp_triton  # noqa: E402
+from gdp_jax.ops.validation import normalize_mask  # noqa: E402
 from pallas_kernels.common import cumsum  # noqa: E402
 from pallas_kernels.common.options import DEFAULT, Launch  # noqa: E402
-from pallas_kernels.forward import (  # noqa: E402
+from pallas_kernels.triton.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy  # noqa: E402
+from pallas_kernels.triton.forward import (  # noqa: E402
   chunk_fwd,
   chunk_h,
   chunk_o,
@@ -54,7 +55,7 @@ def stages(inputs, r, chunk_size=64, launches=None, **overrides):
   q, k, v = inputs["q"], inputs["k"], inputs["v"]
   B, T, H, K = q.shape
   mask, _ = normalize_mask(inputs["mask"], B, T, H, K)
-  bt = overrides.get("bt", pallas_impl.pallas_chunk(chunk_size, r))
+  bt = overrides.get("bt", gdp_triton.pallas_chunk(chunk_size, r))
   cr = dict(chunk=bt, key_blocks=r)
   g = jnp.moveaxis(inputs["g"], 1, 2)
   beta = jnp.moveaxis(inputs["beta"], 1, 2)
@@ -113,8 +114,8 @@ def stages(inputs, r, chunk_size=64, launches=None, **overrides):
 
 def fused_pieces(q, k, v, g, beta, mask, h0, r, packing=None):
   """{piece: (jitted fn, args)} of the fused forward on [B, T, ...] inputs (the packed row and
-  its `pallas_impl._Packing` when packing is given)."""
-  bt = pallas_impl.pallas_chunk(64, r)
+  its `gdp_triton._Packing` when packing is given)."""
+  bt = gdp_triton.pallas_chunk(64, r)
   cr = dict(chunk=bt, key_blocks=r)
   g_hm, beta_hm = (jnp.moveaxis(x.astype(jnp.float32), 1, 2) for x in (g, beta))
   chunk_table = {} if packing is None else dict(table=packing.chunks)
@@ -149,8 +150,8 @@ def packed_stages(inputs, r, num_seqs):
   qp, kp, vp, gp, bp = (row(x) for x in (q, k, v, g, beta))
   lengths = [T] * B if num_seqs == B else random_lengths(B * T, num_seqs)
   cu = jnp.cumsum(jnp.array([0] + list(lengths), jnp.int32)).astype(jnp.int32)
-  bt = pallas_impl.pallas_chunk(64, r)
-  pack = jax.jit(lambda c: pallas_impl._packing(c, B * T, bt))
+  bt = gdp_triton.pallas_chunk(64, r)
+  pack = jax.jit(lambda c: gdp_triton._packing(c, B * T, bt))
   packing = pack(cu)
   h0 = jnp.zeros((num_seqs, H, K, V), jnp.float32)
   pieces = fused_pieces(qp, kp, vp, gp, bp, mask, h0, r, packing)

@@ -2,7 +2,8 @@
 
   python benchmarks/sweep_forward.py --out sweep.json [--rs 1,2,4]
 
-Prints the median time of each variant; pallas_impl's defaults come from these figures.
+Prints the median time of each variant; the triton implementation's defaults come from these
+figures.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from gdp_jax import pallas_impl  # noqa: E402
 from gdp_jax.bench import DTYPES, make_inputs, time_jax  # noqa: E402
-from gdp_jax.operator import normalize_mask  # noqa: E402
+from gdp_jax.ops.gated_delta_product import triton as gdp_triton  # noqa: E402
+from gdp_jax.ops.validation import normalize_mask  # noqa: E402
 from pallas_kernels.common import cumsum  # noqa: E402
 from pallas_kernels.common.options import Launch  # noqa: E402
-from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy  # noqa: E402
+from pallas_kernels.triton.forward import chunk_h, chunk_o, kkt, solve_tril, wy  # noqa: E402
 
 VARIANTS = {
   "kkt": [dict(num_warps=w) for w in (2, 4, 8)],
@@ -63,7 +64,7 @@ def main(argv=None):
     inputs = make_inputs(B, T, H, K, V, r, DTYPES["bf16"])
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     mask, _ = normalize_mask(inputs["mask"], B, T, H, K)
-    bt = pallas_impl.pallas_chunk(64, r)
+    bt = gdp_triton.pallas_chunk(64, r)
     cr = dict(chunk=bt, key_blocks=r)
     g = jnp.moveaxis(inputs["g"], 1, 2)
     beta = jnp.moveaxis(inputs["beta"], 1, 2)

@@ -8,13 +8,14 @@ For each r and chunk (N = chunk * r rows <= --max-rows) it times, as median ms o
                        (save_ai=False), and the best of them again with save_ai=True (what a
                        training step runs);
   chunk_state_output   alone, for each (block_v, num_warps, num_stages) of the grid;
-  forward              the whole fused forward (pallas_impl's forward at this chunk, both kernels
+  forward              the whole fused forward (the triton implementation's forward at this chunk,
+  both kernels
                        at their best parameters), its relative error against the chunked jnp
                        form, and the five-kernel forward at the same chunk for comparison.
 It prints one line per case and rewrites the JSON (--out) after each, with the date, the jax
 version, the GPU name and the command, so an interrupted sweep keeps what it measured.
-pallas_impl's CHUNK_FWD_PARAMS / STATE_OUTPUT_PARAMS and the chunk per r come from these figures
-(docs/kernels.md).
+the triton implementation's CHUNK_FWD_PARAMS / STATE_OUTPUT_PARAMS and the chunk per r come from
+these figures (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from gdp_jax import pallas_impl, xla  # noqa: E402
 from gdp_jax.bench import DTYPES, make_inputs, time_jax  # noqa: E402
-from gdp_jax.operator import normalize_mask  # noqa: E402
+from gdp_jax.ops.gated_delta_product import triton as gdp_triton  # noqa: E402
+from gdp_jax.ops.gated_delta_product import xla  # noqa: E402
+from gdp_jax.ops.validation import normalize_mask  # noqa: E402
 from pallas_kernels.common.options import DEFAULT, Launch  # noqa: E402
-from pallas_kernels.forward import chunk_fwd, chunk_state_output  # noqa: E402
+from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output  # noqa: E402
 from tests.cases import rel_err  # noqa: E402
 
 TINY = dict(
@@ -58,8 +60,9 @@ TINY = dict(
 
 
 def whole_forward(*arrays, scale, bt, opts):
-  """pallas_impl's forward without gradient (no Ai written) at chunk bt: the output."""
-  return pallas_impl._forward(*arrays, scale, bt, opts, save_ai=False)[0]
+  """the triton implementation's forward without gradient (no Ai written) at chunk bt: the
+  output."""
+  return gdp_triton._forward(*arrays, scale, bt, opts, save_ai=False)[0]
 
 
 def kernel_args(params):

@@ -1,7 +1,8 @@
 """gdp-jax: gated delta product linear attention for JAX (docs/operator.md).
 
-The operator and the inference steps are imported here; the submodules `layers` and `models`
-(Flax), `sharding`, `dispatch`, `bench` and `demo` load on first use, e.g.
+The operator and the inference steps are imported here (their code: gdp_jax/ops/, one folder per
+op); the submodules `layers` and `models` (Flax), `sharding`, `dispatch`, `bench` and `demo` load
+on first use, e.g.
 `gdp_jax.layers.GatedDeltaProduct` after `import gdp_jax`.
 """
 
@@ -9,9 +10,10 @@ from __future__ import annotations
 
 import importlib
 
-from gdp_jax.decode import gated_delta_product_step, gqa_decode, paged_gqa_decode
-from gdp_jax.householder import householder_delta_product, householder_delta_product_step
-from gdp_jax.operator import gated_delta_product
+from gdp_jax.ops.gated_delta_product.api import gated_delta_product
+from gdp_jax.ops.gqa_decode.api import gqa_decode, paged_gqa_decode
+from gdp_jax.ops.householder.api import householder_delta_product, householder_delta_product_step
+from gdp_jax.ops.step.api import gated_delta_product_step
 
 __all__ = [
   "gated_delta_product",
@@ -29,13 +31,10 @@ _SUBMODULES = (
   "models",
   "sharding",
   "dispatch",
+  "varlen",
+  "ops",
   "bench",
   "demo",
-  "reference",
-  "xla",
-  "xla_backward",
-  "pallas_impl",
-  "nonfinite",
   "train_lm",
 )
 

@@ -1,7 +1,7 @@
-"""The fused forward kernels (pallas_kernels/forward/chunk_fwd.py, chunk_state_output.py): each
-against the jnp stages of gdp_jax/xla.py (interpret mode on CPU, compiled on a GPU), the whole
-`implementation="pallas"` operator against "reference" (forward and gradients), and the Triton
-lowering of both kernels at the benchmark-like shapes.
+"""The fused forward kernels (pallas_kernels/triton/forward/chunk_fwd.py, chunk_state_output.py):
+each against the jnp stages of gdp_jax/ops/gated_delta_product/xla.py (interpret mode on CPU,
+compiled on a GPU), the whole `implementation="pallas"` operator against "reference" (forward and
+gradients), and the Triton lowering of both kernels at the benchmark-like shapes.
 
 Interpret-mode compile time grows with the rows per chunk, so the stage cases keep N = chunk * r
 <= 128 and tiny B, H, T.
@@ -16,11 +16,13 @@ import jax.extend
 import jax.numpy as jnp
 import pytest
 
-from gdp_jax import gated_delta_product, pallas_impl, xla
-from gdp_jax.operator import normalize_mask
+from gdp_jax import gated_delta_product
+from gdp_jax.ops.gated_delta_product import triton as gdp_triton
+from gdp_jax.ops.gated_delta_product import xla
+from gdp_jax.ops.validation import normalize_mask
 from pallas_kernels.common import options
 from pallas_kernels.common.options import Launch
-from pallas_kernels.forward import chunk_fwd, chunk_state_output
+from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output
 from tests.cases import (
   GRAD_TOLERANCE,
   assert_close,
@@ -50,7 +52,7 @@ def _stages(r, chunk, with_state, q, k, v, g, beta, mask, h0):
 def padded_stage_inputs(r, chunk, mask_kind, dtype, K, V, nchunks=2, seed=0, with_state=False):
   """Inputs with T = nchunks * chunk, the jnp stages on them (float32; the state and output
   stages too if with_state), and the same inputs padded in K (per key block) and V as
-  pallas_impl pads them for the kernels."""
+  the triton implementation pads them for the kernels."""
   T = nchunks * chunk
   inp = make_inputs(seed, B=1, T=T, H=2, K=K, V=V, r=r, mask_kind=mask_kind, dtype=dtype)
   q, k, v, h0 = inp["q"], inp["k"], inp["v"], inp["initial_state"]
@@ -58,9 +60,9 @@ def padded_stage_inputs(r, chunk, mask_kind, dtype, K, V, nchunks=2, seed=0, wit
   mask = mask.astype(jnp.float32)
   g, beta = xla.to_head_major(inp["g"]), xla.to_head_major(inp["beta"])
   ref = _stages(r, chunk, with_state, q, k, v, g, beta, mask, h0)
-  dkp, vp = pallas_impl.padded_dims(K, V, r)
-  pad_k = lambda x: pallas_impl.pad_key_blocks(x, r, dkp)
-  pad_v = lambda x: pallas_impl._pad_last(x, vp)
+  dkp, vp = gdp_triton.padded_dims(K, V, r)
+  pad_k = lambda x: gdp_triton.pad_key_blocks(x, r, dkp)
+  pad_v = lambda x: gdp_triton._pad_last(x, vp)
   kern = dict(
     q=pad_k(q),
     k=pad_k(k),
@@ -74,7 +76,7 @@ def padded_stage_inputs(r, chunk, mask_kind, dtype, K, V, nchunks=2, seed=0, wit
     gamma=ref["gamma"],
   )
   unpad = dict(
-    k=lambda x, axis=-1: pallas_impl.unpad_key_blocks(x, r, K // r, axis), v=lambda x: x[..., :V]
+    k=lambda x, axis=-1: gdp_triton.unpad_key_blocks(x, r, K // r, axis), v=lambda x: x[..., :V]
   )
   return ref, kern, unpad
 
@@ -304,7 +306,7 @@ def test_bad_arguments():
       scale=1.0,
     )
   with pytest.raises(ValueError, match="precision must be one of"):
-    pallas_impl.gated_delta_product_pallas(
+    gdp_triton.gated_delta_product_pallas(
       k, k, v, s, s, mask(1), jnp.zeros((1, 1, 32, 16)), 1.0, 64, precision="bf16"
     )
 

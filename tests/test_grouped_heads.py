@@ -58,7 +58,7 @@ CASES = [
 
 @pytest.mark.parametrize("implementation,H,HV,r,mask_kind", CASES)
 def test_grouped_equals_repeated_keys(implementation, H, HV, r, mask_kind):
-  assert implementation in dispatch.implementations("gated_delta_product")
+  assert implementation in dispatch.backends("gated_delta_product")
   inputs = grouped_inputs(1, H=H, HV=HV, r=r, mask_kind=mask_kind)
   run = functools.partial(
     gated_delta_product, output_final_state=True, chunk_size=16, implementation=implementation
@@ -103,7 +103,7 @@ def test_pallas_grouped_other_paths(fused, backward):
       assert_close(d, grads_xla[name], tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
 
 
-@pytest.mark.parametrize("implementation", dispatch.implementations("gated_delta_product_step"))
+@pytest.mark.parametrize("implementation", dispatch.backends("gated_delta_product_step"))
 def test_grouped_step_equals_repeated_keys(implementation):
   inputs = grouped_inputs(2, B=2, T=1, H=2, HV=4, r=2, mask_kind="token")
   step = first_token(inputs)
@@ -175,7 +175,7 @@ def test_pallas_forward_does_not_repeat_keys(packed):
 
   for grad in (False, True):
     # two kernels per forward; the non-finite guard's lax.cond traces the forward twice (raw
-    # and cleaned inputs, gdp_jax/pallas_impl.py)
+    # and cleaned inputs, gdp_jax/ops/gated_delta_product/triton.py)
     calls = shapes(True, grad)
     assert len(calls) in (2, 4), calls
     key_operands = [s for c in calls for s in c if len(s) == 4 and s[-1] == K]
@@ -190,7 +190,7 @@ def test_pallas_forward_does_not_repeat_keys(packed):
 def test_grouped_fused_kernels_lower_to_triton(monkeypatch, r, dtype):
   """chunk_fwd and chunk_state_output (with and without a table) with 2 key heads for 4 value
   heads (group 2) through the Pallas Triton lowering for an H200."""
-  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+  from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output
   from tests.triton_lowering import lower_for_h200
 
   S = jax.ShapeDtypeStruct
@@ -217,7 +217,7 @@ def test_grouped_fused_kernels_lower_to_triton(monkeypatch, r, dtype):
 
 
 def test_fused_kernels_reject_heads_not_a_multiple():
-  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+  from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output
 
   k, v, s3 = jnp.zeros((1, 16, 2, 16)), jnp.zeros((1, 16, 3, 16)), jnp.zeros((1, 3, 16))
   with pytest.raises(ValueError, match="HV a multiple of H; got k"):

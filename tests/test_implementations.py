@@ -2,7 +2,7 @@
 and the "pallas" kernels, interpreted on CPU): the forward and the gradient of every input against
 the recurrent reference, half precision, state threading and JAX transformations.
 
-Implementations come from the dispatch table (gdp_jax/dispatch.py); a new one is tested here by
+Implementations come from the dispatch table (gdp_jax/ops/dispatch.py); a new one is tested here by
 being listed there. Stage-by-stage tests of the kernels live in test_pallas_forward.py and
 test_pallas_backward.py; the independent float64 checks and the argument checks in
 test_operator.py.
@@ -19,7 +19,7 @@ import pytest
 from gdp_jax import dispatch, gated_delta_product
 from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs, tol
 
-CHUNKED = [n for n in dispatch.implementations("gated_delta_product") if n != "reference"]
+CHUNKED = [n for n in dispatch.backends("gated_delta_product") if n != "reference"]
 
 # (r, mask kind, T, chunk): every mask shape, T on and off the chunk grid, each chunk size.
 FORWARD_CASES = [

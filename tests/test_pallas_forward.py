@@ -1,5 +1,6 @@
-"""Pallas forward kernels: each stage against its jnp counterpart in gdp_jax/xla.py, and the whole
-`implementation="pallas"` forward against the recurrent reference.
+"""Pallas forward kernels: each stage against its jnp counterpart in
+gdp_jax/ops/gated_delta_product/xla.py, and the whole `implementation="pallas"` forward against the
+recurrent reference.
 
 On CPU the kernels run in interpret mode (pallas_kernels/config.py); on a GPU the same tests run the
 compiled kernels, plus the large shapes marked `gpu` (tests/conftest.py).
@@ -11,10 +12,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gdp_jax import gated_delta_product, xla
+from gdp_jax import gated_delta_product
+from gdp_jax.ops.gated_delta_product import xla
 from pallas_kernels.common import cumsum
 from pallas_kernels.common.options import Launch
-from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy
+from pallas_kernels.triton.forward import chunk_h, chunk_o, kkt, solve_tril, wy
 from tests.cases import assert_close, make_inputs, present_arrays, stage_inputs, tol
 
 STAGE_CASES = [(1, None, 32), (2, "head", 32), (4, "token", 16), (2, "shared", 16)]

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gdp_jax import gated_delta_product, varlen, xla, xla_backward
+from gdp_jax import gated_delta_product
 from gdp_jax.layers import GatedDeltaProduct
-from gdp_jax.operator import normalize_mask
+from gdp_jax.ops.gated_delta_product import varlen, xla, xla_backward
+from gdp_jax.ops.validation import normalize_mask
 from tests.cases import (
   GRAD_TOLERANCE,
   assert_close,
@@ -301,14 +302,16 @@ def test_default_implementation_with_cu_seqlens(monkeypatch):
   from gdp_jax import dispatch
 
   monkeypatch.setattr(dispatch, "default_implementation", lambda device=None: "pallas")
-  assert dispatch.resolve("gated_delta_product", None) == "pallas"
+  assert dispatch.resolve("gated_delta_product", None) == "triton"
   inputs = packed_inputs(7, (3, 9), r=1, mask_kind=None)
   cu = cu_of((3, 9))
   calls = []
   original = dispatch.entry
-  monkeypatch.setattr(dispatch, "entry", lambda f, i: calls.append((f, i)) or original(f, i))
+  monkeypatch.setattr(
+    dispatch, "entry", lambda f, i, **c: calls.append((f, i)) or original(f, i, **c)
+  )
   o, final = gated_delta_product(**inputs, cu_seqlens=cu, output_final_state=True)
-  assert calls == [("gated_delta_product_varlen", "pallas")]
+  assert calls == [("gated_delta_product_varlen", "triton")]
   o_none, none = gated_delta_product(**{**inputs, "initial_state": None}, cu_seqlens=cu)
   assert none is None and o_none.shape == o.shape == inputs["v"].shape
 
@@ -371,8 +374,8 @@ def test_pallas_state_walks_run_each_sequence_apart():
   d initial state its dfinal. The interpreter fills unwritten outputs with nan, so a skipped chunk
   fails; and with the table cut after the 27 tokens the 9 tokens' rows of o stay nan (no masked
   store wrote past its sequence)."""
-  from pallas_kernels.backward import bwd_dhu
-  from pallas_kernels.forward import chunk_h, chunk_state_output
+  from pallas_kernels.triton.backward import bwd_dhu
+  from pallas_kernels.triton.forward import chunk_h, chunk_state_output
 
   chunk, r, K, V = 16, 1, 16, 16
   lengths = (0, 27, 9, 0)
@@ -461,8 +464,8 @@ def test_pallas_state_walks_with_table_lower_to_triton(monkeypatch, r, dtype):
   states, chunk_h, bwd_dhu: a grid over the sequences, loops with traced bounds, the unused
   chunks' step) through the Pallas Triton lowering for an H200; NT = 5 and N = 3 are not powers
   of two."""
-  from pallas_kernels.backward import bwd_dhu
-  from pallas_kernels.forward import chunk_h, chunk_state_output
+  from pallas_kernels.triton.backward import bwd_dhu
+  from pallas_kernels.triton.forward import chunk_h, chunk_state_output
   from tests.triton_lowering import lower_for_h200
 
   S = jax.ShapeDtypeStruct
@@ -507,7 +510,7 @@ def test_chunk_fwd_in_place_equals_padded_copy():
   another and the unused chunks; merge="panels" (the default "blocks" in place: the operator's
   tests above), grouped value heads and a per-token mask. (chunk_state_output in place:
   test_pallas_state_walks_run_each_sequence_apart.)"""
-  from pallas_kernels.forward import chunk_fwd
+  from pallas_kernels.triton.forward import chunk_fwd
 
   r, H, HV = 2, 1, 2
 
@@ -545,7 +548,7 @@ def test_fused_kernels_in_place_lower_to_triton(monkeypatch, r, dtype, T, N, H, 
   H200: the benchmark's shape (bf16, 8 x 4096 tokens in 64 sequences, H = 16, K = V = 128,
   merge="blocks"), and T = 200 (not a multiple of the chunk) with grouped heads and a per-token
   mask at r = 2 (merge="panels")."""
-  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+  from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output
   from tests.triton_lowering import lower_for_h200
 
   S = jax.ShapeDtypeStruct
@@ -615,7 +618,7 @@ def test_pallas_packed_forward_makes_no_copies():
 
 
 def test_in_place_kernels_reject_bad_tables():
-  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+  from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output
 
   T, tp, K = 20, 48, 16
   k, w = jnp.zeros((1, T, 1, K)), jnp.zeros((1, 1, tp, K))

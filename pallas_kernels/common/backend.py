@@ -17,13 +17,13 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 # Imported here, not on a kernel's first call: jax imports Pallas's fuser lazily during the first
 # pallas_call, and it registers a config option that is part of jax's tracing context. A jitted
 # function traced before that import would then miss its cache on the next call and compile again
 # (docs/implementations.md#compiled-once). `import gdp_jax` imports this module.
 from jax.experimental.pallas import fuser as _pallas_fuser  # noqa: F401
+from jax.experimental.pallas import triton as pltriton
 
 warnings.filterwarnings(
   "ignore", message=r"The Pallas Triton backend is deprecated", category=DeprecationWarning

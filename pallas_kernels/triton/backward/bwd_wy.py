@@ -14,7 +14,8 @@ Few tiles live at once (registers): V and K are walked in pieces (launch.block_v
 The V pieces give dv and add du U~^T to X = dw W~^T + du U~^T; a first pass over the K pieces
 adds dw W~^T to X and forms KK = Kw Kb^T and <dW~, Kw>; a second pass, once G is known, forms
 each K piece of dKw (dW~ recomputed: one [N, N] x [N, BK] product), dKb, dk and dmask.
-jnp counterpart: `gdp_jax.xla_backward.wy_bwd` (which returns dmask already reduced).
+jnp counterpart: `gdp_jax.ops.gated_delta_product.xla_backward.wy_bwd` (which returns dmask already
+reduced).
 """
 
 from __future__ import annotations

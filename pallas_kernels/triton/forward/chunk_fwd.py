@@ -87,9 +87,8 @@ class _Chunk:
 # ("squaring-x3", close to float32) or as one TF32 product ("squaring-tf32", for half inputs).
 SQUARING_PRECISION = {"squaring": "ieee", "squaring-x3": "tf32x3", "squaring-tf32": "tf32"}
 INVERSES = ("auto", "substitution", *SQUARING_PRECISION)
-# "auto": squaring at the kernel's float32 precision where that runs on the tensor cores (the
-# fastest on an H200: benchmarks/results/h200_2026-11-29_fused_inverse_sweep.json), forward
-# substitution for "ieee" (squaring on the CUDA cores is slower than substitution).
+# "auto": squaring at the kernel's float32 precision where that runs on the tensor cores, forward
+# substitution for "ieee" (docs/kernels.md#chunk_fwd-everything-inside-one-chunk).
 AUTO_INVERSE = {"tf32": "squaring-tf32", "tf32x3": "squaring-x3", "ieee": "substitution"}
 
 

@@ -1,7 +1,8 @@
 """`implementation="pallas"`: the chunked form (docs/chunked_form.md) as Pallas kernels
 (pallas_kernels/, docs/kernels.md).
 
-Inputs arrive validated and padded in time by `gdp_jax.operator`. Here they are also padded in
+Inputs arrive validated and padded in time by `gdp_jax.ops.gated_delta_product.api`. Here they are
+also padded in
 the feature axes so every kernel tile is a power of two of at least 16 (the Triton dot's minimum):
 each key block of dk = K / r columns to dkp, and V to Vp, with zeros, which changes nothing (a
 zero key column never touches the state; a zero value column stays zero).
@@ -31,26 +32,30 @@ backward gather the inputs into the chunk-aligned layout (`varlen.pack`) and the
 
 Non-finite inputs (docs/precision.md#non-finite-inputs): a guard around the kernels' custom vjp
 (`_gdp_guarded`, `_gdp_varlen_guarded`) runs them on the raw inputs when all are finite (one
-reduction over them) and on cleaned inputs with marked outputs otherwise (gdp_jax/nonfinite.py).
+reduction over them) and on cleaned inputs with marked outputs otherwise
+(gdp_jax/ops/gated_delta_product/nonfinite.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gdp_jax import dispatch, nonfinite, varlen, xla_backward
-from gdp_jax.operator import expand_key_heads, sum_key_heads
-from gdp_jax.xla import RESET_LOG_DECAY
-from gdp_jax.xla_backward import reduce_dmask
-from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
+from gdp_jax.ops.autodiff import raise_if_differentiated
+from gdp_jax.ops.gated_delta_product import nonfinite, varlen, xla_backward
+from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY, GatedDeltaProductImplementation
+from gdp_jax.ops.gated_delta_product.xla_backward import reduce_dmask
+from gdp_jax.ops.heads import expand_key_heads, sum_key_heads
 from pallas_kernels.common import cumsum
 from pallas_kernels.common import options as kernel_options
-from pallas_kernels.forward import (
+from pallas_kernels.common.options import MAX_CHUNK_ROWS, KernelOptions
+from pallas_kernels.triton.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
+from pallas_kernels.triton.forward import (
   chunk_fwd,
   chunk_h,
   chunk_o,
@@ -60,7 +65,6 @@ from pallas_kernels.forward import (
   wy,
 )
 
-MAX_CHUNK_ROWS = 64
 NO_HIGHER_DERIVATIVES = (
   "gated_delta_product with implementation='pallas' supports reverse-mode first derivatives "
   "only (jax.grad, jax.vjp, jax.value_and_grad: its backward is a custom_vjp of Pallas "
@@ -185,7 +189,7 @@ def _gdp_core_fwd(q, k, v, g, beta, mask, h0, scale, bt, opts):
   # ([B, HV, Tp] float32) and the chunk inverses Ai ([B, HV, Tp*r, N] in the input dtype: as much
   # memory as one [B, T, HV, N] activation). The backward recomputes w, u (wy.py) and h, v_new
   # (chunk_h.py) from them.
-  forward = dispatch.raise_if_differentiated(
+  forward = raise_if_differentiated(
     lambda *a: _forward(*a, scale, bt, opts, save_ai=True), NO_HIGHER_DERIVATIVES
   )
   o, final, (gcum, ai) = forward(q, k, v, g, beta, mask, h0)
@@ -193,7 +197,7 @@ def _gdp_core_fwd(q, k, v, g, beta, mask, h0, scale, bt, opts):
 
 
 def _gdp_core_bwd(scale, bt, opts, residuals, cotangents):
-  backward = dispatch.raise_if_differentiated(
+  backward = raise_if_differentiated(
     functools.partial(_backward, scale, bt, opts), NO_HIGHER_DERIVATIVES
   )
   return backward(residuals, cotangents)
@@ -263,13 +267,13 @@ _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
 # or in the final state: it enters the state), and what it spoils is nan, never a wrong finite
 # value. So when o and the final state are finite (the common case: one reduction over o) the
 # raw run is the answer and the backward is today's, with the same residuals; otherwise the
-# kernels run again on the cleaned inputs and the outputs are marked (gdp_jax/nonfinite.py), and
-# the backward zeroes the marked outputs' cotangents and the bad inputs' gradients, all with
-# selects. Under jax.jit the choice is a `lax.cond` in the forward (only o and the final state
-# pass through it: passing the residuals would copy them) and one in the backward, whose second
-# branch recomputes the residuals (gamma, Ai) from the cleaned inputs; the guard adds a boolean
-# to the residuals and nothing else. An overflow without a non-finite input takes the second
-# branch too, which then marks nothing: the same result.
+# kernels run again on the cleaned inputs and the outputs are marked
+# (gdp_jax/ops/gated_delta_product/nonfinite.py), and the backward zeroes the marked outputs'
+# cotangents and the bad inputs' gradients, all with selects. Under jax.jit the choice is a
+# `lax.cond` in the forward (only o and the final state pass through it: passing the residuals would
+# copy them) and one in the backward, whose second branch recomputes the residuals (gamma, Ai) from
+# the cleaned inputs; the guard adds a boolean to the residuals and nothing else. An overflow
+# without a non-finite input takes the second branch too, which then marks nothing: the same result.
 
 # `KernelOptions.nonfinite_guard` (default True) turns the guard on.
 
@@ -382,7 +386,8 @@ def gated_delta_product_pallas(
   options: a `KernelOptions` (precision, launch parameters); None picks the heuristic's.
   precision: the kernels' float32 matmul precision ("tf32", "tf32x3", "ieee"); overrides
     options.precision when given.
-  backward: "pallas" (the backward kernels) or "xla" (the jnp backward of gdp_jax/xla_backward.py
+  backward: "pallas" (the backward kernels) or "xla" (the jnp backward of
+  gdp_jax/ops/gated_delta_product/xla_backward.py
     behind the Pallas forward, for debugging).
   scale: a Python number is passed to the kernels; an array (a traced scale under `jax.jit`, a
     learned one) runs them with 1 and multiplies o afterwards (o is linear in the scale).
@@ -546,7 +551,7 @@ def _gdp_varlen_core(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
 def _gdp_varlen_core_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
   # Residuals: the packed row's inputs as they came (no chunk-aligned copies), gamma and Ai in
   # the chunk-aligned layout, and the packing.
-  forward = dispatch.raise_if_differentiated(
+  forward = raise_if_differentiated(
     lambda *a: _forward_varlen(*a, scale, bt, opts, True, packing), NO_HIGHER_DERIVATIVES
   )
   o, final, (gcum, ai) = forward(q, k, v, g, beta, mask, h0)
@@ -562,7 +567,7 @@ def _gdp_varlen_core_bwd(scale, bt, opts, residuals, cotangents):
   pack = functools.partial(_pack_padded, packing=packing)
   unpack = functools.partial(_unpack_padded, packing=packing)
   padded = (*map(pack, (q, k, v, g, beta)), _pack_mask(mask, packing), h0, gcum, ai)
-  backward = dispatch.raise_if_differentiated(
+  backward = raise_if_differentiated(
     lambda res, cot: _backward(scale, bt, opts, res, cot, table=packing.sequences),
     NO_HIGHER_DERIVATIVES,
   )
@@ -742,3 +747,60 @@ def _pallas_varlen_xla_backward_bwd(scale, chunk_size, options, precision, resid
 
 
 _pallas_varlen_xla_backward.defvjp(_pallas_varlen_xla_backward_fwd, _pallas_varlen_xla_backward_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonGatedDeltaProduct(GatedDeltaProductImplementation):
+  """The Pallas kernels through the Triton lowering (pallas_kernels/triton/, docs/kernels.md).
+
+  options: precision and launch parameters (`KernelOptions`); None picks them per problem and
+    device (`heuristics`).
+  precision: float32 matmul precision ("tf32", "tf32x3", "ieee"); None keeps the options'.
+  nonfinite_guard: the guard that keeps non-finite inputs causal (docs/precision.md); None keeps
+    the options' (on by default).
+  backward: "pallas" (the backward kernels) or "xla" (the jnp backward of the chunked form behind
+    the kernels' forward: a debugging switch).
+  """
+
+  name: ClassVar[str] = "triton"
+  summary: ClassVar[str] = "Pallas GPU kernels through the Triton lowering (interpreted off a GPU)"
+  platforms: ClassVar[tuple[str, ...]] = ("gpu",)
+  pallas: ClassVar[bool] = True
+
+  options: KernelOptions | None = None
+  precision: str | None = None
+  nonfinite_guard: bool | None = None
+  backward: str = "pallas"
+
+  @staticmethod
+  def heuristics(*, r: int, dim_k: int, dim_v: int, dtype, precision: str = "tf32"):
+    """The launch configuration for a problem on the default device (options.heuristic_options)."""
+    return kernel_options.heuristic_options(
+      r=r, dim_k=dim_k, dim_v=dim_v, dtype=dtype, precision=precision
+    )
+
+  def _options(self, q, v, mask):
+    options = self.options
+    if self.nonfinite_guard is not None:
+      if options is None:
+        options = self.heuristics(
+          r=mask.shape[-1],
+          dim_k=q.shape[-1],
+          dim_v=v.shape[-1],
+          dtype=q.dtype,
+          precision=self.precision or "tf32",
+        )
+      options = options.replace(nonfinite_guard=self.nonfinite_guard)
+    return dict(options=options, backward=self.backward, precision=self.precision)
+
+  def __call__(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+    config = self._options(q, v, mask)
+    return gated_delta_product_pallas(
+      q, k, v, g, beta, mask, initial_state, scale, chunk_size, **config
+    )
+
+  def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
+    config = self._options(q, v, mask)
+    return gated_delta_product_pallas_varlen(
+      q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens, **config
+    )
