@@ -169,9 +169,7 @@ def test_kernel_options_are_validated_and_used():
   with pytest.raises(ValueError, match="precision must be one of"):
     options.KernelOptions(precision="fp8")
   inputs = make_inputs(3, B=1, T=16, H=1, K=16, V=16, r=1, mask_kind=None)
-  opts = options.DEFAULT.replace(
-    chunk_h=options.Launch(block_v=16), chunk_o=options.Launch(block_v=16)
-  )
+  opts = options.DEFAULT.replace(chunk_state_output=options.Launch(block_v=16))
   o, _ = gated_delta_product(**inputs, chunk_size=16, implementation="pallas", options=opts)
   o_ref, _ = gated_delta_product(**inputs, implementation="reference")
   assert_close(o, o_ref, tol(jnp.float32), "options")

@@ -20,7 +20,6 @@ from gdp_jax import gated_delta_product
 from gdp_jax.ops.gated_delta_product import triton as gdp_triton
 from gdp_jax.ops.gated_delta_product import xla
 from gdp_jax.ops.validation import normalize_mask
-from pallas_kernels.common import options
 from pallas_kernels.common.options import Launch
 from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output
 from tests.cases import (
@@ -124,13 +123,10 @@ def test_chunk_fwd_matches_stages(r, chunk, mask_kind, dtype, K, V):
     assert_close(out[1], w, 0.0, "w without save_ai")
 
 
-@pytest.mark.parametrize(
-  "merge,inverse",
-  [("blocks", "substitution"), ("panels", "squaring"), ("blocks", "squaring-x3")],
-)
-def test_chunk_fwd_variants(merge, inverse):
-  """merge="blocks" (16 x 16 products only) and inverse="squaring" (the diagonal inverses by
-  repeated squaring) give the same w, u, Ai as the default panels with forward substitution."""
+@pytest.mark.parametrize("inverse", ["substitution", "squaring-x3"])
+def test_chunk_fwd_inverses(inverse):
+  """The diagonal inverses by forward substitution (what "auto" picks at "ieee") and by repeated
+  squaring at TF32 x 3 (at "tf32x3") give the jnp form's w, u, Ai."""
   r, chunk, mask_kind, dtype, K, V = 2, 32, "token", jnp.float32, 32, 16
   ref, kern, unpad = padded_stage_inputs(r, chunk, mask_kind, dtype, K, V, seed=1)
   gamma, w, u, ai = chunk_fwd.chunk_fwd(
@@ -142,7 +138,6 @@ def test_chunk_fwd_variants(merge, inverse):
     key_blocks=r,
     chunk=chunk,
     save_ai=True,
-    merge=merge,
     inverse=inverse,
   )
   t = tol(dtype)
@@ -200,7 +195,7 @@ def run(implementation, **inputs):
 
 def test_operator_forward_and_gradients():
   """The whole pallas operator against the recurrence, forward and every gradient: ragged T, K
-  and V, per-token mask, r = 2; the five-kernel forward (fused=False) gives the same output."""
+  and V, per-token mask, r = 2."""
   inputs = make_inputs(21, B=1, T=21, H=2, K=24, V=20, r=2, mask_kind="token")
   o_ref, f_ref = run("reference", **inputs)
   o, f = run("pallas", **inputs)
@@ -211,9 +206,6 @@ def test_operator_forward_and_gradients():
   for name in g_ref:
     assert g_pal[name].shape == inputs[name].shape, name
     assert_close(g_pal[name], g_ref[name], GRAD_TOLERANCE[jnp.float32], f"d{name}")
-  o5, f5 = run("pallas", options=options.DEFAULT.replace(fused=False, precision="ieee"), **inputs)
-  assert_close(o5, o_ref, F32, "o (five kernels)")
-  assert_close(f5, f_ref, F32, "final state (five kernels)")
 
 
 def _sub_jaxprs(params):
@@ -276,8 +268,6 @@ def test_bad_arguments():
     chunk_fwd.chunk_fwd(k, v, s, s, mask(1), key_blocks=2, chunk=16)
   with pytest.raises(ValueError, match="powers of two"):
     chunk_fwd.chunk_fwd(k, v[..., :12], s, s, mask(1), key_blocks=1, chunk=16)
-  with pytest.raises(ValueError, match="merge must be one of"):
-    chunk_fwd.chunk_fwd(k, v, s, s, mask(1), key_blocks=1, chunk=16, merge="rows")
   with pytest.raises(ValueError, match="inverse must be one of"):
     chunk_fwd.chunk_fwd(k, v, s, s, mask(1), key_blocks=1, chunk=16, inverse="newton")
   with pytest.raises(ValueError, match="block_v"):
@@ -349,30 +339,23 @@ def _kernel_avals(r, chunk, K, V, dtype, per_token, T=128):
   ],
 )
 def test_fused_kernels_lower_to_triton(monkeypatch, r, chunk, K, V, dtype, per_token):
-  """Both fused kernels through the Pallas Triton lowering for an H200, with their residual
-  outputs (save_ai, save_states), both diagonal inverses; at the first shape also without the
-  residuals and with merge="blocks".
+  """Both fused kernels through the Pallas Triton lowering for an H200 as they ship (diagonal
+  inverse "auto" at the default TF32 precision: TF32 squaring), with their residual outputs
+  (save_ai, save_states); at the first shape also without the residuals and with the inverses
+  "auto" picks at the other precisions (substitution at "ieee", TF32 x 3 squaring at "tf32x3").
   """
   from tests.triton_lowering import lower_for_h200
 
   fwd_avals, state_avals = _kernel_avals(r, chunk, K, V, dtype, per_token)
   first = (r, chunk, K, dtype) == (1, 64, 128, jnp.bfloat16)
-  variants = [("panels", True, "substitution"), ("panels", True, "squaring")] + (
-    [
-      ("panels", False, "substitution"),
-      ("blocks", True, "substitution"),
-      ("blocks", True, "squaring-x3"),
-    ]
-    if first
-    else []
+  variants = [(True, "auto")] + (
+    [(False, "auto"), (True, "substitution"), (True, "squaring-x3")] if first else []
   )
 
   def fused(*a):
     outs = [
-      chunk_fwd.chunk_fwd(
-        *a[:5], key_blocks=r, chunk=chunk, save_ai=save_ai, merge=merge, inverse=inverse
-      )
-      for merge, save_ai, inverse in variants
+      chunk_fwd.chunk_fwd(*a[:5], key_blocks=r, chunk=chunk, save_ai=save_ai, inverse=inverse)
+      for save_ai, inverse in variants
     ]
     for save_states in (True, False) if first else (True,):
       outs.append(

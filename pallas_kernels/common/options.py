@@ -108,28 +108,22 @@ class KernelOptions:
 
   precision: float32 matmuls: "tf32", "tf32x3" or "ieee" (docs/precision.md). Half-precision
     operands always run on the tensor cores with float32 accumulation.
-  fused: the forward as two fused kernels (chunk_fwd, chunk_state_output) or as the five-kernel
-    pipeline (kkt, solve_tril, wy, chunk_h, chunk_o); chunk_fwd_merge / chunk_fwd_inverse pick
-    the fused kernel's variants (pallas_kernels/triton/forward/chunk_fwd.py).
   nonfinite_guard: check the outputs and, when one is not finite, run again on cleaned inputs
     so that a nan or inf at token t changes nothing before t (docs/precision.md#non-finite-inputs;
-    about 6% of the r = 1 forward and 12% of forward + backward on an H200). False skips it: a
-    non-finite input may then also spoil the earlier tokens of its chunk.
+    its cost: docs/performance.md). False skips it: a non-finite input may then also spoil the
+    earlier tokens of its chunk.
+  chunk_fwd_inverse: how chunk_fwd inverts its diagonal blocks (pallas_kernels/triton/forward/
+    chunk_fwd.py; "auto" by the precision).
   Each stage field is the `Launch` of the kernel of the same name (docs/kernels.md).
   """
 
   precision: str = "tf32"
   nonfinite_guard: bool = True
-  fused: bool = True
   chunk_fwd: Launch = _tuned("chunk_fwd")
-  chunk_fwd_merge: str = "blocks"
   chunk_fwd_inverse: str = "auto"
   chunk_state_output: Launch = _tuned("chunk_state_output")
-  kkt: Launch = _tuned("kkt")
-  solve_tril: Launch = _tuned("solve_tril")
   wy: Launch = _tuned("wy")
   chunk_h: Launch = _tuned("chunk_h")
-  chunk_o: Launch = _tuned("chunk_o")
   bwd_dv_local: Launch = _tuned("bwd_dv_local")
   bwd_dhu: Launch = _tuned("bwd_dhu")
   bwd_dqkwg: Launch = _tuned("bwd_dqkwg")
@@ -203,7 +197,7 @@ def _candidates(launch: Launch, dim_v: int):
         yield dataclasses.replace(launch, num_stages=stages, block_v=bv)
 
 
-def fit_launch(kernel: str, launch: Launch, problem, device: DeviceInfo, merge="blocks"):
+def fit_launch(kernel: str, launch: Launch, problem, device: DeviceInfo):
   """(launch, estimated bytes): the first candidate launch of `kernel` whose estimated shared
   memory (pallas_kernels/common/shared_memory.py) fits the device's per-block limit, or the
   smallest candidate when none does."""
@@ -218,7 +212,6 @@ def fit_launch(kernel: str, launch: Launch, problem, device: DeviceInfo, merge="
       block=cand.block_v,
       block_k=cand.block_k,
       wgmma=wgmma,
-      merge=merge,
     )
     if size <= device.shared_memory_per_block:
       return cand, size
@@ -283,8 +276,7 @@ def heuristic_options(
     if kernel in measured:
       continue
     launch = getattr(opts, kernel)
-    merge = opts.chunk_fwd_merge if kernel == "chunk_fwd" else "blocks"
-    fitted, size = fit_launch(kernel, launch, problem, device, merge)
+    fitted, size = fit_launch(kernel, launch, problem, device)
     if fitted != launch:
       changes[kernel] = fitted
     if size > device.shared_memory_per_block:

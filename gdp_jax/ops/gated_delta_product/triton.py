@@ -1,39 +1,39 @@
-"""`implementation="pallas"`: the chunked form (docs/chunked_form.md) as Pallas kernels
-(pallas_kernels/, docs/kernels.md).
+"""`implementation="triton"` (what "pallas" resolves to today): the chunked form
+(docs/chunked_form.md) as Pallas kernels (pallas_kernels/triton/, docs/kernels.md).
 
 Inputs arrive validated and padded in time by `gdp_jax.ops.gated_delta_product.api`. Here they are
-also padded in
-the feature axes so every kernel tile is a power of two of at least 16 (the Triton dot's minimum):
-each key block of dk = K / r columns to dkp, and V to Vp, with zeros, which changes nothing (a
-zero key column never touches the state; a zero value column stays zero).
+also padded in the feature axes so every kernel tile is a power of two of at least 16 (the Triton
+dot's minimum): each key block of dk = K / r columns to dkp, and V to Vp, with zeros, which
+changes nothing (a zero key column never touches the state; a zero value column stays zero).
 
 The pallas chunk: a chunk of BT tokens makes [BT*r, BT*r] chunk matrices that live in registers,
 so the kernels use BT = min(chunk_size, 64 // r) tokens, at least 16 (64 for r = 1, 32 for r = 2,
 16 for r = 4 and 8): at most 64 rows, 128 for r = 8. The result is the same function; only
 rounding differs.
 
-The forward is two fused kernels by default (`KernelOptions.fused`, docs/kernels.md "Fused
-forward kernels"): chunk_fwd (cumsum, KKT, inverse, w and u per chunk) and chunk_state_output
-(the state walk with the output). `fused=False` runs the five-kernel pipeline (kkt, solve_tril,
-wy, chunk_h, chunk_o). A call without gradient writes neither Ai nor h nor v_new. The backward is
-the same either way: it recomputes w, u, h and v_new from the residuals gamma and Ai.
+The forward is two fused kernels (docs/kernels.md "Fused forward kernels"): chunk_fwd (cumsum,
+KKT, inverse, w and u per chunk) and chunk_state_output (the state walk with the output). A call
+without gradient writes neither Ai nor h nor v_new. The backward recomputes w, u, h and v_new from
+the residuals gamma and Ai.
 
 Grouped value heads (HV value heads for H key heads, docs/varlen.md#grouped-value-heads): the
-fused forward's kernels read key head h // (HV / H) through their index maps, so q and k stay
-[B, T, H, K] in the forward and in the residuals; the five-kernel forward and the backward repeat
-them (`expand_key_heads`) and the backward sums dq and dk over each group (`sum_key_heads`).
+forward kernels read key head h // (HV / H) through their index maps, so q and k stay
+[B, T, H, K] in the forward and in the residuals; the backward repeats them (`expand_key_heads`)
+and sums dq and dk over each group (`sum_key_heads`).
 
-Packed sequences (`cu_seqlens`, `gated_delta_product_pallas_varlen`, docs/varlen.md): the fused
-forward's two kernels read q, k, v, g and beta straight from the packed row and write o there
-(masked loads and stores at each chunk's tokens), their per-chunk intermediates in the
-chunk-aligned layout, the state walks one program per sequence; the five-kernel forward and the
-backward gather the inputs into the chunk-aligned layout (`varlen.pack`) and their results back
-(`varlen.unpack`). A custom_vjp of its own (`_gdp_varlen_core`).
+Packed sequences (`cu_seqlens`, docs/varlen.md): the forward kernels read q, k, v, g and beta
+straight from the packed row and write o there (masked loads and stores at each chunk's tokens),
+their per-chunk intermediates in the chunk-aligned layout, the state walks one program per
+sequence; the backward gathers the inputs into the chunk-aligned layout (`varlen.pack`) and its
+results back (`varlen.unpack`).
 
-Non-finite inputs (docs/precision.md#non-finite-inputs): a guard around the kernels' custom vjp
-(`_gdp_guarded`, `_gdp_varlen_guarded`) runs them on the raw inputs when all are finite (one
-reduction over them) and on cleaned inputs with marked outputs otherwise
-(gdp_jax/ops/gated_delta_product/nonfinite.py).
+One custom_vjp (`_gdp_core`) for both forms: the packing (`_Packing`: the layout and the kernels'
+tables) is None for the plain form, and every kernel takes its table as an optional argument.
+Non-finite inputs (docs/precision.md#non-finite-inputs): a thin guard around it (`_gdp_guarded`)
+runs the kernels on the raw inputs and checks their outputs (one reduction); only when those are
+not finite does it run them again on cleaned inputs and mark the outputs
+(gdp_jax/ops/gated_delta_product/nonfinite.py). `backward="xla"` puts the jnp backward of the
+chunked form behind the kernels' forward (`_pallas_forward_xla_backward`, for debugging).
 """
 
 from __future__ import annotations
@@ -55,15 +55,7 @@ from pallas_kernels.common import cumsum
 from pallas_kernels.common import options as kernel_options
 from pallas_kernels.common.options import MAX_CHUNK_ROWS, KernelOptions
 from pallas_kernels.triton.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
-from pallas_kernels.triton.forward import (
-  chunk_fwd,
-  chunk_h,
-  chunk_o,
-  chunk_state_output,
-  kkt,
-  solve_tril,
-  wy,
-)
+from pallas_kernels.triton.forward import chunk_fwd, chunk_h, chunk_state_output, wy
 
 NO_HIGHER_DERIVATIVES = (
   "gated_delta_product with implementation='pallas' supports reverse-mode first derivatives "
@@ -124,7 +116,6 @@ def _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, chunk_k
     beta_hm,
     mask,
     save_ai=save_ai,
-    merge=opts.chunk_fwd_merge,
     inverse=opts.chunk_fwd_inverse,
     launch=opts.chunk_fwd,
     chunk=bt,
@@ -150,57 +141,68 @@ def _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, chunk_k
   return o, final, (gcum, out[3] if save_ai else None)
 
 
-def _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, table=None):
+def _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai):
   """The forward kernels on feature-padded inputs. Returns (o, final, (gcum, ai)); ai is None
-  when the fused forward runs with save_ai=False (a call without gradient). table: packed
-  sequences (`_gdp_varlen_core`), passed to the state walks only. q and k may have fewer (key)
-  heads than v (grouped value heads)."""
-  r = mask.shape[-1]
-  walk = {} if table is None else dict(table=table)
-  if opts.fused:
-    return _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, {}, walk)
-  prec = dict(precision=opts.precision)
-  g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)  # [B, H, Tp]
-  beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
-  # The five-kernel forward (a tuning and debugging path) repeats q and k across each group of
-  # value heads; only the fused kernels read key head h // group in place.
-  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
-  blocks = dict(chunk=bt, key_blocks=r)
-  a, gcum = kkt.chunk_kkt(k, beta_hm, mask, g_hm, from_g=True, launch=opts.kkt, **blocks, **prec)
-  ai = solve_tril.solve_tril(
-    a, chunk_rows=bt * r, out_dtype=q.dtype, launch=opts.solve_tril, **prec
-  )
-  w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, launch=opts.wy, **blocks, **prec)
-  h, v_new, final = chunk_h.chunk_state(
-    k, w, u, gcum, h0, launch=opts.chunk_h, **blocks, **walk, **prec
-  )
-  o = chunk_o.chunk_output(q, k, v_new, h, gcum, scale=scale, launch=opts.chunk_o, **blocks, **prec)
-  return o, final, (gcum, ai)
+  without save_ai (a call without gradient). q and k may have fewer (key) heads than v (grouped
+  value heads). packing: None, or packed sequences (`_Packing`): the inputs are then the packed
+  row [1, T, ...], which chunk_fwd reads in place at each chunk's first token
+  (`packing.chunks`) and chunk_state_output at each sequence's (`packing.sequences`), both with
+  masked loads, and chunk_state_output writes o there; gcum and ai come back in the
+  chunk-aligned layout and only a per-token mask is gathered into it."""
+  if packing is None:
+    return _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, {}, {})
+  mask = _pack_mask(mask, packing)
+  chunks = dict(table=packing.chunks)
+  walk = dict(table=packing.sequences, in_place=True)
+  return _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, chunks, walk)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _gdp_core(q, k, v, g, beta, mask, h0, scale, bt, opts):
-  o, final, _ = _forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai=False)
+# ---- the kernels' custom_vjp: one for the plain and the packed form --------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _gdp_core(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
+  o, final, _ = _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai=False)
   return o, final
 
 
-def _gdp_core_fwd(q, k, v, g, beta, mask, h0, scale, bt, opts):
-  # Residuals: the inputs (the caller holds them anyway; q and k with their H key heads), gamma
-  # ([B, HV, Tp] float32) and the chunk inverses Ai ([B, HV, Tp*r, N] in the input dtype: as much
-  # memory as one [B, T, HV, N] activation). The backward recomputes w, u (wy.py) and h, v_new
-  # (chunk_h.py) from them.
+def _gdp_core_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
+  # Residuals: the inputs as they came (the caller holds them anyway; q and k with their H key
+  # heads; the packed row itself, no chunk-aligned copies), gamma ([B, HV, Tp] float32) and the
+  # chunk inverses Ai ([B, HV, Tp*r, N] in the input dtype: as much memory as one [B, T, HV, N]
+  # activation), both in the chunk-aligned layout, and the packing. The backward recomputes w, u
+  # (wy.py) and h, v_new (chunk_h.py) from them.
   forward = raise_if_differentiated(
-    lambda *a: _forward(*a, scale, bt, opts, save_ai=True), NO_HIGHER_DERIVATIVES
+    lambda *a: _forward(*a, packing, scale, bt, opts, save_ai=True), NO_HIGHER_DERIVATIVES
   )
   o, final, (gcum, ai) = forward(q, k, v, g, beta, mask, h0)
-  return (o, final), (q, k, v, g, beta, mask, h0, gcum, ai)
+  return (o, final), (q, k, v, g, beta, mask, h0, gcum, ai, packing)
 
 
 def _gdp_core_bwd(scale, bt, opts, residuals, cotangents):
+  *residuals, packing = residuals
+  if packing is None:
+    backward = raise_if_differentiated(
+      functools.partial(_backward, scale, bt, opts), NO_HIGHER_DERIVATIVES
+    )
+    return (*backward(tuple(residuals), cotangents), None)
+  q, k, v, g, beta, mask, h0, gcum, ai = residuals
+  do, dfinal = cotangents
+  # the backward kernels work on the chunk-aligned layout: gather the inputs and do into it, and
+  # the gradients of the token arrays back to the packed row
+  pack = functools.partial(_pack_padded, packing=packing)
+  unpack = functools.partial(_unpack_padded, packing=packing)
+  padded = (*map(pack, (q, k, v, g, beta)), _pack_mask(mask, packing), h0, gcum, ai)
   backward = raise_if_differentiated(
-    functools.partial(_backward, scale, bt, opts), NO_HIGHER_DERIVATIVES
+    lambda res, cot: _backward(scale, bt, opts, res, cot, table=packing.sequences),
+    NO_HIGHER_DERIVATIVES,
   )
-  return backward(residuals, cotangents)
+  # an empty sequence's initial state is its final state: the walks return its dfinal as its
+  # gradient (pallas_kernels/common/packed.py)
+  dq, dk, dv, dg, dbeta, dmask, dh0 = backward(padded, (pack(do), dfinal))
+  if mask.shape[1] != 1:
+    dmask = unpack(dmask)
+  return (*map(unpack, (dq, dk, dv, dg, dbeta)), dmask, dh0, None)
 
 
 def _backward(scale, bt, opts, residuals, cotangents, table=None):
@@ -213,7 +215,7 @@ def _backward(scale, bt, opts, residuals, cotangents, table=None):
   r = mask.shape[-1]
   common = dict(chunk=bt, key_blocks=r)
   prec = dict(precision=opts.precision)
-  # packed sequences (`_gdp_varlen_core`): the table goes to the state walks only
+  # packed sequences: the table goes to the state walks only
   walk = dict(common) if table is None else dict(common, table=table)
   beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
   w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, launch=opts.wy, **common, **prec)
@@ -266,7 +268,7 @@ _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
 # checks their outputs: a non-finite input always gives a non-finite output (at its own token,
 # or in the final state: it enters the state), and what it spoils is nan, never a wrong finite
 # value. So when o and the final state are finite (the common case: one reduction over o) the
-# raw run is the answer and the backward is today's, with the same residuals; otherwise the
+# raw run is the answer and the backward is the kernels', with the same residuals; otherwise the
 # kernels run again on the cleaned inputs and the outputs are marked
 # (gdp_jax/ops/gated_delta_product/nonfinite.py), and the backward zeroes the marked outputs'
 # cotangents and the bad inputs' gradients, all with selects. Under jax.jit the choice is a
@@ -324,44 +326,103 @@ def _guarded_backward(backward, recompute, inputs, saved, cotangents, clean, ok)
   return _branch(ok, lambda: tuple(backward(inputs, saved, cotangents)), bad)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _gdp_guarded(q, k, v, g, beta, mask, h0, scale, bt, opts):
-  """`_gdp_core` causal under non-finite inputs (the section's comment)."""
-  outputs = lambda x: _gdp_core(*x, h0, scale, bt, opts)
-  forward = lambda x: (*outputs(x), ())
-  o, final, _, _ = _guarded_forward(forward, outputs, (q, k, v, g, beta, mask), nonfinite.clean)
-  return o, final
+def _cleaner(packing):
+  """The guard's `clean` for the plain form, or per sequence for packed sequences."""
+  return nonfinite.clean if packing is None else _packed_cleaner(packing)
 
 
-def _core_residuals(h0, scale, bt, opts):
+def _core_residuals(h0, packing, scale, bt, opts):
   """x -> (o, final, (gcum, ai)): the kernels' forward with the backward's residuals (the
   inputs themselves are saved by the caller)."""
 
   def run(x):
-    (o, final), residuals = _gdp_core_fwd(*x, h0, scale, bt, opts)
-    return o, final, residuals[7:]
+    (o, final), residuals = _gdp_core_fwd(*x, h0, packing, scale, bt, opts)
+    return o, final, residuals[7:9]
 
   return run
 
 
-def _gdp_guarded_fwd(q, k, v, g, beta, mask, h0, scale, bt, opts):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _gdp_guarded(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
+  """`_gdp_core` causal under non-finite inputs (the section's comment); per sequence with
+  packed sequences."""
+  outputs = lambda x: _gdp_core(*x, h0, packing, scale, bt, opts)
+  forward = lambda x: (*outputs(x), ())
   inputs = (q, k, v, g, beta, mask)
-  outputs = lambda x: _gdp_core(*x, h0, scale, bt, opts)
-  forward = _core_residuals(h0, scale, bt, opts)
-  o, final, saved, ok = _guarded_forward(forward, outputs, inputs, nonfinite.clean)
-  return (o, final), (*inputs, h0, *saved, ok)
+  o, final, _, _ = _guarded_forward(forward, outputs, inputs, _cleaner(packing))
+  return o, final
+
+
+def _gdp_guarded_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
+  inputs = (q, k, v, g, beta, mask)
+  outputs = lambda x: _gdp_core(*x, h0, packing, scale, bt, opts)
+  forward = _core_residuals(h0, packing, scale, bt, opts)
+  o, final, saved, ok = _guarded_forward(forward, outputs, inputs, _cleaner(packing))
+  return (o, final), (*inputs, h0, *saved, packing, ok)
 
 
 def _gdp_guarded_bwd(scale, bt, opts, residuals, cotangents):
-  *inputs, h0, gcum, ai, ok = residuals
-  backward = lambda x, saved, cot: _gdp_core_bwd(scale, bt, opts, (*x, h0, *saved), cot)
-  recompute = lambda x: _core_residuals(h0, scale, bt, opts)(x)[2]
-  return _guarded_backward(
-    backward, recompute, tuple(inputs), (gcum, ai), cotangents, nonfinite.clean, ok
+  *inputs, h0, gcum, ai, packing, ok = residuals
+
+  def backward(x, saved, cot):
+    return _gdp_core_bwd(scale, bt, opts, (*x, h0, *saved, packing), cot)[:7]  # no packing
+
+  recompute = lambda x: _core_residuals(h0, packing, scale, bt, opts)(x)[2]
+  grads = _guarded_backward(
+    backward, recompute, tuple(inputs), (gcum, ai), cotangents, _cleaner(packing), ok
   )
+  return grads + (None,)
 
 
 _gdp_guarded.defvjp(_gdp_guarded_fwd, _gdp_guarded_bwd)
+
+
+# ---- packed sequences (cu_seqlens, docs/varlen.md) -------------------------------------------
+
+
+class _Packing(NamedTuple):
+  """Packed sequences at the kernels' chunk (docs/varlen.md): the chunk-aligned layout and the
+  kernels' tables (int arrays; no gradient)."""
+
+  layout: varlen.Layout
+  sequences: jax.Array  # [4, N], `varlen.sequence_chunks`: the state walks' table
+  chunks: jax.Array  # [2, NT], `varlen.chunk_tokens`: chunk_fwd's table in place
+
+
+def _packing(cu_seqlens, t_len, bt):
+  lay = varlen.layout(cu_seqlens, t_len, bt)
+  return _Packing(lay, varlen.sequence_chunks(lay), varlen.chunk_tokens(lay))
+
+
+def _pack_padded(x, packing):
+  """[1, T, ...] -> its chunk-aligned copy [1, Tp, ...] (a gather)."""
+  return varlen.pack(x, packing.layout)
+
+
+def _unpack_padded(y, packing):
+  """[1, Tp, ...] -> the packed row [1, T, ...] (a gather)."""
+  return varlen.unpack(y, packing.layout)
+
+
+def _pack_mask(mask, packing):
+  """A per-token mask [1, T, ...] in the chunk-aligned layout (the kernels read it per chunk);
+  a broadcast one as it is."""
+  return mask if mask.shape[1] == 1 else _pack_padded(mask, packing)
+
+
+def _clean_packed(offsets, empty, q, k, v, g, beta, mask):
+  """`varlen.clean` on the packed row: a bad token marks its own sequence from it on and that
+  sequence's final state; an empty sequence's final state (its initial state) never."""
+  cleaned, marks = varlen.clean(q, k, v, g, beta, mask, offsets)
+  return cleaned, marks._replace(final=marks.final & ~empty[:, None])
+
+
+def _packed_cleaner(packing):
+  lay = packing.layout
+  return functools.partial(_clean_packed, lay.cu_seqlens, lay.empty)
+
+
+# ---- the entry points ------------------------------------------------------------------------
 
 
 def gated_delta_product_pallas(
@@ -374,6 +435,7 @@ def gated_delta_product_pallas(
   initial_state,
   scale,
   chunk_size,
+  cu_seqlens=None,
   *,
   options=None,
   backward="pallas",
@@ -386,20 +448,28 @@ def gated_delta_product_pallas(
   options: a `KernelOptions` (precision, launch parameters); None picks the heuristic's.
   precision: the kernels' float32 matmul precision ("tf32", "tf32x3", "ieee"); overrides
     options.precision when given.
-  backward: "pallas" (the backward kernels) or "xla" (the jnp backward of
-  gdp_jax/ops/gated_delta_product/xla_backward.py
-    behind the Pallas forward, for debugging).
+  backward: "pallas" (the backward kernels) or "xla" (the jnp backward of xla_backward.py behind
+    the Pallas forward, for debugging).
   scale: a Python number is passed to the kernels; an array (a traced scale under `jax.jit`, a
     learned one) runs them with 1 and multiplies o afterwards (o is linear in the scale).
-  Grouped value heads (HV a multiple of H): the fused forward kernels read key head
-  i // (HV // H) for value head i through their index maps (no repeated copy of q and k); the
-  backward repeats q and k before its kernels and sums dq and dk over each group.
+  Grouped value heads (HV a multiple of H): the forward kernels read key head i // (HV // H) for
+  value head i through their index maps (no repeated copy of q and k); the backward repeats q and
+  k before its kernels and sums dq and dk over each group.
   Non-finite inputs: a nan or inf at token t changes nothing before t, forward and gradients
   (`_gdp_guarded`, docs/precision.md#non-finite-inputs).
+
+  cu_seqlens: None, or packed sequences (docs/varlen.md): q, k [1, T, H, K]; v [1, T, HV, V];
+  g, beta [1, T, HV]; mask [1, Tm, Hm, r, r]; initial_state [N, HV, K, V] float32; cu_seqlens
+  [N + 1] int (T not padded) -> (o [1, T, HV, V], final [N, HV, K, V]). The kernels work on the
+  chunk-aligned layout at their chunk BT (`varlen.layout`, `pallas_chunk`): the forward reads q,
+  k, v, g and beta in place in the packed row and writes o there; the backward gathers its
+  operands into that layout. The state walks (chunk_state_output, chunk_h, bwd_dhu) run one
+  program per (V tile, sequence, head) over that sequence's chunks (`varlen.sequence_chunks`,
+  pallas_kernels/common/packed.py). A non-finite input spoils its own sequence only.
   """
   args = (q, k, v, g, beta, mask, initial_state)
   kw = dict(options=options, backward=backward, precision=precision)
-  return _run_scaled(_gated_delta_product_pallas, args, scale, (chunk_size,), kw)
+  return _run_scaled(_gated_delta_product_pallas, args, scale, (chunk_size, cu_seqlens), kw)
 
 
 def _run_scaled(inner, args, scale, rest, kw):
@@ -442,239 +512,6 @@ def _kernel_inputs(q, k, v, g, initial_state, r, options, precision):
 
 
 def _gated_delta_product_pallas(
-  q, k, v, g, beta, mask, initial_state, scale, chunk_size, *, options, backward, precision
-):
-  if backward == "xla":
-    return _pallas_forward_xla_backward(
-      q, k, v, g, beta, mask, initial_state, scale, chunk_size, options, precision
-    )
-  dim_k, dim_v = q.shape[-1], v.shape[-1]
-  r = mask.shape[-1]
-  bt = pallas_chunk(chunk_size, r)
-  q, k, v, g, h0, options = _kernel_inputs(q, k, v, g, initial_state, r, options, precision)
-  core = _gdp_guarded if options.nonfinite_guard else _gdp_core
-  o, final = core(q, k, v, g, beta, mask.astype(jnp.float32), h0, scale, bt, options)
-  o = o[..., :dim_v]
-  final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
-  return o, final
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _pallas_forward_xla_backward(
-  q, k, v, g, beta, mask, initial_state, scale, chunk_size, options, precision
-):
-  """The Pallas forward with the jnp backward of the chunked form (`backward="xla"`)."""
-  return gated_delta_product_pallas(
-    q, k, v, g, beta, mask, initial_state, scale, chunk_size, options=options, precision=precision
-  )
-
-
-def _pallas_forward_xla_backward_fwd(
-  q, k, v, g, beta, mask, initial_state, scale, chunk_size, options, precision
-):
-  out = gated_delta_product_pallas(
-    q, k, v, g, beta, mask, initial_state, scale, chunk_size, options=options, precision=precision
-  )
-  return out, (q, k, v, g, beta, mask, initial_state)
-
-
-def _pallas_forward_xla_backward_bwd(scale, chunk_size, options, precision, residuals, cotangents):
-  do, dfinal = cotangents
-  return xla_backward.gated_delta_product_xla_bwd(*residuals, scale, chunk_size, do, dfinal)
-
-
-_pallas_forward_xla_backward.defvjp(
-  _pallas_forward_xla_backward_fwd, _pallas_forward_xla_backward_bwd
-)
-
-
-# ---- packed sequences (cu_seqlens, docs/varlen.md) -------------------------------------------
-
-
-class _Packing(NamedTuple):
-  """Packed sequences at the kernels' chunk (docs/varlen.md): the chunk-aligned layout and the
-  kernels' tables (int arrays; no gradient)."""
-
-  layout: varlen.Layout
-  sequences: jax.Array  # [4, N], `varlen.sequence_chunks`: the state walks' table
-  chunks: jax.Array  # [2, NT], `varlen.chunk_tokens`: chunk_fwd's table in place
-
-
-def _packing(cu_seqlens, t_len, bt):
-  lay = varlen.layout(cu_seqlens, t_len, bt)
-  return _Packing(lay, varlen.sequence_chunks(lay), varlen.chunk_tokens(lay))
-
-
-def _pack_padded(x, packing):
-  """[1, T, ...] -> its chunk-aligned copy [1, Tp, ...] (a gather)."""
-  return varlen.pack(x, packing.layout)
-
-
-def _unpack_padded(y, packing):
-  """[1, Tp, ...] -> the packed row [1, T, ...] (a gather)."""
-  return varlen.unpack(y, packing.layout)
-
-
-def _pack_mask(mask, packing):
-  """A per-token mask [1, T, ...] in the chunk-aligned layout (the kernels read it per chunk);
-  a broadcast one as it is."""
-  return mask if mask.shape[1] == 1 else _pack_padded(mask, packing)
-
-
-def _forward_varlen(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, packing):
-  """`_forward` for packed sequences: the inputs are the packed row [1, T, ...] (feature-padded),
-  o comes back as [1, T, HV, Vp] and the residuals gcum, ai in the chunk-aligned layout.
-
-  The fused forward reads the packed row in place: chunk_fwd at each chunk's first token
-  (`packing.chunks`), chunk_state_output at each sequence's (`packing.sequences`), both with
-  masked loads, and chunk_state_output writes o there with masked stores; only a per-token mask
-  is gathered. The five-kernel forward gathers everything into the chunk-aligned layout and o
-  back."""
-  mask = _pack_mask(mask, packing)
-  if not opts.fused:
-    q, k, v, g, beta = (_pack_padded(x, packing) for x in (q, k, v, g, beta))
-    o, final, saved = _forward(
-      q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, table=packing.sequences
-    )
-    return _unpack_padded(o, packing), final, saved
-  chunks = dict(table=packing.chunks)
-  walk = dict(table=packing.sequences, in_place=True)
-  return _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, chunks, walk)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _gdp_varlen_core(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
-  o, final, _ = _forward_varlen(q, k, v, g, beta, mask, h0, scale, bt, opts, False, packing)
-  return o, final
-
-
-def _gdp_varlen_core_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
-  # Residuals: the packed row's inputs as they came (no chunk-aligned copies), gamma and Ai in
-  # the chunk-aligned layout, and the packing.
-  forward = raise_if_differentiated(
-    lambda *a: _forward_varlen(*a, scale, bt, opts, True, packing), NO_HIGHER_DERIVATIVES
-  )
-  o, final, (gcum, ai) = forward(q, k, v, g, beta, mask, h0)
-  return (o, final), (q, k, v, g, beta, mask, h0, gcum, ai, packing)
-
-
-def _gdp_varlen_core_bwd(scale, bt, opts, residuals, cotangents):
-  *residuals, packing = residuals
-  q, k, v, g, beta, mask, h0, gcum, ai = residuals
-  do, dfinal = cotangents
-  # the backward kernels work on the chunk-aligned layout: gather the inputs and do into it, and
-  # the gradients of the token arrays back to the packed row
-  pack = functools.partial(_pack_padded, packing=packing)
-  unpack = functools.partial(_unpack_padded, packing=packing)
-  padded = (*map(pack, (q, k, v, g, beta)), _pack_mask(mask, packing), h0, gcum, ai)
-  backward = raise_if_differentiated(
-    lambda res, cot: _backward(scale, bt, opts, res, cot, table=packing.sequences),
-    NO_HIGHER_DERIVATIVES,
-  )
-  # an empty sequence's initial state is its final state: the walks return its dfinal as its
-  # gradient (pallas_kernels/common/packed.py)
-  dq, dk, dv, dg, dbeta, dmask, dh0 = backward(padded, (pack(do), dfinal))
-  if mask.shape[1] != 1:
-    dmask = unpack(dmask)
-  return (*map(unpack, (dq, dk, dv, dg, dbeta)), dmask, dh0, None)
-
-
-_gdp_varlen_core.defvjp(_gdp_varlen_core_fwd, _gdp_varlen_core_bwd)
-
-
-def _clean_packed(offsets, empty, q, k, v, g, beta, mask):
-  """`varlen.clean` on the packed row: a bad token marks its own sequence from it on and that
-  sequence's final state; an empty sequence's final state (its initial state) never."""
-  cleaned, marks = varlen.clean(q, k, v, g, beta, mask, offsets)
-  return cleaned, marks._replace(final=marks.final & ~empty[:, None])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _gdp_varlen_guarded(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
-  """`_gdp_varlen_core` causal under non-finite inputs, per sequence (as `_gdp_guarded`)."""
-  clean = _packed_cleaner(packing)
-  outputs = lambda x: _gdp_varlen_core(*x, h0, packing, scale, bt, opts)
-  forward = lambda x: (*outputs(x), ())
-  o, final, _, _ = _guarded_forward(forward, outputs, (q, k, v, g, beta, mask), clean)
-  return o, final
-
-
-def _packed_cleaner(packing):
-  lay = packing.layout
-  return functools.partial(_clean_packed, lay.cu_seqlens, lay.empty)
-
-
-def _varlen_residuals(h0, packing, scale, bt, opts):
-  """x -> (o, final, (gcum, ai)), as `_core_residuals` for packed sequences."""
-
-  def run(x):
-    (o, final), residuals = _gdp_varlen_core_fwd(*x, h0, packing, scale, bt, opts)
-    return o, final, residuals[7:9]
-
-  return run
-
-
-def _gdp_varlen_guarded_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
-  inputs = (q, k, v, g, beta, mask)
-  outputs = lambda x: _gdp_varlen_core(*x, h0, packing, scale, bt, opts)
-  forward = _varlen_residuals(h0, packing, scale, bt, opts)
-  o, final, saved, ok = _guarded_forward(forward, outputs, inputs, _packed_cleaner(packing))
-  return (o, final), (*inputs, h0, *saved, packing, ok)
-
-
-def _gdp_varlen_guarded_bwd(scale, bt, opts, residuals, cotangents):
-  *inputs, h0, gcum, ai, packing, ok = residuals
-
-  def backward(x, saved, cot):
-    residuals = (*x, h0, *saved, packing)
-    return _gdp_varlen_core_bwd(scale, bt, opts, residuals, cot)[:7]  # no packing
-
-  recompute = lambda x: _varlen_residuals(h0, packing, scale, bt, opts)(x)[2]
-  clean = _packed_cleaner(packing)
-  grads = _guarded_backward(backward, recompute, tuple(inputs), (gcum, ai), cotangents, clean, ok)
-  return grads + (None,)
-
-
-_gdp_varlen_guarded.defvjp(_gdp_varlen_guarded_fwd, _gdp_varlen_guarded_bwd)
-
-
-def gated_delta_product_pallas_varlen(
-  q,
-  k,
-  v,
-  g,
-  beta,
-  mask,
-  initial_state,
-  scale,
-  chunk_size,
-  cu_seqlens,
-  *,
-  options=None,
-  backward="pallas",
-  precision=None,
-):
-  """Packed sequences (docs/varlen.md): q, k [1, T, H, K]; v [1, T, HV, V]; g, beta [1, T, HV];
-  mask [1, Tm, Hm, r, r]; initial_state [N, HV, K, V] float32; cu_seqlens [N + 1] int (T not
-  padded) -> (o [1, T, HV, V] in q's dtype, final [N, HV, K, V] float32).
-
-  The kernels work on the chunk-aligned layout at their chunk BT (`varlen.layout`,
-  `pallas_chunk`): the fused forward reads q, k, v, g and beta in place in the packed row at each
-  chunk's tokens and writes o there, its per-chunk intermediates (gamma, w, u, Ai) in that layout;
-  the five-kernel forward and the backward gather their operands into it. The state walks
-  (chunk_state_output, chunk_h, bwd_dhu) run one program per (V tile, sequence, head) over that
-  sequence's chunks (`varlen.sequence_chunks`, pallas_kernels/common/packed.py). The
-  kernels' varlen form is checked in the Pallas interpreter, through the Triton lowering and on
-  a GPU (benchmarks/bench_varlen.py, docs/varlen.md#speed-on-an-h200). A non-finite input
-  spoils its own sequence only (`_gdp_varlen_guarded`, docs/precision.md#non-finite-inputs).
-  Other arguments as `gated_delta_product_pallas` (grouped value heads included).
-  """
-  args = (q, k, v, g, beta, mask, initial_state)
-  kw = dict(options=options, backward=backward, precision=precision)
-  return _run_scaled(_gated_delta_product_pallas_varlen, args, scale, (chunk_size, cu_seqlens), kw)
-
-
-def _gated_delta_product_pallas_varlen(
   q,
   k,
   v,
@@ -691,28 +528,31 @@ def _gated_delta_product_pallas_varlen(
   precision,
 ):
   if backward == "xla":
-    return _pallas_varlen_xla_backward(
+    return _pallas_forward_xla_backward(
       q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
     )
   t_len, dim_k, dim_v = q.shape[1], q.shape[-1], v.shape[-1]
   r = mask.shape[-1]
   bt = pallas_chunk(chunk_size, r)
-  packing = _packing(cu_seqlens, t_len, bt)
+  packing = None if cu_seqlens is None else _packing(cu_seqlens, t_len, bt)
   q, k, v, g, h0, options = _kernel_inputs(q, k, v, g, initial_state, r, options, precision)
-  core = _gdp_varlen_guarded if options.nonfinite_guard else _gdp_varlen_core
+  core = _gdp_guarded if options.nonfinite_guard else _gdp_core
   o, final = core(q, k, v, g, beta, mask.astype(jnp.float32), h0, packing, scale, bt, options)
   o = o[..., :dim_v]
   final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
   return o, final
 
 
+# ---- backward="xla": the kernels' forward, the jnp backward (debugging) ----------------------
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
-def _pallas_varlen_xla_backward(
+def _pallas_forward_xla_backward(
   q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
 ):
-  """The packed Pallas forward with the jnp backward of the packed chunked form
-  (`backward="xla"`)."""
-  return gated_delta_product_pallas_varlen(
+  """The Pallas forward with the jnp backward of the chunked form (`backward="xla"`; packed
+  sequences too, with cu_seqlens)."""
+  return gated_delta_product_pallas(
     q,
     k,
     v,
@@ -728,25 +568,30 @@ def _pallas_varlen_xla_backward(
   )
 
 
-def _pallas_varlen_xla_backward_fwd(
+def _pallas_forward_xla_backward_fwd(
   q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
 ):
-  out = _pallas_varlen_xla_backward(
+  out = _pallas_forward_xla_backward(
     q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
   )
   return out, (q, k, v, g, beta, mask, initial_state, cu_seqlens)
 
 
-def _pallas_varlen_xla_backward_bwd(scale, chunk_size, options, precision, residuals, cotangents):
+def _pallas_forward_xla_backward_bwd(scale, chunk_size, options, precision, residuals, cotangents):
   *primals, cu_seqlens = residuals
   do, dfinal = cotangents
-  grads = xla_backward.gated_delta_product_xla_varlen_bwd(
-    *primals, scale, chunk_size, cu_seqlens, do, dfinal
-  )
+  if cu_seqlens is None:
+    grads = xla_backward.gated_delta_product_xla_bwd(*primals, scale, chunk_size, do, dfinal)
+  else:
+    grads = xla_backward.gated_delta_product_xla_varlen_bwd(
+      *primals, scale, chunk_size, cu_seqlens, do, dfinal
+    )
   return tuple(grads) + (None,)
 
 
-_pallas_varlen_xla_backward.defvjp(_pallas_varlen_xla_backward_fwd, _pallas_varlen_xla_backward_bwd)
+_pallas_forward_xla_backward.defvjp(
+  _pallas_forward_xla_backward_fwd, _pallas_forward_xla_backward_bwd
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -801,6 +646,6 @@ class TritonGatedDeltaProduct(GatedDeltaProductImplementation):
 
   def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
     config = self._options(q, v, mask)
-    return gated_delta_product_pallas_varlen(
+    return gated_delta_product_pallas(
       q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens, **config
     )

@@ -154,8 +154,9 @@ def chunk_kkt(k, beta, mask, gcum, chunk, seg=None):
 def _unit_lower_inverse(m):
   """m^-1 for unit lower-triangular m [..., n, n], by recursive 2 x 2 block inversion:
   [[M11, 0], [M21, M22]]^-1 = [[X11, 0], [-X22 M21 X11, X22]], with triangular solves for the
-  blocks of at most 16 rows (the kernel's merge, solve_tril.py). XLA's batched triangular solve
-  on CPU is slow from 32 rows on; this keeps the work in batched matmuls."""
+  blocks of at most 16 rows (the block merge of pallas_kernels/triton/forward/chunk_fwd.py). XLA's
+  batched triangular solve on CPU is slow from 32 rows on; this keeps the work in batched
+  matmuls."""
   n = m.shape[-1]
   if n <= 16:
     eye = jnp.broadcast_to(jnp.eye(n, dtype=m.dtype), m.shape)

@@ -1,5 +1,6 @@
 """Backward stage 4 (docs/chunked_form.md#the-backward): the WY backward, through w = Ai W~,
-u = Ai U~, Ai = (I + Ag)^-1 and Ag = beta (Kw Kb^T) D (the gated chunk KKT, kkt.py), per chunk.
+u = Ai U~, Ai = (I + Ag)^-1 and Ag = beta (Kw Kb^T) D (the gated chunk KKT, chunk_fwd.py), per
+chunk.
 
 With dW~ = Ai^T dw, dU~ = Ai^T du, dAg = -(dW~ w^T + dU~ u^T) on token-strictly-lower entries,
 G = dAg D (D = exp(gamma_t - gamma_s), t > s) and KK = Kw Kb^T:
