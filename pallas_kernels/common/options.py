@@ -157,27 +157,25 @@ def operator_problem(*, r: int, dim_k: int, dim_v: int, dtype, precision: str = 
   )
 
 
-def _compiled_on_h200() -> dict[tuple[str, str, int], tuple[str, ...]]:
-  """{(dtype, float32 precision, r): kernels} whose default launch compiled and ran on an H200 at
-  K = V = 128 (tuning table "compiled"): measured beats estimated there."""
-  table = {}
-  for entry in tuning.value("compiled"):
-    for r in entry["r"]:
-      table[(entry["dtype"], entry["precision"], r)] = tuple(entry["kernels"])
-  return table
-
-
-_H200_MEASURED = _compiled_on_h200()
-
-
 def _measured_on_h200(problem, device: DeviceInfo) -> tuple[str, ...]:
-  """The kernels whose default launch is known to compile on `device` for `problem`."""
-  if device.compute_capability != (9, 0) or device.shared_memory_per_block < 227 * 1024:
-    return ()
-  if (problem.dim_k, problem.dim_v) != (128, 128):
+  """The kernels whose default launch compiled and ran on an H200 for `problem` (the tuning
+  table's "compiled" entries), when `device` is that kind of GPU: measured beats estimated."""
+  table = tuning.table()
+  gpu = table["gpu"]
+  if (
+    device.compute_capability != tuple(gpu["compute_capability"])
+    or device.shared_memory_per_block < gpu["shared_memory_per_block"]
+  ):
     return ()
   precision = problem.precision if problem.dtype == jnp.float32 else "tf32"
-  return _H200_MEASURED.get((jnp.dtype(problem.dtype).name, precision, problem.r), ())
+  for entry in table["compiled"]["value"]:
+    if (
+      (entry["dtype"], entry["precision"]) == (jnp.dtype(problem.dtype).name, precision)
+      and problem.r in entry["r"]
+      and (problem.dim_k, problem.dim_v) == (entry["dim_k"], entry["dim_v"])
+    ):
+      return tuple(entry["kernels"])
+  return ()
 
 
 def _candidates(launch: Launch, dim_v: int):
@@ -261,9 +259,9 @@ def heuristic_options(
   Starts from the H200 defaults (`DEFAULT`) and, kernel by kernel, takes the first launch whose
   estimated shared memory per block (pallas_kernels/common/shared_memory.py, at the operator's
   padded tiles and largest chunk) fits `device.shared_memory_per_block`: fewer pipeline stages,
-  then narrower V tiles, then no pipelining. Launches measured to compile on an H200
-  (`_H200_MEASURED`) are kept there whatever the estimate says. Warps are left as tuned (they
-  hardly change shared memory). A kernel that fits with no launch (its tiles alone are too
+  then narrower V tiles, then no pipelining. Launches measured to compile on an H200 (the tuning
+  table's "compiled" entries) are kept there whatever the estimate says. Warps are left as tuned
+  (they hardly change shared memory). A kernel that fits with no launch (its tiles alone are too
   large: e.g. the float32 backward at K = V = 256) keeps the smallest one and is logged as a
   warning: it will not compile on this GPU, and implementation="xla" is the way there.
   """
