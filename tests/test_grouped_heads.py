@@ -58,7 +58,7 @@ CASES = [
 
 @pytest.mark.parametrize("implementation,H,HV,r,mask_kind", CASES)
 def test_grouped_equals_repeated_keys(implementation, H, HV, r, mask_kind):
-  assert implementation in dispatch.backends("gated_delta_product")
+  assert implementation in dispatch.implementations("gated_delta_product")
   inputs = grouped_inputs(1, H=H, HV=HV, r=r, mask_kind=mask_kind)
   run = functools.partial(
     gated_delta_product, output_final_state=True, chunk_size=16, implementation=implementation
