@@ -516,7 +516,7 @@ def test_packed_batch_must_be_one():
     (dict(num_householder=0), ValueError, "num_householder must be >= 1"),
     (dict(num_householder=2.0), TypeError, "num_householder must be an int"),
     (dict(num_householder=True), TypeError, "num_householder must be an int"),
-    (dict(implementation="triton"), ValueError, "implementation must be one of"),
+    (dict(implementation="mosaic"), ValueError, "implementation must be one of"),
     (dict(precision="fp8"), ValueError, "precision must be None"),
     (dict(chunk_size=48), ValueError, "chunk_size must be one of"),
   ],

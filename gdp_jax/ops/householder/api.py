@@ -210,11 +210,12 @@ def householder_delta_product(
       crosses a boundary. May be traced under `jax.jit` (new boundaries with the same N and T
       do not recompile); concrete offsets are checked, invalid traced ones are undefined
       behaviour, as in `gated_delta_product`.
-    implementation: "reference" (a recurrence over the sub-steps, float32), "xla" or "pallas"
-      (the r = 1 operator `gated_delta_product` over the T*n_h sub-steps: the chunked jnp form
-      or the Pallas kernels, forward and backward), or None for the fastest one available on the
-      backend ("pallas" on a GPU, "xla" elsewhere). With cu_seqlens, None picks "xla" everywhere
-      and "pallas" is a NotImplementedError (no packed Pallas path for this layout yet).
+    implementation: "reference" (a recurrence over the sub-steps, float32), "xla", "triton" or
+      "pallas" (the best Pallas backend): the r = 1 operator `gated_delta_product` over the T*n_h
+      sub-steps, the chunked jnp form or the Pallas kernels, forward and backward; or None for the
+      fastest one available on the backend (the Pallas backend on a GPU, "xla" elsewhere). With
+      cu_seqlens, None picks "xla" everywhere and a Pallas backend is a NotImplementedError (no
+      packed Pallas path for this layout yet).
     precision: the float32 matmul precision of the Pallas kernels, as in `gated_delta_product`
       (None follows jax.default_matmul_precision: TF32; "highest": tf32x3; "ieee"); the
       "reference" and "xla" implementations compute at HIGHEST.
