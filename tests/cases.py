@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdp_jax import xla
-from gdp_jax.operator import normalize_mask
+from gdp_jax.ops.gated_delta_product import xla
+from gdp_jax.ops.validation import normalize_mask
 from gdp_jax.testing import random_inputs as make_inputs  # noqa: F401  (re-exported)
 
 # Relative error allowed, measured as max|x - ref| / max(max|ref|, 1e-6) over the whole array.

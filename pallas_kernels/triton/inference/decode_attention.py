@@ -49,11 +49,10 @@ from pallas_kernels.common import backend, options
 
 f32 = jnp.float32
 
-# Launch defaults live in pallas_kernels/common/options.py (DecodeOptions); the benchmark sweeps
-# them (benchmarks/bench_decode.py). block_s keeps a [block_s, 128] tile at 16 KB: 64 rows of a
-# 2-byte cache, 32 of a 4-byte one (compiled offline for sm_90 with Triton 3.9: bf16 64/4 warps/
-# 3 stages uses 128 registers and 78 KB of shared memory, no spills; float32 at 64 rows and 4 warps
-# spills, at 32 it does not).
+# Launch defaults: options.DecodeOptions, from the tuning table (pallas_kernels/triton/tuning/).
+# block_s keeps a [block_s, 128] tile at 16 KB: 64 rows of a 2-byte cache, 32 of a 4-byte one
+# (compiled offline for sm_90 with Triton 3.9: bf16 64/4 warps/3 stages uses 128 registers and
+# 78 KB of shared memory, no spills; float32 at 64 rows and 4 warps spills, at 32 it does not).
 DEFAULTS = options.DecodeOptions()
 BLOCK_S_4BYTE = 32
 

@@ -20,25 +20,26 @@ Padding tokens carry beta = 0 and g = 0, which makes them exact no-ops
 The whole forward (`gated_delta_product_xla`) takes grouped value heads (v, g, beta, the mask and
 the state with HV heads, q and k with H, HV % H == 0) and repeats q and k across each group before
 the stages, which all see one head count. Packed sequences (`gated_delta_product_xla_varlen`,
-docs/varlen.md) run the same stages on the chunk-aligned padded layout of gdp_jax/varlen.py; only
-the state recurrence changes (`chunk_state_varlen`: the state entering a sequence's first chunk is
-that sequence's initial state, and each sequence's final state is read after its last chunk).
+docs/varlen.md) run the same stages on the chunk-aligned padded layout of
+gdp_jax/ops/gated_delta_product/varlen.py; only the state recurrence changes (`chunk_state_varlen`:
+the state entering a sequence's first chunk is that sequence's initial state, and each sequence's
+final state is read after its last chunk).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import nonfinite, varlen
-from gdp_jax.operator import expand_key_heads
+from gdp_jax.ops.gated_delta_product import nonfinite, varlen
+from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY, GatedDeltaProductImplementation
+from gdp_jax.ops.heads import expand_key_heads
 
 HIGHEST = jax.lax.Precision.HIGHEST
 f32 = jnp.float32
-# A log-decay at or below this resets the state: exp(g) is below the smallest normal float32, which
-# XLA flushes to 0 on CPU and GPU, so the recurrence gives exp(g) S = 0 exactly
-# (docs/chunked_form.md#resets). g = -inf is the exact reset.
-RESET_LOG_DECAY = -88.0
 
 
 def _einsum(spec, *xs):
@@ -153,8 +154,9 @@ def chunk_kkt(k, beta, mask, gcum, chunk, seg=None):
 def _unit_lower_inverse(m):
   """m^-1 for unit lower-triangular m [..., n, n], by recursive 2 x 2 block inversion:
   [[M11, 0], [M21, M22]]^-1 = [[X11, 0], [-X22 M21 X11, X22]], with triangular solves for the
-  blocks of at most 16 rows (the kernel's merge, solve_tril.py). XLA's batched triangular solve
-  on CPU is slow from 32 rows on; this keeps the work in batched matmuls."""
+  blocks of at most 16 rows (the block merge of pallas_kernels/triton/forward/chunk_fwd.py). XLA's
+  batched triangular solve on CPU is slow from 32 rows on; this keeps the work in batched
+  matmuls."""
   n = m.shape[-1]
   if n <= 16:
     eye = jnp.broadcast_to(jnp.eye(n, dtype=m.dtype), m.shape)
@@ -345,8 +347,8 @@ def gated_delta_product_xla(q, k, v, g, beta, mask, initial_state, scale, chunk_
   Returns (o [B, Tp, HV, V] float32, final_state [B, HV, K, V] float32).
 
   Causal under non-finite inputs: a nan or inf at token t leaves every output before t (and the
-  gradients of a loss on them) as without it (gdp_jax/nonfinite.py); g <= RESET_LOG_DECAY
-  (g = -inf included) is an exact reset (`gate_cumsum`).
+  gradients of a loss on them) as without it (gdp_jax/ops/gated_delta_product/nonfinite.py); g <=
+  RESET_LOG_DECAY (g = -inf included) is an exact reset (`gate_cumsum`).
   """
   q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
   (q, k, v, g, beta, mask), marks = nonfinite.clean(q, k, v, g, beta, mask)
@@ -406,3 +408,19 @@ def chunked_forward_varlen(q, k, v, g, beta, mask, initial_state, scale, lay):
   o = chunk_output(q, k, v_new, h, gcum, scale, chunk, seg)
   final = varlen.final_states(jnp.moveaxis(ends[0], 1, 0), initial_state, lay)
   return o, final
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaGatedDeltaProduct(GatedDeltaProductImplementation):
+  """The chunked WY form in jnp, float32 at HIGHEST precision; JAX differentiates it."""
+
+  name: ClassVar[str] = "xla"
+  summary: ClassVar[str] = "the chunked WY form and the steps in jnp (any backend)"
+
+  def __call__(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+    return gated_delta_product_xla(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
+
+  def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
+    return gated_delta_product_xla_varlen(
+      q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens
+    )

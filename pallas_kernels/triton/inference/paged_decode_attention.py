@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import backend, options
-from pallas_kernels.inference import decode_attention as dense
+from pallas_kernels.triton.inference import decode_attention as dense
 
 DEFAULTS = options.PagedDecodeOptions()
 

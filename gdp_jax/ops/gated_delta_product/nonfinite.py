@@ -19,9 +19,9 @@ is `nan`, where the recurrence gives `nan` or `inf`. The gradient of a loss on t
 the first bad token is the clean computation's gradient: the select sends a zero cotangent to the
 marked outputs, and the cleaned inputs make every product in the backward finite.
 
-"pallas" keeps its kernels as they are and guards them (gdp_jax/pallas_impl.py): one reduction
-over the raw run's outputs; when they are finite that run is the answer, else steps 1 and 2 wrap
-a second run, forward and backward (`mark_cotangents`, `clean_gradients`).
+"pallas" keeps its kernels as they are and guards them (gdp_jax/ops/gated_delta_product/triton.py):
+one reduction over the raw run's outputs; when they are finite that run is the answer, else steps 1
+and 2 wrap a second run, forward and backward (`mark_cotangents`, `clean_gradients`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Backward stage 4 (docs/chunked_form.md#the-backward): the WY backward, through w = Ai W~,
-u = Ai U~, Ai = (I + Ag)^-1 and Ag = beta (Kw Kb^T) D (the gated chunk KKT, kkt.py), per chunk.
+u = Ai U~, Ai = (I + Ag)^-1 and Ag = beta (Kw Kb^T) D (the gated chunk KKT, chunk_fwd.py), per
+chunk.
 
 With dW~ = Ai^T dw, dU~ = Ai^T du, dAg = -(dW~ w^T + dU~ u^T) on token-strictly-lower entries,
 G = dAg D (D = exp(gamma_t - gamma_s), t > s) and KK = Kw Kb^T:
@@ -14,7 +15,8 @@ Few tiles live at once (registers): V and K are walked in pieces (launch.block_v
 The V pieces give dv and add du U~^T to X = dw W~^T + du U~^T; a first pass over the K pieces
 adds dw W~^T to X and forms KK = Kw Kb^T and <dW~, Kw>; a second pass, once G is known, forms
 each K piece of dKw (dW~ recomputed: one [N, N] x [N, BK] product), dKb, dk and dmask.
-jnp counterpart: `gdp_jax.xla_backward.wy_bwd` (which returns dmask already reduced).
+jnp counterpart: `gdp_jax.ops.gated_delta_product.xla_backward.wy_bwd` (which returns dmask already
+reduced).
 """
 
 from __future__ import annotations

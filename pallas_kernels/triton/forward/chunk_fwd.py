@@ -15,9 +15,8 @@ X = (I + A)^-1 is the gated inverse of gated A; w = X (exp(gamma) W~) is exp(gam
 ungated inverse applied to W~, and no exp of a positive argument is ever formed. Row blocks of k,
 v, g, beta and the mask are loaded from their refs with `pl.ds` (a loaded value cannot be sliced
 in the Triton lowering, docs/pallas_triton.md). Row block i needs the rows of X above it, so X
-stays alive; the A blocks of one row block live only while it is done. Two forms of the merge
-and the products (`merge=`): "panels" does row block i as [16, N] panels (one dot for each of
-A_i, the merge, w_i and u_i), "blocks" as 16 x 16 block products only.
+stays alive; the A blocks of one row block live only while it is done. The merge and the products
+are 16 x 16 block products only (X kept as its lower-triangular blocks).
 
 Packed sequences in place (`table=`, docs/varlen.md#the-pallas-kernels): k, v, g and beta are the
 packed row [1, T, ...] itself; program c reads its chunk's tokens at the offset of a per-chunk
@@ -82,14 +81,13 @@ class _Chunk:
     return rows.repeat_rows(bv.astype(self.dtype), self.r)
 
 
-# Diagonal-inverse methods: forward substitution, or repeated squaring with its six products in
-# float32 on the CUDA cores ("squaring"), as three TF32 products on the tensor cores
-# ("squaring-x3", close to float32) or as one TF32 product ("squaring-tf32", for half inputs).
-SQUARING_PRECISION = {"squaring": "ieee", "squaring-x3": "tf32x3", "squaring-tf32": "tf32"}
+# Diagonal-inverse methods: forward substitution, or repeated squaring with its six products as
+# three TF32 products on the tensor cores ("squaring-x3", close to float32) or as one TF32
+# product ("squaring-tf32", for half inputs).
+SQUARING_PRECISION = {"squaring-x3": "tf32x3", "squaring-tf32": "tf32"}
 INVERSES = ("auto", "substitution", *SQUARING_PRECISION)
-# "auto": squaring at the kernel's float32 precision where that runs on the tensor cores (the
-# fastest on an H200: benchmarks/results/h200_2026-11-29_fused_inverse_sweep.json), forward
-# substitution for "ieee" (squaring on the CUDA cores is slower than substitution).
+# "auto": squaring at the kernel's float32 precision where that runs on the tensor cores, forward
+# substitution for "ieee" (docs/kernels.md#chunk_fwd-everything-inside-one-chunk).
 AUTO_INVERSE = {"tf32": "squaring-tf32", "tf32x3": "squaring-x3", "ieee": "substitution"}
 
 
@@ -138,7 +136,7 @@ def _blocks_kernel(
   precision,
   inverse,
 ):
-  """merge="blocks": every product on [16, 16] blocks; X kept as its lower-triangular blocks."""
+  """Every product on [16, 16] blocks; X kept as its lower-triangular blocks."""
   bt = k_ref.shape[0]
   nb = bt * r // BLOCK
   c = _Chunk(k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask)
@@ -196,90 +194,6 @@ def _blocks_kernel(
       zeros = jnp.zeros((BLOCK, BLOCK), ai_ref[0].dtype)
       for j in range(nb):
         ai_ref[0][blk(i), blk(j)] = x[i, j].astype(ai_ref[0].dtype) if j <= i else zeros
-
-
-def _panels_kernel(
-  k_ref,
-  v_ref,
-  g_ref,
-  beta_ref,
-  mask_ref,
-  gamma_ref,
-  w_ref,
-  u_ref,
-  *ai_ref,
-  r,
-  per_token_mask,
-  precision,
-  inverse,
-):
-  """merge="panels": row block i of A, X, w, u as [16, N] panels, one dot each:
-  A_i  = beta_i (Kw_i Kb^T) decay, kept left of the diagonal block     [16, N]
-  X_i  = place_i(X_ii) - X_ii (A_i X)        (X: the rows above, [N, N])  [16, N]
-  w_i  = X_i (exp(gamma) beta Kw),  u_i = X_i (beta v)
-  """
-  bt = k_ref.shape[0]
-  n = bt * r
-  nb = n // BLOCK
-  c = _Chunk(k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask)
-  dtype = c.dtype
-  half = dtype != f32
-  dot = functools.partial(backend.dot, precision=precision)
-  iota = jax.lax.broadcasted_iota
-
-  gamma_tok = jnp.cumsum(g_ref[...].astype(f32))
-  gamma_ref[...] = gamma_tok
-  beta_tok = beta_ref[...].astype(f32)
-  gamma = rows.per_row(gamma_tok, r)  # [N]
-  beta = rows.per_row(beta_tok, r)
-  tok = rows.row_tokens(n, r)
-  local = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0) // r
-  col = iota(jnp.int32, (BLOCK, n), 1)
-  row = iota(jnp.int32, (BLOCK, n), 0)
-
-  def pick(vec, i):
-    """vec[16 i : 16 i + 16] of an [N] vector, by selection (exact; no slicing)."""
-    return jnp.sum(jnp.where(col == row + i * BLOCK, vec[None, :], 0.0), axis=1)
-
-  # The whole chunk's operands, rebuilt from the refs at each use (short register lives).
-  block_keys = lambda: rows.block_keys(k_ref[...], r).astype(dtype)
-  w_rhs = lambda: (
-    (jnp.exp(gamma) * beta)[:, None] * rows.masked_keys(k_ref[...], mask_ref, r)
-  ).astype(dtype)
-  u_rhs = lambda: rows.repeat_rows((beta_tok[:, None] * v_ref[...].astype(f32)).astype(dtype), r)
-
-  gammas = [pick(gamma, i) for i in range(nb)]
-  betas = [pick(beta, i) for i in range(nb)]
-  diag = []
-  for i in range(nb):
-    kk = dot(c.masked_keys(i).astype(dtype), c.block_keys(i).astype(dtype), trans_b=True)
-    decay = rows.causal_decay(gammas[i], gammas[i], local, local, strict=True)
-    diag.append(betas[i][:, None] * kk * decay)
-  x_diag = _invert_diagonal(diag, inverse)
-  del diag
-
-  col_block = col // BLOCK
-  row_block_n = iota(jnp.int32, (n, n), 0) // BLOCK
-  x = None  # rows of X above row block i
-  for i in range(nb):
-    tiled = jnp.broadcast_to(x_diag[i][:, None, :], (BLOCK, nb, BLOCK)).reshape(BLOCK, n)
-    panel = jnp.where(col_block == i, tiled, 0.0)  # X_ii at its place
-    if i:
-      decay = rows.causal_decay(gammas[i], gamma, local + i * c.tb, tok, strict=True)
-      a = betas[i][:, None] * dot(c.masked_keys(i).astype(dtype), block_keys(), trans_b=True)
-      a = jnp.where(col < i * BLOCK, a * decay, 0.0)  # A_ik, k < i
-      panel = panel - dot(x_diag[i], dot(a, x))
-    if i < nb - 1:  # row block i of X
-      stacked = jnp.broadcast_to(panel[None], (nb, BLOCK, n)).reshape(n, n)
-      x = jnp.where(row_block_n == i, stacked, 0.0 if x is None else x)
-    p = panel.astype(dtype) if half else panel
-    w_ref[pl.ds(i * BLOCK, BLOCK), :] = dot(p, w_rhs()).astype(w_ref.dtype)
-    u_ref[pl.ds(i * BLOCK, BLOCK), :] = dot(p, u_rhs()).astype(u_ref.dtype)
-    if ai_ref:
-      ai_ref[0][pl.ds(i * BLOCK, BLOCK), :] = panel.astype(ai_ref[0].dtype)
-
-
-_KERNELS = {"panels": _panels_kernel, "blocks": _blocks_kernel}
 
 
 def _in_place(kernel, chunk):
@@ -346,7 +260,6 @@ def chunk_fwd(
   chunk,
   precision="tf32",
   save_ai=False,
-  merge="panels",
   inverse="auto",
   launch=options.DEFAULT.chunk_fwd,
   table=None,
@@ -365,14 +278,10 @@ def chunk_fwd(
   u [B, H, Tp*r, V] in k's dtype, and with save_ai=True also Ai = (I + A)^-1 [B, H, Tp*r, N] in
   k's dtype (the backward's residual).
 
-  merge: how the inverse's row blocks are formed, the same numbers either way up to rounding:
-  "panels" (each row block as one [16, N] panel against the rows above: few, wider dots; X
-  lives as one [N, N] tile) or "blocks" (16 x 16 block products only; X lives as its
-  N (N + 16) / 512 lower blocks, more and smaller dots).
   inverse: how the 16 x 16 diagonal blocks are inverted: "auto" (AUTO_INVERSE: by the
   precision), "substitution" (forward substitution, one row per step) or by repeated squaring
-  ("squaring", "squaring-x3", "squaring-tf32": six products at float32, TF32 x 3 or TF32
-  precision; pallas_kernels/common/tril.py).
+  ("squaring-x3", "squaring-tf32": six products at TF32 x 3 or TF32 precision;
+  pallas_kernels/common/tril.py).
   launch: warps and pipeline stages (pallas_kernels/common/options.py).
 
   table: None, or packed sequences read in place (docs/varlen.md#the-pallas-kernels, B = 1):
@@ -383,8 +292,6 @@ def chunk_fwd(
   """
   in_place = table is not None
   _check(k, v, g, beta, mask, key_blocks, chunk, in_place)
-  if merge not in _KERNELS:
-    raise ValueError(f"merge must be one of {sorted(_KERNELS)}, got {merge!r}")
   if inverse not in INVERSES:
     raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
   if inverse == "auto":
@@ -417,7 +324,7 @@ def chunk_fwd(
     out_specs.append(specs.rows(n, n))
     out_shape.append(jax.ShapeDtypeStruct((bsz, heads, t_len * r, n), k.dtype))
   kernel = functools.partial(
-    _KERNELS[merge], r=r, per_token_mask=per_token_mask, precision=precision, inverse=inverse
+    _blocks_kernel, r=r, per_token_mask=per_token_mask, precision=precision, inverse=inverse
   )
   group = heads // key_heads
   in_specs = [

@@ -15,7 +15,7 @@ block a) and walks V in pieces of BV, accumulating ds_a [BT, BT] and its columns
 dk_state [BT, BK] and dw [N, BK] in float32. Every dgamma term above is a sum over key columns,
 so each program writes its columns' part and the caller sums the parts (ds_a is recomputed by
 the dk / BK programs of a key block: one [BT, V] x [V, BT] product each).
-jnp counterpart: `gdp_jax.xla_backward.chunk_bwd_dqkwg`.
+jnp counterpart: `gdp_jax.ops.gated_delta_product.xla_backward.chunk_bwd_dqkwg`.
 """
 
 from __future__ import annotations

@@ -18,10 +18,7 @@ and writes it once (in place when `in_place`: the state buffer is aliased to the
 and writes its own block_v entries of o. No dots (r can be 1, 2, ... and dots need dims >= 16):
 the block structure is handled with row masks (`where(blk == d)`) and column reductions, all on
 one 2-D tile (docs/pallas_triton.md: no slicing of loaded values).
-The mask entries are scalar loads.
-
-Several tiles per program (a loop with the next tile's loads in flight) was tried and measured no
-faster on an H200 (benchmarks/results/h200_2026-11-29_step_sweep.json, ..._step_sweep2.json).
+The mask entries are scalar loads. One tile per program (docs/performance.md#variants-removed).
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ from pallas_kernels.common import backend, options
 
 f32 = jnp.float32
 
-# Launch defaults: pallas_kernels/common/options.py (StepOptions); the benchmark sweeps them
-# (benchmarks/bench_decode.py).
+# Launch defaults: options.StepOptions, from the tuning table (pallas_kernels/triton/tuning/).
 DEFAULTS = options.StepOptions()
 
 

@@ -2,7 +2,7 @@
 (docs/operator.md#the-recurrence).
 
 Ground truth for every other implementation. Plain `lax.scan` over time, float32 throughout, no
-chunking. Inputs are already validated and normalised by `gdp_jax.operator`:
+chunking. Inputs are already validated and normalised by `gdp_jax.ops.gated_delta_product.api`:
 
   q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]
   mask: [B, T, HV, r, r] (broadcastable)   initial_state: [B, HV, K, V] float32
@@ -15,11 +15,15 @@ first token.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import nonfinite, varlen
-from gdp_jax.operator import expand_key_heads
+from gdp_jax.ops.gated_delta_product import nonfinite, varlen
+from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation
+from gdp_jax.ops.heads import expand_key_heads
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -52,8 +56,8 @@ def gated_delta_product_reference(q, k, v, g, beta, mask, initial_state, scale):
 
   g = -inf resets the state (exp(-inf) = 0). Non-finite inputs stay causal in the forward and in
   the backward: the scan runs on cleaned inputs and the outputs from the first bad token on are
-  marked nan (gdp_jax/nonfinite.py), so a bad token never reaches earlier gradients through
-  `0 * nan` in the scan's backward.
+  marked nan (gdp_jax/ops/gated_delta_product/nonfinite.py), so a bad token never reaches earlier
+  gradients through `0 * nan` in the scan's backward.
   """
   q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
   (q, k, v, g, beta, mask), marks = nonfinite.clean(q, k, v, g, beta, mask)
@@ -104,3 +108,25 @@ def gated_delta_product_reference_varlen(q, k, v, g, beta, mask, initial_state, 
   xs = tuple(time_major(x) for x in (q, k, v, g, beta, mask)) + (seq, first, last)
   (_, final), o = jax.lax.scan(step, (h0[:1], h0), xs)
   return nonfinite.mark(jnp.moveaxis(o, 0, 1), final, marks)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceGatedDeltaProduct(GatedDeltaProductImplementation):
+  """The recurrence over time in float32 (no chunks): the ground truth."""
+
+  name: ClassVar[str] = "reference"
+  summary: ClassVar[str] = (
+    "the definitions in float32 (the recurrence over time; paged decode position by position): "
+    "the ground truth"
+  )
+  pads_time: ClassVar[bool] = False
+
+  def __call__(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+    del chunk_size
+    return gated_delta_product_reference(q, k, v, g, beta, mask, initial_state, scale)
+
+  def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
+    del chunk_size
+    return gated_delta_product_reference_varlen(
+      q, k, v, g, beta, mask, initial_state, scale, cu_seqlens
+    )

@@ -2,10 +2,10 @@
 (docs/chunked_form.md#the-backward).
 
 Each stage is the jnp counterpart of one Pallas backward kernel and keeps the array layouts of
-`gdp_jax.xla` (see its docstring): q, k [B,Tp,H,K]; v [B,Tp,H,V]; beta, gcum [B,H,Tp] float32;
-mask [Bm,Tm,Hm,r,r]; Ai [B,H,Tp*r,N] (N = chunk*r, rows (t,a) token-major); w, dw [B,H,Tp*r,K];
-u, v_new, dv_new [B,H,Tp*r,V]; h, dh [B,H,NT,K,V]. One chunk size C for every stage, float32,
-HIGHEST matmul precision. Notation per chunk: gamma = gcum, L = last token of the chunk,
+`gdp_jax.ops.gated_delta_product.xla` (see its docstring): q, k [B,Tp,H,K]; v [B,Tp,H,V]; beta, gcum
+[B,H,Tp] float32; mask [Bm,Tm,Hm,r,r]; Ai [B,H,Tp*r,N] (N = chunk*r, rows (t,a) token-major); w, dw
+[B,H,Tp*r,K]; u, v_new, dv_new [B,H,Tp*r,V]; h, dh [B,H,NT,K,V]. One chunk size C for every stage,
+float32, HIGHEST matmul precision. Notation per chunk: gamma = gcum, L = last token of the chunk,
 D[t,s] = exp(gamma_t - gamma_s) for s <= t (else exactly 0), k_t^(a) key block a (dk = K/r rows),
 S0 = h[n] the state at the chunk start, dS_end = dh[n] (see below).
 
@@ -62,7 +62,8 @@ Exactness: every exp of a gamma difference that could be positive is masked befo
 (g <= xla.RESET_LOG_DECAY, g = -inf included) enter as in the forward: gamma counts them as 0 and
 every decay across one is a masked (exact) zero (`xla.gate_cumsum`, `_from_start`, `_to_end`,
 docs/chunked_form.md#resets), so a reset's dg is 0 and no -inf - (-inf) is ever formed. Non-finite
-inputs are cleaned and their outputs marked as in the forward (gdp_jax/nonfinite.py).
+inputs are cleaned and their outputs marked as in the forward
+(gdp_jax/ops/gated_delta_product/nonfinite.py).
 
 Pitfalls this module avoids, each checked against autodiff (docs/chunked_form.md#pitfalls): the dg
 term of Ag pairs dAg[(t,a),(s,b)] with beta M[a,b] <k_t^(b),k_s^(b)>, not with the r x r block
@@ -77,10 +78,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import nonfinite, varlen
-from gdp_jax import xla as _xla
-from gdp_jax.operator import expand_key_heads, sum_key_heads
-from gdp_jax.xla import (
+from gdp_jax.ops.gated_delta_product import nonfinite, varlen
+from gdp_jax.ops.gated_delta_product import xla as _xla
+from gdp_jax.ops.gated_delta_product.xla import (
   _chunks,
   _decay,
   _einsum,
@@ -91,6 +91,7 @@ from gdp_jax.xla import (
   _to_end,
   f32,
 )
+from gdp_jax.ops.heads import expand_key_heads, sum_key_heads
 
 __all__ = [
   "chunk_bwd_dv_local",
@@ -421,7 +422,7 @@ def gated_delta_product_xla_bwd(
   q, k, v, g, beta, mask, initial_state, scale, chunk_size, do, dfinal, ai=None
 ):
   """The vjp of `xla.gated_delta_product_xla` (same padded, normalised inputs), resets and
-  non-finite inputs included (gdp_jax/nonfinite.py).
+  non-finite inputs included (gdp_jax/ops/gated_delta_product/nonfinite.py).
 
   do: [B,Tp,HV,V] cotangent of o; dfinal: [B,HV,K,V] cotangent of the final state (or None).
   ai: the forward's (I + Ag)^-1 [B,HV,Tp*r,N] if saved, else recomputed.

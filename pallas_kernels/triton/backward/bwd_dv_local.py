@@ -3,7 +3,7 @@
   dv_local[(s,a)] = scale sum_{t>=s in chunk} exp(gamma_t - gamma_s) <q_t^(a), k_s^(a)> do_t
 
 one [BT, BT] score tile and one [BT, BT] x [BT, V] product per key block a; jnp counterpart
-`gdp_jax.xla_backward.chunk_bwd_dv_local`.
+`gdp_jax.ops.gated_delta_product.xla_backward.chunk_bwd_dv_local`.
 """
 
 from __future__ import annotations
