@@ -1,6 +1,6 @@
 """Grouped-query decode attention over a KV cache, flash-decoding style (docs/inference.md).
 
-Arrays in, arrays out (no autodiff, no argument checks: `gdp_jax.decode` does those).
+Arrays in, arrays out (no autodiff, no argument checks: gdp_jax/ops/gqa_decode/api.py does those).
 
     query [B, Hq, D] or [B, Tq, Hq, D]    key_cache, value_cache [B, S, Hkv, D]    lengths [B]
     -> float32, the query's shape

@@ -1,6 +1,6 @@
 """Grouped-query decode attention over a paged KV cache (docs/inference.md#paged-kv-cache).
 
-Arrays in, arrays out (no autodiff, no argument checks: `gdp_jax.decode` does those).
+Arrays in, arrays out (no autodiff, no argument checks: gdp_jax/ops/gqa_decode/api.py does those).
 
     query [B, Hq, D] or [B, Tq, Hq, D]
     key_pages, value_pages [num_pages, page_size, Hkv, D]   (page_size a power of two >= 16)

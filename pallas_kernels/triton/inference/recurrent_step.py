@@ -1,7 +1,7 @@
 """One recurrent token of the block-masked gated delta product (docs/operator.md,
 docs/inference.md).
 
-Arrays in, arrays out (no autodiff, no argument checks: `gdp_jax.decode` does those).
+Arrays in, arrays out (no autodiff, no argument checks: gdp_jax/ops/step/api.py does those).
 
     q, k [B, H, K]   v [B, H, V]   g, beta [B, H]   mask [Bm, Hm, r, r] (Bm in {1, B}, Hm in {1, H})
     state [B, H, K, V] float32   ->   o [B, H, V] (out_dtype), new state [B, H, K, V] float32
