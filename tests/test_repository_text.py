@@ -104,9 +104,23 @@ def test_kept_results_carry_their_provenance(path):
 def _test_functions():
   names = set()
   for path in (ROOT / "tests").glob("test_*.py"):
-    for node in ast.parse(path.read_text()).body:
+    body = ast.parse(path.read_text()).body
+    classes = {node.name: node for node in body if isinstance(node, ast.ClassDef)}
+
+    def methods(cls):  # its own test methods and those of its base classes in the same file
+      own = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+      for base in cls.bases:
+        if isinstance(base, ast.Name) and base.id in classes:
+          own |= methods(classes[base.id])
+      return own
+
+    for node in body:
       if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
         names.add(f"tests/{path.name}::{node.name}")
+      elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+        for method in methods(node):
+          if method.startswith("test"):
+            names.add(f"tests/{path.name}::{node.name}::{method}")
   return names
 
 
