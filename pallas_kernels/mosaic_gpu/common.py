@@ -39,13 +39,13 @@ def chunk_tokens(r: int) -> int:
   return ROWS_PER_CHUNK // r
 
 
-def smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
+def smem(shape: tuple[int, ...], dtype):
   """A shared-memory tile tiled and swizzled for TMA and wgmma (minor dimension last)."""
   dtype = jnp.dtype(dtype)
   swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
   transforms = (
-    plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
-    plgpu.SwizzleTransform(swizzle),
+    plgpu.TilingTransform((8, swizzle // dtype.itemsize)),  # type: ignore[abstract]
+    plgpu.SwizzleTransform(swizzle),  # type: ignore[abstract]
   )
   return plgpu.SMEM(shape, dtype, transforms=transforms)
 
@@ -96,11 +96,13 @@ def mask_matrix(m_smem, shape: tuple[int, int], col_block_width: int, r: int) ->
   `m_smem` holds the mask rows `[r, N]`: entry `[d, (a, t)] = M_t[a, d]`.
   """
   col_block = lax.div(iota(shape, 1), col_block_width)
-  out = None
+  terms = []
   for d in range(r):
     m_d = bcast_rows(plgpu.load(m_smem.at[d], layout=ROWS), shape)
-    term = jnp.where(col_block == d, m_d, 0.0)
-    out = term if out is None else out + term
+    terms.append(jnp.where(col_block == d, m_d, 0.0))
+  out = terms[0]
+  for term in terms[1:]:
+    out = out + term
   return out
 
 

@@ -264,7 +264,7 @@ def state_walk(
     plgpu.wait_smem_to_gmem(0)
 
   args = [q, k, v, t0, gamma, beta, mask_rows, scale]
-  if has_h0:
+  if initial_state_t is not None:
     args.append(initial_state_t)
   outs = plgpu.kernel(
     body,

@@ -1,0 +1,203 @@
+"""The Mosaic GPU forward kernels (pallas_kernels/mosaic_gpu/) on a CPU.
+
+Two checks a CPU can make (the compiled kernels, their speed, registers and spills need an sm_90
+GPU: benchmarks/mosaic_gpu_check.py):
+- lowering: every kernel lowers for the cuda platform at the benchmark shape (B=8, T=4096, H=16,
+  K=V=128, bf16), which also checks the kernels' shared memory against the H200's 227 KB;
+- interpretation: the kernels run in jax's Mosaic GPU interpreter (shared memory, barriers, TMA
+  and wgmma simulated on the CPU) at small shapes, against the operator's "xla" implementation.
+Both kernels are written in the interpreter-friendly form (operands of every product staged in
+shared memory, fresh accumulators), so nothing is left to the GPU alone for correctness except
+what the hardware adds: ptxas, register allocation, real asynchrony.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdp_jax
+from pallas_kernels.mosaic_gpu import common
+from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
+from pallas_kernels.mosaic_gpu.forward import forward, mask_rows
+
+INTERPRET = plgpu.InterpretGPUParams()
+F32 = jnp.float32
+
+
+def _rel_rms(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
+
+
+def _inputs(seed, batch, t_len, heads, key_dim, value_dim, r, mask_kind, dtype=jnp.bfloat16):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+
+  def unit(x):
+    return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+  q = unit(jax.random.normal(ks[0], (batch, t_len, heads, key_dim))).astype(dtype)
+  k = unit(jax.random.normal(ks[1], (batch, t_len, heads, key_dim))).astype(dtype)
+  v = jax.random.normal(ks[2], (batch, t_len, heads, value_dim)).astype(dtype)
+  g = -0.3 * jax.random.uniform(ks[3], (batch, t_len, heads))
+  beta = jax.random.uniform(ks[4], (batch, t_len, heads))
+  shapes = {"none": None, "shared": (r, r), "head": (heads, r, r)}
+  shapes["token"] = (batch, t_len, heads, r, r)
+  shape = shapes[mask_kind]
+  mask = None if shape is None else jax.random.uniform(ks[5], shape)
+  h0 = 0.1 * jax.random.normal(ks[6], (batch, heads, key_dim, value_dim))
+  return q, k, v, g, beta, mask, h0
+
+
+def _xla(q, k, v, g, beta, mask, h0, scale=None):
+  up = functools.partial(jnp.asarray, dtype=F32)
+  return gdp_jax.gated_delta_product(
+    up(q),
+    up(k),
+    up(v),
+    g,
+    beta,
+    mask,
+    scale=scale,
+    initial_state=h0,
+    output_final_state=True,
+    implementation="xla",
+  )
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering at the benchmark shape.
+
+
+@pytest.mark.parametrize(
+  "r,mask_kind,with_state", [(1, "none", True), (2, "token", False), (4, "shared", False)]
+)
+def test_forward_lowers_for_cuda_at_benchmark_shape(r, mask_kind, with_state):
+  batch, t_len, heads, dim = 8, 4096, 16, 128
+  spec = jax.ShapeDtypeStruct
+  act = spec((batch, t_len, heads, dim), jnp.bfloat16)
+  gate = spec((batch, t_len, heads), F32)
+  shapes = {"none": None, "shared": (r, r), "token": (batch, t_len, heads, r, r)}
+  mask = None if shapes[mask_kind] is None else spec(shapes[mask_kind], F32)
+  h0 = spec((batch, heads, dim, dim), F32) if with_state else None
+
+  def run(q, k, v, g, beta, mask, h0):
+    return forward(q, k, v, g, beta, mask, initial_state=h0, output_final_state=with_state)
+
+  lowered = (
+    jax.jit(run).trace(act, act, act, gate, gate, mask, h0).lower(lowering_platforms=("cuda",))
+  )
+  text = lowered.as_text()
+  calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+  assert len(calls) == 2, calls  # chunk_inverse and state_walk
+
+
+def test_shared_memory_limit_is_enforced():
+  with pytest.raises(ValueError, match="shared memory"):
+    common.check_smem("kernel", common.SMEM_LIMIT + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunk kernel in the interpreter: T0 against an independent float64 inverse.
+
+
+def _t0_reference(k, beta, mask, r):
+  """(I + A0)^-1 per chunk from the definition (block-major rows, common.py), float64."""
+  batch, t_len, heads, key_dim = k.shape
+  c = common.chunk_tokens(r)
+  nc = t_len // c
+  dk = key_dim // r
+  kf = np.asarray(k, np.float64).reshape(batch, nc, c, heads, r, dk)
+  bf = np.asarray(beta, np.float64).reshape(batch, nc, c, heads)
+  m = np.broadcast_to(np.asarray(mask, np.float64), (batch, t_len, heads, r, r))
+  m = m.reshape(batch, nc, c, heads, r, r)
+  gram = np.einsum("bnthdx,bnshdx->bnhdts", kf, kf)  # <k_t^(d), k_s^(d)>
+  # A0[(a,t),(d,s)] = beta_t M_t[a,d] <k_t^(d), k_s^(d)>, t > s
+  a0 = np.einsum("bnth,bnthad,bnhdts->bnhatds", bf, m, gram)
+  a0 = a0 * np.tril(np.ones((c, c)), -1)[None, None, None, None, :, None, :]
+  a0 = a0.reshape(batch, nc, heads, r * c, r * c)
+  inv = np.linalg.inv(np.eye(r * c) + a0)
+  return np.transpose(inv, (0, 2, 1, 3, 4)).reshape(batch, heads, nc * r * c, r * c)
+
+
+@pytest.mark.parametrize("r,mask_kind", [(1, "none"), (2, "token"), (4, "head")])
+def test_chunk_inverse_interpreted(r, mask_kind):
+  batch, heads, key_dim = 1, 2, 64
+  t_len = 2 * common.chunk_tokens(r)
+  _, k, _, _, beta, mask, _ = _inputs(r, batch, t_len, heads, key_dim, 64, r, mask_kind)
+  rows = mask_rows(mask, batch, t_len, heads, t_len, r)
+  t0 = chunk_inverse(k, jnp.swapaxes(beta, 1, 2), rows, interpret=INTERPRET)
+  want = _t0_reference(k.astype(F32), beta, np.ones((r, r)) if mask is None else mask, r)
+  got = np.asarray(t0.astype(F32))
+  # bf16 storage of entries of size up to ~1: half an ulp is 2^-9.
+  assert np.abs(got - want).max() < 4e-3
+  # The check can fail: a wrong mask orientation is far off for r > 1.
+  if r > 1:
+    wrong = _t0_reference(k.astype(F32), beta, np.swapaxes(np.asarray(mask), -1, -2), r)
+    assert np.abs(got - wrong).max() > 2e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole forward in the interpreter against "xla".
+
+
+@pytest.mark.parametrize(
+  "r,mask_kind,t_len,dtype",
+  [
+    (1, "none", 70, jnp.bfloat16),
+    (2, "token", 45, jnp.bfloat16),
+    (4, "head", 33, jnp.float16),
+  ],
+)
+def test_forward_interpreted_matches_xla(r, mask_kind, t_len, dtype):
+  batch, heads, dim = 1, 2, 64
+  q, k, v, g, beta, mask, h0 = _inputs(7 + r, batch, t_len, heads, dim, dim, r, mask_kind, dtype)
+  o, final = forward(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    mask,
+    scale=0.3,
+    initial_state=h0,
+    output_final_state=True,
+    interpret=INTERPRET,
+  )
+  want_o, want_final = _xla(q, k, v, g, beta, mask, h0, scale=0.3)
+  assert o.shape == q.shape[:3] + (dim,) and o.dtype == dtype
+  assert _rel_rms(o.astype(F32), want_o) < 1e-2
+  assert _rel_rms(final, want_final) < 1e-2
+  if mask is not None and r > 1:  # the check can fail
+    wrong_o, _ = _xla(q, k, v, g, beta, jnp.swapaxes(mask, -1, -2), h0, scale=0.3)
+    assert _rel_rms(o.astype(F32), wrong_o) > 3e-2
+
+
+def test_forward_interpreted_no_state_no_decay():
+  q, k, v, _, beta, mask, _ = _inputs(3, 1, 64, 1, 64, 64, 2, "shared")
+  o, final = forward(q, k, v, None, beta, mask, interpret=INTERPRET)
+  want_o, _ = _xla(q, k, v, None, beta, mask, None)
+  assert final is None
+  assert _rel_rms(o.astype(F32), want_o) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments the kernels refuse.
+
+
+def test_refuses_unsupported_arguments():
+  q, k, v, g, beta, _, _ = _inputs(0, 1, 16, 1, 64, 64, 1, "none")
+  with pytest.raises(ValueError, match="r=3"):
+    forward(q, k, v, g, beta, jnp.ones((3, 3)))
+  with pytest.raises(TypeError, match="bfloat16, float16"):
+    forward(q.astype(F32), k.astype(F32), v.astype(F32), g, beta)
+  with pytest.raises(ValueError, match="beta"):
+    forward(q, k, v, g, beta[:, :8])
+  with pytest.raises(ValueError, match="K=96"):
+    pad = jnp.zeros(q.shape[:3] + (32,), q.dtype)
+    forward(jnp.concatenate([q, pad], -1), jnp.concatenate([k, pad], -1), v, g, beta)
