@@ -6,14 +6,24 @@ GPU: benchmarks/mosaic_gpu_check.py):
   K=V=128, bf16), which also checks the kernels' shared memory against the H200's 227 KB;
 - interpretation: the kernels run in jax's Mosaic GPU interpreter (shared memory, barriers, TMA
   and wgmma simulated on the CPU) at small shapes, against the operator's "xla" implementation.
-Both kernels are written in the interpreter-friendly form (operands of every product staged in
+All kernels are written in the interpreter-friendly form (operands of every product staged in
 shared memory, fresh accumulators), so nothing is left to the GPU alone for correctness except
-what the hardware adds: ptxas, register allocation, real asynchrony.
+what the hardware adds: ptxas, register allocation, real asynchrony and timing.
+
+The interpreter runs the warpgroups of the warp-specialised walk (walk_ws.py) as threads of XLA's
+CPU client, whose thread pool has one thread per core: on a 2-core machine its three warpgroups
+starve and hang. Its interpreter test therefore runs in a subprocess with NPROC=8 (the pool size
+XLA's CPU client reads); the in-process tests use the plain walk.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -26,7 +36,6 @@ from pallas_kernels.mosaic_gpu import common
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
 from pallas_kernels.mosaic_gpu.forward import forward, mask_rows
 
-INTERPRET = plgpu.InterpretGPUParams()
 F32 = jnp.float32
 
 
@@ -75,19 +84,30 @@ def _xla(q, k, v, g, beta, mask, h0, scale=None):
 
 
 @pytest.mark.parametrize(
-  "r,mask_kind,with_state", [(1, "none", True), (2, "token", False), (4, "shared", False)]
+  "r,mask_kind,with_state,walk",
+  [
+    (1, "none", False, "ws"),
+    (1, "none", True, None),  # the plain walk: the warp-specialised one does not fit with a state
+    (2, "token", False, "ws"),
+    (2, "head", True, "ws"),
+    (4, "shared", False, "plain"),
+    (8, "shared", False, "ws"),
+  ],
 )
-def test_forward_lowers_for_cuda_at_benchmark_shape(r, mask_kind, with_state):
+def test_forward_lowers_for_cuda_at_benchmark_shape(r, mask_kind, with_state, walk):
   batch, t_len, heads, dim = 8, 4096, 16, 128
   spec = jax.ShapeDtypeStruct
   act = spec((batch, t_len, heads, dim), jnp.bfloat16)
   gate = spec((batch, t_len, heads), F32)
-  shapes = {"none": None, "shared": (r, r), "token": (batch, t_len, heads, r, r)}
+  shapes = {"none": None, "shared": (r, r), "head": (heads, r, r)}
+  shapes["token"] = (batch, t_len, heads, r, r)
   mask = None if shapes[mask_kind] is None else spec(shapes[mask_kind], F32)
   h0 = spec((batch, heads, dim, dim), F32) if with_state else None
 
   def run(q, k, v, g, beta, mask, h0):
-    return forward(q, k, v, g, beta, mask, initial_state=h0, output_final_state=with_state)
+    return forward(
+      q, k, v, g, beta, mask, initial_state=h0, output_final_state=with_state, walk=walk
+    )
 
   lowered = (
     jax.jit(run).trace(act, act, act, gate, gate, mask, h0).lower(lowering_platforms=("cuda",))
@@ -103,7 +123,8 @@ def test_shared_memory_limit_is_enforced():
 
 
 # ---------------------------------------------------------------------------------------------
-# The chunk kernel in the interpreter: T0 against an independent float64 inverse.
+# The kernels in the interpreter. All interpreted cases run in one subprocess with NPROC=8 (see
+# the module docstring), which prints their measures as JSON; the tests below check them.
 
 
 def _t0_reference(k, beta, mask, r):
@@ -125,65 +146,107 @@ def _t0_reference(k, beta, mask, r):
   return np.transpose(inv, (0, 2, 1, 3, 4)).reshape(batch, heads, nc * r * c, r * c)
 
 
-@pytest.mark.parametrize("r,mask_kind", [(1, "none"), (2, "token"), (4, "head")])
-def test_chunk_inverse_interpreted(r, mask_kind):
-  batch, heads, key_dim = 1, 2, 64
-  t_len = 2 * common.chunk_tokens(r)
-  _, k, _, _, beta, mask, _ = _inputs(r, batch, t_len, heads, key_dim, 64, r, mask_kind)
-  rows = mask_rows(mask, batch, t_len, heads, t_len, r)
-  t0 = chunk_inverse(k, jnp.swapaxes(beta, 1, 2), rows, interpret=INTERPRET)
-  want = _t0_reference(k.astype(F32), beta, np.ones((r, r)) if mask is None else mask, r)
-  got = np.asarray(t0.astype(F32))
-  # bf16 storage of entries of size up to ~1: half an ulp is 2^-9.
-  assert np.abs(got - want).max() < 4e-3
-  # The check can fail: a wrong mask orientation is far off for r > 1.
-  if r > 1:
-    wrong = _t0_reference(k.astype(F32), beta, np.swapaxes(np.asarray(mask), -1, -2), r)
-    assert np.abs(got - wrong).max() > 2e-2
+INVERSE_CASES = [(1, "none"), (2, "token"), (4, "head")]
+# (r, mask kind, T, dtype, initial/final state, walk)
+FORWARD_CASES = [
+  (1, "none", 70, "bfloat16", True, "plain"),
+  (2, "token", 45, "bfloat16", True, "plain"),
+  (4, "head", 33, "float16", True, "plain"),
+  (2, "shared", 64, "bfloat16", False, "plain"),
+  (1, "none", 150, "bfloat16", True, "ws"),
+  (2, "token", 45, "bfloat16", False, "ws"),
+]
 
 
-# ---------------------------------------------------------------------------------------------
-# The whole forward in the interpreter against "xla".
+def _case_name(case):
+  return "-".join(str(x) for x in case)
 
 
-@pytest.mark.parametrize(
-  "r,mask_kind,t_len,dtype",
-  [
-    (1, "none", 70, jnp.bfloat16),
-    (2, "token", 45, jnp.bfloat16),
-    (4, "head", 33, jnp.float16),
-  ],
-)
-def test_forward_interpreted_matches_xla(r, mask_kind, t_len, dtype):
-  batch, heads, dim = 1, 2, 64
-  q, k, v, g, beta, mask, h0 = _inputs(7 + r, batch, t_len, heads, dim, dim, r, mask_kind, dtype)
-  o, final = forward(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    mask,
-    scale=0.3,
-    initial_state=h0,
-    output_final_state=True,
-    interpret=INTERPRET,
+def _run_interpreted_cases():
+  """Runs every interpreted case here (in the subprocess); returns {name: measures}."""
+  from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+  out = {}
+  for r, mask_kind in INVERSE_CASES:
+    batch, heads, key_dim = 1, 2, 64
+    t_len = 2 * common.chunk_tokens(r)
+    _, k, _, _, beta, mask, _ = _inputs(r, batch, t_len, heads, key_dim, 64, r, mask_kind)
+    rows = mask_rows(mask, batch, t_len, heads, t_len, r)
+    t0 = chunk_inverse(k, jnp.swapaxes(beta, 1, 2), rows, interpret=plgpu.InterpretGPUParams())
+    got = np.asarray(t0.astype(F32))
+    mask_np = np.ones((r, r)) if mask is None else np.asarray(mask)
+    want = _t0_reference(k.astype(F32), beta, mask_np, r)
+    wrong = _t0_reference(k.astype(F32), beta, np.swapaxes(mask_np, -1, -2), r)
+    out[_case_name(("inverse", r, mask_kind))] = dict(
+      err=float(np.abs(got - want).max()), err_wrong=float(np.abs(got - wrong).max())
+    )
+  for case in FORWARD_CASES:
+    r, mask_kind, t_len, dtype, state, walk = case
+    q, k, v, g, beta, mask, h0 = _inputs(7 + r, 1, t_len, 2, 64, 64, r, mask_kind, jnp.dtype(dtype))
+    h0 = h0 if state else None
+    params = plgpu.InterpretGPUParams(detect_races=walk == "ws")
+    o, final = forward(
+      q,
+      k,
+      v,
+      g,
+      beta,
+      mask,
+      scale=0.3,
+      initial_state=h0,
+      output_final_state=state,
+      walk=walk,
+      interpret=params,
+    )
+    want_o, want_final = _xla(q, k, v, g, beta, mask, h0, scale=0.3)
+    row = dict(
+      o=_rel_rms(o.astype(F32), want_o), shape_ok=o.shape == v.shape and o.dtype == q.dtype
+    )
+    row["races"] = bool(get_races().races_found) if walk == "ws" else False
+    if state:
+      row["state"] = _rel_rms(final, want_final)
+    if mask is not None and r > 1:  # what a wrong mask orientation scores
+      wrong_o, _ = _xla(q, k, v, g, beta, jnp.swapaxes(mask, -1, -2), h0, scale=0.3)
+      row["o_wrong"] = _rel_rms(o.astype(F32), wrong_o)
+    out[_case_name(case)] = row
+  return out
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, NPROC="8", PYTHONPATH=str(root))
+  run = subprocess.run(
+    [sys.executable, str(pathlib.Path(__file__).resolve()), "--interpreted"],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=540,
   )
-  want_o, want_final = _xla(q, k, v, g, beta, mask, h0, scale=0.3)
-  assert o.shape == q.shape[:3] + (dim,) and o.dtype == dtype
-  assert _rel_rms(o.astype(F32), want_o) < 1e-2
-  assert _rel_rms(final, want_final) < 1e-2
-  if mask is not None and r > 1:  # the check can fail
-    wrong_o, _ = _xla(q, k, v, g, beta, jnp.swapaxes(mask, -1, -2), h0, scale=0.3)
-    assert _rel_rms(o.astype(F32), wrong_o) > 3e-2
+  lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+  assert run.returncode == 0 and lines, run.stderr[-4000:]
+  return json.loads(lines[-1][len("RESULT ") :])
 
 
-def test_forward_interpreted_no_state_no_decay():
-  q, k, v, _, beta, mask, _ = _inputs(3, 1, 64, 1, 64, 64, 2, "shared")
-  o, final = forward(q, k, v, None, beta, mask, interpret=INTERPRET)
-  want_o, _ = _xla(q, k, v, None, beta, mask, None)
-  assert final is None
-  assert _rel_rms(o.astype(F32), want_o) < 1e-2
+@pytest.mark.parametrize("r,mask_kind", INVERSE_CASES)
+def test_chunk_inverse_interpreted(interpreted, r, mask_kind):
+  row = interpreted[_case_name(("inverse", r, mask_kind))]
+  # bf16 storage of entries of size up to ~1: half an ulp is 2^-9.
+  assert row["err"] < 4e-3, row
+  if r > 1:  # the check can fail: a wrong mask orientation is far off
+    assert row["err_wrong"] > 2e-2, row
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=_case_name)
+def test_forward_interpreted_matches_xla(interpreted, case):
+  row = interpreted[_case_name(case)]
+  assert row["shape_ok"], row
+  assert not row["races"], row
+  assert row["o"] < 1e-2, row
+  assert row.get("state", 0.0) < 1e-2, row
+  if "o_wrong" in row:  # the check can fail
+    assert row["o_wrong"] > 2e-2, row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +261,12 @@ def test_refuses_unsupported_arguments():
     forward(q.astype(F32), k.astype(F32), v.astype(F32), g, beta)
   with pytest.raises(ValueError, match="beta"):
     forward(q, k, v, g, beta[:, :8])
+  with pytest.raises(ValueError, match="walk"):
+    forward(q, k, v, g, beta, walk="fast")
   with pytest.raises(ValueError, match="K=96"):
     pad = jnp.zeros(q.shape[:3] + (32,), q.dtype)
     forward(jnp.concatenate([q, pad], -1), jnp.concatenate([k, pad], -1), v, g, beta)
+
+
+if __name__ == "__main__" and "--interpreted" in sys.argv:
+  print("RESULT " + json.dumps(_run_interpreted_cases()))

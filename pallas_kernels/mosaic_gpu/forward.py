@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.mosaic_gpu import walk_ws
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
 from pallas_kernels.mosaic_gpu.common import F32, ROWS_PER_CHUNK, SUPPORTED_DTYPES, chunk_tokens
 from pallas_kernels.mosaic_gpu.walk import state_walk
@@ -78,12 +79,20 @@ def forward(
   scale: float | jax.Array | None = None,
   initial_state: jax.Array | None = None,
   output_final_state: bool = False,
+  walk: str | None = None,
   interpret=None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """`o [B, T, H, V]` (dtype of q) and the final state `[B, H, K, V]` float32 (or None).
 
+  walk: "ws" (`walk_ws.state_walk_ws`, warp-specialised), "plain" (`walk.state_walk`), or None:
+    "ws" where its shared memory fits (not with an initial or final state at K = 128), else
+    "plain".
   interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
+    The interpreter runs the three warpgroups of "ws" as threads of XLA's CPU client: on a machine
+    with fewer than 3 cores set NPROC (for example NPROC=8) before jax starts, or they starve.
   """
+  if walk not in (None, "ws", "plain"):
+    raise ValueError(f"walk: {walk!r}, expected None, 'ws' or 'plain'")
   r = check_inputs(q, k, v, g, beta, mask, initial_state)
   batch, t_len, heads, key_dim = q.shape
   value_dim = v.shape[-1]
@@ -115,8 +124,12 @@ def forward(
     if vp != value_dim:
       h0_t = jnp.pad(h0_t, [(0, 0), (0, 0), (0, vp - value_dim), (0, 0)])
 
+  keep_state = initial_state is not None or output_final_state
+  if walk is None:
+    walk = "ws" if walk_ws.fits(key_dim, BLOCK_V, r, q.dtype, keep_state) else "plain"
+  walk_fn = walk_ws.state_walk_ws if walk == "ws" else state_walk
   t0 = chunk_inverse(kp, beta_hm, rows, interpret=interpret)
-  o, s_t = state_walk(
+  o, s_t = walk_fn(
     qp,
     kp,
     vpd,
