@@ -4,7 +4,11 @@
   PYTHONPATH=. python benchmarks/mosaic_gpu_check.py --tiny --out /tmp/tiny.json   # CPU smoke run
 
 Three phases, each case caught and recorded on its own (one failing kernel does not stop the rest),
-the JSON rewritten after every case so an interrupted run keeps what it measured:
+the JSON rewritten after every case so an interrupted run keeps what it measured. The cases run in
+groups, each group in its own process (a CUDA fault such as a misaligned address kills the
+process's context and every later case in it), in the order compile, check r=1, r=2, time r=1, 2,
+4, check r=4, r=8; `--group NAME` runs one group in this process. `--budget` (seconds, default
+280) bounds the whole run:
 1. compile: each kernel (chunk_inverse, state_walk, state_walk_ws) alone at the benchmark shape
    (B=8, T=4096, H=16, K=V=128, bf16) for r = 1, 2, 4, 8, with its compile time;
 2. check: the forward against `gdp_jax.gated_delta_product(..., implementation="xla")` on the same
@@ -158,10 +162,11 @@ def kernel_args(shape, r, dtype):
   act_k = spec((b, tp, h, dk), dtype)
   act_v = spec((b, tp, h, dv), dtype)
   vec = spec((b, h, tp), F32)
+  vec_rows = spec((b, h, tp * r), F32)
   rows = spec((1, 1, 1, r, n), F32)
   t0 = spec((b, h, tp // c * n, n), dtype)
-  inv = (act_k, vec, rows)
-  wlk = (act_k, act_k, act_v, t0, vec, vec, rows, spec((4,), F32))
+  inv = (act_k, vec_rows, rows)
+  wlk = (act_k, act_k, act_v, t0, vec, vec_rows, vec_rows, rows, spec((4,), F32))
   return inv, wlk
 
 
@@ -227,8 +232,8 @@ def phase_check(record, shape, interpret, save, checks):
     save()
 
 
-def phase_time(record, shape, reps, inner, save, interpret=None):
-  for r in (1, 2, 4):
+def phase_time(record, shape, reps, inner, save, interpret=None, rs=(1, 2, 4)):
+  for r in rs:
     want = None
     try:
       mask_kind = "none" if r == 1 else "shared"
@@ -284,14 +289,15 @@ def kernels_alone(record, r, inp, reps, inner, interpret):
   b, t, h, _ = inp["k"].shape
   try:
     gamma = jnp.cumsum(jnp.swapaxes(inp["g"], 1, 2).reshape(b, h, t // c, c), -1).reshape(b, h, t)
-    beta = jnp.swapaxes(inp["beta"], 1, 2)
+    beta = forward_mod.block_rows(jnp.swapaxes(inp["beta"], 1, 2), r)
+    gamma_rows = forward_mod.block_rows(gamma, r)
     rows = forward_mod.mask_rows(inp["mask"], b, t, h, t, r)
     scale = jnp.full((4,), inp["k"].shape[-1] ** -0.5, F32)
     inv = jax.jit(functools.partial(chunk_inverse_mod.chunk_inverse, interpret=interpret))
     t0 = jax.block_until_ready(inv(inp["k"], beta, rows))
     wlk = jax.jit(lambda *a: walk.state_walk(*a, interpret=interpret)[0])
     wlk_ws = jax.jit(lambda *a: walk_ws.state_walk_ws(*a, interpret=interpret)[0])
-    walk_args = (inp["q"], inp["k"], inp["v"], t0, gamma, beta, rows, scale)
+    walk_args = (inp["q"], inp["k"], inp["v"], t0, gamma, gamma_rows, beta, rows, scale)
   except Exception as e:  # noqa: BLE001
     record["cases"].append(dict(phase="time", r=r, impl="kernels", ok=False, error=summarise(e)))
     return
@@ -419,17 +425,76 @@ def first_line(case) -> str:
   return (case.get("error") or "").splitlines()[0][:120] if case.get("error") else ""
 
 
-def run_phases(args, phases, record, save, interpret):
-  if "compile" in phases:
+# Each group runs in its own process (a CUDA fault kills its context, and with it every later case
+# of that process); the timings come before the r >= 4 checks.
+GROUPS = [
+  "compile",
+  "check-r1",
+  "check-r2",
+  "time-r1",
+  "time-r2",
+  "time-r4",
+  "check-r4",
+  "check-r8",
+]
+
+
+def run_group(args, group, record, save, interpret):
+  kind, _, r_text = group.partition("-r")
+  if kind == "compile":
     phase_compile(record, TINY if args.tiny else BENCH, args.tiny, save)
-  if "check" in phases:
-    checks = [CHECKS[i] for i in (0, 1, 6, 11)] if args.tiny else CHECKS
+  elif kind == "check":
+    checks = [c for c in CHECKS if c[0] == int(r_text)]
+    if args.tiny:
+      checks = checks[:1]
     phase_check(record, TINY if args.tiny else CHECK, interpret, save, checks)
-  if "time" in phases:
+  elif kind == "time":
     if args.tiny:  # the code path only: tiny shapes, interpreted, one call
-      phase_time(record, TINY, 1, 1, save, interpret)
+      phase_time(record, TINY, 1, 1, save, interpret, rs=(int(r_text),))
     else:
-      phase_time(record, BENCH, args.reps, args.inner, save)
+      phase_time(record, BENCH, args.reps, args.inner, save, rs=(int(r_text),))
+  else:
+    raise ValueError(f"--group: {group!r}, expected one of {GROUPS}")
+
+
+def run_groups_in_subprocesses(args, argv, record, start):
+  """Runs each selected group in a child process; merges what each wrote, even after a crash."""
+  phases = set(args.phases.split(","))
+  groups = [g for g in GROUPS if g.split("-")[0] in phases]
+  passthrough = [f"--reps={args.reps}", f"--inner={args.inner}"] + (["--tiny"] if args.tiny else [])
+  for group in groups:
+    left = args.budget - (time.perf_counter() - start)
+    if left <= 5:
+      record["cases"].append(
+        dict(phase=group, ok=False, skipped=True, error=f"--budget {args.budget} s spent")
+      )
+      continue
+    part = f"{args.out}.{group}.json"
+    if os.path.exists(part):
+      os.remove(part)
+    cmd = [sys.executable, os.path.abspath(__file__), f"--group={group}", f"--out={part}"]
+    cmd += passthrough + [f"--budget={left}"]
+    try:
+      run = subprocess.run(cmd, capture_output=True, text=True, timeout=left + 30)
+      rc, err = run.returncode, run.stderr
+    except subprocess.TimeoutExpired as e:
+      rc, err = "timeout", str(e.stderr or "")
+    child = {}
+    if os.path.exists(part):
+      with open(part) as f:
+        child = json.load(f)
+      os.remove(part)
+    for case in child.get("cases", []):
+      case["group"] = group
+      record["cases"].append(case)
+    if rc not in (0, 1) or not child:  # 1: the child ran and some case failed
+      tail = "\n".join(err.splitlines()[-15:])
+      record["cases"].append(
+        dict(phase=group, ok=False, error=f"process ended with {rc}: {tail}"[:6000])
+      )
+    print(f"[{time.perf_counter() - start:6.1f} s] group {group}: exit {rc}", file=sys.stderr)
+    with open(args.out, "w") as f:
+      json.dump(record, f, indent=1)
 
 
 def main(argv=None):
@@ -440,11 +505,11 @@ def main(argv=None):
   parser.add_argument("--inner", type=int, default=5, help="back-to-back calls per timed run")
   parser.add_argument("--phases", default="compile,check,time", help="comma-separated subset")
   parser.add_argument(
-    "--budget", type=float, default=270.0, help="seconds; later cases are skipped past it"
+    "--budget", type=float, default=280.0, help="seconds; later cases are skipped past it"
   )
   parser.add_argument("--tiny", action="store_true", help="CPU smoke run: interpreter, tiny shapes")
+  parser.add_argument("--group", help=f"run one group in this process: one of {GROUPS}")
   args = parser.parse_args(argv)
-  phases = set(args.phases.split(","))
   interpret = None
   if args.tiny:
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -457,27 +522,36 @@ def main(argv=None):
   record["env"]["shapes"] = dict(bench=BENCH, check=TINY if args.tiny else CHECK)
   start = time.perf_counter()
 
-  def save():
-    with open(args.out, "w") as f:
-      json.dump(record, f, indent=1)
-    if record["cases"]:
-      row = table_row(record["cases"][-1])
-      print(f"[{time.perf_counter() - start:6.1f} s] {row}", file=sys.stderr, flush=True)
-    if time.perf_counter() - start > args.budget:
-      raise OutOfTime
+  if args.group is None:
+    run_groups_in_subprocesses(args, argv, record, start)
+  else:
 
-  try:
-    run_phases(args, phases, record, save, interpret)
-  except OutOfTime:
-    record["cases"].append(
-      dict(phase="budget", ok=False, skipped=True, error=f"stopped after --budget {args.budget} s")
-    )
+    def save():
+      with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+      if record["cases"]:
+        row = table_row(record["cases"][-1])
+        print(f"[{time.perf_counter() - start:6.1f} s] {row}", file=sys.stderr, flush=True)
+      if time.perf_counter() - start > args.budget:
+        raise OutOfTime
+
+    try:
+      run_group(args, args.group, record, save, interpret)
+    except OutOfTime:
+      record["cases"].append(
+        dict(
+          phase="budget", ok=False, skipped=True, error=f"stopped after --budget {args.budget} s"
+        )
+      )
   record["seconds"] = round(time.perf_counter() - start, 1)
   with open(args.out, "w") as f:
     json.dump(record, f, indent=1)
-  print(table(record))
   failed = [c for c in record["cases"] if not c.get("ok") and not c.get("skipped")]
-  print(f"{len(record['cases'])} cases, {len(failed)} failed, {record['seconds']} s -> {args.out}")
+  if args.group is None:
+    print(table(record))
+    print(
+      f"{len(record['cases'])} cases, {len(failed)} failed, {record['seconds']} s -> {args.out}"
+    )
   return 1 if failed else 0
 
 

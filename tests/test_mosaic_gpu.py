@@ -34,7 +34,7 @@ import pytest
 import gdp_jax
 from pallas_kernels.mosaic_gpu import common
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
-from pallas_kernels.mosaic_gpu.forward import forward, mask_rows
+from pallas_kernels.mosaic_gpu.forward import block_rows, forward, mask_rows
 
 F32 = jnp.float32
 
@@ -172,7 +172,8 @@ def _run_interpreted_cases():
     t_len = 2 * common.chunk_tokens(r)
     _, k, _, _, beta, mask, _ = _inputs(r, batch, t_len, heads, key_dim, 64, r, mask_kind)
     rows = mask_rows(mask, batch, t_len, heads, t_len, r)
-    t0 = chunk_inverse(k, jnp.swapaxes(beta, 1, 2), rows, interpret=plgpu.InterpretGPUParams())
+    beta_rows = block_rows(jnp.swapaxes(beta, 1, 2), r)
+    t0 = chunk_inverse(k, beta_rows, rows, interpret=plgpu.InterpretGPUParams())
     got = np.asarray(t0.astype(F32))
     mask_np = np.ones((r, r)) if mask is None else np.asarray(mask)
     want = _t0_reference(k.astype(F32), beta, mask_np, r)

@@ -77,12 +77,14 @@ def _split_product(a: jax.Array, b: jax.Array, bufs, dtype, precise: bool) -> ja
   return lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC((N, N), F32)))
 
 
-def chunk_inverse(k: jax.Array, beta: jax.Array, mask_rows: jax.Array, *, interpret=None):
+def chunk_inverse(k: jax.Array, beta_rows: jax.Array, mask_rows: jax.Array, *, interpret=None):
   """T0 per chunk, `[B, H, NC * N, N]` in `k.dtype` (chunk `c` is rows `c*N .. c*N + N - 1`).
 
   Args:
     k: `[B, Tp, H, K]` keys, `Tp` a multiple of `C = 64 // r`.
-    beta: `[B, H, Tp]` float32.
+    beta_rows: `[B, H, NC * N]` float32, beta per block-major row `(a, t)` of each chunk
+      (`forward.block_rows`: whole 256-byte rows, so every TMA destination stays 128-byte
+      aligned; copying `C`-token pieces into a row misaligns them for `C = 16, 8`).
     mask_rows: `[Bm, Hm, NCm, r, N]` float32, `Bm in {1, B}`, `Hm in {1, H}`, `NCm in {1, NC}`;
       entry `[.., d, (a, t)] = M_t[a, d]` (`forward.mask_rows` builds it).
     interpret: None on a GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
@@ -92,8 +94,8 @@ def chunk_inverse(k: jax.Array, beta: jax.Array, mask_rows: jax.Array, *, interp
   c = chunk_tokens(r)
   if padded % c:
     raise ValueError(f"k: length {padded} must be a multiple of the chunk {c} (r={r})")
-  if beta.shape != (batch, heads, padded):
-    raise ValueError(f"beta: shape {beta.shape}, expected {(batch, heads, padded)}")
+  if beta_rows.shape != (batch, heads, padded * r):
+    raise ValueError(f"beta_rows: shape {beta_rows.shape}, expected {(batch, heads, padded * r)}")
   if mask_rows.shape[-1] != N or mask_rows.ndim != 5:
     raise ValueError(f"mask_rows: shape {mask_rows.shape}, expected [Bm, Hm, NCm, r, {N}]")
   nc = padded // c
@@ -110,7 +112,7 @@ def chunk_inverse(k: jax.Array, beta: jax.Array, mask_rows: jax.Array, *, interp
     m_s=plgpu.SMEM((r, N), F32),
     bufs=[smem((N, N), dtype) for _ in range(4)],
     t_s=smem((N, N), dtype),
-    bar=plgpu.Barrier(num_arrivals=2 * r + 1),
+    bar=plgpu.Barrier(num_arrivals=r + 2),
   )
 
   def body(k_ref, beta_ref, m_ref, t0_ref, krep_s, kb_s, beta_s, m_s, bufs, t_s, bar):
@@ -118,7 +120,7 @@ def chunk_inverse(k: jax.Array, beta: jax.Array, mask_rows: jax.Array, *, interp
     rows = pl.ds(n * c, c)
     for a in range(r):
       plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], krep_s.at[pl.ds(a * c, c)], bar)
-      plgpu.copy_gmem_to_smem(beta_ref.at[b, h, rows], beta_s.at[pl.ds(a * c, c)], bar)
+    plgpu.copy_gmem_to_smem(beta_ref.at[b, h, pl.ds(n * N, N)], beta_s, bar)
     mb = b if m_b > 1 else 0
     mh = h if m_h > 1 else 0
     mn = n if m_n > 1 else 0
@@ -174,4 +176,4 @@ def chunk_inverse(k: jax.Array, beta: jax.Array, mask_rows: jax.Array, *, interp
     compiler_params=compiler_params(),
     interpret=interpret,
     kernel_name=f"gdp_chunk_inverse_r{r}",
-  )(k, beta, mask_rows)
+  )(k, beta_rows, mask_rows)

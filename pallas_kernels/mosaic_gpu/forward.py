@@ -43,6 +43,15 @@ def mask_rows(mask: jax.Array | None, batch: int, t_len: int, heads: int, padded
   return m.reshape(batch, heads, padded // c, r, N)
 
 
+def block_rows(x_hm: jax.Array, r: int) -> jax.Array:
+  """`[B, H, Tp]` per-token values to `[B, H, NC * N]`: entry `(a, t)` of each chunk's block-major
+  rows is the value of token `t` (`common.py`)."""
+  batch, heads, padded = x_hm.shape
+  c = chunk_tokens(r)
+  x = x_hm.reshape(batch, heads, padded // c, 1, c)
+  return jnp.broadcast_to(x, (batch, heads, padded // c, r, c)).reshape(batch, heads, padded * r)
+
+
 def check_inputs(q, k, v, g, beta, mask, initial_state) -> int:
   """Validates the arguments; returns r."""
   if q.ndim != 4 or k.shape != q.shape:
@@ -128,14 +137,16 @@ def forward(
   if walk is None:
     walk = "ws" if walk_ws.fits(key_dim, BLOCK_V, r, q.dtype, keep_state) else "plain"
   walk_fn = walk_ws.state_walk_ws if walk == "ws" else state_walk
-  t0 = chunk_inverse(kp, beta_hm, rows, interpret=interpret)
+  beta_rows = block_rows(beta_hm, r)
+  t0 = chunk_inverse(kp, beta_rows, rows, interpret=interpret)
   o, s_t = walk_fn(
     qp,
     kp,
     vpd,
     t0,
     gamma,
-    beta_hm,
+    block_rows(gamma, r),
+    beta_rows,
     rows,
     scale_arr,
     h0_t,

@@ -56,7 +56,8 @@ def state_walk(
   v: jax.Array,
   t0: jax.Array,
   gamma: jax.Array,
-  beta: jax.Array,
+  gamma_rows: jax.Array,
+  beta_rows: jax.Array,
   mask_rows: jax.Array,
   scale: jax.Array,
   initial_state_t: jax.Array | None = None,
@@ -71,7 +72,8 @@ def state_walk(
     q, k: `[B, Tp, H, K]`; v: `[B, Tp, H, V]`; one 16-bit dtype. `Tp` a multiple of `C = 64 // r`.
     t0: `[B, H, NC * 64, 64]` from `chunk_inverse`.
     gamma: `[B, H, Tp]` float32 chunk-local inclusive cumulative sums of the log-decay.
-    beta: `[B, H, Tp]` float32.
+    gamma_rows, beta_rows: `[B, H, NC * 64]` float32, gamma and beta per block-major row `(a, t)`
+      of each chunk (`forward.block_rows`; whole rows keep TMA destinations 128-byte aligned).
     mask_rows: `[Bm, Hm, NCm, r, 64]` float32, as for `chunk_inverse`.
     scale: `[4]` float32, the output scale in entry 0 (may be traced).
     initial_state_t: None (zeros) or `[B, H, V, K]` float32, the initial state transposed.
@@ -128,7 +130,7 @@ def state_walk(
     g_tok=plgpu.SMEM((c,), F32),  # gamma per token t (columns of o^T), COLS view
     m_s=plgpu.SMEM((r, N), F32),
     sc_s=plgpu.SMEM((4,), F32),
-    bar=plgpu.Barrier(num_arrivals=4 + 6 * r),
+    bar=plgpu.Barrier(num_arrivals=8 + 2 * r),
     once=plgpu.Barrier(num_arrivals=1 + has_h0),
   )
   if keep_state:
@@ -165,7 +167,8 @@ def state_walk(
     st_s=None,
   ):
     refs = list(refs)
-    q_ref, k_ref, v_ref, t0_ref, g_ref, beta_ref, m_ref, sc_ref = (refs.pop(0) for _ in range(8))
+    q_ref, k_ref, v_ref, t0_ref, g_ref = (refs.pop(0) for _ in range(5))
+    gr_ref, beta_ref, m_ref, sc_ref = (refs.pop(0) for _ in range(4))
     h0_ref = refs.pop(0) if has_h0 else None
     o_ref = refs.pop(0)
     ht_ref = refs.pop(0) if output_final_state else None
@@ -198,13 +201,14 @@ def state_walk(
       plgpu.copy_gmem_to_smem(t0_ref.at[b, h, pl.ds(n * N, N)], t_s, bar)
       plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_tok, bar)
       plgpu.copy_gmem_to_smem(m_ref.at[mb, mh, mn], m_s, bar)
-      for a in range(r):
+      chunk_rows = pl.ds(n * N, N)
+      for dst in (g_rows, g_cols, g_last):
+        plgpu.copy_gmem_to_smem(gr_ref.at[b, h, chunk_rows], dst, bar)
+      plgpu.copy_gmem_to_smem(beta_ref.at[b, h, chunk_rows], b_cols, bar)
+      for a in range(r):  # tiles: C-row pieces stay 1024-byte aligned for every r
         part = pl.ds(a * c, c)
         plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], krep_s.at[part], bar)
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols_v], vrep_s.at[part], bar)
-        for dst in (g_rows, g_cols, g_last):
-          plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], dst.at[part], bar)
-        plgpu.copy_gmem_to_smem(beta_ref.at[b, h, rows], b_cols.at[part], bar)
       plgpu.barrier_wait(bar)
 
       # Block keys Kb and masked keys Kw.
@@ -263,7 +267,7 @@ def state_walk(
       plgpu.copy_smem_to_gmem(st_s, ht_ref.at[b, h, cols_v])
     plgpu.wait_smem_to_gmem(0)
 
-  args = [q, k, v, t0, gamma, beta, mask_rows, scale]
+  args = [q, k, v, t0, gamma, gamma_rows, beta_rows, mask_rows, scale]
   if initial_state_t is not None:
     args.append(initial_state_t)
   outs = plgpu.kernel(

@@ -54,7 +54,8 @@ def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, keep_stat
   """Shared memory of `state_walk_ws` (tiles and vectors; barriers are a few bytes more)."""
   c = chunk_tokens(r)
   isz = jnp.dtype(dtype).itemsize
-  per_stage = (c * key_dim + 2 * N * key_dim + N * block_v + N * N) * isz + (5 * N + c + r * N) * 4
+  per_stage = (c * key_dim + 2 * N * key_dim + N * block_v + N * N) * isz
+  per_stage += (5 * N + max(c, 32) + r * N) * 4
   fixed = (2 * block_v * key_dim + 2 * block_v * N + block_v * N + c * N + 2 * c * block_v) * isz
   fixed += 16 + (block_v * key_dim * 4 if keep_state else 0)
   return stages * per_stage + fixed
@@ -75,7 +76,8 @@ def state_walk_ws(
   v: jax.Array,
   t0: jax.Array,
   gamma: jax.Array,
-  beta: jax.Array,
+  gamma_rows: jax.Array,
+  beta_rows: jax.Array,
   mask_rows: jax.Array,
   scale: jax.Array,
   initial_state_t: jax.Array | None = None,
@@ -120,7 +122,8 @@ def state_walk_ws(
       f"state_walk_ws needs {need} bytes of shared memory with 2 stages, above the "
       f"{SMEM_LIMIT} limit (K={key_dim}, block_v={bv}, state={keep_state}): use walk.state_walk"
     )
-  n_copies = 4 + 7 * r  # q, T0, gamma per token, mask rows; per block: k, v, 4 gamma, beta
+  # q, T0, gamma per token, mask rows, 4 gamma rows, beta rows; per block: k, v
+  n_copies = 9 + 2 * r
 
   vecs = plgpu.SMEM((stages, N), F32)
   scratch = dict(
@@ -134,7 +137,8 @@ def state_walk_ws(
     g_chain=vecs,  # warpgroup 0's copy: COLS view and the last entry
     g_last=vecs,
     b_cols=vecs,
-    g_tok=plgpu.SMEM((stages, c), F32),
+    # Rows of at least 128 bytes: a TMA destination must be 128-byte aligned (C = 16, 8).
+    g_tok=plgpu.SMEM((stages, max(c, 32)), F32),
     m_s=plgpu.SMEM((stages, r, N), F32),
     st_pub=smem((2, bv, key_dim), dtype),
     vn_pub=smem((2, bv, N), dtype),
@@ -162,7 +166,8 @@ def state_walk_ws(
            m_s, st_pub, vn_pub, xt_s, pq_s, o_s, sc_s, in_bar, prep_ready, in_free, s_ready,
            s_free, sc_bar, st_bar, done, st_s=None):  # fmt: skip
     refs = list(refs)
-    q_ref, k_ref, v_ref, t0_ref, g_ref, beta_ref, m_ref, sc_ref = (refs.pop(0) for _ in range(8))
+    q_ref, k_ref, v_ref, t0_ref, g_ref = (refs.pop(0) for _ in range(5))
+    gr_ref, beta_ref, m_ref, sc_ref = (refs.pop(0) for _ in range(4))
     h0_ref = refs.pop(0) if has_h0 else None
     o_ref = refs.pop(0)
     ht_ref = refs.pop(0) if output_final_state else None
@@ -182,15 +187,16 @@ def state_walk_ws(
         mn = n if m_n > 1 else 0
         plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(t0_ref.at[b, h, pl.ds(n * N, N)], t_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_tok.at[slot], bar)
+        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_tok.at[slot].at[pl.ds(0, c)], bar)
         plgpu.copy_gmem_to_smem(m_ref.at[mb, mh, mn], m_s.at[slot], bar)
-        for a in range(r):
+        chunk_rows = pl.ds(n * N, N)
+        for dst in (g_rows, g_cols, g_chain, g_last):
+          plgpu.copy_gmem_to_smem(gr_ref.at[b, h, chunk_rows], dst.at[slot], bar)
+        plgpu.copy_gmem_to_smem(beta_ref.at[b, h, chunk_rows], b_cols.at[slot], bar)
+        for a in range(r):  # tiles: C-row pieces stay 1024-byte aligned for every r
           part = pl.ds(a * c, c)
           plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], kb_s.at[slot].at[part], bar)
           plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols_v], vrep_s.at[slot].at[part], bar)
-          for dst in (g_rows, g_cols, g_chain, g_last):
-            plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], dst.at[slot].at[part], bar)
-          plgpu.copy_gmem_to_smem(beta_ref.at[b, h, rows], b_cols.at[slot].at[part], bar)
 
       for n in range(min(stages, nc)):
         issue(n, n)
@@ -286,7 +292,7 @@ def state_walk_ws(
         plgpu.commit_smem()
         plgpu.barrier_arrive(prep_ready.at[slot])
         # The intra-chunk scores, transposed: (Kb q^T ⊙ D)^T.
-        g_t = plgpu.load(g_tok.at[slot], layout=COLS)
+        g_t = plgpu.load(g_tok.at[slot].at[pl.ds(0, c)], layout=COLS)
         pq = matmul(kb_s.at[slot], q_s.at[slot].T, pshape)
         d_pq = jnp.exp(
           jnp.where(causal_pq, bcast_cols(g_t, pshape) - bcast_rows(g_r, pshape), -jnp.inf)
@@ -310,7 +316,7 @@ def state_walk_ws(
     plgpu.barrier_arrive(done)
     plgpu.barrier_wait(done)
 
-  args = [q, k, v, t0, gamma, beta, mask_rows, scale]
+  args = [q, k, v, t0, gamma, gamma_rows, beta_rows, mask_rows, scale]
   if initial_state_t is not None:
     args.append(initial_state_t)
   outs = plgpu.kernel(
