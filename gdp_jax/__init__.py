@@ -15,6 +15,7 @@ from gdp_jax.ops.gated_delta_product.api import gated_delta_product
 from gdp_jax.ops.gqa_decode.api import gqa_decode, paged_gqa_decode
 from gdp_jax.ops.householder.api import householder_delta_product, householder_delta_product_step
 from gdp_jax.ops.step.api import gated_delta_product_step
+from gdp_jax.ops.validation import value_checks
 
 __all__ = [
   "gated_delta_product",
@@ -23,6 +24,7 @@ __all__ = [
   "householder_delta_product",
   "householder_delta_product_step",
   "paged_gqa_decode",
+  "value_checks",
 ]
 __version__ = "0.3.0"
 

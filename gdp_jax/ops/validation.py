@@ -7,13 +7,64 @@ shape and what was expected.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 CHUNK_SIZES = (16, 32, 64)
+
+# The value contract (docs/operator.md#values): the log-decay g <= 0 and the write strength beta in
+# [0, 2]. Concrete arrays are checked on every call; traced ones only inside `value_checks()`.
+BETA_RANGE = (0.0, 2.0)
+_CHECK_TRACED = contextvars.ContextVar("gdp_jax_value_checks", default=False)
+
+
+@contextlib.contextmanager
+def value_checks():
+  """Check traced g and beta too (under `jax.jit`, `jax.grad`, ...), through
+  `jax.experimental.checkify`: calls traced inside this context add `checkify.check`s, so wrap
+  the function in `checkify.checkify` and call `err.throw()` on its error:
+
+    with gdp_jax.value_checks():
+      err, out = jax.jit(checkify.checkify(f))(*args)
+    err.throw()  # a ValueError-like JaxRuntimeError naming the argument when a value is bad
+  """
+  token = _CHECK_TRACED.set(True)
+  try:
+    yield
+  finally:
+    _CHECK_TRACED.reset(token)
+
+
+def _check_range(name, x, low, high, what):
+  """Every finite value of x in [low, high] (nan and inf are the non-finite contract's,
+  docs/precision.md#non-finite-inputs)."""
+  if isinstance(x, jax.core.Tracer):
+    if _CHECK_TRACED.get():
+      xf = x.astype(jnp.float32)
+      ok = jnp.all(~jnp.isfinite(xf) | ((xf >= low) & (xf <= high)))
+      checkify.check(ok, f"{name} holds finite values outside [{low:g}, {high:g}] ({what})")
+    return
+  values = np.asarray(jax.device_get(x), np.float32)
+  bad = np.isfinite(values) & ((values < low) | (values > high))
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(
+      f"{name}{list(where)} = {values[where]:g} is outside [{low:g}, {high:g}] ({what}); "
+      f"{int(bad.sum())} value(s) of {name} (shape {shape_of(x)}) are"
+    )
+
+
+def check_gate_values(g, beta):
+  """The value contract of g (log-decay <= 0; -inf is a reset) and beta (in [0, 2])."""
+  if g is not None:
+    _check_range("g", g, -np.inf, 0.0, "the log-decay: exp(g) is the state's decay")
+  _check_range("beta", beta, *BETA_RANGE, "the write strength")
 
 
 def shape_of(x):
@@ -204,6 +255,7 @@ def check_inputs(q, k, v, g, beta, mask, initial_state, *, grouped=False, num_st
   if g is not None:
     check_float("g", g)
     check_shape("g", g, (batch, t_len, heads_v), f"[B, T, {h}] as v: the log-decay")
+  check_gate_values(g, beta)
   mask5, r = normalize_mask(mask, batch, t_len, heads_v, dim_k)
   if initial_state is not None:
     check_float("initial_state", initial_state)
@@ -327,6 +379,7 @@ def check_step_inputs(q, k, v, g, beta, mask, state, grouped=False):
   if g is not None:
     check_float("g", g)
     check_shape("g", g, (batch, heads_v), f"[B, {h}] as v: the log-decay")
+  check_gate_values(g, beta)
   mask4, r = step_mask(mask, batch, heads_v, dim_k)
   if state is not None:
     check_float("state", state)

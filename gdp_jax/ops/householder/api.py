@@ -41,6 +41,7 @@ from gdp_jax.ops.validation import (
   check_cu_seqlens,
   check_cu_seqlens_values,
   check_float,
+  check_gate_values,
   check_shape,
 )
 from pallas_kernels.common.backend import resolve_precision
@@ -134,6 +135,7 @@ def check_householder_inputs(q, k, v, g, beta, initial_state, n_h, num_states=No
       (batch, t_len, heads),
       "[B, T, H] as q: one log-decay per token, applied before its first sub-step",
     )
+  check_gate_values(g, beta)
   if initial_state is not None:
     check_float("initial_state", initial_state)
     if num_states is None:
