@@ -358,7 +358,8 @@ def environment(argv):
   dev = jax.devices()[0]
   env = dict(
     date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    command=" ".join([os.path.basename(sys.executable)] + list(argv)),
+    # Relative to the repository; files by name (an absolute path names a machine).
+    command=" ".join(["python"] + [os.path.basename(a) if os.path.isabs(a) else a for a in argv]),
     jax=jax.__version__,
     jaxlib=getattr(jax.lib, "__version__", None) or _jaxlib_version(),
     python=platform.python_version(),
