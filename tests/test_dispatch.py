@@ -15,7 +15,7 @@ import pytest
 from gdp_jax import dispatch, gated_delta_product, gated_delta_product_step, gqa_decode
 from gdp_jax.ops import base
 from pallas_kernels.common import options
-from tests.cases import assert_close, loss_and_grads, make_inputs, tol
+from tests.cases import assert_close, general_backends, loss_and_grads, make_inputs, tol
 
 
 def _gpu(capability, kind="NVIDIA Test GPU"):
@@ -54,6 +54,8 @@ def test_pallas_prefers_a_registered_backend_on_the_gpus_its_rule_names(monkeypa
 
   table = {f: dict(t) for f, t in dispatch.TABLE.items()}
   monkeypatch.setattr(dispatch, "TABLE", table)
+  preference = (dispatch.MOSAIC_GPU_PREFERENCE, *dispatch.PALLAS_PREFERENCE)
+  monkeypatch.setattr(dispatch, "PALLAS_PREFERENCE", preference)
   dispatch.register("gated_delta_product", Mosaic())
   h200, a100 = _gpu("9.0", "NVIDIA H200"), _gpu("8.0", "NVIDIA A100")
   assert dispatch.resolve("gated_delta_product", "pallas", h200) == "mosaic_gpu"
@@ -65,13 +67,15 @@ def test_pallas_prefers_a_registered_backend_on_the_gpus_its_rule_names(monkeypa
 
 
 def test_backends_and_accepted_names():
-  assert dispatch.backends("gated_delta_product") == ("reference", "xla", "triton")
-  assert dispatch.implementations("gated_delta_product") == ("reference", "xla", "triton", "pallas")
+  names = ("reference", "xla", "triton", "mosaic_gpu")
+  assert dispatch.backends("gated_delta_product") == names
+  assert dispatch.implementations("gated_delta_product") == (*names, "pallas")
   assert dispatch.implementations("gated_delta_product_varlen") == dispatch.implementations(
     "gated_delta_product"
   )
   assert dispatch.backends("gqa_decode") == ("xla", "triton")
   assert dispatch.is_pallas("pallas") and dispatch.is_pallas("triton")
+  assert dispatch.is_pallas("mosaic_gpu")
   assert not dispatch.is_pallas("xla") and not dispatch.is_pallas(None)
   with pytest.raises(ValueError, match="unknown function"):
     dispatch.backends("attention")
@@ -93,7 +97,7 @@ def test_unknown_names_are_clear_errors():
     dispatch.check_backward("xla", "xla")
 
 
-@pytest.mark.parametrize("name", dispatch.backends("gated_delta_product"))
+@pytest.mark.parametrize("name", general_backends("gated_delta_product"))
 def test_operator_reaches_every_implementation(name):
   inputs = make_inputs(0, B=1, T=9, H=1, K=16, V=16, r=2, mask_kind="head")
   o, final = gated_delta_product(

@@ -16,10 +16,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gdp_jax import dispatch, gated_delta_product
-from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs, tol
+from gdp_jax import gated_delta_product
+from tests.cases import (
+  GRAD_TOLERANCE,
+  assert_close,
+  general_backends,
+  loss_and_grads,
+  make_inputs,
+  tol,
+)
 
-CHUNKED = [n for n in dispatch.backends("gated_delta_product") if n != "reference"]
+CHUNKED = [n for n in general_backends("gated_delta_product") if n != "reference"]
 
 # (r, mask kind, T, chunk): every mask shape, T on and off the chunk grid, each chunk size.
 FORWARD_CASES = [

@@ -17,9 +17,16 @@ import numpy as np
 import pytest
 
 from gdp_jax import dispatch, gated_delta_product
-from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs, tol
+from tests.cases import (
+  GRAD_TOLERANCE,
+  assert_close,
+  general_backends,
+  loss_and_grads,
+  make_inputs,
+  tol,
+)
 
-IMPLS = dispatch.backends("gated_delta_product")
+IMPLS = general_backends("gated_delta_product")
 T, CHUNK, BAD_T = 40, 16, 28  # token 28: second chunk, lower half of its chunk matrix
 # Exact up to float32 rounding: the bad and the clean runs share every value before BAD_T.
 SAME = 1e-6

@@ -8,6 +8,8 @@ instances of `gdp_jax.ops.base.Implementation` with their default config, by nam
   "reference"  the definitions in float32, the ground truth
   "xla"        jnp (any backend)
   "triton"     the Pallas kernels through the Triton lowering (interpreted off a GPU)
+  "mosaic_gpu" gated_delta_product only, opt-in: the Mosaic GPU forward for Hopper with the Triton
+               backward (interpreted off a GPU); "pallas" and None do not pick it
 
 Two more names are accepted everywhere: "pallas", the best Pallas kernel backend for the device
 (`pallas_backend`: a backend registered with a device rule, in `PALLAS_PREFERENCE` order; today
@@ -29,6 +31,7 @@ import jax
 
 from gdp_jax.ops.autodiff import raise_if_differentiated  # noqa: F401 (re-exported)
 from gdp_jax.ops.base import Implementation
+from gdp_jax.ops.gated_delta_product import mosaic_gpu as gdp_mosaic_gpu
 from gdp_jax.ops.gated_delta_product import reference as gdp_reference
 from gdp_jax.ops.gated_delta_product import triton as gdp_triton
 from gdp_jax.ops.gated_delta_product import xla as gdp_xla
@@ -56,6 +59,7 @@ TABLE: dict[str, dict[str, Implementation]] = {
     "reference": gdp_reference.ReferenceGatedDeltaProduct(),
     "xla": gdp_xla.XlaGatedDeltaProduct(),
     "triton": gdp_triton.TritonGatedDeltaProduct(),
+    "mosaic_gpu": gdp_mosaic_gpu.MosaicGpuGatedDeltaProduct(),
   },
   "gated_delta_product_step": {
     "xla": step_xla.XlaStep(),
@@ -85,10 +89,13 @@ def _capability(device) -> tuple[int, int] | None:
 
 # The Pallas backends in order of preference, each with the compute capabilities it serves: the
 # first one registered for a function whose rule accepts the device is what "pallas" means there.
-# A Mosaic GPU backend (pallas_kernels/mosaic_gpu/) registers its implementations in TABLE under
-# "mosaic_gpu" and is then preferred on the GPUs its rule names.
-PALLAS_PREFERENCE: tuple[tuple[str, Callable[[tuple[int, int]], bool]], ...] = (
-  ("mosaic_gpu", lambda capability: capability in ((9, 0),)),
+# "mosaic_gpu" (gated_delta_product only) is registered but opt-in: it is not in this tuple yet,
+# because its backward is the Triton one (no Mosaic GPU backward) and the operator's path through
+# it has not been run compiled on a GPU. `MOSAIC_GPU_PREFERENCE` is its rule, to put first here
+# when both hold (tests/test_dispatch.py exercises the hook with it).
+Preference = tuple[str, Callable[[tuple[int, int]], bool]]
+MOSAIC_GPU_PREFERENCE: Preference = ("mosaic_gpu", lambda capability: capability in ((9, 0),))
+PALLAS_PREFERENCE: tuple[Preference, ...] = (
   ("triton", lambda capability: capability >= MIN_COMPUTE_CAPABILITY),
 )
 

@@ -85,7 +85,9 @@ def gated_delta_product(
       Pallas GPU kernels through Triton; interpreted on CPU, slowly), "pallas" (the best Pallas
       backend for the device: today "triton"), or None for the fastest one available on the
       device (the Pallas backend on a supported GPU, "xla" elsewhere; gdp_jax/ops/dispatch.py),
-      with cu_seqlens too (the kernels' packed form, docs/varlen.md).
+      with cu_seqlens too (the kernels' packed form, docs/varlen.md). "mosaic_gpu" (opt-in,
+      Hopper): the Mosaic GPU forward with the Triton backward, bf16/fp16 and K = 64 or 128
+      only (docs/implementations.md#mosaic-gpu).
     precision: float32 matmuls of the Pallas kernels: None follows
       `jax.default_matmul_precision` (TF32 by default, as XLA's float32 dots on these GPUs),
       "highest" gives tf32x3 (close to float32), "ieee" full float32 on the CUDA cores
@@ -116,8 +118,8 @@ def gated_delta_product(
 
   Values: g = -inf (a reset) gives the recurrence's result in every implementation. A nan or
   inf at token t leaves the outputs before t and their gradients unchanged in every
-  implementation (docs/precision.md#non-finite-inputs; "pallas" through a guard that reads the
-  inputs once); with cu_seqlens it spoils its own sequence only.
+  implementation but "mosaic_gpu" (docs/precision.md#non-finite-inputs; "pallas" through a guard
+  that reads the inputs once); with cu_seqlens it spoils its own sequence only.
 
   Example:
     >>> import jax, jax.numpy as jnp
