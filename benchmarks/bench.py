@@ -535,6 +535,8 @@ def portable_traceback(text: str) -> str:
 def command_line():
   """The command as typed: `python -m gdp_jax bench ...` rather than the path of __main__.py."""
   argv = list(sys.argv)
+  # Output files by name: an absolute path names a machine, not the repository.
+  argv[1:] = [os.path.basename(a) if os.path.isabs(a) else a for a in argv[1:]]
   if (
     argv
     and os.path.basename(argv[0]) == "__main__.py"

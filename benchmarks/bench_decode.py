@@ -51,9 +51,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from gdp_jax import gated_delta_product_step, gqa_decode, paged_gqa_decode  # noqa: E402
 from pallas_kernels.common import backend  # noqa: E402
-from pallas_kernels.inference import decode_attention as da  # noqa: E402
-from pallas_kernels.inference import paged_decode_attention as pda  # noqa: E402
-from pallas_kernels.inference import recurrent_step as rs  # noqa: E402
+from pallas_kernels.triton.inference import decode_attention as da  # noqa: E402
+from pallas_kernels.triton.inference import paged_decode_attention as pda  # noqa: E402
+from pallas_kernels.triton.inference import recurrent_step as rs  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 PAGED_IMPLS = ("paged", "paged_xla", "jax_paged")

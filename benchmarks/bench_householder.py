@@ -42,7 +42,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.bench import command_line, time_jax  # noqa: E402
 from gdp_jax import gated_delta_product, householder_delta_product  # noqa: E402
-from gdp_jax.householder import to_substeps  # noqa: E402
+from gdp_jax.ops.householder.api import to_substeps  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta")
 

@@ -5,14 +5,16 @@
       [--warps 4,8] [--num-stages 1,2,3] [--block-v 32,64] [--block-k 32,64]
   python benchmarks/profile_stages.py --out packed.json --packed 8,64 [--rs 1]
 
-Stage times tell where the forward and the backward go (the five-kernel forward and the backward
-kernels). --launch-sweep times the named backward stages instead, once per (num_warps,
-num_stages, block_v, block_k) of the grid, to choose their `Launch` in
-pallas_kernels/common/options.py. --packed N1,N2 times the fused forward's pieces instead: its
-two kernels on the B rows (`chunk_fwd`, `chunk_state_output`), then the same tokens as one packed
-row of N sequences (equal lengths when N = B, else random ones, benchmarks/bench_varlen.py): the
-packing tables (`packing`, gdp_jax/pallas_impl.py), the two kernels reading the row in place, and
-the whole packed forward without the non-finite guard (`forward`), beside the unpacked one.
+Stage times tell where the backward goes (its kernels, and the forward-stage kernels wy and
+chunk_h it reruns; the fused forward's pieces: --packed, or benchmarks/sweep_fused.py).
+--launch-sweep times the named backward stages instead, once per (num_warps, num_stages,
+block_v, block_k) of the grid, to choose their `Launch` (the tuning table,
+pallas_kernels/triton/tuning/h200.json). --packed N1,N2 times the fused forward's pieces
+instead: its two kernels on the B rows (`chunk_fwd`, `chunk_state_output`), then the same tokens
+as one packed row of N sequences (equal lengths when N = B, else random ones,
+benchmarks/bench_varlen.py): the packing tables (`packing`,
+gdp_jax/ops/gated_delta_product/triton.py), the two kernels reading the row in place, and the
+whole packed forward without the non-finite guard (`forward`), beside the unpacked one.
 """
 
 from __future__ import annotations
@@ -32,20 +34,13 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.bench import DTYPES, command_line, make_inputs, time_jax  # noqa: E402
-from gdp_jax import pallas_impl  # noqa: E402
-from gdp_jax.operator import normalize_mask  # noqa: E402
-from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy  # noqa: E402
+from gdp_jax.ops.gated_delta_product import triton as gdp_triton  # noqa: E402
+from gdp_jax.ops.gated_delta_product import xla  # noqa: E402
+from gdp_jax.ops.validation import normalize_mask  # noqa: E402
 from pallas_kernels.common import cumsum  # noqa: E402
 from pallas_kernels.common.options import DEFAULT, Launch  # noqa: E402
-from pallas_kernels.forward import (  # noqa: E402
-  chunk_fwd,
-  chunk_h,
-  chunk_o,
-  chunk_state_output,
-  kkt,
-  solve_tril,
-  wy,
-)
+from pallas_kernels.triton.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy  # noqa: E402
+from pallas_kernels.triton.forward import chunk_fwd, chunk_h, chunk_state_output, wy  # noqa: E402
 
 
 def stages(inputs, r, chunk_size=64, launches=None, **overrides):
@@ -54,14 +49,14 @@ def stages(inputs, r, chunk_size=64, launches=None, **overrides):
   q, k, v = inputs["q"], inputs["k"], inputs["v"]
   B, T, H, K = q.shape
   mask, _ = normalize_mask(inputs["mask"], B, T, H, K)
-  bt = overrides.get("bt", pallas_impl.pallas_chunk(chunk_size, r))
+  bt = overrides.get("bt", gdp_triton.pallas_chunk(chunk_size, r))
   cr = dict(chunk=bt, key_blocks=r)
   g = jnp.moveaxis(inputs["g"], 1, 2)
   beta = jnp.moveaxis(inputs["beta"], 1, 2)
   h0 = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32)
   gcum = cumsum.chunk_local_cumsum(g, bt)
-  a = kkt.chunk_kkt(k, beta, mask, gcum, **cr)
-  ai = solve_tril.solve_tril(a, chunk_rows=bt * r, out_dtype=q.dtype)
+  # the chunk inverses Ai from the jnp form (the fused forward writes them in a training step)
+  ai = xla.solve_tril(xla.chunk_kkt(k, beta, mask, gcum, bt), bt * r).astype(q.dtype)
   w, u = wy.recompute_w_u(k, v, beta, mask, gcum, ai, **cr)
   h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, **cr)
   do = jnp.ones_like(v)
@@ -91,11 +86,6 @@ def stages(inputs, r, chunk_size=64, launches=None, **overrides):
   }
   return backward | {
     "cumsum": (jax.jit(lambda g: cumsum.chunk_local_cumsum(g, bt)), (g,)),
-    "kkt": (jax.jit(lambda k, b, m, gc: kkt.chunk_kkt(k, b, m, gc, **cr)), (k, beta, mask, gcum)),
-    "solve_tril": (
-      jax.jit(lambda a: solve_tril.solve_tril(a, chunk_rows=bt * r, out_dtype=q.dtype)),
-      (a,),
-    ),
     "wy": (
       jax.jit(lambda k, v, b, m, gc, ai: wy.recompute_w_u(k, v, b, m, gc, ai, **cr)),
       (k, v, beta, mask, gcum, ai),
@@ -104,22 +94,18 @@ def stages(inputs, r, chunk_size=64, launches=None, **overrides):
       jax.jit(lambda k, w, u, gc, h0: chunk_h.chunk_state(k, w, u, gc, h0, **cr)),
       (k, w, u, gcum, h0),
     ),
-    "chunk_o": (
-      jax.jit(lambda q, k, vn, h, gc: chunk_o.chunk_output(q, k, vn, h, gc, scale=0.1, **cr)),
-      (q, k, v_new, h, gcum),
-    ),
   }
 
 
 def fused_pieces(q, k, v, g, beta, mask, h0, r, packing=None):
   """{piece: (jitted fn, args)} of the fused forward on [B, T, ...] inputs (the packed row and
-  its `pallas_impl._Packing` when packing is given)."""
-  bt = pallas_impl.pallas_chunk(64, r)
+  its `gdp_triton._Packing` when packing is given)."""
+  bt = gdp_triton.pallas_chunk(64, r)
   cr = dict(chunk=bt, key_blocks=r)
   g_hm, beta_hm = (jnp.moveaxis(x.astype(jnp.float32), 1, 2) for x in (g, beta))
   chunk_table = {} if packing is None else dict(table=packing.chunks)
   walk_table = {} if packing is None else dict(table=packing.sequences, in_place=True)
-  fwd = lambda *x: chunk_fwd.chunk_fwd(*x, merge=DEFAULT.chunk_fwd_merge, **cr, **chunk_table)
+  fwd = lambda *x: chunk_fwd.chunk_fwd(*x, **cr, **chunk_table)
   gcum, w, u = jax.jit(fwd)(k, v, g_hm, beta_hm, mask)[:3]
   so = lambda *x: chunk_state_output.chunk_state_output(*x, scale=0.1, **cr, **walk_table)
   return {
@@ -149,8 +135,8 @@ def packed_stages(inputs, r, num_seqs):
   qp, kp, vp, gp, bp = (row(x) for x in (q, k, v, g, beta))
   lengths = [T] * B if num_seqs == B else random_lengths(B * T, num_seqs)
   cu = jnp.cumsum(jnp.array([0] + list(lengths), jnp.int32)).astype(jnp.int32)
-  bt = pallas_impl.pallas_chunk(64, r)
-  pack = jax.jit(lambda c: pallas_impl._packing(c, B * T, bt))
+  bt = gdp_triton.pallas_chunk(64, r)
+  pack = jax.jit(lambda c: gdp_triton._packing(c, B * T, bt))
   packing = pack(cu)
   h0 = jnp.zeros((num_seqs, H, K, V), jnp.float32)
   pieces = fused_pieces(qp, kp, vp, gp, bp, mask, h0, r, packing)

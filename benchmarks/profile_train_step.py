@@ -38,8 +38,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 from benchmarks.bench import time_jax  # noqa: E402
 from examples.byte_lm import train_lm as tl  # noqa: E402
-from gdp_jax import layers  # noqa: E402
-from gdp_jax.householder import householder_delta_product  # noqa: E402
+from gdp_jax import householder_delta_product, layers  # noqa: E402
 from gdp_jax.sharding import sharded_gated_delta_product  # noqa: E402
 from gdp_jax.testing import random_inputs  # noqa: E402
 

@@ -1,8 +1,10 @@
-"""Sweep kernel launch parameters of the Pallas forward stages (GPU tuning; not a test).
+"""Sweep the launch parameters of the forward-stage kernels the backward reruns, wy and chunk_h
+(GPU tuning; not a test; the fused forward's kernels: benchmarks/sweep_fused.py).
 
   python benchmarks/sweep_forward.py --out sweep.json [--rs 1,2,4]
 
-Prints the median time of each variant; pallas_impl's defaults come from these figures.
+Prints the median time of each variant; the launches chosen go to the tuning table
+(pallas_kernels/triton/tuning/h200.json).
 """
 
 from __future__ import annotations
@@ -19,15 +21,14 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.bench import DTYPES, make_inputs, time_jax  # noqa: E402
-from gdp_jax import pallas_impl  # noqa: E402
-from gdp_jax.operator import normalize_mask  # noqa: E402
+from gdp_jax.ops.gated_delta_product import triton as gdp_triton  # noqa: E402
+from gdp_jax.ops.gated_delta_product import xla  # noqa: E402
+from gdp_jax.ops.validation import normalize_mask  # noqa: E402
 from pallas_kernels.common import cumsum  # noqa: E402
 from pallas_kernels.common.options import Launch  # noqa: E402
-from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy  # noqa: E402
+from pallas_kernels.triton.forward import chunk_h, wy  # noqa: E402
 
 VARIANTS = {
-  "kkt": [dict(num_warps=w) for w in (2, 4, 8)],
-  "solve_tril": [dict(num_warps=w) for w in (1, 2, 4)],
   "wy": [dict(num_warps=w) for w in (4, 8)],
   "chunk_h": [
     dict(block_v=bv, num_warps=w, num_stages=s)
@@ -40,10 +41,6 @@ VARIANTS = {
       (64, 4, 3),
       (128, 8, 2),
     )
-  ],
-  "chunk_o": [
-    dict(block_v=bv, num_warps=w, num_stages=s)
-    for bv, w, s in ((64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3))
   ],
 }
 
@@ -63,29 +60,15 @@ def main(argv=None):
     inputs = make_inputs(B, T, H, K, V, r, DTYPES["bf16"])
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     mask, _ = normalize_mask(inputs["mask"], B, T, H, K)
-    bt = pallas_impl.pallas_chunk(64, r)
+    bt = gdp_triton.pallas_chunk(64, r)
     cr = dict(chunk=bt, key_blocks=r)
     g = jnp.moveaxis(inputs["g"], 1, 2)
     beta = jnp.moveaxis(inputs["beta"], 1, 2)
     h0 = jnp.zeros((B, H, K, V), jnp.float32)
     gcum = cumsum.chunk_local_cumsum(g, bt)
-    a = kkt.chunk_kkt(k, beta, mask, gcum, **cr)
-    ai = solve_tril.solve_tril(a, chunk_rows=bt * r, out_dtype=q.dtype)
+    ai = xla.solve_tril(xla.chunk_kkt(k, beta, mask, gcum, bt), bt * r).astype(q.dtype)
     w, u = wy.recompute_w_u(k, v, beta, mask, gcum, ai, **cr)
-    h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, **cr)
     calls = {
-      "kkt": lambda p: (
-        jax.jit(lambda *x: kkt.chunk_kkt(*x, **cr, launch=Launch(**p))),
-        (k, beta, mask, gcum),
-      ),
-      "solve_tril": lambda p: (
-        jax.jit(
-          lambda x: solve_tril.solve_tril(
-            x, chunk_rows=bt * r, out_dtype=q.dtype, launch=Launch(**p)
-          )
-        ),
-        (a,),
-      ),
       "wy": lambda p: (
         jax.jit(lambda *x: wy.recompute_w_u(*x, **cr, launch=Launch(**p))),
         (k, v, beta, mask, gcum, ai),
@@ -93,10 +76,6 @@ def main(argv=None):
       "chunk_h": lambda p: (
         jax.jit(lambda *x: chunk_h.chunk_state(*x, **cr, launch=Launch(**p))),
         (k, w, u, gcum, h0),
-      ),
-      "chunk_o": lambda p: (
-        jax.jit(lambda *x: chunk_o.chunk_output(*x, scale=0.1, **cr, launch=Launch(**p))),
-        (q, k, v_new, h, gcum),
       ),
     }
     for stage in args.stages.split(","):

@@ -4,17 +4,16 @@
   python benchmarks/sweep_fused.py --tiny --out /tmp/sweep.json      # smoke run, any machine
 
 For each r and chunk (N = chunk * r rows <= --max-rows) it times, as median ms of repeated loops:
-  chunk_fwd            alone, for each (merge, num_warps, num_stages) of the grid
+  chunk_fwd            alone, for each (inverse, num_warps, num_stages) of the grid
                        (save_ai=False), and the best of them again with save_ai=True (what a
                        training step runs);
   chunk_state_output   alone, for each (block_v, num_warps, num_stages) of the grid;
-  forward              the whole fused forward (pallas_impl's forward at this chunk, both kernels
-                       at their best parameters), its relative error against the chunked jnp
-                       form, and the five-kernel forward at the same chunk for comparison.
+  forward              the whole forward (the triton implementation's forward at this chunk, both
+                       kernels at their best parameters) and its relative error against the
+                       chunked jnp form.
 It prints one line per case and rewrites the JSON (--out) after each, with the date, the jax
-version, the GPU name and the command, so an interrupted sweep keeps what it measured.
-pallas_impl's CHUNK_FWD_PARAMS / STATE_OUTPUT_PARAMS and the chunk per r come from these figures
-(docs/kernels.md).
+version, the GPU name and the command, so an interrupted sweep keeps what it measured. The
+launches chosen go to the tuning table (pallas_kernels/triton/tuning/h200.json, docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import itertools
 import json
 import os
 import sys
@@ -35,19 +33,19 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.bench import DTYPES, make_inputs, time_jax  # noqa: E402
-from gdp_jax import pallas_impl, xla  # noqa: E402
-from gdp_jax.operator import normalize_mask  # noqa: E402
+from gdp_jax.ops.gated_delta_product import triton as gdp_triton  # noqa: E402
+from gdp_jax.ops.gated_delta_product import xla  # noqa: E402
+from gdp_jax.ops.validation import normalize_mask  # noqa: E402
 from pallas_kernels.common.options import DEFAULT, Launch  # noqa: E402
-from pallas_kernels.forward import chunk_fwd, chunk_state_output  # noqa: E402
+from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output  # noqa: E402
 from tests.cases import rel_err  # noqa: E402
 
 TINY = dict(
   shape="1,32,2,64,32",
   rs="1,2",
   chunks="16",
-  merges="panels",
   fwd_warps="4",
-  inverses="substitution,squaring,squaring-x3",
+  inverses="substitution,squaring-x3",
   fwd_stages="1",
   block_v="32",
   so_warps="4",
@@ -58,14 +56,14 @@ TINY = dict(
 
 
 def whole_forward(*arrays, scale, bt, opts):
-  """pallas_impl's forward without gradient (no Ai written) at chunk bt: the output."""
-  return pallas_impl._forward(*arrays, scale, bt, opts, save_ai=False)[0]
+  """the triton implementation's forward without gradient (no Ai written) at chunk bt: the
+  output."""
+  return gdp_triton._forward(*arrays, None, scale, bt, opts, save_ai=False)[0]
 
 
 def kernel_args(params):
-  """A sweep point {merge, inverse, num_warps, num_stages} as chunk_fwd's keyword arguments."""
+  """A sweep point {inverse, num_warps, num_stages} as chunk_fwd's keyword arguments."""
   return dict(
-    merge=params["merge"],
     inverse=params["inverse"],
     launch=Launch(num_warps=params["num_warps"], num_stages=params["num_stages"]),
   )
@@ -83,7 +81,6 @@ def main(argv=None):
   p.add_argument("--rs", default="1,2,4")
   p.add_argument("--chunks", default="16,32,64", help="tokens per chunk to try for each r")
   p.add_argument("--max-rows", type=int, default=128, help="skip chunk * r above this")
-  p.add_argument("--merges", default="panels,blocks", help="chunk_fwd merge variants")
   p.add_argument(
     "--inverses",
     default="substitution,squaring-x3,squaring-tf32",
@@ -159,10 +156,10 @@ def main(argv=None):
         continue
       base = dict(r=r, chunk=chunk)
       fwd_best, fwd_ms = None, float("inf")
-      for merge, inverse in itertools.product(args.merges.split(","), args.inverses.split(",")):
+      for inverse in args.inverses.split(","):
         for nw in ints(args.fwd_warps):
           for ns in ints(args.fwd_stages):
-            params = dict(merge=merge, inverse=inverse, num_warps=nw, num_stages=ns)
+            params = dict(inverse=inverse, num_warps=nw, num_stages=ns)
             fn = jax.jit(
               functools.partial(
                 chunk_fwd.chunk_fwd, key_blocks=r, chunk=chunk, **kernel_args(params)
@@ -207,24 +204,18 @@ def main(argv=None):
         continue
       best = DEFAULT.replace(
         chunk_fwd=Launch(num_warps=fwd_best["num_warps"], num_stages=fwd_best["num_stages"]),
-        chunk_fwd_merge=fwd_best["merge"],
         chunk_fwd_inverse=fwd_best["inverse"],
         chunk_state_output=Launch(**so_best),
       )
-      for fused in (True, False):
-        fn = jax.jit(
-          functools.partial(whole_forward, scale=scale, bt=chunk, opts=best.replace(fused=fused))
-        )
-        fargs = (q, k, v, inputs["g"], inputs["beta"], mask, h0)
-        rec = dict(base, kernel="forward" if fused else "forward_5_kernels")
-        if fused:
-          rec.update(chunk_fwd=fwd_best, chunk_state_output=so_best)
-        if o_ref is not None:
-          try:
-            rec["rel_err"] = rel_err(fn(*fargs), o_ref)
-          except Exception as e:  # noqa: BLE001  (case() below records the error)
-            print(f"no error check: {type(e).__name__}", flush=True)
-        case(rec, fn, fargs)
+      fn = jax.jit(functools.partial(whole_forward, scale=scale, bt=chunk, opts=best))
+      fargs = (q, k, v, inputs["g"], inputs["beta"], mask, h0)
+      rec = dict(base, kernel="forward", chunk_fwd=fwd_best, chunk_state_output=so_best)
+      if o_ref is not None:
+        try:
+          rec["rel_err"] = rel_err(fn(*fargs), o_ref)
+        except Exception as e:  # noqa: BLE001  (case() below records the error)
+          print(f"no error check: {type(e).__name__}", flush=True)
+      case(rec, fn, fargs)
   save()
   print(f"wrote {args.out}")
 

@@ -1,18 +1,21 @@
 """gdp-jax: gated delta product linear attention for JAX (docs/operator.md).
 
-The operator and the inference steps are imported here; the submodules `layers` and `models`
-(Flax), `sharding` and `dispatch` load on first use, e.g. `gdp_jax.layers.GatedDeltaProduct`
-after `import gdp_jax`. The demo, the language-model example and the benchmarks live outside the
-package, in the repository's `examples/` and `benchmarks/`.
+The operator and the inference steps are imported here (their code: gdp_jax/ops/, one folder per
+op); the submodules `layers` and `models` (Flax), `sharding`, `dispatch` and `ops` load on first
+use, e.g. `gdp_jax.layers.GatedDeltaProduct` after `import gdp_jax`. The demo, the language-model
+example and the benchmarks live outside the package, in the repository's `examples/` and
+`benchmarks/`.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from gdp_jax.decode import gated_delta_product_step, gqa_decode, paged_gqa_decode
-from gdp_jax.householder import householder_delta_product, householder_delta_product_step
-from gdp_jax.operator import gated_delta_product
+from gdp_jax.ops.gated_delta_product.api import gated_delta_product
+from gdp_jax.ops.gqa_decode.api import gqa_decode, paged_gqa_decode
+from gdp_jax.ops.householder.api import householder_delta_product, householder_delta_product_step
+from gdp_jax.ops.step.api import gated_delta_product_step
+from gdp_jax.ops.validation import value_checks
 
 __all__ = [
   "gated_delta_product",
@@ -21,6 +24,7 @@ __all__ = [
   "householder_delta_product",
   "householder_delta_product_step",
   "paged_gqa_decode",
+  "value_checks",
 ]
 __version__ = "0.3.0"
 
@@ -30,11 +34,8 @@ _SUBMODULES = (
   "models",
   "sharding",
   "dispatch",
-  "reference",
-  "xla",
-  "xla_backward",
-  "pallas_impl",
-  "nonfinite",
+  "varlen",
+  "ops",
 )
 
 

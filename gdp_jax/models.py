@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdp_jax.decode import paged_gqa_decode
 from gdp_jax.layers import (
   ATTENTION_IMPLS,
   KEY_NORMS,
@@ -39,6 +38,7 @@ from gdp_jax.layers import (
   _check_room,
   apply_rope,
 )
+from gdp_jax.ops.gqa_decode.api import paged_gqa_decode
 from gdp_jax.sharding import ShardingConfig
 
 f32 = jnp.float32

@@ -42,9 +42,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gdp_jax import decode as _decode
-from gdp_jax import dispatch
-from gdp_jax import operator as _operator
+from gdp_jax.ops import dispatch, validation
+from gdp_jax.ops.gated_delta_product import api as _operator
+from gdp_jax.ops.step import api as _step
 
 f32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -221,7 +221,7 @@ def _check_vma(implementation):
   Pallas' interpreter (kernels on CPU) cannot type kernels whose inputs vary over different mesh
   axes, so interpreted kernels run without it (JAX's autodiff stays correct, with a few more
   collectives)."""
-  if implementation != "pallas":
+  if not dispatch.is_pallas(implementation):
     return True
   from pallas_kernels.common import backend
 
@@ -300,15 +300,15 @@ def sharded_gated_delta_product(
       options=options,
     )
   _check_config(sharding)
-  batch, t_len, heads, dim_k, dim_v, _, _ = _operator.check_inputs(
+  batch, t_len, heads, dim_k, dim_v, _, _ = validation.check_inputs(
     q, k, v, g, beta, mask, initial_state
   )
   implementation = dispatch.resolve(
     "gated_delta_product", implementation, sharding.mesh.devices.flat[0]
   )
   dispatch.check_backward(backward, implementation)
-  chunk_size = _operator.check_chunk_size(chunk_size)
-  output_final_state = _operator.check_bool("output_final_state", output_final_state)
+  chunk_size = validation.check_chunk_size(chunk_size)
+  output_final_state = validation.check_bool("output_final_state", output_final_state)
   shape = f"q has shape {tuple(q.shape)} = [B, T, H, K]"
   _check_divisible(sharding, "B", batch, "batch", shape)
   _check_divisible(sharding, "H", heads, "heads", shape)
@@ -327,7 +327,7 @@ def sharded_gated_delta_product(
   arrays = _place(sharding, arrays, specs)
   vma = _check_vma(implementation)
   run = dict(scale=scale, chunk_size=chunk_size, implementation=implementation, precision=precision)
-  if implementation == "pallas":
+  if dispatch.is_pallas(implementation):
     run.update(backward=backward, options=options)
   out_specs = (sharding.spec_for("o", 4), sharding.spec_for("state", 4))
   if sharding.size("sequence") > 1:
@@ -460,7 +460,7 @@ def _context_parallel_piece(a, sharding, vma, **run):
     a["beta"],
     a.get("mask"),
     state=state,
-    split=run["implementation"] == "pallas",
+    split=dispatch.is_pallas(run["implementation"]),
     **run,
   )
   # All-gather the small per-piece (P, F) pairs over the sequence axes: [n, bl, hl, K, K + V].
@@ -507,7 +507,7 @@ def sharded_gated_delta_product_step(
   step). Returns (o [B, H, V], new_state [B, H, K, V] float32), split over batch and heads.
   """
   if sharding is None:
-    return _decode.gated_delta_product_step(
+    return _step.gated_delta_product_step(
       q,
       k,
       v,
@@ -521,7 +521,7 @@ def sharded_gated_delta_product_step(
       in_place=in_place,
     )
   _check_config(sharding)
-  batch, heads, dim_k, dim_v, _, _ = _decode._check_step(q, k, v, g, beta, mask, state)
+  batch, heads, dim_k, dim_v, _, _ = validation.check_step_inputs(q, k, v, g, beta, mask, state)
   implementation = dispatch.resolve(
     "gated_delta_product_step", implementation, sharding.mesh.devices.flat[0]
   )
@@ -539,7 +539,7 @@ def sharded_gated_delta_product_step(
   vma = _check_vma(implementation)
 
   def body(a):
-    return _decode.gated_delta_product_step(
+    return _step.gated_delta_product_step(
       a["q"],
       a["k"],
       a["v"],

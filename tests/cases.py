@@ -9,9 +9,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdp_jax import xla
-from gdp_jax.operator import normalize_mask
+from gdp_jax.ops.gated_delta_product import xla
+from gdp_jax.ops.validation import normalize_mask
 from gdp_jax.testing import random_inputs as make_inputs  # noqa: F401  (re-exported)
+
+# Implementations that take a narrower input domain (dtype, head dim, ...) than the shared tests
+# use: "mosaic_gpu" (bfloat16/float16, K = 64 or 128), tested in tests/test_mosaic_gpu_impl.py.
+NARROW_IMPLEMENTATIONS = ("mosaic_gpu",)
+
+
+def general_backends(function):
+  """The backends of `function` in the dispatch table that take every input the tests use."""
+  from gdp_jax import dispatch
+
+  return tuple(n for n in dispatch.backends(function) if n not in NARROW_IMPLEMENTATIONS)
+
 
 # Relative error allowed, measured as max|x - ref| / max(max|ref|, 1e-6) over the whole array.
 # float32 runs with full-precision matmuls and is tight; half types get a few of their ulps.

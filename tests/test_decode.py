@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gdp_jax import dispatch, gqa_decode
-from pallas_kernels.inference import decode_attention
+from pallas_kernels.triton.inference import decode_attention
 from tests.cases import assert_close
 from tests.triton_lowering import lower_for_h200
 
@@ -257,7 +257,7 @@ def test_scale(implementation):
 
 def test_default_implementation_and_lists():
   assert dispatch.resolve("gqa_decode", None) == (
-    "pallas" if dispatch.pallas_supported() else "xla"
+    "triton" if dispatch.pallas_supported() else "xla"
   )
   ex = EXAMPLES[0]
   out = gqa_decode(

@@ -1,18 +1,21 @@
-"""The dispatch table (gdp_jax/dispatch.py): every implementation reachable from every public
+"""The dispatch table (gdp_jax/ops/dispatch.py): every implementation reachable from every public
 function that lists it, the default per device, the clear error on an unsupported GPU, and the
 backward switch of the Pallas forward."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from types import SimpleNamespace
+from typing import ClassVar
 
 import jax.numpy as jnp
 import pytest
 
 from gdp_jax import dispatch, gated_delta_product, gated_delta_product_step, gqa_decode
+from gdp_jax.ops import base
 from pallas_kernels.common import options
-from tests.cases import assert_close, loss_and_grads, make_inputs, tol
+from tests.cases import assert_close, general_backends, loss_and_grads, make_inputs, tol
 
 
 def _gpu(capability, kind="NVIDIA Test GPU"):
@@ -25,10 +28,10 @@ def _gpu(capability, kind="NVIDIA Test GPU"):
     (SimpleNamespace(platform="cpu", device_kind="cpu"), "xla"),
     (SimpleNamespace(platform="tpu", device_kind="TPU v5"), "xla"),
     (_gpu("7.5", "Tesla T4"), "xla"),
-    (_gpu("8.0", "NVIDIA A100"), "pallas"),
-    (_gpu("8.9", "NVIDIA L4"), "pallas"),
-    (_gpu("9.0", "NVIDIA H200"), "pallas"),
-    (_gpu("12.0"), "pallas"),
+    (_gpu("8.0", "NVIDIA A100"), "triton"),
+    (_gpu("8.9", "NVIDIA L4"), "triton"),
+    (_gpu("9.0", "NVIDIA H200"), "triton"),
+    (_gpu("12.0"), "triton"),
     (_gpu(None), "xla"),
   ],
 )
@@ -36,6 +39,46 @@ def test_default_per_device(device, expected):
   assert dispatch.default_implementation(device) == expected
   for function in ("gated_delta_product", "gated_delta_product_step", "gqa_decode"):
     assert dispatch.resolve(function, None, device) == expected
+    pallas = "triton" if expected == "triton" else None
+    if pallas:  # "pallas": the best Pallas backend for the device
+      assert dispatch.resolve(function, "pallas", device) == pallas
+
+
+def test_pallas_prefers_a_registered_backend_on_the_gpus_its_rule_names(monkeypatch):
+  # the hook for a second Pallas backend: registered, "pallas" and None pick it where its rule
+  # (PALLAS_PREFERENCE) accepts the GPU, and the Triton backend everywhere else
+  @dataclasses.dataclass(frozen=True)
+  class Mosaic(base.Implementation):
+    name: ClassVar[str] = "mosaic_gpu"
+    pallas: ClassVar[bool] = True
+
+  table = {f: dict(t) for f, t in dispatch.TABLE.items()}
+  monkeypatch.setattr(dispatch, "TABLE", table)
+  preference = (dispatch.MOSAIC_GPU_PREFERENCE, *dispatch.PALLAS_PREFERENCE)
+  monkeypatch.setattr(dispatch, "PALLAS_PREFERENCE", preference)
+  dispatch.register("gated_delta_product", Mosaic())
+  h200, a100 = _gpu("9.0", "NVIDIA H200"), _gpu("8.0", "NVIDIA A100")
+  assert dispatch.resolve("gated_delta_product", "pallas", h200) == "mosaic_gpu"
+  assert dispatch.resolve("gated_delta_product", None, h200) == "mosaic_gpu"
+  assert dispatch.resolve("gated_delta_product", "pallas", a100) == "triton"
+  assert dispatch.resolve("gqa_decode", "pallas", h200) == "triton"  # not registered there
+  assert dispatch.resolve("gated_delta_product", "triton", h200) == "triton"  # explicit: obeyed
+  assert "mosaic_gpu" in dispatch.implementations("gated_delta_product")
+
+
+def test_backends_and_accepted_names():
+  names = ("reference", "xla", "triton", "mosaic_gpu")
+  assert dispatch.backends("gated_delta_product") == names
+  assert dispatch.implementations("gated_delta_product") == (*names, "pallas")
+  assert dispatch.implementations("gated_delta_product_varlen") == dispatch.implementations(
+    "gated_delta_product"
+  )
+  assert dispatch.backends("gqa_decode") == ("xla", "triton")
+  assert dispatch.is_pallas("pallas") and dispatch.is_pallas("triton")
+  assert dispatch.is_pallas("mosaic_gpu")
+  assert not dispatch.is_pallas("xla") and not dispatch.is_pallas(None)
+  with pytest.raises(ValueError, match="unknown function"):
+    dispatch.backends("attention")
 
 
 def test_explicit_pallas_on_an_unsupported_gpu_names_it():
@@ -54,7 +97,7 @@ def test_unknown_names_are_clear_errors():
     dispatch.check_backward("xla", "xla")
 
 
-@pytest.mark.parametrize("name", dispatch.implementations("gated_delta_product"))
+@pytest.mark.parametrize("name", general_backends("gated_delta_product"))
 def test_operator_reaches_every_implementation(name):
   inputs = make_inputs(0, B=1, T=9, H=1, K=16, V=16, r=2, mask_kind="head")
   o, final = gated_delta_product(
@@ -65,7 +108,7 @@ def test_operator_reaches_every_implementation(name):
   assert_close(final, f_ref, tol(jnp.float32), name)
 
 
-@pytest.mark.parametrize("name", dispatch.implementations("gated_delta_product_step"))
+@pytest.mark.parametrize("name", dispatch.backends("gated_delta_product_step"))
 def test_step_reaches_every_implementation(name):
   inputs = make_inputs(1, B=2, T=1, H=2, K=16, V=16, r=2, mask_kind="head")
   step = {n: x[:, 0] if n in ("q", "k", "v", "g", "beta") else x for n, x in inputs.items()}
@@ -86,23 +129,25 @@ def test_step_reaches_every_implementation(name):
 
 def test_step_default_follows_the_state_size(monkeypatch):
   # implementation=None on a supported GPU: the kernel for small states, XLA's fused step for
-  # large ones (decode.PALLAS_STEP_MAX_STATE, measured on an H200); explicit names are obeyed
-  from gdp_jax import decode
+  # large ones (step api's PALLAS_STEP_MAX_STATE, measured on an H200); explicit names are obeyed
+  from gdp_jax.ops.step import api as step_api
 
   monkeypatch.setattr(dispatch, "default_device", lambda: _gpu("9.0", "NVIDIA H200"))
   picked = []
-  monkeypatch.setattr(dispatch, "entry", lambda f, impl: lambda *a, **kw: picked.append(impl))
-  limit = decode.PALLAS_STEP_MAX_STATE
-  for heads, expected in ((1, "pallas"), (2, "xla")):
+  monkeypatch.setattr(
+    dispatch, "entry", lambda f, impl, **config: lambda *a, **kw: picked.append(impl)
+  )
+  limit = step_api.PALLAS_STEP_MAX_STATE
+  for heads, expected in ((1, "triton"), (2, "xla")):
     dim = int(limit**0.5)  # one head of dim x dim: just under the limit; two heads: over it
     x = jnp.zeros((1, heads, dim), jnp.float32)
     gated_delta_product_step(x, x, x, beta=jnp.ones((1, heads)))
     assert picked[-1] == expected, (heads, picked)
   gated_delta_product_step(x, x, x, beta=jnp.ones((1, 2)), implementation="pallas")
-  assert picked[-1] == "pallas"
+  assert picked[-1] == "triton"
 
 
-@pytest.mark.parametrize("name", dispatch.implementations("gqa_decode"))
+@pytest.mark.parametrize("name", dispatch.backends("gqa_decode"))
 def test_decode_reaches_every_implementation(name):
   q = jnp.ones((1, 2, 16)) * 0.1
   kc = jnp.arange(4 * 16, dtype=jnp.float32).reshape(1, 4, 1, 16) / 64
@@ -128,9 +173,7 @@ def test_kernel_options_are_validated_and_used():
   with pytest.raises(ValueError, match="precision must be one of"):
     options.KernelOptions(precision="fp8")
   inputs = make_inputs(3, B=1, T=16, H=1, K=16, V=16, r=1, mask_kind=None)
-  opts = options.DEFAULT.replace(
-    chunk_h=options.Launch(block_v=16), chunk_o=options.Launch(block_v=16)
-  )
+  opts = options.DEFAULT.replace(chunk_state_output=options.Launch(block_v=16))
   o, _ = gated_delta_product(**inputs, chunk_size=16, implementation="pallas", options=opts)
   o_ref, _ = gated_delta_product(**inputs, implementation="reference")
   assert_close(o, o_ref, tol(jnp.float32), "options")
@@ -155,7 +198,7 @@ def test_heuristic_respects_a_smaller_gpu():
 
 
 def test_decode_splits_follow_the_sm_count():
-  from pallas_kernels.inference import decode_attention
+  from pallas_kernels.triton.inference import decode_attention
 
   few = decode_attention.default_num_splits(2, 2, 65536, 64, sm_count=20)
   many = decode_attention.default_num_splits(2, 2, 65536, 64, sm_count=132)
@@ -171,7 +214,7 @@ def test_decode_splits_follow_the_sm_count():
     ),
     (
       _gpu("9.0", "NVIDIA H200"),
-      "NVIDIA H200 (compute capability 9.0): implementation=None runs 'pallas'",
+      "NVIDIA H200 (compute capability 9.0): implementation=None runs 'triton'",
     ),
     (_gpu("7.5", "Tesla T4"), "runs 'xla'"),
   ],
@@ -187,7 +230,9 @@ def test_float16_on_a_gpu_without_bf16_tensor_cores_runs_xla(monkeypatch):
   monkeypatch.setattr(dispatch, "default_device", lambda: t4)
   picked = []
   entry = dispatch.entry
-  monkeypatch.setattr(dispatch, "entry", lambda f, impl: picked.append(impl) or entry(f, impl))
+  monkeypatch.setattr(
+    dispatch, "entry", lambda f, impl, **config: picked.append(impl) or entry(f, impl, **config)
+  )
   inputs = make_inputs(4, B=1, T=16, H=1, K=16, V=16, r=2, mask_kind="head")
   half = {n: x.astype(jnp.float16) if n in ("q", "k", "v") else x for n, x in inputs.items()}
   o, _ = gated_delta_product(**half, chunk_size=16)

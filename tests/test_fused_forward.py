@@ -1,7 +1,7 @@
-"""The fused forward kernels (pallas_kernels/forward/chunk_fwd.py, chunk_state_output.py): each
-against the jnp stages of gdp_jax/xla.py (interpret mode on CPU, compiled on a GPU), the whole
-`implementation="pallas"` operator against "reference" (forward and gradients), and the Triton
-lowering of both kernels at the benchmark-like shapes.
+"""The fused forward kernels (pallas_kernels/triton/forward/chunk_fwd.py, chunk_state_output.py):
+each against the jnp stages of gdp_jax/ops/gated_delta_product/xla.py (interpret mode on CPU,
+compiled on a GPU), the whole `implementation="pallas"` operator against "reference" (forward and
+gradients), and the Triton lowering of both kernels at the benchmark-like shapes.
 
 Interpret-mode compile time grows with the rows per chunk, so the stage cases keep N = chunk * r
 <= 128 and tiny B, H, T.
@@ -16,11 +16,12 @@ import jax.extend
 import jax.numpy as jnp
 import pytest
 
-from gdp_jax import gated_delta_product, pallas_impl, xla
-from gdp_jax.operator import normalize_mask
-from pallas_kernels.common import options
+from gdp_jax import gated_delta_product
+from gdp_jax.ops.gated_delta_product import triton as gdp_triton
+from gdp_jax.ops.gated_delta_product import xla
+from gdp_jax.ops.validation import normalize_mask
 from pallas_kernels.common.options import Launch
-from pallas_kernels.forward import chunk_fwd, chunk_state_output
+from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output
 from tests.cases import (
   GRAD_TOLERANCE,
   assert_close,
@@ -50,7 +51,7 @@ def _stages(r, chunk, with_state, q, k, v, g, beta, mask, h0):
 def padded_stage_inputs(r, chunk, mask_kind, dtype, K, V, nchunks=2, seed=0, with_state=False):
   """Inputs with T = nchunks * chunk, the jnp stages on them (float32; the state and output
   stages too if with_state), and the same inputs padded in K (per key block) and V as
-  pallas_impl pads them for the kernels."""
+  the triton implementation pads them for the kernels."""
   T = nchunks * chunk
   inp = make_inputs(seed, B=1, T=T, H=2, K=K, V=V, r=r, mask_kind=mask_kind, dtype=dtype)
   q, k, v, h0 = inp["q"], inp["k"], inp["v"], inp["initial_state"]
@@ -58,9 +59,9 @@ def padded_stage_inputs(r, chunk, mask_kind, dtype, K, V, nchunks=2, seed=0, wit
   mask = mask.astype(jnp.float32)
   g, beta = xla.to_head_major(inp["g"]), xla.to_head_major(inp["beta"])
   ref = _stages(r, chunk, with_state, q, k, v, g, beta, mask, h0)
-  dkp, vp = pallas_impl.padded_dims(K, V, r)
-  pad_k = lambda x: pallas_impl.pad_key_blocks(x, r, dkp)
-  pad_v = lambda x: pallas_impl._pad_last(x, vp)
+  dkp, vp = gdp_triton.padded_dims(K, V, r)
+  pad_k = lambda x: gdp_triton.pad_key_blocks(x, r, dkp)
+  pad_v = lambda x: gdp_triton._pad_last(x, vp)
   kern = dict(
     q=pad_k(q),
     k=pad_k(k),
@@ -74,7 +75,7 @@ def padded_stage_inputs(r, chunk, mask_kind, dtype, K, V, nchunks=2, seed=0, wit
     gamma=ref["gamma"],
   )
   unpad = dict(
-    k=lambda x, axis=-1: pallas_impl.unpad_key_blocks(x, r, K // r, axis), v=lambda x: x[..., :V]
+    k=lambda x, axis=-1: gdp_triton.unpad_key_blocks(x, r, K // r, axis), v=lambda x: x[..., :V]
   )
   return ref, kern, unpad
 
@@ -122,13 +123,10 @@ def test_chunk_fwd_matches_stages(r, chunk, mask_kind, dtype, K, V):
     assert_close(out[1], w, 0.0, "w without save_ai")
 
 
-@pytest.mark.parametrize(
-  "merge,inverse",
-  [("blocks", "substitution"), ("panels", "squaring"), ("blocks", "squaring-x3")],
-)
-def test_chunk_fwd_variants(merge, inverse):
-  """merge="blocks" (16 x 16 products only) and inverse="squaring" (the diagonal inverses by
-  repeated squaring) give the same w, u, Ai as the default panels with forward substitution."""
+@pytest.mark.parametrize("inverse", ["substitution", "squaring-x3"])
+def test_chunk_fwd_inverses(inverse):
+  """The diagonal inverses by forward substitution (what "auto" picks at "ieee") and by repeated
+  squaring at TF32 x 3 (at "tf32x3") give the jnp form's w, u, Ai."""
   r, chunk, mask_kind, dtype, K, V = 2, 32, "token", jnp.float32, 32, 16
   ref, kern, unpad = padded_stage_inputs(r, chunk, mask_kind, dtype, K, V, seed=1)
   gamma, w, u, ai = chunk_fwd.chunk_fwd(
@@ -140,7 +138,6 @@ def test_chunk_fwd_variants(merge, inverse):
     key_blocks=r,
     chunk=chunk,
     save_ai=True,
-    merge=merge,
     inverse=inverse,
   )
   t = tol(dtype)
@@ -198,7 +195,7 @@ def run(implementation, **inputs):
 
 def test_operator_forward_and_gradients():
   """The whole pallas operator against the recurrence, forward and every gradient: ragged T, K
-  and V, per-token mask, r = 2; the five-kernel forward (fused=False) gives the same output."""
+  and V, per-token mask, r = 2."""
   inputs = make_inputs(21, B=1, T=21, H=2, K=24, V=20, r=2, mask_kind="token")
   o_ref, f_ref = run("reference", **inputs)
   o, f = run("pallas", **inputs)
@@ -209,9 +206,6 @@ def test_operator_forward_and_gradients():
   for name in g_ref:
     assert g_pal[name].shape == inputs[name].shape, name
     assert_close(g_pal[name], g_ref[name], GRAD_TOLERANCE[jnp.float32], f"d{name}")
-  o5, f5 = run("pallas", options=options.DEFAULT.replace(fused=False, precision="ieee"), **inputs)
-  assert_close(o5, o_ref, F32, "o (five kernels)")
-  assert_close(f5, f_ref, F32, "final state (five kernels)")
 
 
 def _sub_jaxprs(params):
@@ -274,8 +268,6 @@ def test_bad_arguments():
     chunk_fwd.chunk_fwd(k, v, s, s, mask(1), key_blocks=2, chunk=16)
   with pytest.raises(ValueError, match="powers of two"):
     chunk_fwd.chunk_fwd(k, v[..., :12], s, s, mask(1), key_blocks=1, chunk=16)
-  with pytest.raises(ValueError, match="merge must be one of"):
-    chunk_fwd.chunk_fwd(k, v, s, s, mask(1), key_blocks=1, chunk=16, merge="rows")
   with pytest.raises(ValueError, match="inverse must be one of"):
     chunk_fwd.chunk_fwd(k, v, s, s, mask(1), key_blocks=1, chunk=16, inverse="newton")
   with pytest.raises(ValueError, match="block_v"):
@@ -304,7 +296,7 @@ def test_bad_arguments():
       scale=1.0,
     )
   with pytest.raises(ValueError, match="precision must be one of"):
-    pallas_impl.gated_delta_product_pallas(
+    gdp_triton.gated_delta_product_pallas(
       k, k, v, s, s, mask(1), jnp.zeros((1, 1, 32, 16)), 1.0, 64, precision="bf16"
     )
 
@@ -347,30 +339,23 @@ def _kernel_avals(r, chunk, K, V, dtype, per_token, T=128):
   ],
 )
 def test_fused_kernels_lower_to_triton(monkeypatch, r, chunk, K, V, dtype, per_token):
-  """Both fused kernels through the Pallas Triton lowering for an H200, with their residual
-  outputs (save_ai, save_states), both diagonal inverses; at the first shape also without the
-  residuals and with merge="blocks".
+  """Both fused kernels through the Pallas Triton lowering for an H200 as they ship (diagonal
+  inverse "auto" at the default TF32 precision: TF32 squaring), with their residual outputs
+  (save_ai, save_states); at the first shape also without the residuals and with the inverses
+  "auto" picks at the other precisions (substitution at "ieee", TF32 x 3 squaring at "tf32x3").
   """
   from tests.triton_lowering import lower_for_h200
 
   fwd_avals, state_avals = _kernel_avals(r, chunk, K, V, dtype, per_token)
   first = (r, chunk, K, dtype) == (1, 64, 128, jnp.bfloat16)
-  variants = [("panels", True, "substitution"), ("panels", True, "squaring")] + (
-    [
-      ("panels", False, "substitution"),
-      ("blocks", True, "substitution"),
-      ("blocks", True, "squaring-x3"),
-    ]
-    if first
-    else []
+  variants = [(True, "auto")] + (
+    [(False, "auto"), (True, "substitution"), (True, "squaring-x3")] if first else []
   )
 
   def fused(*a):
     outs = [
-      chunk_fwd.chunk_fwd(
-        *a[:5], key_blocks=r, chunk=chunk, save_ai=save_ai, merge=merge, inverse=inverse
-      )
-      for merge, save_ai, inverse in variants
+      chunk_fwd.chunk_fwd(*a[:5], key_blocks=r, chunk=chunk, save_ai=save_ai, inverse=inverse)
+      for save_ai, inverse in variants
     ]
     for save_states in (True, False) if first else (True,):
       outs.append(

@@ -77,16 +77,15 @@ def test_grouped_equals_repeated_keys(implementation, H, HV, r, mask_kind):
     assert_close(d, expected, tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
 
 
-@pytest.mark.parametrize("fused,backward", [(False, "pallas"), (True, "xla")])
-def test_pallas_grouped_other_paths(fused, backward):
-  """The five-kernel forward (which repeats q and k) and the Pallas forward with the jnp
-  backward (which gets q and k un-repeated) equal "xla" with grouped value heads: the forward,
-  and for backward="xla" the gradients."""
+@pytest.mark.parametrize("backward", ["xla"])
+def test_pallas_grouped_other_paths(backward):
+  """The Pallas forward with the jnp backward (which gets q and k un-repeated) equals "xla" with
+  grouped value heads: the forward and the gradients."""
   from pallas_kernels.common.options import DEFAULT
 
   inputs = grouped_inputs(7, T=16, H=1, HV=2, r=1, mask_kind="token")
   kw = dict(output_final_state=True, chunk_size=16)
-  options = DEFAULT.replace(fused=fused, precision="ieee")
+  options = DEFAULT.replace(precision="ieee")
   pallas = functools.partial(
     gated_delta_product, **kw, implementation="pallas", options=options, backward=backward
   )
@@ -103,7 +102,7 @@ def test_pallas_grouped_other_paths(fused, backward):
       assert_close(d, grads_xla[name], tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
 
 
-@pytest.mark.parametrize("implementation", dispatch.implementations("gated_delta_product_step"))
+@pytest.mark.parametrize("implementation", dispatch.backends("gated_delta_product_step"))
 def test_grouped_step_equals_repeated_keys(implementation):
   inputs = grouped_inputs(2, B=2, T=1, H=2, HV=4, r=2, mask_kind="token")
   step = first_token(inputs)
@@ -157,7 +156,8 @@ def _pallas_operands(jaxpr):
 def test_pallas_forward_does_not_repeat_keys(packed):
   """The fused forward's pallas_calls take q and k with their H key heads (K = 32 != V = 16, so
   a [.., HV, 32] operand could only be a repeated q or k), in a call without gradient and in the
-  forward of a gradient; the five-kernel forward still repeats them."""
+  forward of a gradient; the backward's kernels get them repeated (which shows the check can
+  fail)."""
   from pallas_kernels.common.options import DEFAULT
 
   H, HV, K = 1, 2, 32
@@ -166,31 +166,35 @@ def test_pallas_forward_does_not_repeat_keys(packed):
   if packed:
     inputs["initial_state"] = jnp.zeros((2, HV, K, 16))
 
-  def shapes(fused, grad):
+  def shapes(mode):
     run = lambda kw: gated_delta_product(
-      **kw, **extra, chunk_size=16, implementation="pallas", options=DEFAULT.replace(fused=fused)
+      **kw, **extra, chunk_size=16, implementation="pallas", options=DEFAULT
     )[0]
-    fn = (lambda kw: jax.vjp(run, kw)[0]) if grad else run
+    fn = {
+      "call": run,
+      "vjp": lambda kw: jax.vjp(run, kw)[0],
+      "grad": lambda kw: jax.grad(lambda x: run(x).astype(jnp.float32).sum())(kw),
+    }[mode]
     return _pallas_operands(jax.make_jaxpr(fn)(inputs).jaxpr)
 
-  for grad in (False, True):
+  for mode in ("call", "vjp"):
     # two kernels per forward; the non-finite guard's lax.cond traces the forward twice (raw
-    # and cleaned inputs, gdp_jax/pallas_impl.py)
-    calls = shapes(True, grad)
+    # and cleaned inputs, gdp_jax/ops/gated_delta_product/triton.py)
+    calls = shapes(mode)
     assert len(calls) in (2, 4), calls
     key_operands = [s for c in calls for s in c if len(s) == 4 and s[-1] == K]
     # k in chunk_fwd; q and k in chunk_state_output
     assert len(key_operands) == 3 * len(calls) // 2, calls
     assert all(s[2] == H for s in key_operands), calls
-  repeated = [s for c in shapes(False, False) for s in c if len(s) == 4 and s[-1] == K]
-  assert repeated and all(s[2] == HV for s in repeated)
+  repeated = [s for c in shapes("grad") for s in c if len(s) == 4 and s[-1] == K and s[2] == HV]
+  assert repeated
 
 
 @pytest.mark.parametrize("r,dtype", [(1, jnp.bfloat16), (2, jnp.float32)])
 def test_grouped_fused_kernels_lower_to_triton(monkeypatch, r, dtype):
   """chunk_fwd and chunk_state_output (with and without a table) with 2 key heads for 4 value
   heads (group 2) through the Pallas Triton lowering for an H200."""
-  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+  from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output
   from tests.triton_lowering import lower_for_h200
 
   S = jax.ShapeDtypeStruct
@@ -217,7 +221,7 @@ def test_grouped_fused_kernels_lower_to_triton(monkeypatch, r, dtype):
 
 
 def test_fused_kernels_reject_heads_not_a_multiple():
-  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+  from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output
 
   k, v, s3 = jnp.zeros((1, 16, 2, 16)), jnp.zeros((1, 16, 3, 16)), jnp.zeros((1, 3, 16))
   with pytest.raises(ValueError, match="HV a multiple of H; got k"):

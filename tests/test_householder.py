@@ -165,7 +165,7 @@ def test_pallas_runs_the_operator_kernels_in_bfloat16(mode):
   same launches and chunk, the same operands (bf16 q, k, v: no float32 copy of an input), and
   around them no float32 array of activation size in the forward (the bench's bf16 beta
   included)."""
-  from gdp_jax.householder import to_substeps
+  from gdp_jax.ops.householder.api import to_substeps
 
   n_h = 2
   inputs = hh_inputs(40, n_h, B=1, T=32, H=2, K=16, V=16, with_state=False, dtype=jnp.bfloat16)
@@ -434,7 +434,9 @@ def test_packed_default_implementation_is_xla(monkeypatch):
   inputs = packed_hh_inputs(85, 2, lengths=(3, 4))
   calls = []
   original = dispatch.entry
-  monkeypatch.setattr(dispatch, "entry", lambda f, i: calls.append((f, i)) or original(f, i))
+  monkeypatch.setattr(
+    dispatch, "entry", lambda f, i, **c: calls.append((f, i)) or original(f, i, **c)
+  )
   call = functools.partial(
     householder_delta_product, num_householder=2, cu_seqlens=cu_of((3, 4)), output_final_state=True
   )
@@ -514,7 +516,7 @@ def test_packed_batch_must_be_one():
     (dict(num_householder=0), ValueError, "num_householder must be >= 1"),
     (dict(num_householder=2.0), TypeError, "num_householder must be an int"),
     (dict(num_householder=True), TypeError, "num_householder must be an int"),
-    (dict(implementation="triton"), ValueError, "implementation must be one of"),
+    (dict(implementation="mosaic"), ValueError, "implementation must be one of"),
     (dict(precision="fp8"), ValueError, "precision must be None"),
     (dict(chunk_size=48), ValueError, "chunk_size must be one of"),
   ],

@@ -1,11 +1,11 @@
 """The test base every chunked implementation of `gated_delta_product` runs (the "xla" jnp form
-and the "pallas" kernels, interpreted on CPU): the forward and the gradient of every input against
+and the "triton" kernels, interpreted on CPU): the forward and the gradient of every input against
 the recurrent reference, half precision, state threading and JAX transformations.
 
-Implementations come from the dispatch table (gdp_jax/dispatch.py); a new one is tested here by
-being listed there. Stage-by-stage tests of the kernels live in test_pallas_forward.py and
-test_pallas_backward.py; the independent float64 checks and the argument checks in
-test_operator.py.
+One test class per implementation of the dispatch table (gdp_jax/ops/dispatch.py) on a shared
+base (`ChunkedImplementationTests`); a new implementation gets its class here (a test checks).
+Stage-by-stage tests of the kernels live in test_pallas_forward.py and test_pallas_backward.py;
+the independent float64 checks and the argument checks in test_operator.py.
 """
 
 from __future__ import annotations
@@ -16,10 +16,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gdp_jax import dispatch, gated_delta_product
-from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs, tol
+from gdp_jax import gated_delta_product
+from tests.cases import (
+  GRAD_TOLERANCE,
+  assert_close,
+  general_backends,
+  loss_and_grads,
+  make_inputs,
+  tol,
+)
 
-CHUNKED = [n for n in dispatch.implementations("gated_delta_product") if n != "reference"]
+CHUNKED = [n for n in general_backends("gated_delta_product") if n != "reference"]
 
 # (r, mask kind, T, chunk): every mask shape, T on and off the chunk grid, each chunk size.
 FORWARD_CASES = [
@@ -48,63 +55,7 @@ def run(implementation, chunk_size=64, **inputs):
   )
 
 
-@pytest.mark.parametrize("implementation", CHUNKED)
-@pytest.mark.parametrize("r,mask_kind,T,chunk", FORWARD_CASES)
-def test_forward_matches_reference(implementation, r, mask_kind, T, chunk):
-  inputs = make_inputs(3, B=2, T=T, H=2, K=32, V=16, r=r, mask_kind=mask_kind)
-  o_ref, f_ref = run("reference", **inputs)
-  o, f = run(implementation, chunk, **inputs)
-  assert o.dtype == jnp.float32 and f.dtype == jnp.float32
-  assert o.shape == o_ref.shape and f.shape == f_ref.shape
-  assert_close(o, o_ref, tol(jnp.float32), "o")
-  assert_close(f, f_ref, tol(jnp.float32), "final state")
-
-
-@pytest.mark.parametrize("implementation", CHUNKED)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_forward_half_precision(implementation, dtype):
-  inputs = make_inputs(4, B=1, T=40, H=2, K=32, V=32, r=2, mask_kind="head", dtype=dtype)
-  o_ref, f_ref = run("reference", **inputs)
-  o, f = run(implementation, 32, **inputs)
-  assert o.dtype == dtype and f.dtype == jnp.float32
-  assert_close(o, o_ref, tol(dtype), "o")
-  assert_close(f, f_ref, tol(dtype), "final state")
-  # and against the float32 computation on the same (rounded) inputs
-  o32, _ = run(
-    "reference",
-    **{n: (x.astype(jnp.float32) if x is not None else None) for n, x in inputs.items()},
-  )
-  assert_close(o, o32, tol(dtype), "o vs float32")
-
-
-@pytest.mark.parametrize("implementation", CHUNKED)
-@pytest.mark.parametrize("r,mask_kind,T,with_state", GRADIENT_CASES)
-def test_gradients_match_reference(implementation, r, mask_kind, T, with_state):
-  inputs = make_inputs(
-    11, B=2, T=T, H=2, K=32, V=16, r=r, mask_kind=mask_kind, with_state=with_state
-  )
-  g_ref = loss_and_grads(functools.partial(run, "reference"), inputs)
-  g_got = loss_and_grads(functools.partial(run, implementation, 16), inputs)
-  assert set(g_got) == set(g_ref)
-  for name in g_ref:
-    assert g_got[name].shape == inputs[name].shape, name
-    assert g_got[name].dtype == inputs[name].dtype, name
-    assert_close(g_got[name], g_ref[name], GRAD_TOLERANCE[jnp.float32], f"d{name}")
-
-
-@pytest.mark.parametrize("implementation", CHUNKED)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_gradients_half_precision(implementation, dtype):
-  inputs = make_inputs(12, B=1, T=40, H=2, K=32, V=32, r=2, mask_kind="head", dtype=dtype)
-  g_ref = loss_and_grads(functools.partial(run, "reference"), inputs)
-  g_got = loss_and_grads(functools.partial(run, implementation, 16), inputs)
-  for name in g_ref:
-    assert g_got[name].dtype == inputs[name].dtype, name
-    assert_close(g_got[name], g_ref[name], GRAD_TOLERANCE[dtype], f"d{name}")
-
-
-@pytest.mark.parametrize("implementation", ["reference"] + CHUNKED)
-def test_two_halves_thread_the_state(implementation):
+def check_two_halves_thread_the_state(implementation):
   inputs = make_inputs(8, T=45, r=2, mask_kind="token")
   o_full, f_full = run(implementation, chunk_size=16, **inputs)
   cut = 20
@@ -118,28 +69,106 @@ def test_two_halves_thread_the_state(implementation):
   assert_close(f2, f_full, tol(jnp.float32), "final")
 
 
-@pytest.mark.parametrize("implementation", CHUNKED)
-def test_transformations_compose(implementation):
-  """value_and_grad under jit and checkpoint, and vmap over an extra leading axis."""
-  inputs = make_inputs(13, B=1, T=24, H=2, K=32, V=16, r=2, mask_kind="token")
-  names = ("q", "k", "v", "g", "beta", "mask", "initial_state")
-  args = [inputs[n] for n in names]
+class ChunkedImplementationTests:
+  """The tests every chunked implementation passes; a subclass per implementation sets
+  `implementation` (tokamax's test-base pattern)."""
 
-  def loss(impl, *a):
-    o, f = gated_delta_product(
-      *a[:6], initial_state=a[6], output_final_state=True, chunk_size=16, implementation=impl
+  implementation: str
+
+  def test_two_halves_thread_the_state(self):
+    check_two_halves_thread_the_state(self.implementation)
+
+  @pytest.mark.parametrize("r,mask_kind,T,chunk", FORWARD_CASES)
+  def test_forward_matches_reference(self, r, mask_kind, T, chunk):
+    implementation = self.implementation
+    inputs = make_inputs(3, B=2, T=T, H=2, K=32, V=16, r=r, mask_kind=mask_kind)
+    o_ref, f_ref = run("reference", **inputs)
+    o, f = run(implementation, chunk, **inputs)
+    assert o.dtype == jnp.float32 and f.dtype == jnp.float32
+    assert o.shape == o_ref.shape and f.shape == f_ref.shape
+    assert_close(o, o_ref, tol(jnp.float32), "o")
+    assert_close(f, f_ref, tol(jnp.float32), "final state")
+
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  def test_forward_half_precision(self, dtype):
+    implementation = self.implementation
+    inputs = make_inputs(4, B=1, T=40, H=2, K=32, V=32, r=2, mask_kind="head", dtype=dtype)
+    o_ref, f_ref = run("reference", **inputs)
+    o, f = run(implementation, 32, **inputs)
+    assert o.dtype == dtype and f.dtype == jnp.float32
+    assert_close(o, o_ref, tol(dtype), "o")
+    assert_close(f, f_ref, tol(dtype), "final state")
+    # and against the float32 computation on the same (rounded) inputs
+    o32, _ = run(
+      "reference",
+      **{n: (x.astype(jnp.float32) if x is not None else None) for n, x in inputs.items()},
     )
-    return jnp.sum(o * o) + jnp.sum(jnp.sin(f))
+    assert_close(o, o32, tol(dtype), "o vs float32")
 
-  argnums = tuple(range(1, 8))
-  ref_val, ref_grads = jax.value_and_grad(loss, argnums=argnums)("reference", *args)
-  val, grads = jax.jit(
-    jax.value_and_grad(jax.checkpoint(loss, static_argnums=0), argnums=argnums), static_argnums=0
-  )(implementation, *args)
-  assert_close(val, ref_val, tol(jnp.float32), "loss")
-  for gr, ref, name in zip(grads, ref_grads, names):
-    assert_close(gr, ref, GRAD_TOLERANCE[jnp.float32], f"d{name}")
-  stacked = [jnp.stack([a, 0.5 * a]) for a in args]
-  vgrads = jax.vmap(jax.grad(functools.partial(loss, implementation), argnums=(0, 2)))(*stacked)
-  assert_close(vgrads[0][0], ref_grads[0], GRAD_TOLERANCE[jnp.float32], "vmap dq")
-  assert_close(vgrads[1][0], ref_grads[2], GRAD_TOLERANCE[jnp.float32], "vmap dv")
+  @pytest.mark.parametrize("r,mask_kind,T,with_state", GRADIENT_CASES)
+  def test_gradients_match_reference(self, r, mask_kind, T, with_state):
+    implementation = self.implementation
+    inputs = make_inputs(
+      11, B=2, T=T, H=2, K=32, V=16, r=r, mask_kind=mask_kind, with_state=with_state
+    )
+    g_ref = loss_and_grads(functools.partial(run, "reference"), inputs)
+    g_got = loss_and_grads(functools.partial(run, implementation, 16), inputs)
+    assert set(g_got) == set(g_ref)
+    for name in g_ref:
+      assert g_got[name].shape == inputs[name].shape, name
+      assert g_got[name].dtype == inputs[name].dtype, name
+      assert_close(g_got[name], g_ref[name], GRAD_TOLERANCE[jnp.float32], f"d{name}")
+
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  def test_gradients_half_precision(self, dtype):
+    implementation = self.implementation
+    inputs = make_inputs(12, B=1, T=40, H=2, K=32, V=32, r=2, mask_kind="head", dtype=dtype)
+    g_ref = loss_and_grads(functools.partial(run, "reference"), inputs)
+    g_got = loss_and_grads(functools.partial(run, implementation, 16), inputs)
+    for name in g_ref:
+      assert g_got[name].dtype == inputs[name].dtype, name
+      assert_close(g_got[name], g_ref[name], GRAD_TOLERANCE[dtype], f"d{name}")
+
+  def test_transformations_compose(self):
+    """value_and_grad under jit and checkpoint, and vmap over an extra leading axis."""
+    implementation = self.implementation
+    inputs = make_inputs(13, B=1, T=24, H=2, K=32, V=16, r=2, mask_kind="token")
+    names = ("q", "k", "v", "g", "beta", "mask", "initial_state")
+    args = [inputs[n] for n in names]
+
+    def loss(impl, *a):
+      o, f = gated_delta_product(
+        *a[:6], initial_state=a[6], output_final_state=True, chunk_size=16, implementation=impl
+      )
+      return jnp.sum(o * o) + jnp.sum(jnp.sin(f))
+
+    argnums = tuple(range(1, 8))
+    ref_val, ref_grads = jax.value_and_grad(loss, argnums=argnums)("reference", *args)
+    val, grads = jax.jit(
+      jax.value_and_grad(jax.checkpoint(loss, static_argnums=0), argnums=argnums), static_argnums=0
+    )(implementation, *args)
+    assert_close(val, ref_val, tol(jnp.float32), "loss")
+    for gr, ref, name in zip(grads, ref_grads, names):
+      assert_close(gr, ref, GRAD_TOLERANCE[jnp.float32], f"d{name}")
+    stacked = [jnp.stack([a, 0.5 * a]) for a in args]
+    vgrads = jax.vmap(jax.grad(functools.partial(loss, implementation), argnums=(0, 2)))(*stacked)
+    assert_close(vgrads[0][0], ref_grads[0], GRAD_TOLERANCE[jnp.float32], "vmap dq")
+    assert_close(vgrads[1][0], ref_grads[2], GRAD_TOLERANCE[jnp.float32], "vmap dv")
+
+
+class TestXla(ChunkedImplementationTests):
+  implementation = "xla"
+
+
+class TestTriton(ChunkedImplementationTests):
+  implementation = "triton"
+
+
+def test_reference_threads_the_state():
+  check_two_halves_thread_the_state("reference")
+
+
+def test_every_chunked_implementation_has_a_test_class():
+  # a new implementation in the dispatch table needs its class here
+  classes = {c.implementation for c in ChunkedImplementationTests.__subclasses__()}
+  assert classes == set(CHUNKED), (classes, CHUNKED)

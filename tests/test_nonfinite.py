@@ -2,9 +2,9 @@
 reference's result in every implementation, forward and gradients, and a nan or inf at token t
 leaves everything before t unchanged (outputs, and the gradients of a loss on them).
 
-"pallas" gets there with a guard around its kernels (gdp_jax/pallas_impl.py): one reduction
-over the inputs picks the kernels on the raw inputs or on cleaned ones with marked outputs; the
-tests here run it eagerly (a Python choice) and under jax.jit (a `lax.cond`).
+"pallas" gets there with a guard around its kernels (gdp_jax/ops/gated_delta_product/triton.py): one
+reduction over the inputs picks the kernels on the raw inputs or on cleaned ones with marked
+outputs; the tests here run it eagerly (a Python choice) and under jax.jit (a `lax.cond`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,16 @@ import numpy as np
 import pytest
 
 from gdp_jax import dispatch, gated_delta_product
-from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs, tol
+from tests.cases import (
+  GRAD_TOLERANCE,
+  assert_close,
+  general_backends,
+  loss_and_grads,
+  make_inputs,
+  tol,
+)
 
-IMPLS = dispatch.implementations("gated_delta_product")
+IMPLS = general_backends("gated_delta_product")
 T, CHUNK, BAD_T = 40, 16, 28  # token 28: second chunk, lower half of its chunk matrix
 # Exact up to float32 rounding: the bad and the clean runs share every value before BAD_T.
 SAME = 1e-6
@@ -64,7 +71,7 @@ def test_reset_matches_reference(implementation):
 def test_reset_is_a_fresh_start(implementation):
   """Independent of the reference: after g_t = -inf the outputs are those of a run that starts
   at t from a zero state."""
-  if implementation == "pallas":
+  if dispatch.is_pallas(implementation):
     pytest.skip("covered by test_reset_matches_reference (interpreted kernels are slow)")
   inputs = make_inputs(41, B=1, T=T, H=2, K=32, V=16, r=2, mask_kind="token")
   cut = 21
@@ -109,7 +116,7 @@ def spoil(inputs, name, value):
 def _cases(pallas_bad=PALLAS_BAD):
   out = []
   for impl in IMPLS:
-    for name, value in pallas_bad if impl == "pallas" else BAD:
+    for name, value in pallas_bad if dispatch.is_pallas(impl) else BAD:
       out.append(pytest.param(impl, name, value, id=f"{impl}-{name}-{value}"))
   return out
 

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from gdp_jax import dispatch, gqa_decode, paged_gqa_decode
-from pallas_kernels.inference import decode_attention, paged_decode_attention
+from pallas_kernels.triton.inference import decode_attention, paged_decode_attention
 from tests.cases import assert_close
 from tests.triton_lowering import lower_for_h200
 
-PAGED_IMPLS = list(dispatch.implementations("paged_gqa_decode"))
-DENSE_IMPLS = list(dispatch.implementations("gqa_decode"))
+PAGED_IMPLS = list(dispatch.backends("paged_gqa_decode"))
+DENSE_IMPLS = list(dispatch.backends("gqa_decode"))
 TOL = {jnp.float32: 5e-5, jnp.bfloat16: 2e-4}
 
 
@@ -301,7 +301,7 @@ def test_signature_and_docstring():
   assert all(p.annotation is not inspect.Parameter.empty for p in sig.parameters.values())
   assert "block_tables" in (paged_gqa_decode.__doc__ or "")
   assert dispatch.resolve("paged_gqa_decode", None) == (
-    "pallas" if dispatch.pallas_supported() else "xla"
+    "triton" if dispatch.pallas_supported() else "xla"
   )
 
 

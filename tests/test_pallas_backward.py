@@ -1,7 +1,7 @@
 """Pallas backward kernels and the custom_vjp: each backward stage against its jnp counterpart in
-gdp_jax/xla_backward.py, and every gradient of `implementation="pallas"` against jax.grad of the
-"reference" and "xla" implementations. On CPU the kernels run in interpret mode; on a GPU the
-same tests run compiled, plus the large shapes marked `gpu` (tests/conftest.py).
+gdp_jax/ops/gated_delta_product/xla_backward.py, and every gradient of `implementation="pallas"`
+against jax.grad of the "reference" and "xla" implementations. On CPU the kernels run in interpret
+mode; on a GPU the same tests run compiled, plus the large shapes marked `gpu` (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdp_jax import gated_delta_product, xla
-from gdp_jax import xla_backward as xb
-from pallas_kernels.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
+from gdp_jax import gated_delta_product
+from gdp_jax.ops.gated_delta_product import xla
+from gdp_jax.ops.gated_delta_product import xla_backward as xb
 from pallas_kernels.common.options import Launch
+from pallas_kernels.triton.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
 from tests.cases import (
   GRAD_TOLERANCE,
   assert_close,

@@ -1,5 +1,7 @@
-"""Pallas forward kernels: each stage against its jnp counterpart in gdp_jax/xla.py, and the whole
-`implementation="pallas"` forward against the recurrent reference.
+"""Pallas forward-stage kernels the backward reuses (cumsum, wy, chunk_h) against their jnp
+counterparts in gdp_jax/ops/gated_delta_product/xla.py, and the whole `implementation="pallas"`
+forward against the recurrent reference and through the Triton lowering (the fused kernels
+themselves: tests/test_fused_forward.py).
 
 On CPU the kernels run in interpret mode (pallas_kernels/config.py); on a GPU the same tests run the
 compiled kernels, plus the large shapes marked `gpu` (tests/conftest.py).
@@ -11,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gdp_jax import gated_delta_product, xla
+from gdp_jax import gated_delta_product
+from gdp_jax.ops.gated_delta_product import xla
 from pallas_kernels.common import cumsum
 from pallas_kernels.common.options import Launch
-from pallas_kernels.forward import chunk_h, chunk_o, kkt, solve_tril, wy
+from pallas_kernels.triton.forward import chunk_h, wy
 from tests.cases import assert_close, make_inputs, present_arrays, stage_inputs, tol
 
 STAGE_CASES = [(1, None, 32), (2, "head", 32), (4, "token", 16), (2, "shared", 16)]
@@ -33,16 +36,7 @@ def test_stages_match_xla(r, mask_kind, chunk):
       cumsum.chunk_local_cumsum(s["g_hm"], chunk, reverse=True), rev_ref, f32, "reverse cumsum"
     )
 
-  a_ref = xla.chunk_kkt(k, beta, mask, gcum, chunk)
-  assert_close(kkt.chunk_kkt(k, beta, mask, gcum, chunk=chunk, key_blocks=r), a_ref, f32, "kkt")
-  a_fused, gcum_fused = kkt.chunk_kkt(
-    k, beta, mask, s["g_hm"], chunk=chunk, key_blocks=r, from_g=True
-  )
-  assert_close(a_fused, a_ref, f32, "kkt with fused cumsum")
-  assert_close(gcum_fused, gcum, f32, "fused cumsum")
-
-  ai_ref = xla.solve_tril(a_ref, chunk * r)
-  assert_close(solve_tril.solve_tril(a_ref, chunk_rows=chunk * r), ai_ref, f32, "solve_tril")
+  ai_ref = xla.solve_tril(xla.chunk_kkt(k, beta, mask, gcum, chunk), chunk * r)
 
   w_ref, u_ref = xla.recompute_w_u(k, v, beta, mask, gcum, ai_ref, chunk)
   w, u = wy.recompute_w_u(k, v, beta, mask, gcum, ai_ref, chunk=chunk, key_blocks=r)
@@ -58,12 +52,6 @@ def test_stages_match_xla(r, mask_kind, chunk):
   assert_close(vn, vn_ref, f32, "v_new")
   assert_close(fin, fin_ref, f32, "final state")
 
-  o_ref = xla.chunk_output(s["q"], k, vn_ref, h_ref, gcum, 0.3, chunk)
-  o = chunk_o.chunk_output(
-    s["q"], k, vn_ref, h_ref, gcum, scale=0.3, chunk=chunk, key_blocks=r, launch=Launch(block_v=16)
-  )
-  assert_close(o, o_ref, f32, "o")
-
 
 def test_reverse_cumsum_within_chunks():
   g = -jnp.abs(jax.random.normal(jax.random.key(0), (2, 3, 64)))
@@ -71,18 +59,6 @@ def test_reverse_cumsum_within_chunks():
   chunks = g.reshape(2, 3, 4, 16)
   expected = jnp.flip(jnp.cumsum(jnp.flip(chunks, -1), -1), -1).reshape(g.shape)
   assert_close(rev, expected, tol(jnp.float32), "reverse cumsum")
-
-
-def test_solve_tril_is_the_inverse():
-  """(I + A) @ solve_tril(A) = I on a random strictly lower-triangular matrix (N = 64)."""
-  n = 64
-  a = jax.random.normal(jax.random.key(1), (1, 1, n, n)) * 0.2
-  a = jnp.where(jnp.tril(jnp.ones((n, n), bool), -1), a, 0.0)
-  ai = solve_tril.solve_tril(a, chunk_rows=n)
-  prod = jnp.einsum(
-    "ij,jk->ik", jnp.eye(n) + a[0, 0], ai[0, 0], precision=jax.lax.Precision.HIGHEST
-  )
-  assert_close(prod, jnp.eye(n), 1e-5, "(I + A) Ai")
 
 
 def run(implementation, precision="ieee", **inputs):
@@ -121,7 +97,6 @@ def test_float32_precisions_on_gpu(precision, bound):
   assert_close(o, o_ref, bound, f"o at precision {precision}")
 
 
-@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize(
   "r,mask_kind,K,V,dtype",
   [
@@ -131,21 +106,21 @@ def test_float32_precisions_on_gpu(precision, bound):
     (8, "shared", 32, 24, jnp.bfloat16),
   ],
 )
-def test_forward_lowers_to_triton(monkeypatch, r, mask_kind, K, V, dtype, fused):
-  """Every forward kernel goes through the Pallas Triton lowering for an H200 (no GPU needed):
-  the fused forward (chunk_fwd, chunk_state_output) and the five-kernel one."""
+def test_forward_lowers_to_triton(monkeypatch, r, mask_kind, K, V, dtype):
+  """The forward that ships goes through the Pallas Triton lowering for an H200 (no GPU needed):
+  chunk_fwd (block merge; diagonal inverse "auto": TF32 squaring at the default precision) and
+  chunk_state_output, with the default options."""
   from pallas_kernels.common import options
   from tests.triton_lowering import lower_for_h200
 
   # (the non-finite guard's second branch would lower the same kernels again)
-  opts = options.DEFAULT.replace(fused=fused, nonfinite_guard=False)
+  opts = options.DEFAULT.replace(nonfinite_guard=False)
   inputs = make_inputs(8, B=1, T=64, H=2, K=K, V=V, r=r, mask_kind=mask_kind, dtype=dtype)
   names, avals = present_arrays(inputs)
 
   def fwd(*arrays):
-    return run("pallas", options=opts, **dict(zip(names, arrays)))
+    return run("pallas", precision=None, options=opts, **dict(zip(names, arrays)))
 
   modules = lower_for_h200(monkeypatch, fwd, *avals)
-  # fused: chunk_fwd, chunk_state_output; else kkt (+cumsum), solve_tril, wy, chunk_h, chunk_o
-  assert len(modules) == (2 if fused else 5)
+  assert len(modules) == 2  # chunk_fwd, chunk_state_output
   assert all("tt.func" in m for m in modules)

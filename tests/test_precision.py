@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gdp_jax import gated_delta_product, pallas_impl
+from gdp_jax import gated_delta_product
+from gdp_jax.ops.gated_delta_product import triton as gdp_triton
 from pallas_kernels.common import options
 from pallas_kernels.common.backend import resolve_precision
 from tests.cases import assert_close, make_inputs, tol
@@ -50,13 +51,13 @@ def test_bad_precision_is_a_clear_error():
 
 def test_precision_reaches_the_kernel_options(monkeypatch):
   seen = []
-  core = pallas_impl._gdp_core
+  core = gdp_triton._gdp_core
 
   def spy(*args):
     seen.append(args[-1].precision)
     return core(*args)
 
-  monkeypatch.setattr(pallas_impl, "_gdp_core", spy)
+  monkeypatch.setattr(gdp_triton, "_gdp_core", spy)
   inputs = make_inputs(1, B=1, T=16, H=1, K=16, V=16, r=1, mask_kind=None)
   o_ref, _ = gated_delta_product(**inputs, implementation="reference")
   for given in (None, "highest", "ieee"):

@@ -88,7 +88,8 @@ def _kept_json():
 @pytest.mark.parametrize("path", _kept_json(), ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_kept_results_carry_their_provenance(path):
   res = json.loads(path.read_text())
-  date = res.get("date") or res.get("started") or res.get("created")
+  env = res.get("env") if isinstance(res.get("env"), dict) else {}
+  date = res.get("date") or res.get("started") or res.get("created") or env.get("date")
   assert date and re.match(r"20\d\d-\d\d-\d\d", str(date)), f"{path.name}: no date"
   jax_version = res.get("jax_version") or res.get("jax") or (res.get("env") or {}).get("jax")
   assert jax_version, f"{path.name}: no jax version"
@@ -96,7 +97,7 @@ def test_kept_results_carry_their_provenance(path):
     {k: res.get(k) for k in ("device_kind", "device", "gpu", "gpu_name", "env", "backend")}
   )
   assert "H200" in gpu or "h200" in path.name, f"{path.name}: no GPU named"
-  command = res.get("command")
+  command = res.get("command") or env.get("command")
   assert command, f"{path.name}: no command"
   assert not MACHINE_PATHS.search(str(command)), f"{path.name}: {command!r}"
 
@@ -104,9 +105,23 @@ def test_kept_results_carry_their_provenance(path):
 def _test_functions():
   names = set()
   for path in (ROOT / "tests").glob("test_*.py"):
-    for node in ast.parse(path.read_text()).body:
+    body = ast.parse(path.read_text()).body
+    classes = {node.name: node for node in body if isinstance(node, ast.ClassDef)}
+
+    def methods(cls):  # its own test methods and those of its base classes in the same file
+      own = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+      for base in cls.bases:
+        if isinstance(base, ast.Name) and base.id in classes:
+          own |= methods(classes[base.id])
+      return own
+
+    for node in body:
       if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
         names.add(f"tests/{path.name}::{node.name}")
+      elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+        for method in methods(node):
+          if method.startswith("test"):
+            names.add(f"tests/{path.name}::{node.name}::{method}")
   return names
 
 

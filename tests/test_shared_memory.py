@@ -66,13 +66,11 @@ _PLAN = argparse.Namespace(
 )
 MATRIX = sorted({(c.dtype, c.K, c.V, c.r, c.precision or "tf32") for c in gpu_matrix.plan(_PLAN)})
 
-# Kernels whose tiles alone exceed an H200's 227 KB by the estimate, whatever the launch: they
-# have no V tile or pipeline to shrink (kkt holds Kw and Kb of a whole chunk: at float32, K = 256
-# and r = 8, a chunk of 128 rows). The operator cannot run them there (use "xla"). The backward's
-# bwd_wy and bwd_dqkwg walk K and V in pieces and fit everywhere in the matrix.
-H200_TOO_LARGE = {
-  "kkt": {("f32", 256, v, 8) for v in (64, 256)},
-}
+# Kernels whose tiles alone exceed an H200's 227 KB by the estimate, whatever the launch: none of
+# the kernels that ship (the five-kernel forward's kkt did at float32, K = 256, r = 8; removed,
+# docs/performance.md#variants-removed). The backward's bwd_wy and bwd_dqkwg walk K and V in
+# pieces and fit everywhere in the matrix.
+H200_TOO_LARGE: dict[str, set[tuple]] = {}
 # ... of which these only at precision="ieee" (none now).
 H200_TOO_LARGE_IEEE_ONLY: set[tuple] = set()
 
@@ -120,7 +118,9 @@ def test_heuristic_never_exceeds_a_device_where_a_launch_fits(name):
     )
     too_large += len(_fits_or_cannot(opts, dtype, K, V, r, device))
   if DEVICES[name][1] >= 227 * KB:
-    assert too_large  # the float32 kkt at K = 256, r = 8 fits nowhere
+    assert too_large == 0  # every kernel of every matrix shape fits on an H100 / H200 / B200
+  else:
+    assert too_large  # the smaller GPUs: the float32 backward at large K and V fits nowhere
 
 
 def test_h200_too_large_is_exactly_the_list():
@@ -153,7 +153,7 @@ def test_h200_keeps_the_tuned_defaults_for_half_precision(dtype, r):
 @pytest.mark.parametrize(
   "r,changed",
   [
-    # measured on an H200: the five-kernel forward and the backward compile with the defaults at
+    # measured on an H200: the backward compiles with the defaults at
     # r = 1, 2, 4; the fused state/output kernel was never run in float32 there, and Triton 3.9
     # puts it at 338 KB (r = 1) and 185 KB (r = 2) with 3 stages
     (1, {"chunk_state_output": options.Launch(num_warps=4, num_stages=1, block_v=64)}),
@@ -190,11 +190,8 @@ def test_smaller_gpus_get_smaller_launches():
 TRITON_3_9 = [
   ("chunk_fwd", "bf16", "tf32", 90, 1, 128, 128, 64, 2, 1, None, 8192),
   ("chunk_state_output", "bf16", "tf32", 90, 1, 128, 128, 64, 4, 3, 64, 174080),
-  ("kkt", "bf16", "tf32", 90, 1, 128, 128, 64, 4, 2, None, 32768),
-  ("solve_tril", "bf16", "tf32", 90, 1, 128, 128, 64, 1, 2, None, 1024),
   ("wy", "bf16", "tf32", 90, 1, 128, 128, 64, 4, 2, None, 24576),
   ("chunk_h", "bf16", "tf32", 90, 1, 128, 128, 64, 4, 3, 64, 123904),
-  ("chunk_o", "bf16", "tf32", 90, 1, 128, 128, 64, 4, 2, 128, 49152),
   ("bwd_dv_local", "bf16", "tf32", 90, 1, 128, 128, 64, 4, 2, None, 49152),
   ("bwd_dhu", "bf16", "tf32", 90, 1, 128, 128, 64, 4, 2, 64, 115200),
   # bwd_dqkwg, bwd_wy with their default K pieces (BLOCK_K) and V pieces of 64
@@ -223,20 +220,14 @@ TRITON_3_9 = [
   ("bwd_dqkwg", "bf16", "tf32", 90, 1, 256, 256, 64, 8, 2, 64, 65568),
   ("chunk_fwd", "bf16", "tf32", 90, 2, 128, 128, 32, 2, 1, None, 8192),
   ("chunk_state_output", "bf16", "tf32", 90, 2, 128, 128, 32, 4, 3, 64, 99328),
-  ("kkt", "bf16", "tf32", 90, 2, 128, 128, 32, 4, 2, None, 32768),
-  ("solve_tril", "bf16", "tf32", 90, 2, 128, 128, 32, 1, 2, None, 1024),
   ("wy", "bf16", "tf32", 90, 2, 128, 128, 32, 4, 2, None, 24576),
   ("chunk_h", "bf16", "tf32", 90, 2, 128, 128, 32, 4, 3, 64, 78336),
-  ("chunk_o", "bf16", "tf32", 90, 2, 128, 128, 32, 4, 2, 128, 40960),
   ("bwd_dv_local", "bf16", "tf32", 90, 2, 128, 128, 32, 4, 2, None, 16384),
   ("bwd_dhu", "bf16", "tf32", 90, 2, 128, 128, 32, 4, 2, 64, 78080),
   ("chunk_fwd", "bf16", "tf32", 90, 4, 128, 128, 16, 2, 1, None, 8192),
   ("chunk_state_output", "bf16", "tf32", 90, 4, 128, 128, 16, 4, 3, 64, 68096),
-  ("kkt", "bf16", "tf32", 90, 4, 128, 128, 16, 4, 2, None, 32768),
-  ("solve_tril", "bf16", "tf32", 90, 4, 128, 128, 16, 1, 2, None, 1024),
   ("wy", "bf16", "tf32", 90, 4, 128, 128, 16, 4, 2, None, 24576),
   ("chunk_h", "bf16", "tf32", 90, 4, 128, 128, 16, 4, 3, 64, 59648),
-  ("chunk_o", "bf16", "tf32", 90, 4, 128, 128, 16, 4, 2, 128, 36864),
   ("bwd_dv_local", "bf16", "tf32", 90, 4, 128, 128, 16, 4, 2, None, 8192),
   ("bwd_dhu", "bf16", "tf32", 90, 4, 128, 128, 16, 4, 2, 64, 24704),
   ("chunk_state_output", "f32", "tf32", 90, 1, 128, 128, 64, 4, 3, 64, 346112),
@@ -254,11 +245,8 @@ TRITON_3_9 = [
   ("chunk_h", "f32", "ieee", 90, 1, 128, 128, 64, 4, 3, 64, 197632),
   ("wy", "f32", "ieee", 90, 1, 128, 128, 64, 4, 2, None, 49152),
   ("bwd_dv_local", "f32", "ieee", 90, 1, 128, 128, 64, 4, 2, None, 98304),
-  ("kkt", "f32", "ieee", 90, 1, 256, 256, 64, 4, 2, None, 131072),
-  ("solve_tril", "f32", "ieee", 90, 1, 256, 256, 64, 1, 2, None, 2048),
   ("wy", "f32", "ieee", 90, 1, 256, 256, 64, 4, 2, None, 81920),
   ("chunk_h", "f32", "ieee", 90, 1, 256, 256, 64, 4, 3, 64, 361472),
-  ("chunk_o", "f32", "ieee", 90, 1, 256, 256, 64, 4, 2, 128, 196608),
   ("chunk_state_output", "bf16", "tf32", 80, 1, 128, 128, 64, 4, 3, 64, 133120),
   ("chunk_h", "bf16", "tf32", 80, 1, 128, 128, 64, 4, 3, 64, 99328),
   ("bwd_dhu", "bf16", "tf32", 80, 1, 128, 128, 64, 4, 2, 64, 57856),
@@ -297,7 +285,7 @@ def test_every_kernel_has_an_estimate_and_bad_names_are_errors():
   with pytest.raises(ValueError, match="kernel must be one of"):
     sm.tiles("chunk_x", problem)
   with pytest.raises(ValueError, match="divide dim_k"):
-    sm.tiles("kkt", sm.Problem(r=3, dim_k=64, dim_v=64, chunk=16, dtype=jnp.bfloat16))
+    sm.tiles("wy", sm.Problem(r=3, dim_k=64, dim_v=64, chunk=16, dtype=jnp.bfloat16))
   decode = sm.shared_memory_bytes(
     "gqa_decode", options.DecodeOptions(), r=1, dim_k=128, dim_v=128, chunk=4, dtype=jnp.bfloat16
   )

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gdp_jax import gated_delta_product, gated_delta_product_step
-from pallas_kernels.inference import recurrent_step as step_kernel
+from pallas_kernels.triton.inference import recurrent_step as step_kernel
 from tests.cases import assert_close, make_inputs, np_gated_delta_rule, tol
 from tests.triton_lowering import lower_for_h200
 

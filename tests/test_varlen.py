@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gdp_jax import gated_delta_product, varlen, xla, xla_backward
+from gdp_jax import gated_delta_product
 from gdp_jax.layers import GatedDeltaProduct
-from gdp_jax.operator import normalize_mask
+from gdp_jax.ops.gated_delta_product import varlen, xla, xla_backward
+from gdp_jax.ops.validation import normalize_mask
 from tests.cases import (
   GRAD_TOLERANCE,
   assert_close,
@@ -301,34 +302,36 @@ def test_default_implementation_with_cu_seqlens(monkeypatch):
   from gdp_jax import dispatch
 
   monkeypatch.setattr(dispatch, "default_implementation", lambda device=None: "pallas")
-  assert dispatch.resolve("gated_delta_product", None) == "pallas"
+  assert dispatch.resolve("gated_delta_product", None) == "triton"
   inputs = packed_inputs(7, (3, 9), r=1, mask_kind=None)
   cu = cu_of((3, 9))
   calls = []
   original = dispatch.entry
-  monkeypatch.setattr(dispatch, "entry", lambda f, i: calls.append((f, i)) or original(f, i))
+  monkeypatch.setattr(
+    dispatch, "entry", lambda f, i, **c: calls.append((f, i)) or original(f, i, **c)
+  )
   o, final = gated_delta_product(**inputs, cu_seqlens=cu, output_final_state=True)
-  assert calls == [("gated_delta_product_varlen", "pallas")]
+  assert calls == [("gated_delta_product_varlen", "triton")]
   o_none, none = gated_delta_product(**{**inputs, "initial_state": None}, cu_seqlens=cu)
   assert none is None and o_none.shape == o.shape == inputs["v"].shape
 
 
 # ---- the Pallas kernels' packed form --------------------------------------------------------
 
-# (r, mask kind, H, HV, chunk_size, fused, backward, lengths): the fused forward (chunk_fwd and
-# chunk_state_output reading the packed row in place) and the five-kernel one (chunk_h, on the
-# chunk-aligned copy), the backward's recompute (chunk_h) and walk (bwd_dhu); BT = 16. LENGTHS
+# (r, mask kind, H, HV, chunk_size, backward, lengths): the forward (chunk_fwd and
+# chunk_state_output reading the packed row in place), the backward's recompute (chunk_h) and
+# walk (bwd_dhu); BT = 16. LENGTHS
 # leave two unused chunks at the end of the layout (NT = 7, 5 used); with an empty first and
 # last sequence added, four (NT = 9).
 PALLAS_CASES = [
-  (2, "token", 1, 2, 16, True, "pallas", (0, *LENGTHS, 0)),
-  (1, None, 2, 2, 64, False, "pallas", LENGTHS),
-  (1, "head", 2, 2, 16, True, "xla", LENGTHS),
+  (2, "token", 1, 2, 16, "pallas", (0, *LENGTHS, 0)),
+  (1, None, 2, 2, 64, "pallas", LENGTHS),
+  (1, "head", 2, 2, 16, "xla", LENGTHS),
 ]
 
 
-@pytest.mark.parametrize("r,mask_kind,H,HV,chunk,fused,backward,lengths", PALLAS_CASES)
-def test_pallas_packed_equals_xla_packed(r, mask_kind, H, HV, chunk, fused, backward, lengths):
+@pytest.mark.parametrize("r,mask_kind,H,HV,chunk,backward,lengths", PALLAS_CASES)
+def test_pallas_packed_equals_xla_packed(r, mask_kind, H, HV, chunk, backward, lengths):
   """implementation="pallas" with cu_seqlens (interpreted) equals "xla": outputs, final states
   and the gradient of every input (initial_state included, with a final-state cotangent), over
   lengths 0, 1, the chunk and off the chunk grid (the layout at the kernels' BT = 16 while the
@@ -338,7 +341,7 @@ def test_pallas_packed_equals_xla_packed(r, mask_kind, H, HV, chunk, fused, back
   inputs = packed_inputs(11, lengths, H=H, HV=HV, r=r, mask_kind=mask_kind)
   cu = cu_of(lengths)
   empty = [n for n, length in enumerate(lengths) if length == 0]
-  extra = dict(options=DEFAULT.replace(fused=fused, precision="ieee"), backward=backward)
+  extra = dict(options=DEFAULT.replace(precision="ieee"), backward=backward)
   pallas = lambda kw: gated_delta_product(
     **kw, **extra, cu_seqlens=cu, output_final_state=True, chunk_size=chunk, implementation="pallas"
   )
@@ -371,8 +374,8 @@ def test_pallas_state_walks_run_each_sequence_apart():
   d initial state its dfinal. The interpreter fills unwritten outputs with nan, so a skipped chunk
   fails; and with the table cut after the 27 tokens the 9 tokens' rows of o stay nan (no masked
   store wrote past its sequence)."""
-  from pallas_kernels.backward import bwd_dhu
-  from pallas_kernels.forward import chunk_h, chunk_state_output
+  from pallas_kernels.triton.backward import bwd_dhu
+  from pallas_kernels.triton.forward import chunk_h, chunk_state_output
 
   chunk, r, K, V = 16, 1, 16, 16
   lengths = (0, 27, 9, 0)
@@ -461,8 +464,8 @@ def test_pallas_state_walks_with_table_lower_to_triton(monkeypatch, r, dtype):
   states, chunk_h, bwd_dhu: a grid over the sequences, loops with traced bounds, the unused
   chunks' step) through the Pallas Triton lowering for an H200; NT = 5 and N = 3 are not powers
   of two."""
-  from pallas_kernels.backward import bwd_dhu
-  from pallas_kernels.forward import chunk_h, chunk_state_output
+  from pallas_kernels.triton.backward import bwd_dhu
+  from pallas_kernels.triton.forward import chunk_h, chunk_state_output
   from tests.triton_lowering import lower_for_h200
 
   S = jax.ShapeDtypeStruct
@@ -504,10 +507,9 @@ def test_chunk_fwd_in_place_equals_padded_copy():
   """chunk_fwd reading k, v, g and beta of the packed row in place with its per-chunk table
   (varlen.chunk_tokens; interpreted) gives exactly what it gives on the chunk-aligned copy:
   gamma, w, u and Ai, over empty sequences, one token, a sequence ending mid-chunk followed by
-  another and the unused chunks; merge="panels" (the default "blocks" in place: the operator's
-  tests above), grouped value heads and a per-token mask. (chunk_state_output in place:
-  test_pallas_state_walks_run_each_sequence_apart.)"""
-  from pallas_kernels.forward import chunk_fwd
+  another and the unused chunks, grouped value heads and a per-token mask. (chunk_state_output
+  in place: test_pallas_state_walks_run_each_sequence_apart.)"""
+  from pallas_kernels.triton.forward import chunk_fwd
 
   r, H, HV = 2, 1, 2
 
@@ -524,7 +526,7 @@ def test_chunk_fwd_in_place_equals_padded_copy():
   # per token, in the chunk-aligned layout for both
   mask = varlen.pack(jax.random.uniform(keys[4], (1, T, HV, r, r)), lay)
   hm = lambda x: jnp.moveaxis(x, 1, 2)  # [1, T, H] -> [1, H, T]
-  fwd = dict(key_blocks=r, chunk=16, precision="ieee", save_ai=True, merge="panels")
+  fwd = dict(key_blocks=r, chunk=16, precision="ieee", save_ai=True)
   want = chunk_fwd.chunk_fwd(
     padded["k"], padded["v"], hm(padded["g"]), hm(padded["beta"]), mask, **fwd
   )
@@ -542,10 +544,10 @@ def test_chunk_fwd_in_place_equals_padded_copy():
 def test_fused_kernels_in_place_lower_to_triton(monkeypatch, r, dtype, T, N, H, HV, per_token):
   """chunk_fwd with its per-chunk table and chunk_state_output in place (masked loads of the
   packed row at traced offsets, masked stores of o) through the Pallas Triton lowering for an
-  H200: the benchmark's shape (bf16, 8 x 4096 tokens in 64 sequences, H = 16, K = V = 128,
-  merge="blocks"), and T = 200 (not a multiple of the chunk) with grouped heads and a per-token
-  mask at r = 2 (merge="panels")."""
-  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+  H200, as they ship (default precision and inverse): the benchmark's shape (bf16, 8 x 4096
+  tokens in 64 sequences, H = 16, K = V = 128), and T = 200 (not a multiple of the chunk) with
+  grouped heads and a per-token mask at r = 2."""
+  from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output
   from tests.triton_lowering import lower_for_h200
 
   S = jax.ShapeDtypeStruct
@@ -558,12 +560,11 @@ def test_fused_kernels_in_place_lower_to_triton(monkeypatch, r, dtype, T, N, H, 
   rows_k, rows_v = S((1, HV, tp * r, K), dtype), S((1, HV, tp * r, V), dtype)
   gamma, h0 = S((1, HV, tp), jnp.float32), S((N, HV, K, V), jnp.float32)
   chunks, seqs = S((2, nt), jnp.int32), S((4, N), jnp.int32)
-  merge = "panels" if per_token else "blocks"
 
   def fused(q, k, v, g, beta, mask, chunks, w, u, gamma, h0, seqs):
     common = dict(key_blocks=r, chunk=chunk)
     outs = [
-      chunk_fwd.chunk_fwd(k, v, g, beta, mask, save_ai=save, table=chunks, merge=merge, **common)
+      chunk_fwd.chunk_fwd(k, v, g, beta, mask, save_ai=save, table=chunks, **common)
       for save in (False, True)
     ]
     for save in (False, True):
@@ -581,18 +582,19 @@ def test_fused_kernels_in_place_lower_to_triton(monkeypatch, r, dtype, T, N, H, 
 
 def test_pallas_packed_forward_makes_no_copies():
   """The fused packed forward (a call without gradient) gathers no float array: q, k, v, g, beta
-  and o stay in the packed row (the layout's tables are int gathers); the five-kernel forward
-  still gathers them into the chunk-aligned layout (which shows the check can fail)."""
+  and o stay in the packed row (the layout's tables are int gathers); the backward gathers them
+  into the chunk-aligned layout (which shows the check can fail)."""
   from pallas_kernels.common.options import DEFAULT
 
   inputs = packed_inputs(3, (5, 11, 0, 20), H=2, r=1, mask_kind=None)
   cu = cu_of((5, 11, 0, 20))
 
-  def float_gathers(fused):
-    options = DEFAULT.replace(fused=fused)
-    run = lambda kw: gated_delta_product(
-      **kw, cu_seqlens=cu, chunk_size=16, implementation="pallas", options=options
+  def float_gathers(grad):
+    call = lambda kw: gated_delta_product(
+      **kw, cu_seqlens=cu, chunk_size=16, implementation="pallas", options=DEFAULT
     )
+    loss = lambda kw: call(kw)[0].astype(jnp.float32).sum()
+    run = jax.grad(loss) if grad else call
     found = []
 
     def walk(jaxpr):
@@ -610,12 +612,12 @@ def test_pallas_packed_forward_makes_no_copies():
     walk(jax.make_jaxpr(run)(inputs).jaxpr)
     return found
 
-  assert float_gathers(True) == []
-  assert len(float_gathers(False)) >= 6  # q, k, v, g, beta in, o out
+  assert float_gathers(False) == []
+  assert len(float_gathers(True)) >= 6  # the backward: q, k, v, g, beta, do in
 
 
 def test_in_place_kernels_reject_bad_tables():
-  from pallas_kernels.forward import chunk_fwd, chunk_state_output
+  from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output
 
   T, tp, K = 20, 48, 16
   k, w = jnp.zeros((1, T, 1, K)), jnp.zeros((1, 1, tp, K))

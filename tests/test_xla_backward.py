@@ -1,6 +1,7 @@
-"""`gdp_jax.xla_backward`: each backward stage and their composition against `jax.vjp` of the
-corresponding forward stages of `gdp_jax.xla` (float32, tight), plus padded tokens, strong decay
-and one check against the recurrent reference's gradients."""
+"""`gdp_jax.ops.gated_delta_product.xla_backward`: each backward stage and their composition against
+`jax.vjp` of the corresponding forward stages of `gdp_jax.ops.gated_delta_product.xla` (float32,
+tight), plus padded tokens, strong decay and one check against the recurrent reference's
+gradients."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdp_jax import reference, xla
-from gdp_jax import xla_backward as xb
-from gdp_jax.operator import normalize_mask
+from gdp_jax.ops.gated_delta_product import reference, xla
+from gdp_jax.ops.gated_delta_product import xla_backward as xb
+from gdp_jax.ops.validation import normalize_mask
 from tests.cases import GRAD_TOLERANCE, assert_close, cotangents, make_inputs, tol
 
 TOL = tol(jnp.float32)  # 2e-5 relative (max-norm): the stages agree to ~1e-6

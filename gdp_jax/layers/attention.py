@@ -11,7 +11,6 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from gdp_jax import dispatch
-from gdp_jax.decode import gqa_decode
 from gdp_jax.layers.common import (
   ATTENTION_IMPLS,
   Linear,
@@ -24,6 +23,7 @@ from gdp_jax.layers.common import (
   _check_x,
   f32,
 )
+from gdp_jax.ops.gqa_decode.api import gqa_decode
 
 
 class KVCache(NamedTuple):

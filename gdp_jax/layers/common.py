@@ -8,17 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+# The log-decay g given to the operator at a document's first token (packed documents, see
+# `GatedDeltaProduct.__call__` and docs/train_lm.md): the operator's reset value.
+from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY  # noqa: F401
+
 MASK_MODES = ("static", "token", "ones", "rotation", "householder")
 KEY_NORMS = ("block", "full")
 ATTENTION_IMPLS = ("xla", "flash")
 f32 = jnp.float32
-# The log-decay g given to the operator at a document's first token (packed documents, see
-# `GatedDeltaProduct.__call__` and docs/train_lm.md): exp(g) = exp(-112) underflows to exactly 0
-# in float32 (below the smallest subnormal, 1.4e-45, from g < -103.3), so the state carried in is
-# multiplied by an exact zero, while the chunk's float32 cumulative sum of g stays below 128 in
-# magnitude (ulp 7.6e-6) for the tokens after it. g = -inf would give NaN (inf - inf) in the
-# chunked forms' gamma_t - gamma_s.
-RESET_LOG_DECAY = -112.0
 
 
 def l2norm(x, axis=-1, eps=1e-6):

@@ -12,7 +12,6 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from gdp_jax import dispatch, varlen
-from gdp_jax.householder import householder_delta_product, householder_delta_product_step
 from gdp_jax.layers.common import (
   KEY_NORMS,
   MASK_MODES,
@@ -31,12 +30,9 @@ from gdp_jax.layers.common import (
 )
 from gdp_jax.layers.masks import block_mask, rotation_mask
 from gdp_jax.layers.short_conv import ShortConv
-from gdp_jax.operator import (
-  CHUNK_SIZES,
-  check_cu_seqlens,
-  check_cu_seqlens_values,
-  gated_delta_product,
-)
+from gdp_jax.ops.gated_delta_product.api import gated_delta_product
+from gdp_jax.ops.householder.api import householder_delta_product, householder_delta_product_step
+from gdp_jax.ops.validation import CHUNK_SIZES, check_cu_seqlens, check_cu_seqlens_values
 from gdp_jax.sharding import (
   ShardingConfig,
   sharded_gated_delta_product,
@@ -530,7 +526,7 @@ class GatedDeltaProduct(nnx.Module):
     has it (an explicit "pallas" runs the kernels' packed form, docs/varlen.md), else None
     (the operator's default); the Householder form has no Pallas packed path."""
     names = dispatch.implementations("gated_delta_product_varlen")
-    if self.mask_mode == "householder" and self.implementation == "pallas":
+    if self.mask_mode == "householder" and dispatch.is_pallas(self.implementation):
       return None
     return self.implementation if self.implementation in names else None
 

@@ -4,9 +4,9 @@
 precision and, per stage, the Triton launch parameters (warps, pipeline stages, V tile). It is
 frozen (hashable: it can be a static argument of `jax.jit` and of `jax.custom_vjp`).
 `heuristic_options(...)` picks it from the problem (r, K, V, dtype) and the device (SM count,
-shared memory); callers override single fields with `dataclasses.replace`. The defaults below
-come from the H200 sweeps kept in `benchmarks/results/` (see docs/kernels.md for the command that
-chose each one).
+shared memory); callers override single fields with `dataclasses.replace`. The default launches
+are the ones measured fastest on an H200, read from pallas_kernels/triton/tuning/h200.json (with
+the command and date of each; docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from pallas_kernels.common import backend, shared_memory
+from pallas_kernels.common import backend, shared_memory, tuning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,11 @@ def pieces(launch: Launch, block_cols: int, dim_v: int) -> tuple[int, int]:
       f"{launch.block_v} must divide V = {dim_v}"
     )
   return bk, bv
+
+
+def _tuned(kernel: str) -> Launch:
+  """The launch of `kernel` measured on an H200 (the defaults on every GPU)."""
+  return Launch(**tuning.launch(kernel))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,32 +108,26 @@ class KernelOptions:
 
   precision: float32 matmuls: "tf32", "tf32x3" or "ieee" (docs/precision.md). Half-precision
     operands always run on the tensor cores with float32 accumulation.
-  fused: the forward as two fused kernels (chunk_fwd, chunk_state_output) or as the five-kernel
-    pipeline (kkt, solve_tril, wy, chunk_h, chunk_o); chunk_fwd_merge / chunk_fwd_inverse pick
-    the fused kernel's variants (pallas_kernels/forward/chunk_fwd.py).
   nonfinite_guard: check the outputs and, when one is not finite, run again on cleaned inputs
     so that a nan or inf at token t changes nothing before t (docs/precision.md#non-finite-inputs;
-    about 6% of the r = 1 forward and 12% of forward + backward on an H200). False skips it: a
-    non-finite input may then also spoil the earlier tokens of its chunk.
+    its cost: docs/performance.md). False skips it: a non-finite input may then also spoil the
+    earlier tokens of its chunk.
+  chunk_fwd_inverse: how chunk_fwd inverts its diagonal blocks (pallas_kernels/triton/forward/
+    chunk_fwd.py; "auto" by the precision).
   Each stage field is the `Launch` of the kernel of the same name (docs/kernels.md).
   """
 
   precision: str = "tf32"
   nonfinite_guard: bool = True
-  fused: bool = True
-  chunk_fwd: Launch = Launch(num_warps=2, num_stages=1)
-  chunk_fwd_merge: str = "blocks"
+  chunk_fwd: Launch = _tuned("chunk_fwd")
   chunk_fwd_inverse: str = "auto"
-  chunk_state_output: Launch = Launch(num_warps=4, num_stages=3, block_v=64)
-  kkt: Launch = Launch(num_warps=4)
-  solve_tril: Launch = Launch(num_warps=1)
-  wy: Launch = Launch(num_warps=4)
-  chunk_h: Launch = Launch(num_warps=4, num_stages=3, block_v=64)
-  chunk_o: Launch = Launch(num_warps=4, num_stages=2, block_v=128)
-  bwd_dv_local: Launch = Launch(num_warps=4)
-  bwd_dhu: Launch = Launch(num_warps=4, num_stages=1, block_v=64)
-  bwd_dqkwg: Launch = Launch(num_warps=4, num_stages=2, block_v=64, block_k=64)
-  bwd_wy: Launch = Launch(num_warps=4, num_stages=2, block_v=128, block_k=64)
+  chunk_state_output: Launch = _tuned("chunk_state_output")
+  wy: Launch = _tuned("wy")
+  chunk_h: Launch = _tuned("chunk_h")
+  bwd_dv_local: Launch = _tuned("bwd_dv_local")
+  bwd_dhu: Launch = _tuned("bwd_dhu")
+  bwd_dqkwg: Launch = _tuned("bwd_dqkwg")
+  bwd_wy: Launch = _tuned("bwd_wy")
 
   def __post_init__(self):
     if self.precision not in backend.PRECISIONS:
@@ -140,24 +139,16 @@ class KernelOptions:
 
 DEFAULT = KernelOptions()
 
-# DEFAULT's backward launches come from H200 sweeps at r = 1 (`python benchmarks/profile_stages.py
-# --rs 1 --launch-sweep bwd_wy,bwd_dqkwg --warps 4,8 --num-stages 2 --block-v 32,64,128
-# --block-k 32,64,128`: bwd_wy 0.59 vs 1.44 ms, bwd_dqkwg 0.82 vs 1.28 ms with 8 warps;
-# benchmarks/results/h200_2026-11-29_bwd_launch_sweep2.json) and at r = 2, 4 (`--rs 2,4
-# --launch-sweep bwd_wy,bwd_dqkwg --warps 4,8 --num-stages 2 --block-v 64,128 --block-k 32,64`:
-# the same launches are the fastest there, bwd_wy 1.11 / 2.54 ms vs 2.68 / 5.30 with 8 warps;
-# h200_2026-11-29_bwd_launch_sweep_r24.json).
-
-
-# The most tokens per chunk the operator gives the kernels for r key blocks (gdp_jax.pallas_impl:
-# BT = min(chunk_size, 64 // r), at least 16); the tiles only shrink with a smaller chunk.
+# The most tokens per chunk the operator gives the kernels for r key blocks
+# (gdp_jax.ops.gated_delta_product.triton: BT = min(chunk_size, 64 // r), at least 16); the tiles
+# only shrink with a smaller chunk.
 MAX_CHUNK_ROWS = 64
 
 
 def operator_problem(*, r: int, dim_k: int, dim_v: int, dtype, precision: str = "tf32"):
   """The tile sizes the operator's kernels see for q, k [.., K], v [.., V] and r key blocks: each
-  key block and V padded to a power of two >= 16 (gdp_jax.pallas_impl.padded_dims) and the
-  largest chunk (MAX_CHUNK_ROWS)."""
+  key block and V padded to a power of two >= 16
+  (gdp_jax.ops.gated_delta_product.triton.padded_dims) and the largest chunk (MAX_CHUNK_ROWS)."""
   dkp = max(16, 1 << max(dim_k // r - 1, 0).bit_length())
   vp = max(16, 1 << max(dim_v - 1, 0).bit_length())
   chunk = max(16, MAX_CHUNK_ROWS // r)
@@ -166,28 +157,25 @@ def operator_problem(*, r: int, dim_k: int, dim_v: int, dtype, precision: str = 
   )
 
 
-# Measured beats estimated: kernels that compiled and ran on an H200 (compute capability 9.0,
-# 227 KB per block; jaxlib 0.11.2's Triton) with their DEFAULT launch at K = V = 128, for
-# (dtype, float32 precision, r); benchmarks/results/ and docs/performance.md. The estimate follows
-# Triton 3.9, which allocates more than that Triton for float32 TF32 (it puts chunk_h and bwd_dhu
-# of r = 1 above 227 KB), so the heuristic keeps these launches on such a GPU. (bwd_dqkwg and
-# bwd_wy were measured before they walked K and V in pieces; Triton 3.9 gives their pieces less
-# than half the shared memory of the whole tiles.)
-_H200_MEASURED = {
-  ("bfloat16", "tf32", r): shared_memory.OPERATOR_KERNELS for r in (1, 2, 4)
-} | {  # float32: the five-kernel forward and the backward (the fused forward not yet)
-  ("float32", "tf32", r): shared_memory.FORWARD_UNFUSED + shared_memory.BACKWARD for r in (1, 2, 4)
-}
-
-
 def _measured_on_h200(problem, device: DeviceInfo) -> tuple[str, ...]:
-  """The kernels whose default launch is known to compile on `device` for `problem`."""
-  if device.compute_capability != (9, 0) or device.shared_memory_per_block < 227 * 1024:
-    return ()
-  if (problem.dim_k, problem.dim_v) != (128, 128):
+  """The kernels whose default launch compiled and ran on an H200 for `problem` (the tuning
+  table's "compiled" entries), when `device` is that kind of GPU: measured beats estimated."""
+  table = tuning.table()
+  gpu = table["gpu"]
+  if (
+    device.compute_capability != tuple(gpu["compute_capability"])
+    or device.shared_memory_per_block < gpu["shared_memory_per_block"]
+  ):
     return ()
   precision = problem.precision if problem.dtype == jnp.float32 else "tf32"
-  return _H200_MEASURED.get((jnp.dtype(problem.dtype).name, precision, problem.r), ())
+  for entry in table["compiled"]["value"]:
+    if (
+      (entry["dtype"], entry["precision"]) == (jnp.dtype(problem.dtype).name, precision)
+      and problem.r in entry["r"]
+      and (problem.dim_k, problem.dim_v) == (entry["dim_k"], entry["dim_v"])
+    ):
+      return tuple(entry["kernels"])
+  return ()
 
 
 def _candidates(launch: Launch, dim_v: int):
@@ -207,7 +195,7 @@ def _candidates(launch: Launch, dim_v: int):
         yield dataclasses.replace(launch, num_stages=stages, block_v=bv)
 
 
-def fit_launch(kernel: str, launch: Launch, problem, device: DeviceInfo, merge="blocks"):
+def fit_launch(kernel: str, launch: Launch, problem, device: DeviceInfo):
   """(launch, estimated bytes): the first candidate launch of `kernel` whose estimated shared
   memory (pallas_kernels/common/shared_memory.py) fits the device's per-block limit, or the
   smallest candidate when none does."""
@@ -222,7 +210,6 @@ def fit_launch(kernel: str, launch: Launch, problem, device: DeviceInfo, merge="
       block=cand.block_v,
       block_k=cand.block_k,
       wgmma=wgmma,
-      merge=merge,
     )
     if size <= device.shared_memory_per_block:
       return cand, size
@@ -272,9 +259,9 @@ def heuristic_options(
   Starts from the H200 defaults (`DEFAULT`) and, kernel by kernel, takes the first launch whose
   estimated shared memory per block (pallas_kernels/common/shared_memory.py, at the operator's
   padded tiles and largest chunk) fits `device.shared_memory_per_block`: fewer pipeline stages,
-  then narrower V tiles, then no pipelining. Launches measured to compile on an H200
-  (`_H200_MEASURED`) are kept there whatever the estimate says. Warps are left as tuned (they
-  hardly change shared memory). A kernel that fits with no launch (its tiles alone are too
+  then narrower V tiles, then no pipelining. Launches measured to compile on an H200 (the tuning
+  table's "compiled" entries) are kept there whatever the estimate says. Warps are left as tuned
+  (they hardly change shared memory). A kernel that fits with no launch (its tiles alone are too
   large: e.g. the float32 backward at K = V = 256) keeps the smallest one and is logged as a
   warning: it will not compile on this GPU, and implementation="xla" is the way there.
   """
@@ -287,8 +274,7 @@ def heuristic_options(
     if kernel in measured:
       continue
     launch = getattr(opts, kernel)
-    merge = opts.chunk_fwd_merge if kernel == "chunk_fwd" else "blocks"
-    fitted, size = fit_launch(kernel, launch, problem, device, merge)
+    fitted, size = fit_launch(kernel, launch, problem, device)
     if fitted != launch:
       changes[kernel] = fitted
     if size > device.shared_memory_per_block:
@@ -319,40 +305,46 @@ def heuristic_options(
   return opts
 
 
+_DECODE = tuning.launch("decode")
+_STEP = tuning.launch("step")
+_PAGED = tuning.launch("paged_decode")
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
-  """Launch parameters of the grouped-query decode kernel (pallas_kernels/inference)."""
+  """Launch parameters of the grouped-query decode kernel (pallas_kernels/triton/inference).
+  programs_per_sm: enough programs for a few waves and a short tail."""
 
-  block_s: int = 64
-  num_warps: int = 4
-  num_stages: int = 3
-  programs_per_sm: int = 16  # enough programs for a few waves and a short tail
-  min_blocks_per_split: int = 4
+  block_s: int = _DECODE["block_s"]
+  num_warps: int = _DECODE["num_warps"]
+  num_stages: int = _DECODE["num_stages"]
+  programs_per_sm: int = _DECODE["programs_per_sm"]
+  min_blocks_per_split: int = _DECODE["min_blocks_per_split"]
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
-  """Launch parameters of the recurrent step kernel (pallas_kernels/inference).
+  """Launch parameters of the recurrent step kernel (pallas_kernels/triton/inference).
 
   num_stages has no effect on this kernel (it has no dots,
   so Triton's pipeliner leaves it alone); it is kept for a uniform launch interface.
   """
 
-  block_v: int = 64
-  num_warps: int = 4
-  num_stages: int = 1
+  block_v: int = _STEP["block_v"]
+  num_warps: int = _STEP["num_warps"]
+  num_stages: int = _STEP["num_stages"]
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedDecodeOptions:
-  """Launch parameters of the paged grouped-query decode kernel (pallas_kernels/inference).
+  """Launch parameters of the paged grouped-query decode kernel (pallas_kernels/triton/inference).
 
   block_s: cache rows per inner iteration, gathered through the block table (a block may span
   several pages, or a part of one); the other fields as in DecodeOptions.
   """
 
-  block_s: int = 64
-  num_warps: int = 4
-  num_stages: int = 3
-  programs_per_sm: int = 16
-  min_blocks_per_split: int = 4
+  block_s: int = _PAGED["block_s"]
+  num_warps: int = _PAGED["num_warps"]
+  num_stages: int = _PAGED["num_stages"]
+  programs_per_sm: int = _PAGED["programs_per_sm"]
+  min_blocks_per_split: int = _PAGED["min_blocks_per_split"]

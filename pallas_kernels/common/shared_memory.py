@@ -48,15 +48,14 @@ import jax.numpy as jnp
 # Safety margin over the tile count (see the module docstring).
 MARGIN = 1.1
 SLACK = 4 * 1024
-BLOCK = 16  # rows of the inverse's diagonal blocks (chunk_fwd, solve_tril)
+BLOCK = 16  # rows of the inverse's diagonal blocks (chunk_fwd)
 F32 = 4
 
 # The Pallas kernels the operator launches (the KernelOptions field of each) and the inference
 # kernels (options.DecodeOptions, options.StepOptions).
-FORWARD_FUSED = ("chunk_fwd", "chunk_state_output")
-FORWARD_UNFUSED = ("kkt", "solve_tril", "wy", "chunk_h", "chunk_o")
+FORWARD = ("chunk_fwd", "chunk_state_output")
 BACKWARD = ("wy", "chunk_h", "bwd_dv_local", "bwd_dhu", "bwd_dqkwg", "bwd_wy")
-OPERATOR_KERNELS = FORWARD_FUSED + FORWARD_UNFUSED + BACKWARD[2:]
+OPERATOR_KERNELS = FORWARD + BACKWARD
 INFERENCE_KERNELS = ("gqa_decode", "recurrent_step")
 KERNELS = OPERATOR_KERNELS + INFERENCE_KERNELS
 
@@ -111,15 +110,8 @@ class Tiles:
     return ring + max(staged, self.scratch)
 
 
-def _chunk_fwd(p: Problem, bv: int, merge: str) -> Tiles:
-  k, v, e, n = p.dim_k, p.dim_v, p.e, p.chunk * p.r
-  if merge == "panels":  # [16, N] panels against the rows above, X an [N, N] float32 tile
-    staged = max(
-      (BLOCK + n) * k * e,  # Kw_i Kb^T
-      (BLOCK * n + n * n) * F32,  # X_ii (A_i X), float32 operands
-      BLOCK * n * e + n * max(k, v) * e,  # X_i (W~), X_i (U~)
-    )
-    return Tiles(staged=staged, scratch=n * n * F32)
+def _chunk_fwd(p: Problem, bv: int) -> Tiles:
+  k, v, e = p.dim_k, p.dim_v, p.e
   # 16 x 16 blocks: Kw_i Kb_j^T, X_ij W~_j, X_ij U~_j, and the float32 merge products.
   staged = max(
     2 * BLOCK * k * e, BLOCK * BLOCK * e + BLOCK * max(k, v) * e, 2 * BLOCK * BLOCK * F32
@@ -127,7 +119,7 @@ def _chunk_fwd(p: Problem, bv: int, merge: str) -> Tiles:
   return Tiles(staged=staged, scratch=BLOCK * max(k, v) * F32)
 
 
-def _chunk_state_output(p: Problem, bv: int, merge: str) -> Tiles:
+def _chunk_state_output(p: Problem, bv: int) -> Tiles:
   bt, k, r, e = p.chunk, p.dim_k, p.r, p.e
   return Tiles(
     rows=bt,
@@ -140,7 +132,7 @@ def _chunk_state_output(p: Problem, bv: int, merge: str) -> Tiles:
   )
 
 
-def _chunk_h(p: Problem, bv: int, merge: str) -> Tiles:
+def _chunk_h(p: Problem, bv: int) -> Tiles:
   bt, k, r, e = p.chunk, p.dim_k, p.r, p.e
   return Tiles(
     rows=bt,
@@ -151,35 +143,19 @@ def _chunk_h(p: Problem, bv: int, merge: str) -> Tiles:
   )
 
 
-def _chunk_o(p: Problem, bv: int, merge: str) -> Tiles:
-  bt, k, dk, e = p.chunk, p.dim_k, p.dim_k // p.r, p.e
-  staged = max(bt * k * e + k * bv * e, 2 * bt * dk * e, bt * bt * e + bt * bv * e)
-  return Tiles(staged=staged, scratch=bt * bv * F32)
-
-
-def _kkt(p: Problem, bv: int, merge: str) -> Tiles:
-  n = p.chunk * p.r
-  return Tiles(staged=2 * n * p.dim_k * p.e, scratch=n * n * F32)
-
-
-def _solve_tril(p: Problem, bv: int, merge: str) -> Tiles:
-  # 16 x 16 float32 block products; the substitution loop has no dot (not pipelined).
-  return Tiles(staged=2 * BLOCK * BLOCK * F32, scratch=BLOCK * BLOCK * F32)
-
-
-def _wy(p: Problem, bv: int, merge: str) -> Tiles:
+def _wy(p: Problem, bv: int) -> Tiles:
   n, wide = p.chunk * p.r, max(p.dim_k, p.dim_v)
   return Tiles(staged=n * n * p.e + n * wide * p.e, scratch=n * wide * F32)  # Ai, then W~ / U~
 
 
-def _bwd_dv_local(p: Problem, bv: int, merge: str) -> Tiles:
+def _bwd_dv_local(p: Problem, bv: int) -> Tiles:
   bt, dk, e = p.chunk, p.dim_k // p.r, p.e
   # do [BT, V] stays across the key blocks; q_a k_a^T, then P_a^T do
   staged = bt * p.dim_v * e + max(2 * bt * dk * e, bt * bt * e)
   return Tiles(staged=staged, scratch=bt * p.dim_v * F32)
 
 
-def _bwd_dhu(p: Problem, bv: int, merge: str) -> Tiles:
+def _bwd_dhu(p: Problem, bv: int) -> Tiles:
   bt, k, r, e = p.chunk, p.dim_k, p.r, p.e
   return Tiles(
     rows=bt,
@@ -192,7 +168,7 @@ def _bwd_dhu(p: Problem, bv: int, merge: str) -> Tiles:
   )
 
 
-def _bwd_dqkwg(p: Problem, bv: int, merge: str, bk: int) -> Tiles:
+def _bwd_dqkwg(p: Problem, bv: int, bk: int) -> Tiles:
   bt, n, e = p.chunk, p.chunk * p.r, p.e
   # one program per BK key columns; the V loop loads do, v_new_a [BT, BV], h, dh [BK, BV] and
   # dv_new [N, BV] (pipelined, and staged again for the dots: float32 operands are), then
@@ -206,7 +182,7 @@ def _bwd_dqkwg(p: Problem, bv: int, merge: str, bk: int) -> Tiles:
   )
 
 
-def _bwd_wy(p: Problem, bv: int, merge: str, bk: int) -> Tiles:
+def _bwd_wy(p: Problem, bv: int, bk: int) -> Tiles:
   n, e = p.chunk * p.r, p.e
   # Ai [N, N] stays, with one [N, N] operand (X, Ai^T X or beta G) and the pieces of one step:
   # du, U~ [N, BV], or dw, Kw (or W~), Kb [N, BK] (no loop with a dot: nothing pipelined)
@@ -214,7 +190,7 @@ def _bwd_wy(p: Problem, bv: int, merge: str, bk: int) -> Tiles:
   return Tiles(staged=staged, scratch=n * max(bk, bv) * F32)
 
 
-def _gqa_decode(p: Problem, block_s: int, merge: str) -> Tiles:
+def _gqa_decode(p: Problem, block_s: int) -> Tiles:
   # problem: dim_k = D, chunk = G (query heads per cache head), dtype = the cache's dtype
   gp, dp = max(16, _pow2(p.chunk)), max(16, _pow2(p.dim_k))
   cache = jnp.dtype(p.dtype).itemsize
@@ -225,7 +201,7 @@ def _gqa_decode(p: Problem, block_s: int, merge: str) -> Tiles:
   return Tiles(pipelined=2 * block_s * dp * cache, staged=staged, scratch=gp * dp * F32)
 
 
-def _recurrent_step(p: Problem, bv: int, merge: str) -> Tiles:
+def _recurrent_step(p: Problem, bv: int) -> Tiles:
   # no dot: column reductions of the [K, BV] state tile only
   kp = max(16, _pow2(p.dim_k))
   return Tiles(scratch=kp * bv * F32)
@@ -238,11 +214,8 @@ def _pow2(x: int) -> int:
 _TILES: dict[str, Callable[..., Tiles]] = {
   "chunk_fwd": _chunk_fwd,
   "chunk_state_output": _chunk_state_output,
-  "kkt": _kkt,
-  "solve_tril": _solve_tril,
   "wy": _wy,
   "chunk_h": _chunk_h,
-  "chunk_o": _chunk_o,
   "bwd_dv_local": _bwd_dv_local,
   "bwd_dhu": _bwd_dhu,
   "bwd_dqkwg": _bwd_dqkwg,
@@ -262,7 +235,6 @@ def tiles(
   *,
   block: int | None = None,
   block_k: int | None = None,
-  merge="blocks",
 ) -> Tiles:
   """The tile count of `kernel` (bytes, before the margin). `block`: its V tile (block_v; the
   decode kernel's block_s), None for the whole V; `block_k`: its K piece (SPLIT_K kernels)."""
@@ -276,8 +248,8 @@ def tiles(
   if kernel in SPLIT_K:
     dk = problem.dim_k // problem.r
     bk = dk if block_k is None else min(block_k, dk)
-    return _TILES[kernel](problem, bv, merge, bk)
-  return _TILES[kernel](problem, bv, merge)
+    return _TILES[kernel](problem, bv, bk)
+  return _TILES[kernel](problem, bv)
 
 
 def estimate_bytes(
@@ -289,14 +261,13 @@ def estimate_bytes(
   block: int | None = None,
   block_k: int | None = None,
   wgmma: bool = True,
-  merge: str = "blocks",
 ) -> int:
   """Estimated shared memory per thread block of one kernel launch, safety margin included.
 
   wgmma: the device has Hopper's warpgroup MMA (compute capability 9.0; unknown devices count as
   having it, the larger figure).
   """
-  t = tiles(kernel, problem, block=block, block_k=block_k, merge=merge)
+  t = tiles(kernel, problem, block=block, block_k=block_k)
   return int(MARGIN * t.bytes(num_stages, num_warps, wgmma)) + SLACK
 
 
@@ -341,7 +312,6 @@ def shared_memory_bytes(
   if kernel not in OPERATOR_KERNELS:
     raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
   launch = getattr(options, kernel)
-  merge = getattr(options, "chunk_fwd_merge", "blocks") if kernel == "chunk_fwd" else "blocks"
   return estimate_bytes(
     kernel,
     problem,
@@ -350,13 +320,12 @@ def shared_memory_bytes(
     block=launch.block_v,
     block_k=launch.block_k,
     wgmma=wgmma,
-    merge=merge,
   )
 
 
 def operator_report(options, *, r, dim_k, dim_v, chunk, dtype, device=None) -> dict[str, int]:
-  """Estimated bytes of every kernel the operator can launch with `options` (forward fused and
-  five-kernel, backward), by kernel name."""
+  """Estimated bytes of every kernel the operator launches with `options` (forward and backward),
+  by kernel name."""
   return {
     name: shared_memory_bytes(
       name, options, r=r, dim_k=dim_k, dim_v=dim_v, chunk=chunk, dtype=dtype, device=device

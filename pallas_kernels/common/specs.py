@@ -1,8 +1,9 @@
 """BlockSpecs shared by the kernels. Chunk-parallel kernels have the grid (chunk t, batch b,
 head h).
 
-Layouts (see gdp_jax/xla.py): q, k [B, Tp, H, K]; v [B, Tp, H, V]; per-token scalars [B, H, Tp];
-mask [Bm, Tm, Hm, r, r] broadcast against [B, Tp, H, r, r]; chunk matrices [B, H, Tp*r, N].
+Layouts (see gdp_jax/ops/gated_delta_product/xla.py): q, k [B, Tp, H, K]; v [B, Tp, H, V]; per-token
+scalars [B, H, Tp]; mask [Bm, Tm, Hm, r, r] broadcast against [B, Tp, H, r, r]; chunk matrices [B,
+H, Tp*r, N].
 
 Grouped value heads (docs/varlen.md#grouped-value-heads): a kernel whose grid runs over the HV
 value heads reads q and k [B, Tp, HV / group, K] at key head h // group (`group` of the token

@@ -1,0 +1,185 @@
+"""`implementation="mosaic_gpu"` (opt-in): the Mosaic GPU forward kernels for Hopper
+(pallas_kernels/mosaic_gpu/, docs/implementations.md#mosaic-gpu) behind one `jax.custom_vjp`.
+
+The forward runs `pallas_kernels.mosaic_gpu.forward.forward` on the normalised inputs of
+gdp_jax/ops/gated_delta_product/api.py. There is no Mosaic GPU backward yet: the backward
+recomputes the forward with the Triton implementation (gdp_jax/ops/gated_delta_product/triton.py)
+and returns its vjp, so a gradient costs one extra Triton forward on top of the Triton backward.
+
+What the kernels take, and what this implementation refuses with a ValueError that points to
+"triton": q, k, v in bfloat16 or float16; K = 64 or 128; r in 1, 2, 4, 8; no grouped value heads
+(HV = H); no packed sequences (cu_seqlens). The kernels use chunks of 64 // r tokens whatever
+`chunk_size` is (it only sets the operator's time padding and the Triton backward's chunk).
+
+Off a GPU (or with GDP_PALLAS_INTERPRET=1, pallas_kernels/common/backend.py) the kernels run in
+jax's Mosaic GPU interpreter, with the plain state walk unless `walk` says otherwise: the
+warp-specialised walk's three warpgroups run as threads of XLA's CPU pool and starve on a machine
+with fewer than three cores (tests/test_mosaic_gpu.py). Compiled, they need an sm_90 GPU (H100,
+H200).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation
+from gdp_jax.ops.gated_delta_product.triton import TritonGatedDeltaProduct, _run_scaled
+from pallas_kernels.common.backend import interpret_mode
+from pallas_kernels.common.options import KernelOptions
+from pallas_kernels.mosaic_gpu import forward as mosaic_forward
+from pallas_kernels.mosaic_gpu.common import SUPPORTED_DTYPES, SUPPORTED_R
+
+SUPPORTED_KEY_DIMS = (64, 128)
+COMPUTE_CAPABILITY = (9, 0)  # what the compiled kernels target (wgmma, TMA)
+USE_TRITON = 'use implementation="triton"'
+
+
+def check_supported(q, k, v, mask) -> None:
+  """A ValueError naming the argument for what the Mosaic GPU forward cannot take."""
+  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    raise ValueError(
+      f'q, k, v: dtype {jnp.dtype(q.dtype).name}; implementation="mosaic_gpu" takes bfloat16 '
+      f"or float16 only; {USE_TRITON} (or cast the inputs)"
+    )
+  if v.shape[2] != q.shape[2]:
+    raise ValueError(
+      f"v: {v.shape[2]} value heads for {q.shape[2]} key heads (grouped value heads, v shape "
+      f'{tuple(v.shape)}, q shape {tuple(q.shape)}); implementation="mosaic_gpu" needs HV = H; '
+      f"{USE_TRITON}"
+    )
+  r = mask.shape[-1]
+  if r not in SUPPORTED_R:
+    raise ValueError(
+      f'mask: r = {r} key blocks; implementation="mosaic_gpu" takes r in {SUPPORTED_R}; '
+      f"{USE_TRITON}"
+    )
+  if q.shape[-1] not in SUPPORTED_KEY_DIMS:
+    raise ValueError(
+      f'q, k: K = {q.shape[-1]} (q shape {tuple(q.shape)}); implementation="mosaic_gpu" '
+      f"takes K in {SUPPORTED_KEY_DIMS}; {USE_TRITON}"
+    )
+
+
+def _check_device() -> None:
+  """Compiled kernels need an sm_90 GPU; lowering for cuda from a CPU is left alone."""
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return
+  try:
+    capability = tuple(int(x) for x in str(device.compute_capability).split(".")[:2])
+  except (AttributeError, TypeError, ValueError):
+    capability = None
+  if capability != COMPUTE_CAPABILITY:
+    raise ValueError(
+      f'implementation="mosaic_gpu" compiles for compute capability 9.0 (H100, H200); this '
+      f"device is {device.device_kind} with compute capability "
+      f"{getattr(device, 'compute_capability', 'unknown')}; {USE_TRITON}"
+    )
+
+
+def _kernel_mask(mask, batch, t_len, heads):
+  """The normalised mask [Bm, Tm, Hm, r, r] in a shape forward.py reads: [r, r] when shared,
+  [H, r, r] per head, else [B, T, H, r, r]."""
+  bm, tm, hm, r, _ = mask.shape
+  if bm == 1 and tm == 1:
+    return mask[0, 0, 0] if hm == 1 else mask[0, 0]
+  return jnp.broadcast_to(mask, (batch, t_len, heads, r, r))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _mosaic_gdp(q, k, v, g, beta, mask, h0, scale, chunk_size, impl):
+  """(o, final) from the Mosaic GPU forward; the vjp is the Triton implementation's."""
+  del chunk_size  # the kernels' chunk is 64 // r tokens
+  interpret = impl.interpret if impl.interpret is not None else interpret_mode()
+  if not interpret:
+    _check_device()
+  walk = impl.walk if (impl.walk is not None or not interpret) else "plain"
+  batch, t_len, heads = v.shape[:3]
+  return mosaic_forward.forward(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    _kernel_mask(mask, batch, t_len, heads),
+    scale=scale,
+    initial_state=h0,
+    output_final_state=True,
+    walk=walk,
+    interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
+
+
+def _mosaic_gdp_fwd(q, k, v, g, beta, mask, h0, scale, chunk_size, impl):
+  out = _mosaic_gdp(q, k, v, g, beta, mask, h0, scale, chunk_size, impl)
+  return out, (q, k, v, g, beta, mask, h0)
+
+
+def _mosaic_gdp_bwd(scale, chunk_size, impl, residuals, cotangents):
+  # No Mosaic GPU backward yet: recompute with the Triton forward and use its vjp.
+  _, vjp = jax.vjp(lambda *x: impl.triton()(*x, scale, chunk_size), *residuals)
+  return vjp(cotangents)
+
+
+_mosaic_gdp.defvjp(_mosaic_gdp_fwd, _mosaic_gdp_bwd)
+
+
+def _forward(q, k, v, g, beta, mask, initial_state, scale, chunk_size, *, impl):
+  return _mosaic_gdp(q, k, v, g, beta, mask, initial_state, scale, chunk_size, impl)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
+  """The Mosaic GPU forward kernels (Hopper) with the Triton implementation's backward.
+
+  Opt-in: "pallas" and None do not pick it (gdp_jax/ops/dispatch.py says why). Gradients
+  recompute the forward with the Triton kernels and use their vjp: one extra Triton forward.
+
+  options, precision, nonfinite_guard, backward: the Triton backward's config, as in
+    `TritonGatedDeltaProduct` (the Mosaic forward takes half-precision inputs only and has no
+    float32 matmuls to set; it has no non-finite guard: docs/implementations.md#mosaic-gpu).
+  walk: the forward's state walk ("ws", "plain"), None for forward.py's choice (compiled) or
+    "plain" (interpreted; the module docstring says why).
+  interpret: None follows pallas_kernels/common/backend.py (the Mosaic GPU interpreter off a
+    GPU); False lowers the kernels for the GPU, True interprets them.
+  """
+
+  name: ClassVar[str] = "mosaic_gpu"
+  summary: ClassVar[str] = (
+    "Pallas Mosaic GPU forward for Hopper, Triton backward (opt-in; interpreted off a GPU)"
+  )
+  platforms: ClassVar[tuple[str, ...]] = ("gpu",)
+  pallas: ClassVar[bool] = True
+
+  options: KernelOptions | None = None
+  precision: str | None = None
+  nonfinite_guard: bool | None = None
+  backward: str = "pallas"
+  walk: str | None = None
+  interpret: bool | None = None
+
+  def triton(self) -> TritonGatedDeltaProduct:
+    """The Triton implementation with this one's backward config (what the backward runs)."""
+    return TritonGatedDeltaProduct(
+      options=self.options,
+      precision=self.precision,
+      nonfinite_guard=self.nonfinite_guard,
+      backward=self.backward,
+    )
+
+  def __call__(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+    check_supported(q, k, v, mask)
+    args = (q, k, v, g, beta, mask, initial_state)
+    return _run_scaled(_forward, args, scale, (chunk_size,), dict(impl=self))
+
+  def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
+    raise ValueError(
+      f"cu_seqlens: packed sequences (cu_seqlens shape {tuple(cu_seqlens.shape)}) are not "
+      f'supported by implementation="mosaic_gpu"; {USE_TRITON}'
+    )

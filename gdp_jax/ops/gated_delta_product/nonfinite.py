@@ -1,0 +1,102 @@
+"""Non-finite inputs stay causal: a `nan` or `inf` at token t changes nothing before t
+(docs/precision.md#non-finite-inputs).
+
+The chunked form mixes the tokens of a chunk in its matrix products, where `0 * nan = nan` would
+carry a bad value at token t to the earlier tokens of its chunk (forward) and, through the
+cotangents, to the gradients of the earlier tokens (backward). The "reference" and "xla"
+implementations therefore run on cleaned inputs and mark the affected outputs afterwards, with
+selects only (`jnp.where`), never multiplications by a zero mask:
+
+1. `clean`: every non-finite entry of q, k, v, beta and the mask becomes 0, a `nan` or `+inf` log
+   decay g becomes 0 (`g = -inf` is a legitimate reset and is kept; the implementations handle it
+   exactly). The computation then sees finite values only.
+2. `mark`: per batch row and head, the state is non-finite from the first token whose k, v, g,
+   beta or mask is bad, as in the recurrence, so the outputs from that token on and the final
+   state are set to `nan`; a bad q spoils only its own token's output.
+
+Before the first bad token the result is the clean computation's, exactly; from it on the result
+is `nan`, where the recurrence gives `nan` or `inf`. The gradient of a loss on the outputs before
+the first bad token is the clean computation's gradient: the select sends a zero cotangent to the
+marked outputs, and the cleaned inputs make every product in the backward finite.
+
+"pallas" keeps its kernels as they are and guards them (gdp_jax/ops/gated_delta_product/triton.py):
+one reduction over the raw run's outputs; when they are finite that run is the answer, else steps 1
+and 2 wrap a second run, forward and backward (`mark_cotangents`, `clean_gradients`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Marks(NamedTuple):
+  """Where the outputs are non-finite. o: [B, T, H] bool; final: [B, H] bool."""
+
+  o: jax.Array
+  final: jax.Array
+
+
+def _finite(x):
+  return jnp.isfinite(x)
+
+
+def _bad_rows(x, batch, t_len, heads):
+  """[B, T, H, ...] (or broadcastable mask [Bm, Tm, Hm, r, r]) -> [B, T, H]: any non-finite.
+  With grouped value heads, q and k have fewer heads than H: key head j // (H // Hk) serves
+  value head j (docs/varlen.md#grouped-value-heads)."""
+  bad = ~_finite(x)
+  if bad.ndim > 3:
+    bad = jnp.any(bad, axis=tuple(range(3, bad.ndim)))
+  if bad.shape[2] not in (1, heads):
+    bad = jnp.repeat(bad, heads // bad.shape[2], axis=2)
+  return jnp.broadcast_to(bad, (batch, t_len, heads))
+
+
+def clean(q, k, v, g, beta, mask):
+  """(cleaned (q, k, v, g, beta, mask), Marks) for the operator's normalised inputs:
+  q, k [B, T, Hk, K] (Hk = H, or a divisor of H: grouped value heads); v [B, T, H, V];
+  g, beta [B, T, H]; mask [Bm, Tm, Hm, r, r]. Marks are per value head."""
+  batch, t_len, heads = v.shape[:3]
+  bad_state = (
+    _bad_rows(k, batch, t_len, heads)
+    | _bad_rows(v, batch, t_len, heads)
+    | _bad_rows(beta, batch, t_len, heads)
+    | _bad_rows(mask, batch, t_len, heads)
+    | jnp.isnan(g)
+    | (g == jnp.inf)
+  )
+  # The state is bad from the first bad token on: a running "or" over time.
+  spoiled = jax.lax.cummax(bad_state.astype(jnp.int32), axis=1).astype(bool)
+  marks = Marks(o=spoiled | _bad_rows(q, batch, t_len, heads), final=spoiled[:, -1])
+  zero = lambda x: jnp.where(_finite(x), x, jnp.zeros((), x.dtype))
+  g = jnp.where(jnp.isnan(g) | (g == jnp.inf), jnp.zeros((), g.dtype), g)
+  return (zero(q), zero(k), zero(v), g, zero(beta), zero(mask)), marks
+
+
+def mark(o, final, marks):
+  """o [B, T, H, V] and final [B, H, K, V] with the marked entries set to nan."""
+  o = jnp.where(marks.o[..., None], jnp.array(jnp.nan, o.dtype), o)
+  final = jnp.where(marks.final[..., None, None], jnp.array(jnp.nan, final.dtype), final)
+  return o, final
+
+
+def mark_cotangents(do, dfinal, marks):
+  """The vjp of `mark`: zero cotangents for the marked outputs (dfinal may be None)."""
+  do = jnp.where(marks.o[..., None], jnp.zeros((), do.dtype), do)
+  if dfinal is not None:
+    dfinal = jnp.where(marks.final[..., None, None], jnp.zeros((), dfinal.dtype), dfinal)
+  return do, dfinal
+
+
+def clean_gradients(grads, inputs):
+  """The vjp of `clean`: zero gradients where an input was non-finite (g: nan or +inf).
+
+  grads and inputs: (dq, dk, dv, dg, dbeta, dmask) and (q, k, v, g, beta, mask)."""
+  out = []
+  for name, d, x in zip(("q", "k", "v", "g", "beta", "mask"), grads, inputs):
+    keep = ~(jnp.isnan(x) | (x == jnp.inf)) if name == "g" else _finite(x)
+    out.append(jnp.where(keep, d, jnp.zeros((), d.dtype)))
+  return tuple(out)

@@ -1,0 +1,651 @@
+"""`implementation="triton"` (what "pallas" resolves to today): the chunked form
+(docs/chunked_form.md) as Pallas kernels (pallas_kernels/triton/, docs/kernels.md).
+
+Inputs arrive validated and padded in time by `gdp_jax.ops.gated_delta_product.api`. Here they are
+also padded in the feature axes so every kernel tile is a power of two of at least 16 (the Triton
+dot's minimum): each key block of dk = K / r columns to dkp, and V to Vp, with zeros, which
+changes nothing (a zero key column never touches the state; a zero value column stays zero).
+
+The pallas chunk: a chunk of BT tokens makes [BT*r, BT*r] chunk matrices that live in registers,
+so the kernels use BT = min(chunk_size, 64 // r) tokens, at least 16 (64 for r = 1, 32 for r = 2,
+16 for r = 4 and 8): at most 64 rows, 128 for r = 8. The result is the same function; only
+rounding differs.
+
+The forward is two fused kernels (docs/kernels.md "Fused forward kernels"): chunk_fwd (cumsum,
+KKT, inverse, w and u per chunk) and chunk_state_output (the state walk with the output). A call
+without gradient writes neither Ai nor h nor v_new. The backward recomputes w, u, h and v_new from
+the residuals gamma and Ai.
+
+Grouped value heads (HV value heads for H key heads, docs/varlen.md#grouped-value-heads): the
+forward kernels read key head h // (HV / H) through their index maps, so q and k stay
+[B, T, H, K] in the forward and in the residuals; the backward repeats them (`expand_key_heads`)
+and sums dq and dk over each group (`sum_key_heads`).
+
+Packed sequences (`cu_seqlens`, docs/varlen.md): the forward kernels read q, k, v, g and beta
+straight from the packed row and write o there (masked loads and stores at each chunk's tokens),
+their per-chunk intermediates in the chunk-aligned layout, the state walks one program per
+sequence; the backward gathers the inputs into the chunk-aligned layout (`varlen.pack`) and its
+results back (`varlen.unpack`).
+
+One custom_vjp (`_gdp_core`) for both forms: the packing (`_Packing`: the layout and the kernels'
+tables) is None for the plain form, and every kernel takes its table as an optional argument.
+Non-finite inputs (docs/precision.md#non-finite-inputs): a thin guard around it (`_gdp_guarded`)
+runs the kernels on the raw inputs and checks their outputs (one reduction); only when those are
+not finite does it run them again on cleaned inputs and mark the outputs
+(gdp_jax/ops/gated_delta_product/nonfinite.py). `backward="xla"` puts the jnp backward of the
+chunked form behind the kernels' forward (`_pallas_forward_xla_backward`, for debugging).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from gdp_jax.ops.autodiff import raise_if_differentiated
+from gdp_jax.ops.gated_delta_product import nonfinite, varlen, xla_backward
+from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY, GatedDeltaProductImplementation
+from gdp_jax.ops.gated_delta_product.xla_backward import reduce_dmask
+from gdp_jax.ops.heads import expand_key_heads, sum_key_heads
+from pallas_kernels.common import cumsum
+from pallas_kernels.common import options as kernel_options
+from pallas_kernels.common.options import MAX_CHUNK_ROWS, KernelOptions
+from pallas_kernels.triton.backward import bwd_dhu, bwd_dqkwg, bwd_dv_local, bwd_wy
+from pallas_kernels.triton.forward import chunk_fwd, chunk_h, chunk_state_output, wy
+
+NO_HIGHER_DERIVATIVES = (
+  "gated_delta_product with implementation='pallas' supports reverse-mode first derivatives "
+  "only (jax.grad, jax.vjp, jax.value_and_grad: its backward is a custom_vjp of Pallas "
+  "kernels); forward mode (jax.jvp, jax.jacfwd, jax.linearize) and second or higher "
+  "derivatives (jax.hessian, a grad of a grad) need implementation='xla' (or 'reference'), "
+  "which JAX differentiates directly"
+)
+
+
+def pallas_chunk(chunk_size: int, r: int) -> int:
+  """Tokens per chunk the kernels use for a requested chunk size and r key blocks."""
+  return max(16, min(chunk_size, MAX_CHUNK_ROWS // r))
+
+
+def padded_dims(dim_k: int, dim_v: int, r: int) -> tuple[int, int]:
+  """(dkp, Vp): each key block and the value dimension padded to a power of two >= 16."""
+  return (max(16, pl.next_power_of_2(dim_k // r)), max(16, pl.next_power_of_2(dim_v)))
+
+
+def pad_key_blocks(x, r, dkp):
+  """[..., K] -> [..., r * dkp]: zero-pad each of the r key blocks to dkp columns."""
+  dk = x.shape[-1] // r
+  if dk == dkp:
+    return x
+  x = x.reshape(x.shape[:-1] + (r, dk))
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dkp - dk)])
+  return x.reshape(x.shape[:-2] + (r * dkp,))
+
+
+def unpad_key_blocks(x, r, dk, axis):
+  """Inverse of pad_key_blocks along `axis`."""
+  dkp = x.shape[axis] // r
+  if dk == dkp:
+    return x
+  x = jnp.moveaxis(x, axis, -1)
+  x = x.reshape(x.shape[:-1] + (r, dkp))[..., :dk]
+  return jnp.moveaxis(x.reshape(x.shape[:-2] + (r * dk,)), -1, axis)
+
+
+def _pad_last(x, size):
+  if x.shape[-1] == size:
+    return x
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+def _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, chunk_kw, walk_kw):
+  """The fused forward's two kernels (chunk_fwd, then chunk_state_output), with chunk_kw and
+  walk_kw passed to each (packed sequences: their tables). Returns (o, final, (gcum, ai))."""
+  r = mask.shape[-1]
+  prec = dict(precision=opts.precision)
+  g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)  # [B, H, Tp]
+  beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
+  out = chunk_fwd.chunk_fwd(
+    k,
+    v,
+    g_hm,
+    beta_hm,
+    mask,
+    save_ai=save_ai,
+    inverse=opts.chunk_fwd_inverse,
+    launch=opts.chunk_fwd,
+    chunk=bt,
+    key_blocks=r,
+    **chunk_kw,
+    **prec,
+  )
+  gcum, w, u = out[:3]
+  o, final = chunk_state_output.chunk_state_output(
+    q,
+    k,
+    w,
+    u,
+    gcum,
+    h0,
+    scale=scale,
+    launch=opts.chunk_state_output,
+    chunk=bt,
+    key_blocks=r,
+    **walk_kw,
+    **prec,
+  )
+  return o, final, (gcum, out[3] if save_ai else None)
+
+
+def _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai):
+  """The forward kernels on feature-padded inputs. Returns (o, final, (gcum, ai)); ai is None
+  without save_ai (a call without gradient). q and k may have fewer (key) heads than v (grouped
+  value heads). packing: None, or packed sequences (`_Packing`): the inputs are then the packed
+  row [1, T, ...], which chunk_fwd reads in place at each chunk's first token
+  (`packing.chunks`) and chunk_state_output at each sequence's (`packing.sequences`), both with
+  masked loads, and chunk_state_output writes o there; gcum and ai come back in the
+  chunk-aligned layout and only a per-token mask is gathered into it."""
+  if packing is None:
+    return _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, {}, {})
+  mask = _pack_mask(mask, packing)
+  chunks = dict(table=packing.chunks)
+  walk = dict(table=packing.sequences, in_place=True)
+  return _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, chunks, walk)
+
+
+# ---- the kernels' custom_vjp: one for the plain and the packed form --------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _gdp_core(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
+  o, final, _ = _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai=False)
+  return o, final
+
+
+def _gdp_core_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
+  # Residuals: the inputs as they came (the caller holds them anyway; q and k with their H key
+  # heads; the packed row itself, no chunk-aligned copies), gamma ([B, HV, Tp] float32) and the
+  # chunk inverses Ai ([B, HV, Tp*r, N] in the input dtype: as much memory as one [B, T, HV, N]
+  # activation), both in the chunk-aligned layout, and the packing. The backward recomputes w, u
+  # (wy.py) and h, v_new (chunk_h.py) from them.
+  forward = raise_if_differentiated(
+    lambda *a: _forward(*a, packing, scale, bt, opts, save_ai=True), NO_HIGHER_DERIVATIVES
+  )
+  o, final, (gcum, ai) = forward(q, k, v, g, beta, mask, h0)
+  return (o, final), (q, k, v, g, beta, mask, h0, gcum, ai, packing)
+
+
+def _gdp_core_bwd(scale, bt, opts, residuals, cotangents):
+  *residuals, packing = residuals
+  if packing is None:
+    backward = raise_if_differentiated(
+      functools.partial(_backward, scale, bt, opts), NO_HIGHER_DERIVATIVES
+    )
+    return (*backward(tuple(residuals), cotangents), None)
+  q, k, v, g, beta, mask, h0, gcum, ai = residuals
+  do, dfinal = cotangents
+  # the backward kernels work on the chunk-aligned layout: gather the inputs and do into it, and
+  # the gradients of the token arrays back to the packed row
+  pack = functools.partial(_pack_padded, packing=packing)
+  unpack = functools.partial(_unpack_padded, packing=packing)
+  padded = (*map(pack, (q, k, v, g, beta)), _pack_mask(mask, packing), h0, gcum, ai)
+  backward = raise_if_differentiated(
+    lambda res, cot: _backward(scale, bt, opts, res, cot, table=packing.sequences),
+    NO_HIGHER_DERIVATIVES,
+  )
+  # an empty sequence's initial state is its final state: the walks return its dfinal as its
+  # gradient (pallas_kernels/common/packed.py)
+  dq, dk, dv, dg, dbeta, dmask, dh0 = backward(padded, (pack(do), dfinal))
+  if mask.shape[1] != 1:
+    dmask = unpack(dmask)
+  return (*map(unpack, (dq, dk, dv, dg, dbeta)), dmask, dh0, None)
+
+
+def _backward(scale, bt, opts, residuals, cotangents, table=None):
+  q, k, v, g, beta, mask, h0, gcum, ai = residuals
+  do, dfinal = cotangents
+  # Grouped value heads: the backward kernels see HV heads throughout; q and k are repeated here
+  # and dq, dk summed over each group at the end.
+  key_heads, key_dtypes = q.shape[2], (q.dtype, k.dtype)
+  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
+  r = mask.shape[-1]
+  common = dict(chunk=bt, key_blocks=r)
+  prec = dict(precision=opts.precision)
+  # packed sequences: the table goes to the state walks only
+  walk = dict(common) if table is None else dict(common, table=table)
+  beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
+  w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, launch=opts.wy, **common, **prec)
+  h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, launch=opts.chunk_h, **walk, **prec)
+  dv_local = bwd_dv_local.chunk_bwd_dv_local(
+    q, k, gcum, do, scale=scale, launch=opts.bwd_dv_local, **common, **prec
+  )
+  dh, dh0, dv_new = bwd_dhu.chunk_bwd_dhu(
+    q,
+    k,
+    w,
+    gcum,
+    do,
+    dv_local,
+    dfinal.astype(jnp.float32),
+    scale=scale,
+    dh_dtype=q.dtype,
+    launch=opts.bwd_dhu,
+    **walk,
+    **prec,
+  )
+  dq, dk1, dw, dg1 = bwd_dqkwg.chunk_bwd_dqkwg(
+    q, k, v_new, gcum, h, dh, do, dv_new, scale=scale, launch=opts.bwd_dqkwg, **common, **prec
+  )
+  dk2, dv, dbeta, dmask_tok, dg2 = bwd_wy.wy_bwd(
+    k, v, beta_hm, mask, gcum, ai, dw, dv_new, launch=opts.bwd_wy, **common, **prec
+  )
+  dg = cumsum.chunk_local_cumsum(dg1 + dg2, bt, reverse=True)
+  dmask = reduce_dmask(dmask_tok, mask.shape)
+  time_major = lambda x: jnp.moveaxis(x, 1, 2)  # [B, H, Tp] -> [B, Tp, H]
+  dq, dk = (sum_key_heads(d.astype(jnp.float32), key_heads) for d in (dq, dk1 + dk2))
+  return (
+    dq.astype(key_dtypes[0]),
+    dk.astype(key_dtypes[1]),
+    dv.astype(v.dtype),
+    time_major(dg).astype(g.dtype),
+    time_major(dbeta).astype(beta.dtype),
+    dmask.astype(mask.dtype),
+    dh0.astype(h0.dtype),
+  )
+
+
+_gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
+
+
+# ---- non-finite inputs (docs/precision.md#non-finite-inputs) ---------------------------------
+#
+# Inside a chunk the kernels' products mix all its tokens, and 0 * nan = nan would carry a bad
+# token to the earlier ones (forward and backward). The guard keeps the kernels as they are and
+# checks their outputs: a non-finite input always gives a non-finite output (at its own token,
+# or in the final state: it enters the state), and what it spoils is nan, never a wrong finite
+# value. So when o and the final state are finite (the common case: one reduction over o) the
+# raw run is the answer and the backward is the kernels', with the same residuals; otherwise the
+# kernels run again on the cleaned inputs and the outputs are marked
+# (gdp_jax/ops/gated_delta_product/nonfinite.py), and the backward zeroes the marked outputs'
+# cotangents and the bad inputs' gradients, all with selects. Under jax.jit the choice is a
+# `lax.cond` in the forward (only o and the final state pass through it: passing the residuals would
+# copy them) and one in the backward, whose second branch recomputes the residuals (gamma, Ai) from
+# the cleaned inputs; the guard adds a boolean to the residuals and nothing else. An overflow
+# without a non-finite input takes the second branch too, which then marks nothing: the same result.
+
+# `KernelOptions.nonfinite_guard` (default True) turns the guard on.
+
+
+def _finite_outputs(o, final):
+  """A scalar bool: o and the final state hold no nan or inf."""
+  return jnp.logical_and(jnp.all(jnp.isfinite(o)), jnp.all(jnp.isfinite(final)))
+
+
+def _branch(ok, good, bad):
+  """good() if ok else bad(): a Python choice for a concrete ok (eager calls compile one branch
+  only), a `lax.cond` under tracing (jax.jit)."""
+  try:
+    concrete = bool(ok)
+  except jax.errors.ConcretizationTypeError:
+    return jax.lax.cond(ok, good, bad)
+  return good() if concrete else bad()
+
+
+def _guarded_forward(forward, outputs, inputs, clean):
+  """forward(inputs) -> (o, final, saved) on the raw inputs; returns (o, final, saved, ok) with
+  o and final replaced, when they are not finite (not ok), by outputs(cleaned inputs) marked nan
+  (`clean(*inputs)` -> (cleaned, marks)). Only o and the final state pass through the
+  `lax.cond`: the residuals `saved` are the raw run's (the backward's second branch recomputes
+  its own)."""
+  o, final, saved = forward(inputs)
+  ok = _finite_outputs(o, final)
+
+  def bad():
+    cleaned, marks = clean(*inputs)
+    return nonfinite.mark(*outputs(cleaned), marks)
+
+  o, final = _branch(ok, lambda: (o, final), bad)
+  return o, final, saved, ok
+
+
+def _guarded_backward(backward, recompute, inputs, saved, cotangents, clean, ok):
+  """The vjp of `_guarded_forward`: backward(inputs, saved, (do, dfinal)) -> (dq, dk, dv, dg,
+  dbeta, dmask, dh0) when ok; else on the cleaned inputs and their residuals
+  (`recompute(cleaned)`) with the marked outputs' cotangents zeroed, and zero gradients for the
+  non-finite inputs."""
+
+  def bad():
+    cleaned, marks = clean(*inputs)
+    grads = backward(cleaned, recompute(cleaned), nonfinite.mark_cotangents(*cotangents, marks))
+    return nonfinite.clean_gradients(grads[:6], inputs) + tuple(grads[6:])
+
+  return _branch(ok, lambda: tuple(backward(inputs, saved, cotangents)), bad)
+
+
+def _cleaner(packing):
+  """The guard's `clean` for the plain form, or per sequence for packed sequences."""
+  return nonfinite.clean if packing is None else _packed_cleaner(packing)
+
+
+def _core_residuals(h0, packing, scale, bt, opts):
+  """x -> (o, final, (gcum, ai)): the kernels' forward with the backward's residuals (the
+  inputs themselves are saved by the caller)."""
+
+  def run(x):
+    (o, final), residuals = _gdp_core_fwd(*x, h0, packing, scale, bt, opts)
+    return o, final, residuals[7:9]
+
+  return run
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _gdp_guarded(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
+  """`_gdp_core` causal under non-finite inputs (the section's comment); per sequence with
+  packed sequences."""
+  outputs = lambda x: _gdp_core(*x, h0, packing, scale, bt, opts)
+  forward = lambda x: (*outputs(x), ())
+  inputs = (q, k, v, g, beta, mask)
+  o, final, _, _ = _guarded_forward(forward, outputs, inputs, _cleaner(packing))
+  return o, final
+
+
+def _gdp_guarded_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
+  inputs = (q, k, v, g, beta, mask)
+  outputs = lambda x: _gdp_core(*x, h0, packing, scale, bt, opts)
+  forward = _core_residuals(h0, packing, scale, bt, opts)
+  o, final, saved, ok = _guarded_forward(forward, outputs, inputs, _cleaner(packing))
+  return (o, final), (*inputs, h0, *saved, packing, ok)
+
+
+def _gdp_guarded_bwd(scale, bt, opts, residuals, cotangents):
+  *inputs, h0, gcum, ai, packing, ok = residuals
+
+  def backward(x, saved, cot):
+    return _gdp_core_bwd(scale, bt, opts, (*x, h0, *saved, packing), cot)[:7]  # no packing
+
+  recompute = lambda x: _core_residuals(h0, packing, scale, bt, opts)(x)[2]
+  grads = _guarded_backward(
+    backward, recompute, tuple(inputs), (gcum, ai), cotangents, _cleaner(packing), ok
+  )
+  return grads + (None,)
+
+
+_gdp_guarded.defvjp(_gdp_guarded_fwd, _gdp_guarded_bwd)
+
+
+# ---- packed sequences (cu_seqlens, docs/varlen.md) -------------------------------------------
+
+
+class _Packing(NamedTuple):
+  """Packed sequences at the kernels' chunk (docs/varlen.md): the chunk-aligned layout and the
+  kernels' tables (int arrays; no gradient)."""
+
+  layout: varlen.Layout
+  sequences: jax.Array  # [4, N], `varlen.sequence_chunks`: the state walks' table
+  chunks: jax.Array  # [2, NT], `varlen.chunk_tokens`: chunk_fwd's table in place
+
+
+def _packing(cu_seqlens, t_len, bt):
+  lay = varlen.layout(cu_seqlens, t_len, bt)
+  return _Packing(lay, varlen.sequence_chunks(lay), varlen.chunk_tokens(lay))
+
+
+def _pack_padded(x, packing):
+  """[1, T, ...] -> its chunk-aligned copy [1, Tp, ...] (a gather)."""
+  return varlen.pack(x, packing.layout)
+
+
+def _unpack_padded(y, packing):
+  """[1, Tp, ...] -> the packed row [1, T, ...] (a gather)."""
+  return varlen.unpack(y, packing.layout)
+
+
+def _pack_mask(mask, packing):
+  """A per-token mask [1, T, ...] in the chunk-aligned layout (the kernels read it per chunk);
+  a broadcast one as it is."""
+  return mask if mask.shape[1] == 1 else _pack_padded(mask, packing)
+
+
+def _clean_packed(offsets, empty, q, k, v, g, beta, mask):
+  """`varlen.clean` on the packed row: a bad token marks its own sequence from it on and that
+  sequence's final state; an empty sequence's final state (its initial state) never."""
+  cleaned, marks = varlen.clean(q, k, v, g, beta, mask, offsets)
+  return cleaned, marks._replace(final=marks.final & ~empty[:, None])
+
+
+def _packed_cleaner(packing):
+  lay = packing.layout
+  return functools.partial(_clean_packed, lay.cu_seqlens, lay.empty)
+
+
+# ---- the entry points ------------------------------------------------------------------------
+
+
+def gated_delta_product_pallas(
+  q,
+  k,
+  v,
+  g,
+  beta,
+  mask,
+  initial_state,
+  scale,
+  chunk_size,
+  cu_seqlens=None,
+  *,
+  options=None,
+  backward="pallas",
+  precision=None,
+):
+  """q, k [B, Tp, H, K]; v [B, Tp, HV, V]; g, beta [B, Tp, HV]; mask [Bm, Tm, Hm, r, r];
+  initial_state [B, HV, K, V] f32 -> (o [B, Tp, HV, V] in q's dtype, final [B, HV, K, V] f32).
+
+  Differentiable in every input (jax.custom_vjp); the padding around the kernels is plain jnp.
+  options: a `KernelOptions` (precision, launch parameters); None picks the heuristic's.
+  precision: the kernels' float32 matmul precision ("tf32", "tf32x3", "ieee"); overrides
+    options.precision when given.
+  backward: "pallas" (the backward kernels) or "xla" (the jnp backward of xla_backward.py behind
+    the Pallas forward, for debugging).
+  scale: a Python number is passed to the kernels; an array (a traced scale under `jax.jit`, a
+    learned one) runs them with 1 and multiplies o afterwards (o is linear in the scale).
+  Grouped value heads (HV a multiple of H): the forward kernels read key head i // (HV // H) for
+  value head i through their index maps (no repeated copy of q and k); the backward repeats q and
+  k before its kernels and sums dq and dk over each group.
+  Non-finite inputs: a nan or inf at token t changes nothing before t, forward and gradients
+  (`_gdp_guarded`, docs/precision.md#non-finite-inputs).
+
+  cu_seqlens: None, or packed sequences (docs/varlen.md): q, k [1, T, H, K]; v [1, T, HV, V];
+  g, beta [1, T, HV]; mask [1, Tm, Hm, r, r]; initial_state [N, HV, K, V] float32; cu_seqlens
+  [N + 1] int (T not padded) -> (o [1, T, HV, V], final [N, HV, K, V]). The kernels work on the
+  chunk-aligned layout at their chunk BT (`varlen.layout`, `pallas_chunk`): the forward reads q,
+  k, v, g and beta in place in the packed row and writes o there; the backward gathers its
+  operands into that layout. The state walks (chunk_state_output, chunk_h, bwd_dhu) run one
+  program per (V tile, sequence, head) over that sequence's chunks (`varlen.sequence_chunks`,
+  pallas_kernels/common/packed.py). A non-finite input spoils its own sequence only.
+  """
+  args = (q, k, v, g, beta, mask, initial_state)
+  kw = dict(options=options, backward=backward, precision=precision)
+  return _run_scaled(_gated_delta_product_pallas, args, scale, (chunk_size, cu_seqlens), kw)
+
+
+def _run_scaled(inner, args, scale, rest, kw):
+  """inner(*args, scale, *rest, **kw): a Python-number scale goes to the kernels; an array (a
+  traced or learned scale) runs them with 1 and multiplies o afterwards (o is linear in the
+  scale). Forward-mode autodiff through the custom_vjp becomes a clear NotImplementedError."""
+  if not isinstance(scale, (int, float)):
+    o, final = _run_scaled(inner, args, 1.0, rest, kw)
+    return (o.astype(jnp.float32) * scale).astype(o.dtype), final
+  try:
+    return inner(*args, scale, *rest, **kw)
+  except TypeError as error:
+    if "forward-mode autodiff" in str(error):  # jax.jvp of a custom_vjp function
+      raise NotImplementedError(NO_HIGHER_DERIVATIVES) from error
+    raise
+
+
+def _kernel_inputs(q, k, v, g, initial_state, r, options, precision):
+  """The kernels' operands and options: q, k and the state's key blocks padded to a power of two
+  >= 16, V likewise (`padded_dims`); g clamped at RESET_LOG_DECAY; the options (the heuristic's
+  when None) at `precision` when given. Returns (q, k, v, g, h0, options)."""
+  dim_k, dim_v = q.shape[-1], v.shape[-1]
+  dkp, vp = padded_dims(dim_k, dim_v, r)
+  q = pad_key_blocks(q, r, dkp)
+  k = pad_key_blocks(k, r, dkp)
+  v = _pad_last(v, vp)
+  h0 = _pad_last(pad_key_blocks(initial_state.swapaxes(-1, -2), r, dkp).swapaxes(-1, -2), vp)
+  if options is None:
+    options = kernel_options.heuristic_options(
+      r=r, dim_k=dim_k, dim_v=dim_v, dtype=q.dtype, precision=precision or "tf32"
+    )
+  if precision is not None:
+    options = options.replace(precision=precision)
+  # A reset (g = -inf) would make the kernels' chunk-local gamma -inf and their decay differences
+  # -inf - (-inf) = nan. Clamped to RESET_LOG_DECAY its exp is still 0 in float32 (a reset), and
+  # the decays after it inside the chunk stay finite (their exponents lose about 1e-5 of
+  # precision; the kernels' own handling, docs/chunked_form.md#resets, would make it exact).
+  g = jnp.maximum(g, jnp.asarray(RESET_LOG_DECAY, g.dtype))  # (a nan g stays nan)
+  return q, k, v, g, h0, options
+
+
+def _gated_delta_product_pallas(
+  q,
+  k,
+  v,
+  g,
+  beta,
+  mask,
+  initial_state,
+  scale,
+  chunk_size,
+  cu_seqlens,
+  *,
+  options,
+  backward,
+  precision,
+):
+  if backward == "xla":
+    return _pallas_forward_xla_backward(
+      q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
+    )
+  t_len, dim_k, dim_v = q.shape[1], q.shape[-1], v.shape[-1]
+  r = mask.shape[-1]
+  bt = pallas_chunk(chunk_size, r)
+  packing = None if cu_seqlens is None else _packing(cu_seqlens, t_len, bt)
+  q, k, v, g, h0, options = _kernel_inputs(q, k, v, g, initial_state, r, options, precision)
+  core = _gdp_guarded if options.nonfinite_guard else _gdp_core
+  o, final = core(q, k, v, g, beta, mask.astype(jnp.float32), h0, packing, scale, bt, options)
+  o = o[..., :dim_v]
+  final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
+  return o, final
+
+
+# ---- backward="xla": the kernels' forward, the jnp backward (debugging) ----------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _pallas_forward_xla_backward(
+  q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
+):
+  """The Pallas forward with the jnp backward of the chunked form (`backward="xla"`; packed
+  sequences too, with cu_seqlens)."""
+  return gated_delta_product_pallas(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    mask,
+    initial_state,
+    scale,
+    chunk_size,
+    cu_seqlens,
+    options=options,
+    precision=precision,
+  )
+
+
+def _pallas_forward_xla_backward_fwd(
+  q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
+):
+  out = _pallas_forward_xla_backward(
+    q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
+  )
+  return out, (q, k, v, g, beta, mask, initial_state, cu_seqlens)
+
+
+def _pallas_forward_xla_backward_bwd(scale, chunk_size, options, precision, residuals, cotangents):
+  *primals, cu_seqlens = residuals
+  do, dfinal = cotangents
+  if cu_seqlens is None:
+    grads = xla_backward.gated_delta_product_xla_bwd(*primals, scale, chunk_size, do, dfinal)
+  else:
+    grads = xla_backward.gated_delta_product_xla_varlen_bwd(
+      *primals, scale, chunk_size, cu_seqlens, do, dfinal
+    )
+  return tuple(grads) + (None,)
+
+
+_pallas_forward_xla_backward.defvjp(
+  _pallas_forward_xla_backward_fwd, _pallas_forward_xla_backward_bwd
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonGatedDeltaProduct(GatedDeltaProductImplementation):
+  """The Pallas kernels through the Triton lowering (pallas_kernels/triton/, docs/kernels.md).
+
+  options: precision and launch parameters (`KernelOptions`); None picks them per problem and
+    device (`heuristics`).
+  precision: float32 matmul precision ("tf32", "tf32x3", "ieee"); None keeps the options'.
+  nonfinite_guard: the guard that keeps non-finite inputs causal (docs/precision.md); None keeps
+    the options' (on by default).
+  backward: "pallas" (the backward kernels) or "xla" (the jnp backward of the chunked form behind
+    the kernels' forward: a debugging switch).
+  """
+
+  name: ClassVar[str] = "triton"
+  summary: ClassVar[str] = "Pallas GPU kernels through the Triton lowering (interpreted off a GPU)"
+  platforms: ClassVar[tuple[str, ...]] = ("gpu",)
+  pallas: ClassVar[bool] = True
+
+  options: KernelOptions | None = None
+  precision: str | None = None
+  nonfinite_guard: bool | None = None
+  backward: str = "pallas"
+
+  @staticmethod
+  def heuristics(*, r: int, dim_k: int, dim_v: int, dtype, precision: str = "tf32"):
+    """The launch configuration for a problem on the default device (options.heuristic_options)."""
+    return kernel_options.heuristic_options(
+      r=r, dim_k=dim_k, dim_v=dim_v, dtype=dtype, precision=precision
+    )
+
+  def _options(self, q, v, mask):
+    options = self.options
+    if self.nonfinite_guard is not None:
+      if options is None:
+        options = self.heuristics(
+          r=mask.shape[-1],
+          dim_k=q.shape[-1],
+          dim_v=v.shape[-1],
+          dtype=q.dtype,
+          precision=self.precision or "tf32",
+        )
+      options = options.replace(nonfinite_guard=self.nonfinite_guard)
+    return dict(options=options, backward=self.backward, precision=self.precision)
+
+  def __call__(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+    config = self._options(q, v, mask)
+    return gated_delta_product_pallas(
+      q, k, v, g, beta, mask, initial_state, scale, chunk_size, **config
+    )
+
+  def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
+    config = self._options(q, v, mask)
+    return gated_delta_product_pallas(
+      q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens, **config
+    )

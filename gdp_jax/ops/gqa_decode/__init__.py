@@ -1,0 +1,1 @@
+"""Grouped-query attention decode over a dense or a paged KV cache (docs/inference.md)."""

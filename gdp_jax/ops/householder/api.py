@@ -1,0 +1,349 @@
+"""The Householder form of the gated delta product: DeltaProduct (Siems et al. 2025).
+
+Each token applies `n_h` rank-1 (generalised Householder) delta steps to the state, each with its
+own key, value and write strength; the token's log-decay is applied once, before its first step,
+and the output is read after its last step. Per batch row and head, for token t with sub-steps
+j = 0 .. n_h - 1 (sub-step index i = t * n_h + j):
+
+    S <- exp(g_t) S                                      (before j = 0 only)
+    S <- S + beta_i k_i (v_i - k_i^T S)^T                (j = 0 .. n_h - 1, in order)
+    o_t = scale q_t^T S                                  (after j = n_h - 1)
+
+so each token's transition is the product of n_h factors (I - beta_i k_i k_i^T): with unit keys
+and beta in (0, 2) a product of reflections, which can rotate the state (docs/operator.md).
+
+This is the layout of flash-linear-attention's `chunk_gated_delta_product`: q [B, T, H, K],
+k [B, T*n_h, H, K], v [B, T*n_h, H, V], beta [B, T*n_h, H], g [B, T, H]. The chunked
+implementations run the r = 1 operator `gated_delta_product` over the T*n_h sub-steps (g on each
+token's first sub-step, q on its last, zeros elsewhere) and keep the outputs of the last
+sub-steps, so they use the same Pallas kernels forward and backward. "reference" is a plain
+recurrence of its own over the sub-steps, independent of the operator.
+
+Packed sequences (`cu_seqlens [N + 1]` over the T tokens of q, batch 1; docs/varlen.md): "xla"
+runs the operator's packed form over the T*n_h sub-steps with the offsets `cu_seqlens * n_h`;
+"reference" resets its scan to each sequence's initial state at the sequence's first token and
+records its final state after its last.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdp_jax.ops import dispatch
+from gdp_jax.ops.gated_delta_product import varlen
+from gdp_jax.ops.gated_delta_product.api import gated_delta_product
+from gdp_jax.ops.householder.reference import householder_reference
+from gdp_jax.ops.step.api import gated_delta_product_step
+from gdp_jax.ops.validation import (
+  CHUNK_SIZES,
+  check_cu_seqlens,
+  check_cu_seqlens_values,
+  check_float,
+  check_gate_values,
+  check_shape,
+)
+from pallas_kernels.common.backend import resolve_precision
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------
+
+
+def _shape(x):
+  return tuple(np.shape(x))
+
+
+def check_num_householder(num_householder):
+  """A TypeError unless a Python int, a ValueError unless >= 1; returns it."""
+  if isinstance(num_householder, bool) or not isinstance(num_householder, (int, np.integer)):
+    raise TypeError(
+      f"num_householder must be an int (the number of Householder steps per "
+      f"token, n_h >= 1), got {num_householder!r} of type "
+      f"{type(num_householder).__name__}"
+    )
+  if num_householder < 1:
+    raise ValueError(
+      f"num_householder must be >= 1 (Householder steps per token), got {num_householder}"
+    )
+  return int(num_householder)
+
+
+def _check_implementation(implementation, packed):
+  """The implementation's name; with packed sequences None -> "xla" and "pallas" a
+  NotImplementedError (the Householder layout has no packed Pallas path yet)."""
+  if not packed:
+    return dispatch.resolve("gated_delta_product", implementation)
+  if implementation is None:
+    return "xla"
+  if dispatch.is_pallas(implementation):
+    raise NotImplementedError(
+      "householder_delta_product with cu_seqlens has no Pallas kernels yet: use "
+      "implementation='xla' (or None, which picks 'xla' when cu_seqlens is given)"
+    )
+  return dispatch.resolve("gated_delta_product_varlen", implementation)
+
+
+def check_householder_inputs(q, k, v, g, beta, initial_state, n_h, num_states=None):
+  """Validate the sequence form's arguments; returns (B, T, H, K, V).
+
+  num_states: the initial state's leading axis (N, the sequences of cu_seqlens), default B."""
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    check_float(name, x)
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, T, H, K] (rank 4), got shape {_shape(q)}")
+  batch, t_len, heads, dim_k = q.shape
+  if t_len < 1:
+    raise ValueError(f"q has T = {t_len} tokens (shape {_shape(q)}); need T >= 1")
+  steps = t_len * n_h
+  check_shape(
+    "k",
+    k,
+    (batch, steps, heads, dim_k),
+    f"[B, T*n_h, H, K]: n_h = num_householder = {n_h} keys per token of q {_shape(q)}",
+  )
+  if v.ndim != 4 or v.shape[:3] != (batch, steps, heads):
+    raise ValueError(
+      f"v has shape {_shape(v)}, expected [B, T*n_h, H, V] = "
+      f"[{batch}, {steps}, {heads}, V] (n_h = num_householder = {n_h} values "
+      f"per token of q {_shape(q)})"
+    )
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+  dim_v = v.shape[-1]
+  if beta is None:
+    raise ValueError(
+      f"beta is required: the write strength of each sub-step, shape "
+      f"[B, T*n_h, H] = [{batch}, {steps}, {heads}]"
+    )
+  check_float("beta", beta)
+  check_shape(
+    "beta",
+    beta,
+    (batch, steps, heads),
+    f"[B, T*n_h, H]: one write strength per sub-step, n_h = {n_h}",
+  )
+  if g is not None:
+    check_float("g", g)
+    check_shape(
+      "g",
+      g,
+      (batch, t_len, heads),
+      "[B, T, H] as q: one log-decay per token, applied before its first sub-step",
+    )
+  check_gate_values(g, beta)
+  if initial_state is not None:
+    check_float("initial_state", initial_state)
+    if num_states is None:
+      states, what = batch, "[B, H, K, V]"
+    else:
+      states = num_states
+      what = f"[N, H, K, V]: one state per sequence of cu_seqlens (N = {num_states})"
+    check_shape("initial_state", initial_state, (states, heads, dim_k, dim_v), what)
+  return batch, t_len, heads, dim_k, dim_v
+
+
+# ----------------------------------------------------------------------------------------------
+# Sub-step layout for the r = 1 operator
+# ----------------------------------------------------------------------------------------------
+
+
+def to_substeps(q, g, n_h):
+  """q [B, T, H, K] on each token's last sub-step, g [B, T, H] on its first; zeros elsewhere.
+  Returns (q [B, T*n_h, H, K], g [B, T*n_h, H] or None)."""
+  batch, t_len = q.shape[:2]
+  q_sub = jnp.pad(q[:, :, None], ((0, 0), (0, 0), (n_h - 1, 0), (0, 0), (0, 0)))
+  q_sub = q_sub.reshape((batch, t_len * n_h) + q.shape[2:])
+  if g is None:
+    return q_sub, None
+  g_sub = jnp.pad(g[:, :, None], ((0, 0), (0, 0), (0, n_h - 1), (0, 0)))
+  return q_sub, g_sub.reshape((batch, t_len * n_h) + g.shape[2:])
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def householder_delta_product(
+  q,
+  k,
+  v,
+  g,
+  beta,
+  *,
+  num_householder,
+  scale=None,
+  initial_state=None,
+  output_final_state=False,
+  cu_seqlens=None,
+  implementation=None,
+  precision=None,
+  chunk_size=64,
+):
+  """Gated DeltaProduct: n_h Householder delta steps per token (Siems et al. 2025).
+
+  Per batch row and head, token t decays the state once, then applies its n_h sub-steps
+  i = t*n_h + j in order, then reads the output:
+    S <- exp(g_t) S;  S <- S + beta_i k_i (v_i - k_i^T S)^T  (j = 0 .. n_h-1);  o_t = scale q_t^T S
+
+  The layout is flash-linear-attention's `chunk_gated_delta_product`.
+
+  Args:
+    q: [B, T, H, K]. k: [B, T*n_h, H, K]. v: [B, T*n_h, H, V]; one floating dtype for the three.
+      Sub-step j of token t sits at index t*n_h + j.
+    g: [B, T, H] log-decay (<= 0), one per token, applied before its first sub-step; or None.
+    beta: [B, T*n_h, H] write strength of each sub-step (required; (0, 2) allows negative
+      eigenvalues with unit keys).
+    num_householder: n_h >= 1, the sub-steps per token.
+    scale: output scale, default K ** -0.5.
+    initial_state: [B, H, K, V] ([N, H, K, V] with cu_seqlens) or None (zeros).
+    output_final_state: also return the final state [B, H, K, V] ([N, H, K, V]) float32.
+    cu_seqlens: None, or int32 [N + 1] offsets of N sequences packed back to back in one row
+      (flash-linear-attention's convention, docs/varlen.md): B must be 1, sequence n holds the
+      tokens [cu_seqlens[n], cu_seqlens[n + 1]) of q and their sub-steps
+      [n_h cu_seqlens[n], n_h cu_seqlens[n + 1]) of k, v and beta; offsets start at 0, end at T
+      (tokens, not sub-steps) and never decrease (equal neighbours: an empty sequence, which
+      keeps its initial state). Each sequence starts from its own initial state and nothing
+      crosses a boundary. May be traced under `jax.jit` (new boundaries with the same N and T
+      do not recompile); concrete offsets are checked, invalid traced ones are undefined
+      behaviour, as in `gated_delta_product`.
+    implementation: "reference" (a recurrence over the sub-steps, float32), "xla", "triton" or
+      "pallas" (the best Pallas backend): the r = 1 operator `gated_delta_product` over the T*n_h
+      sub-steps, the chunked jnp form or the Pallas kernels, forward and backward; or None for the
+      fastest one available on the backend (the Pallas backend on a GPU, "xla" elsewhere). With
+      cu_seqlens, None picks "xla" everywhere and a Pallas backend is a NotImplementedError (no
+      packed Pallas path for this layout yet).
+    precision: the float32 matmul precision of the Pallas kernels, as in `gated_delta_product`
+      (None follows jax.default_matmul_precision: TF32; "highest": tf32x3; "ieee"); the
+      "reference" and "xla" implementations compute at HIGHEST.
+    chunk_size: sub-steps per chunk of the chunked forms, one of 16, 32, 64.
+
+  Returns:
+    (o [B, T, H, V] in q.dtype, final_state [B, H, K, V] ([N, H, K, V] with cu_seqlens) float32
+    or None).
+  """
+  n_h = check_num_householder(num_householder)
+  num_seqs = None
+  if cu_seqlens is not None:
+    cu_seqlens, num_seqs = check_cu_seqlens(cu_seqlens)
+  batch, t_len, heads, dim_k, dim_v = check_householder_inputs(
+    q, k, v, g, beta, initial_state, n_h, num_states=num_seqs
+  )
+  if cu_seqlens is not None:
+    if batch != 1:
+      raise ValueError(
+        f"with cu_seqlens the batch size must be 1 (the N = {num_seqs} sequences packed back "
+        f"to back in one row), got B = {batch} (q shape {_shape(q)})"
+      )
+    check_cu_seqlens_values(cu_seqlens, t_len)  # over the T tokens of q
+  implementation = _check_implementation(implementation, cu_seqlens is not None)
+  resolve_precision(precision)  # a clear error for a bad value
+  if chunk_size not in CHUNK_SIZES:
+    raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
+  if scale is None:
+    scale = dim_k**-0.5
+
+  if implementation == "reference":
+    if g is None:
+      g = jnp.zeros((batch, t_len, heads), jnp.float32)
+    if initial_state is None:
+      states = batch if num_seqs is None else num_seqs
+      initial_state = jnp.zeros((states, heads, dim_k, dim_v), jnp.float32)
+    cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
+    o, final = householder_reference(q, k, v, g, beta, initial_state, scale, n_h, cu)
+    return o.astype(q.dtype), (final if output_final_state else None)
+
+  q_sub, g_sub = to_substeps(q, g, n_h)
+  cu_sub = None
+  if cu_seqlens is not None:
+    # token offsets -> sub-step offsets (sequence n: sub-steps [n_h cu[n], n_h cu[n + 1]));
+    # traced ones repaired first, as the operator would (`varlen.sanitize`), so that the two
+    # implementations see the same boundaries
+    if isinstance(cu_seqlens, jax.core.Tracer):
+      cu_sub = varlen.sanitize(cu_seqlens, t_len) * n_h
+    else:
+      cu_sub = np.asarray(cu_seqlens, np.int64) * n_h
+  o, final = gated_delta_product(
+    q_sub,
+    k,
+    v,
+    g_sub,
+    beta,
+    None,
+    scale=scale,
+    initial_state=initial_state,
+    output_final_state=output_final_state,
+    chunk_size=chunk_size,
+    implementation=implementation,
+    precision=precision,
+    cu_seqlens=cu_sub,
+  )
+  o = o.reshape((batch, t_len, n_h, heads, dim_v))[:, :, -1]  # read after the last step
+  return o, final
+
+
+def householder_delta_product_step(
+  q, k, v, g, beta, state, *, num_householder, scale=None, implementation=None
+):
+  """One token of the gated DeltaProduct for every sequence (decoding).
+
+  The token's n_h sub-steps run as n_h `gated_delta_product_step` calls (r = 1), the decay on
+  the first only, the output read after the last.
+
+  Args:
+    q: [B, H, K]. k: [B, n_h, H, K]. v: [B, n_h, H, V]. One floating dtype for the three.
+    g: [B, H] log-decay or None. beta: [B, n_h, H] (required).
+    state: [B, H, K, V] (computed in float32), or None for zeros.
+    num_householder: n_h >= 1 (k.shape[1]).
+    scale: output scale, default K ** -0.5.
+    implementation: "xla", "pallas" or None ("pallas" on a supported GPU, else "xla").
+
+  Returns:
+    (o [B, H, V] in q.dtype, new_state [B, H, K, V] float32).
+  """
+  n_h = check_num_householder(num_householder)
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    check_float(name, x)
+  if q.ndim != 3:
+    raise ValueError(f"q must be [B, H, K] (rank 3: one token per sequence), got shape {_shape(q)}")
+  batch, heads, dim_k = q.shape
+  check_shape(
+    "k",
+    k,
+    (batch, n_h, heads, dim_k),
+    f"[B, n_h, H, K]: n_h = num_householder = {n_h} keys for the token of q {_shape(q)}",
+  )
+  if v.ndim != 4 or v.shape[:3] != (batch, n_h, heads):
+    raise ValueError(
+      f"v has shape {_shape(v)}, expected [B, n_h, H, V] = "
+      f"[{batch}, {n_h}, {heads}, V] (n_h = num_householder = {n_h})"
+    )
+  if beta is None:
+    raise ValueError(
+      f"beta is required: the write strength of each sub-step, shape "
+      f"[B, n_h, H] = [{batch}, {n_h}, {heads}]"
+    )
+  check_float("beta", beta)
+  check_shape("beta", beta, (batch, n_h, heads), f"[B, n_h, H] with n_h = {n_h}")
+  if implementation is not None:
+    dispatch.resolve("gated_delta_product_step", implementation)  # a clear error if unknown
+  # gated_delta_product_step checks the rest (dtypes, g, state) on the first sub-step.
+  o = None
+  for j in range(n_h):
+    o, state = gated_delta_product_step(
+      q,
+      k[:, j],
+      v[:, j],
+      g if j == 0 else None,
+      beta[:, j],
+      None,
+      state,
+      scale=scale,
+      implementation=implementation,
+    )
+  return o, state

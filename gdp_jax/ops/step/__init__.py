@@ -1,0 +1,1 @@
+"""The recurrent step: one token of the gated delta product (docs/inference.md)."""

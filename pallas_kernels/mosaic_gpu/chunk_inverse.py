@@ -1,0 +1,179 @@
+"""The chunk-parallel kernel of the forward: the gate-free inverse T0 = (I + A0)^-1 per chunk.
+
+Per chunk of `C` tokens (`N = C r = 64` block-major rows `(a, t)`, see `common.py`):
+
+  A0[(a,t),(d,s)] = beta_t M_t[a,d] <k_t^(d), k_s^(d)>     for t > s, else 0
+  T0 = (I + A0)^-1
+
+(docs/chunked_form.md#one-inverse-for-w-and-u: the gated inverse is T0 times exp(gamma_t -
+gamma_s), applied by the walk). `I + A0` is a permuted unit lower-triangular matrix (triangular in
+token order, docs/chunked_form.md#the-chunk-matrix-a), so the block merge of
+docs/chunked_form.md#the-inverse-by-16-row-blocks works on token groups: start from X = I (the
+`r x r` block of a token with itself is zero) and for groups of 2, 4, ..., C tokens
+
+  X <- X - X (A0 restricted to (later half, earlier half) of each group) X
+
+which turns the block-diagonal inverse of the half groups into that of the whole groups. Every
+merge runs on the tensor cores; merges inside 16-row groups use a two-term split of each operand
+(`hi + lo` in the input dtype, three products) for near-float32 accuracy, the larger ones a single
+pass (the stored T0 is rounded to the input dtype anyway).
+
+The Gram tiles of all key blocks come from one product: `Krep Kb^T`, with `Krep` the chunk's keys
+repeated for each block `a` and `Kb` the same with every column outside block `a` zeroed, so
+`(Krep Kb^T)[(a,t),(d,s)] = <k_t^(d), k_s^(d)>`. No key block is ever sliced, so `K / r < 16`
+needs no padding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.mosaic_gpu.common import (
+  F32,
+  ROWS,
+  ROWS_PER_CHUNK,
+  WGMMA,
+  bcast_rows,
+  check_smem,
+  chunk_tokens,
+  compiler_params,
+  iota,
+  mask_matrix,
+  matmul,
+  smem,
+  token_of,
+)
+
+N = ROWS_PER_CHUNK
+PRECISE_ROWS = 16  # merges of groups of at most this many rows use the split product
+
+
+def _split_product(a: jax.Array, b: jax.Array, bufs, dtype, precise: bool) -> jax.Array:
+  """`a @ b` for float32 `[N, N]` register tiles, staged in shared memory in `dtype`.
+
+  precise: `a_hi b_hi + a_hi b_lo + a_lo b_hi` with `x_lo = x - x_hi` (about 16 mantissa bits).
+  """
+  a_hi_s, a_lo_s, b_hi_s, b_lo_s = bufs
+  a_hi = a.astype(dtype)
+  b_hi = b.astype(dtype)
+  a_hi_s[...] = a_hi
+  b_hi_s[...] = b_hi
+  if precise:
+    a_lo_s[...] = (a - a_hi.astype(F32)).astype(dtype)
+    b_lo_s[...] = (b - b_hi.astype(F32)).astype(dtype)
+  plgpu.commit_smem()
+
+  def scoped(acc):
+    plgpu.wgmma(acc, a_hi_s, b_hi_s)
+    if precise:
+      plgpu.wgmma(acc, a_hi_s, b_lo_s)
+      plgpu.wgmma(acc, a_lo_s, b_hi_s)
+    return acc[...]
+
+  return lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC((N, N), F32)))
+
+
+def chunk_inverse(k: jax.Array, beta_rows: jax.Array, mask_rows: jax.Array, *, interpret=None):
+  """T0 per chunk, `[B, H, NC * N, N]` in `k.dtype` (chunk `c` is rows `c*N .. c*N + N - 1`).
+
+  Args:
+    k: `[B, Tp, H, K]` keys, `Tp` a multiple of `C = 64 // r`.
+    beta_rows: `[B, H, NC * N]` float32, beta per block-major row `(a, t)` of each chunk
+      (`forward.block_rows`: whole 256-byte rows, so every TMA destination stays 128-byte
+      aligned; copying `C`-token pieces into a row misaligns them for `C = 16, 8`).
+    mask_rows: `[Bm, Hm, NCm, r, N]` float32, `Bm in {1, B}`, `Hm in {1, H}`, `NCm in {1, NC}`;
+      entry `[.., d, (a, t)] = M_t[a, d]` (`forward.mask_rows` builds it).
+    interpret: None on a GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
+  """
+  batch, padded, heads, key_dim = k.shape
+  r = mask_rows.shape[-2]
+  c = chunk_tokens(r)
+  if padded % c:
+    raise ValueError(f"k: length {padded} must be a multiple of the chunk {c} (r={r})")
+  if beta_rows.shape != (batch, heads, padded * r):
+    raise ValueError(f"beta_rows: shape {beta_rows.shape}, expected {(batch, heads, padded * r)}")
+  if mask_rows.shape[-1] != N or mask_rows.ndim != 5:
+    raise ValueError(f"mask_rows: shape {mask_rows.shape}, expected [Bm, Hm, NCm, r, {N}]")
+  nc = padded // c
+  m_b, m_h, m_n = mask_rows.shape[:3]
+  dtype = k.dtype
+  dk = key_dim // r
+  itemsize = jnp.dtype(dtype).itemsize
+  check_smem("chunk_inverse", 2 * N * key_dim * itemsize + 5 * N * N * itemsize + (r + 1) * N * 4)
+
+  scratch = dict(
+    krep_s=smem((N, key_dim), dtype),
+    kb_s=smem((N, key_dim), dtype),
+    beta_s=plgpu.SMEM((N,), F32),
+    m_s=plgpu.SMEM((r, N), F32),
+    bufs=[smem((N, N), dtype) for _ in range(4)],
+    t_s=smem((N, N), dtype),
+    bar=plgpu.Barrier(num_arrivals=r + 2),
+  )
+
+  def body(k_ref, beta_ref, m_ref, t0_ref, krep_s, kb_s, beta_s, m_s, bufs, t_s, bar):
+    b, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
+    rows = pl.ds(n * c, c)
+    for a in range(r):
+      plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], krep_s.at[pl.ds(a * c, c)], bar)
+    plgpu.copy_gmem_to_smem(beta_ref.at[b, h, pl.ds(n * N, N)], beta_s, bar)
+    mb = b if m_b > 1 else 0
+    mh = h if m_h > 1 else 0
+    mn = n if m_n > 1 else 0
+    plgpu.copy_gmem_to_smem(m_ref.at[mb, mh, mn], m_s, bar)
+    plgpu.barrier_wait(bar)
+
+    sq = (N, N)
+    if r == 1:
+      gram = matmul(krep_s, krep_s.T, sq)
+    else:
+      kshape = (N, key_dim)
+      kfull = plgpu.load(krep_s, layout=WGMMA)
+      own = lax.div(iota(kshape, 1), dk) == lax.div(iota(kshape, 0), c)
+      kb_s[...] = jnp.where(own, kfull, jnp.zeros_like(kfull))
+      plgpu.commit_smem()
+      gram = matmul(krep_s, kb_s.T, sq)  # [(a,t),(d,s)] = <k_t^(d), k_s^(d)>
+    tok_r, tok_c = token_of(iota(sq, 0), c), token_of(iota(sq, 1), c)
+    coef = bcast_rows(plgpu.load(beta_s, layout=ROWS), sq) * mask_matrix(m_s, sq, c, r)
+    a0 = jnp.where(tok_r > tok_c, gram * coef, 0.0)
+
+    # Token groups of 2: X = I - L exactly (X = I before).
+    eye = (iota(sq, 0) == iota(sq, 1)).astype(F32)
+    size = 2
+    x = None
+    while size <= c:
+      half = size // 2
+      off = (
+        (lax.div(tok_r, size) == lax.div(tok_c, size))
+        & (lax.rem(tok_r, size) >= half)
+        & (lax.rem(tok_c, size) < half)
+      )
+      link = jnp.where(off, a0, 0.0)
+      if x is None:
+        x = eye - link
+      else:
+        precise = size * r <= PRECISE_ROWS
+        lx = _split_product(link, x, bufs, dtype, precise)
+        x = x - _split_product(x, lx, bufs, dtype, precise)
+      size *= 2
+    if x is None:  # one token per chunk (not reached: C >= 8)
+      x = eye
+    t_s[...] = x.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(t_s, t0_ref.at[b, h, pl.ds(n * N, N)])
+    plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(
+    body,
+    out_type=jax.ShapeDtypeStruct((batch, heads, nc * N, N), dtype),
+    scratch_types=scratch,
+    grid=(batch, nc, heads),
+    grid_names=("b", "n", "h"),
+    compiler_params=compiler_params(),
+    interpret=interpret,
+    kernel_name=f"gdp_chunk_inverse_r{r}",
+  )(k, beta_rows, mask_rows)

@@ -1,0 +1,115 @@
+"""Helpers shared by the Mosaic GPU kernels: the chunk rule, shared-memory tiles, layouts and
+tensor-core products staged through shared memory.
+
+Rows of a chunk matrix are block-major: row `(a, t)` is `a * C + t` for key block `a` and token
+`t` of a chunk of `C` tokens, `N = C * r` rows in all (docs/chunked_form.md uses token-major rows;
+the two orders differ by a permutation, which conjugates every chunk matrix and changes nothing
+else). The kernels keep `N = 64`, one tensor-core tile of rows, so `C = 64 // r`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+F32 = jnp.float32
+ROWS_PER_CHUNK = 64  # N: rows of every chunk matrix, one wgmma M tile
+SUPPORTED_R = (1, 2, 4, 8)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SMEM_LIMIT = 227 * 1024  # the H200's shared memory per block
+
+WGMMA = plgpu.Layout.WGMMA
+ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile
+COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+
+def chunk_tokens(r: int) -> int:
+  """Tokens per chunk, `C = 64 // r`, so that a chunk matrix has `N = 64` rows.
+
+  Keeping `N = 64` makes every product of the walk one 64-row wgmma tile for every `r` (the
+  chain per chunk is the same three dependent products as `r = 1`); the price is `r` times more
+  chunks. Key blocks are never sliced (products run over the full key width against block-zeroed
+  keys), so `K / r < 16` needs no padding; `C = 64 // r` must be a whole number of at least 8.
+  """
+  if r not in SUPPORTED_R:
+    raise ValueError(f"mask size r={r}: the Mosaic GPU kernels support r in {SUPPORTED_R}")
+  return ROWS_PER_CHUNK // r
+
+
+def smem(shape: tuple[int, ...], dtype):
+  """A shared-memory tile tiled and swizzled for TMA and wgmma (minor dimension last)."""
+  dtype = jnp.dtype(dtype)
+  swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
+  transforms = (
+    plgpu.TilingTransform((8, swizzle // dtype.itemsize)),  # type: ignore[abstract]
+    plgpu.SwizzleTransform(swizzle),  # type: ignore[abstract]
+  )
+  return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def iota(shape: tuple[int, int], dim: int) -> jax.Array:
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
+
+
+def bcast_rows(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
+  """`vec[i]` along row `i` (`vec` in the ROWS layout)."""
+  return lax.broadcast_in_dim(vec, shape, [0])
+
+
+def bcast_cols(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
+  """`vec[j]` along column `j` (`vec` in the COLS layout)."""
+  return lax.broadcast_in_dim(vec, shape, [1])
+
+
+def matmul(a_ref, b_ref, shape: tuple[int, int]) -> jax.Array:
+  """`a @ b` on the tensor cores into a fresh float32 accumulator; both operands in shared memory.
+
+  Operands staged in shared memory (never registers) and a fresh accumulator (never
+  `pl.run_state` on an initialised one) keep every product runnable in the Mosaic GPU
+  interpreter. The optimization barrier keeps arithmetic on the result after the wait for the
+  wgmma (a stale-accumulator hazard of jax 0.11.2's lowering).
+  """
+
+  def scoped(acc):
+    plgpu.wgmma(acc, a_ref, b_ref)
+    return acc[...]
+
+  return lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, F32)))
+
+
+def token_of(index: jax.Array, tokens: int) -> jax.Array:
+  """Token `t` of block-major row or column `(a, t)`."""
+  return lax.rem(index, tokens)
+
+
+def block_of(index: jax.Array, tokens: int) -> jax.Array:
+  """Key block `a` of block-major row or column `(a, t)`."""
+  return lax.div(index, tokens)
+
+
+def mask_matrix(m_smem, shape: tuple[int, int], col_block_width: int, r: int) -> jax.Array:
+  """`M_t[a, d]` at row `(a, t)`, column group `d = col // col_block_width`, float32.
+
+  `m_smem` holds the mask rows `[r, N]`: entry `[d, (a, t)] = M_t[a, d]`.
+  """
+  col_block = lax.div(iota(shape, 1), col_block_width)
+  terms = []
+  for d in range(r):
+    m_d = bcast_rows(plgpu.load(m_smem.at[d], layout=ROWS), shape)
+    terms.append(jnp.where(col_block == d, m_d, 0.0))
+  out = terms[0]
+  for term in terms[1:]:
+    out = out + term
+  return out
+
+
+def check_smem(name: str, nbytes: int) -> None:
+  if nbytes > SMEM_LIMIT:
+    raise ValueError(f"{name} needs {nbytes} bytes of shared memory, above the {SMEM_LIMIT} limit")
+
+
+def compiler_params() -> plgpu.CompilerParams:
+  return plgpu.CompilerParams(approx_math=True)

@@ -1,0 +1,161 @@
+"""The Mosaic GPU forward: input preparation (XLA) and the two kernels.
+
+`forward(q, k, v, g, beta, mask, ...)` takes the operator's arguments (docs/operator.md, shapes
+`[B, T, H, ...]`) and returns `(o, final_state)`. It pads the time axis to whole chunks with no-op
+tokens and the value axis to whole 64-column tiles (docs/chunked_form.md#padding), forms the
+chunk-local cumulative log-decay `gamma` (docs/chunked_form.md#gamma) and the mask rows the
+kernels read, then runs `chunk_inverse` and `state_walk`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.mosaic_gpu import walk_ws
+from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
+from pallas_kernels.mosaic_gpu.common import F32, ROWS_PER_CHUNK, SUPPORTED_DTYPES, chunk_tokens
+from pallas_kernels.mosaic_gpu.walk import state_walk
+
+N = ROWS_PER_CHUNK
+BLOCK_V = 64
+# A log-decay at or below this is a reset (exp underflows to 0 in float32); clamping keeps
+# gamma finite (docs/chunked_form.md#resets).
+MIN_LOG_DECAY = -88.0
+
+
+def mask_rows(mask: jax.Array | None, batch: int, t_len: int, heads: int, padded: int, r: int):
+  """The mask as the kernels read it: `[Bm, Hm, NCm, r, N]` float32, entry `[.., d, (a, t)]` is
+  `M_t[a, d]` for block-major row `(a, t)` of a chunk (`common.py`)."""
+  c = chunk_tokens(r)
+  if mask is None:
+    return jnp.ones((1, 1, 1, 1, N), F32)
+  m = mask.astype(F32)
+  if m.ndim == 2:  # [r, r] shared
+    return jnp.broadcast_to(m.T[:, :, None], (r, r, c)).reshape(1, 1, 1, r, N)
+  if m.ndim == 3:  # [H, r, r] per head
+    rows = jnp.broadcast_to(jnp.swapaxes(m, 1, 2)[..., None], (heads, r, r, c))
+    return rows.reshape(1, heads, 1, r, N)
+  # [B, T, H, r, r] per token: no-op tokens of the padding get a zero mask.
+  m = jnp.pad(m, [(0, 0), (0, padded - t_len), (0, 0), (0, 0), (0, 0)])
+  m = m.reshape(batch, padded // c, c, heads, r, r)  # [B, NC, t, H, a, d]
+  m = jnp.transpose(m, (0, 3, 1, 5, 4, 2))  # [B, H, NC, d, a, t]
+  return m.reshape(batch, heads, padded // c, r, N)
+
+
+def block_rows(x_hm: jax.Array, r: int) -> jax.Array:
+  """`[B, H, Tp]` per-token values to `[B, H, NC * N]`: entry `(a, t)` of each chunk's block-major
+  rows is the value of token `t` (`common.py`)."""
+  batch, heads, padded = x_hm.shape
+  c = chunk_tokens(r)
+  x = x_hm.reshape(batch, heads, padded // c, 1, c)
+  return jnp.broadcast_to(x, (batch, heads, padded // c, r, c)).reshape(batch, heads, padded * r)
+
+
+def check_inputs(q, k, v, g, beta, mask, initial_state) -> int:
+  """Validates the arguments; returns r."""
+  if q.ndim != 4 or k.shape != q.shape:
+    raise ValueError(f"q, k: shapes {q.shape}, {k.shape}, expected one [B, T, H, K]")
+  batch, t_len, heads, key_dim = q.shape
+  if v.ndim != 4 or v.shape[:3] != (batch, t_len, heads):
+    raise ValueError(f"v: shape {v.shape}, expected [B, T, H, V] = [{batch}, {t_len}, {heads}, V]")
+  if q.dtype != k.dtype or q.dtype != v.dtype or jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    raise TypeError(f"q, k, v: dtypes {q.dtype}, {k.dtype}, {v.dtype}: one of bfloat16, float16")
+  for name, x in (("g", g), ("beta", beta)):
+    if x is not None and x.shape != (batch, t_len, heads):
+      raise ValueError(f"{name}: shape {x.shape}, expected {(batch, t_len, heads)}")
+  if beta is None:
+    raise ValueError("beta: required")
+  r = 1 if mask is None else mask.shape[-1]
+  chunk_tokens(r)
+  if mask is not None and mask.shape not in ((r, r), (heads, r, r), (batch, t_len, heads, r, r)):
+    raise ValueError(f"mask: shape {mask.shape}, expected [r, r], [H, r, r] or [B, T, H, r, r]")
+  if key_dim % r or key_dim not in (64, 128):
+    raise ValueError(f"q, k: K={key_dim} must be 64 or 128 and a multiple of r={r}")
+  if initial_state is not None and initial_state.shape != (batch, heads, key_dim, v.shape[-1]):
+    raise ValueError(f"initial_state: shape {initial_state.shape}, expected [B, H, K, V]")
+  return r
+
+
+def forward(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array | None,
+  beta: jax.Array,
+  mask: jax.Array | None = None,
+  *,
+  scale: float | jax.Array | None = None,
+  initial_state: jax.Array | None = None,
+  output_final_state: bool = False,
+  walk: str | None = None,
+  interpret=None,
+) -> tuple[jax.Array, jax.Array | None]:
+  """`o [B, T, H, V]` (dtype of q) and the final state `[B, H, K, V]` float32 (or None).
+
+  walk: "ws" (`walk_ws.state_walk_ws`, warp-specialised), "plain" (`walk.state_walk`), or None:
+    "ws" where its shared memory fits (not with an initial or final state at K = 128), else
+    "plain".
+  interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
+    The interpreter runs the three warpgroups of "ws" as threads of XLA's CPU client: on a machine
+    with fewer than 3 cores set NPROC (for example NPROC=8) before jax starts, or they starve.
+  """
+  if walk not in (None, "ws", "plain"):
+    raise ValueError(f"walk: {walk!r}, expected None, 'ws' or 'plain'")
+  r = check_inputs(q, k, v, g, beta, mask, initial_state)
+  batch, t_len, heads, key_dim = q.shape
+  value_dim = v.shape[-1]
+  c = chunk_tokens(r)
+  padded = -(-t_len // c) * c
+  vp = -(-value_dim // BLOCK_V) * BLOCK_V
+  pt = padded - t_len
+
+  def pad_time(x, extra_last=0):
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, pt)
+    if extra_last:
+      widths[-1] = (0, extra_last)
+    return jnp.pad(x, widths) if pt or extra_last else x
+
+  qp, kp, vpd = pad_time(q), pad_time(k), pad_time(v, vp - value_dim)
+  g32 = jnp.zeros((batch, t_len, heads), F32) if g is None else g.astype(F32)
+  g32 = jnp.maximum(g32, MIN_LOG_DECAY)
+  g_hm = jnp.swapaxes(pad_time(g32), 1, 2)  # [B, H, Tp]
+  gamma = jnp.cumsum(g_hm.reshape(batch, heads, padded // c, c), axis=-1).reshape(g_hm.shape)
+  beta_hm = jnp.swapaxes(pad_time(beta.astype(F32)), 1, 2)
+  rows = mask_rows(mask, batch, t_len, heads, padded, r)
+  if scale is None:
+    scale = key_dim**-0.5
+  scale_arr = jnp.broadcast_to(jnp.asarray(scale, F32), (4,))
+  h0_t = None
+  if initial_state is not None:
+    h0_t = jnp.swapaxes(initial_state.astype(F32), 2, 3)
+    if vp != value_dim:
+      h0_t = jnp.pad(h0_t, [(0, 0), (0, 0), (0, vp - value_dim), (0, 0)])
+
+  keep_state = initial_state is not None or output_final_state
+  if walk is None:
+    walk = "ws" if walk_ws.fits(key_dim, BLOCK_V, r, q.dtype, keep_state) else "plain"
+  walk_fn = walk_ws.state_walk_ws if walk == "ws" else state_walk
+  beta_rows = block_rows(beta_hm, r)
+  t0 = chunk_inverse(kp, beta_rows, rows, interpret=interpret)
+  o, s_t = walk_fn(
+    qp,
+    kp,
+    vpd,
+    t0,
+    gamma,
+    block_rows(gamma, r),
+    beta_rows,
+    rows,
+    scale_arr,
+    h0_t,
+    block_v=BLOCK_V,
+    output_final_state=output_final_state,
+    interpret=interpret,
+  )
+  o = o[:, :t_len, :, :value_dim]
+  final = None
+  if s_t is not None:
+    final = jnp.swapaxes(s_t, 2, 3)[..., :value_dim]
+  return o, final

@@ -1,0 +1,336 @@
+"""The warp-specialised state walk: `walk.state_walk`'s math with three warpgroups per program.
+
+Same arguments, results and per-chunk algebra as `walk.py` (read its docstring first). The work
+of one chunk is split so that only the state recurrence stays on the serial chain:
+
+- warpgroup 2, the producer: streams q, k, v, T0, gamma, beta and the mask rows with TMA into a
+  ring of `STAGES` shared-memory stages, refilling a stage once both consumers released it;
+- warpgroup 1, off the chain: per stage, turns the keys into the block keys `Kb` (in place) and
+  the masked keys `Kw`, and T0 into `Ag = T0 ⊙ decay ⊙ beta` (in place), and signals warpgroup 0;
+  then forms `Kb q^T ⊙ D` and, once warpgroup 0 has published the chunk's `S^T` and `v_new^T`,
+  the output, which it stores;
+- warpgroup 0, the chain: keeps `S^T` in float32 registers and per chunk runs the three dependent
+  products `S^T Kw^T`, `X^T Ag^T`, `v_new^T Kb`, publishing `S^T` and `v_new^T` (16-bit, double
+  buffered) for warpgroup 1.
+
+w, u, v_new and the per-chunk states never reach HBM. Every product's operands are in shared
+memory and every accumulator fresh (`common.matmul`), which keeps the kernel runnable in the Mosaic
+GPU interpreter; a register left operand for `S^T` (one staging store less on the chain) is the
+obvious next step on a GPU. Every warpgroup waits for the others before it exits (an early exit
+while another warpgroup still issued wgmmas faulted on sm_90 with jax 0.11.2, as
+jax-linear-attention records).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.mosaic_gpu.common import (
+  COLS,
+  F32,
+  ROWS,
+  ROWS_PER_CHUNK,
+  SMEM_LIMIT,
+  WGMMA,
+  bcast_cols,
+  bcast_rows,
+  chunk_tokens,
+  compiler_params,
+  iota,
+  mask_matrix,
+  matmul,
+  smem,
+  token_of,
+)
+
+N = ROWS_PER_CHUNK
+
+
+def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, keep_state: bool) -> int:
+  """Shared memory of `state_walk_ws` (tiles and vectors; barriers are a few bytes more)."""
+  c = chunk_tokens(r)
+  isz = jnp.dtype(dtype).itemsize
+  per_stage = (c * key_dim + 2 * N * key_dim + N * block_v + N * N) * isz
+  per_stage += (5 * N + max(c, 32) + r * N) * 4
+  fixed = (2 * block_v * key_dim + 2 * block_v * N + block_v * N + c * N + 2 * c * block_v) * isz
+  fixed += 16 + (block_v * key_dim * 4 if keep_state else 0)
+  return stages * per_stage + fixed
+
+
+# Alignment of the buffers adds to `smem_bytes` (233,600 bytes measured against 231,376 estimated
+# at K = 128, r = 4, 3 stages): keep this much spare.
+SMEM_MARGIN = 8 * 1024
+
+
+def fits(key_dim: int, block_v: int, r: int, dtype, keep_state: bool) -> bool:
+  return smem_bytes(key_dim, block_v, r, dtype, 2, keep_state) + SMEM_MARGIN <= SMEM_LIMIT
+
+
+def state_walk_ws(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  t0: jax.Array,
+  gamma: jax.Array,
+  gamma_rows: jax.Array,
+  beta_rows: jax.Array,
+  mask_rows: jax.Array,
+  scale: jax.Array,
+  initial_state_t: jax.Array | None = None,
+  *,
+  block_v: int = 64,
+  output_final_state: bool = False,
+  stages: int | None = None,
+  interpret=None,
+):
+  """`walk.state_walk` with a TMA producer and two consumer warpgroups (module docstring)."""
+  batch, padded, heads, key_dim = k.shape
+  value_dim = v.shape[-1]
+  r = mask_rows.shape[-2]
+  c = chunk_tokens(r)
+  dtype = k.dtype
+  if q.shape != k.shape or q.dtype != dtype or v.dtype != dtype:
+    raise ValueError(f"q, k, v: shapes {q.shape}, {k.shape}, {v.shape} / dtypes must agree")
+  if padded % c:
+    raise ValueError(f"k: length {padded} must be a multiple of the chunk {c} (r={r})")
+  if value_dim % block_v:
+    raise ValueError(f"v: V={value_dim} must be a multiple of block_v={block_v}")
+  nc = padded // c
+  if t0.shape != (batch, heads, nc * N, N):
+    raise ValueError(f"t0: shape {t0.shape}, expected {(batch, heads, nc * N, N)}")
+  m_b, m_h, m_n = mask_rows.shape[:3]
+  has_h0 = initial_state_t is not None
+  keep_state = has_h0 or output_final_state
+  bv = block_v
+  dk = key_dim // r
+  if stages is None:
+    stages = next(
+      (
+        s
+        for s in (3, 2)
+        if smem_bytes(key_dim, bv, r, dtype, s, keep_state) + SMEM_MARGIN <= SMEM_LIMIT
+      ),
+      0,
+    )
+  need = smem_bytes(key_dim, bv, r, dtype, max(stages, 2), keep_state)
+  if stages < 2 or need + SMEM_MARGIN > SMEM_LIMIT:
+    raise ValueError(
+      f"state_walk_ws needs {need} bytes of shared memory with 2 stages, above the "
+      f"{SMEM_LIMIT} limit (K={key_dim}, block_v={bv}, state={keep_state}): use walk.state_walk"
+    )
+  # q, T0, gamma per token, mask rows, 4 gamma rows, beta rows; per block: k, v
+  n_copies = 9 + 2 * r
+
+  vecs = plgpu.SMEM((stages, N), F32)
+  scratch = dict(
+    q_s=smem((stages, c, key_dim), dtype),
+    kb_s=smem((stages, N, key_dim), dtype),  # the keys repeated per block, then Kb (in place)
+    kw_s=smem((stages, N, key_dim), dtype),
+    vrep_s=smem((stages, N, bv), dtype),
+    t_s=smem((stages, N, N), dtype),  # T0, then Ag (in place)
+    g_rows=vecs,
+    g_cols=vecs,
+    g_chain=vecs,  # warpgroup 0's copy: COLS view and the last entry
+    g_last=vecs,
+    b_cols=vecs,
+    # Rows of at least 128 bytes: a TMA destination must be 128-byte aligned (C = 16, 8).
+    g_tok=plgpu.SMEM((stages, max(c, 32)), F32),
+    m_s=plgpu.SMEM((stages, r, N), F32),
+    st_pub=smem((2, bv, key_dim), dtype),
+    vn_pub=smem((2, bv, N), dtype),
+    xt_s=smem((bv, N), dtype),  # X^T, then v_new^T decayed to the chunk end
+    pq_s=smem((c, N), dtype),
+    o_s=smem((2, c, bv), dtype),
+    sc_s=plgpu.SMEM((4,), F32),
+    in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
+    prep_ready=plgpu.Barrier(num_barriers=stages),
+    in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    s_ready=plgpu.Barrier(num_barriers=2),
+    s_free=plgpu.Barrier(num_barriers=2),
+    sc_bar=plgpu.Barrier(),
+    st_bar=plgpu.Barrier(),
+    done=plgpu.Barrier(num_arrivals=3),
+  )
+  if keep_state:
+    scratch["st_s"] = plgpu.SMEM((bv, key_dim), F32)
+
+  out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), dtype)]
+  if output_final_state:
+    out_type.append(jax.ShapeDtypeStruct((batch, heads, value_dim, key_dim), F32))
+
+  def body(*refs, q_s, kb_s, kw_s, vrep_s, t_s, g_rows, g_cols, g_chain, g_last, b_cols, g_tok,
+           m_s, st_pub, vn_pub, xt_s, pq_s, o_s, sc_s, in_bar, prep_ready, in_free, s_ready,
+           s_free, sc_bar, st_bar, done, st_s=None):  # fmt: skip
+    refs = list(refs)
+    q_ref, k_ref, v_ref, t0_ref, g_ref = (refs.pop(0) for _ in range(5))
+    gr_ref, beta_ref, m_ref, sc_ref = (refs.pop(0) for _ in range(4))
+    h0_ref = refs.pop(0) if has_h0 else None
+    o_ref = refs.pop(0)
+    ht_ref = refs.pop(0) if output_final_state else None
+    b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+    cols_v = pl.ds(iv * bv, bv)
+    mb = b if m_b > 1 else 0
+    mh = h if m_h > 1 else 0
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def issue(n, slot):
+        rows = pl.ds(n * c, c)
+        bar = in_bar.at[slot]
+        mn = n if m_n > 1 else 0
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(t0_ref.at[b, h, pl.ds(n * N, N)], t_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_tok.at[slot].at[pl.ds(0, c)], bar)
+        plgpu.copy_gmem_to_smem(m_ref.at[mb, mh, mn], m_s.at[slot], bar)
+        chunk_rows = pl.ds(n * N, N)
+        for dst in (g_rows, g_cols, g_chain, g_last):
+          plgpu.copy_gmem_to_smem(gr_ref.at[b, h, chunk_rows], dst.at[slot], bar)
+        plgpu.copy_gmem_to_smem(beta_ref.at[b, h, chunk_rows], b_cols.at[slot], bar)
+        for a in range(r):  # tiles: C-row pieces stay 1024-byte aligned for every r
+          part = pl.ds(a * c, c)
+          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], kb_s.at[slot].at[part], bar)
+          plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols_v], vrep_s.at[slot].at[part], bar)
+
+      for n in range(min(stages, nc)):
+        issue(n, n)
+
+      @pl.loop(stages, nc)
+      def _refill(n):
+        slot = lax.rem(n, stages)
+        plgpu.barrier_wait(in_free.at[slot])
+        issue(n, slot)
+
+      for n in range(max(nc - stages, 0), nc):  # consume the last releases of every stage
+        plgpu.barrier_wait(in_free.at[n % stages])
+
+    @pl.when(wg == 0)
+    def _chain():
+      plgpu.set_max_registers(232, action="increase")
+      if has_h0:
+        plgpu.copy_gmem_to_smem(h0_ref.at[b, h, cols_v], st_s, st_bar)
+        plgpu.barrier_wait(st_bar)
+        s0 = plgpu.load(st_s, layout=WGMMA)
+      else:
+        s0 = plgpu.layout_cast(jnp.zeros((bv, key_dim), F32), WGMMA)
+      wshape = (bv, N)
+
+      def step(n, s_t):
+        slot = lax.rem(n, stages)
+        half = lax.rem(n, 2)
+        plgpu.barrier_wait(in_bar.at[slot])
+
+        @pl.when(n >= 2)
+        def _():  # warpgroup 1 is done with the tiles published two chunks ago
+          plgpu.barrier_wait(s_free.at[half])
+
+        st_pub.at[half][...] = s_t.astype(dtype)
+        plgpu.commit_smem()
+        g_c = plgpu.load(g_chain.at[slot], layout=COLS)
+        g_end = g_last[slot, N - 1]
+        plgpu.barrier_wait(prep_ready.at[slot])
+        pw = matmul(st_pub.at[half], kw_s.at[slot].T, wshape)
+        v_t = plgpu.load(vrep_s.at[slot].T, layout=WGMMA).astype(F32)
+        xt_s[...] = (v_t - pw * bcast_cols(jnp.exp(g_c), wshape)).astype(dtype)
+        plgpu.commit_smem()
+        vn_t = matmul(xt_s, t_s.at[slot].T, wshape)
+        vn_pub.at[half][...] = vn_t.astype(dtype)
+        xt_s[...] = (vn_t * bcast_cols(jnp.exp(g_end - g_c), wshape)).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(s_ready.at[half])
+        s_new = jnp.exp(g_end) * s_t + matmul(xt_s, kb_s.at[slot], (bv, key_dim))
+        plgpu.barrier_arrive(in_free.at[slot])
+        return s_new
+
+      s_t = lax.fori_loop(0, nc, step, s0)
+      for n in range(max(nc - 2, 0), nc):  # consume the last releases of the published tiles
+        plgpu.barrier_wait(s_free.at[n % 2])
+      if output_final_state:
+        st_s[...] = s_t
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(st_s, ht_ref.at[b, h, cols_v])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _output():
+      plgpu.set_max_registers(232, action="increase")
+      plgpu.copy_gmem_to_smem(sc_ref, sc_s, sc_bar)
+      plgpu.barrier_wait(sc_bar)
+      scale_v = sc_s[0]
+      sq = (N, N)
+      tok_r, tok_c = token_of(iota(sq, 0), c), token_of(iota(sq, 1), c)
+      kshape = (N, key_dim)
+      own = lax.div(iota(kshape, 1), dk) == lax.div(iota(kshape, 0), c)
+      pshape = (N, c)
+      causal_pq = token_of(iota(pshape, 0), c) <= iota(pshape, 1)
+      oshape = (bv, c)
+
+      def step(n, carry):
+        slot = lax.rem(n, stages)
+        half = lax.rem(n, 2)
+        rows = pl.ds(n * c, c)
+        plgpu.barrier_wait(in_bar.at[slot])
+        # Off the chain: Kw, Kb (in place) and Ag (in place), then warpgroup 0 may go.
+        kfull = plgpu.load(kb_s.at[slot], layout=WGMMA).astype(F32)
+        kw_s.at[slot][...] = (kfull * mask_matrix(m_s.at[slot], kshape, dk, r)).astype(dtype)
+        if r > 1:
+          kb_s.at[slot][...] = jnp.where(own, kfull, 0.0).astype(dtype)
+        g_r = plgpu.load(g_rows.at[slot], layout=ROWS)
+        g_c = plgpu.load(g_cols.at[slot], layout=COLS)
+        decay = jnp.exp(
+          jnp.where(tok_r >= tok_c, bcast_rows(g_r, sq) - bcast_cols(g_c, sq), -jnp.inf)
+        )
+        beta_c = bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
+        t0v = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
+        t_s.at[slot][...] = (t0v * decay * beta_c).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(prep_ready.at[slot])
+        # The intra-chunk scores, transposed: (Kb q^T ⊙ D)^T.
+        g_t = plgpu.load(g_tok.at[slot].at[pl.ds(0, c)], layout=COLS)
+        pq = matmul(kb_s.at[slot], q_s.at[slot].T, pshape)
+        d_pq = jnp.exp(
+          jnp.where(causal_pq, bcast_cols(g_t, pshape) - bcast_rows(g_r, pshape), -jnp.inf)
+        )
+        pq_s.T[...] = (pq * d_pq).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_wait(s_ready.at[half])
+        o_t = matmul(st_pub.at[half], q_s.at[slot].T, oshape) * bcast_cols(jnp.exp(g_t), oshape)
+        o_t = o_t + matmul(vn_pub.at[half], pq_s.T, oshape)
+        plgpu.barrier_arrive(s_free.at[half])
+        plgpu.barrier_arrive(in_free.at[slot])
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # o_s[half] of chunk n - 2 has left
+        o_s.at[half].T[...] = (o_t * scale_v).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s.at[half], o_ref.at[b, rows, h, cols_v])
+        return carry
+
+      lax.fori_loop(0, nc, step, None)
+      plgpu.wait_smem_to_gmem(0)
+
+    plgpu.barrier_arrive(done)
+    plgpu.barrier_wait(done)
+
+  args = [q, k, v, t0, gamma, gamma_rows, beta_rows, mask_rows, scale]
+  if initial_state_t is not None:
+    args.append(initial_state_t)
+  outs = plgpu.kernel(
+    body,
+    out_type=out_type,
+    scratch_types=scratch,
+    grid=(batch, heads, value_dim // bv),
+    grid_names=("b", "h", "v"),
+    num_threads=3,
+    thread_name="wg",
+    compiler_params=compiler_params(),
+    interpret=interpret,
+    kernel_name=f"gdp_state_walk_ws_r{r}",
+  )(*args)
+  if output_final_state:
+    return outs[0], outs[1]
+  return outs[0], None

@@ -1,0 +1,3 @@
+"""The Triton kernels: forward/ (the chunked operator's forward), backward/ (its backward),
+inference/ (the recurrent step and grouped-query decode). Arrays in, arrays out
+(docs/kernels.md)."""

@@ -1,0 +1,359 @@
+"""The fused intra-chunk forward (docs/kernels.md, "Fused forward kernels"): one program per
+(chunk, batch, head) does the chunk-local cumsum of g, the chunk KKT, its unit lower-triangular
+inverse and the w/u products, keeping A and its inverse in registers.
+
+Rows of the chunk matrices are in (t, a) order (pallas_kernels/common/rows.py): N = BT * r rows,
+cut in blocks of 16 rows, each covering 16 / r tokens. With gamma the chunk-local cumsum of g
+(docs/chunked_form.md):
+
+  A_ij = beta_i M (Kw_i Kb_j^T) exp(gamma_i - gamma_j), token-strictly causal   [16, 16] blocks
+  X_ii = (I + A_ii)^-1                  forward substitution on a register tile
+  X_ij = -X_ii sum_{j <= k < i} A_ik X_kj                        block merge (i > j)
+  w_i  = sum_{j <= i} X_ij (exp(gamma_j) beta_j Kw_j),   u_i = sum_{j <= i} X_ij (beta_j v_j)
+
+X = (I + A)^-1 is the gated inverse of gated A; w = X (exp(gamma) W~) is exp(gamma) times the
+ungated inverse applied to W~, and no exp of a positive argument is ever formed. Row blocks of k,
+v, g, beta and the mask are loaded from their refs with `pl.ds` (a loaded value cannot be sliced
+in the Triton lowering, docs/pallas_triton.md). Row block i needs the rows of X above it, so X
+stays alive; the A blocks of one row block live only while it is done. The merge and the products
+are 16 x 16 block products only (X kept as its lower-triangular blocks).
+
+Packed sequences in place (`table=`, docs/varlen.md#the-pallas-kernels): k, v, g and beta are the
+packed row [1, T, ...] itself; program c reads its chunk's tokens at the offset of a per-chunk
+table (`varlen.chunk_tokens`) with masked loads (pallas_kernels/common/packed.py `ChunkRows`), the
+rows past its sequence's end read as zeros: the chunk-aligned layout's padding, so gamma, w, u and
+Ai, written in that layout, are exactly those of the padded copy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import backend, options, packed, rows, specs, tril
+
+BLOCK = 16
+CHUNKS = (16, 32, 64)
+MAX_ROWS = 256
+f32 = jnp.float32
+
+
+class _Chunk:
+  """Loads of one chunk's row blocks from the refs (every block straight from its ref)."""
+
+  def __init__(self, k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask):
+    self.k_ref, self.v_ref, self.beta_ref, self.mask_ref = k_ref, v_ref, beta_ref, mask_ref
+    self.r = r
+    self.tb = BLOCK // r  # tokens per 16-row block
+    self.per_token_mask = per_token_mask
+    self.dtype = k_ref.dtype
+
+  def toks(self, i):
+    return pl.ds(i * self.tb, self.tb)
+
+  def mask_rows(self, i):
+    """The mask tile's rows for block i (all of it when the mask is not per token)."""
+    return self.toks(i) if self.per_token_mask else slice(None)
+
+  def beta(self, i):
+    """beta per row of block i: [16] float32."""
+    return rows.per_row(self.beta_ref[self.toks(i)].astype(f32), self.r)
+
+  def masked_keys(self, i):
+    """Kw_i, the masked keys of block i: [16, K] float32."""
+    return rows.masked_keys(self.k_ref[self.toks(i), :], self.mask_ref, self.r, self.mask_rows(i))
+
+  def block_keys(self, i):
+    """Kb_i, the block keys of block i: [16, K] float32."""
+    return rows.block_keys(self.k_ref[self.toks(i), :], self.r)
+
+  def w_rhs(self, i, gamma_i):
+    """exp(gamma) beta Kw for block i, in the input dtype: [16, K]."""
+    scale = jnp.exp(gamma_i) * self.beta(i)
+    return (scale[:, None] * self.masked_keys(i)).astype(self.dtype)
+
+  def u_rhs(self, i):
+    """beta v for block i (each token's row repeated r times), in the input dtype: [16, V]."""
+    bv = self.beta_ref[self.toks(i)].astype(f32)[:, None] * self.v_ref[self.toks(i), :].astype(f32)
+    return rows.repeat_rows(bv.astype(self.dtype), self.r)
+
+
+# Diagonal-inverse methods: forward substitution, or repeated squaring with its six products as
+# three TF32 products on the tensor cores ("squaring-x3", close to float32) or as one TF32
+# product ("squaring-tf32", for half inputs).
+SQUARING_PRECISION = {"squaring-x3": "tf32x3", "squaring-tf32": "tf32"}
+INVERSES = ("auto", "substitution", *SQUARING_PRECISION)
+# "auto": squaring at the kernel's float32 precision where that runs on the tensor cores, forward
+# substitution for "ieee" (docs/kernels.md#chunk_fwd-everything-inside-one-chunk).
+AUTO_INVERSE = {"tf32": "squaring-tf32", "tf32x3": "squaring-x3", "ieee": "substitution"}
+
+
+def _invert_diagonal(a_blocks, method="substitution"):
+  """(I + A_ii)^-1 of strictly lower [16, 16] float32 tiles, in registers.
+
+  methods "squaring*": (I - A)(I + A^2)(I + A^4)(I + A^8), six small products per block at the
+  method's precision (SQUARING_PRECISION; pallas_kernels/common/tril.py). method "substitution":
+  forward substitution, below.
+
+  With X = I + Y: Y[j] = -A[j] + sum_{k<j} (-A[j, k]) Y[k]. Y starts as -A, so row j of Y still
+  holds -A[j] when step j picks it (jnp.where on the row index + sum: no slicing). Rows 0 and 1
+  are already final. All blocks advance in the same loop (independent work for the scheduler).
+  """
+  if method in SQUARING_PRECISION:
+    precision = SQUARING_PRECISION[method]
+    return [tril.unit_lower_inverse(a, precision=precision) for a in a_blocks]
+  idx = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
+
+  def body(j, ys):
+    out = []
+    for y in ys:
+      row = jnp.sum(jnp.where(idx == j, y, 0.0), axis=0)  # -A[j], zero from column j
+      row = row + jnp.sum(row[:, None] * y, axis=0)
+      out.append(jnp.where(idx == j, row[None, :], y))
+    return tuple(out)
+
+  ys = jax.lax.fori_loop(2, BLOCK, body, tuple(-a for a in a_blocks))
+  eye = (idx == col).astype(f32)
+  return [y + eye for y in ys]
+
+
+def _blocks_kernel(
+  k_ref,
+  v_ref,
+  g_ref,
+  beta_ref,
+  mask_ref,
+  gamma_ref,
+  w_ref,
+  u_ref,
+  *ai_ref,
+  r,
+  per_token_mask,
+  precision,
+  inverse,
+):
+  """Every product on [16, 16] blocks; X kept as its lower-triangular blocks."""
+  bt = k_ref.shape[0]
+  nb = bt * r // BLOCK
+  c = _Chunk(k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask)
+  dtype = c.dtype
+  dot = functools.partial(backend.dot, precision=precision)
+  local = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0) // r  # token of each row in a block
+  blk = lambda i: pl.ds(i * BLOCK, BLOCK)
+
+  # gamma: chunk-local cumsum of g, block by block with a running prefix.
+  gammas = []  # per row, [16] each
+  prefix = jnp.zeros((), f32)
+  for i in range(nb):
+    g = g_ref[c.toks(i)].astype(f32)
+    gam = prefix + jnp.cumsum(g)
+    prefix = prefix + jnp.sum(g)
+    gamma_ref[c.toks(i)] = gam
+    gammas.append(rows.per_row(gam, r))
+
+  def a_block(kw_i, i, kb_j, j):
+    """A_ij, gated and token-strictly causal: [16, 16] float32."""
+    decay = rows.causal_decay(gammas[i], gammas[j], local + i * c.tb, local + j * c.tb, strict=True)
+    kk = dot(kw_i.astype(dtype), kb_j.astype(dtype), trans_b=True)
+    return c.beta(i)[:, None] * kk * decay
+
+  # Diagonal blocks and their inverses.
+  diag = []
+  for i in range(nb):
+    diag.append(a_block(c.masked_keys(i), i, c.block_keys(i), i))
+  x = {(i, i): xi for i, xi in enumerate(_invert_diagonal(diag, inverse))}
+  del diag
+
+  # Row blocks: merge (X_ij for j < i), then w_i, u_i (and the row of Ai).
+  half = dtype != f32
+  for i in range(nb):
+    if i:
+      kw_i = c.masked_keys(i)
+      a_row = [a_block(kw_i, i, c.block_keys(k), k) for k in range(i)]
+      for j in range(i - 1, -1, -1):
+        acc = None
+        for k in range(j, i):
+          term = dot(a_row[k], x[k, j])
+          acc = term if acc is None else acc + term
+        x[i, j] = -dot(x[i, i], acc)
+      del a_row
+    w_acc = u_acc = None
+    for j in range(i + 1):
+      xij = x[i, j].astype(dtype) if half else x[i, j]
+      tw = dot(xij, c.w_rhs(j, gammas[j]))
+      tu = dot(xij, c.u_rhs(j))
+      w_acc = tw if w_acc is None else w_acc + tw
+      u_acc = tu if u_acc is None else u_acc + tu
+    w_ref[blk(i), :] = w_acc.astype(w_ref.dtype)
+    u_ref[blk(i), :] = u_acc.astype(u_ref.dtype)
+    if ai_ref:
+      zeros = jnp.zeros((BLOCK, BLOCK), ai_ref[0].dtype)
+      for j in range(nb):
+        ai_ref[0][blk(i), blk(j)] = x[i, j].astype(ai_ref[0].dtype) if j <= i else zeros
+
+
+def _in_place(kernel, chunk):
+  """`kernel` on whole-row refs k, v [T, D] and g, beta [T] of the packed row and a per-chunk
+  table [2, NT] (the last input): program c's chunk starts at token table[0, c] and holds
+  table[1, c] tokens; the kernel sees them as its chunk's blocks (`packed.ChunkRows`). The Triton
+  lowering has no scalar prefetch, so the offset is read inside the kernel, not by index maps."""
+
+  def run(k_ref, v_ref, g_ref, beta_ref, mask_ref, table_ref, *out_refs, **kw):
+    c = pl.program_id(0)
+    start, valid = table_ref[0, c], table_ref[1, c]
+    view = lambda ref: packed.ChunkRows(ref, start, valid, chunk)
+    return kernel(view(k_ref), view(v_ref), view(g_ref), view(beta_ref), mask_ref, *out_refs, **kw)
+
+  return run
+
+
+def _divides(k, v):
+  """k's key heads divide v's value heads (grouped value heads)."""
+  return k.shape[2] > 0 and v.shape[2] % k.shape[2] == 0
+
+
+def _check(k, v, g, beta, mask, key_blocks, chunk, in_place=False):
+  if k.ndim != 4 or v.ndim != 4 or k.shape[:2] != v.shape[:2] or not _divides(k, v):
+    raise ValueError(
+      f"k must be [B, Tp, H, K] and v [B, Tp, HV, V] with the same B, Tp and HV a multiple of "
+      f"H; got k {k.shape}, v {v.shape}"
+    )
+  bsz, t_len, _, dim_k = k.shape
+  heads, dim_v = v.shape[2:]
+  for name, x in (("g", g), ("beta", beta)):
+    if x.shape != (bsz, heads, t_len):
+      raise ValueError(f"{name} must be [B, H, Tp] = {(bsz, heads, t_len)}, got {x.shape}")
+  r = key_blocks
+  if mask.ndim != 5 or mask.shape[-2:] != (r, r):
+    raise ValueError(f"mask must be [Bm, Tm, Hm, r, r] with r = key_blocks = {r}, got {mask.shape}")
+  if chunk not in CHUNKS:
+    raise ValueError(f"chunk must be one of {CHUNKS}, got {chunk!r}")
+  if r not in (1, 2, 4, 8):
+    raise ValueError(
+      f"key_blocks must be 1, 2, 4 or 8 (a 16-row block must hold whole tokens; "
+      f"r = 16 is not supported), got {r!r}"
+    )
+  if chunk * r > MAX_ROWS:
+    raise ValueError(f"chunk * key_blocks = {chunk} * {r} rows exceeds {MAX_ROWS}")
+  if t_len % chunk and not in_place:
+    raise ValueError(f"Tp = {t_len} must be a multiple of chunk = {chunk}")
+  dk = dim_k // r
+  if dim_k % r or dk < 16 or dk & (dk - 1) or dim_v < 16 or dim_v & (dim_v - 1):
+    raise ValueError(
+      f"K / key_blocks and V must be powers of two >= 16 (pad them); got K = "
+      f"{dim_k}, key_blocks = {r}, V = {dim_v}"
+    )
+
+
+def chunk_fwd(
+  k,
+  v,
+  g,
+  beta,
+  mask,
+  *,
+  key_blocks,
+  chunk,
+  precision="tf32",
+  save_ai=False,
+  inverse="auto",
+  launch=options.DEFAULT.chunk_fwd,
+  table=None,
+):
+  """The fused intra-chunk forward.
+
+  k [B, Tp, H, K], v [B, Tp, H, V] (K / key_blocks and V powers of two >= 16); g (the raw
+  log-decay, not its cumsum), beta [B, H, Tp] float32; mask [Bm, Tm, Hm, r, r] (broadcast
+  against [B, Tp, H, r, r]); key_blocks = r in {1, 2, 4, 8}; chunk = BT in {16, 32, 64} tokens
+  with N = BT * r <= 256 rows. `precision` is for float32 dots (backend.dot): the merge of the
+  inverse's blocks always, everything when the inputs are float32. Grouped value heads
+  (docs/varlen.md#grouped-value-heads): k may have H / group key heads for the H heads of v, g
+  and beta (value head h reads key head h // group; k is not repeated); the outputs have H.
+
+  Returns gamma [B, H, Tp] float32 (chunk-local cumsum of g), w [B, H, Tp*r, K] and
+  u [B, H, Tp*r, V] in k's dtype, and with save_ai=True also Ai = (I + A)^-1 [B, H, Tp*r, N] in
+  k's dtype (the backward's residual).
+
+  inverse: how the 16 x 16 diagonal blocks are inverted: "auto" (AUTO_INVERSE: by the
+  precision), "substitution" (forward substitution, one row per step) or by repeated squaring
+  ("squaring-x3", "squaring-tf32": six products at TF32 x 3 or TF32 precision;
+  pallas_kernels/common/tril.py).
+  launch: warps and pipeline stages (pallas_kernels/common/options.py).
+
+  table: None, or packed sequences read in place (docs/varlen.md#the-pallas-kernels, B = 1):
+  int32 [2, NT] (`varlen.chunk_tokens`), each chunk's first token in the packed row and its number
+  of tokens. k, v, g and beta are then the packed row (T any length, [1, H, T] for g and beta)
+  and the outputs are in the chunk-aligned layout of Tp = C * NT tokens; a per-token mask is
+  [1, Tp, Hm, r, r] in that layout (read per chunk as without a table).
+  """
+  in_place = table is not None
+  _check(k, v, g, beta, mask, key_blocks, chunk, in_place)
+  if inverse not in INVERSES:
+    raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
+  if inverse == "auto":
+    inverse = AUTO_INVERSE[precision]
+  bsz, t_len, key_heads, dim_k = k.shape
+  heads, dim_v = v.shape[2:]
+  r = key_blocks
+  n = chunk * r
+  per_token_mask = mask.shape[1] > 1
+  tokens = t_len  # the tokens of k, v, g and beta (the packed row's when in place)
+  if in_place:
+    t_len = chunk * table.shape[-1]  # the chunk-aligned layout's
+    if table.ndim != 2 or table.shape[0] != 2 or bsz != 1:
+      raise ValueError(
+        f"table must be int32 [2, NT] (varlen.chunk_tokens) with B = 1, got {table.shape} with "
+        f"B = {bsz}"
+      )
+    if per_token_mask and mask.shape[1] != t_len:
+      raise ValueError(
+        f"a per-token mask must be [1, Tp, Hm, r, r] in the chunk-aligned layout, Tp = C * NT = "
+        f"{t_len}, got {mask.shape}"
+      )
+  out_specs = [specs.scalars(chunk), specs.rows(n, dim_k), specs.rows(n, dim_v)]
+  out_shape = [
+    jax.ShapeDtypeStruct((bsz, heads, t_len), f32),
+    jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_k), k.dtype),
+    jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_v), k.dtype),
+  ]
+  if save_ai:
+    out_specs.append(specs.rows(n, n))
+    out_shape.append(jax.ShapeDtypeStruct((bsz, heads, t_len * r, n), k.dtype))
+  kernel = functools.partial(
+    _blocks_kernel, r=r, per_token_mask=per_token_mask, precision=precision, inverse=inverse
+  )
+  group = heads // key_heads
+  in_specs = [
+    specs.tokens(chunk, dim_k, group=group),
+    specs.tokens(chunk, dim_v),
+    specs.scalars(chunk),
+    specs.scalars(chunk),
+    specs.mask(mask.shape, chunk),
+  ]
+  args = (k, v, g.astype(f32), beta.astype(f32), mask)
+  if in_place:  # whole-row token refs (the grid's chunk index is unused by their index maps)
+    kernel = _in_place(kernel, chunk)
+    in_specs[:4] = [
+      specs.seq_tokens(tokens, dim_k, group=group),
+      specs.seq_tokens(tokens, dim_v),
+      specs.seq_scalars(tokens),
+      specs.seq_scalars(tokens),
+    ]
+    in_specs.append(specs.whole(table.shape))
+    args = (*args, table.astype(jnp.int32))
+  return tuple(
+    backend.pallas_call(
+      kernel,
+      grid=(t_len // chunk, bsz, heads),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      num_warps=launch.num_warps,
+      num_stages=launch.num_stages,
+      name="gdp_chunk_fwd",
+    )(*args)
+  )

@@ -1,0 +1,332 @@
+"""Grouped-query decode attention over a KV cache, flash-decoding style (docs/inference.md).
+
+Arrays in, arrays out (no autodiff, no argument checks: gdp_jax/ops/gqa_decode/api.py does those).
+
+    query [B, Hq, D] or [B, Tq, Hq, D]    key_cache, value_cache [B, S, Hkv, D]    lengths [B]
+    -> float32, the query's shape
+
+Grid (B, Hkv, num_splits). Program (b, h, j) takes the Tq * G query rows of cache head h
+(G = Hq / Hkv query heads for each of the Tq new tokens) as one [RP, DP] tile, so every cache
+byte is read once, by one program, and walks its share of the valid positions of sequence b in
+blocks of `block_s` rows, keeping an online softmax (running max m, running sum l, unnormalised
+output acc). The valid range [0, L) with L = clamp(lengths[b], 0, S) is cut into `num_splits`
+equal pieces (rounded up to whole blocks), so the work follows the real lengths, not S: loop
+bounds come from L inside the kernel (traced `fori_loop` bounds), the grid is static, and a new
+set of lengths never recompiles. A small jnp epilogue combines the splits' partial softmaxes.
+
+Multi-token queries (Tq > 1: speculative verification, chunked prefill): new token t sits at
+position L - Tq + t and sees the slots j <= L - Tq + t, a per-row causal limit on the scores.
+A token at a negative position (L < Tq) sees nothing and gets a zero row.
+
+The cache is read in its native [B, S, Hkv, D] layout through BlockSpecs that squeeze b and h:
+each program sees an [S, D] view with row stride Hkv * D and loads [block_s, DP] tiles straight
+from it (no transpose, no copy). Rows at or beyond the split's end are masked in the load
+(`other=0`), so stale slots (even inf or the dtype's max) never reach registers; their scores
+are also set to -inf before the softmax. The paged kernel (paged_decode_attention.py) shares the
+online softmax below (`split_attention`) and differs only in how it finds a block's rows.
+
+Numerics: float32 throughout. For a bfloat16 cache the products run on the tensor cores as two
+bf16 dots each (the float32 query and the float32 weights are split into a bf16 high part and a
+bf16 low part, and the bf16 cache values are exact): about 16 mantissa bits, near float32,
+at tensor-core speed (full float32 FMA dots would make this memory-bound kernel compute-bound
+at G = 16 rows). Other cache dtypes are converted to float32 and use IEEE float32 dots.
+
+Triton-lowering constraints honoured (docs/pallas_triton.md): every loaded/stored tile has
+power-of-two dims >= 16 (the query rows and D are padded with masks), dots are 2-D, no slicing of
+loaded values.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.common import backend, options
+
+f32 = jnp.float32
+
+# Launch defaults: options.DecodeOptions, from the tuning table (pallas_kernels/triton/tuning/).
+# block_s keeps a [block_s, 128] tile at 16 KB: 64 rows of a 2-byte cache, 32 of a 4-byte one
+# (compiled offline for sm_90 with Triton 3.9: bf16 64/4 warps/3 stages uses 128 registers and
+# 78 KB of shared memory, no spills; float32 at 64 rows and 4 warps spills, at 32 it does not).
+DEFAULTS = options.DecodeOptions()
+BLOCK_S_4BYTE = 32
+
+
+def default_num_splits(
+  batch, kv_heads, seq_len, block_s=DEFAULTS.block_s, sm_count=None, defaults=DEFAULTS
+):
+  """Splits of the cache positions per (sequence, cache head): about `programs_per_sm` programs
+  per SM of the device in all, each split at least `min_blocks_per_split` blocks of S long."""
+  sm_count = options.device_info().sm_count if sm_count is None else sm_count
+  pairs = max(batch * kv_heads, 1)
+  want = pl.cdiv(defaults.programs_per_sm * sm_count, pairs)
+  most = max(1, seq_len // (defaults.min_blocks_per_split * block_s))
+  return int(max(1, min(want, most)))
+
+
+def default_block_s(dtype, capacity, defaults=DEFAULTS):
+  """Rows per inner iteration: the tuned default for 2-byte caches, BLOCK_S_4BYTE for 4-byte
+  ones, never more than the capacity rounded up to a power of two (>= 16)."""
+  block_s = defaults.block_s if jnp.dtype(dtype).itemsize <= 2 else BLOCK_S_4BYTE
+  return min(block_s, max(16, pl.next_power_of_2(capacity)))
+
+
+def check_block_s(block_s):
+  if block_s < 16 or block_s & (block_s - 1):
+    raise ValueError(f"block_s must be a power of two >= 16, got {block_s}")
+
+
+def split_attention(
+  q_ref,
+  length,
+  locate,
+  load,
+  *,
+  rows,
+  group,
+  tq,
+  dim,
+  rp,
+  dp,
+  block_s,
+  num_splits,
+  scale,
+  split_bf16,
+):
+  """Program j's share of the online softmax over positions [0, length) (length clamped to the
+  capacity already). Returns (acc [RP, DP], m [RP], l [RP]) in float32.
+
+  q_ref: [R, D] query rows (row r = t * group + g: token t, query head g of the group).
+  locate(pos, end) -> addr: what the loads of the block of rows [pos, pos + block_s) need
+  (rows >= end are stale: masked); load(which, addr) -> [block_s, DP] tile of "k" or "v", zero
+  in masked rows and padded columns.
+  """
+  j = pl.program_id(2)
+  per_split = jax.lax.div(length + (num_splits - 1), jnp.int32(num_splits))  # int32 under x64
+  per_split = jax.lax.div(per_split + (block_s - 1), jnp.int32(block_s)) * block_s
+  start = j * per_split
+  end = jnp.minimum(start + per_split, length)
+  n_blocks = jax.lax.div(jnp.maximum(end - start, 0) + (block_s - 1), jnp.int32(block_s))
+
+  # Padded tiles reach past the end of a ref; their extra rows/columns are masked. The start is
+  # a traced zero because Pallas rejects a static slice that overruns the ref.
+  zero = j * 0
+  if rp != rows or dp != dim:
+    r_idx = jax.lax.broadcasted_iota(jnp.int32, (rp, dp), 0)
+    d_idx = jax.lax.broadcasted_iota(jnp.int32, (rp, dp), 1)
+    q_mask = (r_idx < rows) & (d_idx < dim)
+    q = pltriton.load(q_ref.at[pl.ds(zero, rp), pl.ds(zero, dp)], mask=q_mask, other=0)
+  else:
+    q = q_ref[...]
+  q = q.astype(f32) * scale
+  if split_bf16:
+    q_hi = q.astype(jnp.bfloat16)
+    q_lo = (q - q_hi.astype(f32)).astype(jnp.bfloat16)
+
+  pos_iota = jax.lax.broadcasted_iota(jnp.int32, (rp, block_s), 1)
+  if tq > 1:
+    # Causal limit of each query row: token t = r // group sees positions < length - tq + 1 + t.
+    token = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rp, block_s), 0), jnp.int32(group))
+    row_limit = jnp.minimum(length - (tq - 1) + token, end)
+
+  def scores(k):
+    if split_bf16:
+      return backend.dot(q_hi, k, trans_b=True, precision="tf32") + backend.dot(
+        q_lo, k, trans_b=True, precision="tf32"
+      )
+    return backend.dot(q, k.astype(f32), trans_b=True, precision="ieee")
+
+  def weighted(p, v):
+    if split_bf16:
+      p_hi = p.astype(jnp.bfloat16)
+      p_lo = (p - p_hi.astype(f32)).astype(jnp.bfloat16)
+      return backend.dot(p_hi, v, precision="tf32") + backend.dot(p_lo, v, precision="tf32")
+    return backend.dot(p, v.astype(f32), precision="ieee")
+
+  def body(i, carry):
+    acc, m, l = carry
+    pos = start + i * block_s
+    addr = locate(pos, end)
+    s = scores(load("k", addr))  # [RP, BS] float32
+    if tq > 1:
+      s = jnp.where((pos + pos_iota) < row_limit, s, -jnp.inf)  # stale or in a row's future
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))  # -inf for a row with nothing valid yet
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp(m - m_safe)
+      p = jnp.exp(s - m_safe[:, None])
+    else:
+      s = jnp.where((pos + pos_iota) < end, s, -jnp.inf)  # stale slots: no weight
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))  # finite: >= 1 valid slot
+      alpha = jnp.exp(m - m_new)
+      p = jnp.exp(s - m_new[:, None])
+    l = alpha * l + jnp.sum(p, axis=1)
+    acc = alpha[:, None] * acc + weighted(p, load("v", addr))
+    return acc, m_new, l
+
+  init = (jnp.zeros((rp, dp), f32), jnp.full((rp,), -jnp.inf, f32), jnp.zeros((rp,), f32))
+  return jax.lax.fori_loop(0, n_blocks, body, init)
+
+
+def store_partials(o_ref, m_ref, l_ref, acc, m, l, *, rows, dim, rp, dp):
+  """Write one split's (acc [R, D], m [R], l [R]), masking the padded rows and columns."""
+  zero = pl.program_id(2) * 0
+  if rp != rows or dp != dim:
+    r_idx = jax.lax.broadcasted_iota(jnp.int32, (rp, dp), 0)
+    d_idx = jax.lax.broadcasted_iota(jnp.int32, (rp, dp), 1)
+    mask = (r_idx < rows) & (d_idx < dim)
+    pltriton.store(o_ref.at[pl.ds(zero, rp), pl.ds(zero, dp)], acc, mask=mask)
+  else:
+    o_ref[...] = acc
+  if rp != rows:
+    row_ok = jax.lax.broadcasted_iota(jnp.int32, (rp,), 0) < rows
+    pltriton.store(m_ref.at[pl.ds(zero, rp)], m, mask=row_ok)
+    pltriton.store(l_ref.at[pl.ds(zero, rp)], l, mask=row_ok)
+  else:
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, seq_len, shape, **kw):
+  # Refs: len_ref [] int32; q_ref [R, D]; k_ref, v_ref [S, D] (b and h squeezed: the native
+  # layout, row stride Hkv * D); outputs o_ref [R, D], m_ref, l_ref [R] of split j.
+  dim, dp, block_s = shape["dim"], shape["dp"], kw["block_s"]
+  length = jnp.minimum(jnp.maximum(len_ref[()], 0), seq_len)
+  zero = pl.program_id(2) * 0
+  col_ok = jax.lax.broadcasted_iota(jnp.int32, (block_s, dp), 1) < dim
+  row_iota = jax.lax.broadcasted_iota(jnp.int32, (block_s, dp), 0)
+
+  def locate(pos, end):
+    tile_mask = (pos + row_iota) < end
+    return pos, (tile_mask & col_ok) if dp != dim else tile_mask
+
+  def load(which, addr):
+    pos, tile_mask = addr
+    ref = k_ref if which == "k" else v_ref
+    return pltriton.load(ref.at[pl.ds(pos, block_s), pl.ds(zero, dp)], mask=tile_mask, other=0)
+
+  acc, m, l = split_attention(q_ref, length, locate, load, **shape, **kw)
+  store_partials(o_ref, m_ref, l_ref, acc, m, l, rows=shape["rows"], dim=dim, rp=shape["rp"], dp=dp)
+
+
+def combine_splits(acc, m, l):
+  """Merge per-split partial softmaxes: acc [..., NS, R, D], m and l [..., NS, R] -> [..., R, D].
+
+  Empty splits (m = -inf, l = 0, acc = 0) get weight 0; rows with no valid slot at all
+  (length 0) come out as exact zeros.
+  """
+  m_max = jnp.max(m, axis=-2)
+  m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+  w = jnp.exp(m - m_safe[..., None, :])  # exp(-inf) = 0
+  total = jnp.sum(w * l, axis=-2)
+  out = jnp.sum(w[..., None] * acc, axis=-3)
+  return out / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def query_rows(query, kv_heads):
+  """query [B, Hq, D] or [B, Tq, Hq, D] -> ([B, Hkv, Tq * G, D], Tq, G): the rows of each cache
+  head, token-major (row t * G + g). A reshape only when Tq = 1."""
+  q4 = query[:, None] if query.ndim == 3 else query
+  batch, tq, q_heads, dim = q4.shape
+  group = q_heads // kv_heads
+  rows = q4.reshape(batch, tq, kv_heads, group, dim).transpose(0, 2, 1, 3, 4)
+  return rows.reshape(batch, kv_heads, tq * group, dim), tq, group
+
+
+def output_from_rows(out, query_shape, kv_heads, tq, group):
+  """[B, Hkv, Tq * G, D] -> the query's shape (inverse of `query_rows`)."""
+  batch, dim = out.shape[0], out.shape[-1]
+  out = out.reshape(batch, kv_heads, tq, group, dim).transpose(0, 2, 1, 3, 4)
+  return out.reshape(query_shape)
+
+
+def kernel_shape(rows, group, tq, dim):
+  """Static shape arguments of `split_attention`: rows and D padded to powers of two >= 16."""
+  return dict(
+    rows=rows,
+    group=group,
+    tq=tq,
+    dim=dim,
+    rp=max(16, pl.next_power_of_2(rows)),
+    dp=max(16, pl.next_power_of_2(dim)),
+  )
+
+
+def partial_specs(batch, kv_heads, num_splits, rows, dim):
+  """out_specs and out_shape of the per-split partials (acc, m, l)."""
+  specs = [
+    pl.BlockSpec((None, None, None, rows, dim), lambda b, h, j: (b, h, j, 0, 0)),
+    pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
+    pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
+  ]
+  shapes = [
+    jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows, dim), f32),
+    jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows), f32),
+    jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows), f32),
+  ]
+  return specs, shapes
+
+
+@functools.partial(
+  jax.jit, static_argnames=("scale", "block_s", "num_splits", "num_warps", "num_stages")
+)
+def gqa_decode(
+  query,
+  key_cache,
+  value_cache,
+  lengths,
+  *,
+  scale,
+  block_s=None,
+  num_splits=None,
+  num_warps=DEFAULTS.num_warps,
+  num_stages=DEFAULTS.num_stages,
+):
+  """Flash-decoding GQA step. query [B, Hq, D] or [B, Tq, Hq, D]; caches [B, S, Hkv, D] (one
+  dtype); lengths [B] int32 (clamped to [0, S] in the kernel); scale a Python float.
+
+  Returns float32 in the query's shape. block_s (power of two >= 16), num_splits, num_warps and
+  num_stages are tuning knobs; None picks the defaults above.
+  """
+  batch = query.shape[0]
+  _, seq_len, kv_heads, dim = key_cache.shape
+  q_rows, tq, group = query_rows(query, kv_heads)
+  rows = tq * group
+  if block_s is None:
+    block_s = default_block_s(key_cache.dtype, seq_len)
+  check_block_s(block_s)
+  if num_splits is None:
+    num_splits = default_num_splits(batch, kv_heads, seq_len, block_s)
+
+  kernel = functools.partial(
+    _kernel,
+    seq_len=seq_len,
+    shape=kernel_shape(rows, group, tq, dim),
+    block_s=block_s,
+    num_splits=num_splits,
+    scale=float(scale),
+    split_bf16=key_cache.dtype == jnp.bfloat16,
+  )
+  cache_spec = pl.BlockSpec((None, seq_len, None, dim), lambda b, h, j: (b, 0, h, 0))
+  out_specs, out_shape = partial_specs(batch, kv_heads, num_splits, rows, dim)
+  acc, m, l = backend.pallas_call(
+    kernel,
+    num_warps=num_warps,
+    num_stages=num_stages,
+    grid=(batch, kv_heads, num_splits),
+    in_specs=[
+      pl.BlockSpec((None,), lambda b, h, j: (b,)),  # lengths
+      pl.BlockSpec((None, None, rows, dim), lambda b, h, j: (b, h, 0, 0)),  # query rows of h
+      cache_spec,  # keys
+      cache_spec,  # values
+    ],
+    out_specs=out_specs,
+    out_shape=out_shape,
+    name="gqa_decode",
+  )(lengths.astype(jnp.int32), q_rows, key_cache, value_cache)
+  out = combine_splits(acc, m, l)  # [B, Hkv, R, D]
+  return output_from_rows(out, query.shape, kv_heads, tq, group)

@@ -1,0 +1,158 @@
+"""Grouped-query decode attention over a paged KV cache (docs/inference.md#paged-kv-cache).
+
+Arrays in, arrays out (no autodiff, no argument checks: gdp_jax/ops/gqa_decode/api.py does those).
+
+    query [B, Hq, D] or [B, Tq, Hq, D]
+    key_pages, value_pages [num_pages, page_size, Hkv, D]   (page_size a power of two >= 16)
+    block_tables [B, max_pages] int32   lengths [B] int32
+    -> float32, the query's shape
+
+Sequence b's position p lives in page block_tables[b, p // page_size], slot p % page_size
+(vLLM's layout with the heads inside the page). The kernel is the flash-decoding kernel of
+decode_attention.py (grid (B, Hkv, num_splits), one online softmax per split over the valid
+positions, `split_attention`), with another way of finding a block's rows: the Triton lowering
+has no scalar prefetch, so index maps cannot read the table. Each program gets the table row of
+its sequence and the whole page arrays (h squeezed: an [num_pages, page_size, D] view), and for a
+block of `block_s` positions it
+  1. gathers the block's page ids from the table, one per row (rows of one page read the same
+     entry: an L1 hit), masked to the valid rows and clamped to [0, num_pages) (memory safety for
+     a bad table; the public function checks concrete tables);
+  2. gathers the [block_s, DP] key and value tiles with row pointers page_id * page stride +
+     slot * row stride + column: each row is D contiguous elements, as in the dense cache.
+Rows at or beyond the split's end are masked in every load, so stale slots and unused table
+entries are never read. The capacity is max_pages * page_size; lengths beyond it are clamped.
+block_s and page_size are independent powers of two: a block may cover several pages or a part
+of one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.common import backend, options
+from pallas_kernels.triton.inference import decode_attention as dense
+
+DEFAULTS = options.PagedDecodeOptions()
+
+
+def _kernel(
+  len_ref,
+  tab_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  o_ref,
+  m_ref,
+  l_ref,
+  *,
+  capacity,
+  num_pages,
+  max_pages,
+  page_size,
+  shape,
+  **kw,
+):
+  # Refs: len_ref [] int32; tab_ref [max_pages] int32 (row b); q_ref [R, D];
+  # k_ref, v_ref [num_pages, page_size, D] (head h squeezed); outputs o_ref [R, D], m_ref,
+  # l_ref [R] of split j.
+  dim, dp, block_s = shape["dim"], shape["dp"], kw["block_s"]
+  length = jnp.minimum(jnp.maximum(len_ref[()], 0), capacity)
+  shift = page_size.bit_length() - 1  # page_size is a power of two
+  row = jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
+  cols = jax.lax.broadcasted_iota(jnp.int32, (1, dp), 1)
+
+  def locate(pos, end):
+    p = pos + row  # positions of the block's rows
+    ok = p < end
+    entry = jax.lax.shift_right_logical(p, jnp.int32(shift))
+    page = pltriton.load(tab_ref.at[jnp.minimum(entry, max_pages - 1)], mask=ok, other=0)
+    page = jnp.minimum(jnp.maximum(page, 0), num_pages - 1)
+    slot = p & (page_size - 1)
+    mask = ok[:, None] & (cols < dim) if dp != dim else ok[:, None]
+    return page[:, None], slot[:, None], jnp.broadcast_to(mask, (block_s, dp))
+
+  def load(which, addr):
+    page, slot, mask = addr
+    ref = k_ref if which == "k" else v_ref
+    col = jnp.minimum(cols, dim - 1) if dp != dim else cols  # in range even where masked
+    return pltriton.load(ref.at[page, slot, col], mask=mask, other=0)
+
+  acc, m, l = dense.split_attention(q_ref, length, locate, load, **shape, **kw)
+  dense.store_partials(
+    o_ref, m_ref, l_ref, acc, m, l, rows=shape["rows"], dim=dim, rp=shape["rp"], dp=dp
+  )
+
+
+@functools.partial(
+  jax.jit, static_argnames=("scale", "block_s", "num_splits", "num_warps", "num_stages")
+)
+def paged_gqa_decode(
+  query,
+  key_pages,
+  value_pages,
+  block_tables,
+  lengths,
+  *,
+  scale,
+  block_s=None,
+  num_splits=None,
+  num_warps=DEFAULTS.num_warps,
+  num_stages=DEFAULTS.num_stages,
+):
+  """Paged flash-decoding GQA step; shapes in the module docstring; scale a Python float.
+
+  Returns float32 in the query's shape. block_s (cache rows per inner iteration, a power of
+  two >= 16), num_splits, num_warps and num_stages are tuning knobs; None picks the defaults
+  (PagedDecodeOptions).
+  """
+  batch = query.shape[0]
+  num_pages, page_size, kv_heads, dim = key_pages.shape
+  max_pages = block_tables.shape[1]
+  capacity = max_pages * page_size
+  q_rows, tq, group = dense.query_rows(query, kv_heads)
+  rows = tq * group
+  if page_size < 16 or page_size & (page_size - 1):
+    raise ValueError(f"page_size must be a power of two >= 16, got {page_size}")
+  if block_s is None:
+    block_s = dense.default_block_s(key_pages.dtype, capacity, DEFAULTS)
+  dense.check_block_s(block_s)
+  if num_splits is None:
+    num_splits = dense.default_num_splits(batch, kv_heads, capacity, block_s, defaults=DEFAULTS)
+
+  kernel = functools.partial(
+    _kernel,
+    capacity=capacity,
+    num_pages=num_pages,
+    max_pages=max_pages,
+    page_size=page_size,
+    shape=dense.kernel_shape(rows, group, tq, dim),
+    block_s=block_s,
+    num_splits=num_splits,
+    scale=float(scale),
+    split_bf16=key_pages.dtype == jnp.bfloat16,
+  )
+  pages_spec = pl.BlockSpec((num_pages, page_size, None, dim), lambda b, h, j: (0, 0, h, 0))
+  out_specs, out_shape = dense.partial_specs(batch, kv_heads, num_splits, rows, dim)
+  acc, m, l = backend.pallas_call(
+    kernel,
+    num_warps=num_warps,
+    num_stages=num_stages,
+    grid=(batch, kv_heads, num_splits),
+    in_specs=[
+      pl.BlockSpec((None,), lambda b, h, j: (b,)),  # lengths
+      pl.BlockSpec((None, max_pages), lambda b, h, j: (b, 0)),  # the table row of sequence b
+      pl.BlockSpec((None, None, rows, dim), lambda b, h, j: (b, h, 0, 0)),  # query rows of h
+      pages_spec,  # key pages, head h
+      pages_spec,  # value pages, head h
+    ],
+    out_specs=out_specs,
+    out_shape=out_shape,
+    name="paged_gqa_decode",
+  )(lengths.astype(jnp.int32), block_tables.astype(jnp.int32), q_rows, key_pages, value_pages)
+  out = dense.combine_splits(acc, m, l)  # [B, Hkv, R, D]
+  return dense.output_from_rows(out, query.shape, kv_heads, tq, group)

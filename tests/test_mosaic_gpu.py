@@ -1,0 +1,273 @@
+"""The Mosaic GPU forward kernels (pallas_kernels/mosaic_gpu/) on a CPU.
+
+Two checks a CPU can make (the compiled kernels, their speed, registers and spills need an sm_90
+GPU: benchmarks/mosaic_gpu_check.py):
+- lowering: every kernel lowers for the cuda platform at the benchmark shape (B=8, T=4096, H=16,
+  K=V=128, bf16), which also checks the kernels' shared memory against the H200's 227 KB;
+- interpretation: the kernels run in jax's Mosaic GPU interpreter (shared memory, barriers, TMA
+  and wgmma simulated on the CPU) at small shapes, against the operator's "xla" implementation.
+All kernels are written in the interpreter-friendly form (operands of every product staged in
+shared memory, fresh accumulators), so nothing is left to the GPU alone for correctness except
+what the hardware adds: ptxas, register allocation, real asynchrony and timing.
+
+The interpreter runs the warpgroups of the warp-specialised walk (walk_ws.py) as threads of XLA's
+CPU client, whose thread pool has one thread per core: on a 2-core machine its three warpgroups
+starve and hang. Its interpreter test therefore runs in a subprocess with NPROC=8 (the pool size
+XLA's CPU client reads); the in-process tests use the plain walk.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdp_jax
+from pallas_kernels.mosaic_gpu import common
+from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
+from pallas_kernels.mosaic_gpu.forward import block_rows, forward, mask_rows
+
+F32 = jnp.float32
+
+
+def _rel_rms(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
+
+
+def _inputs(seed, batch, t_len, heads, key_dim, value_dim, r, mask_kind, dtype=jnp.bfloat16):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+
+  def unit(x):
+    return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+  q = unit(jax.random.normal(ks[0], (batch, t_len, heads, key_dim))).astype(dtype)
+  k = unit(jax.random.normal(ks[1], (batch, t_len, heads, key_dim))).astype(dtype)
+  v = jax.random.normal(ks[2], (batch, t_len, heads, value_dim)).astype(dtype)
+  g = -0.3 * jax.random.uniform(ks[3], (batch, t_len, heads))
+  beta = jax.random.uniform(ks[4], (batch, t_len, heads))
+  shapes = {"none": None, "shared": (r, r), "head": (heads, r, r)}
+  shapes["token"] = (batch, t_len, heads, r, r)
+  shape = shapes[mask_kind]
+  mask = None if shape is None else jax.random.uniform(ks[5], shape)
+  h0 = 0.1 * jax.random.normal(ks[6], (batch, heads, key_dim, value_dim))
+  return q, k, v, g, beta, mask, h0
+
+
+def _xla(q, k, v, g, beta, mask, h0, scale=None):
+  up = functools.partial(jnp.asarray, dtype=F32)
+  return gdp_jax.gated_delta_product(
+    up(q),
+    up(k),
+    up(v),
+    g,
+    beta,
+    mask,
+    scale=scale,
+    initial_state=h0,
+    output_final_state=True,
+    implementation="xla",
+  )
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering at the benchmark shape.
+
+
+@pytest.mark.parametrize(
+  "r,mask_kind,with_state,walk",
+  [
+    (1, "none", False, "ws"),
+    (1, "none", True, None),  # the plain walk: the warp-specialised one does not fit with a state
+    (2, "token", False, "ws"),
+    (2, "head", True, "ws"),
+    (4, "shared", False, "plain"),
+    (8, "shared", False, "ws"),
+  ],
+)
+def test_forward_lowers_for_cuda_at_benchmark_shape(r, mask_kind, with_state, walk):
+  batch, t_len, heads, dim = 8, 4096, 16, 128
+  spec = jax.ShapeDtypeStruct
+  act = spec((batch, t_len, heads, dim), jnp.bfloat16)
+  gate = spec((batch, t_len, heads), F32)
+  shapes = {"none": None, "shared": (r, r), "head": (heads, r, r)}
+  shapes["token"] = (batch, t_len, heads, r, r)
+  mask = None if shapes[mask_kind] is None else spec(shapes[mask_kind], F32)
+  h0 = spec((batch, heads, dim, dim), F32) if with_state else None
+
+  def run(q, k, v, g, beta, mask, h0):
+    return forward(
+      q, k, v, g, beta, mask, initial_state=h0, output_final_state=with_state, walk=walk
+    )
+
+  lowered = (
+    jax.jit(run).trace(act, act, act, gate, gate, mask, h0).lower(lowering_platforms=("cuda",))
+  )
+  text = lowered.as_text()
+  calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+  assert len(calls) == 2, calls  # chunk_inverse and state_walk
+
+
+def test_shared_memory_limit_is_enforced():
+  with pytest.raises(ValueError, match="shared memory"):
+    common.check_smem("kernel", common.SMEM_LIMIT + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels in the interpreter. All interpreted cases run in one subprocess with NPROC=8 (see
+# the module docstring), which prints their measures as JSON; the tests below check them.
+
+
+def _t0_reference(k, beta, mask, r):
+  """(I + A0)^-1 per chunk from the definition (block-major rows, common.py), float64."""
+  batch, t_len, heads, key_dim = k.shape
+  c = common.chunk_tokens(r)
+  nc = t_len // c
+  dk = key_dim // r
+  kf = np.asarray(k, np.float64).reshape(batch, nc, c, heads, r, dk)
+  bf = np.asarray(beta, np.float64).reshape(batch, nc, c, heads)
+  m = np.broadcast_to(np.asarray(mask, np.float64), (batch, t_len, heads, r, r))
+  m = m.reshape(batch, nc, c, heads, r, r)
+  gram = np.einsum("bnthdx,bnshdx->bnhdts", kf, kf)  # <k_t^(d), k_s^(d)>
+  # A0[(a,t),(d,s)] = beta_t M_t[a,d] <k_t^(d), k_s^(d)>, t > s
+  a0 = np.einsum("bnth,bnthad,bnhdts->bnhatds", bf, m, gram)
+  a0 = a0 * np.tril(np.ones((c, c)), -1)[None, None, None, None, :, None, :]
+  a0 = a0.reshape(batch, nc, heads, r * c, r * c)
+  inv = np.linalg.inv(np.eye(r * c) + a0)
+  return np.transpose(inv, (0, 2, 1, 3, 4)).reshape(batch, heads, nc * r * c, r * c)
+
+
+INVERSE_CASES = [(1, "none"), (2, "token"), (4, "head")]
+# (r, mask kind, T, dtype, initial/final state, walk)
+FORWARD_CASES = [
+  (1, "none", 70, "bfloat16", True, "plain"),
+  (2, "token", 45, "bfloat16", True, "plain"),
+  (4, "head", 33, "float16", True, "plain"),
+  (2, "shared", 64, "bfloat16", False, "plain"),
+  (1, "none", 150, "bfloat16", True, "ws"),
+  (2, "token", 45, "bfloat16", False, "ws"),
+]
+
+
+def _case_name(case):
+  return "-".join(str(x) for x in case)
+
+
+def _run_interpreted_cases():
+  """Runs every interpreted case here (in the subprocess); returns {name: measures}."""
+  from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+  out = {}
+  for r, mask_kind in INVERSE_CASES:
+    batch, heads, key_dim = 1, 2, 64
+    t_len = 2 * common.chunk_tokens(r)
+    _, k, _, _, beta, mask, _ = _inputs(r, batch, t_len, heads, key_dim, 64, r, mask_kind)
+    rows = mask_rows(mask, batch, t_len, heads, t_len, r)
+    beta_rows = block_rows(jnp.swapaxes(beta, 1, 2), r)
+    t0 = chunk_inverse(k, beta_rows, rows, interpret=plgpu.InterpretGPUParams())
+    got = np.asarray(t0.astype(F32))
+    mask_np = np.ones((r, r)) if mask is None else np.asarray(mask)
+    want = _t0_reference(k.astype(F32), beta, mask_np, r)
+    wrong = _t0_reference(k.astype(F32), beta, np.swapaxes(mask_np, -1, -2), r)
+    out[_case_name(("inverse", r, mask_kind))] = dict(
+      err=float(np.abs(got - want).max()), err_wrong=float(np.abs(got - wrong).max())
+    )
+  for case in FORWARD_CASES:
+    r, mask_kind, t_len, dtype, state, walk = case
+    q, k, v, g, beta, mask, h0 = _inputs(7 + r, 1, t_len, 2, 64, 64, r, mask_kind, jnp.dtype(dtype))
+    h0 = h0 if state else None
+    params = plgpu.InterpretGPUParams(detect_races=walk == "ws")
+    o, final = forward(
+      q,
+      k,
+      v,
+      g,
+      beta,
+      mask,
+      scale=0.3,
+      initial_state=h0,
+      output_final_state=state,
+      walk=walk,
+      interpret=params,
+    )
+    want_o, want_final = _xla(q, k, v, g, beta, mask, h0, scale=0.3)
+    row = dict(
+      o=_rel_rms(o.astype(F32), want_o), shape_ok=o.shape == v.shape and o.dtype == q.dtype
+    )
+    row["races"] = bool(get_races().races_found) if walk == "ws" else False
+    if state:
+      row["state"] = _rel_rms(final, want_final)
+    if mask is not None and r > 1:  # what a wrong mask orientation scores
+      wrong_o, _ = _xla(q, k, v, g, beta, jnp.swapaxes(mask, -1, -2), h0, scale=0.3)
+      row["o_wrong"] = _rel_rms(o.astype(F32), wrong_o)
+    out[_case_name(case)] = row
+  return out
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, NPROC="8", PYTHONPATH=str(root))
+  run = subprocess.run(
+    [sys.executable, str(pathlib.Path(__file__).resolve()), "--interpreted"],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=540,
+  )
+  lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+  assert run.returncode == 0 and lines, run.stderr[-4000:]
+  return json.loads(lines[-1][len("RESULT ") :])
+
+
+@pytest.mark.parametrize("r,mask_kind", INVERSE_CASES)
+def test_chunk_inverse_interpreted(interpreted, r, mask_kind):
+  row = interpreted[_case_name(("inverse", r, mask_kind))]
+  # bf16 storage of entries of size up to ~1: half an ulp is 2^-9.
+  assert row["err"] < 4e-3, row
+  if r > 1:  # the check can fail: a wrong mask orientation is far off
+    assert row["err_wrong"] > 2e-2, row
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=_case_name)
+def test_forward_interpreted_matches_xla(interpreted, case):
+  row = interpreted[_case_name(case)]
+  assert row["shape_ok"], row
+  assert not row["races"], row
+  assert row["o"] < 1e-2, row
+  assert row.get("state", 0.0) < 1e-2, row
+  if "o_wrong" in row:  # the check can fail
+    assert row["o_wrong"] > 2e-2, row
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments the kernels refuse.
+
+
+def test_refuses_unsupported_arguments():
+  q, k, v, g, beta, _, _ = _inputs(0, 1, 16, 1, 64, 64, 1, "none")
+  with pytest.raises(ValueError, match="r=3"):
+    forward(q, k, v, g, beta, jnp.ones((3, 3)))
+  with pytest.raises(TypeError, match="bfloat16, float16"):
+    forward(q.astype(F32), k.astype(F32), v.astype(F32), g, beta)
+  with pytest.raises(ValueError, match="beta"):
+    forward(q, k, v, g, beta[:, :8])
+  with pytest.raises(ValueError, match="walk"):
+    forward(q, k, v, g, beta, walk="fast")
+  with pytest.raises(ValueError, match="K=96"):
+    pad = jnp.zeros(q.shape[:3] + (32,), q.dtype)
+    forward(jnp.concatenate([q, pad], -1), jnp.concatenate([k, pad], -1), v, g, beta)
+
+
+if __name__ == "__main__" and "--interpreted" in sys.argv:
+  print("RESULT " + json.dumps(_run_interpreted_cases()))

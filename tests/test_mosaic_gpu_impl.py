@@ -1,0 +1,198 @@
+"""`implementation="mosaic_gpu"` of `gated_delta_product` (gdp_jax/ops/gated_delta_product/
+mosaic_gpu.py) on a CPU: its dispatch entry (registered, opt-in), the clear errors for inputs it
+cannot take, the lowering for cuda at the benchmark shape through the public function, and its
+forward and gradients in the Mosaic GPU interpreter against "xla".
+
+The interpreted case runs in a subprocess with NPROC=8, as in tests/test_mosaic_gpu.py (the
+interpreter's warpgroup threads and XLA's CPU pool share one pool sized by the core count).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdp_jax import dispatch, gated_delta_product
+from gdp_jax.ops.gated_delta_product.mosaic_gpu import MosaicGpuGatedDeltaProduct
+
+F32 = jnp.float32
+H200 = SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
+
+
+def test_registered_for_the_operator_only_and_opt_in():
+  impl = dispatch.implementation("gated_delta_product", "mosaic_gpu")
+  assert isinstance(impl, MosaicGpuGatedDeltaProduct) and impl.pallas
+  assert "mosaic_gpu" in dispatch.implementations("gated_delta_product")
+  for function in ("gated_delta_product_step", "gqa_decode", "paged_gqa_decode"):
+    assert "mosaic_gpu" not in dispatch.implementations(function)
+  # opt-in: neither "pallas" nor None picks it, not even on an H200
+  assert dispatch.resolve("gated_delta_product", "pallas", H200) == "triton"
+  assert dispatch.resolve("gated_delta_product", None, H200) == "triton"
+  assert dispatch.resolve("gated_delta_product", "mosaic_gpu", H200) == "mosaic_gpu"
+  assert "mosaic_gpu" not in [name for name, _ in dispatch.PALLAS_PREFERENCE]
+
+
+def _inputs(seed=0, batch=1, t_len=20, heads=2, key_dim=64, value_dim=32, dtype=jnp.bfloat16):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+
+  def unit(x):
+    return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+  return dict(
+    q=unit(jax.random.normal(ks[0], (batch, t_len, heads, key_dim))).astype(dtype),
+    k=unit(jax.random.normal(ks[1], (batch, t_len, heads, key_dim))).astype(dtype),
+    v=jax.random.normal(ks[2], (batch, t_len, heads, value_dim)).astype(dtype),
+    g=-0.3 * jax.random.uniform(ks[3], (batch, t_len, heads)),
+    beta=jax.random.uniform(ks[4], (batch, t_len, heads)),
+    mask=jax.random.uniform(ks[5], (heads, 2, 2)),
+    initial_state=0.1 * jax.random.normal(ks[5], (batch, heads, key_dim, value_dim)),
+  )
+
+
+@pytest.mark.parametrize(
+  "change,words",
+  [
+    (dict(dtype=F32), r"q, k, v: dtype float32.*bfloat16 or float16.*\"triton\""),
+    (dict(key_dim=32), r"q, k: K = 32.*\(64, 128\).*\"triton\""),
+    (dict(grouped=True), r"v: 4 value heads for 2 key heads.*\"triton\""),
+    (dict(r=3), r"mask: r = 3 key blocks.*\"triton\""),
+    (dict(cu_seqlens=True), r"cu_seqlens: packed sequences.*\"triton\""),
+  ],
+)
+def test_inputs_it_cannot_take_are_clear_errors(change, words):
+  grouped, r3, packed = (change.pop(x, False) for x in ("grouped", "r", "cu_seqlens"))
+  x = _inputs(**change)
+  kw = {}
+  if grouped:  # four value heads for two key heads
+    x["v"] = jnp.concatenate([x["v"]] * 2, axis=2)
+    x["g"], x["beta"] = (jnp.concatenate([x[n]] * 2, axis=2) for n in ("g", "beta"))
+    x["mask"] = jnp.concatenate([x["mask"]] * 2, axis=0)
+    x["initial_state"] = jnp.concatenate([x["initial_state"]] * 2, axis=1)
+  if r3:
+    dim = 66  # a multiple of 3
+    for n in ("q", "k"):
+      x[n] = jnp.pad(x[n], [(0, 0)] * 3 + [(0, 2)])
+    x["mask"] = jnp.ones((3, 3))
+    x["initial_state"] = jnp.zeros((1, 2, dim, 32))
+  if packed:
+    kw["cu_seqlens"] = jnp.array([0, 7, 20], jnp.int32)
+    x["initial_state"] = jnp.concatenate([x["initial_state"]] * 2, axis=0)
+  with pytest.raises(ValueError, match=words):
+    gated_delta_product(**x, **kw, implementation="mosaic_gpu")
+
+
+def test_lowers_for_cuda_at_benchmark_shape(monkeypatch):
+  # the public function with implementation="mosaic_gpu", its kernels lowered for the GPU (not
+  # the interpreter) from this CPU: the Mosaic GPU forward's two kernels and nothing else
+  table = {f: dict(t) for f, t in dispatch.TABLE.items()}
+  monkeypatch.setattr(dispatch, "TABLE", table)
+  compiled = table["gated_delta_product"]["mosaic_gpu"].replace(interpret=False)
+  dispatch.register("gated_delta_product", compiled)
+  batch, t_len, heads, dim, r = 8, 4096, 16, 128, 2
+  spec = jax.ShapeDtypeStruct
+  act, gate = spec((batch, t_len, heads, dim), jnp.bfloat16), spec((batch, t_len, heads), F32)
+
+  def run(q, k, v, g, beta, mask):
+    return gated_delta_product(
+      q, k, v, g, beta, mask, output_final_state=True, implementation="mosaic_gpu"
+    )
+
+  mask = spec((heads, r, r), F32)
+  lowered = jax.jit(run).trace(act, act, act, gate, gate, mask).lower(lowering_platforms=("cuda",))
+  lines = lowered.as_text().splitlines()
+  mosaic = [line for line in lines if "custom_call" in line and "mosaic_gpu" in line]
+  triton = [line for line in lines if "custom_call" in line and "triton" in line]
+  assert len(mosaic) == 2 and not triton, (mosaic, triton)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward and gradients in the Mosaic GPU interpreter (subprocess with NPROC=8).
+
+
+def _rel_rms(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
+
+
+def _run_interpreted():
+  """Forward and gradients of "mosaic_gpu" against "xla" at a tiny shape; returns measures."""
+  x = _inputs(3)
+  names = tuple(x)
+
+  def loss(implementation, *arrays):
+    o, final = gated_delta_product(
+      **dict(zip(names, arrays)),
+      scale=0.3,
+      output_final_state=True,
+      chunk_size=16,
+      implementation=implementation,
+    )
+    return jnp.sum(o.astype(F32) * jnp.cos(o.astype(F32))) + jnp.sum(final**2), (o, final)
+
+  out = {}
+  grads = {}
+  for impl in ("mosaic_gpu", "xla"):
+    (_, (o, final)), d = jax.value_and_grad(lambda *a: loss(impl, *a), range(7), has_aux=True)(
+      *x.values()
+    )
+    grads[impl] = dict(zip(names, d))
+    out[impl] = (o, final)
+  (o, final), (o_ref, final_ref) = out["mosaic_gpu"], out["xla"]
+  row = dict(
+    o=_rel_rms(o.astype(F32), o_ref.astype(F32)),
+    final=_rel_rms(final, final_ref),
+    shape_ok=o.shape == x["v"].shape and o.dtype == x["q"].dtype and final.dtype == F32,
+  )
+  for name in names:
+    row["d" + name] = _rel_rms(
+      grads["mosaic_gpu"][name].astype(F32), grads["xla"][name].astype(F32)
+    )
+  # what a wrong mask orientation scores: the comparison can fail
+  wrong = dict(x, mask=jnp.swapaxes(x["mask"], -1, -2))
+  o_wrong = loss("xla", *wrong.values())[1][0]
+  row["o_wrong"] = _rel_rms(o.astype(F32), o_wrong.astype(F32))
+  return row
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, NPROC="8", PYTHONPATH=str(root))
+  run = subprocess.run(
+    [sys.executable, str(pathlib.Path(__file__).resolve()), "--interpreted"],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+  assert run.returncode == 0 and lines, run.stderr[-4000:]
+  return json.loads(lines[-1][len("RESULT ") :])
+
+
+def test_forward_interpreted_matches_xla(interpreted):
+  row = interpreted
+  assert row["shape_ok"], row
+  assert row["o"] < 1e-2 and row["final"] < 1e-2, row
+  assert row["o_wrong"] > 2e-2, row
+
+
+def test_gradients_interpreted_match_xla(interpreted):
+  # the Triton backward behind the Mosaic forward, bf16 inputs
+  row = interpreted
+  for name in ("q", "k", "v", "g", "beta", "mask", "initial_state"):
+    assert row["d" + name] < 3e-2, (name, row)
+
+
+if __name__ == "__main__" and "--interpreted" in sys.argv:
+  print("RESULT " + json.dumps(_run_interpreted()))
