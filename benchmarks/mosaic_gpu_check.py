@@ -189,7 +189,7 @@ def phase_compile(record, shape, tiny, save):
         case["what"] = "lowered" if tiny else "compiled"
       except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
         case.update(ok=False, error=summarise(e))
-      record["cases"].append(case)
+      record["checks"].append(case)
       save()
 
 
@@ -228,7 +228,7 @@ def phase_check(record, shape, interpret, save, checks):
       case.update(ok=bool(np.isfinite(worst) and worst <= BAR))
     except Exception as e:  # noqa: BLE001
       case.update(ok=False, error=summarise(e))
-    record["cases"].append(case)
+    record["checks"].append(case)
     save()
 
 
@@ -240,7 +240,7 @@ def phase_time(record, shape, reps, inner, save, interpret=None, rs=(1, 2, 4)):
       inp = make_inputs(0, **shape, r=r, mask_kind=mask_kind, dtype=jnp.bfloat16, state=False)
       want = jax.block_until_ready(call(xla_fn(False), inp)[0])
     except Exception as e:  # noqa: BLE001
-      record["cases"].append(dict(phase="time", r=r, impl="xla", ok=False, error=summarise(e)))
+      record["checks"].append(dict(phase="time", r=r, impl="xla", ok=False, error=summarise(e)))
       save()
       continue
     time_case(record, r, "mosaic_gpu", ours_fn(False, interpret), inp, want, reps, inner)
@@ -280,7 +280,7 @@ def time_case(record, r, impl, fn, inp, want, reps, inner):
     case["ok"] = True
   except Exception as e:  # noqa: BLE001
     case.update(ok=False, error=summarise(e))
-  record["cases"].append(case)
+  record["checks"].append(case)
 
 
 def kernels_alone(record, r, inp, reps, inner, interpret):
@@ -299,7 +299,7 @@ def kernels_alone(record, r, inp, reps, inner, interpret):
     wlk_ws = jax.jit(lambda *a: walk_ws.state_walk_ws(*a, interpret=interpret)[0])
     walk_args = (inp["q"], inp["k"], inp["v"], t0, gamma, gamma_rows, beta, rows, scale)
   except Exception as e:  # noqa: BLE001
-    record["cases"].append(dict(phase="time", r=r, impl="kernels", ok=False, error=summarise(e)))
+    record["checks"].append(dict(phase="time", r=r, impl="kernels", ok=False, error=summarise(e)))
     return
   for name, fn, args in (
     ("chunk_inverse", inv, (inp["k"], beta, rows)),
@@ -312,7 +312,7 @@ def kernels_alone(record, r, inp, reps, inner, interpret):
       case["ok"] = True
     except Exception as e:  # noqa: BLE001
       case.update(ok=False, error=summarise(e))
-    record["cases"].append(case)
+    record["checks"].append(case)
 
 
 def jla_case(record, inp, want, reps, inner):
@@ -321,7 +321,7 @@ def jla_case(record, inp, want, reps, inner):
     import jla.ops
   except Exception as e:  # noqa: BLE001
     case.update(ok=False, skipped=True, error=f"not importable: {e}")
-    record["cases"].append(case)
+    record["checks"].append(case)
     return
 
   def run(q, k, v, g, beta):
@@ -338,7 +338,7 @@ def jla_case(record, inp, want, reps, inner):
     case["ok"] = True
   except Exception as e:  # noqa: BLE001
     case.update(ok=False, error=summarise(e))
-  record["cases"].append(case)
+  record["checks"].append(case)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,7 +389,7 @@ def _jaxlib_version():
 def table(record) -> str:
   env = record["env"]
   out = [f"{env['device']}  jax {env['jax']}  {env['date']}"]
-  out += [table_row(case) for case in record["cases"]]
+  out += [table_row(case) for case in record["checks"]]
   return "\n".join(out)
 
 
@@ -466,7 +466,7 @@ def run_groups_in_subprocesses(args, argv, record, start):
   for group in groups:
     left = args.budget - (time.perf_counter() - start)
     if left <= 5:
-      record["cases"].append(
+      record["checks"].append(
         dict(phase=group, ok=False, skipped=True, error=f"--budget {args.budget} s spent")
       )
       continue
@@ -485,12 +485,12 @@ def run_groups_in_subprocesses(args, argv, record, start):
       with open(part) as f:
         child = json.load(f)
       os.remove(part)
-    for case in child.get("cases", []):
+    for case in child.get("checks", []):
       case["group"] = group
-      record["cases"].append(case)
+      record["checks"].append(case)
     if rc not in (0, 1) or not child:  # 1: the child ran and some case failed
       tail = "\n".join(err.splitlines()[-15:])
-      record["cases"].append(
+      record["checks"].append(
         dict(phase=group, ok=False, error=f"process ended with {rc}: {tail}"[:6000])
       )
     print(f"[{time.perf_counter() - start:6.1f} s] group {group}: exit {rc}", file=sys.stderr)
@@ -519,7 +519,7 @@ def main(argv=None):
   elif jax.default_backend() != "gpu":
     print("no GPU: run with --tiny for the CPU smoke run", file=sys.stderr)
     return 2
-  record = dict(env=environment([sys.argv[0]] + list(argv)), bar=BAR, cases=[])
+  record = dict(env=environment([sys.argv[0]] + list(argv)), bar=BAR, checks=[])
   record["env"]["shapes"] = dict(bench=BENCH, check=TINY if args.tiny else CHECK)
   start = time.perf_counter()
 
@@ -530,8 +530,8 @@ def main(argv=None):
     def save():
       with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
-      if record["cases"]:
-        row = table_row(record["cases"][-1])
+      if record["checks"]:
+        row = table_row(record["checks"][-1])
         print(f"[{time.perf_counter() - start:6.1f} s] {row}", file=sys.stderr, flush=True)
       if time.perf_counter() - start > args.budget:
         raise OutOfTime
@@ -539,7 +539,7 @@ def main(argv=None):
     try:
       run_group(args, args.group, record, save, interpret)
     except OutOfTime:
-      record["cases"].append(
+      record["checks"].append(
         dict(
           phase="budget", ok=False, skipped=True, error=f"stopped after --budget {args.budget} s"
         )
@@ -547,11 +547,11 @@ def main(argv=None):
   record["seconds"] = round(time.perf_counter() - start, 1)
   with open(args.out, "w") as f:
     json.dump(record, f, indent=1)
-  failed = [c for c in record["cases"] if not c.get("ok") and not c.get("skipped")]
+  failed = [c for c in record["checks"] if not c.get("ok") and not c.get("skipped")]
   if args.group is None:
     print(table(record))
     print(
-      f"{len(record['cases'])} cases, {len(failed)} failed, {record['seconds']} s -> {args.out}"
+      f"{len(record['checks'])} cases, {len(failed)} failed, {record['seconds']} s -> {args.out}"
     )
   return 1 if failed else 0
 
