@@ -119,3 +119,29 @@ def np_gated_delta_rule(q, k, v, g, beta, scale, h0=None):
     S = S + k[:, t][..., :, None] * u[..., None, :]
     o[:, t] = scale * np.einsum("bhk,bhkv->bhv", q[:, t], S)
   return o, S
+
+
+def run_interpreted_subprocess(test_file: str, timeout: int) -> dict:
+  """Run `python test_file --interpreted` with NPROC=8 and return the JSON on its last "RESULT "
+  line: the Mosaic GPU interpreter runs each warpgroup as a thread of XLA's CPU pool, which
+  starves on a 2-core machine unless the pool is larger
+  (docs/mosaic_gpu.md#testing-without-a-gpu)."""
+  import json
+  import os
+  import pathlib
+  import subprocess
+  import sys
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, NPROC="8", PYTHONPATH=str(root))
+  run = subprocess.run(
+    [sys.executable, str(pathlib.Path(test_file).resolve()), "--interpreted"],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+  lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+  assert run.returncode == 0 and lines, run.stderr[-4000:]
+  return json.loads(lines[-1][len("RESULT ") :])

@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import pathlib
-import subprocess
 import sys
 
 import jax
@@ -35,6 +32,7 @@ import gdp_jax
 from pallas_kernels.mosaic_gpu import common
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
 from pallas_kernels.mosaic_gpu.forward import block_rows, forward, mask_rows
+from tests.cases import run_interpreted_subprocess
 
 F32 = jnp.float32
 
@@ -215,19 +213,7 @@ def _run_interpreted_cases():
 
 @pytest.fixture(scope="module")
 def interpreted():
-  root = pathlib.Path(__file__).resolve().parents[1]
-  env = dict(os.environ, NPROC="8", PYTHONPATH=str(root))
-  run = subprocess.run(
-    [sys.executable, str(pathlib.Path(__file__).resolve()), "--interpreted"],
-    cwd=root,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=540,
-  )
-  lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-  assert run.returncode == 0 and lines, run.stderr[-4000:]
-  return json.loads(lines[-1][len("RESULT ") :])
+  return run_interpreted_subprocess(__file__, timeout=540)
 
 
 @pytest.mark.parametrize("r,mask_kind", INVERSE_CASES)

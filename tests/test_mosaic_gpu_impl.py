@@ -10,9 +10,6 @@ interpreter's warpgroup threads and XLA's CPU pool share one pool sized by the c
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -23,6 +20,7 @@ import pytest
 
 from gdp_jax import dispatch, gated_delta_product
 from gdp_jax.ops.gated_delta_product.mosaic_gpu import MosaicGpuGatedDeltaProduct
+from tests.cases import run_interpreted_subprocess
 
 F32 = jnp.float32
 H200 = SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
@@ -165,19 +163,7 @@ def _run_interpreted():
 
 @pytest.fixture(scope="module")
 def interpreted():
-  root = pathlib.Path(__file__).resolve().parents[1]
-  env = dict(os.environ, NPROC="8", PYTHONPATH=str(root))
-  run = subprocess.run(
-    [sys.executable, str(pathlib.Path(__file__).resolve()), "--interpreted"],
-    cwd=root,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-  assert run.returncode == 0 and lines, run.stderr[-4000:]
-  return json.loads(lines[-1][len("RESULT ") :])
+  return run_interpreted_subprocess(__file__, timeout=300)
 
 
 def test_forward_interpreted_matches_xla(interpreted):

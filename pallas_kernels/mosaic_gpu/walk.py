@@ -50,6 +50,25 @@ from pallas_kernels.mosaic_gpu.common import (
 N = ROWS_PER_CHUNK
 
 
+def walk_dims(q, k, v, t0, mask_rows, block_v):
+  """The walks' argument checks; returns (B, T padded, H, K, V, r, C, chunks)."""
+  batch, padded, heads, key_dim = k.shape
+  value_dim = v.shape[-1]
+  r = mask_rows.shape[-2]
+  c = chunk_tokens(r)
+  dtype = k.dtype
+  if q.shape != k.shape or q.dtype != dtype or v.dtype != dtype:
+    raise ValueError(f"q, k, v: shapes {q.shape}, {k.shape}, {v.shape} / dtypes must agree")
+  if padded % c:
+    raise ValueError(f"k: length {padded} must be a multiple of the chunk {c} (r={r})")
+  if value_dim % block_v:
+    raise ValueError(f"v: V={value_dim} must be a multiple of block_v={block_v}")
+  nc = padded // c
+  if t0.shape != (batch, heads, nc * N, N):
+    raise ValueError(f"t0: shape {t0.shape}, expected {(batch, heads, nc * N, N)}")
+  return batch, padded, heads, key_dim, value_dim, r, c, nc
+
+
 def state_walk(
   q: jax.Array,
   k: jax.Array,
@@ -80,20 +99,8 @@ def state_walk(
     block_v: value columns per program (64 or V).
     output_final_state: also return the final state, transposed `[B, H, V, K]` float32.
   """
-  batch, padded, heads, key_dim = k.shape
-  value_dim = v.shape[-1]
-  r = mask_rows.shape[-2]
-  c = chunk_tokens(r)
+  batch, padded, heads, key_dim, value_dim, r, c, nc = walk_dims(q, k, v, t0, mask_rows, block_v)
   dtype = k.dtype
-  if q.shape != k.shape or q.dtype != dtype or v.dtype != dtype:
-    raise ValueError(f"q, k, v: shapes {q.shape}, {k.shape}, {v.shape} / dtypes must agree")
-  if padded % c:
-    raise ValueError(f"k: length {padded} must be a multiple of the chunk {c} (r={r})")
-  if value_dim % block_v:
-    raise ValueError(f"v: V={value_dim} must be a multiple of block_v={block_v}")
-  nc = padded // c
-  if t0.shape != (batch, heads, nc * N, N):
-    raise ValueError(f"t0: shape {t0.shape}, expected {(batch, heads, nc * N, N)}")
   m_b, m_h, m_n = mask_rows.shape[:3]
   has_h0 = initial_state_t is not None
   keep_state = has_h0 or output_final_state

@@ -46,6 +46,7 @@ from pallas_kernels.mosaic_gpu.common import (
   smem,
   token_of,
 )
+from pallas_kernels.mosaic_gpu.walk import walk_dims
 
 N = ROWS_PER_CHUNK
 
@@ -88,20 +89,8 @@ def state_walk_ws(
   interpret=None,
 ):
   """`walk.state_walk` with a TMA producer and two consumer warpgroups (module docstring)."""
-  batch, padded, heads, key_dim = k.shape
-  value_dim = v.shape[-1]
-  r = mask_rows.shape[-2]
-  c = chunk_tokens(r)
+  batch, padded, heads, key_dim, value_dim, r, c, nc = walk_dims(q, k, v, t0, mask_rows, block_v)
   dtype = k.dtype
-  if q.shape != k.shape or q.dtype != dtype or v.dtype != dtype:
-    raise ValueError(f"q, k, v: shapes {q.shape}, {k.shape}, {v.shape} / dtypes must agree")
-  if padded % c:
-    raise ValueError(f"k: length {padded} must be a multiple of the chunk {c} (r={r})")
-  if value_dim % block_v:
-    raise ValueError(f"v: V={value_dim} must be a multiple of block_v={block_v}")
-  nc = padded // c
-  if t0.shape != (batch, heads, nc * N, N):
-    raise ValueError(f"t0: shape {t0.shape}, expected {(batch, heads, nc * N, N)}")
   m_b, m_h, m_n = mask_rows.shape[:3]
   has_h0 = initial_state_t is not None
   keep_state = has_h0 or output_final_state
