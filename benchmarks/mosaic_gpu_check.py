@@ -7,19 +7,21 @@ Three phases, each case caught and recorded on its own (one failing kernel does 
 the JSON rewritten after every case so an interrupted run keeps what it measured. The cases run in
 groups, each group in its own process (a CUDA fault such as a misaligned address kills the
 process's context and every later case in it), in the order compile, check r=1, r=2, time r=1, 2,
-4, check r=4, r=8; `--group NAME` runs one group in this process. `--budget` (seconds, default
-280) bounds the whole run:
-1. compile: each kernel (chunk_inverse, state_walk, state_walk_ws) alone at the benchmark shape
-   (B=8, T=4096, H=16, K=V=128, bf16) for r = 1, 2, 4, 8, with its compile time;
+4, sweep, check r=4, r=8; `--group NAME` runs one group in this process. `--budget` (seconds,
+default 280) bounds the whole run:
+1. compile: each kernel (chunk_inverse, state_walk_ws) alone at the benchmark shape (B=8, T=4096,
+   H=16, K=V=128, bf16) for r = 1, 2, 4, 8, with its compile time;
 2. check: the forward against `gdp_jax.gated_delta_product(..., implementation="xla")` on the same
    16-bit inputs, relative RMS of the output and of the final state, over r, mask shapes (none,
-   shared, per head, per token), initial state on/off, an odd T, float16 and both walks (the
-   forward picks the warp-specialised one where its shared memory fits); the issue's bar is 5e-3;
+   shared, per head, per token), initial state on/off, an odd T and float16; the issue's bar is
+   5e-3;
 3. time: the forward at the benchmark shape for r = 1, 2, 4 (median ms of repeated jitted calls,
-   each run `--inner` back-to-back calls then block_until_ready) with the warp-specialised walk
-   ("mosaic_gpu") and the plain one ("mosaic_plain"), each kernel alone, beside
-   implementation="pallas" (the Triton kernels) and, when importable, jax-linear-attention's
-   Gated DeltaNet (`impl="mosaic_gpu"`, r = 1 only), with the output's relative RMS against xla.
+   each run `--inner` back-to-back calls then block_until_ready) ("mosaic_gpu"), each kernel
+   alone, beside implementation="pallas" (the Triton kernels) and, when importable,
+   jax-linear-attention's Gated DeltaNet (`impl="mosaic_gpu"`, r = 1 only), with the output's
+   relative RMS against xla;
+4. sweep: chunk_inverse's launch parameters (chunks per program, the rows merged with the split
+   product) at r = 1, 2, 4: its time alone and the forward's relative RMS against xla with each.
 The table printed last summarises all three. `--tiny` runs small shapes in the Mosaic GPU
 interpreter on a CPU (lowering instead of compiling, no timing of peers): a check of the script.
 """
@@ -49,7 +51,7 @@ import numpy as np  # noqa: E402
 
 import gdp_jax  # noqa: E402
 from pallas_kernels.mosaic_gpu import chunk_inverse as chunk_inverse_mod  # noqa: E402
-from pallas_kernels.mosaic_gpu import common, walk, walk_ws  # noqa: E402
+from pallas_kernels.mosaic_gpu import common, walk_ws  # noqa: E402
 from pallas_kernels.mosaic_gpu import forward as forward_mod
 
 F32 = jnp.float32
@@ -95,7 +97,7 @@ def rel_rms(got, want):
   return float(np.sqrt(np.mean((got - want) ** 2) / max(np.mean(want**2), 1e-30)))
 
 
-def ours_fn(state, interpret, walk_kind=None):
+def ours_fn(state, interpret):
   def run(q, k, v, g, beta, mask, initial_state):
     return forward_mod.forward(
       q,
@@ -106,7 +108,6 @@ def ours_fn(state, interpret, walk_kind=None):
       mask,
       initial_state=initial_state,
       output_final_state=state,
-      walk=walk_kind,
       interpret=interpret,
     )
 
@@ -175,7 +176,6 @@ def phase_compile(record, shape, tiny, save):
     inv_args, walk_args = kernel_args(shape, r, jnp.bfloat16)
     for name, fn, args in (
       ("chunk_inverse", chunk_inverse_mod.chunk_inverse, inv_args),
-      ("state_walk", walk.state_walk, walk_args),
       ("state_walk_ws", walk_ws.state_walk_ws, walk_args),
     ):
       case = dict(phase="compile", kernel=name, r=r)
@@ -193,33 +193,32 @@ def phase_compile(record, shape, tiny, save):
       save()
 
 
-CHECKS = [  # (r, mask kind, initial/final state, dtype, odd T, walk: None = forward's choice)
-  (1, "none", False, "bfloat16", False, None),
-  (1, "none", False, "bfloat16", False, "plain"),
-  (1, "none", True, "bfloat16", False, None),
-  (1, "none", False, "float16", False, None),
-  (2, "shared", False, "bfloat16", False, None),
-  (2, "head", True, "bfloat16", False, None),
-  (2, "token", False, "bfloat16", False, None),
-  (2, "shared", False, "bfloat16", True, "plain"),
-  (4, "shared", False, "bfloat16", False, None),
-  (4, "head", False, "bfloat16", False, "plain"),
-  (4, "token", True, "bfloat16", False, None),
-  (4, "shared", False, "float16", True, None),
-  (8, "shared", False, "bfloat16", False, None),
+CHECKS = [  # (r, mask kind, initial/final state, dtype, odd T)
+  (1, "none", False, "bfloat16", False),
+  (1, "none", True, "bfloat16", False),
+  (1, "token", True, "bfloat16", True),
+  (1, "none", False, "float16", False),
+  (2, "shared", False, "bfloat16", False),
+  (2, "head", True, "bfloat16", False),
+  (2, "token", False, "bfloat16", False),
+  (2, "shared", True, "bfloat16", True),
+  (4, "shared", False, "bfloat16", False),
+  (4, "head", False, "bfloat16", False),
+  (4, "token", True, "bfloat16", False),
+  (4, "shared", False, "float16", True),
+  (8, "shared", True, "bfloat16", False),
 ]
 
 
 def phase_check(record, shape, interpret, save, checks):
-  for r, mask_kind, state, dtype, odd, walk_kind in checks:
+  for r, mask_kind, state, dtype, odd in checks:
     shp = dict(shape)
     if odd:
       shp["t_len"] = shp["t_len"] - 23
     case = dict(phase="check", r=r, mask=mask_kind, state=state, dtype=dtype, t_len=shp["t_len"])
-    case["walk"] = walk_kind or "auto"
     try:
       inp = make_inputs(r, **shp, r=r, mask_kind=mask_kind, dtype=jnp.dtype(dtype), state=state)
-      o, final = call(ours_fn(state, interpret, walk_kind), inp)
+      o, final = call(ours_fn(state, interpret), inp)
       want_o, want_final = call(xla_fn(state), inp)
       case["rel_rms_o"] = rel_rms(o, want_o)
       if state:
@@ -250,12 +249,54 @@ def phase_time(record, shape, reps, inner, save, interpret=None, rs=(1, 2, 4)):
       save()
     time_case(record, r, "pallas", pallas_fn(), inp, want, reps, inner)
     save()
-    plain = ours_fn(False, interpret, "plain")
-    time_case(record, r, "mosaic_plain", plain, inp, want, reps, inner)
-    save()
     kernels_alone(record, r, inp, reps, inner, interpret)
     save()
     del inp, want
+
+
+SWEEP = dict(chunks_per_program=(1, 2, 4, 8), precise_rows=(16, 0))
+
+
+def phase_sweep(record, shape, reps, save, interpret, rs=(1, 2, 4)):
+  """chunk_inverse alone per launch parameter, and the forward's error with each precision."""
+  for r in rs:
+    c = common.chunk_tokens(r)
+    try:
+      inp = make_inputs(0, **shape, r=r, mask_kind="head", dtype=jnp.bfloat16, state=False)
+      b, t, h, _ = inp["k"].shape
+      beta = forward_mod.block_rows(jnp.swapaxes(inp["beta"], 1, 2), r)
+      rows = forward_mod.mask_rows(inp["mask"], b, t, h, t, r)
+      want = jax.block_until_ready(call(xla_fn(False), inp)[0])
+    except Exception as e:  # noqa: BLE001
+      record["checks"].append(dict(phase="sweep", r=r, impl="inputs", ok=False, error=summarise(e)))
+      save()
+      continue
+    for precise in SWEEP["precise_rows"]:
+      for cpp in SWEEP["chunks_per_program"]:
+        if (t // c) % cpp:
+          continue
+        case = dict(phase="sweep", r=r, impl="chunk_inverse", chunks_per_program=cpp)
+        case["precise_rows"] = precise
+        inv = functools.partial(
+          chunk_inverse_mod.chunk_inverse,
+          chunks_per_program=cpp,
+          precise_rows=precise,
+          interpret=interpret,
+        )
+        try:
+          case["ms"], case["all_ms"] = time_fn(jax.jit(inv), (inp["k"], beta, rows), reps, 1)
+          if cpp == 1:  # the forward with this precision
+            saved = forward_mod.chunk_inverse
+            forward_mod.chunk_inverse = inv
+            try:
+              case["rel_rms_o"] = rel_rms(call(ours_fn(False, interpret), inp)[0], want)
+            finally:
+              forward_mod.chunk_inverse = saved
+          case["ok"] = True
+        except Exception as e:  # noqa: BLE001
+          case.update(ok=False, error=summarise(e))
+        record["checks"].append(case)
+        save()
 
 
 def pallas_fn():
@@ -295,7 +336,6 @@ def kernels_alone(record, r, inp, reps, inner, interpret):
     scale = jnp.full((4,), inp["k"].shape[-1] ** -0.5, F32)
     inv = jax.jit(functools.partial(chunk_inverse_mod.chunk_inverse, interpret=interpret))
     t0 = jax.block_until_ready(inv(inp["k"], beta, rows))
-    wlk = jax.jit(lambda *a: walk.state_walk(*a, interpret=interpret)[0])
     wlk_ws = jax.jit(lambda *a: walk_ws.state_walk_ws(*a, interpret=interpret)[0])
     walk_args = (inp["q"], inp["k"], inp["v"], t0, gamma, gamma_rows, beta, rows, scale)
   except Exception as e:  # noqa: BLE001
@@ -303,7 +343,6 @@ def kernels_alone(record, r, inp, reps, inner, interpret):
     return
   for name, fn, args in (
     ("chunk_inverse", inv, (inp["k"], beta, rows)),
-    ("state_walk", wlk, walk_args),
     ("state_walk_ws", wlk_ws, walk_args),
   ):
     case = dict(phase="time", r=r, impl=name)
@@ -401,7 +440,7 @@ def table_row(case) -> str:
   elif case["phase"] == "check":
     what = (
       f"check    r={case['r']} {case['mask']:<6} state={int(case['state'])} "
-      f"{case['dtype']:<8} T={case['t_len']} walk={case.get('walk', 'auto')}"
+      f"{case['dtype']:<8} T={case['t_len']}"
     )
     if "rel_rms_o" in case:
       detail = f"o {case['rel_rms_o']:.2e}"
@@ -409,8 +448,10 @@ def table_row(case) -> str:
         detail += f"  state {case['rel_rms_state']:.2e}"
     else:
       detail = first_line(case)
-  elif case["phase"] == "time":
-    what = f"time     r={case['r']} {case['impl']:<14}"
+  elif case["phase"] in ("time", "sweep"):
+    what = f"{case['phase']:<8} r={case['r']} {case['impl']:<14}"
+    if case["phase"] == "sweep":
+      what += f" cpp={case['chunks_per_program']} precise={case['precise_rows']}"
     if case.get("ok"):
       detail = f"{case['ms']:.3f} ms"
       if "rel_rms_o" in case:
@@ -435,6 +476,7 @@ GROUPS = [
   "time-r1",
   "time-r2",
   "time-r4",
+  "sweep",
   "check-r4",
   "check-r8",
 ]
@@ -449,6 +491,10 @@ def run_group(args, group, record, save, interpret):
     if args.tiny:
       checks = checks[:1]
     phase_check(record, TINY if args.tiny else CHECK, interpret, save, checks)
+  elif kind == "sweep":
+    phase_sweep(
+      record, TINY if args.tiny else BENCH, 1 if args.tiny else args.reps, save, interpret
+    )
   elif kind == "time":
     if args.tiny:  # the code path only: tiny shapes, interpreted, one call
       phase_time(record, TINY, 1, 1, save, interpret, rs=(int(r_text),))

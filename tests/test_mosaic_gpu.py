@@ -12,8 +12,10 @@ what the hardware adds: ptxas, register allocation, real asynchrony and timing.
 
 The interpreter runs the warpgroups of the warp-specialised walk (walk_ws.py) as threads of XLA's
 CPU client, whose thread pool has one thread per core: on a 2-core machine its three warpgroups
-starve and hang. Its interpreter test therefore runs in a subprocess with NPROC=8 (the pool size
-XLA's CPU client reads); the in-process tests use the plain walk.
+starve and hang. The interpreted cases therefore run in a subprocess with NPROC=8 (the pool size
+XLA's CPU client reads). The walk's chain runs its products with register left operands on a GPU
+and stages them through shared memory in the interpreter (`common.matmul_reg`): the same
+arithmetic, which the GPU check (benchmarks/mosaic_gpu_check.py) compares against xla compiled.
 """
 
 from __future__ import annotations
@@ -82,17 +84,17 @@ def _xla(q, k, v, g, beta, mask, h0, scale=None):
 
 
 @pytest.mark.parametrize(
-  "r,mask_kind,with_state,walk",
+  "r,mask_kind,with_state",
   [
-    (1, "none", False, "ws"),
-    (1, "none", True, None),  # the plain walk: the warp-specialised one does not fit with a state
-    (2, "token", False, "ws"),
-    (2, "head", True, "ws"),
-    (4, "shared", False, "plain"),
-    (8, "shared", False, "ws"),
+    (1, "none", False),
+    (1, "token", True),
+    (2, "token", False),
+    (2, "head", True),
+    (4, "shared", True),
+    (8, "shared", False),
   ],
 )
-def test_forward_lowers_for_cuda_at_benchmark_shape(r, mask_kind, with_state, walk):
+def test_forward_lowers_for_cuda_at_benchmark_shape(r, mask_kind, with_state):
   batch, t_len, heads, dim = 8, 4096, 16, 128
   spec = jax.ShapeDtypeStruct
   act = spec((batch, t_len, heads, dim), jnp.bfloat16)
@@ -103,9 +105,7 @@ def test_forward_lowers_for_cuda_at_benchmark_shape(r, mask_kind, with_state, wa
   h0 = spec((batch, heads, dim, dim), F32) if with_state else None
 
   def run(q, k, v, g, beta, mask, h0):
-    return forward(
-      q, k, v, g, beta, mask, initial_state=h0, output_final_state=with_state, walk=walk
-    )
+    return forward(q, k, v, g, beta, mask, initial_state=h0, output_final_state=with_state)
 
   lowered = (
     jax.jit(run).trace(act, act, act, gate, gate, mask, h0).lower(lowering_platforms=("cuda",))
@@ -145,14 +145,13 @@ def _t0_reference(k, beta, mask, r):
 
 
 INVERSE_CASES = [(1, "none"), (2, "token"), (4, "head")]
-# (r, mask kind, T, dtype, initial/final state, walk)
+# (r, mask kind, T, dtype, initial/final state)
 FORWARD_CASES = [
-  (1, "none", 70, "bfloat16", True, "plain"),
-  (2, "token", 45, "bfloat16", True, "plain"),
-  (4, "head", 33, "float16", True, "plain"),
-  (2, "shared", 64, "bfloat16", False, "plain"),
-  (1, "none", 150, "bfloat16", True, "ws"),
-  (2, "token", 45, "bfloat16", False, "ws"),
+  (1, "token", 70, "bfloat16", True),
+  (2, "token", 45, "bfloat16", True),
+  (4, "head", 33, "float16", True),
+  (2, "shared", 64, "bfloat16", False),
+  (1, "none", 150, "bfloat16", False),
 ]
 
 
@@ -171,7 +170,10 @@ def _run_interpreted_cases():
     _, k, _, _, beta, mask, _ = _inputs(r, batch, t_len, heads, key_dim, 64, r, mask_kind)
     rows = mask_rows(mask, batch, t_len, heads, t_len, r)
     beta_rows = block_rows(jnp.swapaxes(beta, 1, 2), r)
-    t0 = chunk_inverse(k, beta_rows, rows, interpret=plgpu.InterpretGPUParams())
+    # two chunks in one program: the second one's loads in flight while the first is inverted
+    t0 = chunk_inverse(
+      k, beta_rows, rows, chunks_per_program=2, interpret=plgpu.InterpretGPUParams()
+    )
     got = np.asarray(t0.astype(F32))
     mask_np = np.ones((r, r)) if mask is None else np.asarray(mask)
     want = _t0_reference(k.astype(F32), beta, mask_np, r)
@@ -180,10 +182,10 @@ def _run_interpreted_cases():
       err=float(np.abs(got - want).max()), err_wrong=float(np.abs(got - wrong).max())
     )
   for case in FORWARD_CASES:
-    r, mask_kind, t_len, dtype, state, walk = case
+    r, mask_kind, t_len, dtype, state = case
     q, k, v, g, beta, mask, h0 = _inputs(7 + r, 1, t_len, 2, 64, 64, r, mask_kind, jnp.dtype(dtype))
     h0 = h0 if state else None
-    params = plgpu.InterpretGPUParams(detect_races=walk == "ws")
+    params = plgpu.InterpretGPUParams(detect_races=True)
     o, final = forward(
       q,
       k,
@@ -194,14 +196,13 @@ def _run_interpreted_cases():
       scale=0.3,
       initial_state=h0,
       output_final_state=state,
-      walk=walk,
       interpret=params,
     )
     want_o, want_final = _xla(q, k, v, g, beta, mask, h0, scale=0.3)
     row = dict(
       o=_rel_rms(o.astype(F32), want_o), shape_ok=o.shape == v.shape and o.dtype == q.dtype
     )
-    row["races"] = bool(get_races().races_found) if walk == "ws" else False
+    row["races"] = bool(get_races().races_found)
     if state:
       row["state"] = _rel_rms(final, want_final)
     if mask is not None and r > 1:  # what a wrong mask orientation scores
@@ -248,8 +249,6 @@ def test_refuses_unsupported_arguments():
     forward(q.astype(F32), k.astype(F32), v.astype(F32), g, beta)
   with pytest.raises(ValueError, match="beta"):
     forward(q, k, v, g, beta[:, :8])
-  with pytest.raises(ValueError, match="walk"):
-    forward(q, k, v, g, beta, walk="fast")
   with pytest.raises(ValueError, match="K=96"):
     pad = jnp.zeros(q.shape[:3] + (32,), q.dtype)
     forward(jnp.concatenate([q, pad], -1), jnp.concatenate([k, pad], -1), v, g, beta)

@@ -77,7 +77,32 @@ def _split_product(a: jax.Array, b: jax.Array, bufs, dtype, precise: bool) -> ja
   return lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC((N, N), F32)))
 
 
-def chunk_inverse(k: jax.Array, beta_rows: jax.Array, mask_rows: jax.Array, *, interpret=None):
+# Streaming multiprocessors of an H100 / H200: the chunks-per-program rule keeps every one busy.
+NUM_SMS = 132
+
+
+def default_chunks_per_program(batch: int, heads: int, chunks: int) -> int:
+  """The most chunks per program (8, 4 or 2, dividing the chunk count) that still leave about
+  1.5 programs per streaming multiprocessor (two fit on one), else 1.
+
+  A program walks its chunks with the next chunk's loads in flight and its stores left in flight,
+  so more chunks per program hide more of the memory latency, as long as every SM has work.
+  """
+  for cpp in (8, 4, 2):
+    if chunks % cpp == 0 and batch * heads * (chunks // cpp) * 2 >= 3 * NUM_SMS:
+      return cpp
+  return 1
+
+
+def chunk_inverse(
+  k: jax.Array,
+  beta_rows: jax.Array,
+  mask_rows: jax.Array,
+  *,
+  chunks_per_program: int | None = None,
+  precise_rows: int = PRECISE_ROWS,
+  interpret=None,
+):
   """T0 per chunk, `[B, H, NC * N, N]` in `k.dtype` (chunk `c` is rows `c*N .. c*N + N - 1`).
 
   Args:
@@ -87,6 +112,9 @@ def chunk_inverse(k: jax.Array, beta_rows: jax.Array, mask_rows: jax.Array, *, i
       aligned; copying `C`-token pieces into a row misaligns them for `C = 16, 8`).
     mask_rows: `[Bm, Hm, NCm, r, N]` float32, `Bm in {1, B}`, `Hm in {1, H}`, `NCm in {1, NC}`;
       entry `[.., d, (a, t)] = M_t[a, d]` (`forward.mask_rows` builds it).
+    chunks_per_program: chunks each program walks (a divisor of the chunk count; None:
+      `default_chunks_per_program`).
+    precise_rows: merges of groups of at most this many rows use the split product (0: none).
     interpret: None on a GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
   """
   batch, padded, heads, key_dim = k.shape
@@ -96,82 +124,108 @@ def chunk_inverse(k: jax.Array, beta_rows: jax.Array, mask_rows: jax.Array, *, i
     raise ValueError(f"k: length {padded} must be a multiple of the chunk {c} (r={r})")
   if beta_rows.shape != (batch, heads, padded * r):
     raise ValueError(f"beta_rows: shape {beta_rows.shape}, expected {(batch, heads, padded * r)}")
-  if mask_rows.shape[-1] != N or mask_rows.ndim != 5:
+  if mask_rows.ndim != 5 or mask_rows.shape[-1] != N:
     raise ValueError(f"mask_rows: shape {mask_rows.shape}, expected [Bm, Hm, NCm, r, {N}]")
   nc = padded // c
+  cpp = chunks_per_program or default_chunks_per_program(batch, heads, nc)
+  if nc % cpp:
+    raise ValueError(f"chunks_per_program={cpp} must divide the chunk count {nc}")
   m_b, m_h, m_n = mask_rows.shape[:3]
   dtype = k.dtype
   dk = key_dim // r
   itemsize = jnp.dtype(dtype).itemsize
-  check_smem("chunk_inverse", 2 * N * key_dim * itemsize + 5 * N * N * itemsize + (r + 1) * N * 4)
+  tiles = (2 + (r > 1)) * N * key_dim * itemsize + 6 * N * N * itemsize
+  check_smem("chunk_inverse", tiles + 2 * (r + 1) * N * 4)
 
   scratch = dict(
-    krep_s=smem((N, key_dim), dtype),
-    kb_s=smem((N, key_dim), dtype),
-    beta_s=plgpu.SMEM((N,), F32),
-    m_s=plgpu.SMEM((r, N), F32),
+    krep_s=smem((2, N, key_dim), dtype),  # double-buffered: the next chunk's keys load meanwhile
+    beta_s=plgpu.SMEM((2, N), F32),
+    m_s=plgpu.SMEM((2, r, N), F32),
     bufs=[smem((N, N), dtype) for _ in range(4)],
-    t_s=smem((N, N), dtype),
-    bar=plgpu.Barrier(num_arrivals=r + 2),
+    t_s=smem((2, N, N), dtype),  # double-buffered: a chunk's store leaves while the next runs
+    bar=plgpu.Barrier(num_arrivals=r + 2, num_barriers=2),
   )
+  if r > 1:
+    scratch["kb_s"] = smem((N, key_dim), dtype)
 
-  def body(k_ref, beta_ref, m_ref, t0_ref, krep_s, kb_s, beta_s, m_s, bufs, t_s, bar):
-    b, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
-    rows = pl.ds(n * c, c)
-    for a in range(r):
-      plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], krep_s.at[pl.ds(a * c, c)], bar)
-    plgpu.copy_gmem_to_smem(beta_ref.at[b, h, pl.ds(n * N, N)], beta_s, bar)
+  def body(k_ref, beta_ref, m_ref, t0_ref, krep_s, beta_s, m_s, bufs, t_s, bar, kb_s=None):
+    b, nb, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
     mb = b if m_b > 1 else 0
     mh = h if m_h > 1 else 0
-    mn = n if m_n > 1 else 0
-    plgpu.copy_gmem_to_smem(m_ref.at[mb, mh, mn], m_s, bar)
-    plgpu.barrier_wait(bar)
 
+    def issue(i, slot):
+      n = nb * cpp + i
+      rows = pl.ds(n * c, c)
+      for a in range(r):
+        plgpu.copy_gmem_to_smem(
+          k_ref.at[b, rows, h], krep_s.at[slot].at[pl.ds(a * c, c)], bar.at[slot]
+        )
+      plgpu.copy_gmem_to_smem(beta_ref.at[b, h, pl.ds(n * N, N)], beta_s.at[slot], bar.at[slot])
+      mn = n if m_n > 1 else 0
+      plgpu.copy_gmem_to_smem(m_ref.at[mb, mh, mn], m_s.at[slot], bar.at[slot])
+
+    issue(0, 0)
     sq = (N, N)
-    if r == 1:
-      gram = matmul(krep_s, krep_s.T, sq)
-    else:
-      kshape = (N, key_dim)
-      kfull = plgpu.load(krep_s, layout=WGMMA)
-      own = lax.div(iota(kshape, 1), dk) == lax.div(iota(kshape, 0), c)
-      kb_s[...] = jnp.where(own, kfull, jnp.zeros_like(kfull))
-      plgpu.commit_smem()
-      gram = matmul(krep_s, kb_s.T, sq)  # [(a,t),(d,s)] = <k_t^(d), k_s^(d)>
     tok_r, tok_c = token_of(iota(sq, 0), c), token_of(iota(sq, 1), c)
-    coef = bcast_rows(plgpu.load(beta_s, layout=ROWS), sq) * mask_matrix(m_s, sq, c, r)
-    a0 = jnp.where(tok_r > tok_c, gram * coef, 0.0)
-
-    # Token groups of 2: X = I - L exactly (X = I before).
     eye = (iota(sq, 0) == iota(sq, 1)).astype(F32)
-    size = 2
-    x = None
-    while size <= c:
-      half = size // 2
-      off = (
-        (lax.div(tok_r, size) == lax.div(tok_c, size))
-        & (lax.rem(tok_r, size) >= half)
-        & (lax.rem(tok_c, size) < half)
-      )
-      link = jnp.where(off, a0, 0.0)
-      if x is None:
-        x = eye - link
+
+    @pl.loop(0, cpp)
+    def _chunk(i):
+      slot = lax.rem(i, 2)
+      plgpu.barrier_wait(bar.at[slot])
+
+      @pl.when(i + 1 < cpp)
+      def _prefetch():
+        plgpu.commit_smem()  # this program's reads of the other slot come before the copy
+        issue(i + 1, 1 - slot)
+
+      keys = krep_s.at[slot]
+      if r == 1:
+        gram = matmul(keys, keys.T, sq)
       else:
-        precise = size * r <= PRECISE_ROWS
-        lx = _split_product(link, x, bufs, dtype, precise)
-        x = x - _split_product(x, lx, bufs, dtype, precise)
-      size *= 2
-    if x is None:  # one token per chunk (not reached: C >= 8)
-      x = eye
-    t_s[...] = x.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(t_s, t0_ref.at[b, h, pl.ds(n * N, N)])
+        kshape = (N, key_dim)
+        kfull = plgpu.load(keys, layout=WGMMA)
+        own = lax.div(iota(kshape, 1), dk) == lax.div(iota(kshape, 0), c)
+        kb_s[...] = jnp.where(own, kfull, jnp.zeros_like(kfull))
+        plgpu.commit_smem()
+        gram = matmul(keys, kb_s.T, sq)  # [(a,t),(d,s)] = <k_t^(d), k_s^(d)>
+      coef = bcast_rows(plgpu.load(beta_s.at[slot], layout=ROWS), sq)
+      coef = coef * mask_matrix(m_s.at[slot], sq, c, r)
+      a0 = jnp.where(tok_r > tok_c, gram * coef, 0.0)
+
+      # Token groups of 2: X = I - L exactly (X = I before).
+      size = 2
+      x = None
+      while size <= c:
+        half = size // 2
+        off = (
+          (lax.div(tok_r, size) == lax.div(tok_c, size))
+          & (lax.rem(tok_r, size) >= half)
+          & (lax.rem(tok_c, size) < half)
+        )
+        link = jnp.where(off, a0, 0.0)
+        if x is None:
+          x = eye - link
+        else:
+          precise = size * r <= precise_rows
+          lx = _split_product(link, x, bufs, dtype, precise)
+          x = x - _split_product(x, lx, bufs, dtype, precise)
+        size *= 2
+      if x is None:  # one token per chunk (not reached: C >= 8)
+        x = eye
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # t_s[slot] of chunk i - 2 has left
+      t_s.at[slot][...] = x.astype(dtype)
+      plgpu.commit_smem()
+      n = nb * cpp + i
+      plgpu.copy_smem_to_gmem(t_s.at[slot], t0_ref.at[b, h, pl.ds(n * N, N)])
+
     plgpu.wait_smem_to_gmem(0)
 
   return plgpu.kernel(
     body,
     out_type=jax.ShapeDtypeStruct((batch, heads, nc * N, N), dtype),
     scratch_types=scratch,
-    grid=(batch, nc, heads),
+    grid=(batch, nc // cpp, heads),
     grid_names=("b", "n", "h"),
     compiler_params=compiler_params(),
     interpret=interpret,

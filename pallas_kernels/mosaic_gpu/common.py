@@ -80,6 +80,38 @@ def matmul(a_ref, b_ref, shape: tuple[int, int]) -> jax.Array:
   return lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, F32)))
 
 
+def matmul_reg(a: jax.Array, b_ref, shape: tuple[int, int], *, init=None, stage=None) -> jax.Array:
+  """`init + a @ b` on the tensor cores with `a` a 16-bit WGMMA-layout array: a register left
+  operand, so the product need not wait for `a` to be stored and fenced in shared memory (the
+  walk's chain runs three such products per chunk).
+
+  init: None (a fresh accumulator) or a float32 WGMMA-layout array the product is added to, in the
+    accumulator itself.
+  stage: None on a GPU. The Mosaic GPU interpreter runs neither register operands nor initialised
+    accumulators: there `a` is staged through this shared-memory tile and `init` added after, the
+    same arithmetic.
+  """
+  if stage is not None:
+    stage[...] = a
+    plgpu.commit_smem()
+    out = matmul(stage, b_ref, shape)
+    return out if init is None else init + out
+
+  def body(acc):
+    plgpu.wgmma(acc, a, b_ref)
+
+  if init is None:
+
+    def scoped(acc):
+      body(acc)
+      return acc[...]
+
+    out = pl.run_scoped(scoped, plgpu.ACC(shape, F32))
+  else:
+    out = pl.run_state(body)(plgpu.ACC.init(init))
+  return lax.optimization_barrier(out)
+
+
 def token_of(index: jax.Array, tokens: int) -> jax.Array:
   """Token `t` of block-major row or column `(a, t)`."""
   return lax.rem(index, tokens)

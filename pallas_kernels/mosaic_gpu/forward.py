@@ -4,7 +4,7 @@
 `[B, T, H, ...]`) and returns `(o, final_state)`. It pads the time axis to whole chunks with no-op
 tokens and the value axis to whole 64-column tiles (docs/chunked_form.md#padding), forms the
 chunk-local cumulative log-decay `gamma` (docs/chunked_form.md#gamma) and the mask rows the
-kernels read, then runs `chunk_inverse` and `state_walk`.
+kernels read, then runs `chunk_inverse` and `state_walk_ws`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mosaic_gpu import walk_ws
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
 from pallas_kernels.mosaic_gpu.common import F32, ROWS_PER_CHUNK, SUPPORTED_DTYPES, chunk_tokens
-from pallas_kernels.mosaic_gpu.walk import state_walk
+from pallas_kernels.mosaic_gpu.walk_ws import state_walk_ws
 
 N = ROWS_PER_CHUNK
 BLOCK_V = 64
@@ -88,20 +87,14 @@ def forward(
   scale: float | jax.Array | None = None,
   initial_state: jax.Array | None = None,
   output_final_state: bool = False,
-  walk: str | None = None,
   interpret=None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """`o [B, T, H, V]` (dtype of q) and the final state `[B, H, K, V]` float32 (or None).
 
-  walk: "ws" (`walk_ws.state_walk_ws`, warp-specialised), "plain" (`walk.state_walk`), or None:
-    "ws" where its shared memory fits (not with an initial or final state at K = 128), else
-    "plain".
   interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
-    The interpreter runs the three warpgroups of "ws" as threads of XLA's CPU client: on a machine
+    The interpreter runs the walk's three warpgroups as threads of XLA's CPU client: on a machine
     with fewer than 3 cores set NPROC (for example NPROC=8) before jax starts, or they starve.
   """
-  if walk not in (None, "ws", "plain"):
-    raise ValueError(f"walk: {walk!r}, expected None, 'ws' or 'plain'")
   r = check_inputs(q, k, v, g, beta, mask, initial_state)
   batch, t_len, heads, key_dim = q.shape
   value_dim = v.shape[-1]
@@ -133,13 +126,9 @@ def forward(
     if vp != value_dim:
       h0_t = jnp.pad(h0_t, [(0, 0), (0, 0), (0, vp - value_dim), (0, 0)])
 
-  keep_state = initial_state is not None or output_final_state
-  if walk is None:
-    walk = "ws" if walk_ws.fits(key_dim, BLOCK_V, r, q.dtype, keep_state) else "plain"
-  walk_fn = walk_ws.state_walk_ws if walk == "ws" else state_walk
   beta_rows = block_rows(beta_hm, r)
   t0 = chunk_inverse(kp, beta_rows, rows, interpret=interpret)
-  o, s_t = walk_fn(
+  o, s_t = state_walk_ws(
     qp,
     kp,
     vpd,

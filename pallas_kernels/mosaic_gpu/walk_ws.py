@@ -1,23 +1,43 @@
-"""The warp-specialised state walk: `walk.state_walk`'s math with three warpgroups per program.
+"""The state walk and the output: one warp-specialised program per (batch, head, value tile).
 
-Same arguments, results and per-chunk algebra as `walk.py` (read its docstring first). The work
-of one chunk is split so that only the state recurrence stays on the serial chain:
+Carries the float32 state transposed, `S^T [BV, K]`, in registers over the chunks. Per chunk of
+`C` tokens with block-major rows `(a, t)` (`N = C r = 64`, see `common.py`) and `gamma` the
+chunk-local cumulative log-decay (docs/chunked_form.md#gamma):
+
+  Ag[(a,t),(d,s)] = T0[(a,t),(d,s)] exp(gamma_t - gamma_s) beta_s   (t >= s; T0: chunk_inverse)
+  X^T    = Vrep^T - (S^T Kw^T) diag(exp(gamma))                        [BV, N]
+  v_new^T = X^T Ag^T                                                   [BV, N]
+  o^T    = scale ((S^T q^T) diag(exp(gamma)) + v_new^T (Kb q^T ⊙ D))   [BV, C], D causal incl.
+  S^T   <- exp(gamma_L) S^T + (v_new^T diag(exp(gamma_L - gamma))) Kb  [BV, K]
+
+with `Vrep` the value rows repeated per block, `Kw` the masked keys (row `(a,t)` is
+`[M_t[a,d] k_t^(d)]_d`) and `Kb` the block keys (row `(a,t)` is `k_t^(a)` in block `a`'s
+columns, zeros elsewhere), as in docs/chunked_form.md#the-chunk-matrix-a. Since
+`(I + A)^-1 = E T0 E^-1` (E = diag(exp(gamma)), docs/chunked_form.md#one-inverse-for-w-and-u),
+`v_new = u - w S0 = (T0 ⊙ decay) diag(beta) (Vrep - E Kw S0)`: w and u are never formed.
+
+The work of one chunk is split over three warpgroups so that only the state recurrence stays on
+the serial chain:
 
 - warpgroup 2, the producer: streams q, k, v, T0, gamma, beta and the mask rows with TMA into a
   ring of `STAGES` shared-memory stages, refilling a stage once both consumers released it;
 - warpgroup 1, off the chain: per stage, turns the keys into the block keys `Kb` (in place) and
-  the masked keys `Kw`, and T0 into `Ag = T0 ⊙ decay ⊙ beta` (in place), and signals warpgroup 0;
+  the masked keys `Kw` (for r > 1; at r = 1 the mask is one number per token, which the chain
+  applies to the columns of `S^T k^T`), and T0 into `Ag = T0 ⊙ decay ⊙ beta` (in place), and
+  signals warpgroup 0;
   then forms `Kb q^T ⊙ D` and, once warpgroup 0 has published the chunk's `S^T` and `v_new^T`,
   the output, which it stores;
 - warpgroup 0, the chain: keeps `S^T` in float32 registers and per chunk runs the three dependent
   products `S^T Kw^T`, `X^T Ag^T`, `v_new^T Kb`, publishing `S^T` and `v_new^T` (16-bit, double
   buffered) for warpgroup 1.
 
-w, u, v_new and the per-chunk states never reach HBM. Every product's operands are in shared
-memory and every accumulator fresh (`common.matmul`), which keeps the kernel runnable in the Mosaic
-GPU interpreter; a register left operand for `S^T` (one staging store less on the chain) is the
-obvious next step on a GPU. Every warpgroup waits for the others before it exits (an early exit
-while another warpgroup still issued wgmmas faulted on sm_90 with jax 0.11.2, as
+w, u, v_new and the per-chunk states never reach HBM. The chain's left operands stay in registers
+and the state update accumulates into the decayed state (`common.matmul_reg`), so no product on
+the chain waits for a shared-memory store; in the Mosaic GPU interpreter, which runs neither, they
+are staged through one tile (`xt_s`) instead. The initial state is read and the final state
+written straight between registers and global memory (no 32 KB float32 staging tile), so the ring
+fits with a state at every supported K. Every warpgroup waits for the others before it exits (an
+early exit while another warpgroup still issued wgmmas faulted on sm_90 with jax 0.11.2, as
 jax-linear-attention records).
 """
 
@@ -43,22 +63,44 @@ from pallas_kernels.mosaic_gpu.common import (
   iota,
   mask_matrix,
   matmul,
+  matmul_reg,
   smem,
   token_of,
 )
-from pallas_kernels.mosaic_gpu.walk import walk_dims
 
 N = ROWS_PER_CHUNK
 
 
-def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, keep_state: bool) -> int:
-  """Shared memory of `state_walk_ws` (tiles and vectors; barriers are a few bytes more)."""
+def walk_dims(q, k, v, t0, mask_rows, block_v):
+  """The walk's argument checks; returns (B, T padded, H, K, V, r, C, chunks)."""
+  batch, padded, heads, key_dim = k.shape
+  value_dim = v.shape[-1]
+  r = mask_rows.shape[-2]
+  c = chunk_tokens(r)
+  dtype = k.dtype
+  if q.shape != k.shape or q.dtype != dtype or v.dtype != dtype:
+    raise ValueError(f"q, k, v: shapes {q.shape}, {k.shape}, {v.shape} / dtypes must agree")
+  if padded % c:
+    raise ValueError(f"k: length {padded} must be a multiple of the chunk {c} (r={r})")
+  if value_dim % block_v:
+    raise ValueError(f"v: V={value_dim} must be a multiple of block_v={block_v}")
+  nc = padded // c
+  if t0.shape != (batch, heads, nc * N, N):
+    raise ValueError(f"t0: shape {t0.shape}, expected {(batch, heads, nc * N, N)}")
+  return batch, padded, heads, key_dim, value_dim, r, c, nc
+
+
+def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: bool) -> int:
+  """Shared memory of `state_walk_ws` (tiles and vectors; barriers are a few bytes more).
+
+  staged: the interpreter's form, with the chain's left operands staged through `xt_s`.
+  """
   c = chunk_tokens(r)
   isz = jnp.dtype(dtype).itemsize
-  per_stage = (c * key_dim + 2 * N * key_dim + N * block_v + N * N) * isz
+  per_stage = (c * key_dim + (2 if r > 1 else 1) * N * key_dim + N * block_v + N * N) * isz
   per_stage += (5 * N + max(c, 32) + r * N) * 4
-  fixed = (2 * block_v * key_dim + 2 * block_v * N + block_v * N + c * N + 2 * c * block_v) * isz
-  fixed += 16 + (block_v * key_dim * 4 if keep_state else 0)
+  fixed = (2 * block_v * key_dim + 2 * block_v * N + c * N + 2 * c * block_v) * isz
+  fixed += 16 + (block_v * N * isz if staged else 0)
   return stages * per_stage + fixed
 
 
@@ -67,8 +109,12 @@ def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, keep_stat
 SMEM_MARGIN = 8 * 1024
 
 
-def fits(key_dim: int, block_v: int, r: int, dtype, keep_state: bool) -> bool:
-  return smem_bytes(key_dim, block_v, r, dtype, 2, keep_state) + SMEM_MARGIN <= SMEM_LIMIT
+def pick_stages(key_dim: int, block_v: int, r: int, dtype, staged: bool) -> int:
+  """The most ring stages (3 or 2) that fit in shared memory, or 0 if not even 2 do."""
+  for stages in (3, 2):
+    if smem_bytes(key_dim, block_v, r, dtype, stages, staged) + SMEM_MARGIN <= SMEM_LIMIT:
+      return stages
+  return 0
 
 
 def state_walk_ws(
@@ -88,28 +134,38 @@ def state_walk_ws(
   stages: int | None = None,
   interpret=None,
 ):
-  """`walk.state_walk` with a TMA producer and two consumer warpgroups (module docstring)."""
+  """The state walk and the output, per (batch, head, value tile) (module docstring).
+
+  Args:
+    q, k: `[B, Tp, H, K]`, `Tp` a multiple of the chunk `C = 64 // r`; v: `[B, Tp, H, V]`.
+    t0: `[B, H, NC * N, N]`, `chunk_inverse`'s T0.
+    gamma: `[B, H, Tp]` float32, the chunk-local cumulative log-decay per token;
+      gamma_rows, beta_rows: `[B, H, NC * N]` float32 per block-major row (`forward.block_rows`).
+    mask_rows: `[Bm, Hm, NCm, r, N]` float32 (`forward.mask_rows`).
+    scale: `[4]` float32, the output scale in entry 0.
+    initial_state_t: None or `[B, H, V, K]` float32, the initial state transposed.
+    block_v: value columns per program.
+    output_final_state: also return the final state transposed, `[B, H, V, K]` float32.
+    stages: ring stages (None: the most that fit).
+    interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()`.
+
+  Returns:
+    `(o [B, Tp, H, V], final state transposed or None)`.
+  """
   batch, padded, heads, key_dim, value_dim, r, c, nc = walk_dims(q, k, v, t0, mask_rows, block_v)
   dtype = k.dtype
   m_b, m_h, m_n = mask_rows.shape[:3]
   has_h0 = initial_state_t is not None
-  keep_state = has_h0 or output_final_state
+  staged = interpret is not None
   bv = block_v
   dk = key_dim // r
   if stages is None:
-    stages = next(
-      (
-        s
-        for s in (3, 2)
-        if smem_bytes(key_dim, bv, r, dtype, s, keep_state) + SMEM_MARGIN <= SMEM_LIMIT
-      ),
-      0,
-    )
-  need = smem_bytes(key_dim, bv, r, dtype, max(stages, 2), keep_state)
+    stages = pick_stages(key_dim, bv, r, dtype, staged)
+  need = smem_bytes(key_dim, bv, r, dtype, max(stages, 2), staged)
   if stages < 2 or need + SMEM_MARGIN > SMEM_LIMIT:
     raise ValueError(
       f"state_walk_ws needs {need} bytes of shared memory with 2 stages, above the "
-      f"{SMEM_LIMIT} limit (K={key_dim}, block_v={bv}, state={keep_state}): use walk.state_walk"
+      f"{SMEM_LIMIT} limit (K={key_dim}, block_v={bv}, r={r})"
     )
   # q, T0, gamma per token, mask rows, 4 gamma rows, beta rows; per block: k, v
   n_copies = 9 + 2 * r
@@ -118,7 +174,6 @@ def state_walk_ws(
   scratch = dict(
     q_s=smem((stages, c, key_dim), dtype),
     kb_s=smem((stages, N, key_dim), dtype),  # the keys repeated per block, then Kb (in place)
-    kw_s=smem((stages, N, key_dim), dtype),
     vrep_s=smem((stages, N, bv), dtype),
     t_s=smem((stages, N, N), dtype),  # T0, then Ag (in place)
     g_rows=vecs,
@@ -131,7 +186,6 @@ def state_walk_ws(
     m_s=plgpu.SMEM((stages, r, N), F32),
     st_pub=smem((2, bv, key_dim), dtype),
     vn_pub=smem((2, bv, N), dtype),
-    xt_s=smem((bv, N), dtype),  # X^T, then v_new^T decayed to the chunk end
     pq_s=smem((c, N), dtype),
     o_s=smem((2, c, bv), dtype),
     sc_s=plgpu.SMEM((4,), F32),
@@ -141,19 +195,20 @@ def state_walk_ws(
     s_ready=plgpu.Barrier(num_barriers=2),
     s_free=plgpu.Barrier(num_barriers=2),
     sc_bar=plgpu.Barrier(),
-    st_bar=plgpu.Barrier(),
     done=plgpu.Barrier(num_arrivals=3),
   )
-  if keep_state:
-    scratch["st_s"] = plgpu.SMEM((bv, key_dim), F32)
+  if r > 1:
+    scratch["kw_s"] = smem((stages, N, key_dim), dtype)
+  if staged:
+    scratch["xt_s"] = smem((bv, N), dtype)
 
   out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), dtype)]
   if output_final_state:
     out_type.append(jax.ShapeDtypeStruct((batch, heads, value_dim, key_dim), F32))
 
-  def body(*refs, q_s, kb_s, kw_s, vrep_s, t_s, g_rows, g_cols, g_chain, g_last, b_cols, g_tok,
-           m_s, st_pub, vn_pub, xt_s, pq_s, o_s, sc_s, in_bar, prep_ready, in_free, s_ready,
-           s_free, sc_bar, st_bar, done, st_s=None):  # fmt: skip
+  def body(*refs, q_s, kb_s, vrep_s, t_s, g_rows, g_cols, g_chain, g_last, b_cols, g_tok, m_s,
+           st_pub, vn_pub, pq_s, o_s, sc_s, in_bar, prep_ready, in_free, s_ready, s_free, sc_bar,
+           done, kw_s=None, xt_s=None):  # fmt: skip
     refs = list(refs)
     q_ref, k_ref, v_ref, t0_ref, g_ref = (refs.pop(0) for _ in range(5))
     gr_ref, beta_ref, m_ref, sc_ref = (refs.pop(0) for _ in range(4))
@@ -202,10 +257,8 @@ def state_walk_ws(
     @pl.when(wg == 0)
     def _chain():
       plgpu.set_max_registers(232, action="increase")
-      if has_h0:
-        plgpu.copy_gmem_to_smem(h0_ref.at[b, h, cols_v], st_s, st_bar)
-        plgpu.barrier_wait(st_bar)
-        s0 = plgpu.load(st_s, layout=WGMMA)
+      if has_h0:  # straight from global memory into the WGMMA layout
+        s0 = plgpu.load(h0_ref.at[b, h, cols_v], layout=WGMMA, optimized=False)
       else:
         s0 = plgpu.layout_cast(jnp.zeros((bv, key_dim), F32), WGMMA)
       wshape = (bv, N)
@@ -219,32 +272,37 @@ def state_walk_ws(
         def _():  # warpgroup 1 is done with the tiles published two chunks ago
           plgpu.barrier_wait(s_free.at[half])
 
-        st_pub.at[half][...] = s_t.astype(dtype)
-        plgpu.commit_smem()
+        s_lo = s_t.astype(dtype)
+        st_pub.at[half][...] = s_lo
         g_c = plgpu.load(g_chain.at[slot], layout=COLS)
+        key_decay = jnp.exp(g_c)
         g_end = g_last[slot, N - 1]
-        plgpu.barrier_wait(prep_ready.at[slot])
-        pw = matmul(st_pub.at[half], kw_s.at[slot].T, wshape)
+        stage_s = st_pub.at[half] if staged else None
+        if r == 1:  # the mask is one number per token: it scales the columns of S^T k^T
+          key_decay = key_decay * plgpu.load(m_s.at[slot].at[0], layout=COLS)
+          pw = matmul_reg(s_lo, kb_s.at[slot].T, wshape, stage=stage_s)
+          plgpu.barrier_wait(prep_ready.at[slot])
+        else:
+          plgpu.barrier_wait(prep_ready.at[slot])
+          pw = matmul_reg(s_lo, kw_s.at[slot].T, wshape, stage=stage_s)
         v_t = plgpu.load(vrep_s.at[slot].T, layout=WGMMA).astype(F32)
-        xt_s[...] = (v_t - pw * bcast_cols(jnp.exp(g_c), wshape)).astype(dtype)
-        plgpu.commit_smem()
-        vn_t = matmul(xt_s, t_s.at[slot].T, wshape)
+        x_t = (v_t - pw * bcast_cols(key_decay, wshape)).astype(dtype)
+        vn_t = matmul_reg(x_t, t_s.at[slot].T, wshape, stage=xt_s)
         vn_pub.at[half][...] = vn_t.astype(dtype)
-        xt_s[...] = (vn_t * bcast_cols(jnp.exp(g_end - g_c), wshape)).astype(dtype)
         plgpu.commit_smem()
         plgpu.barrier_arrive(s_ready.at[half])
-        s_new = jnp.exp(g_end) * s_t + matmul(xt_s, kb_s.at[slot], (bv, key_dim))
+        vd_t = (vn_t * bcast_cols(jnp.exp(g_end - g_c), wshape)).astype(dtype)
+        s_new = matmul_reg(
+          vd_t, kb_s.at[slot], (bv, key_dim), init=jnp.exp(g_end) * s_t, stage=xt_s
+        )
         plgpu.barrier_arrive(in_free.at[slot])
         return s_new
 
       s_t = lax.fori_loop(0, nc, step, s0)
       for n in range(max(nc - 2, 0), nc):  # consume the last releases of the published tiles
         plgpu.barrier_wait(s_free.at[n % 2])
-      if output_final_state:
-        st_s[...] = s_t
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(st_s, ht_ref.at[b, h, cols_v])
-        plgpu.wait_smem_to_gmem(0)
+      if output_final_state:  # straight from registers to global memory
+        ht_ref.at[b, h, cols_v][...] = s_t
 
     @pl.when(wg == 1)
     def _output():
@@ -266,9 +324,9 @@ def state_walk_ws(
         rows = pl.ds(n * c, c)
         plgpu.barrier_wait(in_bar.at[slot])
         # Off the chain: Kw, Kb (in place) and Ag (in place), then warpgroup 0 may go.
-        kfull = plgpu.load(kb_s.at[slot], layout=WGMMA).astype(F32)
-        kw_s.at[slot][...] = (kfull * mask_matrix(m_s.at[slot], kshape, dk, r)).astype(dtype)
         if r > 1:
+          kfull = plgpu.load(kb_s.at[slot], layout=WGMMA).astype(F32)
+          kw_s.at[slot][...] = (kfull * mask_matrix(m_s.at[slot], kshape, dk, r)).astype(dtype)
           kb_s.at[slot][...] = jnp.where(own, kfull, 0.0).astype(dtype)
         g_r = plgpu.load(g_rows.at[slot], layout=ROWS)
         g_c = plgpu.load(g_cols.at[slot], layout=COLS)

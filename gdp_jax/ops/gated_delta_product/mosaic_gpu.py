@@ -12,10 +12,9 @@ What the kernels take, and what this implementation refuses with a ValueError th
 `chunk_size` is (it only sets the operator's time padding and the Triton backward's chunk).
 
 Off a GPU (or with GDP_PALLAS_INTERPRET=1, pallas_kernels/common/backend.py) the kernels run in
-jax's Mosaic GPU interpreter, with the plain state walk unless `walk` says otherwise: the
-warp-specialised walk's three warpgroups run as threads of XLA's CPU pool and starve on a machine
-with fewer than three cores (tests/test_mosaic_gpu.py). Compiled, they need an sm_90 GPU (H100,
-H200).
+jax's Mosaic GPU interpreter: the state walk's three warpgroups run as threads of XLA's CPU pool,
+which needs at least three threads (set NPROC=8 before jax starts on a machine with fewer cores;
+docs/mosaic_gpu.md#testing-without-a-gpu). Compiled, they need an sm_90 GPU (H100, H200).
 """
 
 from __future__ import annotations
@@ -99,7 +98,6 @@ def _mosaic_gdp(q, k, v, g, beta, mask, h0, scale, chunk_size, impl):
   interpret = impl.interpret if impl.interpret is not None else interpret_mode()
   if not interpret:
     _check_device()
-  walk = impl.walk if (impl.walk is not None or not interpret) else "plain"
   batch, t_len, heads = v.shape[:3]
   return mosaic_forward.forward(
     q,
@@ -111,7 +109,6 @@ def _mosaic_gdp(q, k, v, g, beta, mask, h0, scale, chunk_size, impl):
     scale=scale,
     initial_state=h0,
     output_final_state=True,
-    walk=walk,
     interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
 
@@ -144,8 +141,6 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
   options, precision, nonfinite_guard, backward: the Triton backward's config, as in
     `TritonGatedDeltaProduct` (the Mosaic forward takes half-precision inputs only and has no
     float32 matmuls to set; it has no non-finite guard: docs/implementations.md#mosaic-gpu).
-  walk: the forward's state walk ("ws", "plain"), None for forward.py's choice (compiled) or
-    "plain" (interpreted; the module docstring says why).
   interpret: None follows pallas_kernels/common/backend.py (the Mosaic GPU interpreter off a
     GPU); False lowers the kernels for the GPU, True interprets them.
   """
@@ -161,7 +156,6 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
   precision: str | None = None
   nonfinite_guard: bool | None = None
   backward: str = "pallas"
-  walk: str | None = None
   interpret: bool | None = None
 
   def triton(self) -> TritonGatedDeltaProduct:
