@@ -254,7 +254,7 @@ def phase_time(record, shape, reps, inner, save, interpret=None, rs=(1, 2, 4)):
     del inp, want
 
 
-SWEEP = dict(chunks_per_program=(1, 2, 4, 8), precise_rows=(16, 0))
+SWEEP = dict(chunks_per_program=(1, 4, 8), precise_rows=(16, 8, 4, 0))
 
 
 def phase_sweep(record, shape, reps, save, interpret, rs=(1, 2, 4)):
@@ -550,7 +550,7 @@ def main(argv=None):
   parser.add_argument("--out", required=True, help="JSON file to write")
   parser.add_argument("--reps", type=int, default=15, help="timed runs per case (median kept)")
   parser.add_argument("--inner", type=int, default=5, help="back-to-back calls per timed run")
-  parser.add_argument("--phases", default="compile,check,time", help="comma-separated subset")
+  parser.add_argument("--phases", default="compile,check,time,sweep", help="comma-separated subset")
   parser.add_argument(
     "--budget", type=float, default=280.0, help="seconds; later cases are skipped past it"
   )

@@ -52,26 +52,35 @@ N = ROWS_PER_CHUNK
 PRECISE_ROWS = 16  # merges of groups of at most this many rows use the split product
 
 
-def _split_product(a: jax.Array, b: jax.Array, bufs, dtype, precise: bool) -> jax.Array:
-  """`a @ b` for float32 `[N, N]` register tiles, staged in shared memory in `dtype`.
+def _split_product(a: jax.Array, b: jax.Array, bufs, dtype, precise: bool, staged: bool):
+  """`a @ b` for float32 `[N, N]` register tiles on the tensor cores, operands in `dtype`.
 
-  precise: `a_hi b_hi + a_hi b_lo + a_lo b_hi` with `x_lo = x - x_hi` (about 16 mantissa bits).
+  precise: `a_hi b_hi + a_hi b_lo + a_lo b_hi` with `x_lo = x - x_hi` (about 16 mantissa bits),
+  three products into one accumulator. `a` stays in registers (the left operand of a wgmma may);
+  `b` is staged in shared memory. staged: the interpreter's form, `a` staged too.
   """
-  a_hi_s, a_lo_s, b_hi_s, b_lo_s = bufs
+  b_hi_s, b_lo_s, *a_bufs = bufs  # a_bufs: the interpreter's two tiles for `a`
   a_hi = a.astype(dtype)
   b_hi = b.astype(dtype)
-  a_hi_s[...] = a_hi
   b_hi_s[...] = b_hi
+  a_lo = (a - a_hi.astype(F32)).astype(dtype) if precise else None
   if precise:
-    a_lo_s[...] = (a - a_hi.astype(F32)).astype(dtype)
     b_lo_s[...] = (b - b_hi.astype(F32)).astype(dtype)
+  left_hi, left_lo = a_hi, a_lo
+  if staged:  # the interpreter runs no register operands
+    a_bufs[0][...] = a_hi
+    left_hi = a_bufs[0]
+    if precise:
+      a_bufs[1][...] = a_lo
+      left_lo = a_bufs[1]
+  pairs = [(left_hi, b_hi_s)]
+  if precise:
+    pairs += [(left_hi, b_lo_s), (left_lo, b_hi_s)]
   plgpu.commit_smem()
 
   def scoped(acc):
-    plgpu.wgmma(acc, a_hi_s, b_hi_s)
-    if precise:
-      plgpu.wgmma(acc, a_hi_s, b_lo_s)
-      plgpu.wgmma(acc, a_lo_s, b_hi_s)
+    for left, right in pairs:
+      plgpu.wgmma(acc, left, right)
     return acc[...]
 
   return lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC((N, N), F32)))
@@ -133,15 +142,17 @@ def chunk_inverse(
   m_b, m_h, m_n = mask_rows.shape[:3]
   dtype = k.dtype
   dk = key_dim // r
+  staged = interpret is not None
   itemsize = jnp.dtype(dtype).itemsize
-  tiles = (2 + (r > 1)) * N * key_dim * itemsize + 6 * N * N * itemsize
+  n_bufs = 4 if staged else 2
+  tiles = (2 + (r > 1)) * N * key_dim * itemsize + (2 + n_bufs) * N * N * itemsize
   check_smem("chunk_inverse", tiles + 2 * (r + 1) * N * 4)
 
   scratch = dict(
     krep_s=smem((2, N, key_dim), dtype),  # double-buffered: the next chunk's keys load meanwhile
     beta_s=plgpu.SMEM((2, N), F32),
     m_s=plgpu.SMEM((2, r, N), F32),
-    bufs=[smem((N, N), dtype) for _ in range(4)],
+    bufs=[smem((N, N), dtype) for _ in range(n_bufs)],
     t_s=smem((2, N, N), dtype),  # double-buffered: a chunk's store leaves while the next runs
     bar=plgpu.Barrier(num_arrivals=r + 2, num_barriers=2),
   )
@@ -208,8 +219,8 @@ def chunk_inverse(
           x = eye - link
         else:
           precise = size * r <= precise_rows
-          lx = _split_product(link, x, bufs, dtype, precise)
-          x = x - _split_product(x, lx, bufs, dtype, precise)
+          lx = _split_product(link, x, bufs, dtype, precise, staged)
+          x = x - _split_product(x, lx, bufs, dtype, precise, staged)
         size *= 2
       if x is None:  # one token per chunk (not reached: C >= 8)
         x = eye
