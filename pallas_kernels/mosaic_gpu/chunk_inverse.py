@@ -14,9 +14,11 @@ docs/chunked_form.md#the-inverse-by-16-row-blocks works on token groups: start f
   X <- X - X (A0 restricted to (later half, earlier half) of each group) X
 
 which turns the block-diagonal inverse of the half groups into that of the whole groups. Every
-merge runs on the tensor cores; merges inside 16-row groups use a two-term split of each operand
-(`hi + lo` in the input dtype, three products) for near-float32 accuracy, the larger ones a single
-pass (the stored T0 is rounded to the input dtype anyway).
+merge runs on the tensor cores in one pass over operands rounded to the input dtype, the left
+operand in registers. A two-term split of the operands inside 16-row groups (three products, near
+float32) changed the forward's error by nothing measurable on an H200 (relative RMS 4.0e-3
+either way against the jnp form at r = 1, 2, 4) and is gone (docs/mosaic_gpu.md#speed-on-an-h200).
+Each program walks several chunks, the next chunk's loads and the last chunk's store in flight.
 
 The Gram tiles of all key blocks come from one product: `Krep Kb^T`, with `Krep` the chunk's keys
 repeated for each block `a` and `Kb` the same with every column outside block `a` zeroed, so
@@ -44,46 +46,20 @@ from pallas_kernels.mosaic_gpu.common import (
   iota,
   mask_matrix,
   matmul,
+  matmul_reg,
   smem,
   token_of,
 )
 
 N = ROWS_PER_CHUNK
-PRECISE_ROWS = 16  # merges of groups of at most this many rows use the split product
 
 
-def _split_product(a: jax.Array, b: jax.Array, bufs, dtype, precise: bool, staged: bool):
-  """`a @ b` for float32 `[N, N]` register tiles on the tensor cores, operands in `dtype`.
-
-  precise: `a_hi b_hi + a_hi b_lo + a_lo b_hi` with `x_lo = x - x_hi` (about 16 mantissa bits),
-  three products into one accumulator. `a` stays in registers (the left operand of a wgmma may);
-  `b` is staged in shared memory. staged: the interpreter's form, `a` staged too.
-  """
-  b_hi_s, b_lo_s, *a_bufs = bufs  # a_bufs: the interpreter's two tiles for `a`
-  a_hi = a.astype(dtype)
-  b_hi = b.astype(dtype)
-  b_hi_s[...] = b_hi
-  a_lo = (a - a_hi.astype(F32)).astype(dtype) if precise else None
-  if precise:
-    b_lo_s[...] = (b - b_hi.astype(F32)).astype(dtype)
-  left_hi, left_lo = a_hi, a_lo
-  if staged:  # the interpreter runs no register operands
-    a_bufs[0][...] = a_hi
-    left_hi = a_bufs[0]
-    if precise:
-      a_bufs[1][...] = a_lo
-      left_lo = a_bufs[1]
-  pairs = [(left_hi, b_hi_s)]
-  if precise:
-    pairs += [(left_hi, b_lo_s), (left_lo, b_hi_s)]
+def _product(a: jax.Array, b: jax.Array, bufs, dtype) -> jax.Array:
+  """`a @ b` for float32 `[N, N]` register tiles on the tensor cores, operands rounded to `dtype`:
+  `b` staged in `bufs[0]`, `a` a register operand (staged in `bufs[1]` in the interpreter)."""
+  bufs[0][...] = b.astype(dtype)
   plgpu.commit_smem()
-
-  def scoped(acc):
-    for left, right in pairs:
-      plgpu.wgmma(acc, left, right)
-    return acc[...]
-
-  return lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC((N, N), F32)))
+  return matmul_reg(a.astype(dtype), bufs[0], (N, N), stage=bufs[1] if len(bufs) > 1 else None)
 
 
 # Streaming multiprocessors of an H100 / H200: the chunks-per-program rule keeps every one busy.
@@ -109,7 +85,6 @@ def chunk_inverse(
   mask_rows: jax.Array,
   *,
   chunks_per_program: int | None = None,
-  precise_rows: int = PRECISE_ROWS,
   interpret=None,
 ):
   """T0 per chunk, `[B, H, NC * N, N]` in `k.dtype` (chunk `c` is rows `c*N .. c*N + N - 1`).
@@ -123,7 +98,6 @@ def chunk_inverse(
       entry `[.., d, (a, t)] = M_t[a, d]` (`forward.mask_rows` builds it).
     chunks_per_program: chunks each program walks (a divisor of the chunk count; None:
       `default_chunks_per_program`).
-    precise_rows: merges of groups of at most this many rows use the split product (0: none).
     interpret: None on a GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
   """
   batch, padded, heads, key_dim = k.shape
@@ -144,7 +118,7 @@ def chunk_inverse(
   dk = key_dim // r
   staged = interpret is not None
   itemsize = jnp.dtype(dtype).itemsize
-  n_bufs = 4 if staged else 2
+  n_bufs = 2 if staged else 1  # b, and in the interpreter a
   tiles = (2 + (r > 1)) * N * key_dim * itemsize + (2 + n_bufs) * N * N * itemsize
   check_smem("chunk_inverse", tiles + 2 * (r + 1) * N * 4)
 
@@ -218,9 +192,8 @@ def chunk_inverse(
         if x is None:
           x = eye - link
         else:
-          precise = size * r <= precise_rows
-          lx = _split_product(link, x, bufs, dtype, precise, staged)
-          x = x - _split_product(x, lx, bufs, dtype, precise, staged)
+          lx = _product(link, x, bufs, dtype)
+          x = x - _product(x, lx, bufs, dtype)
         size *= 2
       if x is None:  # one token per chunk (not reached: C >= 8)
         x = eye
