@@ -18,6 +18,8 @@ one-device output of the same implementation (and with xla's when xla runs).
 
 Implementations (`--impls`, comma separated; default `auto`):
   pallas     ours, the Pallas kernels (compiled on GPU; interpreted on CPU, slowly)
+  mosaic_gpu ours, the Mosaic GPU forward for Hopper with the Triton backward (opt-in,
+             docs/implementations.md#mosaic-gpu)
   xla        ours, the chunked form in jnp
   reference  ours, the token-by-token recurrence (a `lax.scan`); forward + backward only where
              the scan's saved states fit (`--reference-max-gb`)
@@ -25,7 +27,7 @@ Implementations (`--impls`, comma separated; default `auto`):
              the same math as r = 1), when importable
   jla        jax-linear-attention's Gated DeltaNet (`impl="mosaic_gpu"` on GPU, its chunked jnp
              form elsewhere; r = 1), when importable
-`auto` is pallas, xla, reference, fla, jla on a GPU and xla, reference, jla elsewhere. A peer that
+`auto` is pallas, mosaic_gpu, xla, reference, fla, jla on a GPU and xla, reference, jla elsewhere. A peer that
 is not installed, or a case it does not cover (r > 1), is recorded as "skipped" with the reason;
 a case that fails records its error and the run goes on.
 
@@ -61,7 +63,8 @@ from gdp_jax.testing import SHAPES, random_inputs
 SCHEMA = "gdp_jax.bench/1"
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 MODES = ("fwd", "fwdbwd")
-ALL_IMPLS = ("pallas", "xla", "reference", "fla", "jla")
+ALL_IMPLS = ("pallas", "mosaic_gpu", "xla", "reference", "fla", "jla")
+OURS = ("pallas", "mosaic_gpu", "xla", "reference")
 GPU_SHAPE = ",".join(map(str, SHAPES["h200"]))  # the H200 benchmark shape (docs/performance.md)
 CPU_SHAPE = ",".join(map(str, SHAPES["cpu"]))  # default when no GPU: seconds, not hours
 TINY_SHAPE = ",".join(map(str, SHAPES["tiny"]))
@@ -742,7 +745,7 @@ def run(args) -> int:
         fwd_outs.clear()
         inputs = make_inputs(B, T, H, K, V, r, dtype)
         inputs_key = (shape, r, dname)
-      if impl in ("pallas", "xla", "reference"):
+      if impl in OURS:
         if impl == "reference" and not reference_fits(mode, B, T, H, K, V, args.reference_max_gb):
           raise _Skip(
             f"the scan's backward would keep {B * T * H * K * V * 4 / 1e9:.1f} GB "
