@@ -27,9 +27,9 @@ Implementations (`--impls`, comma separated; default `auto`):
              the same math as r = 1), when importable
   jla        jax-linear-attention's Gated DeltaNet (`impl="mosaic_gpu"` on GPU, its chunked jnp
              form elsewhere; r = 1), when importable
-`auto` is pallas, mosaic_gpu, xla, reference, fla, jla on a GPU and xla, reference, jla elsewhere. A peer that
-is not installed, or a case it does not cover (r > 1), is recorded as "skipped" with the reason;
-a case that fails records its error and the run goes on.
+`auto` is pallas, mosaic_gpu, xla, reference, fla, jla on a GPU and xla, reference, jla
+elsewhere. A peer that is not installed, or a case it does not cover (r > 1), is recorded as
+"skipped" with the reason; a case that fails records its error and the run goes on.
 
 Timing: per case, the jitted function is compiled and run twice, then `--reps` timed runs of
 `--inner` back-to-back calls each; the figure is the median over the runs of the time per call.

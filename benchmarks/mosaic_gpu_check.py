@@ -20,7 +20,10 @@ default 280) bounds the whole run:
    alone, beside implementation="pallas" (the Triton kernels) and, when importable,
    jax-linear-attention's Gated DeltaNet (`impl="mosaic_gpu"`, r = 1 only), with the output's
    relative RMS against xla;
-4. sweep: chunk_inverse's launch parameter (chunks per program) at r = 1, 2, 4, its time alone.
+4. sweep: chunk_inverse's launch parameter (chunks per program) at r = 1, 2, 4, its time alone;
+5. operator: `gated_delta_product(..., implementation="mosaic_gpu")` (the Mosaic forward, the
+   Triton backward, one custom_vjp), output, final state and every gradient against xla at
+   r = 1, 2, then forward and forward + backward timed beside implementation="pallas".
 The table printed last summarises all three. `--tiny` runs small shapes in the Mosaic GPU
 interpreter on a CPU (lowering instead of compiling, no timing of peers): a check of the script.
 """
@@ -285,6 +288,69 @@ def phase_sweep(record, shape, reps, save, interpret, rs=(1, 2, 4)):
       save()
 
 
+OPERATOR_INPUTS = ("q", "k", "v", "g", "beta", "mask", "initial_state")
+
+
+def operator_loss(implementation):
+  """(loss, (o, final)) of the public operator, every input differentiable."""
+
+  def loss(*arrays):
+    o, final = gdp_jax.gated_delta_product(
+      **dict(zip(OPERATOR_INPUTS, arrays)),
+      output_final_state=True,
+      implementation=implementation,
+    )
+    o32 = o.astype(F32)
+    return jnp.sum(o32 * jnp.cos(o32)) + jnp.sum(final**2), (o, final)
+
+  return loss
+
+
+def phase_operator(record, check_shape, bench_shape, args, save):
+  for r in (1, 2):
+    case = dict(phase="operator", r=r, impl="mosaic_gpu", what="check")
+    try:
+      inp = make_inputs(r, **check_shape, r=r, mask_kind="head", dtype=jnp.bfloat16, state=True)
+      args_in = tuple(inp[n] for n in OPERATOR_INPUTS)
+      got, want = (
+        jax.jit(jax.value_and_grad(operator_loss(i), range(7), has_aux=True))(*args_in)
+        for i in ("mosaic_gpu", "xla")
+      )
+      (_, (o, final)), grads = got
+      (_, (o_x, final_x)), grads_x = want
+      case["rel_rms_o"] = rel_rms(o, o_x)
+      case["rel_rms_state"] = rel_rms(final, final_x)
+      case["rel_rms_grads"] = {
+        n: rel_rms(a, b) for n, a, b in zip(OPERATOR_INPUTS, grads, grads_x, strict=True)
+      }
+      worst = max(case["rel_rms_o"], case["rel_rms_state"])
+      case["ok"] = bool(worst <= BAR and max(case["rel_rms_grads"].values()) <= 2e-2)
+    except Exception as e:  # noqa: BLE001
+      case.update(ok=False, error=summarise(e))
+    record["checks"].append(case)
+    save()
+    for impl in ("mosaic_gpu", "pallas"):
+      for mode in ("fwd", "fwdbwd"):
+        case = dict(phase="operator", r=r, impl=impl, what=mode)
+        try:
+          inp = make_inputs(
+            0, **bench_shape, r=r, mask_kind="head", dtype=jnp.bfloat16, state=False
+          )
+          fwd = operator_loss(impl)
+          args_in = tuple(inp[n] for n in OPERATOR_INPUTS[:6]) + (None,)
+          if mode == "fwd":
+            fn = jax.jit(lambda *a, f=fwd: f(*a)[1][0])
+          else:
+            fn = jax.jit(jax.grad(lambda *a, f=fwd: f(*a)[0], range(6)))
+          reps = 1 if args.tiny else args.reps
+          case["ms"], case["all_ms"] = time_fn(fn, args_in, reps, 1 if args.tiny else args.inner)
+          case["ok"] = True
+        except Exception as e:  # noqa: BLE001
+          case.update(ok=False, error=summarise(e))
+        record["checks"].append(case)
+        save()
+
+
 def pallas_fn():
   def run(q, k, v, g, beta, mask, initial_state):
     return gdp_jax.gated_delta_product(
@@ -434,6 +500,15 @@ def table_row(case) -> str:
         detail += f"  state {case['rel_rms_state']:.2e}"
     else:
       detail = first_line(case)
+  elif case["phase"] == "operator":
+    what = f"operator r={case['r']} {case['impl']:<11} {case['what']:<7}"
+    if not case.get("ok") and "error" in case:
+      detail = first_line(case)
+    elif "ms" in case:
+      detail = f"{case['ms']:.3f} ms"
+    else:
+      worst = max(case.get("rel_rms_grads", {}).values(), default=float("nan"))
+      detail = f"o {case.get('rel_rms_o', float('nan')):.2e}  grads <= {worst:.2e}"
   elif case["phase"] in ("time", "sweep"):
     what = f"{case['phase']:<8} r={case['r']} {case['impl']:<14}"
     if case["phase"] == "sweep":
@@ -457,6 +532,7 @@ def first_line(case) -> str:
 # of that process); the timings come before the r >= 4 checks.
 GROUPS = [
   "compile",
+  "operator",
   "check-r1",
   "check-r2",
   "time-r1",
@@ -477,6 +553,8 @@ def run_group(args, group, record, save, interpret):
     if args.tiny:
       checks = checks[:1]
     phase_check(record, TINY if args.tiny else CHECK, interpret, save, checks)
+  elif kind == "operator":
+    phase_operator(record, TINY if args.tiny else CHECK, TINY if args.tiny else BENCH, args, save)
   elif kind == "sweep":
     phase_sweep(
       record, TINY if args.tiny else BENCH, 1 if args.tiny else args.reps, save, interpret
