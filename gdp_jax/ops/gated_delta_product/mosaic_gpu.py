@@ -1,10 +1,12 @@
 """`implementation="mosaic_gpu"` (opt-in): the Mosaic GPU forward kernels for Hopper
 (pallas_kernels/mosaic_gpu/, docs/implementations.md#mosaic-gpu) behind one `jax.custom_vjp`.
 
-The forward runs `pallas_kernels.mosaic_gpu.forward.forward` on the normalised inputs of
-gdp_jax/ops/gated_delta_product/api.py. There is no Mosaic GPU backward yet: the backward
-recomputes the forward with the Triton implementation (gdp_jax/ops/gated_delta_product/triton.py)
-and returns its vjp, so a gradient costs one extra Triton forward on top of the Triton backward.
+A call that is not differentiated runs `pallas_kernels.mosaic_gpu.forward.forward` on the
+normalised inputs of gdp_jax/ops/gated_delta_product/api.py. There is no Mosaic GPU backward yet:
+under differentiation the forward rule is the Triton implementation's
+(gdp_jax/ops/gated_delta_product/triton.py), which keeps the residuals its backward reads, so a
+training step costs exactly what implementation="triton" costs (no recomputation) and only
+forward-only calls (inference, evaluation) run the Mosaic kernels.
 
 What the kernels take, and what this implementation refuses with a ValueError that points to
 "triton": q, k, v in bfloat16 or float16; K = 64 or 128; r in 1, 2, 4, 8; no grouped value heads
@@ -93,7 +95,7 @@ def _kernel_mask(mask, batch, t_len, heads):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _mosaic_gdp(q, k, v, g, beta, mask, h0, scale, chunk_size, impl):
-  """(o, final) from the Mosaic GPU forward; the vjp is the Triton implementation's."""
+  """(o, final) from the Mosaic GPU forward; differentiated, the Triton implementation's."""
   del chunk_size  # the kernels' chunk is 64 // r tokens
   interpret = impl.interpret if impl.interpret is not None else interpret_mode()
   if not interpret:
@@ -114,13 +116,13 @@ def _mosaic_gdp(q, k, v, g, beta, mask, h0, scale, chunk_size, impl):
 
 
 def _mosaic_gdp_fwd(q, k, v, g, beta, mask, h0, scale, chunk_size, impl):
-  out = _mosaic_gdp(q, k, v, g, beta, mask, h0, scale, chunk_size, impl)
-  return out, (q, k, v, g, beta, mask, h0)
+  # No Mosaic GPU backward yet: the Triton forward, whose vjp (a pytree holding its residuals)
+  # is this rule's residual.
+  triton = impl.triton()
+  return jax.vjp(lambda *x: triton(*x, scale, chunk_size), q, k, v, g, beta, mask, h0)
 
 
-def _mosaic_gdp_bwd(scale, chunk_size, impl, residuals, cotangents):
-  # No Mosaic GPU backward yet: recompute with the Triton forward and use its vjp.
-  _, vjp = jax.vjp(lambda *x: impl.triton()(*x, scale, chunk_size), *residuals)
+def _mosaic_gdp_bwd(scale, chunk_size, impl, vjp, cotangents):
   return vjp(cotangents)
 
 
@@ -135,8 +137,9 @@ def _forward(q, k, v, g, beta, mask, initial_state, scale, chunk_size, *, impl):
 class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
   """The Mosaic GPU forward kernels (Hopper) with the Triton implementation's backward.
 
-  Opt-in: "pallas" and None do not pick it (gdp_jax/ops/dispatch.py says why). Gradients
-  recompute the forward with the Triton kernels and use their vjp: one extra Triton forward.
+  Opt-in: "pallas" and None do not pick it (gdp_jax/ops/dispatch.py says why). Differentiated,
+  the forward is the Triton one (its residuals feed the Triton backward): a training step costs
+  what "triton" costs; forward-only calls run the Mosaic kernels.
 
   options, precision, nonfinite_guard, backward: the Triton backward's config, as in
     `TritonGatedDeltaProduct` (the Mosaic forward takes half-precision inputs only and has no
