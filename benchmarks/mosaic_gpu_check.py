@@ -256,11 +256,13 @@ def phase_time(record, shape, reps, inner, save, interpret=None, rs=(1, 2, 4)):
     del inp, want
 
 
-SWEEP = dict(chunks_per_program=(1, 2, 4, 8))
+SWEEP = dict(chunks_per_program=(2, 4, 8), diag_solve=(False, True))
 
 
 def phase_sweep(record, shape, reps, save, interpret, rs=(1, 2, 4)):
-  """chunk_inverse alone per launch parameter (chunks per program)."""
+  """chunk_inverse alone per launch parameter (chunks per program, the float32 diagonal solve);
+  with the default chunks per program, the forward's error and time with and without the solve
+  and the largest difference between the two T0."""
   for r in rs:
     c = common.chunk_tokens(r)
     try:
@@ -268,24 +270,62 @@ def phase_sweep(record, shape, reps, save, interpret, rs=(1, 2, 4)):
       b, t, h, _ = inp["k"].shape
       beta = forward_mod.block_rows(jnp.swapaxes(inp["beta"], 1, 2), r)
       rows = forward_mod.mask_rows(inp["mask"], b, t, h, t, r)
+      want = jax.block_until_ready(call(xla_fn(False), inp)[0])
     except Exception as e:  # noqa: BLE001
       record["checks"].append(dict(phase="sweep", r=r, impl="inputs", ok=False, error=summarise(e)))
       save()
       continue
-    for cpp in SWEEP["chunks_per_program"]:
-      if (t // c) % cpp:
-        continue
-      case = dict(phase="sweep", r=r, impl="chunk_inverse", chunks_per_program=cpp)
-      inv = functools.partial(
-        chunk_inverse_mod.chunk_inverse, chunks_per_program=cpp, interpret=interpret
-      )
-      try:
-        case["ms"], case["all_ms"] = time_fn(jax.jit(inv), (inp["k"], beta, rows), reps, 3)
-        case["ok"] = True
-      except Exception as e:  # noqa: BLE001
-        case.update(ok=False, error=summarise(e))
-      record["checks"].append(case)
-      save()
+    t0_merge = None
+    default = chunk_inverse_mod.default_chunks_per_program(b, h, t // c)
+    for solve in SWEEP["diag_solve"]:
+      if solve and interpret is not None:
+        continue  # raw Mosaic GPU code: GPU only
+      for cpp in SWEEP["chunks_per_program"]:
+        if (t // c) % cpp:
+          continue
+        case = dict(phase="sweep", r=r, impl="chunk_inverse", chunks_per_program=cpp)
+        case["diag_solve"] = solve
+        inv = functools.partial(
+          chunk_inverse_mod.chunk_inverse,
+          chunks_per_program=cpp,
+          diag_solve=solve,
+          interpret=interpret,
+        )
+        try:
+          case["ms"], case["all_ms"] = time_fn(jax.jit(inv), (inp["k"], beta, rows), reps, 3)
+          if cpp == default:
+            sweep_forward(case, inp, want, inv, t0_merge, reps, interpret)
+            t0_merge = case.pop("t0") if t0_merge is None else t0_merge
+            case.pop("t0", None)
+          case["ok"] = bool(case.get("rel_rms_o", 0.0) <= BAR)
+        except Exception as e:  # noqa: BLE001
+          case.update(ok=False, error=summarise(e))
+        record["checks"].append(case)
+        save()
+
+
+def sweep_forward(case, inp, want, inv, t0_merge, reps, interpret):
+  """The forward with this chunk_inverse: its error against xla and its time; T0 kept."""
+  k, mask = inp["k"], inp["mask"]
+  b, t, h, _ = k.shape
+  r = 1 if mask is None else mask.shape[-1]
+  beta = forward_mod.block_rows(jnp.swapaxes(inp["beta"], 1, 2), r)
+  rows = forward_mod.mask_rows(mask, b, t, h, t, r)
+  t0 = jax.jit(inv)(k, beta, rows).astype(F32)
+  case["t0"] = t0
+  if t0_merge is not None:
+    case["max_t0_diff_vs_merge"] = float(jnp.max(jnp.abs(t0 - t0_merge)))
+  saved = forward_mod.chunk_inverse
+  forward_mod.chunk_inverse = functools.partial(
+    chunk_inverse_mod.chunk_inverse, diag_solve=inv.keywords["diag_solve"]
+  )
+  try:
+    fn = ours_fn(False, interpret)
+    case["rel_rms_o"] = rel_rms(call(fn, inp)[0], want)
+    args = tuple(inp[n] for n in OPERATOR_INPUTS[:6]) + (None,)
+    case["forward_ms"], _ = time_fn(fn, args, reps, 3)
+  finally:
+    forward_mod.chunk_inverse = saved
 
 
 OPERATOR_INPUTS = ("q", "k", "v", "g", "beta", "mask", "initial_state")
@@ -512,9 +552,11 @@ def table_row(case) -> str:
   elif case["phase"] in ("time", "sweep"):
     what = f"{case['phase']:<8} r={case['r']} {case['impl']:<14}"
     if case["phase"] == "sweep":
-      what += f" cpp={case['chunks_per_program']}"
+      what += f" cpp={case['chunks_per_program']} solve={int(case['diag_solve'])}"
     if case.get("ok"):
       detail = f"{case['ms']:.3f} ms"
+      if "forward_ms" in case:
+        detail += f"  forward {case['forward_ms']:.3f} ms"
       if "rel_rms_o" in case:
         detail += f"  (o {case['rel_rms_o']:.1e})"
     else:

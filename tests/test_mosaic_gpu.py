@@ -115,6 +115,28 @@ def test_forward_lowers_for_cuda_at_benchmark_shape(r, mask_kind, with_state):
   assert len(calls) == 2, calls  # chunk_inverse and state_walk
 
 
+@pytest.mark.parametrize("r", common.SUPPORTED_R)
+def test_chunk_inverse_with_the_float32_solve_lowers_for_cuda(r):
+  # the raw Mosaic GPU solve of the diagonal blocks (diag_solve.py) runs only compiled: lowering
+  # is what a CPU can check of it (the interpreter runs the merges instead)
+  batch, t_len, heads, dim = 8, 4096, 16, 128
+  spec = jax.ShapeDtypeStruct
+  k = spec((batch, t_len, heads, dim), jnp.bfloat16)
+  beta_rows = spec((batch, heads, t_len * r), F32)
+  rows = spec((1, heads, 1, r, common.ROWS_PER_CHUNK), F32)
+  run = functools.partial(chunk_inverse, diag_solve=True)
+  text = jax.jit(run).trace(k, beta_rows, rows).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("mosaic_gpu" in line and "custom_call" in line for line in text.splitlines()) == 1
+  with pytest.raises(ValueError, match="interpreter"):
+    chunk_inverse(
+      jnp.zeros((1, 64, 1, 64), jnp.bfloat16),
+      jnp.zeros((1, 1, 64 * r), F32),
+      jnp.zeros((1, 1, 1, r, common.ROWS_PER_CHUNK), F32),
+      diag_solve=True,
+      interpret=plgpu.InterpretGPUParams(),
+    )
+
+
 def test_shared_memory_limit_is_enforced():
   with pytest.raises(ValueError, match="shared memory"):
     common.check_smem("kernel", common.SMEM_LIMIT + 1)

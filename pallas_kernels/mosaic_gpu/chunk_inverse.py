@@ -34,6 +34,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.mosaic_gpu import diag_solve as diag_solve_mod
 from pallas_kernels.mosaic_gpu.common import (
   F32,
   ROWS,
@@ -85,6 +86,7 @@ def chunk_inverse(
   mask_rows: jax.Array,
   *,
   chunks_per_program: int | None = None,
+  diag_solve: bool = False,
   interpret=None,
 ):
   """T0 per chunk, `[B, H, NC * N, N]` in `k.dtype` (chunk `c` is rows `c*N .. c*N + N - 1`).
@@ -98,6 +100,10 @@ def chunk_inverse(
       entry `[.., d, (a, t)] = M_t[a, d]` (`forward.mask_rows` builds it).
     chunks_per_program: chunks each program walks (a divisor of the chunk count; None:
       `default_chunks_per_program`).
+    diag_solve: solve the 16-row diagonal blocks in float32 (`diag_solve.py`, GPU only: the
+      interpreter runs no raw Mosaic GPU code) and merge only larger groups on the tensor
+      cores, or merge from 2-token groups up (False, the default until the solve has been
+      measured on a GPU: docs/mosaic_gpu.md#speed-on-an-h200).
     interpret: None on a GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
   """
   batch, padded, heads, key_dim = k.shape
@@ -117,10 +123,13 @@ def chunk_inverse(
   dtype = k.dtype
   dk = key_dim // r
   staged = interpret is not None
+  if diag_solve and staged:
+    raise ValueError("diag_solve=True: the Mosaic GPU interpreter runs no raw Mosaic GPU code")
   itemsize = jnp.dtype(dtype).itemsize
   n_bufs = 2 if staged else 1  # b, and in the interpreter a
   tiles = (2 + (r > 1)) * N * key_dim * itemsize + (2 + n_bufs) * N * N * itemsize
-  check_smem("chunk_inverse", tiles + 2 * (r + 1) * N * 4)
+  solve_bytes = 2 * N * (N + diag_solve_mod.PAD) * 4 if diag_solve else 0
+  check_smem("chunk_inverse", tiles + solve_bytes + 2 * (r + 1) * N * 4)
 
   scratch = dict(
     krep_s=smem((2, N, key_dim), dtype),  # double-buffered: the next chunk's keys load meanwhile
@@ -132,8 +141,12 @@ def chunk_inverse(
   )
   if r > 1:
     scratch["kb_s"] = smem((N, key_dim), dtype)
+  if diag_solve:
+    scratch["solve_s"] = diag_solve_mod.scratch()
 
-  def body(k_ref, beta_ref, m_ref, t0_ref, krep_s, beta_s, m_s, bufs, t_s, bar, kb_s=None):
+  def body(
+    k_ref, beta_ref, m_ref, t0_ref, krep_s, beta_s, m_s, bufs, t_s, bar, kb_s=None, solve_s=None
+  ):
     b, nb, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
     mb = b if m_b > 1 else 0
     mh = h if m_h > 1 else 0
@@ -178,9 +191,12 @@ def chunk_inverse(
       coef = coef * mask_matrix(m_s.at[slot], sq, c, r)
       a0 = jnp.where(tok_r > tok_c, gram * coef, 0.0)
 
-      # Token groups of 2: X = I - L exactly (X = I before).
-      size = 2
-      x = None
+      if diag_solve:  # groups of 16 rows exactly in float32, then merges
+        x = diag_solve_mod.diag_block_inverse(a0, solve_s, r)
+        size = 2 * diag_solve_mod.BLOCK_ROWS // r
+      else:  # token groups of 2: X = I - L exactly (X = I before)
+        x = None
+        size = 2
       while size <= c:
         half = size // 2
         off = (
