@@ -18,6 +18,9 @@ merge runs on the tensor cores in one pass over operands rounded to the input dt
 operand in registers. A two-term split of the operands inside 16-row groups (three products, near
 float32) changed the forward's error by nothing measurable on an H200 (relative RMS 4.0e-3
 either way against the jnp form at r = 1, 2, 4) and is gone (docs/mosaic_gpu.md#speed-on-an-h200).
+Compiled, the kernel solves the groups of 16 rows exactly in float32 on the CUDA cores first
+(`diag_solve.py`: four dependent merge products fewer at r = 1, 0.19 -> 0.14 ms on an H200) and
+merges from there; the interpreter, which runs no raw Mosaic GPU code, merges from groups of 2.
 Each program walks several chunks, the next chunk's loads and the last chunk's store in flight.
 
 The Gram tiles of all key blocks come from one product: `Krep Kb^T`, with `Krep` the chunk's keys
@@ -86,7 +89,7 @@ def chunk_inverse(
   mask_rows: jax.Array,
   *,
   chunks_per_program: int | None = None,
-  diag_solve: bool = False,
+  diag_solve: bool | None = None,
   interpret=None,
 ):
   """T0 per chunk, `[B, H, NC * N, N]` in `k.dtype` (chunk `c` is rows `c*N .. c*N + N - 1`).
@@ -100,10 +103,9 @@ def chunk_inverse(
       entry `[.., d, (a, t)] = M_t[a, d]` (`forward.mask_rows` builds it).
     chunks_per_program: chunks each program walks (a divisor of the chunk count; None:
       `default_chunks_per_program`).
-    diag_solve: solve the 16-row diagonal blocks in float32 (`diag_solve.py`, GPU only: the
-      interpreter runs no raw Mosaic GPU code) and merge only larger groups on the tensor
-      cores, or merge from 2-token groups up (False, the default until the solve has been
-      measured on a GPU: docs/mosaic_gpu.md#speed-on-an-h200).
+    diag_solve: solve the 16-row diagonal blocks in float32 (`diag_solve.py`) and merge only
+      larger groups on the tensor cores, or merge from 2-token groups up (False). None: the
+      solve compiled, the merges in the interpreter (which runs no raw Mosaic GPU code).
     interpret: None on a GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
   """
   batch, padded, heads, key_dim = k.shape
@@ -123,6 +125,8 @@ def chunk_inverse(
   dtype = k.dtype
   dk = key_dim // r
   staged = interpret is not None
+  if diag_solve is None:
+    diag_solve = not staged
   if diag_solve and staged:
     raise ValueError("diag_solve=True: the Mosaic GPU interpreter runs no raw Mosaic GPU code")
   itemsize = jnp.dtype(dtype).itemsize
