@@ -71,16 +71,20 @@ class OutOfTime(Exception):
 # Inputs
 
 
-def make_inputs(seed, batch, t_len, heads, key_dim, value_dim, r, mask_kind, dtype, state):
+def make_inputs(
+  seed, batch, t_len, heads, key_dim, value_dim, r, mask_kind, dtype, state, key_heads=None
+):
   """Gated DeltaNet-like inputs: unit q and k, log-sigmoid decays, sigmoid beta, and the layer's
-  mask l2norm(|W|) l2norm(|W|)^T (symmetric, diagonal 1) shared, per head or per token."""
+  mask l2norm(|W|) l2norm(|W|)^T (symmetric, diagonal 1) shared, per head or per token;
+  `key_heads` below `heads`: grouped value heads."""
   ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+  key_heads = heads if key_heads is None else key_heads
 
   def unit(x):
     return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
 
-  q = unit(jax.random.normal(ks[0], (batch, t_len, heads, key_dim))).astype(dtype)
-  k = unit(jax.random.normal(ks[1], (batch, t_len, heads, key_dim))).astype(dtype)
+  q = unit(jax.random.normal(ks[0], (batch, t_len, key_heads, key_dim))).astype(dtype)
+  k = unit(jax.random.normal(ks[1], (batch, t_len, key_heads, key_dim))).astype(dtype)
   v = jax.random.normal(ks[2], (batch, t_len, heads, value_dim)).astype(dtype)
   g = jax.nn.log_sigmoid(jax.random.normal(ks[3], (batch, t_len, heads)) + 3.0)
   beta = jax.nn.sigmoid(jax.random.normal(ks[4], (batch, t_len, heads)))
@@ -195,14 +199,16 @@ def phase_compile(record, shape, tiny, save):
       save()
 
 
-CHECKS = [  # (r, mask kind, initial/final state, dtype, odd T)
+CHECKS = [  # (r, mask kind, initial/final state, dtype, odd T[, grouped value heads])
   (1, "none", False, "bfloat16", False),
+  (1, "head", True, "bfloat16", False, True),
   (1, "none", True, "bfloat16", False),
   (1, "token", True, "bfloat16", True),
   (1, "none", False, "float16", False),
   (2, "shared", False, "bfloat16", False),
   (2, "head", True, "bfloat16", False),
   (2, "token", False, "bfloat16", False),
+  (2, "token", True, "bfloat16", True, True),
   (2, "shared", True, "bfloat16", True),
   (4, "shared", False, "bfloat16", False),
   (4, "head", False, "bfloat16", False),
@@ -213,13 +219,17 @@ CHECKS = [  # (r, mask kind, initial/final state, dtype, odd T)
 
 
 def phase_check(record, shape, interpret, save, checks):
-  for r, mask_kind, state, dtype, odd in checks:
+  for r, mask_kind, state, dtype, odd, *grouped in checks:
     shp = dict(shape)
     if odd:
       shp["t_len"] = shp["t_len"] - 23
     case = dict(phase="check", r=r, mask=mask_kind, state=state, dtype=dtype, t_len=shp["t_len"])
+    key_heads = shp["heads"] // 2 if grouped else None
+    case["key_heads"] = key_heads or shp["heads"]
     try:
-      inp = make_inputs(r, **shp, r=r, mask_kind=mask_kind, dtype=jnp.dtype(dtype), state=state)
+      inp = make_inputs(
+        r, **shp, r=r, mask_kind=mask_kind, dtype=jnp.dtype(dtype), state=state, key_heads=key_heads
+      )
       o, final = call(ours_fn(state, interpret), inp)
       want_o, want_final = call(xla_fn(state), inp)
       case["rel_rms_o"] = rel_rms(o, want_o)
@@ -532,7 +542,7 @@ def table_row(case) -> str:
   elif case["phase"] == "check":
     what = (
       f"check    r={case['r']} {case['mask']:<6} state={int(case['state'])} "
-      f"{case['dtype']:<8} T={case['t_len']}"
+      f"{case['dtype']:<8} T={case['t_len']} key heads={case.get('key_heads', '')}"
     )
     if "rel_rms_o" in case:
       detail = f"o {case['rel_rms_o']:.2e}"

@@ -95,7 +95,8 @@ def chunk_inverse(
   """T0 per chunk, `[B, H, NC * N, N]` in `k.dtype` (chunk `c` is rows `c*N .. c*N + N - 1`).
 
   Args:
-    k: `[B, Tp, H, K]` keys, `Tp` a multiple of `C = 64 // r`.
+    k: `[B, Tp, Hk, K]` keys, `Tp` a multiple of `C = 64 // r`; `Hk` divides the value heads
+      `H` of beta_rows (grouped value heads: key head `h // (H / Hk)` serves value head `h`).
     beta_rows: `[B, H, NC * N]` float32, beta per block-major row `(a, t)` of each chunk
       (`forward.block_rows`: whole 256-byte rows, so every TMA destination stays 128-byte
       aligned; copying `C`-token pieces into a row misaligns them for `C = 16, 8`).
@@ -108,7 +109,11 @@ def chunk_inverse(
       solve compiled, the merges in the interpreter (which runs no raw Mosaic GPU code).
     interpret: None on a GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
   """
-  batch, padded, heads, key_dim = k.shape
+  batch, padded, key_heads, key_dim = k.shape
+  heads = beta_rows.shape[1]
+  if heads % key_heads:
+    raise ValueError(f"beta_rows: {heads} value heads, not a multiple of k's {key_heads} heads")
+  group = heads // key_heads
   r = mask_rows.shape[-2]
   c = chunk_tokens(r)
   if padded % c:
@@ -160,7 +165,7 @@ def chunk_inverse(
       rows = pl.ds(n * c, c)
       for a in range(r):
         plgpu.copy_gmem_to_smem(
-          k_ref.at[b, rows, h], krep_s.at[slot].at[pl.ds(a * c, c)], bar.at[slot]
+          k_ref.at[b, rows, lax.div(h, group)], krep_s.at[slot].at[pl.ds(a * c, c)], bar.at[slot]
         )
       plgpu.copy_gmem_to_smem(beta_ref.at[b, h, pl.ds(n * N, N)], beta_s.at[slot], bar.at[slot])
       mn = n if m_n > 1 else 0

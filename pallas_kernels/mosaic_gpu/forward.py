@@ -55,9 +55,13 @@ def check_inputs(q, k, v, g, beta, mask, initial_state) -> int:
   """Validates the arguments; returns r."""
   if q.ndim != 4 or k.shape != q.shape:
     raise ValueError(f"q, k: shapes {q.shape}, {k.shape}, expected one [B, T, H, K]")
-  batch, t_len, heads, key_dim = q.shape
-  if v.ndim != 4 or v.shape[:3] != (batch, t_len, heads):
-    raise ValueError(f"v: shape {v.shape}, expected [B, T, H, V] = [{batch}, {t_len}, {heads}, V]")
+  batch, t_len, key_heads, key_dim = q.shape
+  if v.ndim != 4 or v.shape[:2] != (batch, t_len) or v.shape[2] % key_heads:
+    raise ValueError(
+      f"v: shape {v.shape}, expected [B, T, H, V] = [{batch}, {t_len}, H, V] with H a multiple "
+      f"of the {key_heads} key heads"
+    )
+  heads = v.shape[2]
   if q.dtype != k.dtype or q.dtype != v.dtype or jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
     raise TypeError(f"q, k, v: dtypes {q.dtype}, {k.dtype}, {v.dtype}: one of bfloat16, float16")
   for name, x in (("g", g), ("beta", beta)):
@@ -96,7 +100,8 @@ def forward(
     with fewer than 3 cores set NPROC (for example NPROC=8) before jax starts, or they starve.
   """
   r = check_inputs(q, k, v, g, beta, mask, initial_state)
-  batch, t_len, heads, key_dim = q.shape
+  batch, t_len, _, key_dim = q.shape
+  heads = v.shape[2]  # value heads (a multiple of q's and k's heads: grouped value heads)
   value_dim = v.shape[-1]
   c = chunk_tokens(r)
   padded = -(-t_len // c) * c

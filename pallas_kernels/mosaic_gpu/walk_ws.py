@@ -72,14 +72,17 @@ N = ROWS_PER_CHUNK
 
 
 def walk_dims(q, k, v, t0, mask_rows, block_v):
-  """The walk's argument checks; returns (B, T padded, H, K, V, r, C, chunks)."""
-  batch, padded, heads, key_dim = k.shape
-  value_dim = v.shape[-1]
+  """The walk's argument checks; returns (B, T padded, H, K, V, r, C, chunks, group) with H the
+  value heads and `group` value heads per key head (grouped value heads)."""
+  batch, padded, key_heads, key_dim = k.shape
+  heads, value_dim = v.shape[2], v.shape[-1]
   r = mask_rows.shape[-2]
   c = chunk_tokens(r)
   dtype = k.dtype
   if q.shape != k.shape or q.dtype != dtype or v.dtype != dtype:
     raise ValueError(f"q, k, v: shapes {q.shape}, {k.shape}, {v.shape} / dtypes must agree")
+  if v.shape[:2] != (batch, padded) or heads % key_heads:
+    raise ValueError(f"v: shape {v.shape}, expected [B, T, H, V] with H a multiple of {key_heads}")
   if padded % c:
     raise ValueError(f"k: length {padded} must be a multiple of the chunk {c} (r={r})")
   if value_dim % block_v:
@@ -87,7 +90,7 @@ def walk_dims(q, k, v, t0, mask_rows, block_v):
   nc = padded // c
   if t0.shape != (batch, heads, nc * N, N):
     raise ValueError(f"t0: shape {t0.shape}, expected {(batch, heads, nc * N, N)}")
-  return batch, padded, heads, key_dim, value_dim, r, c, nc
+  return batch, padded, heads, key_dim, value_dim, r, c, nc, heads // key_heads
 
 
 def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: bool) -> int:
@@ -137,7 +140,8 @@ def state_walk_ws(
   """The state walk and the output, per (batch, head, value tile) (module docstring).
 
   Args:
-    q, k: `[B, Tp, H, K]`, `Tp` a multiple of the chunk `C = 64 // r`; v: `[B, Tp, H, V]`.
+    q, k: `[B, Tp, Hk, K]`, `Tp` a multiple of the chunk `C = 64 // r`; v: `[B, Tp, H, V]`,
+      `H` a multiple of `Hk` (grouped value heads: key head `h // (H / Hk)` serves head `h`).
     t0: `[B, H, NC * N, N]`, `chunk_inverse`'s T0.
     gamma: `[B, H, Tp]` float32, the chunk-local cumulative log-decay per token;
       gamma_rows, beta_rows: `[B, H, NC * N]` float32 per block-major row (`forward.block_rows`).
@@ -152,7 +156,8 @@ def state_walk_ws(
   Returns:
     `(o [B, Tp, H, V], final state transposed or None)`.
   """
-  batch, padded, heads, key_dim, value_dim, r, c, nc = walk_dims(q, k, v, t0, mask_rows, block_v)
+  dims = walk_dims(q, k, v, t0, mask_rows, block_v)
+  batch, padded, heads, key_dim, value_dim, r, c, nc, group = dims
   dtype = k.dtype
   m_b, m_h, m_n = mask_rows.shape[:3]
   has_h0 = initial_state_t is not None
@@ -216,6 +221,7 @@ def state_walk_ws(
     o_ref = refs.pop(0)
     ht_ref = refs.pop(0) if output_final_state else None
     b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+    hk = lax.div(h, group)  # the key head of value head h
     cols_v = pl.ds(iv * bv, bv)
     mb = b if m_b > 1 else 0
     mh = h if m_h > 1 else 0
@@ -229,7 +235,7 @@ def state_walk_ws(
         rows = pl.ds(n * c, c)
         bar = in_bar.at[slot]
         mn = n if m_n > 1 else 0
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(t0_ref.at[b, h, pl.ds(n * N, N)], t_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_tok.at[slot].at[pl.ds(0, c)], bar)
         plgpu.copy_gmem_to_smem(m_ref.at[mb, mh, mn], m_s.at[slot], bar)
@@ -239,7 +245,7 @@ def state_walk_ws(
         plgpu.copy_gmem_to_smem(beta_ref.at[b, h, chunk_rows], b_cols.at[slot], bar)
         for a in range(r):  # tiles: C-row pieces stay 1024-byte aligned for every r
           part = pl.ds(a * c, c)
-          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], kb_s.at[slot].at[part], bar)
+          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], kb_s.at[slot].at[part], bar)
           plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols_v], vrep_s.at[slot].at[part], bar)
 
       for n in range(min(stages, nc)):

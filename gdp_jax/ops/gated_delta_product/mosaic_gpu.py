@@ -9,8 +9,9 @@ training step costs exactly what implementation="triton" costs (no recomputation
 forward-only calls (inference, evaluation) run the Mosaic kernels.
 
 What the kernels take, and what this implementation refuses with a ValueError that points to
-"triton": q, k, v in bfloat16 or float16; K = 64 or 128; r in 1, 2, 4, 8; no grouped value heads
-(HV = H); no packed sequences (cu_seqlens). The kernels use chunks of 64 // r tokens whatever
+"triton": q, k, v in bfloat16 or float16; K = 64 or 128; r in 1, 2, 4, 8; no packed sequences
+(cu_seqlens). Grouped value heads (HV a multiple of H) read each key head through the kernels'
+index maps. The kernels use chunks of 64 // r tokens whatever
 `chunk_size` is (it only sets the operator's time padding and the Triton backward's chunk).
 
 Off a GPU (or with GDP_PALLAS_INTERPRET=1, pallas_kernels/common/backend.py) the kernels run in
@@ -47,12 +48,6 @@ def check_supported(q, k, v, mask) -> None:
     raise ValueError(
       f'q, k, v: dtype {jnp.dtype(q.dtype).name}; implementation="mosaic_gpu" takes bfloat16 '
       f"or float16 only; {USE_TRITON} (or cast the inputs)"
-    )
-  if v.shape[2] != q.shape[2]:
-    raise ValueError(
-      f"v: {v.shape[2]} value heads for {q.shape[2]} key heads (grouped value heads, v shape "
-      f'{tuple(v.shape)}, q shape {tuple(q.shape)}); implementation="mosaic_gpu" needs HV = H; '
-      f"{USE_TRITON}"
     )
   r = mask.shape[-1]
   if r not in SUPPORTED_R:
