@@ -36,16 +36,19 @@ def _gpu(capability, kind="NVIDIA Test GPU"):
   ],
 )
 def test_default_per_device(device, expected):
-  assert dispatch.default_implementation(device) == expected
+  # on Hopper (9.0) the operator prefers the Mosaic GPU forward; every other function, and every
+  # other GPU, the Triton kernels
+  hopper = expected == "triton" and getattr(device, "compute_capability", None) == "9.0"
   for function in ("gated_delta_product", "gated_delta_product_step", "gqa_decode"):
-    assert dispatch.resolve(function, None, device) == expected
-    pallas = "triton" if expected == "triton" else None
-    if pallas:  # "pallas": the best Pallas backend for the device
-      assert dispatch.resolve(function, "pallas", device) == pallas
+    want = "mosaic_gpu" if hopper and function == "gated_delta_product" else expected
+    assert dispatch.resolve(function, None, device) == want
+    if expected == "triton":  # "pallas": the best Pallas backend for the device
+      assert dispatch.resolve(function, "pallas", device) == want
+  assert dispatch.default_implementation(device) == ("mosaic_gpu" if hopper else expected)
 
 
 def test_pallas_prefers_a_registered_backend_on_the_gpus_its_rule_names(monkeypatch):
-  # the hook for a second Pallas backend: registered, "pallas" and None pick it where its rule
+  # a second Pallas backend: registered, "pallas" and None pick it where its rule
   # (PALLAS_PREFERENCE) accepts the GPU, and the Triton backend everywhere else
   @dataclasses.dataclass(frozen=True)
   class Mosaic(base.Implementation):
@@ -54,10 +57,11 @@ def test_pallas_prefers_a_registered_backend_on_the_gpus_its_rule_names(monkeypa
 
   table = {f: dict(t) for f, t in dispatch.TABLE.items()}
   monkeypatch.setattr(dispatch, "TABLE", table)
-  preference = (dispatch.MOSAIC_GPU_PREFERENCE, *dispatch.PALLAS_PREFERENCE)
-  monkeypatch.setattr(dispatch, "PALLAS_PREFERENCE", preference)
+  del table["gated_delta_product"]["mosaic_gpu"]
+  h200 = _gpu("9.0", "NVIDIA H200")
+  assert dispatch.resolve("gated_delta_product", "pallas", h200) == "triton"  # not registered
   dispatch.register("gated_delta_product", Mosaic())
-  h200, a100 = _gpu("9.0", "NVIDIA H200"), _gpu("8.0", "NVIDIA A100")
+  a100 = _gpu("8.0", "NVIDIA A100")
   assert dispatch.resolve("gated_delta_product", "pallas", h200) == "mosaic_gpu"
   assert dispatch.resolve("gated_delta_product", None, h200) == "mosaic_gpu"
   assert dispatch.resolve("gated_delta_product", "pallas", a100) == "triton"
@@ -214,7 +218,7 @@ def test_decode_splits_follow_the_sm_count():
     ),
     (
       _gpu("9.0", "NVIDIA H200"),
-      "NVIDIA H200 (compute capability 9.0): implementation=None runs 'triton'",
+      "NVIDIA H200 (compute capability 9.0): implementation=None runs 'mosaic_gpu'",
     ),
     (_gpu("7.5", "Tesla T4"), "runs 'xla'"),
   ],

@@ -24,19 +24,37 @@ from tests.cases import run_interpreted_subprocess
 
 F32 = jnp.float32
 H200 = SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
+A100 = SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100")
 
 
-def test_registered_for_the_operator_only_and_opt_in():
+def test_registered_for_the_operator_and_preferred_on_hopper():
   impl = dispatch.implementation("gated_delta_product", "mosaic_gpu")
-  assert isinstance(impl, MosaicGpuGatedDeltaProduct) and impl.pallas
+  assert isinstance(impl, MosaicGpuGatedDeltaProduct) and impl.pallas and not impl.fallback
   assert "mosaic_gpu" in dispatch.implementations("gated_delta_product")
   for function in ("gated_delta_product_step", "gqa_decode", "paged_gqa_decode"):
     assert "mosaic_gpu" not in dispatch.implementations(function)
-  # opt-in: neither "pallas" nor None picks it, not even on an H200
-  assert dispatch.resolve("gated_delta_product", "pallas", H200) == "triton"
-  assert dispatch.resolve("gated_delta_product", None, H200) == "triton"
-  assert dispatch.resolve("gated_delta_product", "mosaic_gpu", H200) == "mosaic_gpu"
-  assert "mosaic_gpu" not in [name for name, _ in dispatch.PALLAS_PREFERENCE]
+  # "pallas" and None pick it on Hopper, with the inputs its kernels cannot take sent to triton;
+  # named, it is obeyed and strict
+  for requested in ("pallas", None):
+    assert dispatch.resolve("gated_delta_product", requested, H200) == "mosaic_gpu"
+    config = dispatch.automatic_config("gated_delta_product", requested, "mosaic_gpu")
+    assert config == {"fallback": True}
+    assert dispatch.resolve("gated_delta_product", requested, A100) == "triton"
+  assert dispatch.automatic_config("gated_delta_product", "mosaic_gpu", "mosaic_gpu") == {}
+  assert dispatch.automatic_config("gated_delta_product", None, "triton") == {}
+
+
+def test_fallback_runs_triton_for_inputs_the_kernels_cannot_take():
+  # float32 inputs: an error when named, the Triton implementation when picked for the device
+  x = _inputs(dtype=F32, t_len=16)
+  mask5 = x["mask"][None, None]
+  args = (x["q"], x["k"], x["v"], x["g"], x["beta"], mask5, x["initial_state"], 0.3, 16)
+  with pytest.raises(ValueError, match="float32"):
+    MosaicGpuGatedDeltaProduct()(*args)
+  got = MosaicGpuGatedDeltaProduct(fallback=True)(*args)
+  want = MosaicGpuGatedDeltaProduct().triton()(*args)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _inputs(
@@ -153,6 +171,13 @@ def _run_interpreted():
     row["d" + name] = _rel_rms(
       grads["mosaic_gpu"][name].astype(F32), grads["xla"][name].astype(F32)
     )
+  # the non-finite guard: a nan in v at token 9 spoils nothing before it (without the guard the
+  # chunk's products carry it to every token of its chunk)
+  bad = dict(x, v=x["v"].at[:, 9, 1].set(jnp.nan))
+  o_bad = jax.jit(lambda *a: loss("mosaic_gpu", *a)[1][0])(*bad.values()).astype(F32)
+  row["nan_before"] = bool(jnp.isnan(o_bad[:, :9]).any())
+  row["nan_after"] = bool(jnp.isnan(o_bad[:, 9:, 1]).all())
+  row["o_before_bad"] = _rel_rms(o_bad[:, :9], o_ref.astype(F32)[:, :9])
   # what a wrong mask orientation scores: the comparison can fail
   wrong = dict(x, mask=jnp.swapaxes(x["mask"], -1, -2))
   o_wrong = loss("xla", *wrong.values())[1][0]
@@ -170,6 +195,12 @@ def test_forward_interpreted_matches_xla(interpreted):
   assert row["shape_ok"], row
   assert row["o"] < 1e-2 and row["final"] < 1e-2, row
   assert row["o_wrong"] > 2e-2, row
+
+
+def test_a_nan_spoils_nothing_before_it(interpreted):
+  row = interpreted
+  assert not row["nan_before"] and row["nan_after"], row
+  assert row["o_before_bad"] < 1e-2, row
 
 
 def test_gradients_interpreted_match_xla(interpreted):

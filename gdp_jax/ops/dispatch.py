@@ -8,13 +8,15 @@ instances of `gdp_jax.ops.base.Implementation` with their default config, by nam
   "reference"  the definitions in float32, the ground truth
   "xla"        jnp (any backend)
   "triton"     the Pallas kernels through the Triton lowering (interpreted off a GPU)
-  "mosaic_gpu" gated_delta_product only, opt-in: the Mosaic GPU forward for Hopper with the Triton
-               backward (interpreted off a GPU); "pallas" and None do not pick it
+  "mosaic_gpu" gated_delta_product only: the Mosaic GPU forward for Hopper, the Triton forward
+               and backward when differentiated (interpreted off a GPU)
 
 Two more names are accepted everywhere: "pallas", the best Pallas kernel backend for the device
-(`pallas_backend`: a backend registered with a device rule, in `PALLAS_PREFERENCE` order; today
-"triton"), and None, the best of all: the Pallas backend on an NVIDIA GPU the kernels support
-(compute capability >= 8.0: bfloat16 tensor cores), "xla" everywhere else, whatever the input
+(`pallas_backend`: a backend registered with a device rule, in `PALLAS_PREFERENCE` order:
+"mosaic_gpu" for gated_delta_product on compute capability 9.0, with the inputs its kernels cannot
+take sent to "triton" (`automatic_config`); "triton" everywhere else), and None, the best of
+all: the Pallas backend on an NVIDIA GPU the kernels support (compute capability >= 8.0:
+bfloat16 tensor cores), "xla" everywhere else, whatever the input
 dtype (float16 too: an older GPU such as the T4 runs "xla"). An explicit kernel backend on a CPU
 runs the kernels in the Pallas interpreter (slow, for tests); on an unsupported GPU it is an error
 that names the GPU.
@@ -89,13 +91,12 @@ def _capability(device) -> tuple[int, int] | None:
 
 # The Pallas backends in order of preference, each with the compute capabilities it serves: the
 # first one registered for a function whose rule accepts the device is what "pallas" means there.
-# "mosaic_gpu" (gated_delta_product only) is registered but opt-in: it is not in this tuple yet,
-# because its backward is the Triton one (no Mosaic GPU backward) and the operator's path through
-# it has not been run compiled on a GPU. `MOSAIC_GPU_PREFERENCE` is its rule, to put first here
-# when both hold (tests/test_dispatch.py exercises the hook with it).
+# "mosaic_gpu" (gated_delta_product only) comes first on Hopper: its forward runs calls that are
+# not differentiated, the Triton kernels the rest (docs/implementations.md#mosaic-gpu).
 Preference = tuple[str, Callable[[tuple[int, int]], bool]]
 MOSAIC_GPU_PREFERENCE: Preference = ("mosaic_gpu", lambda capability: capability in ((9, 0),))
 PALLAS_PREFERENCE: tuple[Preference, ...] = (
+  MOSAIC_GPU_PREFERENCE,
   ("triton", lambda capability: capability >= MIN_COMPUTE_CAPABILITY),
 )
 
@@ -160,9 +161,9 @@ def pallas_backend(function: str = "gated_delta_product", device=None) -> str:
   return fallback[-1] if fallback else registered[0]
 
 
-def default_implementation(device=None) -> str:
-  """The best Pallas backend on a supported GPU, "xla" anywhere else."""
-  return pallas_backend(device=device) if pallas_supported(device) else "xla"
+def default_implementation(device=None, function: str = "gated_delta_product") -> str:
+  """The best Pallas backend for `function` on a supported GPU, "xla" anywhere else."""
+  return pallas_backend(function, device) if pallas_supported(device) else "xla"
 
 
 def describe_runtime(device=None) -> str:
@@ -195,9 +196,7 @@ def resolve(function: str, implementation: str | None, device=None) -> str:
   None -> the default for the device, "pallas" -> its best Pallas backend."""
   names = implementations(function)
   if implementation is None:
-    implementation = default_implementation(device)
-    if implementation == PALLAS:
-      implementation = pallas_backend(function, device)
+    implementation = default_implementation(device, function)
     return implementation if implementation in names else "xla"
   if not isinstance(implementation, str) or implementation not in names:
     raise ValueError(
@@ -209,6 +208,16 @@ def resolve(function: str, implementation: str | None, device=None) -> str:
   if implementation == PALLAS:
     implementation = pallas_backend(function, device)
   return implementation
+
+
+def automatic_config(function: str, requested: str | None, name: str) -> dict:
+  """Config for implementation `name` when `resolve` chose it for `requested` (None or "pallas"):
+  a backend picked for the device, not by name, takes every input its function takes, so one
+  with a `fallback` field ("mosaic_gpu") sends the inputs its kernels cannot take to the next
+  backend instead of raising."""
+  if requested not in (None, PALLAS):
+    return {}
+  return {"fallback": True} if hasattr(implementation(function, name), "fallback") else {}
 
 
 def implementation(function: str, name: str) -> Implementation:

@@ -83,11 +83,12 @@ def gated_delta_product(
     chunk_size: tokens per chunk of the chunked forms, one of 16, 32, 64.
     implementation: "reference" (recurrence over time), "xla" (chunked jnp), "triton" (the
       Pallas GPU kernels through Triton; interpreted on CPU, slowly), "pallas" (the best Pallas
-      backend for the device: today "triton"), or None for the fastest one available on the
-      device (the Pallas backend on a supported GPU, "xla" elsewhere; gdp_jax/ops/dispatch.py),
-      with cu_seqlens too (the kernels' packed form, docs/varlen.md). "mosaic_gpu" (opt-in,
-      Hopper): the Mosaic GPU forward with the Triton backward, bf16/fp16 and K = 64 or 128
-      only (docs/implementations.md#mosaic-gpu).
+      backend for the device: "mosaic_gpu" on Hopper, "triton" on other GPUs), or None for the
+      fastest one available on the device (the Pallas backend on a supported GPU, "xla"
+      elsewhere; gdp_jax/ops/dispatch.py), with cu_seqlens too (the kernels' packed form,
+      docs/varlen.md). "mosaic_gpu" (Hopper): the Mosaic GPU forward, the Triton kernels when
+      differentiated; named, bf16/fp16 and K = 64 or 128 only
+      (docs/implementations.md#mosaic-gpu).
     precision: float32 matmuls of the Pallas kernels: None follows
       `jax.default_matmul_precision` (TF32 by default, as XLA's float32 dots on these GPUs),
       "highest" gives tf32x3 (close to float32), "ieee" full float32 on the CUDA cores
@@ -152,7 +153,7 @@ def gated_delta_product(
   chunk_size = check_chunk_size(chunk_size)
   scale = check_scale(scale)
   function = "gated_delta_product" if cu_seqlens is None else "gated_delta_product_varlen"
-  implementation = dispatch.resolve(function, implementation)
+  requested, implementation = implementation, dispatch.resolve(function, implementation)
   dispatch.check_backward(backward, implementation)
   # None with explicit options keeps options.precision; else None follows jax's default.
   kernel_precision = (
@@ -167,9 +168,9 @@ def gated_delta_product(
     initial_state = jnp.zeros((states, heads_v, dim_k, dim_v), jnp.float32)
   initial_state = initial_state.astype(jnp.float32)
 
-  config = {}
+  config = dispatch.automatic_config(function, requested, implementation)
   if dispatch.is_pallas(implementation):
-    config = dict(options=options, backward=backward, precision=kernel_precision)
+    config.update(options=options, backward=backward, precision=kernel_precision)
   run = dispatch.entry(function, implementation, **config)
   if cu_seqlens is not None:
     o, final = run(

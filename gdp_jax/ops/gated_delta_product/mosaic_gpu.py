@@ -1,4 +1,4 @@
-"""`implementation="mosaic_gpu"` (opt-in): the Mosaic GPU forward kernels for Hopper
+"""`implementation="mosaic_gpu"`: the Mosaic GPU forward kernels for Hopper
 (pallas_kernels/mosaic_gpu/, docs/implementations.md#mosaic-gpu) behind one `jax.custom_vjp`.
 
 A call that is not differentiated runs `pallas_kernels.mosaic_gpu.forward.forward` on the
@@ -30,6 +30,7 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from gdp_jax.ops.gated_delta_product import nonfinite
 from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation
 from gdp_jax.ops.gated_delta_product.triton import TritonGatedDeltaProduct, _run_scaled
 from pallas_kernels.common.backend import interpret_mode
@@ -42,24 +43,25 @@ COMPUTE_CAPABILITY = (9, 0)  # what the compiled kernels target (wgmma, TMA)
 USE_TRITON = 'use implementation="triton"'
 
 
-def check_supported(q, k, v, mask) -> None:
-  """A ValueError naming the argument for what the Mosaic GPU forward cannot take."""
+def unsupported(q, k, v, mask) -> str | None:
+  """What the Mosaic GPU forward cannot take in these inputs, naming the argument, or None."""
   if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-    raise ValueError(
+    return (
       f'q, k, v: dtype {jnp.dtype(q.dtype).name}; implementation="mosaic_gpu" takes bfloat16 '
       f"or float16 only; {USE_TRITON} (or cast the inputs)"
     )
   r = mask.shape[-1]
   if r not in SUPPORTED_R:
-    raise ValueError(
+    return (
       f'mask: r = {r} key blocks; implementation="mosaic_gpu" takes r in {SUPPORTED_R}; '
       f"{USE_TRITON}"
     )
   if q.shape[-1] not in SUPPORTED_KEY_DIMS:
-    raise ValueError(
+    return (
       f'q, k: K = {q.shape[-1]} (q shape {tuple(q.shape)}); implementation="mosaic_gpu" '
       f"takes K in {SUPPORTED_KEY_DIMS}; {USE_TRITON}"
     )
+  return None
 
 
 def _check_device() -> None:
@@ -96,18 +98,28 @@ def _mosaic_gdp(q, k, v, g, beta, mask, h0, scale, chunk_size, impl):
   if not interpret:
     _check_device()
   batch, t_len, heads = v.shape[:3]
-  return mosaic_forward.forward(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    _kernel_mask(mask, batch, t_len, heads),
-    scale=scale,
-    initial_state=h0,
-    output_final_state=True,
-    interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )
+
+  def run(k, v, g, beta, mask):
+    return mosaic_forward.forward(
+      q,
+      k,
+      v,
+      g,
+      beta,
+      _kernel_mask(mask, batch, t_len, heads),
+      scale=scale,
+      initial_state=h0,
+      output_final_state=True,
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+
+  if not impl.guarded():
+    return run(k, v, g, beta, mask)
+  # The non-finite guard, as the Triton implementation's (gdp_jax/ops/gated_delta_product/
+  # nonfinite.py): the kernels run once on cleaned inputs and selects mark what a bad token
+  # spoils. q stays as it is: a bad q spoils only its own token's output, which is marked.
+  cleaned, marks = nonfinite.clean(q, k, v, g, beta, mask)
+  return nonfinite.mark(*run(*cleaned[1:]), marks)
 
 
 def _mosaic_gdp_fwd(q, k, v, g, beta, mask, h0, scale, chunk_size, impl):
@@ -132,20 +144,24 @@ def _forward(q, k, v, g, beta, mask, initial_state, scale, chunk_size, *, impl):
 class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
   """The Mosaic GPU forward kernels (Hopper) with the Triton implementation's backward.
 
-  Opt-in: "pallas" and None do not pick it (gdp_jax/ops/dispatch.py says why). Differentiated,
-  the forward is the Triton one (its residuals feed the Triton backward): a training step costs
-  what "triton" costs; forward-only calls run the Mosaic kernels.
+  "pallas" and None pick it on Hopper with `fallback=True` (gdp_jax/ops/dispatch.py).
+  Differentiated, the forward is the Triton one (its residuals feed the Triton backward): a
+  training step costs what "triton" costs; forward-only calls run the Mosaic kernels.
 
-  options, precision, nonfinite_guard, backward: the Triton backward's config, as in
+  options, precision, nonfinite_guard, backward: the Triton implementation's config, as in
     `TritonGatedDeltaProduct` (the Mosaic forward takes half-precision inputs only and has no
-    float32 matmuls to set; it has no non-finite guard: docs/implementations.md#mosaic-gpu).
+    float32 matmuls to set); the non-finite guard (on unless `nonfinite_guard` or
+    `options.nonfinite_guard` turns it off) wraps the Mosaic forward the same way.
+  fallback: False (an explicit `implementation="mosaic_gpu"`): inputs the kernels cannot take
+    are a ValueError naming the argument. True: they run the Triton implementation instead
+    (packed sequences too).
   interpret: None follows pallas_kernels/common/backend.py (the Mosaic GPU interpreter off a
     GPU); False lowers the kernels for the GPU, True interprets them.
   """
 
   name: ClassVar[str] = "mosaic_gpu"
   summary: ClassVar[str] = (
-    "Pallas Mosaic GPU forward for Hopper, Triton backward (opt-in; interpreted off a GPU)"
+    "Pallas Mosaic GPU forward for Hopper, Triton when differentiated (interpreted off a GPU)"
   )
   platforms: ClassVar[tuple[str, ...]] = ("gpu",)
   pallas: ClassVar[bool] = True
@@ -155,6 +171,13 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
   nonfinite_guard: bool | None = None
   backward: str = "pallas"
   interpret: bool | None = None
+  fallback: bool = False
+
+  def guarded(self) -> bool:
+    """Whether the non-finite guard wraps the forward (the Triton implementation's rule)."""
+    if self.nonfinite_guard is not None:
+      return self.nonfinite_guard
+    return self.options is None or self.options.nonfinite_guard
 
   def triton(self) -> TritonGatedDeltaProduct:
     """The Triton implementation with this one's backward config (what the backward runs)."""
@@ -166,11 +189,18 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
     )
 
   def __call__(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
-    check_supported(q, k, v, mask)
+    reason = unsupported(q, k, v, mask)
+    if reason is not None:
+      if self.fallback:
+        return self.triton()(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
+      raise ValueError(reason)
     args = (q, k, v, g, beta, mask, initial_state)
     return _run_scaled(_forward, args, scale, (chunk_size,), dict(impl=self))
 
   def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
+    if self.fallback:
+      args = (q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens)
+      return self.triton().varlen(*args)
     raise ValueError(
       f"cu_seqlens: packed sequences (cu_seqlens shape {tuple(cu_seqlens.shape)}) are not "
       f'supported by implementation="mosaic_gpu"; {USE_TRITON}'
