@@ -99,11 +99,11 @@ BAD = [
 ]
 # the interpreted kernels are slow: four cases
 PALLAS_BAD = [("k", np.nan), ("v", np.inf), ("q", np.nan), ("g", np.nan)]
-# the interpreted kernels are slow: the gradient case of "pallas" is a bad key (it enters the
-# state); the guard's backward is one code path for every input (test_pallas_guard_under_jit runs
-# it with a bad v under jit). A bad query spoils its own token only: its forward is
-# test_nonfinite_forward_is_causal[pallas-q-nan], its gradient the xla and reference cases.
-PALLAS_BAD_GRADIENTS = [("k", np.nan)]
+# the interpreted kernels are slow: the gradient cases of "pallas" are a bad key (it enters the
+# state) and a bad query (it spoils its own token only, and the backward must see it cleaned
+# although a call without gradient leaves it as it is); the guard's backward is one code path
+# for every input (test_pallas_guard_under_jit runs it with a bad v under jit).
+PALLAS_BAD_GRADIENTS = [("k", np.nan), ("q", np.nan)]
 
 
 def spoil(inputs, name, value):

@@ -268,7 +268,8 @@ _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
 # on cleaned inputs (every non-finite entry 0, a nan or +inf g 0) and marks the outputs from the
 # first bad token of each batch row and head on (and the final state) with nan afterwards
 # (gdp_jax/ops/gated_delta_product/nonfinite.py); the backward zeroes the marked outputs'
-# cotangents before the kernels' backward. Selects only, no `lax.cond`: each kernel appears once
+# cotangents before the kernels' backward (a call without gradient keeps q as it is: a bad q
+# spoils its own token's output only). Selects only, no `lax.cond`: each kernel appears once
 # per call site (one compilation), and on finite inputs the selects change no value, so the
 # result is the unguarded kernels' bit for bit. The residuals are the kernels' own (on the
 # cleaned inputs) plus the marks ([B, T, H] and [B, H] booleans). The gradient of a bad entry is
@@ -288,7 +289,9 @@ def _gdp_guarded(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
   """`_gdp_core` causal under non-finite inputs (the section's comment); per sequence with
   packed sequences."""
   cleaned, marks = _cleaner(packing)(q, k, v, g, beta, mask)
-  o, final = _gdp_core(*cleaned, h0, packing, scale, bt, opts)
+  # Without a gradient q stays as it is (one select pass less): a bad q spoils only its own
+  # token's output, which is marked anyway (the backward needs it clean: `_gdp_guarded_fwd`).
+  o, final = _gdp_core(q, *cleaned[1:], h0, packing, scale, bt, opts)
   return nonfinite.mark(o, final, marks)
 
 
