@@ -480,12 +480,15 @@ def _pick(logits, key, temperature):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_size", "temperature", "page_size"))
 def _prefill(graphdef, state, tokens, lengths, key, cache_size, temperature, page_size=None):
+  """The first new token [B], the cache after the prompts, and the decode loop's key (the key is
+  split here: no eager random op to compile on a first call)."""
+  key, decode_key = jax.random.split(key)
   model = nnx.merge(graphdef, state)
   logits, cache = model.prefill(tokens, lengths, cache_size)
   if page_size is not None:
     cache = tuple(to_paged(c, page_size) if isinstance(c, KVCache) else c for c in cache)
   last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-  return _pick(last, key, temperature), cache
+  return _pick(last, key, temperature), cache, decode_key
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "temperature"))
@@ -589,18 +592,18 @@ def generate(
   if page_size is not None:
     cache_size = _round_up(cache_size, page_size)
   key = jax.random.key(0) if rng is None else rng
-  k1, k2 = jax.random.split(key)
   graphdef, state = nnx.split(model)
-  first, cache = _prefill(
+  # NumPy operands go straight to the jitted functions (no eager op to compile first)
+  first, cache, key = _prefill(
     graphdef,
     state,
-    jnp.asarray(tokens, jnp.int32),
-    jnp.asarray(lengths),
-    k1,
+    np.asarray(tokens, np.int32),
+    np.asarray(lengths, np.int32),
+    key,
     cache_size,
     float(temperature),
     page_size,
   )
-  steps = jnp.asarray(max_new_tokens - 1, jnp.int32)
-  out = _decode(graphdef, state, first, cache, k2, steps, capacity, float(temperature))
+  steps = np.int32(max_new_tokens - 1)
+  out = _decode(graphdef, state, first, cache, key, steps, capacity, float(temperature))
   return out[:, :max_new_tokens]
