@@ -34,7 +34,9 @@
 # same precision); XLA_AUTOTUNE=default keeps XLA's default there. A pytest or matrix section
 # stops itself after SECTION_TIME_LIMIT seconds (default 540) and keeps what it finished.
 # Everything lands in $OUT (default /tmp/gdp_gpu_out): logs and JSON files. Extra arguments:
-# TEST_ARGS (pytest), MATRIX_ARGS (gpu_matrix.py, e.g. "--only r=8"), BENCH_ARGS.
+# TEST_ARGS (pytest), MATRIX_ARGS (gpu_matrix.py, e.g. "--only r=8", or "--against reference":
+# the jnp recurrence as the reference, a smaller program to compile than "xla"), BENCH_ARGS,
+# COMPILE_ARGS; TEST_JOBS (default half the cores, at most 8), MATRIX_JOBS (the cores, at most 16).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gdp_gpu_out}"
@@ -71,7 +73,8 @@ SECTION_TIME_LIMIT="${SECTION_TIME_LIMIT:-540}"
 CPUS="$(nproc 2>/dev/null || echo 2)"
 JOBS_DEFAULT=$((CPUS / 2 < 1 ? 1 : (CPUS / 2 > 8 ? 8 : CPUS / 2)))
 TEST_JOBS="${TEST_JOBS:-$JOBS_DEFAULT}"
-MATRIX_JOBS="${MATRIX_JOBS:-$JOBS_DEFAULT}"
+# the matrix's shapes are tiny (compile-bound): one process per core, at most 16
+MATRIX_JOBS="${MATRIX_JOBS:-$((CPUS > 16 ? 16 : CPUS))}"
 # The correctness sections' XLA flags (the autotuner off unless XLA_AUTOTUNE=default).
 CHECK_XLA_FLAGS="${XLA_FLAGS:-}"
 if [ "${XLA_AUTOTUNE:-off}" != default ]; then

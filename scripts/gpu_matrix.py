@@ -16,7 +16,8 @@ at B = 1, T = 256, H = 2 (small: the run is compile-bound). For each one it lowe
 (`jax.jit(f).lower(...).compile()`, timed) and runs the forward of
 `gated_delta_product(implementation="pallas")` (o and the final state) and its backward
 (`jax.grad` of <o, do> + <final, dfinal> with respect to every array input), and compares them with
-`implementation="xla"` (the float32 chunked jnp form at HIGHEST precision): relative error
+`implementation="xla"` (the float32 chunked jnp form at HIGHEST precision; `--against
+reference`: the jnp recurrence, equally exact, a smaller program to compile): relative error
 max|x - ref| / max|ref| per output and per gradient, against the tolerances of tests/cases.py
 (docs/precision.md), or the TF32 ones below for float32 at the default precision.
 
@@ -383,7 +384,8 @@ def reference(config, args):
   forward, grads = functions(config, names, args, planted=False)
   t0 = time.perf_counter()
   try:  # one compile: the gradients with the outputs beside them
-    dx, out = jax.jit(functools.partial(grads, "xla", with_outputs=True))(arrays, do, dfinal)
+    fn = functools.partial(grads, args.against, with_outputs=True)
+    dx, out = jax.jit(fn)(arrays, do, dfinal)
     return jax.device_get((out, dx)), None, round(time.perf_counter() - t0, 2)
   except Exception as exc:  # noqa: BLE001
     return None, error_text(exc), round(time.perf_counter() - t0, 2)
@@ -541,6 +543,7 @@ def environment(args):
     cache_dir=cache,
     jobs=args.jobs,
     xla_flags=os.environ.get("XLA_FLAGS", ""),
+    against=args.against,
     tf32_tolerance=dict(forward=TF32_TOLERANCE, gradient=TF32_GRAD_TOLERANCE),
     tolerances={
       name: dict(forward=TOLERANCE[d], gradient=GRAD_TOLERANCE[d]) for name, d in DTYPES.items()
@@ -691,6 +694,12 @@ def main(argv=None):
   p.add_argument("--chunk-size", type=int, default=64)
   p.add_argument("--fwd-only", action="store_true", help="skip the backward")
   p.add_argument(
+    "--against",
+    default="xla",
+    choices=("xla", "reference"),
+    help="the implementation compared with (float32, HIGHEST precision; default xla)",
+  )
+  p.add_argument(
     "--time-limit",
     type=float,
     default=None,
@@ -739,7 +748,8 @@ def main(argv=None):
   if not configs:
     raise SystemExit("no configuration matches the selection (see --list)")
   if args.jobs is None:
-    args.jobs = min(8, max(1, (os.cpu_count() or 2) // 2)) if jax.default_backend() == "gpu" else 1
+    # compiling is CPU work: one process per core (at most 16) on a GPU machine
+    args.jobs = min(16, os.cpu_count() or 1) if jax.default_backend() == "gpu" else 1
   args.jobs = max(1, min(args.jobs, len({c.group for c in configs}) or 1))
   if args.cache_dir:
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)

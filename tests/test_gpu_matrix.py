@@ -14,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -35,6 +36,7 @@ TOP_FIELDS = (
   "cache_dir",
   "jobs",
   "xla_flags",
+  "against",
   "tolerances",
   "tf32_tolerance",
   "command",
@@ -137,6 +139,23 @@ def test_queue_hands_each_group_to_one_process_slowest_first(tmp_path, capsys):
   assert [g[3] for g in order] == sorted((g[3] for g in order), reverse=True)
   assert order[0][:4] == ("f32", 64, 64, 8)  # the slowest: r = 8, the largest K + V, float32
   assert len(list(tmp_path.iterdir())) == len(order)  # one claim file per group
+
+
+def test_the_two_references_agree():
+  """`--against reference` (the recurrence) gives what `--against xla` gives, outputs and
+  gradients, on a tiny configuration (float32 at HIGHEST precision both)."""
+  import numpy as np
+
+  config = gpu_matrix.Config(*gpu_matrix.TINY_CONFIGS[2])  # r = 2, a per-token mask
+  results = {}
+  for against in ("xla", "reference"):
+    (out, grads), error, seconds = gpu_matrix.reference(
+      config, _args("--tiny", "--against", against)
+    )
+    assert error is None and seconds > 0
+    results[against] = (out, grads)
+  for x, y in zip(*(jax.tree.leaves(results[a]) for a in ("xla", "reference"))):
+    assert gpu_matrix.host_rel_err(x, y) < 1e-5 and np.any(np.asarray(y) != 0)
 
 
 def _args(*argv):
