@@ -102,7 +102,7 @@ run_pytest() {
   shift
   local parallel=()
   if [ "$TEST_JOBS" -gt 1 ] && "$PY" -c "import xdist" >/dev/null 2>&1; then
-    parallel=(-n "$TEST_JOBS")
+    parallel=(-n "$TEST_JOBS" --dist worksteal)
   fi
   local t0=$SECONDS
   XLA_FLAGS="$CHECK_XLA_FLAGS" timeout --signal=INT --kill-after=30 "$SECTION_TIME_LIMIT" \
