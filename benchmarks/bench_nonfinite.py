@@ -6,9 +6,10 @@
 `gated_delta_product(..., implementation="pallas")` at B, T, H, K, V = 8, 4096, 16, 128, 128
 (`--shape`), bfloat16, r = 1, forward (o) and forward + backward (the gradient of sum(o * do) in
 q, k, v, g and beta), each
-  guarded:   as shipped (the kernels on the raw inputs, then one reduction over their outputs),
+  guarded:   as shipped (the inputs cleaned with selects, the kernels once, the spoiled outputs
+             marked with selects),
   unguarded: the kernels alone (`options=...replace(nonfinite_guard=False)`),
-  nan in k:  guarded, with one nan in k (the cleaned inputs, the kernels and the marks),
+  nan in k:  guarded, with one nan in k (the same program: it should cost what "guarded" costs),
 the median ms per call over `--reps` loops of `--inner` calls (`benchmarks.bench.time_jax`), the
 compiled program's temporary memory, and the guard's overhead over the unguarded time. The JSON
 ("runs") holds the date, the jax version, the GPU name and the command.

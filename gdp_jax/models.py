@@ -7,9 +7,10 @@ attention layers) and `generate` for a batch of prompts of different lengths.
     new_tokens = generate(model, [[1, 2, 3], [4, 5]], 8)   # [B, 8] int32, greedy
 
 Prefill runs the whole (right-padded) prompts through the chunked operator and causal attention;
-the decode loop is one `jax.jit`-ed `lax.scan` of `HybridLM.step` with the per-sequence lengths
-traced, so prompts of new lengths reuse the compiled loop (shapes are rounded up to multiples of
-`pad_to`). `generate(..., page_size=16)` keeps the attention layers' decode cache in pages
+the decode loop is one `jax.jit`-ed `fori_loop` of `HybridLM.step` with the per-sequence lengths
+and the step count traced, so prompts of new lengths and other numbers of new tokens reuse the
+compiled prefill and loop (shapes are rounded up to multiples of `pad_to`).
+`generate(..., page_size=16)` keeps the attention layers' decode cache in pages
 (`PagedKVCache`, `paged_gqa_decode`; docs/inference.md#paged-kv-cache).
 """
 
@@ -479,26 +480,34 @@ def _pick(logits, key, temperature):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_size", "temperature", "page_size"))
 def _prefill(graphdef, state, tokens, lengths, key, cache_size, temperature, page_size=None):
+  """The first new token [B], the cache after the prompts, and the decode loop's key (the key is
+  split here: no eager random op to compile on a first call)."""
+  key, decode_key = jax.random.split(key)
   model = nnx.merge(graphdef, state)
   logits, cache = model.prefill(tokens, lengths, cache_size)
   if page_size is not None:
     cache = tuple(to_paged(c, page_size) if isinstance(c, KVCache) else c for c in cache)
   last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-  return _pick(last, key, temperature), cache
+  return _pick(last, key, temperature), cache, decode_key
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "temperature"))
-def _decode(graphdef, state, first, cache, key, steps, temperature):
+@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "temperature"))
+def _decode(graphdef, state, first, cache, key, steps, capacity, temperature):
+  """`steps` (traced) decode steps after the prefill's token `first` [B]: int32 [B, capacity]
+  whose first steps + 1 columns are the tokens. The step count is traced (a `fori_loop`) and the
+  buffer's size a multiple of `pad_to`, so every max_new_tokens of one bucket shares this
+  compilation; step i samples with `fold_in(key, i)`."""
   model = nnx.merge(graphdef, state)
+  out = jnp.zeros((first.shape[0], capacity), jnp.int32).at[:, 0].set(first)
 
-  def body(carry, key):
-    token, cache = carry
+  def body(i, carry):
+    token, cache, out = carry
     logits, cache = model.step(token, cache)
-    nxt = _pick(logits, key, temperature)
-    return (nxt, cache), nxt
+    nxt = _pick(logits, jax.random.fold_in(key, i), temperature)
+    return nxt, cache, jax.lax.dynamic_update_slice_in_dim(out, nxt[:, None], i + 1, axis=1)
 
-  (_, cache), rest = jax.lax.scan(body, (first, cache), jax.random.split(key, steps))
-  return jnp.concatenate([first[:, None], rest.T], axis=1)
+  _, _, out = jax.lax.fori_loop(0, steps, body, (first, cache, out))
+  return out
 
 
 def generate(
@@ -533,7 +542,9 @@ def generate(
     end-of-sequence stop).
 
   The prompt is prefilled with the chunked operator / causal attention in one call, then a
-  `jax.jit`-ed `lax.scan` of `max_new_tokens - 1` decode steps runs with the lengths traced.
+  `jax.jit`-ed loop of `max_new_tokens - 1` decode steps runs with the lengths and the step
+  count traced: each is compiled once per bucket of prompt length and of max_new_tokens
+  (multiples of `pad_to`).
   """
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -572,22 +583,27 @@ def generate(
     or page_size & (page_size - 1)
   ):
     raise ValueError(f"page_size must be None or a power of two >= 16, got {page_size!r}")
+  # Every shape is a multiple of pad_to (docs/performance.md#compile-time): prompt lengths and
+  # max_new_tokens within one bucket reuse the compiled prefill and decode loop.
   t_pad = _round_up(tokens.shape[1], pad_to)
   tokens = np.pad(tokens, ((0, 0), (0, t_pad - tokens.shape[1])))
-  cache_size = _round_up(t_pad + max_new_tokens, pad_to)
+  capacity = _round_up(max_new_tokens, pad_to)
+  cache_size = t_pad + capacity
   if page_size is not None:
     cache_size = _round_up(cache_size, page_size)
   key = jax.random.key(0) if rng is None else rng
-  k1, k2 = jax.random.split(key)
   graphdef, state = nnx.split(model)
-  first, cache = _prefill(
+  # NumPy operands go straight to the jitted functions (no eager op to compile first)
+  first, cache, key = _prefill(
     graphdef,
     state,
-    jnp.asarray(tokens, jnp.int32),
-    jnp.asarray(lengths),
-    k1,
+    np.asarray(tokens, np.int32),
+    np.asarray(lengths, np.int32),
+    key,
     cache_size,
     float(temperature),
     page_size,
   )
-  return _decode(graphdef, state, first, cache, k2, max_new_tokens - 1, float(temperature))
+  steps = np.int32(max_new_tokens - 1)
+  out = _decode(graphdef, state, first, cache, key, steps, capacity, float(temperature))
+  return out[:, :max_new_tokens]

@@ -1,30 +1,85 @@
 #!/usr/bin/env bash
 # The project's GPU run, on a machine with an NVIDIA GPU (CI never has one).
 #
-#   scripts/gpu_check.sh [tests] [matrix] [bench] [stages] [memory] [decode] [all]  (default: all)
+#   scripts/gpu_check.sh SECTION...   (default: all; `scripts/gpu_check.sh list` names them)
 #
-#   tests   the kernel tests with compiled kernels (the tests CI runs in interpret mode, plus
-#           the large shapes marked gpu_only); compiling every small variant takes minutes
-#   matrix  scripts/gpu_matrix.py: every dtype x (K, V) x r x mask shape compiled, forward and
-#           gradients against "xla", compile times (persistent cache in .jax_cache/: a second
-#           run on the same machine takes minutes); MATRIX_ARGS slices it (e.g. "--only r=8",
-#           "--shard 0/2", "--time-limit 540")
-#   bench   `python -m gdp_jax bench`: forward and forward + backward at the H200 shape, ours
-#           side by side with flash-linear-attention and jax-linear-attention (from .whl/)
-#   stages  each forward and backward kernel timed alone (benchmarks/profile_stages.py)
-#   memory  peak GPU memory of one training step (benchmarks/memory_step.py)
-#   decode  gqa_decode and the recurrent step (benchmarks/bench_decode.py)
-# Everything lands in $OUT (default /tmp/gdp_gpu_out): logs and JSON files. Sections can be run
-# a few at a time where commands are time-limited.
+# Each section below is sized to finish in one 10-minute command on a cold cache (one H200):
+#   tests           the kernel tests with compiled kernels (the tests CI runs in interpret mode,
+#                   plus the large shapes marked gpu), in TEST_JOBS pytest processes (pytest-xdist)
+#   tests-forward   tests/test_pallas_forward.py only   } the same tests as `tests`, in three
+#   tests-backward  tests/test_pallas_backward.py only  } parts, for a slower machine
+#   tests-decode    tests/test_decode.py, tests/test_step.py only
+#   matrix          scripts/gpu_matrix.py over the issue's matrix: dtype {bf16, f16, f32 (TF32,
+#                   the default precision)} x K = V in {16, 32, 64, 128, 256} x r in {1, 2, 4, 8}
+#                   x mask shape, forward and gradients against "xla", compile times, in
+#                   MATRIX_JOBS processes
+#   matrix-ieee     the same dims and r for float32 at precision "ieee" (the rest of
+#   matrix-dims     gpu_matrix.py's default plan, in two parts: K = V = 96 and the K != V pairs,
+#                   every dtype and precision; a second run, from the cache, finishes what the
+#                   time limit left)
+#   bench           `python -m gdp_jax bench`: forward and forward + backward at the H200 shape,
+#                   ours side by side with flash-linear-attention and jax-linear-attention
+#   stages          each forward and backward kernel timed alone (benchmarks/profile_stages.py)
+#   memory          peak GPU memory of one training step (benchmarks/memory_step.py)
+#   decode          gqa_decode and the recurrent step (benchmarks/bench_decode.py)
+#   compile         the compile-time profile (benchmarks/compile_profile.py, COMPILE_ARGS; its
+#                   own cold and warm caches; the whole default profile takes longer than 10 min)
+#   all             tests matrix bench stages memory decode (several commands' worth)
+#
+# Compilation: every section uses jax's persistent compilation cache in .jax_cache/ in the
+# repository (git-ignored; JAX_CACHE_DIR= to move it, JAX_CACHE_DIR=off for none), so a second
+# run loads what the first compiled. The correctness sections (tests*, matrix*) turn XLA's GEMM
+# autotuner off (`--xla_gpu_autotune_level=0`: the jnp references' large fusions otherwise spend
+# minutes in it; the Pallas kernels are not autotuned by XLA, and the results are the same at the
+# same precision); XLA_AUTOTUNE=default keeps XLA's default there. A pytest or matrix section
+# stops itself after SECTION_TIME_LIMIT seconds (default 540) and keeps what it finished.
+# Everything lands in $OUT (default /tmp/gdp_gpu_out): logs and JSON files. Extra arguments:
+# TEST_ARGS (pytest), MATRIX_ARGS (gpu_matrix.py, e.g. "--only r=8", or "--against reference":
+# the jnp recurrence as the reference, a smaller program to compile than "xla"), BENCH_ARGS,
+# COMPILE_ARGS; TEST_JOBS (default half the cores, at most 8), MATRIX_JOBS (the cores, at most 16).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gdp_gpu_out}"
+PY="${PY:-python3}"
+SECTIONS_KNOWN="tests tests-forward tests-backward tests-decode matrix matrix-ieee matrix-dims"
+SECTIONS_KNOWN+=" bench stages memory decode compile"
+sections="${*:-all}"
+if [[ " $sections " == *" list "* ]]; then
+  echo "$SECTIONS_KNOWN all"
+  exit 0
+fi
+for s in $sections; do
+  if [[ " $SECTIONS_KNOWN all " != *" $s "* ]]; then
+    echo "gpu_check.sh: unknown section '$s' (known: $SECTIONS_KNOWN all)" >&2
+    exit 64
+  fi
+done
+want() { [[ " $sections " == *" $1 "* ]] || { [[ " $sections " == *" all "* ]] && [[ " tests matrix bench stages memory decode " == *" $1 "* ]]; }; }
+
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-PY="${PY:-python3}"
-sections="${*:-all}"
-want() { [[ " $sections " == *" all "* || " $sections " == *" $1 "* ]]; }
+# Several processes share the GPU (pytest-xdist, gpu_matrix.py --jobs): no process may take it
+# all up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+JAX_CACHE_DIR="${JAX_CACHE_DIR:-$PWD/.jax_cache}"
+if [ "$JAX_CACHE_DIR" != off ]; then
+  mkdir -p "$JAX_CACHE_DIR"
+  export JAX_COMPILATION_CACHE_DIR="$JAX_CACHE_DIR"
+  export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+  export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+fi
+SECTION_TIME_LIMIT="${SECTION_TIME_LIMIT:-540}"
+CPUS="$(nproc 2>/dev/null || echo 2)"
+JOBS_DEFAULT=$((CPUS / 2 < 1 ? 1 : (CPUS / 2 > 8 ? 8 : CPUS / 2)))
+TEST_JOBS="${TEST_JOBS:-$JOBS_DEFAULT}"
+# the matrix's shapes are tiny (compile-bound): one process per core, at most 16
+MATRIX_JOBS="${MATRIX_JOBS:-$((CPUS > 16 ? 16 : CPUS))}"
+# The correctness sections' XLA flags (the autotuner off unless XLA_AUTOTUNE=default).
+CHECK_XLA_FLAGS="${XLA_FLAGS:-}"
+if [ "${XLA_AUTOTUNE:-off}" != default ]; then
+  CHECK_XLA_FLAGS="$CHECK_XLA_FLAGS --xla_gpu_autotune_level=0"
+fi
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gdp_site .whl/*.whl \
@@ -35,19 +90,66 @@ fi
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv
   "$PY" -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1
+  echo "sections: $sections; cache: $JAX_CACHE_DIR; correctness XLA_FLAGS: $CHECK_XLA_FLAGS"
+  echo "cpus: $CPUS; TEST_JOBS=$TEST_JOBS MATRIX_JOBS=$MATRIX_JOBS SECTION_TIME_LIMIT=$SECTION_TIME_LIMIT"
 } | tee "$OUT/env.txt"
 
 status=0
+# run_pytest NAME FILE...: the files' tests, compiled, in TEST_JOBS processes when pytest-xdist
+# is installed; stopped (with pytest's summary) at SECTION_TIME_LIMIT.
+run_pytest() {
+  local name="$1"
+  shift
+  local parallel=()
+  if [ "$TEST_JOBS" -gt 1 ] && "$PY" -c "import xdist" >/dev/null 2>&1; then
+    parallel=(-n "$TEST_JOBS" --dist worksteal)
+  fi
+  local t0=$SECONDS
+  XLA_FLAGS="$CHECK_XLA_FLAGS" timeout --signal=INT --kill-after=30 "$SECTION_TIME_LIMIT" \
+    "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning --durations=15 \
+    ${parallel[@]+"${parallel[@]}"} "$@" ${TEST_ARGS:-} 2>&1 | tee "$OUT/pytest_$name.log" | grep -v "^E[0-9]" \
+    | tail -40
+  local rc="${PIPESTATUS[0]}"
+  echo "section $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$OUT/sections.txt"
+  [ "$rc" -eq 0 ] || status=1
+}
+# run_matrix NAME ARGS...: scripts/gpu_matrix.py with ARGS, in MATRIX_JOBS processes.
+run_matrix() {
+  local name="$1"
+  shift
+  local t0=$SECONDS
+  XLA_FLAGS="$CHECK_XLA_FLAGS" "$PY" scripts/gpu_matrix.py --out "$OUT/$name.json" \
+    --jobs "$MATRIX_JOBS" --time-limit $((SECTION_TIME_LIMIT - 60)) \
+    --cache-dir "$([ "$JAX_CACHE_DIR" = off ] && echo "" || echo "$JAX_CACHE_DIR")" \
+    "$@" ${MATRIX_ARGS:-} 2>&1 | tee "$OUT/$name.log" | grep -v "^E[0-9]" | tail -60
+  local rc="${PIPESTATUS[0]}"
+  echo "section $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$OUT/sections.txt"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+KERNEL_TESTS=(tests/test_pallas_forward.py tests/test_pallas_backward.py tests/test_decode.py
+  tests/test_step.py)
+MATRIX_DIMS="16,32,64,128,256"
 if want tests; then
-  "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning --durations=10 \
-      tests/test_pallas_forward.py tests/test_pallas_backward.py tests/test_decode.py \
-      tests/test_step.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -v "^E[0-9]" | tail -40
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  run_pytest tests "${KERNEL_TESTS[@]}"
+fi
+if want tests-forward; then
+  run_pytest tests-forward tests/test_pallas_forward.py
+fi
+if want tests-backward; then
+  run_pytest tests-backward tests/test_pallas_backward.py
+fi
+if want tests-decode; then
+  run_pytest tests-decode tests/test_decode.py tests/test_step.py
 fi
 if want matrix; then
-  "$PY" scripts/gpu_matrix.py --out "$OUT/gpu_matrix.json" ${MATRIX_ARGS:-} 2>&1 \
-      | tee "$OUT/gpu_matrix.log" | grep -v "^E[0-9]" | tail -60
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  run_matrix gpu_matrix --dims "$MATRIX_DIMS" --precisions tf32
+fi
+if want matrix-ieee; then
+  run_matrix gpu_matrix_ieee --dims "$MATRIX_DIMS" --dtype f32 --precisions ieee
+fi
+if want matrix-dims; then
+  run_matrix gpu_matrix_dims --dims "96,64:128,128:64,256:64,32:96"
 fi
 if want bench; then
   "$PY" -m gdp_jax bench --shape 8,4096,16,128,128 --rs 1,2,4 --impls pallas,fla,jla,xla \
@@ -64,5 +166,9 @@ fi
 if want decode && [ -f benchmarks/bench_decode.py ]; then
   "$PY" benchmarks/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 \
       | tee "$OUT/bench_decode.log" | tail -30
+fi
+if want compile; then
+  "$PY" benchmarks/compile_profile.py --out "$OUT/compile_profile.json" ${COMPILE_ARGS:-} 2>&1 \
+      | tee "$OUT/compile_profile.log" | tail -40
 fi
 exit $status

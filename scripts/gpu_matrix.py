@@ -16,7 +16,8 @@ at B = 1, T = 256, H = 2 (small: the run is compile-bound). For each one it lowe
 (`jax.jit(f).lower(...).compile()`, timed) and runs the forward of
 `gated_delta_product(implementation="pallas")` (o and the final state) and its backward
 (`jax.grad` of <o, do> + <final, dfinal> with respect to every array input), and compares them with
-`implementation="xla"` (the float32 chunked jnp form at HIGHEST precision): relative error
+`implementation="xla"` (the float32 chunked jnp form at HIGHEST precision; `--against
+reference`: the jnp recurrence, equally exact, a smaller program to compile): relative error
 max|x - ref| / max|ref| per output and per gradient, against the tolerances of tests/cases.py
 (docs/precision.md), or the TF32 ones below for float32 at the default precision.
 
@@ -24,9 +25,15 @@ The compilation cache is persistent (`--cache-dir`, default `.jax_cache/` in the
 git-ignored; every compilation is stored), so a second run on the same machine loads executables
 instead of compiling them; a configuration's first compile time is then read back from the cache
 entry (whole seconds) and reported as `first_compile_s`. `--jobs N` runs N processes side by
-side, each on a shard of the configurations (compile times are then measured with N compiles
-competing for the CPU; `--jobs 1` for clean timings). A CUDA fault (illegal address) poisons the
-rest of its process: rerun the configurations after it with `--only`.
+side on one GPU (compiling is CPU work; each process allocates GPU memory on demand,
+XLA_PYTHON_CLIENT_PREALLOCATE=false): they take the shapes (the float32 precisions of one shape
+together, sharing their reference) from a queue of claim files, the slowest first (largest r,
+then K + V), so the last ones to finish are quick. Compile times are then measured with N
+compiles competing for the CPU (`--jobs 1` for clean timings). `--shard I/N` splits the plan
+across separate commands (each may use --jobs). A CUDA fault (illegal address) poisons the rest
+of its process: rerun the configurations after it with `--only`. The jnp reference's compile and
+run time is `reference_s` in the record of the configuration that computed it; the JSON keeps
+XLA_FLAGS (`xla_flags`: scripts/gpu_check.sh turns XLA's GEMM autotuner off).
 
 Writes a JSON (`--out`, rewritten after every configuration: date, jax version, GPU, command, one
 record per configuration, a summary: failures, slowest compiles, configurations whose compile
@@ -46,6 +53,7 @@ import functools
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -223,6 +231,26 @@ def plan(args, shard=None):
   return [c for c in configs if c.group in mine]
 
 
+def slowest_first(groups):
+  """Groups (dtype, K, V, r, mask) ordered by expected compile and run time, the slowest first:
+  larger r, then larger K + V, float32 (two precisions) before the half types."""
+  return sorted(groups, key=lambda g: (-g[3], -(g[1] + g[2]), g[0] != "f32"))
+
+
+def claimed(configs, queue):
+  """The configurations of the groups this process claims from the queue folder, group by group
+  in `slowest_first` order: a group is claimed by creating its file (O_EXCL: exactly one process
+  wins it). A generator: a group is claimed only when the previous one is done."""
+  groups = list(dict.fromkeys(c.group for c in configs))
+  index = {g: i for i, g in enumerate(groups)}
+  for group in slowest_first(groups):
+    try:
+      os.close(os.open(os.path.join(queue, f"group{index[group]}"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+      continue
+    yield from (c for c in configs if c.group == group)
+
+
 # ---- one configuration --------------------------------------------------------------------------
 
 
@@ -350,17 +378,20 @@ def inputs_for(config, args):
 
 
 def reference(config, args):
-  """The xla forward and gradients (or an error text) for a configuration's group."""
+  """The xla forward and gradients (or an error text) for a configuration's group, and the
+  seconds it took (compile and run)."""
   names, arrays, do, dfinal = inputs_for(config, args)
   forward, grads = functions(config, names, args, planted=False)
+  t0 = time.perf_counter()
   try:  # one compile: the gradients with the outputs beside them
-    dx, out = jax.jit(functools.partial(grads, "xla", with_outputs=True))(arrays, do, dfinal)
-    return jax.device_get((out, dx)), None
+    fn = functools.partial(grads, args.against, with_outputs=True)
+    dx, out = jax.jit(fn)(arrays, do, dfinal)
+    return jax.device_get((out, dx)), None, round(time.perf_counter() - t0, 2)
   except Exception as exc:  # noqa: BLE001
-    return None, error_text(exc)
+    return None, error_text(exc), round(time.perf_counter() - t0, 2)
 
 
-def run_config(config, args, events, ref, planted=False):
+def run_config(config, args, events, ref, planted=False, reference_s=None):
   t_start = time.perf_counter()
   names, arrays, do, dfinal = inputs_for(config, args)
   forward, grads = functions(config, names, args, planted)
@@ -370,6 +401,7 @@ def run_config(config, args, events, ref, planted=False):
     mask_shape=list(arrays[names.index("mask")].shape) if "mask" in names else None,
     tolerance=dict(forward=tol_fwd, gradient=tol_grad),
     planted=planted,
+    reference_s=reference_s,
   )
   failures = []
   out, rec["fwd"] = compile_and_run(functools.partial(forward, "pallas"), (arrays,), events)
@@ -510,6 +542,8 @@ def environment(args):
     chunk_size=args.chunk_size,
     cache_dir=cache,
     jobs=args.jobs,
+    xla_flags=os.environ.get("XLA_FLAGS", ""),
+    against=args.against,
     tf32_tolerance=dict(forward=TF32_TOLERANCE, gradient=TF32_GRAD_TOLERANCE),
     tolerances={
       name: dict(forward=TOLERANCE[d], gradient=GRAD_TOLERANCE[d]) for name, d in DTYPES.items()
@@ -526,22 +560,28 @@ def write_json(path, obj):
 
 
 def run_here(args, configs, save):
-  """Run the configurations in this process; save(records) after each one. Stops starting new
-  ones at the deadline (--time-limit)."""
+  """Run the configurations in this process (with --queue: those of the groups it claims);
+  save(records) after each one. Stops starting new ones at the deadline (--time-limit)."""
   events = CacheEvents()
   records = []
-  ref_group, ref = None, None
-  for i, config in enumerate(configs):
+  ref_group, ref, ref_s = None, None, None
+  todo = claimed(configs, args.queue) if args.queue else configs
+  label = args.shard if args.job is None else f"job {args.job}"
+  for i, config in enumerate(todo):
     if args.deadline and time.time() > args.deadline:
       break
+    reference_s = None
     if config.group != ref_group:
-      ref_group, ref = config.group, reference(config, args)
-    rec = run_config(config, args, events, ref, planted=config.key == args.planted)
+      ref_group, (*ref, ref_s) = config.group, reference(config, args)
+      reference_s = ref_s
+    rec = run_config(
+      config, args, events, ref, planted=config.key == args.planted, reference_s=reference_s
+    )
     records.append(rec)
     save(records)
     ok = "ok" if rec["status"] == "pass" else "FAIL"
     print(
-      f"[{args.shard} {i + 1}/{len(configs)}] {rec['key']:42s} "
+      f"[{label} {i + 1}/{len(configs)}] {rec['key']:42s} "
       f"fwd {fmt_s(rec.get('fwd')):>13s} bwd {fmt_s(rec.get('bwd')):>13s} "
       f"{rec['seconds']:6.1f}s {ok}",
       flush=True,
@@ -550,11 +590,10 @@ def run_here(args, configs, save):
 
 
 def run_jobs(args, argv):
-  """Run the plan in args.jobs processes (this shard split further; each rewrites its JSON in
-  OUT.parts/ after every configuration), then merge their records in plan order. On SIGTERM or
-  Ctrl-C the processes are stopped and what they finished is kept."""
-  index, count = parse_shard(args.shard)
-  strip = {"--jobs", "--shard", "--out"}
+  """Run the plan in args.jobs processes that take its groups from a queue (`claimed`; each
+  rewrites its JSON in OUT.parts/ after every configuration), then merge their records in plan
+  order. On SIGTERM or Ctrl-C the processes are stopped and what they finished is kept."""
+  strip = {"--jobs", "--out", "--time-limit"}
   child_argv, skip = [], False
   for item in argv:
     if skip:
@@ -566,16 +605,20 @@ def run_jobs(args, argv):
       continue
     child_argv.append(item)
   parts = pathlib.Path(f"{args.out}.parts")
-  parts.mkdir(parents=True, exist_ok=True)
+  queue = parts / "queue"
+  shutil.rmtree(queue, ignore_errors=True)
+  queue.mkdir(parents=True)
+  # the children stop starting configurations at the parent's deadline
+  limit = [] if not args.deadline else ["--time-limit", f"{args.deadline - time.time():.1f}"]
   procs, outs = [], []
   for j in range(args.jobs):
-    out = parts / f"shard{j}.json"
+    out = parts / f"job{j}.json"
     out.unlink(missing_ok=True)
-    shard = f"{index + count * j}/{count * args.jobs}"
     cmd = (
       [sys.executable, str(pathlib.Path(__file__).resolve())]
       + child_argv
-      + ["--jobs", "1", "--shard", shard, "--out", str(out), "--child"]
+      + limit
+      + ["--jobs", "1", "--out", str(out), "--child", "--queue", str(queue), "--job", str(j)]
     )
     procs.append(subprocess.Popen(cmd, cwd=ROOT))
     outs.append(out)
@@ -600,6 +643,7 @@ def run_jobs(args, argv):
       out.unlink()
     except (OSError, ValueError):
       lost.append(f"process {j} (exit {procs[j].returncode}) wrote no results")
+  shutil.rmtree(queue, ignore_errors=True)
   try:
     parts.rmdir()  # empty unless a process left a half-written file
   except OSError:
@@ -650,6 +694,12 @@ def main(argv=None):
   p.add_argument("--chunk-size", type=int, default=64)
   p.add_argument("--fwd-only", action="store_true", help="skip the backward")
   p.add_argument(
+    "--against",
+    default="xla",
+    choices=("xla", "reference"),
+    help="the implementation compared with (float32, HIGHEST precision; default xla)",
+  )
+  p.add_argument(
     "--time-limit",
     type=float,
     default=None,
@@ -674,6 +724,8 @@ def main(argv=None):
     f"configuration must fail (the comparison works)",
   )
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--queue", default=None, help=argparse.SUPPRESS)  # a child's claim folder
+  p.add_argument("--job", type=int, default=None, help=argparse.SUPPRESS)  # a child's number
   args = p.parse_args(argv)
   if args.tiny:  # the tiny values become the defaults; flags given still win
     p.set_defaults(shape=TINY["shape"], chunk_size=TINY["chunk_size"])
@@ -696,7 +748,8 @@ def main(argv=None):
   if not configs:
     raise SystemExit("no configuration matches the selection (see --list)")
   if args.jobs is None:
-    args.jobs = min(8, max(1, (os.cpu_count() or 2) // 2)) if jax.default_backend() == "gpu" else 1
+    # compiling is CPU work: one process per core (at most 16) on a GPU machine
+    args.jobs = min(16, os.cpu_count() or 1) if jax.default_backend() == "gpu" else 1
   args.jobs = max(1, min(args.jobs, len({c.group for c in configs}) or 1))
   if args.cache_dir:
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)

@@ -1,8 +1,9 @@
-"""scripts/gpu_matrix.py: the plan (slices, shards), the summary, and a `--tiny --self-check` run.
+"""scripts/gpu_matrix.py: the plan (slices, shards), the queue its processes share, the summary,
+and a `--tiny --self-check --jobs 2` run.
 
-The tiny run is a subprocess (three configurations in interpret mode on the CPU, about 30 s on
-two cores); its first configuration carries a planted mismatch that the JSON and the exit code
-must report, while the other two must pass.
+The tiny run is a subprocess with two worker processes (three configurations in interpret mode
+on the CPU, about 40 s on two cores); its first configuration carries a planted mismatch that the
+merged JSON and the exit code must report, while the other two must pass.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,6 +35,8 @@ TOP_FIELDS = (
   "chunk_size",
   "cache_dir",
   "jobs",
+  "xla_flags",
+  "against",
   "tolerances",
   "tf32_tolerance",
   "command",
@@ -51,6 +55,7 @@ RECORD_FIELDS = (
   "mask_shape",
   "tolerance",
   "planted",
+  "reference_s",
   "fwd",
   "bwd",
   "reference_error",
@@ -103,6 +108,71 @@ def test_plan_covers_the_matrix_and_slices_it(capsys):
     ieee = {k.replace(" ieee ", " ") for k in part if " ieee " in k}
     tf32 = {k.replace(" tf32 ", " ") for k in part if " tf32 " in k}
     assert ieee == tf32
+
+
+def test_queue_hands_each_group_to_one_process_slowest_first(tmp_path, capsys):
+  """Two processes' `claimed` generators over one queue folder, taking turns: every
+  configuration runs once, the float32 precisions of a shape in the same process, and the groups
+  are claimed slowest first (largest r, then K + V)."""
+  keys = listed(capsys, "--rs", "1,8", "--dims", "16,64", "--dtype", "f32,bf16")
+  configs = [
+    c for c in gpu_matrix.plan(_args("--rs", "1,8", "--dims", "16,64", "--dtype", "f32,bf16"))
+  ]
+  assert [c.key for c in configs] == keys
+  workers = [gpu_matrix.claimed(configs, str(tmp_path)) for _ in range(2)]
+  taken = [[], []]
+  order = []
+  active = [0, 1]
+  while active:
+    for w in list(active):
+      config = next(workers[w], None)
+      if config is None:
+        active.remove(w)
+        continue
+      taken[w].append(config)
+      if config.group not in order:
+        order.append(config.group)
+  assert sorted(c.key for c in taken[0] + taken[1]) == sorted(keys)
+  assert taken[0] and taken[1]
+  for w in (0, 1):
+    assert not {c.group for c in taken[w]} & {c.group for c in taken[1 - w]}
+  assert [g[3] for g in order] == sorted((g[3] for g in order), reverse=True)
+  assert order[0][:4] == ("f32", 64, 64, 8)  # the slowest: r = 8, the largest K + V, float32
+  assert len(list(tmp_path.iterdir())) == len(order)  # one claim file per group
+
+
+def test_the_two_references_agree():
+  """`--against reference` (the recurrence) gives what `--against xla` gives, outputs and
+  gradients, on a tiny configuration (float32 at HIGHEST precision both)."""
+  import numpy as np
+
+  config = gpu_matrix.Config(*gpu_matrix.TINY_CONFIGS[2])  # r = 2, a per-token mask
+  results = {}
+  for against in ("xla", "reference"):
+    (out, grads), error, seconds = gpu_matrix.reference(
+      config, _args("--tiny", "--against", against)
+    )
+    assert error is None and seconds > 0
+    results[against] = (out, grads)
+  for x, y in zip(*(jax.tree.leaves(results[a]) for a in ("xla", "reference"))):
+    assert gpu_matrix.host_rel_err(x, y) < 1e-5 and np.any(np.asarray(y) != 0)
+
+
+def _args(*argv):
+  """The namespace main() builds for argv (the plan's fields)."""
+  captured = {}
+  original = gpu_matrix.plan
+
+  def spy(args, shard=None):
+    captured.setdefault("args", args)
+    return original(args, shard)
+
+  gpu_matrix.plan = spy
+  try:
+    gpu_matrix.main(["--list", *argv])
+  finally:
+    gpu_matrix.plan = original
+  return captured["args"]
 
 
 @pytest.mark.parametrize(
@@ -160,6 +230,8 @@ def test_tiny_run_reports_a_planted_mismatch(tmp_path):
       str(out),
       "--cache-dir",
       str(tmp_path / "cache"),
+      "--jobs",
+      "2",
     ],
     check=False,
     cwd=ROOT,
@@ -175,6 +247,7 @@ def test_tiny_run_reports_a_planted_mismatch(tmp_path):
   assert result["command"].startswith("python scripts/gpu_matrix.py --tiny")
   assert result["platform"] == "cpu" and result["interpret_mode"] is True
   assert result["cache_dir"] == str(tmp_path / "cache")
+  assert result["jobs"] == 2 and not (tmp_path / "matrix.json.parts").exists()
   configs = result["configs"]
   assert [c["key"] for c in configs] == [gpu_matrix.Config(*c).key for c in gpu_matrix.TINY_CONFIGS]
   for c in configs:
@@ -187,6 +260,8 @@ def test_tiny_run_reports_a_planted_mismatch(tmp_path):
     grads = {"d" + n for n in ("q", "k", "v", "g", "beta", "initial_state")}
     grads |= {"dmask"} if c["mask"] != "none" else set()
     assert set(c["errors"]) == {"o", "final_state"} | grads
+  # each configuration computed its own reference (three shapes): its time is recorded
+  assert all(c["reference_s"] > 0 for c in configs)
   planted, *others = configs
   assert planted["planted"] and planted["status"] == "fail"
   assert any(f.startswith("o: relative error") for f in planted["failures"])

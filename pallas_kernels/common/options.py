@@ -108,10 +108,10 @@ class KernelOptions:
 
   precision: float32 matmuls: "tf32", "tf32x3" or "ieee" (docs/precision.md). Half-precision
     operands always run on the tensor cores with float32 accumulation.
-  nonfinite_guard: check the outputs and, when one is not finite, run again on cleaned inputs
-    so that a nan or inf at token t changes nothing before t (docs/precision.md#non-finite-inputs;
-    its cost: docs/performance.md). False skips it: a non-finite input may then also spoil the
-    earlier tokens of its chunk.
+  nonfinite_guard: run the kernels on cleaned inputs and mark the outputs a bad token spoils
+    (selects around one run of the kernels) so that a nan or inf at token t changes nothing
+    before t (docs/precision.md#non-finite-inputs; its cost: docs/performance.md). False skips
+    it: a non-finite input may then also spoil the earlier tokens of its chunk.
   chunk_fwd_inverse: how chunk_fwd inverts its diagonal blocks (pallas_kernels/triton/forward/
     chunk_fwd.py; "auto" by the precision).
   Each stage field is the `Launch` of the kernel of the same name (docs/kernels.md).

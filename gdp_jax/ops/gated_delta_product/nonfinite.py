@@ -19,9 +19,11 @@ is `nan`, where the recurrence gives `nan` or `inf`. The gradient of a loss on t
 the first bad token is the clean computation's gradient: the select sends a zero cotangent to the
 marked outputs, and the cleaned inputs make every product in the backward finite.
 
-"pallas" keeps its kernels as they are and guards them (gdp_jax/ops/gated_delta_product/triton.py):
-one reduction over the raw run's outputs; when they are finite that run is the answer, else steps 1
-and 2 wrap a second run, forward and backward (`mark_cotangents`, `clean_gradients`).
+The jnp backward of the chunked form (xla_backward.py) applies `mark_cotangents` (the vjp of
+`mark`) and `clean_gradients` (the vjp of `clean`). "pallas" runs its kernels the same way
+(gdp_jax/ops/gated_delta_product/triton.py, `_gdp_guarded`): steps 1 and 2 around one run of the
+kernels, and in its backward `mark_cotangents` before the kernels' backward; the gradients of the
+bad entries come out 0 there without `clean_gradients`: every output they reach is marked.
 """
 
 from __future__ import annotations

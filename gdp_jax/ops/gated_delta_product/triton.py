@@ -30,10 +30,10 @@ results back (`varlen.unpack`).
 One custom_vjp (`_gdp_core`) for both forms: the packing (`_Packing`: the layout and the kernels'
 tables) is None for the plain form, and every kernel takes its table as an optional argument.
 Non-finite inputs (docs/precision.md#non-finite-inputs): a thin guard around it (`_gdp_guarded`)
-runs the kernels on the raw inputs and checks their outputs (one reduction); only when those are
-not finite does it run them again on cleaned inputs and mark the outputs
-(gdp_jax/ops/gated_delta_product/nonfinite.py). `backward="xla"` puts the jnp backward of the
-chunked form behind the kernels' forward (`_pallas_forward_xla_backward`, for debugging).
+runs the kernels once, on cleaned inputs, and marks the outputs a bad token spoils with nan
+(selects only, gdp_jax/ops/gated_delta_product/nonfinite.py). `backward="xla"` puts the jnp
+backward of the chunked form behind the kernels' forward (`_pallas_forward_xla_backward`, for
+debugging).
 """
 
 from __future__ import annotations
@@ -264,66 +264,19 @@ _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
 # ---- non-finite inputs (docs/precision.md#non-finite-inputs) ---------------------------------
 #
 # Inside a chunk the kernels' products mix all its tokens, and 0 * nan = nan would carry a bad
-# token to the earlier ones (forward and backward). The guard keeps the kernels as they are and
-# checks their outputs: a non-finite input always gives a non-finite output (at its own token,
-# or in the final state: it enters the state), and what it spoils is nan, never a wrong finite
-# value. So when o and the final state are finite (the common case: one reduction over o) the
-# raw run is the answer and the backward is the kernels', with the same residuals; otherwise the
-# kernels run again on the cleaned inputs and the outputs are marked
-# (gdp_jax/ops/gated_delta_product/nonfinite.py), and the backward zeroes the marked outputs'
-# cotangents and the bad inputs' gradients, all with selects. Under jax.jit the choice is a
-# `lax.cond` in the forward (only o and the final state pass through it: passing the residuals would
-# copy them) and one in the backward, whose second branch recomputes the residuals (gamma, Ai) from
-# the cleaned inputs; the guard adds a boolean to the residuals and nothing else. An overflow
-# without a non-finite input takes the second branch too, which then marks nothing: the same result.
-
+# token to the earlier ones (forward and backward). The guard therefore always runs the kernels
+# on cleaned inputs (every non-finite entry 0, a nan or +inf g 0) and marks the outputs from the
+# first bad token of each batch row and head on (and the final state) with nan afterwards
+# (gdp_jax/ops/gated_delta_product/nonfinite.py); the backward zeroes the marked outputs'
+# cotangents before the kernels' backward (a call without gradient keeps q as it is: a bad q
+# spoils its own token's output only). Selects only, no `lax.cond`: each kernel appears once
+# per call site (one compilation), and on finite inputs the selects change no value, so the
+# result is the unguarded kernels' bit for bit. The residuals are the kernels' own (on the
+# cleaned inputs) plus the marks ([B, T, H] and [B, H] booleans). The gradient of a bad entry is
+# exactly 0 without a select: every output it reaches is marked, so every product that carries
+# it to an input has a zero cotangent factor (and the cleaned operands are finite).
+#
 # `KernelOptions.nonfinite_guard` (default True) turns the guard on.
-
-
-def _finite_outputs(o, final):
-  """A scalar bool: o and the final state hold no nan or inf."""
-  return jnp.logical_and(jnp.all(jnp.isfinite(o)), jnp.all(jnp.isfinite(final)))
-
-
-def _branch(ok, good, bad):
-  """good() if ok else bad(): a Python choice for a concrete ok (eager calls compile one branch
-  only), a `lax.cond` under tracing (jax.jit)."""
-  try:
-    concrete = bool(ok)
-  except jax.errors.ConcretizationTypeError:
-    return jax.lax.cond(ok, good, bad)
-  return good() if concrete else bad()
-
-
-def _guarded_forward(forward, outputs, inputs, clean):
-  """forward(inputs) -> (o, final, saved) on the raw inputs; returns (o, final, saved, ok) with
-  o and final replaced, when they are not finite (not ok), by outputs(cleaned inputs) marked nan
-  (`clean(*inputs)` -> (cleaned, marks)). Only o and the final state pass through the
-  `lax.cond`: the residuals `saved` are the raw run's (the backward's second branch recomputes
-  its own)."""
-  o, final, saved = forward(inputs)
-  ok = _finite_outputs(o, final)
-
-  def bad():
-    cleaned, marks = clean(*inputs)
-    return nonfinite.mark(*outputs(cleaned), marks)
-
-  o, final = _branch(ok, lambda: (o, final), bad)
-  return o, final, saved, ok
-
-
-def _guarded_backward(backward, recompute, inputs, saved, cotangents, clean, ok):
-  """The vjp of `_guarded_forward`: backward(inputs, saved, (do, dfinal)) -> (dq, dk, dv, dg,
-  dbeta, dmask, dh0) when ok; else on the cleaned inputs and their residuals
-  (`recompute(cleaned)`) with the marked outputs' cotangents zeroed, and zero gradients for the
-  non-finite inputs."""
-
-  def bad():
-    cleaned, marks = clean(*inputs)
-    grads = backward(cleaned, recompute(cleaned), nonfinite.mark_cotangents(*cotangents, marks))
-    return nonfinite.clean_gradients(grads[:6], inputs) + tuple(grads[6:])
-
-  return _branch(ok, lambda: tuple(backward(inputs, saved, cotangents)), bad)
 
 
 def _cleaner(packing):
@@ -331,47 +284,26 @@ def _cleaner(packing):
   return nonfinite.clean if packing is None else _packed_cleaner(packing)
 
 
-def _core_residuals(h0, packing, scale, bt, opts):
-  """x -> (o, final, (gcum, ai)): the kernels' forward with the backward's residuals (the
-  inputs themselves are saved by the caller)."""
-
-  def run(x):
-    (o, final), residuals = _gdp_core_fwd(*x, h0, packing, scale, bt, opts)
-    return o, final, residuals[7:9]
-
-  return run
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def _gdp_guarded(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
   """`_gdp_core` causal under non-finite inputs (the section's comment); per sequence with
   packed sequences."""
-  outputs = lambda x: _gdp_core(*x, h0, packing, scale, bt, opts)
-  forward = lambda x: (*outputs(x), ())
-  inputs = (q, k, v, g, beta, mask)
-  o, final, _, _ = _guarded_forward(forward, outputs, inputs, _cleaner(packing))
-  return o, final
+  cleaned, marks = _cleaner(packing)(q, k, v, g, beta, mask)
+  # Without a gradient q stays as it is (one select pass less): a bad q spoils only its own
+  # token's output, which is marked anyway (the backward needs it clean: `_gdp_guarded_fwd`).
+  o, final = _gdp_core(q, *cleaned[1:], h0, packing, scale, bt, opts)
+  return nonfinite.mark(o, final, marks)
 
 
 def _gdp_guarded_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
-  inputs = (q, k, v, g, beta, mask)
-  outputs = lambda x: _gdp_core(*x, h0, packing, scale, bt, opts)
-  forward = _core_residuals(h0, packing, scale, bt, opts)
-  o, final, saved, ok = _guarded_forward(forward, outputs, inputs, _cleaner(packing))
-  return (o, final), (*inputs, h0, *saved, packing, ok)
+  cleaned, marks = _cleaner(packing)(q, k, v, g, beta, mask)
+  (o, final), residuals = _gdp_core_fwd(*cleaned, h0, packing, scale, bt, opts)
+  return nonfinite.mark(o, final, marks), (residuals, marks)
 
 
 def _gdp_guarded_bwd(scale, bt, opts, residuals, cotangents):
-  *inputs, h0, gcum, ai, packing, ok = residuals
-
-  def backward(x, saved, cot):
-    return _gdp_core_bwd(scale, bt, opts, (*x, h0, *saved, packing), cot)[:7]  # no packing
-
-  recompute = lambda x: _core_residuals(h0, packing, scale, bt, opts)(x)[2]
-  grads = _guarded_backward(
-    backward, recompute, tuple(inputs), (gcum, ai), cotangents, _cleaner(packing), ok
-  )
-  return grads + (None,)
+  residuals, marks = residuals
+  return _gdp_core_bwd(scale, bt, opts, residuals, nonfinite.mark_cotangents(*cotangents, marks))
 
 
 _gdp_guarded.defvjp(_gdp_guarded_fwd, _gdp_guarded_bwd)
