@@ -1,0 +1,205 @@
+"""Per-shard calls under plain `jax.jit`: a function that is independent across batch rows and
+heads, run by XLA's partitioner on each device's block of rows and heads (docs/sharding.md).
+
+XLA cannot split a Pallas kernel (a custom call it does not understand), so a kernel called on
+sharded inputs under `jax.jit` would be given the whole arrays: XLA all-gathers them onto every
+device. `per_shard_call(spec, *arrays)` wraps the call in `jax.experimental.custom_partitioning`
+with a Shardy sharding rule built from `spec`'s dimension labels, one string per array, one
+character per dimension:
+
+  "b"  the batch: may be split over mesh axes (the batch axes)
+  "h"  the (key) heads: may be split over mesh axes (the head axes)
+  "v"  the value heads, HV = H * group: value head i reads key head i // group (grouped value
+       heads), so they split over the head axes together with the key heads
+  "1"  a size-1 broadcast dimension; "-" any other dimension: never split (a split one is
+       gathered first: the sequence, the feature dims, r)
+
+The partition step keeps the batch axes of the first array with a "b" dimension and the head
+axes of the first one with an "h" (or "v") dimension when they divide B and H (the key heads;
+else that dimension is gathered), asks every array for exactly that layout (the partitioner
+moves what differs) and runs `spec.fn` on each device's block. A result that has no "b" (or no
+"h"/"v") dimension while the batch (or heads) are split is a sum over the blocks (the gradient
+of a broadcast input, e.g. a mask shared by every row): it is summed over those axes (psum in
+float32). Under `jax.vmap` the call runs `spec.fn` vmapped, unpartitioned (custom_vmap); on one
+device, or inside `jax.shard_map` with every axis manual, `custom_partitioning` runs `spec.fn`
+directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+SPLIT_LABELS = ("b", "h", "v")
+LABELS = (*SPLIT_LABELS, "1", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+  """A per-shard call: `fn(*arrays) -> tuple of arrays`, with the dimension labels of each
+  operand and each result (module docstring), the number of key heads and the group size
+  (value heads per key head). Hashable: `fn` must be too (a frozen dataclass, a module-level
+  function)."""
+
+  fn: Callable
+  operands: tuple[str, ...]
+  results: tuple[str, ...]
+  heads: int
+  group: int = 1
+
+  def __post_init__(self):
+    for labels in (*self.operands, *self.results):
+      bad = set(labels) - set(LABELS)
+      if bad:
+        raise ValueError(f"dimension labels must be among {LABELS}, got {labels!r}")
+
+
+def _axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(sharding, dim) -> tuple[str, ...]:
+  spec = getattr(sharding, "spec", None)
+  if spec is None or dim >= len(spec):
+    return ()
+  return _axes(spec[dim])
+
+
+def _size(mesh, axes) -> int:
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _choose_axes(spec: ShardSpec, mesh, arg_shapes):
+  """(batch axes, head axes): those of the first operand with a batch (head) dimension that is
+  split, kept when their device count divides B (H, the key heads), else ()."""
+  batch, heads = (), ()
+  batch_size = None
+  for labels, arg in zip(spec.operands, arg_shapes):
+    for dim, label in enumerate(labels):
+      axes = _entry(arg.sharding, dim)
+      if label == "b":
+        batch_size = arg.shape[dim]
+        batch = batch or axes
+      elif label in ("h", "v"):
+        heads = heads or axes
+  if not isinstance(mesh, jax.sharding.Mesh) or mesh.empty:
+    return (), ()
+  if batch_size is None or batch_size % _size(mesh, batch):
+    batch = ()
+  heads = tuple(a for a in heads if a not in batch)
+  if spec.heads % _size(mesh, heads):
+    heads = ()
+  return batch, heads
+
+
+def _pspec(labels: str, batch, heads) -> PartitionSpec:
+  def entry(label):
+    axes = batch if label == "b" else heads if label in ("h", "v") else ()
+    if not axes:
+      return None
+    return axes[0] if len(axes) == 1 else axes
+
+  return PartitionSpec(*(entry(label) for label in labels))
+
+
+def _summed_axes(labels: str, batch, heads) -> tuple[str, ...]:
+  """The split axes a result does not vary over: it is a sum over their blocks."""
+  missing = () if "b" in labels else tuple(batch)
+  return missing + (() if ("h" in labels or "v" in labels) else tuple(heads))
+
+
+def _layout(spec: ShardSpec, mesh, arg_shapes):
+  batch, heads = _choose_axes(spec, mesh, arg_shapes)
+  arg_shardings = tuple(NamedSharding(mesh, _pspec(la, batch, heads)) for la in spec.operands)
+  result_shardings = tuple(NamedSharding(mesh, _pspec(la, batch, heads)) for la in spec.results)
+  return batch, heads, arg_shardings, result_shardings
+
+
+def _partition(spec: ShardSpec, mesh, arg_shapes, result_shape):
+  batch, heads, arg_shardings, result_shardings = _layout(spec, mesh, arg_shapes)
+
+  def per_device(*arrays):
+    outs = spec.fn(*arrays)
+    summed = []
+    for labels, out in zip(spec.results, outs):
+      axes = _summed_axes(labels, batch, heads)
+      if axes:
+        out = jax.lax.psum(out.astype(jnp.float32), axes).astype(out.dtype)
+      summed.append(out)
+    return tuple(summed)
+
+  return mesh, per_device, result_shardings, arg_shardings
+
+
+def _infer_from_operands(spec: ShardSpec, mesh, arg_shapes, result_shape):
+  # The GSPMD partitioner's propagation (jax_use_shardy_partitioner=False).
+  return _layout(spec, mesh, arg_shapes)[3]
+
+
+def _sharding_rule(spec: ShardSpec, mesh, operand_types, result_types):
+  """The Shardy rule: "b" and the head labels are factors shared by every array ("v" is the
+  compound (h group) when heads are grouped); every other dimension is its own factor that
+  must stay replicated."""
+  replicated = []
+  has_key_heads = any("h" in la for la in (*spec.operands, *spec.results))
+
+  def mapping(labels, name):
+    dims = []
+    for dim, label in enumerate(labels):
+      if label == "b":
+        dims.append("b")
+      elif label == "h" or (label == "v" and spec.group == 1):
+        dims.append("h")
+      elif label == "v":
+        dims.append("(h group)")
+      else:
+        factor = f"{name}d{dim}"
+        replicated.append(factor)
+        dims.append(factor)
+    return " ".join(dims)
+
+  operands = ", ".join(mapping(la, f"x{i}") for i, la in enumerate(spec.operands))
+  results = ", ".join(mapping(la, f"y{i}") for i, la in enumerate(spec.results))
+  sizes = {}
+  if any("v" in la for la in (*spec.operands, *spec.results)) and spec.group > 1:
+    sizes["group"] = spec.group
+    if not has_key_heads:
+      sizes["h"] = spec.heads
+  return f"{operands} -> {results}", dict(need_replication_factors=tuple(replicated), **sizes)
+
+
+def _apply(spec: ShardSpec, *arrays):
+  return tuple(spec.fn(*arrays))
+
+
+_partitioned = custom_partitioning(_apply, static_argnums=(0,))
+_partitioned.def_partition(
+  partition=_partition,
+  infer_sharding_from_operands=_infer_from_operands,
+  sharding_rule=_sharding_rule,
+)
+
+
+def per_shard_call(spec: ShardSpec, *arrays):
+  """`spec.fn(*arrays)` (a tuple), run per device on its block of batch rows and heads when the
+  arrays are sharded under `jax.jit` (module docstring)."""
+
+  @jax.custom_batching.custom_vmap
+  def call(*arrays):
+    return _partitioned(spec, *arrays)
+
+  @call.def_vmap
+  def _vmapped(axis_size, in_batched, *arrays):
+    axes = tuple(0 if batched else None for batched in in_batched)
+    outs = jax.vmap(lambda *a: _apply(spec, *a), in_axes=axes)(*arrays)
+    return outs, tuple(True for _ in outs)
+
+  return call(*arrays)
