@@ -17,10 +17,10 @@ character per dimension:
 The partition step keeps the batch axes of the first array with a "b" dimension and the head
 axes of the first one with an "h" (or "v") dimension when they divide B and H (the key heads;
 else that dimension is gathered), asks every array for exactly that layout (the partitioner
-moves what differs) and runs `spec.fn` on each device's block. A result that has no "b" (or no
-"h"/"v") dimension while the batch (or heads) are split is a sum over the blocks (the gradient
-of a broadcast input, e.g. a mask shared by every row): it is summed over those axes (psum in
-float32). Under `jax.vmap` the call runs `spec.fn` vmapped, unpartitioned (custom_vmap); on one
+moves what differs) and runs `spec.fn` on each device's block. With `spec.sums` (gradients) a
+result that has no "b" (or no "h"/"v") dimension while the batch (or heads) are split is a sum
+over the blocks (the gradient of a broadcast input, e.g. a mask shared by every row): it is
+summed over those axes (psum in float32). Under `jax.vmap` the call runs `spec.fn` vmapped, unpartitioned (custom_vmap); on one
 device, or inside `jax.shard_map` with every axis manual, `custom_partitioning` runs `spec.fn`
 directly.
 """
@@ -45,13 +45,17 @@ class ShardSpec:
   """A per-shard call: `fn(*arrays) -> tuple of arrays`, with the dimension labels of each
   operand and each result (module docstring), the number of key heads and the group size
   (value heads per key head). Hashable: `fn` must be too (a frozen dataclass, a module-level
-  function)."""
+  function). sums: the results are gradients, and one with no batch (head) dimension while the
+  batch (heads) are split is the sum of the devices' values over those axes (a gradient of a
+  broadcast input); otherwise such a result is the device's own value (a forward's scalar).
+  """
 
   fn: Callable
   operands: tuple[str, ...]
   results: tuple[str, ...]
   heads: int
   group: int = 1
+  sums: bool = False
 
   def __post_init__(self):
     for labels in (*self.operands, *self.results):
@@ -130,7 +134,7 @@ def _partition(spec: ShardSpec, mesh, arg_shapes, result_shape):
     outs = spec.fn(*arrays)
     summed = []
     for labels, out in zip(spec.results, outs):
-      axes = _summed_axes(labels, batch, heads)
+      axes = _summed_axes(labels, batch, heads) if spec.sums else ()
       if axes:
         out = jax.lax.psum(out.astype(jnp.float32), axes).astype(out.dtype)
       summed.append(out)
@@ -203,3 +207,138 @@ def per_shard_call(spec: ShardSpec, *arrays):
     return outs, tuple(True for _ in outs)
 
   return call(*arrays)
+
+
+# ---- differentiable per-shard calls: the forward saves the vjp's residuals per device ----------
+#
+# custom_partitioning has no autodiff rule, so a differentiable function is split into two
+# per-shard calls inside one custom_vjp: the forward returns the outputs and the residuals of
+# `jax.vjp(fn)` (the arrays its pullback closes over), the backward takes them back and runs the
+# pullback. Each residual needs labels too: they are found from its shape at the inputs' shapes,
+# with the batch doubled and with the heads doubled (a dimension that doubles with the batch and
+# equals B is the batch, one that doubles with the heads and equals H or HV the key or value
+# heads, one that changes with neither is never split). A residual that is one of the inputs is
+# not returned again (the backward gets the inputs). Residuals of another kind (a dimension that
+# grows otherwise) leave `vjp_specs` returning None: the caller then recomputes the forward in
+# the backward.
+
+
+def _vjp_leaves(fn, primals):
+  """(outputs, the pullback's array leaves that are not inputs, for each leaf the index of the
+  input it is or None, the pullback's tree)."""
+  outputs, pullback = jax.vjp(fn, *primals)
+  leaves, tree = jax.tree.flatten(pullback)
+  sources = tuple(next((i for i, p in enumerate(primals) if leaf is p), None) for leaf in leaves)
+  residuals = tuple(leaf for leaf, src in zip(leaves, sources) if src is None)
+  return outputs, residuals, sources, tree
+
+
+def _probe(fn, avals):
+  def residual_shapes(*primals):
+    _, residuals, sources, _ = _vjp_leaves(fn, primals)
+    return residuals, sources
+
+  sources = []
+
+  def shapes(*primals):
+    residuals, src = residual_shapes(*primals)
+    sources.append(src)
+    return residuals
+
+  out = jax.eval_shape(shapes, *avals)
+  return out, sources[0]
+
+
+def _grown(avals, labels, grow):
+  def one(aval, la):
+    shape = tuple(2 * n if label in grow else n for n, label in zip(aval.shape, la))
+    return jax.ShapeDtypeStruct(shape, aval.dtype)
+
+  return [one(a, la) for a, la in zip(avals, labels)]
+
+
+def _residual_labels(base, by_batch, by_heads, batch, heads, heads_v):
+  labels = []
+  for n, nb, nh in zip(base.shape, by_batch.shape, by_heads.shape):
+    if nb == 2 * n and nh == n and n == batch:
+      labels.append("b")
+    elif nh == 2 * n and nb == n and n in (heads, heads_v):
+      labels.append("h" if n == heads else "v")
+    elif nb == n and nh == n:
+      labels.append("-")
+    else:
+      return None
+  return "".join(labels)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ForwardSaving:
+  """fn's outputs, then the residuals of its pullback that are not inputs."""
+
+  fn: Callable
+  sources: tuple
+
+  def __call__(self, *primals):
+    outputs, residuals, sources, _ = _vjp_leaves(self.fn, primals)
+    if sources != self.sources:
+      raise RuntimeError(
+        "the pullback's residuals on a device's block differ from those on the whole arrays: "
+        f"{sources} vs {self.sources}"
+      )
+    return (*outputs, *residuals)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BackwardFromResiduals:
+  """(*primals, *residuals, *cotangents) -> the gradients of the primals: fn's pullback rebuilt
+  on the device's block (its forward is traced again for the pullback's structure only; nothing
+  of it is used, and XLA removes it) with the saved residuals put in."""
+
+  fn: Callable
+  primals: int
+  sources: tuple
+
+  def __call__(self, *arrays):
+    primals = arrays[: self.primals]
+    saved = iter(arrays[self.primals : self.primals + self.sources.count(None)])
+    cotangents = arrays[self.primals + self.sources.count(None) :]
+    _, _, _, tree = _vjp_leaves(self.fn, primals)
+    leaves = [next(saved) if src is None else primals[src] for src in self.sources]
+    return tuple(tree.unflatten(leaves)(tuple(cotangents)))
+
+
+@dataclasses.dataclass(frozen=True)
+class VjpSpecs:
+  """The two per-shard calls of a differentiable function: `forward` returns its outputs and
+  then the residuals, `backward` takes (*primals, *residuals, *cotangents)."""
+
+  forward: ShardSpec
+  backward: ShardSpec
+  outputs: int
+
+
+def vjp_specs(fn, operands, results, heads, group, *primals):
+  """The `VjpSpecs` of `fn` (hashable) at these primals, or None when a residual of its pullback
+  cannot be labelled (the section's comment)."""
+  avals = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in primals]
+  batch = next(a.shape[la.index("b")] for a, la in zip(avals, operands) if "b" in la)
+  base, sources = _probe(fn, avals)
+  by_batch, _ = _probe(fn, _grown(avals, operands, "b"))
+  by_heads, _ = _probe(fn, _grown(avals, operands, "hv"))
+  labels = []
+  for shapes in zip(base, by_batch, by_heads):
+    la = _residual_labels(*shapes, batch, heads, heads * group)
+    if la is None:
+      return None
+    labels.append(la)
+  labels = tuple(labels)
+  forward = ShardSpec(_ForwardSaving(fn, sources), operands, (*results, *labels), heads, group)
+  backward = ShardSpec(
+    _BackwardFromResiduals(fn, len(primals), sources),
+    (*operands, *labels, *results),
+    operands,
+    heads,
+    group,
+    sums=True,
+  )
+  return VjpSpecs(forward, backward, len(results))

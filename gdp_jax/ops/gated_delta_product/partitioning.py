@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gdp_jax.ops.partitioning import ShardSpec, per_shard_call
+from gdp_jax.ops.partitioning import ShardSpec, per_shard_call, vjp_specs
 
 TOKENS = ("b-h-", "b-h-", "b-v-", "b-v", "b-v")  # q, k, v, g, beta
 STATE = "bv--"
@@ -65,33 +65,64 @@ class _Backward:
     return tuple(vjp(tuple(cotangents)))
 
 
-def _specs(run, scale, chunk_size, q, v, mask):
-  heads, heads_v = q.shape[2], v.shape[2]
-  operands = (*TOKENS, _mask_labels(mask), STATE)
-  common = dict(heads=heads, group=heads_v // heads)
+def _operands(mask):
+  return (*TOKENS, _mask_labels(mask), STATE)
+
+
+@functools.lru_cache(maxsize=256)
+def _saving_specs(run, scale, chunk_size, avals):
+  """The per-shard forward that saves the residuals of the implementation's pullback and the
+  backward that uses them (`vjp_specs`), or None (then `_recomputing_specs`)."""
+  q, _, v, _, _, mask, _ = avals
+  heads = q.shape[2]
+  return vjp_specs(
+    _Forward(run, scale, chunk_size),
+    _operands(mask),
+    (OUTPUT, STATE),
+    heads,
+    v.shape[2] // heads,
+    *avals,
+  )
+
+
+def _recomputing_specs(run, scale, chunk_size, q, v, mask):
+  heads = q.shape[2]
+  common = dict(heads=heads, group=v.shape[2] // heads)
+  operands = _operands(mask)
   forward = ShardSpec(_Forward(run, scale, chunk_size), operands, (OUTPUT, STATE), **common)
   backward = ShardSpec(
-    _Backward(run, scale, chunk_size), (*operands, OUTPUT, STATE), operands, **common
+    _Backward(run, scale, chunk_size), (*operands, OUTPUT, STATE), operands, sums=True, **common
   )
   return forward, backward
 
 
+def _avals(*arrays):
+  return tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _operator(run, scale, chunk_size, q, k, v, g, beta, mask, h0):
-  forward, _ = _specs(run, scale, chunk_size, q, v, mask)
+  forward, _ = _recomputing_specs(run, scale, chunk_size, q, v, mask)
   return per_shard_call(forward, q, k, v, g, beta, mask, h0)
 
 
-def _operator_fwd(run, scale, chunk_size, q, k, v, g, beta, mask, h0):
-  out = _operator(run, scale, chunk_size, q, k, v, g, beta, mask, h0)
-  return out, (q, k, v, g, beta, mask, h0)
+def _operator_fwd(run, scale, chunk_size, *primals):
+  specs = _saving_specs(run, scale, chunk_size, _avals(*primals))
+  if specs is None:
+    return _operator(run, scale, chunk_size, *primals), (primals, ())
+  o, final, *residuals = per_shard_call(specs.forward, *primals)
+  return (o, final), (primals, tuple(residuals))
 
 
-def _operator_bwd(run, scale, chunk_size, primals, cotangents):
-  q, _, v, _, _, mask, _ = primals
-  _, backward = _specs(run, scale, chunk_size, q, v, mask)
-  do, dfinal = cotangents
-  return per_shard_call(backward, *primals, do, dfinal)
+def _operator_bwd(run, scale, chunk_size, saved, cotangents):
+  primals, residuals = saved
+  specs = _saving_specs(run, scale, chunk_size, _avals(*primals))
+  if specs is None:
+    q, _, v, _, _, mask, _ = primals
+    _, backward = _recomputing_specs(run, scale, chunk_size, q, v, mask)
+  else:
+    backward = specs.backward
+  return per_shard_call(backward, *primals, *residuals, *cotangents)
 
 
 _operator.defvjp(_operator_fwd, _operator_bwd)
