@@ -20,9 +20,9 @@ else that dimension is gathered), asks every array for exactly that layout (the 
 moves what differs) and runs `spec.fn` on each device's block. With `spec.sums` (gradients) a
 result that has no "b" (or no "h"/"v") dimension while the batch (or heads) are split is a sum
 over the blocks (the gradient of a broadcast input, e.g. a mask shared by every row): it is
-summed over those axes (psum in float32). Under `jax.vmap` the call runs `spec.fn` vmapped, unpartitioned (custom_vmap); on one
-device, or inside `jax.shard_map` with every axis manual, `custom_partitioning` runs `spec.fn`
-directly.
+summed over those axes (psum in float32). Under `jax.vmap` the call runs `spec.fn` vmapped,
+unpartitioned (custom_vmap); on one device, or inside `jax.shard_map` with every axis manual,
+`custom_partitioning` runs `spec.fn` directly.
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def _size(mesh, axes) -> int:
 def _choose_axes(spec: ShardSpec, mesh, arg_shapes):
   """(batch axes, head axes): those of the first operand with a batch (head) dimension that is
   split, kept when their device count divides B (H, the key heads), else ()."""
-  batch, heads = (), ()
+  batch: tuple[str, ...] = ()
+  heads: tuple[str, ...] = ()
   batch_size = None
   for labels, arg in zip(spec.operands, arg_shapes):
     for dim, label in enumerate(labels):

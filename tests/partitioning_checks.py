@@ -1,0 +1,133 @@
+"""Checks of the operator under plain `jax.jit` with sharded inputs (docs/sharding.md#plain-jaxjit):
+the Pallas kernels (interpreted on CPU) run per device, with no gather of q, k, v or o.
+
+jax fixes its device count when it starts, so `tests/test_partitioning.py` runs this file in a
+subprocess with 8 simulated CPU devices:
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/partitioning_checks.py
+
+Each case places the inputs with `NamedSharding`s (batch, heads, batch x heads, grouped value
+heads, the sequence) and runs `gated_delta_product(..., implementation="triton")` and its
+gradients under one `jax.jit`: outputs, final state and every gradient equal one device (the
+"reference" implementation); o, the final state and the gradients keep the inputs' sharding; and
+the compiled program has no all-gather, all-to-all or collective-permute (the only collective
+allowed is the all-reduce that sums a broadcast mask's gradient over the devices sharing it).
+A sequence-sharded input is gathered along the sequence first (checked for its values only).
+Each case prints one JSON line {"name", "ok", "detail", "seconds"}; the exit status is 0 when
+every case passed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in flags:
+  os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from gdp_jax import gated_delta_product  # noqa: E402
+from tests.cases import loss_and_grads, make_inputs, rel_err  # noqa: E402
+from tests.sharding_checks import collectives  # noqa: E402
+
+TOL = 2e-5
+GRAD_TOL = 1e-4
+B, T, H, K, V = 2, 32, 4, 16, 8
+
+# (name, mesh axes {name: size}, r, mask kind, initial state, grouped value heads): the axes
+# "data" split the batch, "model" the heads, "seq" the sequence.
+CASES = [
+  ("batch", {"data": 2}, 1, None, True, False),
+  ("heads", {"model": 4}, 2, "head", False, False),
+  ("batch x heads", {"data": 2, "model": 4}, 2, "shared", True, False),
+  ("batch x grouped heads", {"data": 2, "model": 2}, 2, "token", True, True),
+  ("sequence (gathered)", {"data": 2, "seq": 4}, 2, "head", True, False),
+]
+
+
+def specs(axes, mask_kind):
+  """The inputs' PartitionSpecs: q, k, v, g, beta [B, T, H, ...] as ("data", "seq", "model");
+  a per-head mask over "model", a per-token one like g; the state as ("data", "model")."""
+  b, t, h = (a if a in axes else None for a in ("data", "seq", "model"))
+  mask = {None: None, "shared": P(), "head": P(h), "token": P(b, t, h)}[mask_kind]
+  tokens = P(b, t, h)
+  return dict(q=tokens, k=tokens, v=tokens, g=tokens, beta=tokens, mask=mask, initial_state=P(b, h))
+
+
+def same_spec(a, b, ndim):
+  pad = lambda s: tuple(s) + (None,) * (ndim - len(tuple(s)))
+  return pad(a) == pad(b)
+
+
+def run_case(case, seed):
+  name, axes, r, mask_kind, with_state, grouped = case
+  mesh = jax.make_mesh(
+    tuple(axes.values()),
+    tuple(axes),
+    axis_types=(AxisType.Auto,) * len(axes),
+    devices=jax.devices()[: math.prod(axes.values())],
+  )
+  inp = make_inputs(seed, B=B, T=T, H=H, K=K, V=V, r=r, mask_kind=mask_kind, with_state=with_state)
+  if grouped:  # two value heads per key head: q, k [B, T, H/2, K]
+    inp["q"], inp["k"] = inp["q"][:, :, ::2], inp["k"][:, :, ::2]
+  inp = {n: x for n, x in inp.items() if x is not None}
+  layout = specs(axes, mask_kind)
+  placed = {n: jax.device_put(x, NamedSharding(mesh, layout[n])) for n, x in inp.items()}
+
+  def operator(implementation, **kw):
+    return gated_delta_product(
+      **kw, output_final_state=True, implementation=implementation, chunk_size=16
+    )
+
+  pallas = lambda **kw: operator("triton", precision="ieee", **kw)
+  reference = lambda **kw: operator("reference", **kw)
+  both = lambda fn: jax.jit(lambda a: (fn(**a), loss_and_grads(fn, a, seed)))
+  compiled = both(pallas).lower(placed).compile()
+  (o, final), grads = compiled(placed)
+  (o1, final1), grads1 = both(reference)(inp)
+  errs = dict(o=rel_err(o, o1), final=rel_err(final, final1))
+  errs.update({f"d{n}": rel_err(grads[n], grads1[n]) for n in grads1})
+  worst = {n: e for n, e in errs.items() if e > (TOL if n in ("o", "final") else GRAD_TOL)}
+  assert not worst, f"relative errors above tolerance: {worst} (all: {errs})"
+  note = f"max rel err {max(errs.values()):.2e}"
+  if "seq" in axes:
+    return note + "; sequence gathered"
+  moved = collectives(compiled.as_text())
+  assert not moved, f"the compiled program moves data between devices: {moved}"
+  assert same_spec(o.sharding.spec, layout["q"], 4), f"o: {o.sharding.spec}"
+  state_spec = layout["initial_state"]
+  assert same_spec(final.sharding.spec, state_spec, 4), f"final: {final.sharding.spec}"
+  for n, grad in grads.items():
+    assert same_spec(grad.sharding.spec, layout[n], grad.ndim), f"d{n}: {grad.sharding.spec}"
+  return note + "; outputs and gradients keep the inputs' sharding; no all-gather"
+
+
+def main(argv):
+  """Runs the CASES named in argv (all when none)."""
+  cases = [c for c in CASES if not argv or c[0] in argv]
+  print(json.dumps(dict(devices=jax.device_count(), cases=len(cases))), flush=True)
+  failed = 0
+  for seed, case in enumerate(cases):
+    t0 = time.perf_counter()
+    try:
+      detail, ok = run_case(case, seed), True
+    except Exception as e:  # report and go on
+      detail, ok = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}", False
+    failed += not ok
+    line = dict(name=case[0], ok=ok, detail=detail, seconds=round(time.perf_counter() - t0, 2))
+    print(json.dumps(line), flush=True)
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
