@@ -1,5 +1,6 @@
-"""Checks of the operator under plain `jax.jit` with sharded inputs (docs/sharding.md#plain-jaxjit):
-the Pallas kernels (interpreted on CPU) run per device, with no gather of q, k, v or o.
+"""Checks of the operator under plain `jax.jit` with sharded inputs
+(docs/sharding.md#under-plain-jaxjit): the Pallas kernels (interpreted on CPU) run per device,
+with no gather of q, k, v or o.
 
 jax fixes its device count when it starts, so `tests/test_partitioning.py` runs this file in a
 subprocess with 8 simulated CPU devices:

@@ -1,4 +1,4 @@
-"""The operator under plain `jax.jit` with sharded inputs (docs/sharding.md#plain-jaxjit): its
+"""The operator under plain `jax.jit` with sharded inputs (docs/sharding.md#under-plain-jaxjit): its
 Pallas kernels run per device on their block of batch rows and heads, with no gather.
 
 jax fixes its device count when it starts, so the cases of `tests/partitioning_checks.py` run in

@@ -1,5 +1,6 @@
 """Per-shard calls under plain `jax.jit`: a function that is independent across batch rows and
-heads, run by XLA's partitioner on each device's block of rows and heads (docs/sharding.md).
+heads, run by XLA's partitioner on each device's block of rows and heads
+(docs/sharding.md#under-plain-jaxjit).
 
 XLA cannot split a Pallas kernel (a custom call it does not understand), so a kernel called on
 sharded inputs under `jax.jit` would be given the whole arrays: XLA all-gathers them onto every
@@ -195,17 +196,25 @@ _partitioned.def_partition(
 
 def per_shard_call(spec: ShardSpec, *arrays):
   """`spec.fn(*arrays)` (a tuple), run per device on its block of batch rows and heads when the
-  arrays are sharded under `jax.jit` (module docstring)."""
+  arrays are sharded under `jax.jit` (module docstring). Under `jax.vmap` it is `spec.fn`
+  vmapped; differentiated (custom_partitioning has no autodiff rule), `spec.fn`'s own
+  derivative, unpartitioned (or the clear error of a kernel that has none)."""
 
   @jax.custom_batching.custom_vmap
-  def call(*arrays):
+  def partitioned(*arrays):
     return _partitioned(spec, *arrays)
 
-  @call.def_vmap
+  @partitioned.def_vmap
   def _vmapped(axis_size, in_batched, *arrays):
     axes = tuple(0 if batched else None for batched in in_batched)
     outs = jax.vmap(lambda *a: _apply(spec, *a), in_axes=axes)(*arrays)
     return outs, tuple(True for _ in outs)
+
+  call = jax.custom_jvp(lambda *a: partitioned(*a))
+
+  @call.defjvp
+  def _jvp(primals, tangents):
+    return jax.jvp(lambda *a: _apply(spec, *a), primals, tangents)
 
   return call(*arrays)
 

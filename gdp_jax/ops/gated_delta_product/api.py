@@ -173,7 +173,8 @@ def gated_delta_product(
     config = dict(options=options, backward=backward, precision=kernel_precision)
   run = dispatch.entry(function, implementation, **config)
   if dispatch.is_pallas(implementation) and cu_seqlens is None:
-    # Sharded inputs under jax.jit: the kernels run per device (docs/sharding.md#plain-jax-jit).
+    # Inputs sharded over batch and heads under jax.jit: the kernels run per device
+    # (docs/sharding.md#under-plain-jaxjit).
     run = partitioning.per_device(run)
   if cu_seqlens is not None:
     o, final = run(

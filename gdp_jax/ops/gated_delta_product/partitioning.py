@@ -1,13 +1,15 @@
-"""The operator's Pallas implementations partitioned under plain `jax.jit` (docs/sharding.md).
+"""The operator's Pallas implementations partitioned under plain `jax.jit`
+(docs/sharding.md#under-plain-jaxjit).
 
 `partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)` calls an
 implementation (`run`, the normalised inputs of api.py) so that inputs sharded over the batch
 and the heads run the kernels per device on their block, with no all-gather: the forward and the
 backward are each a per-shard call (gdp_jax/ops/partitioning.py) inside one `jax.custom_vjp`
-(custom_partitioning has no autodiff rule of its own). The backward's per-shard call is
-`jax.vjp` of the implementation on the device's block: it runs the implementation's forward
-again (its residuals, for the kernels gamma and the chunk inverses, are recomputed there rather
-than passed between the two calls) and then its backward.
+(custom_partitioning has no autodiff rule of its own). The forward's per-shard call returns o,
+the final state and the residuals of the implementation's pullback (for the kernels: the padded
+inputs, gamma and the chunk inverses), the backward's takes them back (`vjp_specs`). An
+implementation whose residuals `vjp_specs` cannot label gets a backward that runs the forward
+again on the device's block (`_recomputing_specs`).
 
 Labels (gdp_jax/ops/partitioning.py): q, k [B, T, H, K] "b-h-"; v, o [B, T, HV, V] "b-v-";
 g, beta [B, T, HV] "b-v"; the state [B, HV, K, V] "bv--"; the mask [Bm, Tm, Hm, r, r] "b-v--"
@@ -135,7 +137,13 @@ def partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
   if not isinstance(scale, (int, float)):
     o, final = partitioned(run, q, k, v, g, beta, mask, initial_state, 1.0, chunk_size)
     return (o.astype(jnp.float32) * scale).astype(o.dtype), final
-  return _operator(run, float(scale), chunk_size, q, k, v, g, beta, mask, initial_state)
+  try:
+    return _operator(run, float(scale), chunk_size, q, k, v, g, beta, mask, initial_state)
+  except TypeError as error:
+    if "forward-mode autodiff" not in str(error):  # jax.jvp of the custom_vjp
+      raise
+  # forward mode: the implementation itself, unpartitioned (its derivative, or its clear error)
+  return run(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
 
 
 def per_device(run):
