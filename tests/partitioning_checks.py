@@ -34,10 +34,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from gdp_jax import gated_delta_product  # noqa: E402
+from gdp_jax import gated_delta_product, gated_delta_product_step  # noqa: E402
 from tests.cases import loss_and_grads, make_inputs, rel_err  # noqa: E402
 from tests.sharding_checks import collectives  # noqa: E402
 
@@ -113,15 +115,68 @@ def run_case(case, seed):
   return note + "; outputs and gradients keep the inputs' sharding; no all-gather"
 
 
+# The one-token step (inference: no gradients): (name, mesh axes, mask kind, array scale).
+STEP_CASES = [
+  ("step batch x heads", {"data": 2, "model": 4}, "head", False),
+  ("step batch x grouped heads, array scale", {"data": 2, "model": 2}, "token", True),
+]
+
+
+def run_step_case(case, seed):
+  name, axes, mask_kind, array_scale = case
+  mesh = jax.make_mesh(
+    tuple(axes.values()),
+    tuple(axes),
+    axis_types=(AxisType.Auto,) * len(axes),
+    devices=jax.devices()[: math.prod(axes.values())],
+  )
+  rng = np.random.default_rng(seed)
+  normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  heads_k = H // 2 if "grouped" in name else H
+  r = 2
+  k = normal(B, heads_k, K)
+  inp = dict(
+    q=normal(B, heads_k, K),
+    k=k / jnp.linalg.norm(k, axis=-1, keepdims=True),
+    v=normal(B, H, V),
+    g=-jnp.abs(normal(B, H)) * 0.2,
+    beta=jax.nn.sigmoid(normal(B, H)),
+    mask={"head": normal(H, r, r), "token": normal(B, H, r, r)}[mask_kind],
+    state=normal(B, H, K, V),
+  )
+  b, h = (a if a in axes else None for a in ("data", "model"))
+  layout = dict(q=P(b, h), k=P(b, h), v=P(b, h), g=P(b, h), beta=P(b, h), state=P(b, h))
+  layout["mask"] = P(h) if mask_kind == "head" else P(b, h)
+  placed = {n: jax.device_put(x, NamedSharding(mesh, layout[n])) for n, x in inp.items()}
+  scale = jnp.float32(0.3) if array_scale else 0.3
+
+  def step(implementation):
+    return jax.jit(
+      lambda a, s: gated_delta_product_step(**a, scale=s, implementation=implementation)
+    )
+
+  compiled = step("triton").lower(placed, scale).compile()
+  o, new = compiled(placed, scale)
+  o1, new1 = step("xla")(inp, scale)
+  errs = (rel_err(o, o1), rel_err(new, new1))
+  assert max(errs) <= TOL, f"relative errors (o, state): {errs}"
+  moved = collectives(compiled.as_text())
+  assert not moved, f"the compiled program moves data between devices: {moved}"
+  assert same_spec(o.sharding.spec, layout["v"], 3), f"o: {o.sharding.spec}"
+  assert same_spec(new.sharding.spec, layout["state"], 4), f"state: {new.sharding.spec}"
+  return f"max rel err {max(errs):.2e}; outputs keep the inputs' sharding; no all-gather"
+
+
 def main(argv):
   """Runs the CASES named in argv (all when none)."""
-  cases = [c for c in CASES if not argv or c[0] in argv]
+  cases = [(run_case, c) for c in CASES] + [(run_step_case, c) for c in STEP_CASES]
+  cases = [(run, c) for run, c in cases if not argv or c[0] in argv]
   print(json.dumps(dict(devices=jax.device_count(), cases=len(cases))), flush=True)
   failed = 0
-  for seed, case in enumerate(cases):
+  for seed, (run, case) in enumerate(cases):
     t0 = time.perf_counter()
     try:
-      detail, ok = run_case(case, seed), True
+      detail, ok = run(case, seed), True
     except Exception as e:  # report and go on
       detail, ok = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}", False
     failed += not ok

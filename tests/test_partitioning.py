@@ -5,7 +5,7 @@ jax fixes its device count when it starts, so the cases of `tests/partitioning_c
 a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8: inputs sharded over the
 batch, the heads, batch x heads, batch x grouped value heads and the sequence; forward, final
 state and every gradient against one device, the outputs' and gradients' shardings, and the
-compiled program's collectives (none that move data).
+compiled program's collectives (none that move data); the one-token step likewise (forward).
 """
 
 from __future__ import annotations
