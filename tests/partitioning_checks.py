@@ -39,7 +39,12 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from gdp_jax import gated_delta_product, gated_delta_product_step  # noqa: E402
+from gdp_jax import (  # noqa: E402
+  gated_delta_product,
+  gated_delta_product_step,
+  gqa_decode,
+  paged_gqa_decode,
+)
 from tests.cases import loss_and_grads, make_inputs, rel_err  # noqa: E402
 from tests.sharding_checks import collectives  # noqa: E402
 
@@ -167,9 +172,57 @@ def run_step_case(case, seed):
   return f"max rel err {max(errs):.2e}; outputs keep the inputs' sharding; no all-gather"
 
 
+# GQA decode, dense and paged (inference): (name, mesh axes, paged). Four query heads read two
+# cache heads; the page pools are split over the heads only (every sequence may use any page).
+DECODE_CASES = [
+  ("gqa_decode batch x heads", {"data": 2, "model": 2}, False),
+  ("paged_gqa_decode batch x heads", {"data": 2, "model": 2}, True),
+]
+
+
+def run_decode_case(case, seed):
+  name, axes, paged = case
+  mesh = jax.make_mesh(
+    tuple(axes.values()),
+    tuple(axes),
+    axis_types=(AxisType.Auto,) * len(axes),
+    devices=jax.devices()[: math.prod(axes.values())],
+  )
+  rng = np.random.default_rng(seed)
+  normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  hq, hkv, d, s, page = 4, 2, 16, 64, 16
+  b, h = (a if a in axes else None for a in ("data", "model"))
+  inp = dict(query=normal(B, hq, d), lengths=jnp.asarray([37, 64], jnp.int32))
+  layout = dict(query=P(b, h), lengths=P(b))
+  if paged:
+    pages = B * s // page
+    inp.update(
+      key_pages=normal(pages, page, hkv, d),
+      value_pages=normal(pages, page, hkv, d),
+      block_tables=jnp.asarray(rng.permutation(pages).reshape(B, -1), jnp.int32),
+    )
+    layout.update(key_pages=P(None, None, h), value_pages=P(None, None, h), block_tables=P(b))
+    function = paged_gqa_decode
+  else:
+    inp.update(key_cache=normal(B, s, hkv, d), value_cache=normal(B, s, hkv, d))
+    layout.update(key_cache=P(b, None, h), value_cache=P(b, None, h))
+    function = gqa_decode
+  placed = {n: jax.device_put(x, NamedSharding(mesh, layout[n])) for n, x in inp.items()}
+  decode = lambda implementation: jax.jit(lambda a: function(**a, implementation=implementation))
+  compiled = decode("triton").lower(placed).compile()
+  o = compiled(placed)
+  err = rel_err(o, decode("xla")(inp))
+  assert err <= TOL, f"relative error {err}"
+  moved = collectives(compiled.as_text())
+  assert not moved, f"the compiled program moves data between devices: {moved}"
+  assert same_spec(o.sharding.spec, layout["query"], 3), f"o: {o.sharding.spec}"
+  return f"rel err {err:.2e}; the output keeps the query's sharding; no all-gather"
+
+
 def main(argv):
   """Runs the CASES named in argv (all when none)."""
   cases = [(run_case, c) for c in CASES] + [(run_step_case, c) for c in STEP_CASES]
+  cases += [(run_decode_case, c) for c in DECODE_CASES]
   cases = [(run, c) for run, c in cases if not argv or c[0] in argv]
   print(json.dumps(dict(devices=jax.device_count(), cases=len(cases))), flush=True)
   failed = 0

@@ -1,11 +1,13 @@
-"""The operator under plain `jax.jit` with sharded inputs (docs/sharding.md#under-plain-jaxjit): its
-Pallas kernels run per device on their block of batch rows and heads, with no gather.
+"""The operator, the step and GQA decode under plain `jax.jit` with sharded inputs
+(docs/sharding.md#under-plain-jaxjit): their Pallas kernels run per device on their block of
+batch rows and heads, with no gather.
 
 jax fixes its device count when it starts, so the cases of `tests/partitioning_checks.py` run in
 a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8: inputs sharded over the
 batch, the heads, batch x heads, batch x grouped value heads and the sequence; forward, final
 state and every gradient against one device, the outputs' and gradients' shardings, and the
-compiled program's collectives (none that move data); the one-token step likewise (forward).
+compiled program's collectives (none that move data); the one-token step, GQA decode and paged
+GQA decode likewise (forward only).
 """
 
 from __future__ import annotations
