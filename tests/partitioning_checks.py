@@ -14,8 +14,10 @@ gradients under one `jax.jit`: outputs, final state and every gradient equal one
 the compiled program has no all-gather, all-to-all or collective-permute (the only collective
 allowed is the all-reduce that sums a broadcast mask's gradient over the devices sharing it).
 A sequence-sharded input is gathered along the sequence first (checked for its values only).
+The one-token step and dense and paged GQA decode are checked the same way (forward only).
 Each case prints one JSON line {"name", "ok", "detail", "seconds"}; the exit status is 0 when
-every case passed.
+every case passed. On a machine with several GPUs, `--real` uses the devices as they are
+(compiled kernels; a case that needs more devices than there are is skipped, "ok": null).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import sys
 import time
 import traceback
 
-flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in flags:
-  os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+REAL = "--real" in sys.argv
+if not REAL:
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
@@ -63,6 +67,21 @@ CASES = [
 ]
 
 
+class _Skip(Exception):
+  pass
+
+
+def make_mesh(axes):
+  """A mesh with Auto axes of exactly the devices `axes` ({name: size}) needs."""
+  need = math.prod(axes.values())
+  if need > jax.device_count():
+    raise _Skip(f"needs {need} devices, {jax.device_count()} here")
+  types = (AxisType.Auto,) * len(axes)
+  return jax.make_mesh(
+    tuple(axes.values()), tuple(axes), axis_types=types, devices=jax.devices()[:need]
+  )
+
+
 def specs(axes, mask_kind):
   """The inputs' PartitionSpecs: q, k, v, g, beta [B, T, H, ...] as ("data", "seq", "model");
   a per-head mask over "model", a per-token one like g; the state as ("data", "model")."""
@@ -79,12 +98,7 @@ def same_spec(a, b, ndim):
 
 def run_case(case, seed):
   name, axes, r, mask_kind, with_state, grouped = case
-  mesh = jax.make_mesh(
-    tuple(axes.values()),
-    tuple(axes),
-    axis_types=(AxisType.Auto,) * len(axes),
-    devices=jax.devices()[: math.prod(axes.values())],
-  )
+  mesh = make_mesh(axes)
   inp = make_inputs(seed, B=B, T=T, H=H, K=K, V=V, r=r, mask_kind=mask_kind, with_state=with_state)
   if grouped:  # two value heads per key head: q, k [B, T, H/2, K]
     inp["q"], inp["k"] = inp["q"][:, :, ::2], inp["k"][:, :, ::2]
@@ -129,12 +143,7 @@ STEP_CASES = [
 
 def run_step_case(case, seed):
   name, axes, mask_kind, array_scale = case
-  mesh = jax.make_mesh(
-    tuple(axes.values()),
-    tuple(axes),
-    axis_types=(AxisType.Auto,) * len(axes),
-    devices=jax.devices()[: math.prod(axes.values())],
-  )
+  mesh = make_mesh(axes)
   rng = np.random.default_rng(seed)
   normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
   heads_k = H // 2 if "grouped" in name else H
@@ -182,12 +191,7 @@ DECODE_CASES = [
 
 def run_decode_case(case, seed):
   name, axes, paged = case
-  mesh = jax.make_mesh(
-    tuple(axes.values()),
-    tuple(axes),
-    axis_types=(AxisType.Auto,) * len(axes),
-    devices=jax.devices()[: math.prod(axes.values())],
-  )
+  mesh = make_mesh(axes)
   rng = np.random.default_rng(seed)
   normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
   hq, hkv, d, s, page = 4, 2, 16, 64, 16
@@ -220,7 +224,8 @@ def run_decode_case(case, seed):
 
 
 def main(argv):
-  """Runs the CASES named in argv (all when none)."""
+  """Runs the cases named in argv (all when none)."""
+  argv = [a for a in argv if a != "--real"]
   cases = [(run_case, c) for c in CASES] + [(run_step_case, c) for c in STEP_CASES]
   cases += [(run_decode_case, c) for c in DECODE_CASES]
   cases = [(run, c) for run, c in cases if not argv or c[0] in argv]
@@ -230,9 +235,11 @@ def main(argv):
     t0 = time.perf_counter()
     try:
       detail, ok = run(case, seed), True
+    except _Skip as e:
+      detail, ok = f"skipped: {e}", None
     except Exception as e:  # report and go on
       detail, ok = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}", False
-    failed += not ok
+    failed += ok is False
     line = dict(name=case[0], ok=ok, detail=detail, seconds=round(time.perf_counter() - t0, 2))
     print(json.dumps(line), flush=True)
   return 1 if failed else 0
