@@ -228,7 +228,10 @@ def per_shard_call(spec: ShardSpec, *arrays):
 # with the batch doubled and with the heads doubled (a dimension that doubles with the batch and
 # equals B is the batch, one that doubles with the heads and equals H or HV the key or value
 # heads, one that changes with neither is never split). A residual that is one of the inputs is
-# not returned again (the backward gets the inputs). Residuals of another kind (a dimension that
+# not returned again (the backward gets the inputs). A residual with no batch or head dimension
+# (a constant, or the non-finite guard's flag, which is each device's own) is declared replicated:
+# it only passes from the forward call to the backward call on the same device, and nothing
+# reads it across devices. Residuals of another kind (a dimension that
 # grows otherwise) leave `vjp_specs` returning None: the caller then recomputes the forward in
 # the backward.
 
