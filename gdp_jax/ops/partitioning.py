@@ -284,6 +284,18 @@ def _residual_labels(base, by_batch, by_heads, batch, heads, heads_v):
   return "".join(labels)
 
 
+# The pullback's tree (its structure and static data, no arrays: `jax.vjp`'s result is a pytree
+# that may cross jit boundaries) on a device's block, kept by the forward call for the backward
+# call, keyed by fn and the block's shapes. Without it the backward traces the forward again
+# (nothing of it is used; XLA removes it).
+_PULLBACK_TREES: dict = {}
+_MAX_TREES = 256
+
+
+def _tree_key(fn, primals):
+  return fn, tuple((tuple(p.shape), str(p.dtype)) for p in primals)
+
+
 @dataclasses.dataclass(frozen=True)
 class _ForwardSaving:
   """fn's outputs, then the residuals of its pullback that are not inputs."""
@@ -292,7 +304,10 @@ class _ForwardSaving:
   sources: tuple
 
   def __call__(self, *primals):
-    outputs, residuals, sources, _ = _vjp_leaves(self.fn, primals)
+    outputs, residuals, sources, tree = _vjp_leaves(self.fn, primals)
+    if len(_PULLBACK_TREES) >= _MAX_TREES:
+      _PULLBACK_TREES.pop(next(iter(_PULLBACK_TREES)))
+    _PULLBACK_TREES[_tree_key(self.fn, primals)] = tree
     if sources != self.sources:
       raise RuntimeError(
         "the pullback's residuals on a device's block differ from those on the whole arrays: "
@@ -304,8 +319,8 @@ class _ForwardSaving:
 @dataclasses.dataclass(frozen=True)
 class _BackwardFromResiduals:
   """(*primals, *residuals, *cotangents) -> the gradients of the primals: fn's pullback rebuilt
-  on the device's block (its forward is traced again for the pullback's structure only; nothing
-  of it is used, and XLA removes it) with the saved residuals put in."""
+  on the device's block (its tree from the forward call, `_PULLBACK_TREES`) with the saved
+  residuals put in."""
 
   fn: Callable
   primals: int
@@ -315,7 +330,9 @@ class _BackwardFromResiduals:
     primals = arrays[: self.primals]
     saved = iter(arrays[self.primals : self.primals + self.sources.count(None)])
     cotangents = arrays[self.primals + self.sources.count(None) :]
-    _, _, _, tree = _vjp_leaves(self.fn, primals)
+    tree = _PULLBACK_TREES.get(_tree_key(self.fn, primals))
+    if tree is None:
+      _, _, _, tree = _vjp_leaves(self.fn, primals)
     leaves = [next(saved) if src is None else primals[src] for src in self.sources]
     return tuple(tree.unflatten(leaves)(tuple(cotangents)))
 
