@@ -55,6 +55,7 @@ SLOW = (
   "tests/test_notebooks.py::test_notebook_runs*",
   "tests/test_readme.py::test_python_block_runs_on_its_own*",
   "tests/test_sharding.py::*",
+  "tests/test_partitioning.py::*",
   "tests/test_gpu_matrix.py::test_tiny_run_reports_a_planted_mismatch*",
   "tests/test_dispatch.py::test_a_jitted_pallas_call_compiles_once*",
   "tests/test_surface.py::test_submodules_reachable_after_import_gdp_jax*",

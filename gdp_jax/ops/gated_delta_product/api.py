@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax.ops import dispatch
+from gdp_jax.ops.gated_delta_product import partitioning
 from gdp_jax.ops.validation import (
   check_bool,
   check_chunk_size,
@@ -172,6 +173,10 @@ def gated_delta_product(
   if dispatch.is_pallas(implementation):
     config.update(options=options, backward=backward, precision=kernel_precision)
   run = dispatch.entry(function, implementation, **config)
+  if dispatch.is_pallas(implementation) and cu_seqlens is None:
+    # Inputs sharded over batch and heads under jax.jit: the kernels run per device
+    # (docs/sharding.md#under-plain-jaxjit).
+    run = partitioning.per_device(run)
   if cu_seqlens is not None:
     o, final = run(
       q, k, v, g, beta, mask5, initial_state, scale, chunk_size, jnp.asarray(cu_seqlens)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdp_jax.ops import dispatch
+from gdp_jax.ops.gqa_decode import partitioning
 from gdp_jax.ops.validation import (
   check_float,
   check_int32_values,
@@ -195,6 +196,10 @@ def gqa_decode(
   if 0 in (batch, tq, q_heads, dim, seq_len):
     return jnp.zeros(query.shape, jnp.float32)
   run = dispatch.entry("gqa_decode", implementation)
+  if dispatch.is_pallas(implementation):
+    # Inputs sharded over batch and heads under jax.jit: the kernels run per device
+    # (docs/sharding.md#under-plain-jaxjit).
+    run = partitioning.per_device(run, paged=False)
   out = run(_as_tokens(query), key_cache, value_cache, lengths, _prepare_scale(scale, dim))
   return out.reshape(query.shape)
 
@@ -321,6 +326,10 @@ def paged_gqa_decode(
   # Clamped (and then cast: int64 ids never wrap): a bad traced id reads a real page.
   block_tables = jnp.clip(jnp.asarray(block_tables), 0, num_pages - 1).astype(jnp.int32)
   run = dispatch.entry("paged_gqa_decode", implementation)
+  if dispatch.is_pallas(implementation):
+    # Inputs sharded over batch and heads under jax.jit: the kernels run per device
+    # (docs/sharding.md#under-plain-jaxjit).
+    run = partitioning.per_device(run, paged=True)
   out = run(
     _as_tokens(query), key_pages, value_pages, block_tables, lengths, _prepare_scale(scale, dim)
   )

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from gdp_jax.ops import dispatch
 from gdp_jax.ops.heads import expand_key_heads
+from gdp_jax.ops.step import partitioning
 from gdp_jax.ops.validation import check_bool, check_step_inputs, static_scale
 from pallas_kernels.common import tuning
 from pallas_kernels.common.backend import resolve_precision
@@ -91,4 +92,8 @@ def gated_delta_product_step(
   static, dynamic = static_scale(scale, dim_k**-0.5)
   config = dict(in_place=in_place) if dispatch.is_pallas(implementation) else {}
   run = dispatch.entry("gated_delta_product_step", implementation, **config)
+  if dispatch.is_pallas(implementation):
+    # Inputs sharded over batch and heads under jax.jit: the kernel runs per device
+    # (docs/sharding.md#under-plain-jaxjit).
+    run = partitioning.per_device(run)
   return run(q, k, v, g, beta, mask4, state, static if dynamic is None else dynamic)

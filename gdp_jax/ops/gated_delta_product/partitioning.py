@@ -1,0 +1,151 @@
+"""The operator's Pallas implementations partitioned under plain `jax.jit`
+(docs/sharding.md#under-plain-jaxjit).
+
+`partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)` calls an
+implementation (`run`, the normalised inputs of api.py) so that inputs sharded over the batch
+and the heads run the kernels per device on their block, with no all-gather: the forward and the
+backward are each a per-shard call (gdp_jax/ops/partitioning.py) inside one `jax.custom_vjp`
+(custom_partitioning has no autodiff rule of its own). The forward's per-shard call returns o,
+the final state and the residuals of the implementation's pullback (for the kernels: the padded
+inputs, gamma and the chunk inverses), the backward's takes them back (`vjp_specs`). An
+implementation whose residuals `vjp_specs` cannot label gets a backward that runs the forward
+again on the device's block (`_recomputing_specs`).
+
+Labels (gdp_jax/ops/partitioning.py): q, k [B, T, H, K] "b-h-"; v, o [B, T, HV, V] "b-v-";
+g, beta [B, T, HV] "b-v"; the state [B, HV, K, V] "bv--"; the mask [Bm, Tm, Hm, r, r] "b-v--"
+with "1" for its size-1 broadcast dimensions. The sequence, K, V and r are never split (a split
+sequence is gathered first). A scale that is an array (a traced or learned scale) is applied
+outside: the call runs with scale 1 and o is multiplied afterwards (o is linear in the scale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gdp_jax.ops.partitioning import ShardSpec, per_shard_call, vjp_specs
+
+TOKENS = ("b-h-", "b-h-", "b-v-", "b-v", "b-v")  # q, k, v, g, beta
+STATE = "bv--"
+OUTPUT = "b-v-"
+
+
+def _mask_labels(mask) -> str:
+  """[Bm, Tm, Hm, r, r]: each of the first three is either full ("b", "-", "v") or size 1."""
+  full = "b-v"
+  return "".join(la if mask.shape[d] != 1 else "1" for d, la in enumerate(full)) + "--"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+  """The implementation's forward: (q, k, v, g, beta, mask, h0) -> (o, final)."""
+
+  run: object
+  scale: float
+  chunk_size: int
+
+  def __call__(self, *primals):
+    return tuple(self.run(*primals, self.scale, self.chunk_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Backward:
+  """(q, k, v, g, beta, mask, h0, do, dfinal) -> the seven gradients: the vjp of the
+  implementation (its forward is recomputed on the device's block)."""
+
+  run: object
+  scale: float
+  chunk_size: int
+
+  def __call__(self, *arrays):
+    primals, cotangents = arrays[:7], arrays[7:]
+    forward = _Forward(self.run, self.scale, self.chunk_size)
+    _, vjp = jax.vjp(lambda *p: forward(*p), *primals)
+    return tuple(vjp(tuple(cotangents)))
+
+
+def _operands(mask):
+  return (*TOKENS, _mask_labels(mask), STATE)
+
+
+@functools.lru_cache(maxsize=256)
+def _saving_specs(run, scale, chunk_size, avals):
+  """The per-shard forward that saves the residuals of the implementation's pullback and the
+  backward that uses them (`vjp_specs`), or None (then `_recomputing_specs`)."""
+  q, _, v, _, _, mask, _ = avals
+  heads = q.shape[2]
+  return vjp_specs(
+    _Forward(run, scale, chunk_size),
+    _operands(mask),
+    (OUTPUT, STATE),
+    heads,
+    v.shape[2] // heads,
+    *avals,
+  )
+
+
+def _recomputing_specs(run, scale, chunk_size, q, v, mask):
+  heads = q.shape[2]
+  common = dict(heads=heads, group=v.shape[2] // heads)
+  operands = _operands(mask)
+  forward = ShardSpec(_Forward(run, scale, chunk_size), operands, (OUTPUT, STATE), **common)
+  backward = ShardSpec(
+    _Backward(run, scale, chunk_size), (*operands, OUTPUT, STATE), operands, sums=True, **common
+  )
+  return forward, backward
+
+
+def _avals(*arrays):
+  return tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _operator(run, scale, chunk_size, q, k, v, g, beta, mask, h0):
+  forward, _ = _recomputing_specs(run, scale, chunk_size, q, v, mask)
+  return per_shard_call(forward, q, k, v, g, beta, mask, h0)
+
+
+def _operator_fwd(run, scale, chunk_size, *primals):
+  specs = _saving_specs(run, scale, chunk_size, _avals(*primals))
+  if specs is None:
+    return _operator(run, scale, chunk_size, *primals), (primals, ())
+  o, final, *residuals = per_shard_call(specs.forward, *primals)
+  return (o, final), (primals, tuple(residuals))
+
+
+def _operator_bwd(run, scale, chunk_size, saved, cotangents):
+  primals, residuals = saved
+  specs = _saving_specs(run, scale, chunk_size, _avals(*primals))
+  if specs is None:
+    q, _, v, _, _, mask, _ = primals
+    _, backward = _recomputing_specs(run, scale, chunk_size, q, v, mask)
+  else:
+    backward = specs.backward
+  return per_shard_call(backward, *primals, *residuals, *cotangents)
+
+
+_operator.defvjp(_operator_fwd, _operator_bwd)
+
+
+def partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+  """run(q, k, v, g, beta, mask, initial_state, scale, chunk_size) -> (o, final), per device
+  on its block of batch rows and heads under `jax.jit` (module docstring). `run` must be
+  hashable (an implementation instance) and differentiable with `jax.vjp`."""
+  if not isinstance(scale, (int, float)):
+    o, final = partitioned(run, q, k, v, g, beta, mask, initial_state, 1.0, chunk_size)
+    return (o.astype(jnp.float32) * scale).astype(o.dtype), final
+  try:
+    return _operator(run, float(scale), chunk_size, q, k, v, g, beta, mask, initial_state)
+  except TypeError as error:
+    if "forward-mode autodiff" not in str(error):  # jax.jvp of the custom_vjp
+      raise
+  # forward mode: the implementation itself, unpartitioned (its derivative, or its clear error)
+  return run(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
+
+
+def per_device(run):
+  """`run` with the same signature, partitioned (`partitioned`)."""
+  return functools.partial(partitioned, run)

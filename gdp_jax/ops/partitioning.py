@@ -1,0 +1,374 @@
+"""Per-shard calls under plain `jax.jit`: a function that is independent across batch rows and
+heads, run by XLA's partitioner on each device's block of rows and heads
+(docs/sharding.md#under-plain-jaxjit).
+
+XLA cannot split a Pallas kernel (a custom call it does not understand), so a kernel called on
+sharded inputs under `jax.jit` would be given the whole arrays: XLA all-gathers them onto every
+device. `per_shard_call(spec, *arrays)` wraps the call in `jax.experimental.custom_partitioning`
+with a Shardy sharding rule built from `spec`'s dimension labels, one string per array, one
+character per dimension:
+
+  "b"  the batch: may be split over mesh axes (the batch axes)
+  "h"  the (key) heads: may be split over mesh axes (the head axes)
+  "v"  the value heads, HV = H * group: value head i reads key head i // group (grouped value
+       heads), so they split over the head axes together with the key heads
+  "1"  a size-1 broadcast dimension; "-" any other dimension: never split (a split one is
+       gathered first: the sequence, the feature dims, r)
+
+The partition step keeps the batch axes of the first array with a "b" dimension and the head
+axes of the first one with an "h" (or "v") dimension when they divide B and H (the key heads;
+else that dimension is gathered), asks every array for exactly that layout (the partitioner
+moves what differs) and runs `spec.fn` on each device's block. With `spec.sums` (gradients) a
+result that has no "b" (or no "h"/"v") dimension while the batch (or heads) are split is a sum
+over the blocks (the gradient of a broadcast input, e.g. a mask shared by every row): it is
+summed over those axes (psum in float32). Under `jax.vmap` the call runs `spec.fn` vmapped,
+unpartitioned (custom_vmap); on one device, or inside `jax.shard_map` with every axis manual,
+`custom_partitioning` runs `spec.fn` directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+SPLIT_LABELS = ("b", "h", "v")
+LABELS = (*SPLIT_LABELS, "1", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+  """A per-shard call: `fn(*arrays) -> tuple of arrays`, with the dimension labels of each
+  operand and each result (module docstring), the number of key heads and the group size
+  (value heads per key head). Hashable: `fn` must be too (a frozen dataclass, a module-level
+  function). sums: the results are gradients, and one with no batch (head) dimension while the
+  batch (heads) are split is the sum of the devices' values over those axes (a gradient of a
+  broadcast input); otherwise such a result is the device's own value (a forward's scalar).
+  """
+
+  fn: Callable
+  operands: tuple[str, ...]
+  results: tuple[str, ...]
+  heads: int
+  group: int = 1
+  sums: bool = False
+
+  def __post_init__(self):
+    for labels in (*self.operands, *self.results):
+      bad = set(labels) - set(LABELS)
+      if bad:
+        raise ValueError(f"dimension labels must be among {LABELS}, got {labels!r}")
+
+
+def _axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(sharding, dim) -> tuple[str, ...]:
+  spec = getattr(sharding, "spec", None)
+  if spec is None or dim >= len(spec):
+    return ()
+  return _axes(spec[dim])
+
+
+def _size(mesh, axes) -> int:
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _choose_axes(spec: ShardSpec, mesh, arg_shapes):
+  """(batch axes, head axes): those of the first operand with a batch (head) dimension that is
+  split, kept when their device count divides B (H, the key heads), else ()."""
+  batch: tuple[str, ...] = ()
+  heads: tuple[str, ...] = ()
+  batch_size = None
+  for labels, arg in zip(spec.operands, arg_shapes):
+    for dim, label in enumerate(labels):
+      axes = _entry(arg.sharding, dim)
+      if label == "b":
+        batch_size = arg.shape[dim]
+        batch = batch or axes
+      elif label in ("h", "v"):
+        heads = heads or axes
+  if not isinstance(mesh, jax.sharding.Mesh) or mesh.empty:
+    return (), ()
+  if batch_size is None or batch_size % _size(mesh, batch):
+    batch = ()
+  heads = tuple(a for a in heads if a not in batch)
+  if spec.heads % _size(mesh, heads):
+    heads = ()
+  return batch, heads
+
+
+def _pspec(labels: str, batch, heads) -> PartitionSpec:
+  def entry(label):
+    axes = batch if label == "b" else heads if label in ("h", "v") else ()
+    if not axes:
+      return None
+    return axes[0] if len(axes) == 1 else axes
+
+  return PartitionSpec(*(entry(label) for label in labels))
+
+
+def _summed_axes(labels: str, batch, heads) -> tuple[str, ...]:
+  """The split axes a result does not vary over: it is a sum over their blocks."""
+  missing = () if "b" in labels else tuple(batch)
+  return missing + (() if ("h" in labels or "v" in labels) else tuple(heads))
+
+
+def _layout(spec: ShardSpec, mesh, arg_shapes):
+  batch, heads = _choose_axes(spec, mesh, arg_shapes)
+  arg_shardings = tuple(NamedSharding(mesh, _pspec(la, batch, heads)) for la in spec.operands)
+  result_shardings = tuple(NamedSharding(mesh, _pspec(la, batch, heads)) for la in spec.results)
+  return batch, heads, arg_shardings, result_shardings
+
+
+def _partition(spec: ShardSpec, mesh, arg_shapes, result_shape):
+  batch, heads, arg_shardings, result_shardings = _layout(spec, mesh, arg_shapes)
+
+  def per_device(*arrays):
+    outs = spec.fn(*arrays)
+    summed = []
+    for labels, out in zip(spec.results, outs):
+      axes = _summed_axes(labels, batch, heads) if spec.sums else ()
+      if axes:
+        out = jax.lax.psum(out.astype(jnp.float32), axes).astype(out.dtype)
+      summed.append(out)
+    return tuple(summed)
+
+  return mesh, per_device, result_shardings, arg_shardings
+
+
+def _infer_from_operands(spec: ShardSpec, mesh, arg_shapes, result_shape):
+  # The GSPMD partitioner's propagation (jax_use_shardy_partitioner=False).
+  return _layout(spec, mesh, arg_shapes)[3]
+
+
+def _sharding_rule(spec: ShardSpec, mesh, operand_types, result_types):
+  """The Shardy rule: "b" and the head labels are factors shared by every array ("v" is the
+  compound (h group) when heads are grouped); every other dimension is its own factor that
+  must stay replicated."""
+  replicated = []
+  has_key_heads = any("h" in la for la in (*spec.operands, *spec.results))
+
+  def mapping(labels, name):
+    dims = []
+    for dim, label in enumerate(labels):
+      if label == "b":
+        dims.append("b")
+      elif label == "h" or (label == "v" and spec.group == 1):
+        dims.append("h")
+      elif label == "v":
+        dims.append("(h group)")
+      else:
+        factor = f"{name}d{dim}"
+        replicated.append(factor)
+        dims.append(factor)
+    return " ".join(dims)
+
+  operands = ", ".join(mapping(la, f"x{i}") for i, la in enumerate(spec.operands))
+  results = ", ".join(mapping(la, f"y{i}") for i, la in enumerate(spec.results))
+  sizes = {}
+  if any("v" in la for la in (*spec.operands, *spec.results)) and spec.group > 1:
+    sizes["group"] = spec.group
+    if not has_key_heads:
+      sizes["h"] = spec.heads
+  return f"{operands} -> {results}", dict(need_replication_factors=tuple(replicated), **sizes)
+
+
+def _apply(spec: ShardSpec, *arrays):
+  return tuple(spec.fn(*arrays))
+
+
+_partitioned = custom_partitioning(_apply, static_argnums=(0,))
+_partitioned.def_partition(
+  partition=_partition,
+  infer_sharding_from_operands=_infer_from_operands,
+  sharding_rule=_sharding_rule,
+)
+
+
+def per_shard_call(spec: ShardSpec, *arrays):
+  """`spec.fn(*arrays)` (a tuple), run per device on its block of batch rows and heads when the
+  arrays are sharded under `jax.jit` (module docstring). Under `jax.vmap` it is `spec.fn`
+  vmapped; differentiated (custom_partitioning has no autodiff rule), `spec.fn`'s own
+  derivative, unpartitioned (or the clear error of a kernel that has none)."""
+
+  @jax.custom_batching.custom_vmap
+  def partitioned(*arrays):
+    return _partitioned(spec, *arrays)
+
+  @partitioned.def_vmap
+  def _vmapped(axis_size, in_batched, *arrays):
+    axes = tuple(0 if batched else None for batched in in_batched)
+    outs = jax.vmap(lambda *a: _apply(spec, *a), in_axes=axes)(*arrays)
+    return outs, tuple(True for _ in outs)
+
+  call = jax.custom_jvp(lambda *a: partitioned(*a))
+
+  @call.defjvp
+  def _jvp(primals, tangents):
+    return jax.jvp(lambda *a: _apply(spec, *a), primals, tangents)
+
+  return call(*arrays)
+
+
+# ---- differentiable per-shard calls: the forward saves the vjp's residuals per device ----------
+#
+# custom_partitioning has no autodiff rule, so a differentiable function is split into two
+# per-shard calls inside one custom_vjp: the forward returns the outputs and the residuals of
+# `jax.vjp(fn)` (the arrays its pullback closes over), the backward takes them back and runs the
+# pullback. Each residual needs labels too: they are found from its shape at the inputs' shapes,
+# with the batch doubled and with the heads doubled (a dimension that doubles with the batch and
+# equals B is the batch, one that doubles with the heads and equals H or HV the key or value
+# heads, one that changes with neither is never split). A residual that is one of the inputs is
+# not returned again (the backward gets the inputs). A residual with no batch or head dimension
+# (a constant, or the non-finite guard's flag, which is each device's own) is declared replicated:
+# it only passes from the forward call to the backward call on the same device, and nothing
+# reads it across devices. Residuals of another kind (a dimension that
+# grows otherwise) leave `vjp_specs` returning None: the caller then recomputes the forward in
+# the backward.
+
+
+def _vjp_leaves(fn, primals):
+  """(outputs, the pullback's array leaves that are not inputs, for each leaf the index of the
+  input it is or None, the pullback's tree)."""
+  outputs, pullback = jax.vjp(fn, *primals)
+  leaves, tree = jax.tree.flatten(pullback)
+  sources = tuple(next((i for i, p in enumerate(primals) if leaf is p), None) for leaf in leaves)
+  residuals = tuple(leaf for leaf, src in zip(leaves, sources) if src is None)
+  return outputs, residuals, sources, tree
+
+
+def _probe(fn, avals):
+  def residual_shapes(*primals):
+    _, residuals, sources, _ = _vjp_leaves(fn, primals)
+    return residuals, sources
+
+  sources = []
+
+  def shapes(*primals):
+    residuals, src = residual_shapes(*primals)
+    sources.append(src)
+    return residuals
+
+  out = jax.eval_shape(shapes, *avals)
+  return out, sources[0]
+
+
+def _grown(avals, labels, grow):
+  def one(aval, la):
+    shape = tuple(2 * n if label in grow else n for n, label in zip(aval.shape, la))
+    return jax.ShapeDtypeStruct(shape, aval.dtype)
+
+  return [one(a, la) for a, la in zip(avals, labels)]
+
+
+def _residual_labels(base, by_batch, by_heads, batch, heads, heads_v):
+  labels = []
+  for n, nb, nh in zip(base.shape, by_batch.shape, by_heads.shape):
+    if nb == 2 * n and nh == n and n == batch:
+      labels.append("b")
+    elif nh == 2 * n and nb == n and n in (heads, heads_v):
+      labels.append("h" if n == heads else "v")
+    elif nb == n and nh == n:
+      labels.append("-")
+    else:
+      return None
+  return "".join(labels)
+
+
+# The pullback's tree (its structure and static data, no arrays: `jax.vjp`'s result is a pytree
+# that may cross jit boundaries) on a device's block, kept by the forward call for the backward
+# call, keyed by fn and the block's shapes. Without it the backward traces the forward again
+# (nothing of it is used; XLA removes it).
+_PULLBACK_TREES: dict = {}
+_MAX_TREES = 256
+
+
+def _tree_key(fn, primals):
+  return fn, tuple((tuple(p.shape), str(p.dtype)) for p in primals)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ForwardSaving:
+  """fn's outputs, then the residuals of its pullback that are not inputs."""
+
+  fn: Callable
+  sources: tuple
+
+  def __call__(self, *primals):
+    outputs, residuals, sources, tree = _vjp_leaves(self.fn, primals)
+    if len(_PULLBACK_TREES) >= _MAX_TREES:
+      _PULLBACK_TREES.pop(next(iter(_PULLBACK_TREES)))
+    _PULLBACK_TREES[_tree_key(self.fn, primals)] = tree
+    if sources != self.sources:
+      raise RuntimeError(
+        "the pullback's residuals on a device's block differ from those on the whole arrays: "
+        f"{sources} vs {self.sources}"
+      )
+    return (*outputs, *residuals)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BackwardFromResiduals:
+  """(*primals, *residuals, *cotangents) -> the gradients of the primals: fn's pullback rebuilt
+  on the device's block (its tree from the forward call, `_PULLBACK_TREES`) with the saved
+  residuals put in."""
+
+  fn: Callable
+  primals: int
+  sources: tuple
+
+  def __call__(self, *arrays):
+    primals = arrays[: self.primals]
+    saved = iter(arrays[self.primals : self.primals + self.sources.count(None)])
+    cotangents = arrays[self.primals + self.sources.count(None) :]
+    tree = _PULLBACK_TREES.get(_tree_key(self.fn, primals))
+    if tree is None:
+      _, _, _, tree = _vjp_leaves(self.fn, primals)
+    leaves = [next(saved) if src is None else primals[src] for src in self.sources]
+    return tuple(tree.unflatten(leaves)(tuple(cotangents)))
+
+
+@dataclasses.dataclass(frozen=True)
+class VjpSpecs:
+  """The two per-shard calls of a differentiable function: `forward` returns its outputs and
+  then the residuals, `backward` takes (*primals, *residuals, *cotangents)."""
+
+  forward: ShardSpec
+  backward: ShardSpec
+  outputs: int
+
+
+def vjp_specs(fn, operands, results, heads, group, *primals):
+  """The `VjpSpecs` of `fn` (hashable) at these primals, or None when a residual of its pullback
+  cannot be labelled (the section's comment)."""
+  avals = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in primals]
+  batch = next(a.shape[la.index("b")] for a, la in zip(avals, operands) if "b" in la)
+  base, sources = _probe(fn, avals)
+  by_batch, _ = _probe(fn, _grown(avals, operands, "b"))
+  by_heads, _ = _probe(fn, _grown(avals, operands, "hv"))
+  labels = []
+  for shapes in zip(base, by_batch, by_heads):
+    la = _residual_labels(*shapes, batch, heads, heads * group)
+    if la is None:
+      return None
+    labels.append(la)
+  labels = tuple(labels)
+  forward = ShardSpec(_ForwardSaving(fn, sources), operands, (*results, *labels), heads, group)
+  backward = ShardSpec(
+    _BackwardFromResiduals(fn, len(primals), sources),
+    (*operands, *labels, *results),
+    operands,
+    heads,
+    group,
+    sums=True,
+  )
+  return VjpSpecs(forward, backward, len(results))

@@ -1,0 +1,47 @@
+"""The operator, the step and GQA decode under plain `jax.jit` with sharded inputs
+(docs/sharding.md#under-plain-jaxjit): their Pallas kernels run per device on their block of
+batch rows and heads, with no gather.
+
+jax fixes its device count when it starts, so the cases of `tests/partitioning_checks.py` run in
+a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8: inputs sharded over the
+batch, the heads, batch x heads, batch x grouped value heads and the sequence; forward, final
+state and every gradient against one device, the outputs' and gradients' shardings, and the
+compiled program's collectives (none that move data); the one-token step, GQA decode and paged
+GQA decode likewise (forward only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "partitioning_checks.py")
+
+
+def test_sharded_inputs_run_the_kernels_per_device():
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
+  proc = subprocess.run(
+    [sys.executable, SCRIPT], capture_output=True, text=True, env=env, timeout=1800
+  )
+  results, expected = [], None
+  for line in proc.stdout.splitlines():
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if "name" in row:
+      results.append(row)
+    expected = row.get("cases", expected)
+  report = "\n".join(f"[{r['ok']}] {r['name']} ({r['seconds']} s): {r['detail']}" for r in results)
+  failed = [r for r in results if not r["ok"]]
+  assert not failed, f"{len(failed)} case(s) failed:\n{report}"
+  assert proc.returncode == 0, f"exit status {proc.returncode}\n{report}\n{proc.stderr[-4000:]}"
+  assert expected and len(results) == expected, (
+    f"{len(results)} of {expected} cases reported:\n{report}\n{proc.stderr[-4000:]}"
+  )
