@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
+
 from gdp_jax.ops.partitioning import ShardSpec, per_shard_call
 
 QUERY = "b-v-"
@@ -56,5 +58,9 @@ def partitioned(run, paged, query, *arrays):
 
 
 def per_device(run, paged: bool):
-  """`run` with the same signature, partitioned (`partitioned`)."""
+  """`run` with the same signature, partitioned (`partitioned`); `run` itself in a process with
+  one device, where there is nothing to partition (and the Mosaic GPU interpreter's callbacks
+  could not pass through custom_partitioning's lowering)."""
+  if jax.device_count() == 1:
+    return run
   return functools.partial(partitioned, run, paged)
