@@ -22,12 +22,14 @@ lint: setup
 	.venv/bin/mypy
 
 # Every test (what CI runs). test-fast leaves out the tier marked slow (subprocess and end-to-end
-# checks, heavy interpreted Pallas cases; tests/conftest.py lists them).
+# checks, heavy interpreted Pallas cases; tests/conftest.py lists them). Two workers take units of
+# tests (a file, or one subprocess test) longest first (tests/conftest.py, LONGEST_FIRST).
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 test: lint
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q $(XDIST) tests
 
 test-fast: setup
-	$(PY) -m pytest -q -n 2 -m "not slow" tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow" tests
 
 gpu-check:
 	PY="$(GPU_PY)" ./scripts/gpu_check.sh $(SECTIONS)

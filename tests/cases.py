@@ -84,7 +84,10 @@ def present_arrays(inputs):
 
 
 def loss_and_grads(fn, inputs, seed=0):
-  """Gradient of <o, do> + <final, dfinal> with respect to every array input of `fn`."""
+  """Gradient of <o, do> + <final, dfinal> with respect to every array input of `fn`.
+
+  The gradient runs as one jitted program: run eagerly, every operation of the forward and the
+  backward compiles on its own, which on a CPU takes several times longer than the one compile."""
   names, _ = present_arrays(inputs)
   B, T, _, K = inputs["q"].shape
   H, V = inputs["v"].shape[2:]  # the value heads (grouped value heads: q, k may have fewer)
@@ -96,8 +99,8 @@ def loss_and_grads(fn, inputs, seed=0):
     o, final = fn(**kw)
     return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * dfinal)
 
-  grads = jax.grad(loss, argnums=tuple(range(len(names))))(*[inputs[n] for n in names])
-  return dict(zip(names, grads))
+  grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))
+  return dict(zip(names, grad(*[inputs[n] for n in names])))
 
 
 # ---- independent float64 numpy recurrences (no code of ours) ----------------------------------

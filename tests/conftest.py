@@ -10,6 +10,10 @@ subprocesses, the GPU-matrix self-check) and the heavy interpreted Pallas cases.
 everything; `make test-fast` (`pytest -m "not slow"`) the rest. A test may also carry
 `@pytest.mark.slow` itself.
 
+Scheduling over two workers (`LONGEST_FIRST` below): each test file is one unit of work (its
+tests share compiled functions), the subprocess tests of a few files units of their own, and the
+longest units start first.
+
 On a CPU-only machine (no jax GPU plugin, or JAX_PLATFORMS=cpu) the tests compile with XLA's
 backend optimization level 0: the CPU tests run tiny shapes, so nearly all their time is XLA
 compiling (LLVM's optimisation of the generated code), not running it; level 0 compiles about a
@@ -86,16 +90,70 @@ SLOW = (
   "tests/test_dispatch.py::test_xla_backward_agrees_with_pallas_backward*",
   "tests/test_grouped_heads.py::test_grouped_equals_repeated_keys[pallas*",
   "tests/test_layers.py::test_gdp_packed_gradients_do_not_cross_documents[pallas*",
+  "tests/test_varlen.py::test_pallas_packed_equals_xla_packed*",
+  "tests/test_varlen.py::test_pallas_non_finite_input_stays_in_its_sequence*",
+  "tests/test_varlen.py::test_pallas_state_walks_run_each_sequence_apart*",
+  "tests/test_householder.py::test_pallas_matches_reference*",
+  "tests/test_mosaic_gpu.py::test_chunk_inverse_interpreted*",
+  "tests/test_mosaic_gpu.py::test_forward_interpreted_matches_xla*",
   "tests/test_mosaic_gpu_impl.py::test_forward_interpreted_matches_xla*",
   "tests/test_mosaic_gpu_impl.py::test_gradients_interpreted_match_xla*",
 )
 
-_SLOW_RE = re.compile("|".join(re.escape(p).replace(r"\*", ".*") for p in SLOW))
+
+# Scheduling under `pytest -n 2 --dist loadfile --no-loadscope-reorder` (the Makefile's test
+# targets): a worker takes the next unit of tests when it is free. A unit is a test file (its
+# tests share compiled functions and module-level results), except in the files of `SPLIT`,
+# whose tests (independent subprocesses) are units of their own (`pytest_xdist_make_scheduler`
+# below). Units start in the order of `LONGEST_FIRST` (node-id patterns as in `SLOW`; the longest
+# units on a 2-core CPU first, so that no long unit starts last while the other worker idles),
+# then in collection order.
+SPLIT = ("tests/test_sharding.py", "tests/test_notebooks.py", "tests/test_readme.py")
+LONGEST_FIRST = (
+  "tests/test_sharding.py::test_sharding_group*",
+  "tests/test_notebooks.py::test_notebook_runs*",
+  "tests/test_mosaic_gpu.py::*",
+  "tests/test_fused_forward.py::*",
+  "tests/test_grouped_heads.py::*",
+  "tests/test_varlen.py::*",
+  "tests/test_householder.py::*",
+  "tests/test_train_lm.py::*",
+  "tests/test_implementations.py::*",
+  "tests/test_gpu_matrix.py::*",
+  "tests/test_dispatch.py::*",
+  "tests/test_pallas_backward.py::*",
+  "tests/test_nonfinite.py::*",
+  "tests/test_mosaic_gpu_impl.py::*",
+  "tests/test_layers.py::*",
+  "tests/test_readme.py::test_python_block_runs_on_its_own*",
+  "tests/test_paged_decode.py::*",
+  "tests/test_decode.py::*",
+  "tests/test_models.py::*",
+  "tests/test_bench.py::*",
+)
+
+
+def _pattern(patterns):
+  return re.compile("|".join(re.escape(p).replace(r"\*", ".*") for p in patterns))
+
+
+_SLOW_RE = _pattern(SLOW)
+_FIRST_RE = [_pattern([p]) for p in LONGEST_FIRST]
+
+
+def _path_id(nodeid: str) -> str:
+  return nodeid.replace(os.sep, "/")
 
 
 def is_slow(nodeid: str) -> bool:
   """Whether a test's node id is in the slow tier (`SLOW`)."""
-  return _SLOW_RE.fullmatch(nodeid.replace(os.sep, "/")) is not None
+  return _SLOW_RE.fullmatch(_path_id(nodeid)) is not None
+
+
+def start_rank(nodeid: str) -> int:
+  """The place of a test's unit in `LONGEST_FIRST` (len(LONGEST_FIRST) when not listed)."""
+  nodeid = _path_id(nodeid)
+  return next((i for i, p in enumerate(_FIRST_RE) if p.fullmatch(nodeid)), len(LONGEST_FIRST))
 
 
 def pytest_configure(config):
@@ -107,9 +165,31 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if is_slow(item.nodeid):
       item.add_marker(slow)
+  order = {id(item): (start_rank(item.nodeid), i) for i, item in enumerate(items)}
+  items.sort(key=lambda item: order[id(item)])
   if ON_GPU:
     return
   skip = pytest.mark.skip(reason="large shapes run compiled on the GPU only")
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+try:
+  from xdist.scheduler import LoadFileScheduling
+except ImportError:  # without pytest-xdist: one process, collection order
+  LoadFileScheduling = None
+
+if LoadFileScheduling is not None:
+
+  class UnitScheduling(LoadFileScheduling):
+    """`--dist loadfile`, with each test of the `SPLIT` files a unit of its own."""
+
+    def _split_scope(self, nodeid):
+      path = _path_id(nodeid).split("::")[0]
+      return nodeid if path in SPLIT else super()._split_scope(nodeid)
+
+  def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadfile":
+      return UnitScheduling(config, log)
+    return None

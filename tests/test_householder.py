@@ -48,7 +48,9 @@ def hh_inputs(seed, n_h, B=2, T=7, H=2, K=16, V=8, with_state=True, with_g=True,
   )
 
 
+@functools.partial(jax.jit, static_argnames=("implementation", "n_h", "chunk_size"))
 def run(implementation, n_h, chunk_size=16, **inputs):
+  """The operator with its final state, jitted (one compile per case, not one per operation)."""
   return householder_delta_product(
     **inputs,
     num_householder=n_h,
@@ -109,8 +111,8 @@ def check_against_reference(implementation, n_h, inputs, chunk_size=16):
   assert o.shape == o_ref.shape and o.dtype == inputs["q"].dtype
   assert_close(o, o_ref, F32, f"{implementation} o")
   assert_close(f, f_ref, F32, f"{implementation} final state")
-  g_ref = loss_and_grads(jax.jit(functools.partial(run, "reference", n_h)), inputs)
-  g_got = loss_and_grads(jax.jit(functools.partial(run, implementation, n_h, chunk_size)), inputs)
+  g_ref = loss_and_grads(functools.partial(run, "reference", n_h), inputs)
+  g_got = loss_and_grads(functools.partial(run, implementation, n_h, chunk_size), inputs)
   assert set(g_got) == set(g_ref) == {n for n, x in inputs.items() if x is not None}
   for name in g_ref:
     assert g_got[name].shape == inputs[name].shape, name

@@ -49,10 +49,26 @@ GRADIENT_CASES = [
 ]
 
 
+@functools.partial(jax.jit, static_argnames=("implementation", "chunk_size"))
 def run(implementation, chunk_size=64, **inputs):
+  """The operator with its final state, jitted: one compile per case instead of one per op."""
   return gated_delta_product(
     **inputs, output_final_state=True, chunk_size=chunk_size, implementation=implementation
   )
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """The reference's results, computed once per case for every implementation class:
+  `reference(key, compute)` returns compute()'s value, computing it on the key's first use."""
+  found = {}
+
+  def get(key, compute):
+    if key not in found:
+      found[key] = compute()
+    return found[key]
+
+  return get
 
 
 def check_two_halves_thread_the_state(implementation):
@@ -79,10 +95,10 @@ class ChunkedImplementationTests:
     check_two_halves_thread_the_state(self.implementation)
 
   @pytest.mark.parametrize("r,mask_kind,T,chunk", FORWARD_CASES)
-  def test_forward_matches_reference(self, r, mask_kind, T, chunk):
+  def test_forward_matches_reference(self, reference, r, mask_kind, T, chunk):
     implementation = self.implementation
     inputs = make_inputs(3, B=2, T=T, H=2, K=32, V=16, r=r, mask_kind=mask_kind)
-    o_ref, f_ref = run("reference", **inputs)
+    o_ref, f_ref = reference(("forward", r, mask_kind, T), lambda: run("reference", **inputs))
     o, f = run(implementation, chunk, **inputs)
     assert o.dtype == jnp.float32 and f.dtype == jnp.float32
     assert o.shape == o_ref.shape and f.shape == f_ref.shape
@@ -90,28 +106,34 @@ class ChunkedImplementationTests:
     assert_close(f, f_ref, tol(jnp.float32), "final state")
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-  def test_forward_half_precision(self, dtype):
+  def test_forward_half_precision(self, reference, dtype):
     implementation = self.implementation
     inputs = make_inputs(4, B=1, T=40, H=2, K=32, V=32, r=2, mask_kind="head", dtype=dtype)
-    o_ref, f_ref = run("reference", **inputs)
+    o_ref, f_ref = reference(("half", dtype), lambda: run("reference", **inputs))
     o, f = run(implementation, 32, **inputs)
     assert o.dtype == dtype and f.dtype == jnp.float32
     assert_close(o, o_ref, tol(dtype), "o")
     assert_close(f, f_ref, tol(dtype), "final state")
     # and against the float32 computation on the same (rounded) inputs
-    o32, _ = run(
-      "reference",
-      **{n: (x.astype(jnp.float32) if x is not None else None) for n, x in inputs.items()},
+    o32, _ = reference(
+      ("half in float32", dtype),
+      lambda: run(
+        "reference",
+        **{n: (x.astype(jnp.float32) if x is not None else None) for n, x in inputs.items()},
+      ),
     )
     assert_close(o, o32, tol(dtype), "o vs float32")
 
   @pytest.mark.parametrize("r,mask_kind,T,with_state", GRADIENT_CASES)
-  def test_gradients_match_reference(self, r, mask_kind, T, with_state):
+  def test_gradients_match_reference(self, reference, r, mask_kind, T, with_state):
     implementation = self.implementation
     inputs = make_inputs(
       11, B=2, T=T, H=2, K=32, V=16, r=r, mask_kind=mask_kind, with_state=with_state
     )
-    g_ref = loss_and_grads(functools.partial(run, "reference"), inputs)
+    g_ref = reference(
+      ("gradients", r, mask_kind, T, with_state),
+      lambda: loss_and_grads(functools.partial(run, "reference"), inputs),
+    )
     g_got = loss_and_grads(functools.partial(run, implementation, 16), inputs)
     assert set(g_got) == set(g_ref)
     for name in g_ref:
@@ -120,16 +142,18 @@ class ChunkedImplementationTests:
       assert_close(g_got[name], g_ref[name], GRAD_TOLERANCE[jnp.float32], f"d{name}")
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-  def test_gradients_half_precision(self, dtype):
+  def test_gradients_half_precision(self, reference, dtype):
     implementation = self.implementation
     inputs = make_inputs(12, B=1, T=40, H=2, K=32, V=32, r=2, mask_kind="head", dtype=dtype)
-    g_ref = loss_and_grads(functools.partial(run, "reference"), inputs)
+    g_ref = reference(
+      ("half gradients", dtype), lambda: loss_and_grads(functools.partial(run, "reference"), inputs)
+    )
     g_got = loss_and_grads(functools.partial(run, implementation, 16), inputs)
     for name in g_ref:
       assert g_got[name].dtype == inputs[name].dtype, name
       assert_close(g_got[name], g_ref[name], GRAD_TOLERANCE[dtype], f"d{name}")
 
-  def test_transformations_compose(self):
+  def test_transformations_compose(self, reference):
     """value_and_grad under jit and checkpoint, and vmap over an extra leading axis."""
     implementation = self.implementation
     inputs = make_inputs(13, B=1, T=24, H=2, K=32, V=16, r=2, mask_kind="token")
@@ -143,7 +167,12 @@ class ChunkedImplementationTests:
       return jnp.sum(o * o) + jnp.sum(jnp.sin(f))
 
     argnums = tuple(range(1, 8))
-    ref_val, ref_grads = jax.value_and_grad(loss, argnums=argnums)("reference", *args)
+    ref_val, ref_grads = reference(
+      "transformations",
+      lambda: jax.jit(jax.value_and_grad(loss, argnums=argnums), static_argnums=0)(
+        "reference", *args
+      ),
+    )
     val, grads = jax.jit(
       jax.value_and_grad(jax.checkpoint(loss, static_argnums=0), argnums=argnums), static_argnums=0
     )(implementation, *args)
@@ -151,7 +180,8 @@ class ChunkedImplementationTests:
     for gr, ref, name in zip(grads, ref_grads, names):
       assert_close(gr, ref, GRAD_TOLERANCE[jnp.float32], f"d{name}")
     stacked = [jnp.stack([a, 0.5 * a]) for a in args]
-    vgrads = jax.vmap(jax.grad(functools.partial(loss, implementation), argnums=(0, 2)))(*stacked)
+    vgrad = jax.vmap(jax.grad(functools.partial(loss, implementation), argnums=(0, 2)))
+    vgrads = jax.jit(vgrad)(*stacked)
     assert_close(vgrads[0][0], ref_grads[0], GRAD_TOLERANCE[jnp.float32], "vmap dq")
     assert_close(vgrads[1][0], ref_grads[2], GRAD_TOLERANCE[jnp.float32], "vmap dv")
 

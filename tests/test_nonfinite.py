@@ -32,10 +32,22 @@ T, CHUNK, BAD_T = 40, 16, 28  # token 28: second chunk, lower half of its chunk 
 SAME = 1e-6
 
 
-def run(implementation, **inputs):
-  return gated_delta_product(
-    **inputs, output_final_state=True, chunk_size=CHUNK, implementation=implementation
+def _operator(implementation):
+  return functools.partial(
+    gated_delta_product, output_final_state=True, chunk_size=CHUNK, implementation=implementation
   )
+
+
+# "xla" and "reference" as one jitted program per implementation, shared by every case of the
+# same shapes (run eagerly, each operation would compile on its own).
+_jitted_operator = functools.cache(lambda implementation: jax.jit(_operator(implementation)))
+
+
+def run(implementation, **inputs):
+  """The operator with its final state; "pallas" eagerly (the guard's Python choice)."""
+  if dispatch.is_pallas(implementation):
+    return _operator(implementation)(**inputs)
+  return _jitted_operator(implementation)(**inputs)
 
 
 # ---- g = -inf: a reset ---------------------------------------------------------------------------
@@ -141,10 +153,16 @@ def loss_on_prefix(implementation):
   return loss
 
 
+@functools.cache
+def _grad(implementation):
+  """jax.grad of the prefix loss: eager for "pallas" (the guard's Python choice), else jitted
+  once per implementation."""
+  grad = jax.grad(loss_on_prefix(implementation), argnums=tuple(range(len(NAMES))))
+  return grad if dispatch.is_pallas(implementation) else jax.jit(grad)
+
+
 def grads(implementation, inputs):
-  loss = loss_on_prefix(implementation)
-  argnums = tuple(range(len(NAMES)))
-  return dict(zip(NAMES, jax.grad(loss, argnums=argnums)(*[inputs[n] for n in NAMES])))
+  return dict(zip(NAMES, _grad(implementation)(*[inputs[n] for n in NAMES])))
 
 
 # The clean results, once per implementation (the interpreted Pallas kernels are slow).

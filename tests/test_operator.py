@@ -4,6 +4,8 @@ gradients of each implementation against the reference: test_implementations.py.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,9 @@ from gdp_jax import gated_delta_product
 from tests.cases import assert_close, make_inputs, np_gated_delta_rule, tol
 
 
+@functools.partial(jax.jit, static_argnames=("implementation", "chunk_size"))
 def run(implementation, chunk_size=64, **inputs):
+  """The operator with its final state, jitted (one compile per case, not one per operation)."""
   return gated_delta_product(
     **inputs, output_final_state=True, chunk_size=chunk_size, implementation=implementation
   )

@@ -47,7 +47,8 @@ def test_python_block_runs_on_its_own(block):
     os.environ,
     JAX_PLATFORMS="cpu",
     PYTHONPATH=str(ROOT),
-    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    # the CPU compile level tests/conftest.py sets, and 8 devices
+    XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"),
     PYTHONWARNINGS="ignore::DeprecationWarning",
   )
   out = subprocess.run(

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from tests.conftest import SLOW
+from tests.conftest import LONGEST_FIRST, SLOW, SPLIT
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -125,11 +125,14 @@ def _test_functions():
   return names
 
 
-def test_every_slow_pattern_names_a_test():
+def test_every_slow_and_scheduling_pattern_names_a_test():
   tests = _test_functions()
-  for pattern in SLOW:
-    base = pattern.split("[")[0].rstrip("*")
-    assert any(t.startswith(base) for t in tests), f"SLOW names no test: {pattern}"
+  for name, patterns in (("SLOW", SLOW), ("LONGEST_FIRST", LONGEST_FIRST)):
+    for pattern in patterns:
+      base = pattern.split("[")[0].rstrip("*")
+      assert any(t.startswith(base) for t in tests), f"{name} names no test: {pattern}"
+  for path in SPLIT:
+    assert (ROOT / path).is_file(), f"SPLIT names no file: {path}"
 
 
 def test_slow_patterns_match_node_ids():
@@ -147,3 +150,14 @@ def test_make_targets_run_the_tiers():
   full = re.search(r"^test:.*\n\t(.*)", makefile, re.M)
   assert fast and '-m "not slow"' in fast.group(1), makefile
   assert full and "slow" not in full.group(1) and full.group(1).endswith(" tests"), makefile
+  # both take units of tests longest first (tests/conftest.py, UnitScheduling)
+  assert "$(XDIST)" in fast.group(1) and "$(XDIST)" in full.group(1), makefile
+  assert "XDIST := -n 2 --dist loadfile --no-loadscope-reorder" in makefile, makefile
+
+
+def test_units_start_longest_first():
+  from tests.conftest import start_rank
+
+  assert start_rank("tests/test_sharding.py::test_sharding_group[pallas_model_bench]") == 0
+  assert start_rank("tests/test_sharding.py::test_every_group_runs") == len(LONGEST_FIRST)
+  assert 0 < start_rank("tests/test_householder.py::test_bad_inputs_raise[x]") < len(LONGEST_FIRST)
