@@ -113,6 +113,8 @@ LONGEST_FIRST = (
   "tests/test_sharding.py::test_sharding_group*",
   "tests/test_notebooks.py::test_notebook_runs*",
   "tests/test_mosaic_gpu.py::*",
+  "tests/test_partitioning.py::*",
+  "tests/test_mosaic_gpu_impl.py::*",
   "tests/test_fused_forward.py::*",
   "tests/test_grouped_heads.py::*",
   "tests/test_varlen.py::*",
