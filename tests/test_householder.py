@@ -6,7 +6,7 @@ reference, forward and every gradient; n_h = 1 against `gated_delta_product`; th
 whole sequence; packed sequences (`cu_seqlens`: packed equals separate calls, outputs, final states
 and every gradient, against the float64 recurrence per sequence, one compilation for new
 boundaries, the default implementation, the errors); argument checks; the layer's "householder"
-and "rotation" modes (whole sequence against decode steps) and a hybrid model with a DeltaProduct
+mode (whole sequence against decode steps) and a hybrid model with a DeltaProduct
 layer training a step.
 """
 
@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 from gdp_jax import gated_delta_product, householder_delta_product, householder_delta_product_step
-from gdp_jax.layers import GatedDeltaProduct, rotation_mask
+from gdp_jax.layers import GatedDeltaProduct
 from gdp_jax.models import HybridConfig, HybridLM
 from tests.cases import GRAD_TOLERANCE, assert_close, cotangents, loss_and_grads, tol
 
@@ -597,7 +597,6 @@ def run_steps(layer, x, cache):
   [
     dict(mask_mode="householder", num_householder=2, allow_neg_eigval=True),
     dict(mask_mode="householder", num_householder=3, use_short_conv=False, use_gate=False),
-    dict(mask_mode="rotation", num_blocks=2),
   ],
 )
 def test_layer_sequence_matches_steps(kw):
@@ -647,31 +646,10 @@ def test_householder_layer_is_the_operator():
   assert float(beta.max()) < 1.0  # allow_neg_eigval off
 
 
-def test_rotation_mask_is_a_contraction_that_rotates():
-  """I - beta M = (1 - beta) I + beta C with ||C|| <= 1; C at c1 = c2 = 1 is a rotation."""
-  w = jax.random.normal(jax.random.key(4), (64, 2, 3)) * 3.0  # r = 4: two pairs
-  m = np.asarray(rotation_mask(w))
-  assert m.shape == (64, 4, 4)
-  assert np.abs(m[:, :2, 2:]).max() == 0 and np.abs(m[:, 2:, :2]).max() == 0
-  for beta in (0.3, 1.0):
-    norms = np.linalg.norm(np.eye(4) - beta * m, ord=2, axis=(-2, -1))
-    assert norms.max() <= 1 + 1e-5
-  big = 20.0  # tanh -> 1
-  theta = 2 * np.pi / 3
-  w_rot = jnp.array([[[np.arctanh(theta / np.pi), big, big]]], jnp.float32)
-  trans = np.eye(2) - np.asarray(rotation_mask(w_rot))[0]  # beta = 1
-  np.testing.assert_allclose(
-    trans, [[np.cos(theta), -np.sin(theta)], [np.sin(theta), np.cos(theta)]], atol=1e-5
-  )
-
-
 @pytest.mark.parametrize(
   "kw,match",
   [
     (dict(mask_mode="householder", num_householder=0), "num_householder must be a positive"),
-    (dict(mask_mode="rotation", num_blocks=1), "num_blocks must be even"),
-    (dict(mask_mode="rotation", key_norm="full"), "needs key_norm='block'"),
-    (dict(mask_mode="rotation", allow_neg_eigval=True), "set allow_neg_eigval=False"),
   ],
 )
 def test_layer_bad_configuration(kw, match):

@@ -567,11 +567,10 @@ def check_step_tokens(layer, seed, lengths, tq, rtol=2e-5, **kw):
     dict(mask_mode="static"),
     dict(mask_mode="token", use_gate=False),
     dict(mask_mode="ones"),
-    dict(mask_mode="rotation"),
     dict(mask_mode="householder", num_householder=2),
     dict(mask_mode="static", use_short_conv=False),
   ],
-  ids=["static", "token", "ones", "rotation", "householder", "no-conv"],
+  ids=["static", "token", "ones", "householder", "no-conv"],
 )
 def test_gdp_step_tokens_matches_steps(kw):
   check_step_tokens(gdp(**kw), 30, [2, 4], 3)

@@ -37,7 +37,7 @@ from gdp_jax.layers.common import (
 )
 from gdp_jax.layers.common import _check_room as _check_room  # models use it
 from gdp_jax.layers.delta_product import GatedDeltaProduct, GatedDeltaProductCache
-from gdp_jax.layers.masks import block_mask, rotation_mask
+from gdp_jax.layers.masks import block_mask
 from gdp_jax.layers.short_conv import ShortConv
 
 __all__ = [
@@ -55,6 +55,5 @@ __all__ = [
   "apply_rope",
   "block_mask",
   "l2norm",
-  "rotation_mask",
   "segment_starts",
 ]

@@ -12,7 +12,7 @@ from flax import nnx
 # `GatedDeltaProduct.__call__` and docs/train_lm.md): the operator's reset value.
 from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY  # noqa: F401
 
-MASK_MODES = ("static", "token", "ones", "rotation", "householder")
+MASK_MODES = ("static", "token", "ones", "householder")
 KEY_NORMS = ("block", "full")
 ATTENTION_IMPLS = ("xla", "flash")
 f32 = jnp.float32

@@ -28,7 +28,7 @@ from gdp_jax.layers.common import (
   l2norm,
   segment_starts,
 )
-from gdp_jax.layers.masks import block_mask, rotation_mask
+from gdp_jax.layers.masks import block_mask
 from gdp_jax.layers.short_conv import ShortConv
 from gdp_jax.ops.gated_delta_product.api import gated_delta_product
 from gdp_jax.ops.householder.api import householder_delta_product, householder_delta_product_step
@@ -91,13 +91,6 @@ class GatedDeltaProduct(nnx.Module):
   normalisation), which is exactly what "static"/"token" compute at M = ones. It has no mask
   parameters; use it as the baseline of the same size.
 
-  `mask_mode="rotation"` (per token, r even, block keys) makes the mask signed and
-  non-symmetric, so the transition can rotate: M = I - C with C = R(theta) diag(c1, c2) on each
-  pair of key blocks, theta, c1, c2 from a projection of x (`rotation_mask`). On the span of the
-  unit key blocks the transition is (1 - beta) I + beta C, a contraction for beta in (0, 1), so
-  beta stays in (0, 1) (negative eigenvalues come from the mask: `allow_neg_eigval` must be
-  False) and `beta_norm` does not apply.
-
   `mask_mode="householder"` is DeltaProduct (Siems et al. 2025; flash-linear-attention's
   `GatedDeltaProduct` layer): each token writes `num_householder` = n_h rank-1 delta steps in
   order, each with its own key (from its own slice of k_proj, L2-normalised over the whole
@@ -116,7 +109,7 @@ class GatedDeltaProduct(nnx.Module):
       `sharding` yet.
     expand_v: value dim V = head_dim * expand_v (a whole number).
     num_blocks: r, the number of key blocks (the mask is r x r).
-    mask_mode: "static" | "token" | "ones" | "rotation" | "householder" (see above).
+    mask_mode: "static" | "token" | "ones" | "householder" (see above).
     num_householder: n_h, the delta steps per token in "householder" mode.
     key_norm: "block" | "full" (see above).
     beta_norm: divide beta by rho(M) ("block" normalisation only; see above).
@@ -187,22 +180,6 @@ class GatedDeltaProduct(nnx.Module):
     if householder:
       _check_positive_int("num_householder", num_householder)
       num_blocks = 1  # the r = 1 operator over T * n_h sub-steps
-    if mask_mode == "rotation":
-      if num_blocks % 2 != 0:
-        raise ValueError(
-          f"mask_mode='rotation' rotates pairs of key blocks: num_blocks must "
-          f"be even, got {num_blocks}"
-        )
-      if key_norm != "block":
-        raise ValueError(
-          f"mask_mode='rotation' needs key_norm='block' (unit key blocks keep "
-          f"the transition a contraction), got key_norm={key_norm!r}"
-        )
-      if allow_neg_eigval:
-        raise ValueError(
-          "mask_mode='rotation' keeps beta in (0, 1) (its mask gives the "
-          "negative eigenvalues and rotations): set allow_neg_eigval=False"
-        )
     if head_dim % num_blocks != 0:
       raise ValueError(
         f"head_dim = {head_dim} must be divisible by num_blocks = {num_blocks} "
@@ -280,18 +257,6 @@ class GatedDeltaProduct(nnx.Module):
         bias_init=lambda *_: w0.reshape(HV * r * r).astype(param_dtype),
         rngs=rngs,
       )
-    elif mask_mode == "rotation":
-      # theta, c1, c2 per head and pair of key blocks; zero at init: C = 0, M = I.
-      self.mask_proj = Linear(
-        D,
-        HV * (r // 2) * 3,
-        use_bias=True,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        kernel_init=nnx.initializers.normal(0.02),
-        bias_init=nnx.initializers.zeros,
-        rngs=rngs,
-      )
     if use_short_conv:
       self.conv = ShortConv(self._conv_channels(), conv_size, param_dtype=param_dtype, rngs=rngs)
     if use_gate:
@@ -307,7 +272,7 @@ class GatedDeltaProduct(nnx.Module):
     return H * K + n * H * K + n * self.num_v_heads * V
 
   def _mask(self, x):
-    """[HV, r, r] (static), [..., HV, r, r] (token, rotation: from x [..., D]), or None (ones,
+    """[HV, r, r] (static), [..., HV, r, r] (token: from x [..., D]), or None (ones,
     householder: r = 1)."""
     H, r = self.num_v_heads, self.num_blocks
     if self.mask_mode == "static":
@@ -315,9 +280,6 @@ class GatedDeltaProduct(nnx.Module):
     if self.mask_mode == "token":
       w = self.mask_proj(x).astype(f32)
       return block_mask(w.reshape(x.shape[:-1] + (H, r, r)))
-    if self.mask_mode == "rotation":
-      w = self.mask_proj(x).astype(f32)
-      return rotation_mask(w.reshape(x.shape[:-1] + (H, r // 2, 3)))
     return None
 
   def _qk_norm(self, x):
@@ -344,9 +306,7 @@ class GatedDeltaProduct(nnx.Module):
 
   def _scale_beta(self, beta, mask):
     """beta / rho(M), rho(M) = max_a sum_b M[a, b] ([H] or per token), with "block" keys."""
-    if (
-      not self.beta_norm or mask is None or self.key_norm != "block" or self.mask_mode == "rotation"
-    ):
+    if not self.beta_norm or mask is None or self.key_norm != "block":
       return beta
     return beta / jnp.max(jnp.sum(mask, axis=-1), axis=-1)
 
