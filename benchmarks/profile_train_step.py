@@ -198,7 +198,7 @@ def operator_case(cfg, mc, dtype):
     desc = dict(kind="householder", B=B, T=T, H=H, K=K, V=V, num_householder=n)
   else:
     r = 1 if mc.mask_mode == "ones" else mc.num_blocks
-    kind = {"ones": None, "static": "head", "token": "token", "rotation": "token"}[mc.mask_mode]
+    kind = {"ones": None, "static": "head", "token": "token"}[mc.mask_mode]
     x = random_inputs(0, B=B, T=T, H=H, K=K, V=V, r=r, mask_kind=kind, dtype=dtype)
 
     def fwd(q, k, v, g, beta, *mask):

@@ -2,9 +2,9 @@
 
 The operator and the inference steps are imported here (their code: gdp_jax/ops/, one folder per
 op); the submodules `layers` and `models` (Flax), `sharding`, `dispatch` and `ops` load on first
-use, e.g. `gdp_jax.layers.GatedDeltaProduct` after `import gdp_jax`. The demo, the language-model
-example and the benchmarks live outside the package, in the repository's `examples/` and
-`benchmarks/`.
+use, e.g. `gdp_jax.layers.GatedDeltaProduct` or `gdp_jax.layers.HouseholderDeltaProduct` after
+`import gdp_jax`. The demo, the language-model example and the benchmarks live outside the
+package, in the repository's `examples/` and `benchmarks/`.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from gdp_jax.layers import (
   GatedDeltaProductCache,
   GatedRMSNorm,
   GroupedQueryAttention,
+  HouseholderDeltaProduct,
   KVCache,
   Linear,
   _check_room,
@@ -48,21 +49,25 @@ LAYER_KINDS = {
   "H": "DeltaProduct (Householder)",
   "A": "grouped-query attention",
 }
+# HybridConfig.mask_mode: the block masks of `GatedDeltaProduct`, or "householder": every "D"
+# layer a `HouseholderDeltaProduct` (the same as writing "H" for it).
+CONFIG_MASK_MODES = (*MASK_MODES, "householder")
 
 
 @dataclasses.dataclass(frozen=True)
 class HybridConfig:
   """Configuration of `HybridLM`.
 
-  layer_pattern: one letter per layer, "D" (GatedDeltaProduct with the block mask of
-    `mask_mode`), "H" (GatedDeltaProduct in "householder" mode: DeltaProduct with
-    `num_householder` steps per token) or "A" (GroupedQueryAttention), e.g. "DDA" = two delta
-    product layers then one attention layer, "DHA" = a block-mask layer, a DeltaProduct layer
-    and an attention layer.
-  Delta product layers ("D" and "H"): num_heads, head_dim (K), expand_v, num_blocks (r),
-    mask_mode, key_norm, use_short_conv, use_gate, allow_neg_eigval, chunk_size (see
-    `layers.GatedDeltaProduct`); num_householder (n_h) for "H" layers (and for "D" layers
-    when mask_mode = "householder").
+  layer_pattern: one letter per layer, "D" (`layers.GatedDeltaProduct` with the block mask of
+    `mask_mode`), "H" (`layers.HouseholderDeltaProduct`: DeltaProduct with `num_householder`
+    steps per token) or "A" (GroupedQueryAttention), e.g. "DDA" = two delta product layers
+    then one attention layer, "DHA" = a block-mask layer, a DeltaProduct layer and an
+    attention layer.
+  Delta product layers ("D" and "H"): num_heads, head_dim (K), expand_v, use_short_conv,
+    use_gate, allow_neg_eigval, chunk_size; for "D" layers num_blocks (r), mask_mode,
+    key_norm, beta_norm (see `layers.GatedDeltaProduct`); num_householder (n_h) for "H" layers
+    (see `layers.HouseholderDeltaProduct`). mask_mode = "householder" makes every "D" layer an
+    "H" layer.
   Attention layers: attn_num_heads, attn_num_kv_heads, attn_head_dim (default
     hidden_size // attn_num_heads), rope_theta, attn_impl ("xla" or "flash": the
     whole-sequence attention, see `layers.GroupedQueryAttention`'s attention_impl).
@@ -114,8 +119,8 @@ class HybridConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if self.mask_mode not in MASK_MODES:
-      raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {self.mask_mode!r}")
+    if self.mask_mode not in CONFIG_MASK_MODES:
+      raise ValueError(f"mask_mode must be one of {CONFIG_MASK_MODES}, got {self.mask_mode!r}")
     if self.key_norm not in KEY_NORMS:
       raise ValueError(f"key_norm must be one of {KEY_NORMS}, got {self.key_norm!r}")
     if self.attn_impl not in ATTENTION_IMPLS:
@@ -243,26 +248,38 @@ class Block(nnx.Module):
   def __init__(self, kind: str, c: HybridConfig, *, rngs: nnx.Rngs, sharding=None):
     self.kind = kind
     self.mixer_norm = GatedRMSNorm(c.hidden_size, eps=c.norm_eps)
-    if kind in ("D", "H"):
-      self.mixer: GatedDeltaProduct | GroupedQueryAttention = GatedDeltaProduct(
+    self.mixer: GatedDeltaProduct | HouseholderDeltaProduct | GroupedQueryAttention
+    delta: dict[str, Any] = dict(  # the settings both delta layers take
+      expand_v=c.expand_v,
+      use_short_conv=c.use_short_conv,
+      use_gate=c.use_gate,
+      allow_neg_eigval=c.allow_neg_eigval,
+      norm_eps=c.norm_eps,
+      chunk_size=c.chunk_size,
+      implementation=c.implementation,
+      dtype=c.dtype,
+      rngs=rngs,
+    )
+    if kind == "H" or (kind == "D" and c.mask_mode == "householder"):
+      if sharding is not None:
+        raise ValueError(
+          "sharding is not supported with DeltaProduct layers ('H' in layer_pattern, or "
+          "mask_mode='householder') yet; use sharding=None or 'D' layers with a block mask"
+        )
+      self.mixer = HouseholderDeltaProduct(
+        c.hidden_size, c.num_heads, c.head_dim, num_householder=c.num_householder, **delta
+      )
+    elif kind == "D":
+      self.mixer = GatedDeltaProduct(
         c.hidden_size,
         c.num_heads,
         c.head_dim,
-        expand_v=c.expand_v,
         num_blocks=c.num_blocks,
-        mask_mode="householder" if kind == "H" else c.mask_mode,
+        mask_mode=c.mask_mode,
         key_norm=c.key_norm,
-        use_short_conv=c.use_short_conv,
-        use_gate=c.use_gate,
-        allow_neg_eigval=c.allow_neg_eigval,
         beta_norm=c.beta_norm,
-        norm_eps=c.norm_eps,
-        chunk_size=c.chunk_size,
-        implementation=c.implementation,
-        dtype=c.dtype,
-        num_householder=c.num_householder,
         sharding=sharding,
-        rngs=rngs,
+        **delta,
       )
     else:
       self.mixer = GroupedQueryAttention(

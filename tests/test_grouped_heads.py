@@ -298,7 +298,6 @@ def test_layer_grouped_sequence_matches_steps():
   [
     (dict(num_v_heads=3), "num_v_heads = 3 must be a multiple of num_heads = 2"),
     (dict(num_v_heads=0), "num_v_heads must be a positive integer"),
-    (dict(num_v_heads=4, mask_mode="householder"), "not supported with mask_mode='householder'"),
   ],
 )
 def test_layer_bad_num_v_heads(kw, match):

@@ -5,9 +5,9 @@ decay per token); "xla" and "pallas" (the r = 1 operator over T*n_h sub-steps) a
 reference, forward and every gradient; n_h = 1 against `gated_delta_product`; the step against the
 whole sequence; packed sequences (`cu_seqlens`: packed equals separate calls, outputs, final states
 and every gradient, against the float64 recurrence per sequence, one compilation for new
-boundaries, the default implementation, the errors); argument checks; the layer's "householder"
-and "rotation" modes (whole sequence against decode steps) and a hybrid model with a DeltaProduct
-layer training a step.
+boundaries, the default implementation, the errors); argument checks; the layer
+`HouseholderDeltaProduct` (whole sequence against decode steps) and a hybrid model with a
+DeltaProduct layer training a step.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 from gdp_jax import gated_delta_product, householder_delta_product, householder_delta_product_step
-from gdp_jax.layers import GatedDeltaProduct, rotation_mask
+from gdp_jax.layers import GatedDeltaProduct, GroupedQueryAttention, HouseholderDeltaProduct
 from gdp_jax.models import HybridConfig, HybridLM
 from tests.cases import GRAD_TOLERANCE, assert_close, cotangents, loss_and_grads, tol
 
@@ -582,7 +582,7 @@ D, H, K = 16, 2, 8
 def layer_of(**kw):
   args = dict(expand_v=2, chunk_size=16, implementation="xla")
   args.update(kw)
-  return GatedDeltaProduct(D, H, K, rngs=nnx.Rngs(0), **args)
+  return HouseholderDeltaProduct(D, H, K, rngs=nnx.Rngs(0), **args)
 
 
 def run_steps(layer, x, cache):
@@ -597,9 +597,8 @@ def run_steps(layer, x, cache):
 @pytest.mark.parametrize(
   "kw",
   [
-    dict(mask_mode="householder", num_householder=2, allow_neg_eigval=True),
-    dict(mask_mode="householder", num_householder=3, use_short_conv=False, use_gate=False),
-    dict(mask_mode="rotation", num_blocks=2),
+    dict(num_householder=2, allow_neg_eigval=True),
+    dict(num_householder=3, use_short_conv=False, use_gate=False),
   ],
 )
 def test_layer_sequence_matches_steps(kw):
@@ -619,7 +618,7 @@ def test_layer_sequence_matches_steps(kw):
 def test_householder_layer_ragged_prefill_and_gradients():
   """Right-padded prompts: the prefill's cache continued step by step gives the whole-sequence
   outputs; every parameter gets a gradient."""
-  layer = layer_of(mask_mode="householder", num_householder=2, allow_neg_eigval=True)
+  layer = layer_of(num_householder=2, allow_neg_eigval=True)
   x = jax.random.normal(jax.random.key(2), (2, 8, D))
   lengths = jnp.array([3, 6], jnp.int32)
   pad = jnp.arange(8)[None, :, None] >= lengths[:, None, None]
@@ -639,7 +638,7 @@ def test_householder_layer_ragged_prefill_and_gradients():
 
 def test_householder_layer_is_the_operator():
   """The layer's operator call: k, v, beta per step from their own projection slices."""
-  layer = layer_of(mask_mode="householder", num_householder=2, use_short_conv=False)
+  layer = layer_of(num_householder=2, use_short_conv=False)
   x = jax.random.normal(jax.random.key(3), (1, 5, D))
   q, k, v = layer._split_qkv(jax.nn.silu(layer._project_in(x)))
   assert q.shape == (1, 5, H, K) and k.shape == (1, 5, 2, H, K) and v.shape == (1, 5, 2, H, 16)
@@ -649,31 +648,11 @@ def test_householder_layer_is_the_operator():
   assert float(beta.max()) < 1.0  # allow_neg_eigval off
 
 
-def test_rotation_mask_is_a_contraction_that_rotates():
-  """I - beta M = (1 - beta) I + beta C with ||C|| <= 1; C at c1 = c2 = 1 is a rotation."""
-  w = jax.random.normal(jax.random.key(4), (64, 2, 3)) * 3.0  # r = 4: two pairs
-  m = np.asarray(rotation_mask(w))
-  assert m.shape == (64, 4, 4)
-  assert np.abs(m[:, :2, 2:]).max() == 0 and np.abs(m[:, 2:, :2]).max() == 0
-  for beta in (0.3, 1.0):
-    norms = np.linalg.norm(np.eye(4) - beta * m, ord=2, axis=(-2, -1))
-    assert norms.max() <= 1 + 1e-5
-  big = 20.0  # tanh -> 1
-  theta = 2 * np.pi / 3
-  w_rot = jnp.array([[[np.arctanh(theta / np.pi), big, big]]], jnp.float32)
-  trans = np.eye(2) - np.asarray(rotation_mask(w_rot))[0]  # beta = 1
-  np.testing.assert_allclose(
-    trans, [[np.cos(theta), -np.sin(theta)], [np.sin(theta), np.cos(theta)]], atol=1e-5
-  )
-
-
 @pytest.mark.parametrize(
   "kw,match",
   [
-    (dict(mask_mode="householder", num_householder=0), "num_householder must be a positive"),
-    (dict(mask_mode="rotation", num_blocks=1), "num_blocks must be even"),
-    (dict(mask_mode="rotation", key_norm="full"), "needs key_norm='block'"),
-    (dict(mask_mode="rotation", allow_neg_eigval=True), "set allow_neg_eigval=False"),
+    (dict(num_householder=0), "num_householder must be a positive"),
+    (dict(num_householder=True), "num_householder must be a positive"),
   ],
 )
 def test_layer_bad_configuration(kw, match):
@@ -701,7 +680,12 @@ def test_hybrid_model_with_a_householder_layer_trains_a_step():
     implementation="xla",
   )
   model = HybridLM(config, rngs=nnx.Rngs(0))
-  assert [b.mixer.mask_mode for b in model.blocks[:2]] == ["static", "householder"]
+  assert [type(b.mixer) for b in model.blocks] == [
+    GatedDeltaProduct,
+    HouseholderDeltaProduct,
+    GroupedQueryAttention,
+  ]
+  assert model.blocks[1].mixer.num_householder == 2
   tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, 11, jnp.int32)
   graphdef, params = nnx.split(model)
   tx = optax.adam(1e-2)
@@ -735,3 +719,20 @@ def test_hybrid_config_householder_checks():
     HybridConfig(vocab_size=5, layer_pattern="DXA")
   with pytest.raises(ValueError, match="num_householder must be a positive integer"):
     HybridConfig(vocab_size=5, layer_pattern="HA", num_householder=0)
+
+
+def test_hybrid_mask_mode_householder_makes_delta_product_layers():
+  """mask_mode="householder" (configurations written before DeltaProduct had its own layer
+  class) builds every "D" layer as a HouseholderDeltaProduct, the same as "H"; sharding is
+  refused for them."""
+  from gdp_jax.sharding import ShardingConfig
+
+  kw = dict(vocab_size=7, hidden_size=16, num_heads=2, head_dim=8, mlp_ratio=0, chunk_size=16)
+  old = HybridLM(HybridConfig(layer_pattern="DA", mask_mode="householder", **kw), rngs=nnx.Rngs(0))
+  new = HybridLM(HybridConfig(layer_pattern="HA", **kw), rngs=nnx.Rngs(0))
+  assert isinstance(old.blocks[0].mixer, HouseholderDeltaProduct)
+  tokens = jnp.array([[1, 2, 3, 4, 5]], jnp.int32)
+  np.testing.assert_array_equal(np.asarray(old(tokens)), np.asarray(new(tokens)))
+  cfg = ShardingConfig(jax.make_mesh((1,), ("data",)), batch="data")
+  with pytest.raises(ValueError, match="sharding is not supported with DeltaProduct layers"):
+    HybridLM(HybridConfig(layer_pattern="HA", **kw), rngs=nnx.Rngs(0), sharding=cfg)

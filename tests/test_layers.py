@@ -1,8 +1,11 @@
-"""Flax layers: GatedDeltaProduct and GroupedQueryAttention. Whole sequence versus token by token
-(from an empty cache and after a ragged prefill), shapes and dtypes, gradients to every
-parameter, use from flax.linen, and configuration errors."""
+"""Flax layers: GatedDeltaProduct, HouseholderDeltaProduct and GroupedQueryAttention. Whole
+sequence versus token by token (from an empty cache and after a ragged prefill), shapes and
+dtypes, gradients to every parameter, the operator callables the delta layers are given, use
+from flax.linen, and configuration errors."""
 
 from __future__ import annotations
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -12,8 +15,14 @@ import pytest
 from flax import nnx
 from flax.nnx import bridge
 
-from gdp_jax import layers
-from gdp_jax.layers import GatedDeltaProduct, GroupedQueryAttention, block_mask
+import gdp_jax
+from gdp_jax import gated_delta_product, gated_delta_product_step, layers
+from gdp_jax.layers import (
+  GatedDeltaProduct,
+  GroupedQueryAttention,
+  HouseholderDeltaProduct,
+  block_mask,
+)
 from tests.cases import assert_close
 
 D, H, K = 16, 2, 8
@@ -23,6 +32,12 @@ def gdp(**kw):
   args = dict(num_blocks=2, expand_v=2, chunk_size=16, implementation="xla")
   args.update(kw)
   return GatedDeltaProduct(D, H, K, rngs=nnx.Rngs(0), **args)
+
+
+def householder(**kw):
+  args = dict(expand_v=2, chunk_size=16, implementation="xla")
+  args.update(kw)
+  return HouseholderDeltaProduct(D, H, K, rngs=nnx.Rngs(0), **args)
 
 
 def x_of(seed, B=2, T=7, dtype=jnp.float32):
@@ -69,20 +84,17 @@ def test_gdp_shapes_and_dtypes(dtype):
   assert np.all(np.isfinite(np.asarray(y, np.float32)))
 
 
-def test_gdp_default_dtype_follows_bf16_inputs(monkeypatch):
+def test_gdp_default_dtype_follows_bf16_inputs():
   """dtype=None: bf16 activations reach the operator as bf16 (its fast kernels), not promoted to
   float32 by the float32 parameters, which stay float32."""
   seen = []
-  from gdp_jax.layers import delta_product  # the layer's module, where it calls the operator
-
-  real = delta_product.sharded_gated_delta_product
+  real = functools.partial(gated_delta_product, chunk_size=16, implementation="xla")
 
   def spy(q, k, v, *a, **kw):
     seen.append((q.dtype, k.dtype, v.dtype))
     return real(q, k, v, *a, **kw)
 
-  monkeypatch.setattr(delta_product, "sharded_gated_delta_product", spy)
-  layer = gdp()
+  layer = gdp(operator_fn=spy)
   x = x_of(0, dtype=jnp.bfloat16)
   y = layer(x)
   assert y.dtype == jnp.bfloat16
@@ -226,7 +238,8 @@ def test_linen_bridge():
   "kw,match",
   [
     (dict(num_blocks=3), "head_dim = 8 must be divisible by num_blocks = 3"),
-    (dict(mask_mode="dynamic"), r"mask_mode must be one of \('static', 'token', 'ones', "),
+    (dict(mask_mode="dynamic"), r"mask_mode must be one of \('static', 'token', 'ones'\)"),
+    (dict(mask_mode="householder"), "its own layer now: gdp_jax.layers.HouseholderDeltaProduct"),
     (dict(key_norm="l1"), "key_norm must be one of"),
     (dict(expand_v=0.3), "expand_v"),
     (dict(num_blocks=0), "num_blocks must be a positive integer"),
@@ -307,6 +320,93 @@ def test_integer_x_is_a_type_error(make):
 
 def init(layer):
   return layer.init_cache(2) if isinstance(layer, GatedDeltaProduct) else layer.init_cache(2, 8)
+
+
+# ---- the operator callables ---------------------------------------------------------------------
+
+
+def test_default_callables_are_the_operator_with_the_layer_config():
+  layer = gdp(implementation="reference")
+  assert layer.operator_fn.func is gated_delta_product
+  assert layer.operator_fn.keywords == dict(chunk_size=16, implementation="reference")
+  assert layer.step_fn.func is gated_delta_product_step
+  assert layer.step_fn.keywords == dict(implementation="xla")  # "reference" has no step
+  hh = householder(implementation="xla")
+  assert hh.operator_fn.func is gdp_jax.householder_delta_product
+  assert hh.operator_fn.keywords == dict(chunk_size=16, implementation="xla")
+  assert hh.step_fn.func is gdp_jax.householder_delta_product_step
+
+
+@pytest.mark.parametrize("make", [gdp, householder], ids=["gdp", "householder"])
+def test_given_callables_run_every_call(make):
+  """The layer calls operator_fn for the whole sequence (with cu_seqlens when packed, from the
+  cached state in step_tokens) and step_fn for a step; the results are the callables'."""
+  default = make()
+  calls = []
+
+  def spy(fn, name):
+    def run(*args, **kw):
+      calls.append((name, sorted(kw)))
+      return fn(*args, **kw)
+
+    return run
+
+  layer = make(
+    operator_fn=spy(default.operator_fn, "operator"), step_fn=spy(default.step_fn, "step")
+  )
+  x = x_of(40, T=5)
+  y, cache = layer(x, return_cache=True)
+  y_default, cache_default = default(x, return_cache=True)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_default))
+  layer(x[:1], cu_seqlens=jnp.array([0, 2, 5], jnp.int32))
+  layer.step(x[:, 0], cache)
+  layer.step_tokens(x[:, :2], cache)
+  state_kw = {"initial_state", "output_final_state"}
+  assert [c[0] for c in calls] == ["operator", "operator", "step", "operator"]
+  assert state_kw <= set(calls[0][1]) and "cu_seqlens" not in calls[0][1]
+  assert "cu_seqlens" in calls[1][1]
+  assert state_kw <= set(calls[3][1])
+  # A callable that changes the result changes the layer's output.
+  halved = lambda *a, **kw: jax.tree.map(lambda t: 0.5 * t, default.operator_fn(*a, **kw))
+  assert not np.allclose(np.asarray(make(operator_fn=halved)(x)), np.asarray(y_default))
+
+
+def test_sharding_builds_the_sharded_callables():
+  """sharding= is a convenience for functools.partial(sharded_gated_delta_product, sharding=...)
+  and the sharded step; on one device they give the single-device results."""
+  from gdp_jax.sharding import (
+    ShardingConfig,
+    sharded_gated_delta_product,
+    sharded_gated_delta_product_step,
+  )
+
+  cfg = ShardingConfig(jax.make_mesh((1,), ("data",)), batch="data")
+  layer = gdp(sharding=cfg, mask_mode="token")
+  assert layer.operator_fn.func is sharded_gated_delta_product
+  assert layer.operator_fn.keywords == dict(sharding=cfg, chunk_size=16, implementation="xla")
+  assert layer.step_fn.func is sharded_gated_delta_product_step
+  assert layer.step_fn.keywords == dict(sharding=cfg, implementation="xla")
+  x = x_of(41, T=5)
+  y, cache = layer(x, return_cache=True)
+  y_one, cache_one = gdp(mask_mode="token")(x, return_cache=True)
+  assert_close(y, y_one, 1e-6, "sharded layer on one device")
+  assert_close(
+    layer.step(x[:, 0], cache)[0],
+    gdp(mask_mode="token").step(x[:, 0], cache_one)[0],
+    1e-6,
+    "sharded step on one device",
+  )
+  with pytest.raises(ValueError, match="sharded_gated_delta_product takes no cu_seqlens"):
+    layer(x[:1], cu_seqlens=jnp.array([0, 2, 5], jnp.int32))
+  with pytest.raises(ValueError, match="pass either sharding .* or operator_fn / step_fn"):
+    gdp(sharding=cfg, operator_fn=gated_delta_product)
+
+
+def test_bad_callables():
+  with pytest.raises(TypeError, match="operator_fn must be callable"):
+    gdp(operator_fn="xla")
+  with pytest.raises(TypeError, match="step_fn must be callable"):
+    householder(step_fn=3)
 
 
 # ---- packed documents (segment_ids) -------------------------------------------------------------
@@ -562,19 +662,18 @@ def check_step_tokens(layer, seed, lengths, tq, rtol=2e-5, **kw):
 
 
 @pytest.mark.parametrize(
-  "kw",
+  "make",
   [
-    dict(mask_mode="static"),
-    dict(mask_mode="token", use_gate=False),
-    dict(mask_mode="ones"),
-    dict(mask_mode="rotation"),
-    dict(mask_mode="householder", num_householder=2),
-    dict(mask_mode="static", use_short_conv=False),
+    lambda: gdp(mask_mode="static"),
+    lambda: gdp(mask_mode="token", use_gate=False),
+    lambda: gdp(mask_mode="ones"),
+    lambda: householder(num_householder=2),
+    lambda: gdp(mask_mode="static", use_short_conv=False),
   ],
-  ids=["static", "token", "ones", "rotation", "householder", "no-conv"],
+  ids=["static", "token", "ones", "householder", "no-conv"],
 )
-def test_gdp_step_tokens_matches_steps(kw):
-  check_step_tokens(gdp(**kw), 30, [2, 4], 3)
+def test_gdp_step_tokens_matches_steps(make):
+  check_step_tokens(make(), 30, [2, 4], 3)
 
 
 def test_gdp_step_tokens_from_empty_cache_and_single_token():
@@ -598,7 +697,7 @@ def test_gdp_step_tokens_pallas_matches_xla():
   layer = gdp(mask_mode="token")
   _, cache, x_new = ragged_cache_and_new(layer, 37, [1, 2], 3)
   y, new = layer.step_tokens(x_new, cache)
-  layer.implementation = "pallas"
+  layer.operator_fn = functools.partial(gated_delta_product, chunk_size=16, implementation="pallas")
   y_pallas, new_pallas = layer.step_tokens(x_new, cache)
   assert_close(y_pallas, y, 2e-5, "outputs, pallas versus xla")
   assert_close(new_pallas.state, new.state, 2e-5, "state, pallas versus xla")

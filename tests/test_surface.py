@@ -165,6 +165,7 @@ def test_pallas_decode_steps_have_no_gradient_and_say_so():
 PUBLIC_FUNCTIONS = [gated_delta_product, gated_delta_product_step, gqa_decode, models.generate]
 PUBLIC_CLASSES = {
   layers.GatedDeltaProduct: ("__init__", "__call__", "step", "init_cache"),
+  layers.HouseholderDeltaProduct: ("__init__", "__call__", "step", "init_cache"),
   layers.GroupedQueryAttention: ("__init__", "__call__", "step", "init_cache"),
   models.HybridLM: ("__init__", "__call__", "prefill", "step", "init_cache"),
 }

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from gdp_jax import gated_delta_product
-from gdp_jax.layers import GatedDeltaProduct
+from gdp_jax.layers import GatedDeltaProduct, HouseholderDeltaProduct
 from gdp_jax.ops.gated_delta_product import varlen, xla, xla_backward
 from gdp_jax.ops.validation import normalize_mask
 from tests.cases import (
@@ -697,20 +697,21 @@ def test_batch_must_be_one():
 
 
 @pytest.mark.parametrize(
-  "kw",
+  "layer_class,kw",
   [
-    dict(),
-    dict(num_v_heads=4, mask_mode="token"),
-    dict(mask_mode="householder", num_householder=2),
+    (GatedDeltaProduct, dict(num_blocks=2)),
+    (GatedDeltaProduct, dict(num_blocks=2, num_v_heads=4, mask_mode="token")),
+    (HouseholderDeltaProduct, dict(num_householder=2)),
   ],
+  ids=["static", "grouped-token", "householder"],
 )
-def test_layer_packed_call_equals_separate_calls(kw):
+def test_layer_packed_call_equals_separate_calls(layer_class, kw):
   """Outputs, the per-document caches of a packed prefill and the gradient in x equal those of
   the documents run apart (one row each, right-padded, with `lengths`): neither the short
   convolution nor the state crosses a document boundary."""
   D = 16
-  layer = GatedDeltaProduct(
-    D, 2, 8, num_blocks=2, expand_v=2, chunk_size=16, implementation="xla", rngs=nnx.Rngs(0), **kw
+  layer = layer_class(
+    D, 2, 8, expand_v=2, chunk_size=16, implementation="xla", rngs=nnx.Rngs(0), **kw
   )
   lengths = (5, 1, 0, 21)
   cu, width = cu_of(lengths), max(lengths)

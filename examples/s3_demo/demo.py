@@ -13,29 +13,22 @@ trained on the same batches for the same number of steps:
   - the same model with mask = ones (Gated DeltaNet), beta in (0, 2);
   - DeltaProduct (`householder_delta_product`, n_h = 2 Householder steps per token; every D
     layer becomes an H layer), beta in (0, 2);
-  - with `--rotation`, the rotating block mask (`mask_mode="rotation"`: per token, signed and
-    non-symmetric, M = I - R(theta) diag(c1, c2)), beta in (0, 1);
   - with `--control`, mask = ones with beta in (0, 1) (no negative eigenvalues).
 Besides the accuracy over all positions and by position, the report gives the accuracy of the
 *sign* (parity) of the predicted permutation at the last position, and says for each model how
 far it tracks the whole product and whether it tracks the sign. S3 = Z3 x| Z2: the sign is the
 Z2 part and needs a transition with eigenvalue -1 (Grazzi et al. 2024); the Z3 part (3-cycles)
 needs a rotation. The symmetric block mask's transition I - beta Kb M Kb^T is a symmetric matrix
-(real eigenvalues) and cannot rotate; a product of two Householder steps can; so can the rotation
-mask, whose transition on the span of the unit key blocks is (1 - beta) I + beta R(theta)
-diag(c1, c2).
+(real eigenvalues) and cannot rotate; a product of two Householder steps can.
 
 What runs show (defaults, seeds 0, 1, 2): DeltaProduct tracks the whole product furthest, and how
 far depends on the seed: accuracy 0.95 at t = T in seed 1 (the default), 0.60 at t = T in seed 2,
 the first 4 positions in seed 0; Gated DeltaNet and
 the symmetric block mask track the sign at every length and the whole product only over the first 3
-positions, in all three seeds; the rotation mask can express rotations but training did not find
-them: the whole product over the first 3 positions, the sign in seeds 1 and 2 only (nor with 3000
-steps in seed 1: 0.375 at t = T). The default seed is 1. Finding the rotations takes hundreds of
+positions, in all three seeds. The default seed is 1. Finding the rotations takes hundreds of
 steps and depends on the seed, so the words are short (T = 16) to fit the budget, and there is no
 attention layer by default (`--layers DDA` adds one; in the few runs tried with it, DeltaProduct did
-not find the rotations). The rotation mask is off by default to keep the demo near two minutes on a
-2-core CPU (its result above is with `--rotation`).
+not find the rotations).
 
 The layers' short convolution is off by default here: it makes each key depend on the last four
 tokens, and with it the sign-tracking reflection was found in 1 of 3 seeds against 3 of 3
@@ -263,14 +256,6 @@ def add_arguments(p):
     "(0, 2): every D layer becomes an H layer (2; 0 skips it)",
   )
   p.add_argument(
-    "--rotation",
-    default=False,
-    action=bool_flag,
-    help="also train the rotating block mask (mask_mode='rotation', per token, "
-    "signed and non-symmetric), beta in (0, 1) (default off: see the module "
-    "doc for what it gave)",
-  )
-  p.add_argument(
     "--control",
     default=False,
     action=bool_flag,
@@ -366,13 +351,6 @@ def run(args) -> int:
         dataclasses.replace(
           base, layer_pattern=args.layers.replace("D", "H"), num_householder=args.householder
         ),
-      )
-    )
-  if args.rotation:
-    models.append(
-      (
-        f"rotation mask r={args.blocks}, b<1",
-        dataclasses.replace(base, mask_mode="rotation", allow_neg_eigval=False),
       )
     )
   if args.control:

@@ -1,18 +1,26 @@
-"""Flax (`flax.nnx`) layers, one per file: the gated delta product token mixer
-(`delta_product.py`) and grouped-query attention (`attention.py`), with the short convolution
-(`short_conv.py`), the block masks (`masks.py`) and what they share (`common.py`).
+"""Flax (`flax.nnx`) layers, one per file: the block-masked gated delta product token mixer
+`GatedDeltaProduct` (`delta_product.py`), DeltaProduct `HouseholderDeltaProduct`
+(`householder.py`) and grouped-query attention (`attention.py`), with the short convolution
+(`short_conv.py`), the block mask (`masks.py`), the two delta layers' shared skeleton
+(`delta_mixer.py`) and what all of them share (`common.py`). docs/layers.md describes them.
 
-Both layers run in two modes that agree with each other:
+The two delta layers run their sequence operator through callables they are given (as flax's
+`MultiHeadAttention` takes `attention_fn`): `operator_fn` for the whole sequence and `step_fn`
+for one token, by default `gdp_jax.gated_delta_product` / `gated_delta_product_step` (or the
+Householder pair) with the layer's `chunk_size` and `implementation` applied;
+`GatedDeltaProduct(..., sharding=...)` builds the sharded pair.
+
+All layers run in two modes that agree with each other:
 
 - the whole sequence, `layer(x, lengths=None, *, segment_ids=None, return_cache=False)`: the
   chunked operator (Pallas kernels on a GPU, `implementation=None`) or causal attention; with
   `return_cache=True` it also returns the cache after each sequence's first `lengths[b]` tokens
   (a prefill of right-padded prompts of different lengths); with `segment_ids` [B, T] several
-  documents are packed in one row and none sees another (see `segment_starts`); the gated delta
-  product layer also takes `cu_seqlens` [N + 1] for N documents packed in one row (the
-  operator's variable-length form, docs/varlen.md);
-- one token per sequence, `layer.step(x_t, cache) -> (y_t, cache)`, through
-  `gated_delta_product_step` or `gqa_decode`; `layer.init_cache(...)` is the empty cache;
+  documents are packed in one row and none sees another (see `segment_starts`); the delta
+  layers also take `cu_seqlens` [N + 1] for N documents packed in one row (the operator's
+  variable-length form, docs/varlen.md);
+- one token per sequence, `layer.step(x_t, cache) -> (y_t, cache)`, through the step
+  (`gated_delta_product_step`) or `gqa_decode`; `layer.init_cache(...)` is the empty cache;
 - Tq new tokens per sequence after a cache, `layer.step_tokens(x [B, Tq, D], cache)` (the same as
   Tq steps: speculative verification, chunked prefill from a cache).
 
@@ -36,8 +44,10 @@ from gdp_jax.layers.common import (
   segment_starts,
 )
 from gdp_jax.layers.common import _check_room as _check_room  # models use it
-from gdp_jax.layers.delta_product import GatedDeltaProduct, GatedDeltaProductCache
-from gdp_jax.layers.masks import block_mask, rotation_mask
+from gdp_jax.layers.delta_mixer import GatedDeltaProductCache
+from gdp_jax.layers.delta_product import GatedDeltaProduct
+from gdp_jax.layers.householder import HouseholderDeltaProduct
+from gdp_jax.layers.masks import block_mask
 from gdp_jax.layers.short_conv import ShortConv
 
 __all__ = [
@@ -49,12 +59,12 @@ __all__ = [
   "GatedDeltaProductCache",
   "GatedRMSNorm",
   "GroupedQueryAttention",
+  "HouseholderDeltaProduct",
   "KVCache",
   "Linear",
   "ShortConv",
   "apply_rope",
   "block_mask",
   "l2norm",
-  "rotation_mask",
   "segment_starts",
 ]

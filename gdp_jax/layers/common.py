@@ -9,10 +9,10 @@ import numpy as np
 from flax import nnx
 
 # The log-decay g given to the operator at a document's first token (packed documents, see
-# `GatedDeltaProduct.__call__` and docs/train_lm.md): the operator's reset value.
+# `DeltaMixer.__call__` and docs/train_lm.md): the operator's reset value.
 from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY  # noqa: F401
 
-MASK_MODES = ("static", "token", "ones", "rotation", "householder")
+MASK_MODES = ("static", "token", "ones")  # of the block-masked GatedDeltaProduct
 KEY_NORMS = ("block", "full")
 ATTENTION_IMPLS = ("xla", "flash")
 f32 = jnp.float32
