@@ -58,7 +58,7 @@ TINY = dict(
 def whole_forward(*arrays, scale, bt, opts):
   """the triton implementation's forward without gradient (no Ai written) at chunk bt: the
   output."""
-  return gdp_triton._forward(*arrays, None, scale, bt, opts, save_ai=False)[0]
+  return gdp_triton._forward(*arrays, None, scale, bt, opts, False)[0]
 
 
 def kernel_args(params):

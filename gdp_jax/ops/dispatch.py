@@ -8,8 +8,8 @@ instances of `gdp_jax.ops.base.Implementation` with their default config, by nam
   "reference"  the definitions in float32, the ground truth
   "xla"        jnp (any backend)
   "triton"     the Pallas kernels through the Triton lowering (interpreted off a GPU)
-  "mosaic_gpu" gated_delta_product only: the Mosaic GPU forward for Hopper, the Triton forward
-               and backward when differentiated (interpreted off a GPU)
+  "mosaic_gpu" gated_delta_product only: the Mosaic GPU forward for Hopper with the Triton
+               backward (interpreted off a GPU)
 
 Two more names are accepted everywhere: "pallas", the best Pallas kernel backend for the device
 (`pallas_backend`: a backend registered with a device rule, in `PALLAS_PREFERENCE` order:
@@ -91,8 +91,8 @@ def _capability(device) -> tuple[int, int] | None:
 
 # The Pallas backends in order of preference, each with the compute capabilities it serves: the
 # first one registered for a function whose rule accepts the device is what "pallas" means there.
-# "mosaic_gpu" (gated_delta_product only) comes first on Hopper: its forward runs calls that are
-# not differentiated, the Triton kernels the rest (docs/implementations.md#mosaic-gpu).
+# "mosaic_gpu" (gated_delta_product only) comes first on Hopper: the Mosaic forward, the Triton
+# backward (docs/implementations.md#mosaic-gpu).
 Preference = tuple[str, Callable[[tuple[int, int]], bool]]
 MOSAIC_GPU_PREFERENCE: Preference = ("mosaic_gpu", lambda capability: capability in ((9, 0),))
 PALLAS_PREFERENCE: tuple[Preference, ...] = (

@@ -91,9 +91,12 @@ def forward(
   scale: float | jax.Array | None = None,
   initial_state: jax.Array | None = None,
   output_final_state: bool = False,
+  return_inverse: bool = False,
   interpret=None,
-) -> tuple[jax.Array, jax.Array | None]:
-  """`o [B, T, H, V]` (dtype of q) and the final state `[B, H, K, V]` float32 (or None).
+):
+  """`o [B, T, H, V]` (dtype of q) and the final state `[B, H, K, V]` float32 (or None); with
+  `return_inverse` also the chunks' gate-free inverses T0 `[B, H, NC * N, N]` (`chunk_inverse`,
+  block-major rows; the Triton backward's residual, gdp_jax/ops/gated_delta_product/mosaic_gpu.py).
 
   interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
     The interpreter runs the walk's three warpgroups as threads of XLA's CPU client: on a machine
@@ -152,4 +155,6 @@ def forward(
   final = None
   if s_t is not None:
     final = jnp.swapaxes(s_t, 2, 3)[..., :value_dim]
+  if return_inverse:
+    return o, final, t0
   return o, final

@@ -1,18 +1,19 @@
 """`implementation="mosaic_gpu"`: the Mosaic GPU forward kernels for Hopper
-(pallas_kernels/mosaic_gpu/, docs/implementations.md#mosaic-gpu) behind one `jax.custom_vjp`.
+(pallas_kernels/mosaic_gpu/, docs/implementations.md#mosaic-gpu) with the Triton backward.
 
-A call that is not differentiated runs `pallas_kernels.mosaic_gpu.forward.forward` on the
-normalised inputs of gdp_jax/ops/gated_delta_product/api.py. There is no Mosaic GPU backward yet:
-under differentiation the forward rule is the Triton implementation's
-(gdp_jax/ops/gated_delta_product/triton.py), which keeps the residuals its backward reads, so a
-training step costs exactly what implementation="triton" costs (no recomputation) and only
-forward-only calls (inference, evaluation) run the Mosaic kernels.
+It is the Triton implementation's operator (gdp_jax/ops/gated_delta_product/triton.py: the
+normalisation, the non-finite guard, the `jax.custom_vjp` and the backward kernels) with the
+forward kernels replaced by `pallas_kernels.mosaic_gpu.forward.forward`
+(`gated_delta_product_pallas(forward=MosaicForwardKernels(...))`). Differentiated, the Mosaic
+forward also returns its chunks' gate-free inverses, which `triton_inverse` turns into the Triton
+backward's residual (the gated inverse in token-major rows): a training step is the Mosaic forward
+plus the Triton backward. With a `chunk_size` below the kernels' `64 // r` tokens the Triton
+backward's chunk differs from theirs and a differentiated call runs the Triton forward.
 
 What the kernels take, and what this implementation refuses with a ValueError that points to
 "triton": q, k, v in bfloat16 or float16; K = 64 or 128; r in 1, 2, 4, 8; no packed sequences
 (cu_seqlens). Grouped value heads (HV a multiple of H) read each key head through the kernels'
-index maps. The kernels use chunks of 64 // r tokens whatever
-`chunk_size` is (it only sets the operator's time padding and the Triton backward's chunk).
+index maps. `backward="xla"` (a debugging switch) runs the Triton forward.
 
 Off a GPU (or with GDP_PALLAS_INTERPRET=1, pallas_kernels/common/backend.py) the kernels run in
 jax's Mosaic GPU interpreter: the state walk's three warpgroups run as threads of XLA's CPU pool,
@@ -23,20 +24,22 @@ docs/mosaic_gpu.md#testing-without-a-gpu). Compiled, they need an sm_90 GPU (H10
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import ClassVar
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from gdp_jax.ops.gated_delta_product import nonfinite
 from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation
-from gdp_jax.ops.gated_delta_product.triton import TritonGatedDeltaProduct, _run_scaled
+from gdp_jax.ops.gated_delta_product.triton import (
+  TritonGatedDeltaProduct,
+  gated_delta_product_pallas,
+)
+from gdp_jax.ops.gated_delta_product.triton import _fused_forward as triton_forward
 from pallas_kernels.common.backend import interpret_mode
 from pallas_kernels.common.options import KernelOptions
 from pallas_kernels.mosaic_gpu import forward as mosaic_forward
-from pallas_kernels.mosaic_gpu.common import SUPPORTED_DTYPES, SUPPORTED_R
+from pallas_kernels.mosaic_gpu.common import SUPPORTED_DTYPES, SUPPORTED_R, chunk_tokens
 
 SUPPORTED_KEY_DIMS = (64, 128)
 COMPUTE_CAPABILITY = (9, 0)  # what the compiled kernels target (wgmma, TMA)
@@ -90,17 +93,54 @@ def _kernel_mask(mask, batch, t_len, heads):
   return jnp.broadcast_to(mask, (batch, t_len, heads, r, r))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _mosaic_gdp(q, k, v, g, beta, mask, h0, scale, chunk_size, impl):
-  """(o, final) from the Mosaic GPU forward; differentiated, the Triton implementation's."""
-  del chunk_size  # the kernels' chunk is 64 // r tokens
-  interpret = impl.interpret if impl.interpret is not None else interpret_mode()
-  if not interpret:
-    _check_device()
-  batch, t_len, heads = v.shape[:3]
+def triton_inverse(t0, gamma, r):
+  """The Triton backward's residual Ai from the Mosaic chunks' gate-free inverses.
 
-  def run(k, v, g, beta, mask):
-    return mosaic_forward.forward(
+  t0: `[B, H, NC * N, N]`, `(I + A0)^-1` per chunk with block-major rows and columns `(a, t)`
+  (pallas_kernels/mosaic_gpu/common.py); gamma: `[B, H, NC * C]` float32, the chunk-local
+  cumulative log-decay. Ai is the gated inverse `(I + A)^-1` with token-major rows `(t, a)`
+  (pallas_kernels/common/rows.py), in t0's dtype. With `D = diag(exp(gamma))` the gated matrix is
+  `D A0 D^-1`, so its inverse is `D T0 D^-1`: entry `((t, a), (s, d))` is `T0 exp(gamma_t -
+  gamma_s)`, nonzero for `s <= t` only, so no exp of a positive argument is formed
+  (docs/chunked_form.md#w-and-u).
+  """
+  batch, heads, rows, n = t0.shape
+  c = n // r
+  chunks = rows // n
+  x = t0.astype(jnp.float32).reshape(batch, heads, chunks, r, c, r, c)  # [.., a, t, d, s]
+  x = jnp.transpose(x, (0, 1, 2, 4, 3, 6, 5))  # [.., t, a, s, d]
+  gam = gamma.reshape(batch, heads, chunks, c)
+  diff = gam[..., :, None] - gam[..., None, :]  # [.., t, s]
+  causal = jnp.tril(jnp.ones((c, c), bool))
+  gate = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+  x = x * gate[:, :, :, :, None, :, None]
+  return x.reshape(batch, heads, rows, n).astype(t0.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicForwardKernels:
+  """The Mosaic GPU forward in the place of the Triton forward kernels (the `forward` of
+  `gated_delta_product_pallas`, with `triton._forward`'s contract): `(o, final, (gamma, ai))` on
+  the Triton kernels' operands. With `save_ai` (a differentiated call) the Mosaic kernels also
+  return their inverses, turned into Triton's residual by `triton_inverse`; where the call's
+  Triton chunk is not the Mosaic kernels' `64 // r` tokens (a `chunk_size` below it), the Triton
+  forward kernels run instead, so the residuals always fit the Triton backward.
+
+  interpret: run the kernels in the Mosaic GPU interpreter (else compiled for an sm_90 GPU).
+  """
+
+  interpret: bool
+
+  def __call__(self, q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai):
+    if packing is not None:  # `unsupported` sends packed sequences elsewhere first
+      raise ValueError('cu_seqlens: not supported by implementation="mosaic_gpu"')
+    r = mask.shape[-1]
+    if save_ai and bt != chunk_tokens(r):
+      return triton_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, {}, {})
+    if not self.interpret:
+      _check_device()
+    batch, t_len, heads = v.shape[:3]
+    out = mosaic_forward.forward(
       q,
       k,
       v,
@@ -110,43 +150,25 @@ def _mosaic_gdp(q, k, v, g, beta, mask, h0, scale, chunk_size, impl):
       scale=scale,
       initial_state=h0,
       output_final_state=True,
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      return_inverse=save_ai,
+      interpret=plgpu.InterpretGPUParams() if self.interpret else None,
     )
-
-  if not impl.guarded():
-    return run(k, v, g, beta, mask)
-  # The non-finite guard, as the Triton implementation's (gdp_jax/ops/gated_delta_product/
-  # nonfinite.py): the kernels run once on cleaned inputs and selects mark what a bad token
-  # spoils. q stays as it is: a bad q spoils only its own token's output, which is marked.
-  cleaned, marks = nonfinite.clean(q, k, v, g, beta, mask)
-  return nonfinite.mark(*run(*cleaned[1:]), marks)
-
-
-def _mosaic_gdp_fwd(q, k, v, g, beta, mask, h0, scale, chunk_size, impl):
-  # No Mosaic GPU backward yet: the Triton forward, whose vjp (a pytree holding its residuals)
-  # is this rule's residual.
-  triton = impl.triton()
-  return jax.vjp(lambda *x: triton(*x, scale, chunk_size), q, k, v, g, beta, mask, h0)
-
-
-def _mosaic_gdp_bwd(scale, chunk_size, impl, vjp, cotangents):
-  return vjp(cotangents)
-
-
-_mosaic_gdp.defvjp(_mosaic_gdp_fwd, _mosaic_gdp_bwd)
-
-
-def _forward(q, k, v, g, beta, mask, initial_state, scale, chunk_size, *, impl):
-  return _mosaic_gdp(q, k, v, g, beta, mask, initial_state, scale, chunk_size, impl)
+    if not save_ai:
+      return (*out, (None, None))
+    o, final, t0 = out
+    g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)  # [B, H, Tp]
+    gamma = jnp.cumsum(g_hm.reshape(batch, heads, t_len // bt, bt), axis=-1)
+    gamma = gamma.reshape(g_hm.shape)
+    return o, final, (gamma, triton_inverse(t0, gamma, r))
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
   """The Mosaic GPU forward kernels (Hopper) with the Triton implementation's backward.
 
-  "pallas" and None pick it on Hopper with `fallback=True` (gdp_jax/ops/dispatch.py).
-  Differentiated, the forward is the Triton one (its residuals feed the Triton backward): a
-  training step costs what "triton" costs; forward-only calls run the Mosaic kernels.
+  "pallas" and None pick it on Hopper with `fallback=True` (gdp_jax/ops/dispatch.py). Forward
+  and training calls run the Mosaic forward; the backward is the Triton kernels' (module
+  docstring).
 
   options, precision, nonfinite_guard, backward: the Triton implementation's config, as in
     `TritonGatedDeltaProduct` (the Mosaic forward takes half-precision inputs only and has no
@@ -161,7 +183,7 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
 
   name: ClassVar[str] = "mosaic_gpu"
   summary: ClassVar[str] = (
-    "Pallas Mosaic GPU forward for Hopper, Triton when differentiated (interpreted off a GPU)"
+    "Pallas Mosaic GPU forward for Hopper, Triton backward (interpreted off a GPU)"
   )
   platforms: ClassVar[tuple[str, ...]] = ("gpu",)
   pallas: ClassVar[bool] = True
@@ -172,12 +194,6 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
   backward: str = "pallas"
   interpret: bool | None = None
   fallback: bool = False
-
-  def guarded(self) -> bool:
-    """Whether the non-finite guard wraps the forward (the Triton implementation's rule)."""
-    if self.nonfinite_guard is not None:
-      return self.nonfinite_guard
-    return self.options is None or self.options.nonfinite_guard
 
   def triton(self) -> TritonGatedDeltaProduct:
     """The Triton implementation with this one's backward config (what the backward runs)."""
@@ -194,8 +210,21 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
       if self.fallback:
         return self.triton()(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
       raise ValueError(reason)
-    args = (q, k, v, g, beta, mask, initial_state)
-    return _run_scaled(_forward, args, scale, (chunk_size,), dict(impl=self))
+    interpret = self.interpret if self.interpret is not None else interpret_mode()
+    config = self.triton()._options(q, v, mask)
+    return gated_delta_product_pallas(
+      q,
+      k,
+      v,
+      g,
+      beta,
+      mask,
+      initial_state,
+      scale,
+      chunk_size,
+      **config,
+      forward=MosaicForwardKernels(interpret=interpret),
+    )
 
   def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
     if self.fallback:

@@ -141,7 +141,7 @@ def _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, chunk_k
   return o, final, (gcum, out[3] if save_ai else None)
 
 
-def _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai):
+def _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai, kernels=None):
   """The forward kernels on feature-padded inputs. Returns (o, final, (gcum, ai)); ai is None
   without save_ai (a call without gradient). q and k may have fewer (key) heads than v (grouped
   value heads). packing: None, or packed sequences (`_Packing`): the inputs are then the packed
@@ -149,6 +149,8 @@ def _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai):
   (`packing.chunks`) and chunk_state_output at each sequence's (`packing.sequences`), both with
   masked loads, and chunk_state_output writes o there; gcum and ai come back in the
   chunk-aligned layout and only a per-token mask is gathered into it."""
+  if kernels is not None:  # other forward kernels (gated_delta_product_pallas's `forward`)
+    return kernels(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai)
   if packing is None:
     return _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, {}, {})
   mask = _pack_mask(mask, packing)
@@ -160,26 +162,26 @@ def _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai):
 # ---- the kernels' custom_vjp: one for the plain and the packed form --------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _gdp_core(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
-  o, final, _ = _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _gdp_core(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, kernels):
+  o, final, _ = _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, False, kernels)
   return o, final
 
 
-def _gdp_core_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
+def _gdp_core_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, kernels):
   # Residuals: the inputs as they came (the caller holds them anyway; q and k with their H key
   # heads; the packed row itself, no chunk-aligned copies), gamma ([B, HV, Tp] float32) and the
   # chunk inverses Ai ([B, HV, Tp*r, N] in the input dtype: as much memory as one [B, T, HV, N]
   # activation), both in the chunk-aligned layout, and the packing. The backward recomputes w, u
   # (wy.py) and h, v_new (chunk_h.py) from them.
   forward = raise_if_differentiated(
-    lambda *a: _forward(*a, packing, scale, bt, opts, save_ai=True), NO_HIGHER_DERIVATIVES
+    lambda *a: _forward(*a, packing, scale, bt, opts, True, kernels), NO_HIGHER_DERIVATIVES
   )
   o, final, (gcum, ai) = forward(q, k, v, g, beta, mask, h0)
   return (o, final), (q, k, v, g, beta, mask, h0, gcum, ai, packing)
 
 
-def _gdp_core_bwd(scale, bt, opts, residuals, cotangents):
+def _gdp_core_bwd(scale, bt, opts, kernels, residuals, cotangents):
   *residuals, packing = residuals
   if packing is None:
     backward = raise_if_differentiated(
@@ -284,26 +286,27 @@ def _cleaner(packing):
   return nonfinite.clean if packing is None else _packed_cleaner(packing)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _gdp_guarded(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _gdp_guarded(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, kernels):
   """`_gdp_core` causal under non-finite inputs (the section's comment); per sequence with
   packed sequences."""
   cleaned, marks = _cleaner(packing)(q, k, v, g, beta, mask)
   # Without a gradient q stays as it is (one select pass less): a bad q spoils only its own
   # token's output, which is marked anyway (the backward needs it clean: `_gdp_guarded_fwd`).
-  o, final = _gdp_core(q, *cleaned[1:], h0, packing, scale, bt, opts)
+  o, final = _gdp_core(q, *cleaned[1:], h0, packing, scale, bt, opts, kernels)
   return nonfinite.mark(o, final, marks)
 
 
-def _gdp_guarded_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
+def _gdp_guarded_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, kernels):
   cleaned, marks = _cleaner(packing)(q, k, v, g, beta, mask)
-  (o, final), residuals = _gdp_core_fwd(*cleaned, h0, packing, scale, bt, opts)
+  (o, final), residuals = _gdp_core_fwd(*cleaned, h0, packing, scale, bt, opts, kernels)
   return nonfinite.mark(o, final, marks), (residuals, marks)
 
 
-def _gdp_guarded_bwd(scale, bt, opts, residuals, cotangents):
+def _gdp_guarded_bwd(scale, bt, opts, kernels, residuals, cotangents):
   residuals, marks = residuals
-  return _gdp_core_bwd(scale, bt, opts, residuals, nonfinite.mark_cotangents(*cotangents, marks))
+  cotangents = nonfinite.mark_cotangents(*cotangents, marks)
+  return _gdp_core_bwd(scale, bt, opts, kernels, residuals, cotangents)
 
 
 _gdp_guarded.defvjp(_gdp_guarded_fwd, _gdp_guarded_bwd)
@@ -372,6 +375,7 @@ def gated_delta_product_pallas(
   options=None,
   backward="pallas",
   precision=None,
+  forward=None,
 ):
   """q, k [B, Tp, H, K]; v [B, Tp, HV, V]; g, beta [B, Tp, HV]; mask [Bm, Tm, Hm, r, r];
   initial_state [B, HV, K, V] f32 -> (o [B, Tp, HV, V] in q's dtype, final [B, HV, K, V] f32).
@@ -389,6 +393,10 @@ def gated_delta_product_pallas(
   k before its kernels and sums dq and dk over each group.
   Non-finite inputs: a nan or inf at token t changes nothing before t, forward and gradients
   (`_gdp_guarded`, docs/precision.md#non-finite-inputs).
+  forward: None (the Triton forward kernels) or other forward kernels behind the same backward: a
+    module-level function `(q, k, v, g, beta, mask, h0, packing, scale, bt, options, save_ai) ->
+    (o, final, (gamma, ai))` on the kernels' operands (`_forward`'s contract), as
+    implementation="mosaic_gpu" gives (gdp_jax/ops/gated_delta_product/mosaic_gpu.py).
 
   cu_seqlens: None, or packed sequences (docs/varlen.md): q, k [1, T, H, K]; v [1, T, HV, V];
   g, beta [1, T, HV]; mask [1, Tm, Hm, r, r]; initial_state [N, HV, K, V] float32; cu_seqlens
@@ -400,7 +408,7 @@ def gated_delta_product_pallas(
   pallas_kernels/common/packed.py). A non-finite input spoils its own sequence only.
   """
   args = (q, k, v, g, beta, mask, initial_state)
-  kw = dict(options=options, backward=backward, precision=precision)
+  kw = dict(options=options, backward=backward, precision=precision, forward=forward)
   return _run_scaled(_gated_delta_product_pallas, args, scale, (chunk_size, cu_seqlens), kw)
 
 
@@ -458,6 +466,7 @@ def _gated_delta_product_pallas(
   options,
   backward,
   precision,
+  forward,
 ):
   if backward == "xla":
     return _pallas_forward_xla_backward(
@@ -469,7 +478,8 @@ def _gated_delta_product_pallas(
   packing = None if cu_seqlens is None else _packing(cu_seqlens, t_len, bt)
   q, k, v, g, h0, options = _kernel_inputs(q, k, v, g, initial_state, r, options, precision)
   core = _gdp_guarded if options.nonfinite_guard else _gdp_core
-  o, final = core(q, k, v, g, beta, mask.astype(jnp.float32), h0, packing, scale, bt, options)
+  mask = mask.astype(jnp.float32)
+  o, final = core(q, k, v, g, beta, mask, h0, packing, scale, bt, options, forward)
   o = o[..., :dim_v]
   final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
   return o, final
