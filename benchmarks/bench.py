@@ -17,9 +17,11 @@ one-device output of the same implementation (and with xla's when xla runs).
   python -m gdp_jax bench --devices 8 --shape 8,4096,16,128,128 --rs 1 --impls pallas
 
 Implementations (`--impls`, comma separated; default `auto`):
-  pallas     ours, the Pallas kernels (compiled on GPU; interpreted on CPU, slowly)
-  mosaic_gpu ours, the Mosaic GPU forward for Hopper with the Triton backward (opt-in,
-             docs/implementations.md#mosaic-gpu)
+  pallas     ours, the Pallas kernels the device prefers (compiled on GPU; interpreted on CPU,
+             slowly): "mosaic_gpu" on Hopper, else "triton"
+  mosaic_gpu ours, the Mosaic GPU forward for Hopper with the Triton backward
+             (docs/implementations.md#mosaic-gpu)
+  triton     ours, the Pallas kernels through the Triton lowering, forward and backward
   xla        ours, the chunked form in jnp
   reference  ours, the token-by-token recurrence (a `lax.scan`); forward + backward only where
              the scan's saved states fit (`--reference-max-gb`)
@@ -27,7 +29,7 @@ Implementations (`--impls`, comma separated; default `auto`):
              the same math as r = 1), when importable
   jla        jax-linear-attention's Gated DeltaNet (`impl="mosaic_gpu"` on GPU, its chunked jnp
              form elsewhere; r = 1), when importable
-`auto` is pallas, mosaic_gpu, xla, reference, fla, jla on a GPU and xla, reference, jla
+`auto` is pallas, mosaic_gpu, triton, xla, reference, fla, jla on a GPU and xla, reference, jla
 elsewhere. A peer that is not installed, or a case it does not cover (r > 1), is recorded as
 "skipped" with the reason; a case that fails records its error and the run goes on.
 
@@ -63,8 +65,8 @@ from gdp_jax.testing import SHAPES, random_inputs
 SCHEMA = "gdp_jax.bench/1"
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 MODES = ("fwd", "fwdbwd")
-ALL_IMPLS = ("pallas", "mosaic_gpu", "xla", "reference", "fla", "jla")
-OURS = ("pallas", "mosaic_gpu", "xla", "reference")
+ALL_IMPLS = ("pallas", "mosaic_gpu", "triton", "xla", "reference", "fla", "jla")
+OURS = ("pallas", "mosaic_gpu", "triton", "xla", "reference")
 GPU_SHAPE = ",".join(map(str, SHAPES["h200"]))  # the H200 benchmark shape (docs/performance.md)
 CPU_SHAPE = ",".join(map(str, SHAPES["cpu"]))  # default when no GPU: seconds, not hours
 TINY_SHAPE = ",".join(map(str, SHAPES["tiny"]))

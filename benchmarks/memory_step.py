@@ -1,6 +1,9 @@
 """Peak GPU memory of one training step (forward + backward) of gated_delta_product.
 
   python benchmarks/memory_step.py --out mem.json [--shape B,T,H,K,V] [--rs 1,2,4]
+      [--impls pallas,triton,xla,jla]
+
+`jla` is jax-linear-attention's Gated DeltaNet (r = 1 only, its Mosaic GPU kernels).
 
 Each case runs in a fresh subprocess so `peak_bytes_in_use` belongs to that case alone; the
 figure includes the inputs and the gradients (each as large as its input), so the residuals'
@@ -27,7 +30,15 @@ B, T, H, K, V = {shape}
 inputs = make_inputs(B, T, H, K, V, {r}, DTYPES["bf16"])
 names = [n for n in ("q", "k", "v", "g", "beta", "mask") if inputs[n] is not None]
 def loss(*a):
-  o, _ = gated_delta_product(**dict(zip(names, a)), implementation={impl!r})
+  x = dict(zip(names, a))
+  if {impl!r} == "jla":  # jax-linear-attention's Gated DeltaNet (r = 1), its GPU kernels
+    import jla.ops
+    beta = x["beta"].astype(x["q"].dtype)
+    out = jla.ops.linear_attention("gated_deltanet", x["q"], x["k"], x["v"], g=x["g"],
+                                   beta=beta, impl="mosaic_gpu")
+    o = out[0] if isinstance(out, tuple) else out
+  else:
+    o, _ = gated_delta_product(**x, implementation={impl!r})
   return jnp.sum(o.astype(jnp.float32))
 step = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))
 args = [inputs[n] for n in names]
