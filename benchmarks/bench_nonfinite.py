@@ -75,6 +75,31 @@ def with_nan_in_k(inputs):
   return dict(inputs, k=inputs["k"].at[0, t, 0, 0].set(jnp.nan)), t
 
 
+def guard_pieces(inputs, reps, inner):
+  """The guard's two passes timed alone: `clean` (the forward's, q left as it is, and the
+  training forward's, every input) and `mark` on the output."""
+  from gdp_jax.ops.gated_delta_product import nonfinite
+
+  q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
+  mask = jnp.ones((1, 1, 1, 1, 1), jnp.float32)
+  clean = jax.jit(lambda *a: nonfinite.clean(*a))
+  _, marks = clean(q, k, v, g, beta, mask)
+  mark = jax.jit(nonfinite.mark)
+  final = jnp.zeros((v.shape[0], v.shape[2], k.shape[-1], v.shape[-1]), jnp.float32)
+  runs = []
+  for case, fn, fn_args in (
+    ("clean (every input)", clean, (q, k, v, g, beta, mask)),
+    ("clean (q kept)", jax.jit(lambda *a: nonfinite.clean(*a)[0][1:]), (q, k, v, g, beta, mask)),
+    ("mark", mark, (v, final, marks)),
+  ):
+    ms, all_ms = time_jax(fn, fn_args, reps, inner)
+    runs.append(
+      dict(mode="pieces", case=case, ms=round(ms, 4), all_ms=[round(x, 4) for x in all_ms])
+    )
+    print(json.dumps(runs[-1]), flush=True)
+  return runs
+
+
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   p = argparse.ArgumentParser(prog="bench_nonfinite.py", description=__doc__.split("\n")[0])
@@ -161,6 +186,7 @@ def main(argv=None):
       )
     )
     print(json.dumps(result["runs"][-1]), flush=True)
+  result["runs"].extend(guard_pieces(inputs, reps, inner))
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
   return 0

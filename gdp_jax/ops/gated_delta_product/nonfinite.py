@@ -70,9 +70,12 @@ def clean(q, k, v, g, beta, mask):
     | jnp.isnan(g)
     | (g == jnp.inf)
   )
-  # The state is bad from the first bad token on: a running "or" over time.
-  spoiled = jax.lax.cummax(bad_state.astype(jnp.int32), axis=1).astype(bool)
-  marks = Marks(o=spoiled | _bad_rows(q, batch, t_len, heads), final=spoiled[:, -1])
+  # The state is bad from the first bad token on. One reduction over time finds it (a running
+  # "or", `lax.cummax`, is a scan of many small kernels on a GPU).
+  t = jax.lax.broadcasted_iota(jnp.int32, bad_state.shape, 1)
+  first_bad = jnp.min(jnp.where(bad_state, t, t_len), axis=1)  # [B, H]; t_len: none
+  spoiled = t >= first_bad[:, None, :]
+  marks = Marks(o=spoiled | _bad_rows(q, batch, t_len, heads), final=first_bad < t_len)
   zero = lambda x: jnp.where(_finite(x), x, jnp.zeros((), x.dtype))
   g = jnp.where(jnp.isnan(g) | (g == jnp.inf), jnp.zeros((), g.dtype), g)
   return (zero(q), zero(k), zero(v), g, zero(beta), zero(mask)), marks
