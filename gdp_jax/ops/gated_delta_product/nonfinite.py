@@ -70,12 +70,17 @@ def clean(q, k, v, g, beta, mask):
     | jnp.isnan(g)
     | (g == jnp.inf)
   )
+  bad_q = _bad_rows(q, batch, t_len, heads)
+  # The per-token flags ([B, T, H], small) are formed before anything else reads them: XLA on a
+  # GPU otherwise fuses the reductions over the feature axis of q and k into the transposes of
+  # their consumers, which then read q and k at a fraction of the memory bandwidth.
+  bad_state, bad_q = jax.lax.optimization_barrier((bad_state, bad_q))
   # The state is bad from the first bad token on. One reduction over time finds it (a running
   # "or", `lax.cummax`, is a scan of many small kernels on a GPU).
   t = jax.lax.broadcasted_iota(jnp.int32, bad_state.shape, 1)
   first_bad = jnp.min(jnp.where(bad_state, t, t_len), axis=1)  # [B, H]; t_len: none
   spoiled = t >= first_bad[:, None, :]
-  marks = Marks(o=spoiled | _bad_rows(q, batch, t_len, heads), final=first_bad < t_len)
+  marks = Marks(o=spoiled | bad_q, final=first_bad < t_len)
   zero = lambda x: jnp.where(_finite(x), x, jnp.zeros((), x.dtype))
   g = jnp.where(jnp.isnan(g) | (g == jnp.inf), jnp.zeros((), g.dtype), g)
   return (zero(q), zero(k), zero(v), g, zero(beta), zero(mask)), marks
