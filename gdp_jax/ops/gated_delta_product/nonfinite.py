@@ -28,6 +28,7 @@ bad entries come out 0 there without `clean_gradients`: every output they reach 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -51,7 +52,10 @@ def _bad_rows(x, batch, t_len, heads):
   value head j (docs/varlen.md#grouped-value-heads)."""
   bad = ~_finite(x)
   if bad.ndim > 3:
-    bad = jnp.any(bad, axis=tuple(range(3, bad.ndim)))
+    # over rows of the flattened array: the reduction reads x in its own layout (XLA may
+    # otherwise emit it inside a transpose to a consumer's layout, at a fraction of the bandwidth)
+    lead = bad.shape[:3]
+    bad = jnp.any(bad.reshape(math.prod(lead), -1), axis=1).reshape(lead)
   if bad.shape[2] not in (1, heads):
     bad = jnp.repeat(bad, heads // bad.shape[2], axis=2)
   return jnp.broadcast_to(bad, (batch, t_len, heads))
