@@ -52,10 +52,13 @@ def _bad_rows(x, batch, t_len, heads):
   value head j (docs/varlen.md#grouped-value-heads)."""
   bad = ~_finite(x)
   if bad.ndim > 3:
-    # over rows of the flattened array: the reduction reads x in its own layout (XLA may
-    # otherwise emit it inside a transpose to a consumer's layout, at a fraction of the bandwidth)
+    # Over rows of the flattened array, into a 1-D result behind an optimization barrier: XLA
+    # on a GPU otherwise fuses this reduction into the transpose of a consumer (the flags in
+    # [B, H, T] order), which reads x at a fraction of the memory bandwidth; a 1-D array has
+    # one layout, so the reduction reads x as it lies.
     lead = bad.shape[:3]
-    bad = jnp.any(bad.reshape(math.prod(lead), -1), axis=1).reshape(lead)
+    flat = jnp.any(bad.reshape(math.prod(lead), -1), axis=1)
+    bad = jax.lax.optimization_barrier(flat).reshape(lead)
   if bad.shape[2] not in (1, heads):
     bad = jnp.repeat(bad, heads // bad.shape[2], axis=2)
   return jnp.broadcast_to(bad, (batch, t_len, heads))
@@ -75,10 +78,6 @@ def clean(q, k, v, g, beta, mask):
     | (g == jnp.inf)
   )
   bad_q = _bad_rows(q, batch, t_len, heads)
-  # The per-token flags ([B, T, H], small) are formed before anything else reads them: XLA on a
-  # GPU otherwise fuses the reductions over the feature axis of q and k into the transposes of
-  # their consumers, which then read q and k at a fraction of the memory bandwidth.
-  bad_state, bad_q = jax.lax.optimization_barrier((bad_state, bad_q))
   # The state is bad from the first bad token on. One reduction over time finds it (a running
   # "or", `lax.cummax`, is a scan of many small kernels on a GPU).
   t = jax.lax.broadcasted_iota(jnp.int32, bad_state.shape, 1)
