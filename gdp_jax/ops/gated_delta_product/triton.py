@@ -239,16 +239,45 @@ def _backward(scale, bt, opts, residuals, cotangents, table=None):
     **walk,
     **prec,
   )
+  # Without grouped heads the kernels store dq, dk (bwd_wy adds bwd_dqkwg's part) and dv in the
+  # input dtypes; grouped, dq and dk stay float32 for the sum over each group.
+  grouped = key_heads != v.shape[2]
   dq, dk1, dw, dg1 = bwd_dqkwg.chunk_bwd_dqkwg(
-    q, k, v_new, gcum, h, dh, do, dv_new, scale=scale, launch=opts.bwd_dqkwg, **common, **prec
+    q,
+    k,
+    v_new,
+    gcum,
+    h,
+    dh,
+    do,
+    dv_new,
+    scale=scale,
+    launch=opts.bwd_dqkwg,
+    dq_dtype=jnp.float32 if grouped else key_dtypes[0],
+    **common,
+    **prec,
   )
-  dk2, dv, dbeta, dmask_tok, dg2 = bwd_wy.wy_bwd(
-    k, v, beta_hm, mask, gcum, ai, dw, dv_new, launch=opts.bwd_wy, **common, **prec
+  dk, dv, dbeta, dmask_tok, dg2 = bwd_wy.wy_bwd(
+    k,
+    v,
+    beta_hm,
+    mask,
+    gcum,
+    ai,
+    dw,
+    dv_new,
+    launch=opts.bwd_wy,
+    dk_in=dk1,
+    dk_dtype=jnp.float32 if grouped else key_dtypes[1],
+    dv_dtype=v.dtype,
+    **common,
+    **prec,
   )
   dg = cumsum.chunk_local_cumsum(dg1 + dg2, bt, reverse=True)
   dmask = reduce_dmask(dmask_tok, mask.shape)
   time_major = lambda x: jnp.moveaxis(x, 1, 2)  # [B, H, Tp] -> [B, Tp, H]
-  dq, dk = (sum_key_heads(d.astype(jnp.float32), key_heads) for d in (dq, dk1 + dk2))
+  if grouped:
+    dq, dk = (sum_key_heads(d, key_heads) for d in (dq, dk))
   return (
     dq.astype(key_dtypes[0]),
     dk.astype(key_dtypes[1]),

@@ -107,10 +107,11 @@ def chunk_bwd_dqkwg(
   key_blocks,
   launch=options.DEFAULT.bwd_dqkwg,
   precision="ieee",
+  dq_dtype=jnp.float32,
 ):
   """q, k [B, Tp, H, K]; v_new, dv_new [B, H, Tp*r, V]; gcum [B, H, Tp]; h, dh [B, H, NT, K, V];
-  do [B, Tp, H, V] -> dq, dk [B, Tp, H, K], dgamma [B, H, Tp] float32; dw [B, H, Tp*r, K] in
-  q's dtype (bwd_wy, its consumer, uses it in that dtype).
+  do [B, Tp, H, V] -> dq [B, Tp, H, K] in dq_dtype, dk [B, Tp, H, K] and dgamma [B, H, Tp]
+  float32; dw [B, H, Tp*r, K] in q's dtype (bwd_wy, its consumer, uses it in that dtype).
 
   launch.block_k: key columns per program (BK, at most K / r; None: K / r); launch.block_v: the
   V piece of the inner loop (None: all of V)."""
@@ -148,7 +149,7 @@ def chunk_bwd_dqkwg(
       pl.BlockSpec((None, None, None, chunk), lambda j, t, b, h: (j, b, h, t)),
     ],
     out_shape=[
-      jax.ShapeDtypeStruct(q.shape, f32),
+      jax.ShapeDtypeStruct(q.shape, dq_dtype),
       jax.ShapeDtypeStruct(q.shape, f32),
       jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_k), q.dtype),
       jax.ShapeDtypeStruct((nkb, *gcum.shape), f32),

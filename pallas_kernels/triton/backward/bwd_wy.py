@@ -58,17 +58,22 @@ def _wy_bwd_kernel(
   ai_ref,
   dw_ref,
   du_ref,
-  dk_ref,
-  dv_ref,
-  dbeta_ref,
-  dmask_ref,
-  dg_ref,
-  *,
+  *refs,
   r,
   block_k,
   block_v,
   precision,
+  add_dk,
 ):
+  # with add_dk, one more input: the other part of dk, added before the store (`wy_bwd`)
+  dk_in_ref = refs[0] if add_dk else None
+  dk_ref, dv_ref, dbeta_ref, dmask_ref, dg_ref = refs[1:] if add_dk else refs
+
+  def store_dk(cols, value):
+    if dk_in_ref is not None:
+      value = value + dk_in_ref[:, cols].astype(jnp.float32)
+    dk_ref[:, cols] = value.astype(dk_ref.dtype)
+
   dot = functools.partial(backend.dot, precision=precision)
   chunk, dim_k = k_ref.shape
   dim_v = v_ref.shape[-1]
@@ -130,15 +135,16 @@ def _wy_bwd_kernel(
     dkw = scale_w[:, None] * dwt + dot(gb, kb.astype(dtype))
     dkb = dot(gb, kw.astype(dtype), trans_a=True)
     if r == 1:
-      dk_ref[:, cols] = (dkw * mcol + dkb).astype(dk_ref.dtype)
+      store_dk(cols, dkw * mcol + dkb)
       dmask = dmask + jnp.sum(dkw * kp, axis=1).reshape(chunk, 1, 1)
       continue
     dkw3 = dkw.reshape(chunk, r, block_k)
     is_b = (jax.lax.broadcasted_iota(jnp.int32, (1, r, 1), 1) == b).astype(f32)
-    dk_ref[:, cols] = (
+    store_dk(
+      cols,
       jnp.sum(dkw3 * mcol[:, :, None], axis=1)
-      + jnp.sum(dkb.reshape(chunk, r, block_k) * is_b, axis=1)
-    ).astype(dk_ref.dtype)
+      + jnp.sum(dkb.reshape(chunk, r, block_k) * is_b, axis=1),
+    )
     col = jnp.sum(dkw3 * kp[:, None, :], axis=2)  # this piece's part of dM[:, :, b]  [BT, r]
     dmask = dmask + col[:, :, None] * (onehot == b).astype(f32)
   dmask_ref[...] = dmask
@@ -158,11 +164,17 @@ def wy_bwd(
   key_blocks,
   launch=options.DEFAULT.bwd_wy,
   precision="ieee",
+  dk_in=None,
+  dk_dtype=jnp.float32,
+  dv_dtype=jnp.float32,
 ):
   """k [B, Tp, H, K]; v [B, Tp, H, V]; beta, gcum [B, H, Tp]; mask [Bm, Tm, Hm, r, r];
   ai [B, H, Tp*r, N]; dw [B, H, Tp*r, K]; du [B, H, Tp*r, V] ->
   dk [B, Tp, H, K], dv [B, Tp, H, V], dbeta [B, H, Tp], per-token dmask [B, H, Tp, r, r],
-  dgamma [B, H, Tp]; all float32.
+  dgamma [B, H, Tp]; float32, but dk in dk_dtype and dv in dv_dtype.
+
+  dk_in: None, or [B, Tp, H, K] (float32): the rest of dk (bwd_dqkwg's part), added to this
+  kernel's part in float32 before dk is stored, so the sum and its cast need no pass of their own.
 
   launch.block_k: the K piece (at most K / r; None: K / r); launch.block_v: the V piece
   (None: all of V)."""
@@ -174,8 +186,12 @@ def wy_bwd(
   dk = dim_k // r
   bk, bv = options.pieces(launch, dk, dim_v)
   f32 = jnp.float32
+  add_dk = dk_in is not None
+  kernel = functools.partial(
+    _wy_bwd_kernel, precision=precision, r=r, block_k=bk, block_v=bv, add_dk=add_dk
+  )
   return backend.pallas_call(
-    lambda *refs: _wy_bwd_kernel(*refs, precision=precision, r=r, block_k=bk, block_v=bv),
+    kernel,
     grid=(t_len // chunk, bsz, heads),
     in_specs=[
       specs.tokens(chunk, dim_k),
@@ -186,6 +202,7 @@ def wy_bwd(
       specs.rows(n, n),
       specs.rows(n, dim_k),
       specs.rows(n, dim_v),
+      *([specs.tokens(chunk, dim_k)] if add_dk else []),
     ],
     out_specs=[
       specs.tokens(chunk, dim_k),
@@ -195,8 +212,8 @@ def wy_bwd(
       specs.scalars(chunk),
     ],
     out_shape=[
-      jax.ShapeDtypeStruct(k.shape, f32),
-      jax.ShapeDtypeStruct(v.shape, f32),
+      jax.ShapeDtypeStruct(k.shape, dk_dtype),
+      jax.ShapeDtypeStruct(v.shape, dv_dtype),
       jax.ShapeDtypeStruct(beta.shape, f32),
       jax.ShapeDtypeStruct((bsz, heads, t_len, r, r), f32),
       jax.ShapeDtypeStruct(gcum.shape, f32),
@@ -204,4 +221,4 @@ def wy_bwd(
     num_warps=launch.num_warps,
     num_stages=launch.num_stages,
     name="gdp_bwd_wy",
-  )(k, v, beta, gcum, mask, ai, dw, du)
+  )(k, v, beta, gcum, mask, ai, dw, du, *([dk_in] if add_dk else []))
