@@ -223,7 +223,7 @@ def _backward(scale, bt, opts, residuals, cotangents, table=None):
   w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, launch=opts.wy, **common, **prec)
   h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, launch=opts.chunk_h, **walk, **prec)
   dv_local = bwd_dv_local.chunk_bwd_dv_local(
-    q, k, gcum, do, scale=scale, launch=opts.bwd_dv_local, **common, **prec
+    q, k, gcum, do, scale=scale, launch=opts.bwd_dv_local, out_dtype=do.dtype, **common, **prec
   )
   dh, dh0, dv_new = bwd_dhu.chunk_bwd_dhu(
     q,

@@ -33,9 +33,21 @@ def _dv_local_kernel(q_ref, k_ref, g_ref, do_ref, dv_ref, *, r, scale, precision
 
 
 def chunk_bwd_dv_local(
-  q, k, gcum, do, *, scale, chunk, key_blocks, launch=options.DEFAULT.bwd_dv_local, precision="ieee"
+  q,
+  k,
+  gcum,
+  do,
+  *,
+  scale,
+  chunk,
+  key_blocks,
+  launch=options.DEFAULT.bwd_dv_local,
+  precision="ieee",
+  out_dtype=jnp.float32,
 ):
-  """q, k [B, Tp, H, K]; gcum [B, H, Tp]; do [B, Tp, H, V] -> dv_local [B, H, Tp*r, V] f32."""
+  """q, k [B, Tp, H, K]; gcum [B, H, Tp]; do [B, Tp, H, V] -> dv_local [B, H, Tp*r, V] in
+  out_dtype (the operator's backward: do's dtype, as bwd_dhu stores dv_new = dv_local + ... in it;
+  accumulated in float32 either way)."""
   bsz, t_len, heads, dim_k = q.shape
   dim_v = do.shape[-1]
   r = key_blocks
@@ -49,7 +61,7 @@ def chunk_bwd_dv_local(
       specs.tokens(chunk, dim_v),
     ],
     out_specs=pl.BlockSpec((None, None, chunk, r, dim_v), lambda t, b, h: (b, h, t, 0, 0)),
-    out_shape=jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), jnp.float32),
+    out_shape=jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), out_dtype),
     num_warps=launch.num_warps,
     num_stages=launch.num_stages,
     name="gdp_bwd_dv_local",
