@@ -39,7 +39,9 @@ from gdp_jax.layers import (
   Linear,
   _check_room,
   apply_rope,
+  partitioning,
 )
+from gdp_jax.layers.partitioning import EMBED, MLP, VOCAB
 from gdp_jax.ops.gqa_decode.api import paged_gqa_decode
 from gdp_jax.sharding import ShardingConfig
 
@@ -131,9 +133,13 @@ class HybridConfig:
 
 class SwiGLU(nnx.Module):
   def __init__(self, hidden_size, intermediate_size, *, dtype=None, rngs):
-    lin = lambda i, o: Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
-    self.gate, self.up = lin(hidden_size, intermediate_size), lin(hidden_size, intermediate_size)
-    self.down = lin(intermediate_size, hidden_size)
+    def lin(i, o, names):  # logical axes: docs/sharding.md#annotated-parameters
+      init = partitioning.partitioned(nnx.initializers.lecun_normal(), names)
+      return Linear(i, o, use_bias=False, dtype=dtype, kernel_init=init, rngs=rngs)
+
+    self.gate = lin(hidden_size, intermediate_size, (EMBED, MLP))
+    self.up = lin(hidden_size, intermediate_size, (EMBED, MLP))
+    self.down = lin(intermediate_size, hidden_size, (MLP, EMBED))
 
   def __call__(self, x):
     return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
@@ -361,10 +367,16 @@ class HybridLM(nnx.Module):
   (`GatedDeltaProductCache` or `KVCache`; an attention layer's `KVCache` may be replaced by its
   paged form, `to_paged(cache, page_size)`, which `step` decodes with `paged_gqa_decode`).
 
+  Every parameter carries logical axis names (`nnx.with_partitioning`; heads, key/value heads
+  and the MLP's hidden units split over "model" by `gdp_jax.layers.LOGICAL_AXIS_RULES`): under
+  `nnx.logical_axis_rules` `nnx.get_partition_spec(nnx.state(model))` places the model for a
+  data x tensor parallel step under plain `jax.jit` (docs/sharding.md#annotated-parameters).
+
   `sharding`: a `gdp_jax.sharding.ShardingConfig` for the gated delta product layers (their
-  operator runs split over batch, heads and sequence under `jax.shard_map`), or None for one
-  device. The rest of the model is jnp code that XLA partitions from the inputs' layout (shard
-  the tokens over the batch axes for data parallelism).
+  operator runs split over batch, heads and sequence under `jax.shard_map`: the explicit form,
+  and the way to split the sequence), or None. The rest of the model is jnp code that XLA
+  partitions from the inputs' layout (shard the tokens over the batch axes for data
+  parallelism).
   """
 
   def __init__(
@@ -373,13 +385,19 @@ class HybridLM(nnx.Module):
     self.config = config
     c = config
     self.embed = nnx.Embed(
-      c.vocab_size, c.hidden_size, embedding_init=nnx.initializers.normal(1.0), rngs=rngs
+      c.vocab_size,
+      c.hidden_size,
+      embedding_init=partitioning.partitioned(nnx.initializers.normal(1.0), (VOCAB, EMBED)),
+      rngs=rngs,
     )
     blocks = [Block(kind, c, rngs=rngs, sharding=sharding) for kind in c.layer_pattern]
     self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
     self.final_norm = GatedRMSNorm(c.hidden_size, eps=c.norm_eps)
     if not c.tie_embeddings:
-      self.lm_head = nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, rngs=rngs)
+      head_init = partitioning.partitioned(nnx.initializers.lecun_normal(), (EMBED, VOCAB))
+      self.lm_head = nnx.Linear(
+        c.hidden_size, c.vocab_size, use_bias=False, kernel_init=head_init, rngs=rngs
+      )
 
   def _logits(self, x):
     x = self.final_norm(x).astype(f32)

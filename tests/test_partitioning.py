@@ -7,7 +7,9 @@ a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8: inputs sha
 batch, the heads, batch x heads, batch x grouped value heads and the sequence; forward, final
 state and every gradient against one device, the outputs' and gradients' shardings, and the
 compiled program's collectives (none that move data); the one-token step, GQA decode and paged
-GQA decode likewise (forward only).
+GQA decode likewise (forward only). `tests/model_partitioning_checks.py` the same way: a
+`HybridLM` training step with its parameters sharded by their annotations
+(docs/sharding.md#annotated-parameters).
 """
 
 from __future__ import annotations
@@ -19,15 +21,26 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "partitioning_checks.py")
+MODEL_SCRIPT = os.path.join(HERE, "model_partitioning_checks.py")
 
 
 def test_sharded_inputs_run_the_kernels_per_device():
+  run_checks(SCRIPT)
+
+
+def test_annotated_model_trains_data_x_tensor_parallel():
+  """`tests/model_partitioning_checks.py`: a `HybridLM` training step on a 2 x 4 (data x model)
+  mesh, parameters sharded by their annotations, equals one device and moves no activation."""
+  run_checks(MODEL_SCRIPT)
+
+
+def run_checks(script):
   env = dict(os.environ)
   env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
   proc = subprocess.run(
-    [sys.executable, SCRIPT], capture_output=True, text=True, env=env, timeout=1800
+    [sys.executable, script], capture_output=True, text=True, env=env, timeout=1800
   )
   results, expected = [], None
   for line in proc.stdout.splitlines():

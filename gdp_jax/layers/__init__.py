@@ -8,7 +8,9 @@ The two delta layers run their sequence operator through callables they are give
 `MultiHeadAttention` takes `attention_fn`): `operator_fn` for the whole sequence and `step_fn`
 for one token, by default `gdp_jax.gated_delta_product` / `gated_delta_product_step` (or the
 Householder pair) with the layer's `chunk_size` and `implementation` applied;
-`GatedDeltaProduct(..., sharding=...)` builds the sharded pair.
+`GatedDeltaProduct(..., sharding=...)` builds the sharded pair. Every parameter carries logical
+axis names (`nnx.with_partitioning`, `partitioning.py`; `LOGICAL_AXIS_RULES` maps them onto a
+("data", "model") mesh) for data x tensor parallel training under plain `jax.jit`.
 
 All layers run in two modes that agree with each other:
 
@@ -48,11 +50,13 @@ from gdp_jax.layers.delta_mixer import GatedDeltaProductCache
 from gdp_jax.layers.delta_product import GatedDeltaProduct
 from gdp_jax.layers.householder import HouseholderDeltaProduct
 from gdp_jax.layers.masks import block_mask
+from gdp_jax.layers.partitioning import LOGICAL_AXIS_RULES
 from gdp_jax.layers.short_conv import ShortConv
 
 __all__ = [
   "ATTENTION_IMPLS",
   "KEY_NORMS",
+  "LOGICAL_AXIS_RULES",
   "MASK_MODES",
   "RESET_LOG_DECAY",
   "GatedDeltaProduct",

@@ -11,6 +11,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from gdp_jax import dispatch
+from gdp_jax.layers import partitioning
 from gdp_jax.layers.common import (
   ATTENTION_IMPLS,
   Linear,
@@ -23,6 +24,7 @@ from gdp_jax.layers.common import (
   _check_x,
   f32,
 )
+from gdp_jax.layers.partitioning import EMBED, HEADS, KV_HEADS
 from gdp_jax.ops.gqa_decode.api import gqa_decode
 
 
@@ -156,11 +158,17 @@ class GroupedQueryAttention(nnx.Module):
     self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
     self.head_dim, self.rope_theta = head_dim, float(rope_theta)
     self.cache_dtype, self.implementation, self.dtype = cache_dtype, implementation, dtype
-    lin = lambda i, o: Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.q_proj = lin(hidden_size, num_heads * head_dim)
-    self.k_proj = lin(hidden_size, num_kv_heads * head_dim)
-    self.v_proj = lin(hidden_size, num_kv_heads * head_dim)
-    self.o_proj = lin(num_heads * head_dim, hidden_size)
+
+    def lin(i, o, names):  # logical axes: docs/sharding.md#annotated-parameters
+      init = partitioning.partitioned(nnx.initializers.lecun_normal(), names)
+      return Linear(
+        i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, kernel_init=init, rngs=rngs
+      )
+
+    self.q_proj = lin(hidden_size, num_heads * head_dim, (EMBED, HEADS))
+    self.k_proj = lin(hidden_size, num_kv_heads * head_dim, (EMBED, KV_HEADS))
+    self.v_proj = lin(hidden_size, num_kv_heads * head_dim, (EMBED, KV_HEADS))
+    self.o_proj = lin(num_heads * head_dim, hidden_size, (HEADS, EMBED))
 
   def _qkv(self, x):
     shape = x.shape[:-1]

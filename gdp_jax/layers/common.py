@@ -8,6 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gdp_jax.layers import partitioning
+from gdp_jax.layers.partitioning import EMBED
+
 # The log-decay g given to the operator at a document's first token (packed documents, see
 # `DeltaMixer.__call__` and docs/train_lm.md): the operator's reset value.
 from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY  # noqa: F401
@@ -138,9 +141,13 @@ class GatedRMSNorm(nnx.Module):
   """RMSNorm over the last axis, times a learned weight, optionally times silu(gate)
   (Gated DeltaNet's output norm). Computed in float32; returns `dtype` or x.dtype."""
 
-  def __init__(self, num_features: int, *, eps: float = 1e-5, param_dtype=f32):
+  def __init__(
+    self, num_features: int, *, eps: float = 1e-5, param_dtype=f32, axis_name: str | None = EMBED
+  ):
     self.eps = eps
-    self.weight = nnx.Param(jnp.ones((num_features,), param_dtype))
+    # axis_name: the weight's logical axis (docs/sharding.md#annotated-parameters): "embed" for
+    # the model width, None for a per-head norm's head dimension
+    self.weight = partitioning.param(jnp.ones((num_features,), param_dtype), (axis_name,))
 
   def __call__(self, x, gate=None):
     y = x.astype(f32)

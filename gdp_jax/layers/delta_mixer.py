@@ -15,6 +15,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from gdp_jax import dispatch, varlen
+from gdp_jax.layers import partitioning
 from gdp_jax.layers.common import (
   RESET_LOG_DECAY,
   GatedRMSNorm,
@@ -27,6 +28,7 @@ from gdp_jax.layers.common import (
   f32,
   segment_starts,
 )
+from gdp_jax.layers.partitioning import EMBED, HEADS
 from gdp_jax.layers.short_conv import ShortConv
 from gdp_jax.ops.validation import CHUNK_SIZES, check_cu_seqlens, check_cu_seqlens_values
 
@@ -90,6 +92,32 @@ def _takes_keyword(fn, name):
   return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def _head_major(a, writes, heads, width):
+  """a [..., writes * heads * width] (columns [writes, heads, width], the parameters' order) as
+  [..., heads * writes * width]: each head's `writes` slices side by side, so that a contiguous
+  split of the columns is one of heads (docs/sharding.md#annotated-parameters). The identity for
+  writes = 1."""
+  lead = a.shape[:-1]
+  if writes == 1:
+    return a
+  return a.reshape(lead + (writes, heads, width)).swapaxes(-3, -2).reshape(lead + (-1,))
+
+
+def _writes_first(a, writes, heads, width):
+  """The inverse of `_head_major`, unflattened: a [..., heads * writes * width] as
+  [..., writes, heads, width] (a itself for writes = 1)."""
+  lead = a.shape[:-1]
+  if writes == 1:
+    return a
+  return a.reshape(lead + (heads, writes, width)).swapaxes(-3, -2)
+
+
+def _dot(x, kernel, proj):
+  """x @ kernel in the dtype `proj` (a `Linear`) computes in, as `Linear` does."""
+  dtype = x.dtype if proj.dtype is None else proj.dtype
+  return jnp.dot(x.astype(dtype), kernel.astype(dtype), precision=proj.precision)
+
+
 def _name_of(fn):
   fn = getattr(fn, "func", fn)  # functools.partial
   return getattr(fn, "__name__", type(fn).__name__)
@@ -107,7 +135,7 @@ class DeltaMixer(nnx.Module):
 
   The whole sequence goes through `self.operator_fn` and one token through `self.step_fn`, the
   callables the layer was given (or built from chunk_size / implementation): a subclass says
-  how (`_mix`, `_mix_step`), builds q, k, v (`_split_qkv`) and any mixing parameters
+  how (`_mix`, `_mix_step`), builds q, k, v (`_shape_qkv`) and any mixing parameters
   (`_init_mixing`).
   """
 
@@ -159,34 +187,55 @@ class DeltaMixer(nnx.Module):
     self.dtype = dtype
 
     H, K, V, D, HV, n = num_heads, head_dim, self.value_dim, hidden_size, num_v_heads, writes
-    lin = lambda i, o: Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.q_proj, self.k_proj, self.v_proj = lin(D, H * K), lin(D, n * H * K), lin(D, n * HV * V)
-    self.a_proj, self.b_proj = lin(D, HV), lin(D, n * HV)
+
+    def lin(i, o, names):
+      init = partitioning.partitioned(nnx.initializers.lecun_normal(), names)
+      return Linear(
+        i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, kernel_init=init, rngs=rngs
+      )
+
+    # Logical axes (docs/sharding.md#annotated-parameters): projection columns head by head are
+    # "heads"; the `writes` slices of k, v and beta come first in their columns
+    # ([n, H, ...]), so with writes > 1 no contiguous split of them is one of heads: not split.
+    per_write = HEADS if writes == 1 else None
+    self.q_proj = lin(D, H * K, (EMBED, HEADS))
+    self.k_proj, self.v_proj = (
+      lin(D, n * H * K, (EMBED, per_write)),
+      lin(D, n * HV * V, (EMBED, per_write)),
+    )
+    self.a_proj, self.b_proj = lin(D, HV, (EMBED, HEADS)), lin(D, n * HV, (EMBED, per_write))
     # Mamba-2 / Gated DeltaNet initialisation: A in [1, 16], dt in [1e-3, 1e-1].
-    self.A_log = nnx.Param(
-      jnp.log(jax.random.uniform(rngs.params(), (HV,), f32, 1.0, 16.0)).astype(param_dtype)
+    self.A_log = partitioning.param(
+      jnp.log(jax.random.uniform(rngs.params(), (HV,), f32, 1.0, 16.0)).astype(param_dtype),
+      (HEADS,),
     )
     dt = jnp.exp(jax.random.uniform(rngs.params(), (HV,), f32, math.log(1e-3), math.log(1e-1)))
     dt = jnp.maximum(dt, 1e-4)
-    self.dt_bias = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(param_dtype))  # softplus^-1
+    # softplus^-1
+    self.dt_bias = partitioning.param((dt + jnp.log(-jnp.expm1(-dt))).astype(param_dtype), (HEADS,))
     # The mixing parameters' key is drawn by every layer, so that the parameters after it are
     # the same for every kind of layer and seed.
     self._init_mixing(rngs.params(), rngs, param_dtype)
     if use_short_conv:
       self.conv = ShortConv(self._conv_channels(), conv_size, param_dtype=param_dtype, rngs=rngs)
     if use_gate:
-      self.g_proj = lin(D, HV * V)
-    self.o_norm = GatedRMSNorm(V, eps=norm_eps, param_dtype=param_dtype)
-    self.o_proj = lin(HV * V, D)
+      self.g_proj = lin(D, HV * V, (EMBED, HEADS))
+    self.o_norm = GatedRMSNorm(V, eps=norm_eps, param_dtype=param_dtype, axis_name=None)
+    self.o_proj = lin(HV * V, D, (HEADS, EMBED))
 
   # -- what a subclass gives -------------------------------------------------------------------
 
   def _init_mixing(self, key, rngs, param_dtype):
     """Create the mixing parameters (e.g. the block mask's) from `key` / `rngs`."""
 
-  def _split_qkv(self, qkv):
-    """q, k, v (normalised) from the convolved projections qkv [..., channels]."""
+  def _shape_qkv(self, q, k, v):
+    """q, k, v (normalised, with their head axes) from the convolved projections
+    [..., channels of each]."""
     raise NotImplementedError
+
+  def _split_qkv(self, qkv):
+    """`_shape_qkv` of the convolved projections side by side, qkv [..., q | k | v]."""
+    return self._shape_qkv(*self._parts(qkv))
 
   def _mix(self, x, q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens):
     """(o [B, T, HV, V], final state or None) through `self.operator_fn`."""
@@ -200,14 +249,37 @@ class DeltaMixer(nnx.Module):
 
   def _conv_channels(self):
     """Channels of the short convolution: q | k | v (k and v `writes` times)."""
+    return self._part_slices()[-1].stop
+
+  def _part_slices(self):
+    """The channels of q, k and v in q | k | v (slices)."""
     H, K, V, n = self.num_heads, self.head_dim, self.value_dim, self.writes
-    return H * K + n * H * K + n * self.num_v_heads * V
+    q_end, k_end = H * K, H * K + n * H * K
+    return slice(0, q_end), slice(q_end, k_end), slice(k_end, k_end + n * self.num_v_heads * V)
+
+  def _parts(self, qkv):
+    """(q, k, v) columns of qkv [..., q | k | v]."""
+    return tuple(qkv[..., part] for part in self._part_slices())
+
+  def _part_heads(self):
+    """(writes, heads, width per head) of the columns of q [H, K], k [writes, H, K] and
+    v [writes, HV, V]."""
+    H, K, n = self.num_heads, self.head_dim, self.writes
+    return (1, H, K), (n, H, K), (n, self.num_v_heads, self.value_dim)
 
   def _gates(self, x):
-    """g (log-decay) float32 [..., HV] and beta float32 [..., writes * HV]."""
+    """g (log-decay) float32 [..., HV] and beta float32 [..., writes * HV] ([..., writes, HV]
+    under a mesh)."""
     a = self.a_proj(x).astype(f32) + self.dt_bias[...].astype(f32)
     g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(a)
-    beta = jax.nn.sigmoid(self.b_proj(x).astype(f32))
+    if partitioning.mesh_is_set() and self.writes > 1:  # head by head: `_convolved_qkv`
+      heads = self.num_v_heads
+      layout = (self.writes, heads, 1)
+      b = _dot(x, _head_major(self.b_proj.kernel[...], *layout), self.b_proj)
+      b = _writes_first(b, *layout)[..., 0]
+    else:
+      b = self.b_proj(x)
+    beta = jax.nn.sigmoid(b.astype(f32))
     if self.allow_neg_eigval:
       beta = 2.0 * beta
     return g, beta
@@ -220,6 +292,45 @@ class DeltaMixer(nnx.Module):
     dtype = x.dtype if self.q_proj.dtype is None else self.q_proj.dtype  # as `Linear`
     kernel = jnp.concatenate([p.kernel[...].astype(dtype) for p in projs], axis=1)
     return jnp.dot(x.astype(dtype), kernel, precision=self.q_proj.precision)
+
+  def _convolved_qkv(self, x, conv_segments):
+    """(the projections before the convolution: q | k | v in one array, or (q, k, v) head by
+    head under a mesh; q, k, v after the short convolution (or SiLU) and `_shape_qkv`).
+
+    Under a mesh of several devices (`partitioning.mesh_is_set`) q, k and v are three matmuls
+    whose kernels' columns (and the convolution's channels) are taken head by head
+    (`_head_major`): each output then splits along heads as the operator's inputs do, where
+    the one matmul of `_project_in`, whose q | k | v columns no head split follows, would make
+    XLA move the activations between devices (docs/sharding.md#annotated-parameters)."""
+    if partitioning.mesh_is_set():
+      projs, parts = (self.q_proj, self.k_proj, self.v_proj), self._part_slices()
+      heads = self._part_heads()
+      pre = tuple(
+        _dot(x, _head_major(p.kernel[...], *h), self.q_proj) for p, h in zip(projs, heads)
+      )
+      if self.use_short_conv:
+        weight = self.conv.weight[...]
+        qkv = [
+          self.conv(p, conv_segments, _head_major(weight[:, c], *h))
+          for p, c, h in zip(pre, parts, heads)
+        ]
+      else:
+        qkv = [jax.nn.silu(p) for p in pre]
+      return pre, self._shape_qkv(*(_writes_first(a, *h) for a, h in zip(qkv, heads)))
+    pre = self._project_in(x)
+    qkv = self.conv(pre, conv_segments) if self.use_short_conv else jax.nn.silu(pre)
+    return pre, self._split_qkv(qkv)
+
+  def _conv_state(self, pre, state_after):
+    """The convolution's cache, [..., q | k | v] channels in the parameters' order, from the
+    projections before it (`_convolved_qkv`) and a function of one array of them."""
+    if not isinstance(pre, tuple):
+      return state_after(pre)
+    states = []
+    for p, h in zip(pre, self._part_heads()):
+      s = _writes_first(state_after(p), *h)
+      states.append(s.reshape(s.shape[: p.ndim - 1] + (-1,)))
+    return jnp.concatenate(states, axis=-1)
 
   def _output(self, o, x):
     """o [..., HV, V] -> [..., D]."""
@@ -288,9 +399,7 @@ class DeltaMixer(nnx.Module):
       conv_segments = varlen.token_sequences(cu_seqlens, t_len)[None]
     if self.dtype is not None:
       x = x.astype(self.dtype)
-    pre = self._project_in(x)
-    qkv = self.conv(pre, conv_segments) if self.use_short_conv else jax.nn.silu(pre)
-    q, k, v = self._split_qkv(qkv)
+    pre, (q, k, v) = self._convolved_qkv(x, conv_segments)
     g, beta = self._gates(x)
     if segment_ids is not None:
       g = jnp.where(segment_starts(segment_ids)[..., None], RESET_LOG_DECAY, g)
@@ -315,9 +424,10 @@ class DeltaMixer(nnx.Module):
     conv = None
     if self.use_short_conv:
       if cu_seqlens is not None:
-        conv = self.conv.state_after_packed(pre, cu_seqlens)
+        state_after = lambda p: self.conv.state_after_packed(p, cu_seqlens)
       else:
-        conv = self.conv.state_after(pre, lengths)
+        state_after = lambda p: self.conv.state_after(p, lengths)
+      conv = self._conv_state(pre, state_after)
     return y, GatedDeltaProductCache(conv, final)
 
   def _check_cu_seqlens(self, cu_seqlens, lengths, segment_ids, batch, t_len):

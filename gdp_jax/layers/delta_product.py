@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from gdp_jax.layers import partitioning
 from gdp_jax.layers.common import (
   KEY_NORMS,
   MASK_MODES,
@@ -31,6 +32,7 @@ from gdp_jax.layers.delta_mixer import (
   step_implementation,
 )
 from gdp_jax.layers.masks import block_mask
+from gdp_jax.layers.partitioning import EMBED, HEADS
 from gdp_jax.ops.gated_delta_product.api import gated_delta_product
 from gdp_jax.ops.step.api import gated_delta_product_step
 from gdp_jax.sharding import (
@@ -231,16 +233,18 @@ class GatedDeltaProduct(DeltaMixer):
     HV, r, D = self.num_v_heads, self.num_blocks, self.hidden_size
     w0 = jnp.eye(r, dtype=f32) + 0.1 * jax.random.uniform(key, (HV, r, r), f32, 0.1, 1.0)
     if self.mask_mode == "static":
-      self.mask_weight = nnx.Param(w0.astype(param_dtype))
+      self.mask_weight = partitioning.param(w0.astype(param_dtype), (HEADS, None, None))
     elif self.mask_mode == "token":
-      self.mask_proj = Linear(
+      self.mask_proj = Linear(  # columns [HV, r, r]: head by head
         D,
         HV * r * r,
         use_bias=True,
         dtype=self.dtype,
         param_dtype=param_dtype,
-        kernel_init=nnx.initializers.normal(0.02),
-        bias_init=lambda *_: w0.reshape(HV * r * r).astype(param_dtype),
+        kernel_init=partitioning.partitioned(nnx.initializers.normal(0.02), (EMBED, HEADS)),
+        bias_init=partitioning.partitioned(
+          lambda *_: w0.reshape(HV * r * r).astype(param_dtype), (HEADS,)
+        ),
         rngs=rngs,
       )
 
@@ -270,12 +274,10 @@ class GatedDeltaProduct(DeltaMixer):
       return beta
     return beta / jnp.max(jnp.sum(mask, axis=-1), axis=-1)
 
-  def _split_qkv(self, qkv):
+  def _shape_qkv(self, q, k, v):
     """q [..., H, K], k [..., H, K] (normalised, `_qk_norm`) and v [..., HV, V]."""
-    HK = self.num_heads * self.head_dim
-    q, k, v = qkv[..., :HK], qkv[..., HK : 2 * HK], qkv[..., 2 * HK :]
-    q, k = self._qk_norm(q).astype(qkv.dtype), self._qk_norm(k).astype(qkv.dtype)
-    return q, k, v.reshape(v.shape[:-1] + (self.num_v_heads, self.value_dim))
+    q, k = self._qk_norm(q).astype(q.dtype), self._qk_norm(k).astype(k.dtype)
+    return q, k, v.reshape(q.shape[:-2] + (self.num_v_heads, self.value_dim))
 
   def _mix(self, x, q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens):
     mask = self._mask(x)

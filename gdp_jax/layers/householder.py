@@ -44,7 +44,8 @@ class HouseholderDeltaProduct(DeltaMixer):
   documents) and `step_fn(q, k, v, g, beta, state, *, num_householder)` for one token (k, v
   [B, n_h, H, *], beta [B, n_h, H]). By default `householder_delta_product` and
   `householder_delta_product_step` with `chunk_size` and `implementation` applied
-  (functools.partial). There is no sharded form yet.
+  (functools.partial). It has no `sharding=` (shard_map) form yet; under plain `jax.jit` its
+  annotated parameters shard it over heads (docs/sharding.md#annotated-parameters).
 
   Args:
     hidden_size: D, the model width.
@@ -116,20 +117,20 @@ class HouseholderDeltaProduct(DeltaMixer):
       rngs=rngs,
     )
 
-  def _split_qkv(self, qkv):
+  def _shape_qkv(self, q, k, v):
     """q [..., H, K], k [..., n_h, H, K] (each L2-normalised over the head) and
-    v [..., n_h, H, V]."""
+    v [..., n_h, H, V], from q [..., H * K] and k, v flat ([..., n_h * H * K]) or already
+    [..., n_h, H, *] (under a mesh, `_convolved_qkv`)."""
     H, K, V, n = self.num_heads, self.head_dim, self.value_dim, self.num_householder
-    HK = H * K
-    q, k, v = qkv[..., :HK], qkv[..., HK : HK + n * HK], qkv[..., HK + n * HK :]
-    q = l2norm(q.reshape(q.shape[:-1] + (H, K))).astype(qkv.dtype)
-    k = l2norm(k.reshape(k.shape[:-1] + (n, H, K))).astype(qkv.dtype)
-    return q, k, v.reshape(v.shape[:-1] + (n, H, V))
+    lead = q.shape[:-1]
+    q = l2norm(q.reshape(lead + (H, K))).astype(q.dtype)
+    k = l2norm(k.reshape(lead + (n, H, K))).astype(k.dtype)
+    return q, k, v.reshape(lead + (n, H, V))
 
   def _gates(self, x):
     """g [..., H] and beta [..., n_h, H]."""
     g, beta = super()._gates(x)
-    return g, beta.reshape(beta.shape[:-1] + (self.num_householder, self.num_heads))
+    return g, beta.reshape(g.shape[:-1] + (self.num_householder, self.num_heads))
 
   def _mix(self, x, q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens):
     batch, t_len, n = q.shape[0], q.shape[1], self.num_householder

@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gdp_jax.layers.common import (
-  f32,
-)
+from gdp_jax.layers import partitioning
+from gdp_jax.layers.common import f32
 
 
 class ShortConv(nnx.Module):
@@ -24,12 +23,17 @@ class ShortConv(nnx.Module):
   def __init__(self, channels: int, size: int = 4, *, param_dtype=f32, rngs: nnx.Rngs):
     self.size = size
     bound = 1.0 / math.sqrt(size)  # PyTorch Conv1d's default for a depthwise kernel
-    self.weight = nnx.Param(
-      jax.random.uniform(rngs.params(), (size, channels), param_dtype, -bound, bound)
+    # Not split (docs/sharding.md#annotated-parameters): the delta layers' channels are
+    # q | k | v side by side, which no contiguous split of heads follows; it is small.
+    self.weight = partitioning.param(
+      jax.random.uniform(rngs.params(), (size, channels), param_dtype, -bound, bound),
+      (None, None),
     )
 
-  def __call__(self, x, segment_ids=None):
-    w = self.weight[...].astype(x.dtype)
+  def __call__(self, x, segment_ids=None, weight=None):
+    """x [B, T, C'] -> [B, T, C']; `weight` [size, C'] the kernel of x's channels when x holds
+    some of them (e.g. q of the delta layers' q | k | v), default the whole kernel."""
+    w = (self.weight[...] if weight is None else weight).astype(x.dtype)
     t_len = x.shape[1]
     xp = jnp.pad(x, ((0, 0), (self.size - 1, 0), (0, 0)))
     if segment_ids is None:
