@@ -136,6 +136,45 @@ def test_lowers_for_cuda_at_benchmark_shape(monkeypatch):
     assert function is value_and_grad or not triton, triton
 
 
+@pytest.mark.parametrize("r", [1, 2, 4])
+def test_triton_inverse_is_the_triton_kernels_residual(r):
+  """The Mosaic chunks' T0 (interpreted), gated and reordered, is the Triton chunk_fwd's Ai."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  from gdp_jax.ops.gated_delta_product.mosaic_gpu import triton_inverse
+  from pallas_kernels.mosaic_gpu import forward as mosaic_forward
+  from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
+  from pallas_kernels.triton.forward import chunk_fwd
+
+  x = _inputs(r, t_len=64, key_dim=64, value_dim=16)
+  mask = jax.random.uniform(jax.random.PRNGKey(r), (2, r, r))
+  k, v, g, beta = x["k"], x["v"], x["g"], x["beta"]
+  batch, t_len, heads = v.shape[:3]
+  beta_hm = jnp.moveaxis(beta, 1, 2)
+  rows = mosaic_forward.mask_rows(mask, batch, t_len, heads, t_len, r)
+  beta_rows = mosaic_forward.block_rows(beta_hm, r)
+  t0 = chunk_inverse(k, beta_rows, rows, interpret=plgpu.InterpretGPUParams())
+  mask5 = jnp.broadcast_to(mask[None, None], (1, 1, heads, r, r))
+  g_hm = jnp.moveaxis(g, 1, 2)
+  gamma, _, _, ai = chunk_fwd.chunk_fwd(
+    k, v, g_hm, beta_hm, mask5, key_blocks=r, chunk=64 // r, save_ai=True
+  )
+  eye = np.eye(64, dtype=np.float32)  # compared off the unit diagonal, which would dominate
+
+  def rel(a):
+    a = np.asarray(a, np.float32).reshape(want.shape[:2] + (-1, 64, 64)) - eye
+    w = want.reshape(a.shape) - eye
+    return float(np.sqrt(np.mean((a - w) ** 2) / np.mean(w**2)))
+
+  want = np.asarray(ai, np.float32)
+  assert triton_inverse(t0, gamma, r).shape == want.shape
+  assert rel(triton_inverse(t0, gamma, r)) < 1e-2  # both in bf16
+  # the transposed inverse scores far worse: the comparison can fail
+  t0_chunks = t0.reshape(t0.shape[:2] + (-1, 64, 64))
+  transposed = jnp.swapaxes(t0_chunks, -1, -2).reshape(t0.shape)
+  assert rel(triton_inverse(transposed, gamma, r)) > 0.3
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward and gradients in the Mosaic GPU interpreter (subprocess with NPROC=8).
 
