@@ -205,26 +205,15 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
     )
 
   def __call__(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+    args = (q, k, v, g, beta, mask, initial_state, scale, chunk_size)
     reason = unsupported(q, k, v, mask)
     if reason is not None:
       if self.fallback:
-        return self.triton()(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
+        return self.triton()(*args)
       raise ValueError(reason)
     interpret = self.interpret if self.interpret is not None else interpret_mode()
-    config = self.triton()._options(q, v, mask)
-    return gated_delta_product_pallas(
-      q,
-      k,
-      v,
-      g,
-      beta,
-      mask,
-      initial_state,
-      scale,
-      chunk_size,
-      **config,
-      forward=MosaicForwardKernels(interpret=interpret),
-    )
+    kernels = MosaicForwardKernels(interpret=interpret)
+    return gated_delta_product_pallas(*args, **self.triton()._options(q, v, mask), forward=kernels)
 
   def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
     if self.fallback:
