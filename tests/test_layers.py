@@ -355,12 +355,14 @@ def test_given_callables_run_every_call(make):
     operator_fn=spy(default.operator_fn, "operator"), step_fn=spy(default.step_fn, "step")
   )
   x = x_of(40, T=5)
-  y, cache = layer(x, return_cache=True)
-  y_default, cache_default = default(x, return_cache=True)
+  # jitted (one compile per call instead of one per operation); the spies run when traced
+  call = nnx.jit(lambda m, x: m(x, return_cache=True))
+  y, cache = call(layer, x)
+  y_default, cache_default = call(default, x)
   np.testing.assert_array_equal(np.asarray(y), np.asarray(y_default))
-  layer(x[:1], cu_seqlens=jnp.array([0, 2, 5], jnp.int32))
-  layer.step(x[:, 0], cache)
-  layer.step_tokens(x[:, :2], cache)
+  nnx.jit(lambda m, x, cu: m(x, cu_seqlens=cu))(layer, x[:1], jnp.array([0, 2, 5], jnp.int32))
+  nnx.jit(lambda m, x_t, c: m.step(x_t, c))(layer, x[:, 0], cache)
+  nnx.jit(lambda m, x, c: m.step_tokens(x, c))(layer, x[:, :2], cache)
   state_kw = {"initial_state", "output_final_state"}
   assert [c[0] for c in calls] == ["operator", "operator", "step", "operator"]
   assert state_kw <= set(calls[0][1]) and "cu_seqlens" not in calls[0][1]
@@ -368,7 +370,8 @@ def test_given_callables_run_every_call(make):
   assert state_kw <= set(calls[3][1])
   # A callable that changes the result changes the layer's output.
   halved = lambda *a, **kw: jax.tree.map(lambda t: 0.5 * t, default.operator_fn(*a, **kw))
-  assert not np.allclose(np.asarray(make(operator_fn=halved)(x)), np.asarray(y_default))
+  y_halved, _ = call(make(operator_fn=halved), x)
+  assert not np.allclose(np.asarray(y_halved), np.asarray(y_default))
 
 
 def test_sharding_builds_the_sharded_callables():
@@ -387,14 +390,15 @@ def test_sharding_builds_the_sharded_callables():
   assert layer.step_fn.func is sharded_gated_delta_product_step
   assert layer.step_fn.keywords == dict(sharding=cfg, implementation="xla")
   x = x_of(41, T=5)
-  y, cache = layer(x, return_cache=True)
-  y_one, cache_one = gdp(mask_mode="token")(x, return_cache=True)
+  # jitted: one compile per call instead of one per operation
+  call = nnx.jit(lambda m, x: m(x, return_cache=True))
+  step = nnx.jit(lambda m, x_t, c: m.step(x_t, c)[0])
+  one = gdp(mask_mode="token")
+  y, cache = call(layer, x)
+  y_one, cache_one = call(one, x)
   assert_close(y, y_one, 1e-6, "sharded layer on one device")
   assert_close(
-    layer.step(x[:, 0], cache)[0],
-    gdp(mask_mode="token").step(x[:, 0], cache_one)[0],
-    1e-6,
-    "sharded step on one device",
+    step(layer, x[:, 0], cache), step(one, x[:, 0], cache_one), 1e-6, "sharded step on one device"
   )
   with pytest.raises(ValueError, match="sharded_gated_delta_product takes no cu_seqlens"):
     layer(x[:1], cu_seqlens=jnp.array([0, 2, 5], jnp.int32))
