@@ -72,11 +72,12 @@ def test_block_mask_properties():
 def test_gdp_shapes_and_dtypes(dtype):
   layer = gdp(dtype=dtype)
   x = x_of(0, dtype=dtype)
-  y, cache = layer(x, return_cache=True)
+  # jitted: one compile per call instead of one per operation
+  y, cache = nnx.jit(lambda m, x: m(x, return_cache=True))(layer, x)
   assert y.shape == x.shape and y.dtype == dtype
   assert cache.state.shape == (2, H, K, 2 * K) and cache.state.dtype == jnp.float32
   assert cache.conv.shape == (2, 3, 2 * H * K + H * 2 * K) and cache.conv.dtype == dtype
-  y1, cache1 = layer.step(x[:, 0], layer.init_cache(2))
+  y1, cache1 = nnx.jit(lambda m, x_t, c: m.step(x_t, c))(layer, x[:, 0], layer.init_cache(2))
   assert y1.shape == (2, D) and y1.dtype == dtype
   assert jax.tree.map(lambda a: (a.shape, a.dtype), cache1) == jax.tree.map(
     lambda a: (a.shape, a.dtype), cache
