@@ -20,14 +20,26 @@ compiling (LLVM's optimisation of the generated code), not running it; level 0 c
 third faster and computes the same float32 results (no fast-math either way). The flag goes into
 XLA_FLAGS before jax starts its backend, so the subprocesses the tests start (sharding checks,
 notebook kernels, scripts) inherit it. An XLA_FLAGS that already sets the level is left alone.
+
+One persistent compilation cache (jax's `jax_compilation_cache_dir`,
+docs/performance.md#compile-time) serves every process of a run: the two workers and the
+subprocesses the tests start, which inherit its folder through JAX_COMPILATION_CACHE_DIR. Many
+tests compile programs that another test, worker or subprocess has compiled already (the training
+runs of test_train_lm, the model of the notebooks, README blocks and command-line checks); those
+are read back instead of compiled again. The folder is a fresh temporary one per run, removed at
+its end, so a run never reads results of an earlier run; a JAX_COMPILATION_CACHE_DIR set before
+pytest starts is used as it is, and GDP_TESTS_COMPILATION_CACHE=0 turns the cache off.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import pkgutil
 import re
+import shutil
+import tempfile
 
 CPU_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 
@@ -46,10 +58,34 @@ def _cpu_only() -> bool:
 if _cpu_only() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + CPU_COMPILE_FLAG).strip()
 
+
 import jax  # noqa: E402  (after XLA_FLAGS: XLA reads them when the backend starts)
 import pytest  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
+
+
+def _share_compilation_cache() -> None:
+  """One persistent compilation cache for this run's processes (module docstring)."""
+  if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    # The first process of the run (pytest itself, or the controller of its workers, which
+    # inherit the folder with the rest of the environment); removed when that process exits.
+    path = tempfile.mkdtemp(prefix="gdp_jax_tests_compiled_")
+    pid = os.getpid()
+    atexit.register(lambda: os.getpid() == pid and shutil.rmtree(path, ignore_errors=True))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    # Every program, however quick to compile (the default keeps those over one second only).
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  # Also when jax was imported before this file (it reads its environment variables then).
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs",
+    float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")),
+  )
+
+
+if os.environ.get("GDP_TESTS_COMPILATION_CACHE", "1") != "0":
+  _share_compilation_cache()
 
 
 # Node-id patterns of the slow tier, against "tests/<file>::<test>[<params>]"; `*` is the only

@@ -72,11 +72,12 @@ def test_block_mask_properties():
 def test_gdp_shapes_and_dtypes(dtype):
   layer = gdp(dtype=dtype)
   x = x_of(0, dtype=dtype)
-  y, cache = layer(x, return_cache=True)
+  # jitted: one compile per call instead of one per operation
+  y, cache = nnx.jit(lambda m, x: m(x, return_cache=True))(layer, x)
   assert y.shape == x.shape and y.dtype == dtype
   assert cache.state.shape == (2, H, K, 2 * K) and cache.state.dtype == jnp.float32
   assert cache.conv.shape == (2, 3, 2 * H * K + H * 2 * K) and cache.conv.dtype == dtype
-  y1, cache1 = layer.step(x[:, 0], layer.init_cache(2))
+  y1, cache1 = nnx.jit(lambda m, x_t, c: m.step(x_t, c))(layer, x[:, 0], layer.init_cache(2))
   assert y1.shape == (2, D) and y1.dtype == dtype
   assert jax.tree.map(lambda a: (a.shape, a.dtype), cache1) == jax.tree.map(
     lambda a: (a.shape, a.dtype), cache
@@ -202,7 +203,7 @@ def test_gdp_gradients_reach_every_parameter(mask_mode):
   def loss(layer):
     return jnp.sum(jnp.sin(layer(x)))
 
-  grads = nnx.grad(loss)(layer)
+  grads = nnx.jit(nnx.grad(loss))(layer)  # one compile instead of one per operation
   leaves = jax.tree_util.tree_leaves_with_path(nnx.state(grads, nnx.Param))
   names = {jax.tree_util.keystr(p) for p, _ in leaves}
   assert any("mask" in n for n in names) and any("conv" in n for n in names), names
@@ -355,12 +356,14 @@ def test_given_callables_run_every_call(make):
     operator_fn=spy(default.operator_fn, "operator"), step_fn=spy(default.step_fn, "step")
   )
   x = x_of(40, T=5)
-  y, cache = layer(x, return_cache=True)
-  y_default, cache_default = default(x, return_cache=True)
+  # jitted (one compile per call instead of one per operation); the spies run when traced
+  call = nnx.jit(lambda m, x: m(x, return_cache=True))
+  y, cache = call(layer, x)
+  y_default, cache_default = call(default, x)
   np.testing.assert_array_equal(np.asarray(y), np.asarray(y_default))
-  layer(x[:1], cu_seqlens=jnp.array([0, 2, 5], jnp.int32))
-  layer.step(x[:, 0], cache)
-  layer.step_tokens(x[:, :2], cache)
+  nnx.jit(lambda m, x, cu: m(x, cu_seqlens=cu))(layer, x[:1], jnp.array([0, 2, 5], jnp.int32))
+  nnx.jit(lambda m, x_t, c: m.step(x_t, c))(layer, x[:, 0], cache)
+  nnx.jit(lambda m, x, c: m.step_tokens(x, c))(layer, x[:, :2], cache)
   state_kw = {"initial_state", "output_final_state"}
   assert [c[0] for c in calls] == ["operator", "operator", "step", "operator"]
   assert state_kw <= set(calls[0][1]) and "cu_seqlens" not in calls[0][1]
@@ -368,7 +371,8 @@ def test_given_callables_run_every_call(make):
   assert state_kw <= set(calls[3][1])
   # A callable that changes the result changes the layer's output.
   halved = lambda *a, **kw: jax.tree.map(lambda t: 0.5 * t, default.operator_fn(*a, **kw))
-  assert not np.allclose(np.asarray(make(operator_fn=halved)(x)), np.asarray(y_default))
+  y_halved, _ = call(make(operator_fn=halved), x)
+  assert not np.allclose(np.asarray(y_halved), np.asarray(y_default))
 
 
 def test_sharding_builds_the_sharded_callables():
@@ -387,14 +391,15 @@ def test_sharding_builds_the_sharded_callables():
   assert layer.step_fn.func is sharded_gated_delta_product_step
   assert layer.step_fn.keywords == dict(sharding=cfg, implementation="xla")
   x = x_of(41, T=5)
-  y, cache = layer(x, return_cache=True)
-  y_one, cache_one = gdp(mask_mode="token")(x, return_cache=True)
+  # jitted: one compile per call instead of one per operation
+  call = nnx.jit(lambda m, x: m(x, return_cache=True))
+  step = nnx.jit(lambda m, x_t, c: m.step(x_t, c)[0])
+  one = gdp(mask_mode="token")
+  y, cache = call(layer, x)
+  y_one, cache_one = call(one, x)
   assert_close(y, y_one, 1e-6, "sharded layer on one device")
   assert_close(
-    layer.step(x[:, 0], cache)[0],
-    gdp(mask_mode="token").step(x[:, 0], cache_one)[0],
-    1e-6,
-    "sharded step on one device",
+    step(layer, x[:, 0], cache), step(one, x[:, 0], cache_one), 1e-6, "sharded step on one device"
   )
   with pytest.raises(ValueError, match="sharded_gated_delta_product takes no cu_seqlens"):
     layer(x[:1], cu_seqlens=jnp.array([0, 2, 5], jnp.int32))

@@ -311,9 +311,14 @@ def test_default_implementation_with_cu_seqlens(monkeypatch):
   monkeypatch.setattr(
     dispatch, "entry", lambda f, i, **c: calls.append((f, i)) or original(f, i, **c)
   )
-  o, final = gated_delta_product(**inputs, cu_seqlens=cu, output_final_state=True)
+  # jitted: one compile per call instead of one per operation (dispatch.entry runs when traced)
+  o, final = jax.jit(
+    lambda inputs, cu: gated_delta_product(**inputs, cu_seqlens=cu, output_final_state=True)
+  )(inputs, cu)
   assert calls == [("gated_delta_product_varlen", "triton")]
-  o_none, none = gated_delta_product(**{**inputs, "initial_state": None}, cu_seqlens=cu)
+  o_none, none = jax.jit(lambda inputs, cu: gated_delta_product(**inputs, cu_seqlens=cu))(
+    {**inputs, "initial_state": None}, cu
+  )
   assert none is None and o_none.shape == o.shape == inputs["v"].shape
 
 

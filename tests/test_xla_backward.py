@@ -199,10 +199,13 @@ def test_dhu_without_dfinal():
   s = _setup(3, 2, "head", True, 16)
   s["dfinal"] = jnp.zeros_like(s["dfinal"])
   (_, dh0_ref, du_ref) = _jit(_dhu_case, s)[1]
-  dv_local = xb.chunk_bwd_dv_local(s["q"], s["k"], s["gcum"], s["do"], s["scale"], 16, 2)
-  dh, dh0, dv_new = xb.chunk_bwd_dhu(
-    s["q"], s["k"], s["w"], s["gcum"], s["do"], dv_local, None, s["scale"], 16
-  )
+
+  @jax.jit  # one compile instead of one per operation
+  def without_dfinal(q, k, w, gcum, do):
+    dv_local = xb.chunk_bwd_dv_local(q, k, gcum, do, s["scale"], 16, 2)
+    return xb.chunk_bwd_dhu(q, k, w, gcum, do, dv_local, None, s["scale"], 16)
+
+  dh, dh0, dv_new = without_dfinal(s["q"], s["k"], s["w"], s["gcum"], s["do"])
   assert not np.any(np.asarray(dh[:, :, -1]))
   _check(dv_new, du_ref, "dv_new")
   _check(dh0, dh0_ref, "d initial_state")
@@ -348,9 +351,10 @@ def test_full_backward_padded_tokens():
   q, k, v, g, beta = (pad(inp[n]) for n in ("q", "k", "v", "g", "beta"))
   mask_p = pad(mask) if mask.shape[1] != 1 else mask
   do, dfinal = cotangents(21, (B, t_len, H, V), (B, H, K, V))
-  got = xb.gated_delta_product_xla_bwd(
-    q, k, v, g, beta, mask_p, inp["initial_state"], K**-0.5, chunk, pad(do), dfinal
+  bwd = jax.jit(  # one compile instead of one per operation
+    lambda *a: xb.gated_delta_product_xla_bwd(*a[:7], K**-0.5, chunk, *a[7:])
   )
+  got = bwd(q, k, v, g, beta, mask_p, inp["initial_state"], pad(do), dfinal)
   for name, x in zip(NAMES, got):
     assert np.all(np.isfinite(np.asarray(x))), name
 
