@@ -284,7 +284,10 @@ def test_bench_nonfinite_smoke(tmp_path):
   res = json.loads(out.read_text())
   assert {"date", "jax_version", "device", "command", "runs"} <= set(res)
   assert res["command"].startswith("python benchmarks/bench_nonfinite.py --smoke")
-  cases = {run["case"]: run for run in res["runs"]}
+  cases = {run["case"]: run for run in res["runs"] if run["mode"] != "pieces"}
   assert set(cases) == {"unguarded", "guarded", "nan in k", "summary"}
+  pieces = {run["case"]: run["ms"] for run in res["runs"] if run["mode"] == "pieces"}
+  assert set(pieces) == {"clean (every input)", "clean (q kept)", "mark"}, pieces
+  assert all(ms > 0 for ms in pieces.values())
   assert all(cases[c]["ms"] > 0 for c in ("unguarded", "guarded", "nan in k"))
   assert cases["summary"]["guarded_equals_unguarded"] and cases["summary"]["nan_marks_ok"]

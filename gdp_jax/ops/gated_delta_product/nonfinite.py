@@ -46,12 +46,12 @@ def _finite(x):
   return jnp.isfinite(x)
 
 
-def _bad_rows(x, batch, t_len, heads):
+def _bad_rows(x, batch, t_len, heads, local=False):
   """[B, T, H, ...] (or broadcastable mask [Bm, Tm, Hm, r, r]) -> [B, T, H]: any non-finite.
   With grouped value heads, q and k have fewer heads than H: key head j // (H // Hk) serves
-  value head j (docs/varlen.md#grouped-value-heads)."""
+  value head j (docs/varlen.md#grouped-value-heads). local: x is whole on this device (`clean`)."""
   bad = ~_finite(x)
-  if bad.ndim > 3:
+  if bad.ndim > 3 and local:
     # Over rows of the flattened array, into a 1-D result behind an optimization barrier: XLA
     # on a GPU otherwise fuses this reduction into the transpose of a consumer (the flags in
     # [B, H, T] order), which reads x at a fraction of the memory bandwidth; a 1-D array has
@@ -59,25 +59,25 @@ def _bad_rows(x, batch, t_len, heads):
     lead = bad.shape[:3]
     flat = jnp.any(bad.reshape(math.prod(lead), -1), axis=1)
     bad = jax.lax.optimization_barrier(flat).reshape(lead)
+  elif bad.ndim > 3:
+    bad = jnp.any(bad, axis=tuple(range(3, bad.ndim)))
   if bad.shape[2] not in (1, heads):
     bad = jnp.repeat(bad, heads // bad.shape[2], axis=2)
   return jnp.broadcast_to(bad, (batch, t_len, heads))
 
 
-def clean(q, k, v, g, beta, mask):
+def clean(q, k, v, g, beta, mask, *, local=False):
   """(cleaned (q, k, v, g, beta, mask), Marks) for the operator's normalised inputs:
   q, k [B, T, Hk, K] (Hk = H, or a divisor of H: grouped value heads); v [B, T, H, V];
-  g, beta [B, T, H]; mask [Bm, Tm, Hm, r, r]. Marks are per value head."""
+  g, beta [B, T, H]; mask [Bm, Tm, Hm, r, r]. Marks are per value head.
+
+  local: the arrays are whole on this device (the Pallas kernels' guard, which runs per device:
+  gdp_jax/ops/gated_delta_product/partitioning.py), so the reductions may flatten them (a
+  flattened sharded array would be gathered first)."""
   batch, t_len, heads = v.shape[:3]
-  bad_state = (
-    _bad_rows(k, batch, t_len, heads)
-    | _bad_rows(v, batch, t_len, heads)
-    | _bad_rows(beta, batch, t_len, heads)
-    | _bad_rows(mask, batch, t_len, heads)
-    | jnp.isnan(g)
-    | (g == jnp.inf)
-  )
-  bad_q = _bad_rows(q, batch, t_len, heads)
+  rows = lambda x: _bad_rows(x, batch, t_len, heads, local)
+  bad_state = rows(k) | rows(v) | rows(beta) | rows(mask) | jnp.isnan(g) | (g == jnp.inf)
+  bad_q = rows(q)
   # The state is bad from the first bad token on. One reduction over time finds it (a running
   # "or", `lax.cummax`, is a scan of many small kernels on a GPU).
   t = jax.lax.broadcasted_iota(jnp.int32, bad_state.shape, 1)

@@ -312,7 +312,9 @@ _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
 
 def _cleaner(packing):
   """The guard's `clean` for the plain form, or per sequence for packed sequences."""
-  return nonfinite.clean if packing is None else _packed_cleaner(packing)
+  if packing is None:  # the kernels run per device: their inputs are whole here
+    return functools.partial(nonfinite.clean, local=True)
+  return _packed_cleaner(packing)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
