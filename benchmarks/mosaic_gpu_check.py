@@ -21,9 +21,10 @@ default 280) bounds the whole run:
    jax-linear-attention's Gated DeltaNet (`impl="mosaic_gpu"`, r = 1 only), with the output's
    relative RMS against xla;
 4. sweep: chunk_inverse's launch parameter (chunks per program) at r = 1, 2, 4, its time alone;
-5. operator: `gated_delta_product(..., implementation="mosaic_gpu")` (the Mosaic forward, the
-   Triton backward, one custom_vjp), output, final state and every gradient against xla at
-   r = 1, 2, then forward and forward + backward timed beside implementation="pallas".
+5. operator: `gated_delta_product(..., implementation="mosaic_gpu")` (the Mosaic forward and
+   reverse walk with the Triton backward's chunk-parallel kernels, one custom_vjp): output, final
+   state and every gradient against xla (`OPERATOR_CHECKS`: r = 1, 2, 4, mask shapes, grouped
+   value heads; bars `GRAD_BARS`). Its speed beside the peers: `benchmarks/bench.py`.
 The table printed last summarises all three. `--tiny` runs small shapes in the Mosaic GPU
 interpreter on a CPU (lowering instead of compiling, no timing of peers): a check of the script.
 """
@@ -356,14 +357,36 @@ def operator_loss(implementation):
   return loss
 
 
+# (r, mask kind, grouped value heads): the operator's gradients against xla
+OPERATOR_CHECKS = [
+  (1, "none", False),
+  (1, "token", False),
+  (2, "head", False),
+  (2, "token", True),
+  (4, "shared", False),
+  (4, "token", False),
+]
+# bf16 relative RMS of each gradient against xla (the issue's bars, as flash-linear-attention's
+# own tests allow): the inputs' gradients, and the gates' and the mask's
+GRAD_BARS = dict(q=8e-3, k=8e-3, v=8e-3, g=2e-2, beta=2e-2, mask=2e-2, initial_state=8e-3)
+
+
 def phase_operator(record, check_shape, bench_shape, args, save):
-  for r in (1, 2):
-    case = dict(phase="operator", r=r, impl="mosaic_gpu", what="check")
+  checks = OPERATOR_CHECKS[:1] if args.tiny else OPERATOR_CHECKS
+  for r, mask_kind, grouped in checks:
+    case = dict(phase="operator", r=r, impl="mosaic_gpu", what="check", mask=mask_kind)
+    case["grouped"] = grouped
     try:
-      inp = make_inputs(r, **check_shape, r=r, mask_kind="head", dtype=jnp.bfloat16, state=True)
+      key_heads = check_shape["heads"] // 2 if grouped else None
+      inp = make_inputs(
+        r, **check_shape, r=r, mask_kind=mask_kind, dtype=jnp.bfloat16, state=True,
+        key_heads=key_heads,
+      )  # fmt: skip
+      names = [n for n in OPERATOR_INPUTS if inp[n] is not None]
       args_in = tuple(inp[n] for n in OPERATOR_INPUTS)
+      wrt = tuple(i for i, n in enumerate(OPERATOR_INPUTS) if inp[n] is not None)
       got, want = (
-        jax.jit(jax.value_and_grad(operator_loss(i), range(7), has_aux=True))(*args_in)
+        jax.jit(jax.value_and_grad(operator_loss(i), wrt, has_aux=True))(*args_in)
         for i in ("mosaic_gpu", "xla")
       )
       (_, (o, final)), grads = got
@@ -371,34 +394,16 @@ def phase_operator(record, check_shape, bench_shape, args, save):
       case["rel_rms_o"] = rel_rms(o, o_x)
       case["rel_rms_state"] = rel_rms(final, final_x)
       case["rel_rms_grads"] = {
-        n: rel_rms(a, b) for n, a, b in zip(OPERATOR_INPUTS, grads, grads_x, strict=True)
+        n: rel_rms(a, b) for n, a, b in zip(names, grads, grads_x, strict=True)
       }
       worst = max(case["rel_rms_o"], case["rel_rms_state"])
-      case["ok"] = bool(worst <= BAR and max(case["rel_rms_grads"].values()) <= 2e-2)
+      case["ok"] = bool(
+        worst <= BAR and all(case["rel_rms_grads"][n] <= GRAD_BARS[n] for n in names)
+      )
     except Exception as e:  # noqa: BLE001
       case.update(ok=False, error=summarise(e))
     record["checks"].append(case)
     save()
-    for impl in ("mosaic_gpu", "pallas"):
-      for mode in ("fwd", "fwdbwd"):
-        case = dict(phase="operator", r=r, impl=impl, what=mode)
-        try:
-          inp = make_inputs(
-            0, **bench_shape, r=r, mask_kind="head", dtype=jnp.bfloat16, state=False
-          )
-          fwd = operator_loss(impl)
-          args_in = tuple(inp[n] for n in OPERATOR_INPUTS[:6]) + (None,)
-          if mode == "fwd":
-            fn = jax.jit(lambda *a, f=fwd: f(*a)[1][0])
-          else:
-            fn = jax.jit(jax.grad(lambda *a, f=fwd: f(*a)[0], range(6)))
-          reps = 1 if args.tiny else args.reps
-          case["ms"], case["all_ms"] = time_fn(fn, args_in, reps, 1 if args.tiny else args.inner)
-          case["ok"] = True
-        except Exception as e:  # noqa: BLE001
-          case.update(ok=False, error=summarise(e))
-        record["checks"].append(case)
-        save()
 
 
 def pallas_fn():

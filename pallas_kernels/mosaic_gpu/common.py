@@ -39,10 +39,15 @@ def chunk_tokens(r: int) -> int:
   return ROWS_PER_CHUNK // r
 
 
-def smem(shape: tuple[int, ...], dtype):
-  """A shared-memory tile tiled and swizzled for TMA and wgmma (minor dimension last)."""
+def smem(shape: tuple[int, ...], dtype, max_swizzle: int = 128):
+  """A shared-memory tile tiled and swizzled for TMA and wgmma (minor dimension last).
+
+  max_swizzle: a tile whose major dimension a product contracts over needs that dimension to be
+  a multiple of `swizzle / itemsize` (wgmma's k group): the backward's token tiles of `C < 64`
+  tokens take a smaller swizzle.
+  """
   dtype = jnp.dtype(dtype)
-  swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
+  swizzle = min(plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8), max_swizzle)
   transforms = (
     plgpu.TilingTransform((8, swizzle // dtype.itemsize)),  # type: ignore[abstract]
     plgpu.SwizzleTransform(swizzle),  # type: ignore[abstract]

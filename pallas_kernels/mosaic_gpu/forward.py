@@ -9,6 +9,8 @@ kernels read, then runs `chunk_inverse` and `state_walk_ws`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -80,6 +82,66 @@ def check_inputs(q, k, v, g, beta, mask, initial_state) -> int:
   return r
 
 
+@dataclasses.dataclass(frozen=True)
+class Operands:
+  """The inputs as the kernels read them (`prepare`)."""
+
+  q: jax.Array  # [B, Tp, Hk, K]
+  k: jax.Array
+  v: jax.Array | None  # [B, Tp, H, Vp]
+  gamma: jax.Array  # [B, H, Tp] float32, chunk-local cumulative log-decay
+  gamma_rows: jax.Array  # [B, H, NC * N] float32 per block-major row
+  beta_rows: jax.Array
+  mask_rows: jax.Array  # [Bm, Hm, NCm, r, N] float32
+  scale: jax.Array  # [4] float32, the scale in entry 0
+  padded: int  # Tp
+  value_padded: int  # Vp
+
+
+def pad_axes(x: jax.Array, time: int, last: int = 0) -> jax.Array:
+  """x with `time` zero rows after axis 1 and `last` zero columns after the last axis."""
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, time)
+  if last:
+    widths[-1] = (0, last)
+  return jnp.pad(x, widths) if time or last else x
+
+
+def prepare(q, k, v, g, beta, mask, scale) -> Operands:
+  """Pads the time axis to whole chunks with no-op tokens and V to whole 64-column tiles
+  (docs/chunked_form.md#padding) and forms gamma (docs/chunked_form.md#gamma), the per-row
+  gates and the mask rows. v may be None (the backward reads do instead)."""
+  r = 1 if mask is None else mask.shape[-1]
+  batch, t_len, _, key_dim = q.shape
+  heads = beta.shape[2]
+  c = chunk_tokens(r)
+  padded = -(-t_len // c) * c
+  pt = padded - t_len
+  vp = 0
+  if v is not None:
+    vp = -(-v.shape[-1] // BLOCK_V) * BLOCK_V
+    v = pad_axes(v, pt, vp - v.shape[-1])
+  g32 = jnp.zeros((batch, t_len, heads), F32) if g is None else g.astype(F32)
+  g32 = jnp.maximum(g32, MIN_LOG_DECAY)
+  g_hm = jnp.swapaxes(pad_axes(g32, pt), 1, 2)  # [B, H, Tp]
+  gamma = jnp.cumsum(g_hm.reshape(batch, heads, padded // c, c), axis=-1).reshape(g_hm.shape)
+  beta_hm = jnp.swapaxes(pad_axes(beta.astype(F32), pt), 1, 2)
+  if scale is None:
+    scale = key_dim**-0.5
+  return Operands(
+    q=pad_axes(q, pt),
+    k=pad_axes(k, pt),
+    v=v,
+    gamma=gamma,
+    gamma_rows=block_rows(gamma, r),
+    beta_rows=block_rows(beta_hm, r),
+    mask_rows=mask_rows(mask, batch, t_len, heads, padded, r),
+    scale=jnp.broadcast_to(jnp.asarray(scale, F32), (4,)),
+    padded=padded,
+    value_padded=vp,
+  )
+
+
 def forward(
   q: jax.Array,
   k: jax.Array,
@@ -92,69 +154,50 @@ def forward(
   initial_state: jax.Array | None = None,
   output_final_state: bool = False,
   return_inverse: bool = False,
+  store_states: bool = False,
   interpret=None,
 ):
   """`o [B, T, H, V]` (dtype of q) and the final state `[B, H, K, V]` float32 (or None); with
   `return_inverse` also the chunks' gate-free inverses T0 `[B, H, NC * N, N]` (`chunk_inverse`,
-  block-major rows; the Triton backward's residual, gdp_jax/ops/gated_delta_product/mosaic_gpu.py).
+  block-major rows; the Triton backward's residual, gdp_jax/ops/gated_delta_product/mosaic_gpu.py);
+  with `store_states` (T a multiple of the chunk, V of 64) after them the per-chunk states and
+  v_new, transposed (`state_walk_ws`): the residuals of the Mosaic backward (`backward.py`).
 
   interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
     The interpreter runs the walk's three warpgroups as threads of XLA's CPU client: on a machine
     with fewer than 3 cores set NPROC (for example NPROC=8) before jax starts, or they starve.
   """
-  r = check_inputs(q, k, v, g, beta, mask, initial_state)
-  batch, t_len, _, key_dim = q.shape
-  heads = v.shape[2]  # value heads (a multiple of q's and k's heads: grouped value heads)
-  value_dim = v.shape[-1]
-  c = chunk_tokens(r)
-  padded = -(-t_len // c) * c
-  vp = -(-value_dim // BLOCK_V) * BLOCK_V
-  pt = padded - t_len
-
-  def pad_time(x, extra_last=0):
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, pt)
-    if extra_last:
-      widths[-1] = (0, extra_last)
-    return jnp.pad(x, widths) if pt or extra_last else x
-
-  qp, kp, vpd = pad_time(q), pad_time(k), pad_time(v, vp - value_dim)
-  g32 = jnp.zeros((batch, t_len, heads), F32) if g is None else g.astype(F32)
-  g32 = jnp.maximum(g32, MIN_LOG_DECAY)
-  g_hm = jnp.swapaxes(pad_time(g32), 1, 2)  # [B, H, Tp]
-  gamma = jnp.cumsum(g_hm.reshape(batch, heads, padded // c, c), axis=-1).reshape(g_hm.shape)
-  beta_hm = jnp.swapaxes(pad_time(beta.astype(F32)), 1, 2)
-  rows = mask_rows(mask, batch, t_len, heads, padded, r)
-  if scale is None:
-    scale = key_dim**-0.5
-  scale_arr = jnp.broadcast_to(jnp.asarray(scale, F32), (4,))
+  check_inputs(q, k, v, g, beta, mask, initial_state)
+  t_len, value_dim = q.shape[1], v.shape[-1]
+  ops = prepare(q, k, v, g, beta, mask, scale)
+  vp = ops.value_padded
+  if store_states and (ops.padded != t_len or vp != value_dim):
+    raise ValueError(f"store_states: T={t_len} and V={value_dim} must be whole chunks and tiles")
   h0_t = None
   if initial_state is not None:
     h0_t = jnp.swapaxes(initial_state.astype(F32), 2, 3)
     if vp != value_dim:
       h0_t = jnp.pad(h0_t, [(0, 0), (0, 0), (0, vp - value_dim), (0, 0)])
-
-  beta_rows = block_rows(beta_hm, r)
-  t0 = chunk_inverse(kp, beta_rows, rows, interpret=interpret)
-  o, s_t = state_walk_ws(
-    qp,
-    kp,
-    vpd,
+  t0 = chunk_inverse(ops.k, ops.beta_rows, ops.mask_rows, interpret=interpret)
+  o, s_t, *states = state_walk_ws(
+    ops.q,
+    ops.k,
+    ops.v,
     t0,
-    gamma,
-    block_rows(gamma, r),
-    beta_rows,
-    rows,
-    scale_arr,
+    ops.gamma,
+    ops.gamma_rows,
+    ops.beta_rows,
+    ops.mask_rows,
+    ops.scale,
     h0_t,
     block_v=BLOCK_V,
     output_final_state=output_final_state,
+    store_states=store_states,
     interpret=interpret,
   )
   o = o[:, :t_len, :, :value_dim]
   final = None
   if s_t is not None:
     final = jnp.swapaxes(s_t, 2, 3)[..., :value_dim]
-  if return_inverse:
-    return o, final, t0
-  return o, final
+  extra = ((t0,) if return_inverse else ()) + tuple(states)
+  return (o, final, *extra) if extra else (o, final)

@@ -134,6 +134,7 @@ def state_walk_ws(
   *,
   block_v: int = 64,
   output_final_state: bool = False,
+  store_states: bool = False,
   stages: int | None = None,
   interpret=None,
 ):
@@ -150,11 +151,15 @@ def state_walk_ws(
     initial_state_t: None or `[B, H, V, K]` float32, the initial state transposed.
     block_v: value columns per program.
     output_final_state: also return the final state transposed, `[B, H, V, K]` float32.
+    store_states: also return, per chunk, the state at its start transposed `[B, H, NC, V, K]`
+      and `v_new^T` `[B, H, NC, V, N]` (block-major columns), both in the input dtype: the
+      residuals of the backward (`backward_walk.py`), copied from the tiles the chain publishes.
     stages: ring stages (None: the most that fit).
     interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()`.
 
   Returns:
-    `(o [B, Tp, H, V], final state transposed or None)`.
+    `(o [B, Tp, H, V], final state transposed or None)`, and with `store_states` the two
+    per-chunk arrays after them.
   """
   dims = walk_dims(q, k, v, t0, mask_rows, block_v)
   batch, padded, heads, key_dim, value_dim, r, c, nc, group = dims
@@ -210,6 +215,9 @@ def state_walk_ws(
   out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), dtype)]
   if output_final_state:
     out_type.append(jax.ShapeDtypeStruct((batch, heads, value_dim, key_dim), F32))
+  if store_states:
+    out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, key_dim), dtype))
+    out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, N), dtype))
 
   def body(*refs, q_s, kb_s, vrep_s, t_s, g_rows, g_cols, g_chain, g_last, b_cols, g_tok, m_s,
            st_pub, vn_pub, pq_s, o_s, sc_s, in_bar, prep_ready, in_free, s_ready, s_free, sc_bar,
@@ -220,6 +228,7 @@ def state_walk_ws(
     h0_ref = refs.pop(0) if has_h0 else None
     o_ref = refs.pop(0)
     ht_ref = refs.pop(0) if output_final_state else None
+    states_ref, vnew_ref = (refs.pop(0), refs.pop(0)) if store_states else (None, None)
     b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
     hk = lax.div(h, group)  # the key head of value head h
     cols_v = pl.ds(iv * bv, bv)
@@ -278,6 +287,8 @@ def state_walk_ws(
         def _():  # warpgroup 1 is done with the tiles published two chunks ago
           plgpu.barrier_wait(s_free.at[half])
 
+        if store_states:  # and their copies to global memory have read them
+          plgpu.wait_smem_to_gmem(2, wait_read_only=True)
         s_lo = s_t.astype(dtype)
         st_pub.at[half][...] = s_lo
         g_c = plgpu.load(g_chain.at[slot], layout=COLS)
@@ -297,6 +308,9 @@ def state_walk_ws(
         vn_pub.at[half][...] = vn_t.astype(dtype)
         plgpu.commit_smem()
         plgpu.barrier_arrive(s_ready.at[half])
+        if store_states:
+          plgpu.copy_smem_to_gmem(st_pub.at[half], states_ref.at[b, h, n, cols_v])
+          plgpu.copy_smem_to_gmem(vn_pub.at[half], vnew_ref.at[b, h, n, cols_v])
         vd_t = (vn_t * bcast_cols(jnp.exp(g_end - g_c), wshape)).astype(dtype)
         s_new = matmul_reg(
           vd_t, kb_s.at[slot], (bv, key_dim), init=jnp.exp(g_end) * s_t, stage=xt_s
@@ -309,6 +323,8 @@ def state_walk_ws(
         plgpu.barrier_wait(s_free.at[n % 2])
       if output_final_state:  # straight from registers to global memory
         ht_ref.at[b, h, cols_v][...] = s_t
+      if store_states:
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
     def _output():
@@ -384,6 +400,9 @@ def state_walk_ws(
     interpret=interpret,
     kernel_name=f"gdp_state_walk_ws_r{r}",
   )(*args)
-  if output_final_state:
-    return outs[0], outs[1]
-  return outs[0], None
+  outs = list(outs)
+  o = outs.pop(0)
+  final = outs.pop(0) if output_final_state else None
+  if store_states:
+    return o, final, outs[0], outs[1]
+  return o, final

@@ -38,6 +38,7 @@ from gdp_jax.ops.gated_delta_product.triton import (
 from gdp_jax.ops.gated_delta_product.triton import _fused_forward as triton_forward
 from pallas_kernels.common.backend import interpret_mode
 from pallas_kernels.common.options import KernelOptions
+from pallas_kernels.mosaic_gpu import backward_walk
 from pallas_kernels.mosaic_gpu import forward as mosaic_forward
 from pallas_kernels.mosaic_gpu.common import SUPPORTED_DTYPES, SUPPORTED_R, chunk_tokens
 
@@ -140,6 +141,7 @@ class MosaicForwardKernels:
     if not self.interpret:
       _check_device()
     batch, t_len, heads = v.shape[:3]
+    store = save_ai and stores_states(r, v.shape[-1])
     out = mosaic_forward.forward(
       q,
       k,
@@ -151,15 +153,62 @@ class MosaicForwardKernels:
       initial_state=h0,
       output_final_state=True,
       return_inverse=save_ai,
-      interpret=plgpu.InterpretGPUParams() if self.interpret else None,
+      store_states=store,
+      interpret=self._params(),
     )
     if not save_ai:
       return (*out, (None, None))
-    o, final, t0 = out
+    o, final, t0, *states = out
     g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)  # [B, H, Tp]
     gamma = jnp.cumsum(g_hm.reshape(batch, heads, t_len // bt, bt), axis=-1)
     gamma = gamma.reshape(g_hm.shape)
+    if store:  # the Mosaic backward's residuals (`state_grads`)
+      return o, final, (gamma, None, (t0, *states))
     return o, final, (gamma, triton_inverse(t0, gamma, r))
+
+  def _params(self):
+    return plgpu.InterpretGPUParams() if self.interpret else None
+
+  def state_grads(self, q, k, g, beta, mask, gamma, do, dfinal, scale, walk):
+    """The backward's states and their gradients from the forward walk's stored states: the
+    reverse walk (pallas_kernels/mosaic_gpu/backward_walk.py) in place of the Triton kernels'
+    recomputation of w, u, h, v_new and their stages bwd_dv_local and bwd_dhu.
+
+    walk: `(t0, h^T, v_new^T)` as the forward stored them. Returns `(ai, h^T, v_new^T, dh^T,
+    d initial_state, dv_new)`: ai the Triton backward's inverse (`triton_inverse`), the states
+    transposed as `bwd_dqkwg(transposed=True)` reads them, d initial_state `[B, H, K, V]`
+    float32 and dv_new `[B, H, Tp * r, V]`.
+    """
+    t0, h_t, vn_t = walk
+    batch, t_len, heads = do.shape[:3]
+    r = mask.shape[-1]
+    ops = mosaic_forward.prepare(
+      q, k, None, g, beta, _kernel_mask(mask, batch, t_len, heads), scale
+    )
+    dh_t, dv_new, dh0_t = backward_walk.state_grad_walk(
+      ops.q,
+      ops.k,
+      do,
+      t0,
+      ops.gamma,
+      ops.gamma_rows,
+      ops.beta_rows,
+      ops.mask_rows,
+      ops.scale,
+      jnp.swapaxes(dfinal.astype(jnp.float32), 2, 3),
+      block_v=mosaic_forward.BLOCK_V,
+      interpret=self._params(),
+    )
+    dv_new = dv_new.reshape(batch, heads, t_len * r, do.shape[-1])
+    ai = triton_inverse(t0, gamma, r)
+    return ai, h_t, vn_t, dh_t, jnp.swapaxes(dh0_t, 2, 3), dv_new
+
+
+def stores_states(r: int, value_dim: int) -> bool:
+  """Whether a differentiated call keeps the forward walk's states for the Mosaic backward (its
+  reverse walk takes r in 1, 2, 4 and whole 64-column value tiles); else the forward saves the
+  Triton backward's residuals, which recomputes them."""
+  return r in backward_walk.SUPPORTED_R and value_dim % mosaic_forward.BLOCK_V == 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,365 @@
+"""The reverse state walk of the backward: one warp-specialised program per (batch, head, value
+tile), the forward walk (`walk_ws.py`) mirrored (docs/mosaic_gpu.md#the-backward).
+
+Carries `dS^T [BV, K]` float32 in registers, the gradient of the state after the current chunk,
+from the last chunk to the first (it starts at d final_state). Per chunk, with the forward walk's
+notation (`walk_ws.py`: block-major rows `(a, t)`, `Kb`, `Kw`, `Ag = T0 ⊙ decay ⊙ beta`,
+`E = diag(exp(gamma))`):
+
+  dh^T      = dS^T                                                   (stored, per chunk)
+  dv_new^T  = scale do^T (q Kb^T ⊙ D) + (dS^T Kb^T) diag(exp(gamma_L - gamma))   [BV, N]
+  dX^T      = dv_new^T Ag                                                        [BV, N]
+  dS^T     <- exp(gamma_L) dS^T + do^T (scale E q) - (dX^T E) Kw                 [BV, K]
+
+and the dS^T left after the first chunk is d initial_state. dh (the gradient of the state at the
+end of each chunk) and dv_new (the gradient of v_new) are what the Triton backward's
+`bwd_dqkwg` and `bwd_wy` take (pallas_kernels/triton/backward/), so this kernel replaces its
+recomputation of w, u, the states and v_new and its stages `bwd_dv_local` and `bwd_dhu`.
+
+Three warpgroups, as in the forward walk:
+- warpgroup 2, the producer: streams q, k, do, T0, gamma, beta and the mask rows of the chunks,
+  last first, with TMA into a ring of stages;
+- warpgroup 1, off the chain: per stage forms `Kb`, `Kw` (r > 1) and `Ag` in place, the
+  intra-chunk term `dv_local = scale (q Kb^T ⊙ D)^T do` into the stage, and `scale E q` in place
+  of q;
+- warpgroup 0, the chain: the three dependent products `dS^T Kb^T`, `dv_new^T Ag`,
+  `(dX^T E) Kw` (the last accumulated with `do^T (scale E q)` into the decayed `dS^T`), and the
+  stores of dh^T and dv_new (its rows written token-major, as the Triton kernels read them).
+
+The products over a chunk's tokens (`P^T do`, `do^T E q`) need `C >= 16` tokens (wgmma's
+16-deep bf16 step): r in 1, 2, 4; their token tiles take a swizzle of at most `C` elements
+(`common.smem`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.mosaic_gpu.common import (
+  COLS,
+  F32,
+  ROWS,
+  ROWS_PER_CHUNK,
+  SMEM_LIMIT,
+  WGMMA,
+  bcast_cols,
+  bcast_rows,
+  chunk_tokens,
+  compiler_params,
+  iota,
+  mask_matrix,
+  matmul,
+  matmul_reg,
+  smem,
+  token_of,
+)
+
+N = ROWS_PER_CHUNK
+SUPPORTED_R = (1, 2, 4)
+# Alignment of the buffers adds to `smem_bytes` (as in walk_ws.py): keep this much spare.
+SMEM_MARGIN = 8 * 1024
+
+
+def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: bool) -> int:
+  """Shared memory of `state_grad_walk` (tiles and vectors; barriers are a few bytes more)."""
+  c = chunk_tokens(r)
+  isz = jnp.dtype(dtype).itemsize
+  per_stage = (c * key_dim + (2 if r > 1 else 1) * N * key_dim + c * block_v + N * N) * isz
+  per_stage += block_v * N * isz  # dv_local
+  per_stage += (5 * N + max(c, 32) + r * N) * 4
+  fixed = (2 * block_v * key_dim + 2 * N * block_v) * isz
+  fixed += 16 + ((block_v + c) * N * isz if staged else 0)
+  return stages * per_stage + fixed
+
+
+def pick_stages(key_dim: int, block_v: int, r: int, dtype, staged: bool) -> int:
+  """The most ring stages (3 or 2) that fit in shared memory, or 0 if not even 2 do."""
+  for stages in (3, 2):
+    if smem_bytes(key_dim, block_v, r, dtype, stages, staged) + SMEM_MARGIN <= SMEM_LIMIT:
+      return stages
+  return 0
+
+
+def state_grad_walk(
+  q: jax.Array,
+  k: jax.Array,
+  do: jax.Array,
+  t0: jax.Array,
+  gamma: jax.Array,
+  gamma_rows: jax.Array,
+  beta_rows: jax.Array,
+  mask_rows: jax.Array,
+  scale: jax.Array,
+  dfinal_t: jax.Array | None = None,
+  *,
+  block_v: int = 64,
+  stages: int | None = None,
+  interpret=None,
+):
+  """The reverse walk (module docstring).
+
+  Args:
+    q, k: `[B, Tp, Hk, K]`, `Tp` a multiple of the chunk `C = 64 // r`; do: `[B, Tp, H, V]`,
+      `H` a multiple of `Hk` (grouped value heads), V a multiple of block_v.
+    t0, gamma, gamma_rows, beta_rows, mask_rows, scale: as the forward walk takes them
+      (`walk_ws.state_walk_ws`).
+    dfinal_t: None or `[B, H, V, K]` float32, d final_state transposed.
+
+  Returns:
+    `dh^T [B, H, NC, V, K]` (q's dtype; the gradient of the state at the end of each chunk,
+    transposed), `dv_new [B, H, Tp, r, V]` (q's dtype; token-major rows `(t, a)`) and
+    `d initial_state^T [B, H, V, K]` float32.
+  """
+  batch, padded, key_heads, key_dim = k.shape
+  heads, value_dim = do.shape[2], do.shape[-1]
+  r = mask_rows.shape[-2]
+  if r not in SUPPORTED_R:
+    raise ValueError(f"mask size r={r}: the reverse walk supports r in {SUPPORTED_R}")
+  c = chunk_tokens(r)
+  dtype = k.dtype
+  if q.shape != k.shape or q.dtype != dtype or do.dtype != dtype:
+    raise ValueError(f"q, k, do: shapes {q.shape}, {k.shape}, {do.shape} / dtypes must agree")
+  if do.shape[:2] != (batch, padded) or heads % key_heads:
+    raise ValueError(f"do: shape {do.shape}, expected [B, T, H, V], H a multiple of {key_heads}")
+  if padded % c or value_dim % block_v:
+    raise ValueError(f"T={padded}, V={value_dim}: whole chunks of {c} and tiles of {block_v}")
+  nc = padded // c
+  if t0.shape != (batch, heads, nc * N, N):
+    raise ValueError(f"t0: shape {t0.shape}, expected {(batch, heads, nc * N, N)}")
+  group = heads // key_heads
+  m_b, m_h, m_n = mask_rows.shape[:3]
+  has_dfinal = dfinal_t is not None
+  staged = interpret is not None
+  bv = block_v
+  dk = key_dim // r
+  if stages is None:
+    stages = pick_stages(key_dim, bv, r, dtype, staged)
+  need = smem_bytes(key_dim, bv, r, dtype, max(stages, 2), staged)
+  if stages < 2 or need + SMEM_MARGIN > SMEM_LIMIT:
+    raise ValueError(
+      f"state_grad_walk needs {need} bytes of shared memory with 2 stages, above the "
+      f"{SMEM_LIMIT} limit (K={key_dim}, block_v={bv}, r={r})"
+    )
+  # q, T0, gamma per token, mask rows, 3 gamma rows, beta rows, do; per block: k
+  n_copies = 9 + r
+
+  vecs = plgpu.SMEM((stages, N), F32)
+  # tiles the products contract over their C tokens (major dimension): a k group of C at most
+  tok_swizzle = min(128, c * jnp.dtype(dtype).itemsize)
+  scratch = dict(
+    q_s=smem((stages, c, key_dim), dtype, tok_swizzle),  # q, then scale E q (in place)
+    kb_s=smem((stages, N, key_dim), dtype),  # the keys repeated per block, then Kb (in place)
+    do_s=smem((stages, c, bv), dtype, tok_swizzle),
+    t_s=smem((stages, N, N), dtype),  # T0, then Ag (in place)
+    dvl_s=smem((stages, N, bv), dtype),  # dv_local
+    g_rows=vecs,
+    g_cols=vecs,
+    g_chain=vecs,  # warpgroup 0's copy: COLS view and the last entry
+    b_cols=vecs,
+    # Rows of at least 128 bytes: a TMA destination must be 128-byte aligned (C = 16).
+    g_tok=plgpu.SMEM((stages, max(c, 32)), F32),
+    m_s=plgpu.SMEM((stages, r, N), F32),
+    dh_pub=smem((2, bv, key_dim), dtype),
+    dvn_pub=smem((2, N, bv), dtype),
+    sc_s=plgpu.SMEM((4,), F32),
+    in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
+    prep_ready=plgpu.Barrier(num_barriers=stages),
+    in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    sc_bar=plgpu.Barrier(),
+    done=plgpu.Barrier(num_arrivals=3),
+  )
+  if r > 1:
+    scratch["kw_s"] = smem((stages, N, key_dim), dtype)
+  if staged:
+    scratch["xt_s"] = smem((bv, N), dtype)
+    scratch["pq_s"] = smem((N, c), dtype)
+
+  out_type = [
+    jax.ShapeDtypeStruct((batch, heads, nc, value_dim, key_dim), dtype),
+    jax.ShapeDtypeStruct((batch, heads, padded, r, value_dim), dtype),
+    jax.ShapeDtypeStruct((batch, heads, value_dim, key_dim), F32),
+  ]
+
+  def body(*refs, q_s, kb_s, do_s, t_s, dvl_s, g_rows, g_cols, g_chain, b_cols, g_tok, m_s,
+           dh_pub, dvn_pub, sc_s, in_bar, prep_ready, in_free, sc_bar, done, kw_s=None,
+           xt_s=None, pq_s=None):  # fmt: skip
+    refs = list(refs)
+    q_ref, k_ref, do_ref, t0_ref, g_ref = (refs.pop(0) for _ in range(5))
+    gr_ref, beta_ref, m_ref, sc_ref = (refs.pop(0) for _ in range(4))
+    dfinal_ref = refs.pop(0) if has_dfinal else None
+    dh_ref, dvn_ref, dh0_ref = refs
+    b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+    hk = lax.div(h, group)  # the key head of value head h
+    cols_v = pl.ds(iv * bv, bv)
+    mb = b if m_b > 1 else 0
+    mh = h if m_h > 1 else 0
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def issue(i, slot):
+        n = nc - 1 - i  # the chunks last first
+        rows = pl.ds(n * c, c)
+        bar = in_bar.at[slot]
+        mn = n if m_n > 1 else 0
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(t0_ref.at[b, h, pl.ds(n * N, N)], t_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_tok.at[slot].at[pl.ds(0, c)], bar)
+        plgpu.copy_gmem_to_smem(m_ref.at[mb, mh, mn], m_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, cols_v], do_s.at[slot], bar)
+        chunk_rows = pl.ds(n * N, N)
+        for dst in (g_rows, g_cols, g_chain):
+          plgpu.copy_gmem_to_smem(gr_ref.at[b, h, chunk_rows], dst.at[slot], bar)
+        plgpu.copy_gmem_to_smem(beta_ref.at[b, h, chunk_rows], b_cols.at[slot], bar)
+        for a in range(r):  # tiles: C-row pieces stay 1024-byte aligned for every r
+          part = pl.ds(a * c, c)
+          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], kb_s.at[slot].at[part], bar)
+
+      for i in range(min(stages, nc)):
+        issue(i, i)
+
+      @pl.loop(stages, nc)
+      def _refill(i):
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(in_free.at[slot])
+        issue(i, slot)
+
+      for i in range(max(nc - stages, 0), nc):  # consume the last releases of every stage
+        plgpu.barrier_wait(in_free.at[i % stages])
+
+    @pl.when(wg == 0)
+    def _chain():
+      plgpu.set_max_registers(232, action="increase")
+      if has_dfinal:  # straight from global memory into the WGMMA layout
+        ds0 = plgpu.load(dfinal_ref.at[b, h, cols_v], layout=WGMMA, optimized=False)
+      else:
+        ds0 = plgpu.layout_cast(jnp.zeros((bv, key_dim), F32), WGMMA)
+      wshape = (bv, N)
+      sshape = (bv, key_dim)
+
+      def step(i, ds_t):
+        n = nc - 1 - i
+        slot = lax.rem(i, stages)
+        half = lax.rem(i, 2)
+        plgpu.barrier_wait(in_bar.at[slot])
+        # the copies of the tiles published two chunks ago have read them
+        plgpu.wait_smem_to_gmem(1 + r, wait_read_only=True)
+        ds_lo = ds_t.astype(dtype)
+        dh_pub.at[half][...] = ds_lo
+        g_c = plgpu.load(g_chain.at[slot], layout=COLS)
+        g_end = g_chain[slot, N - 1]
+        key_coef = jnp.exp(g_c)
+        if r == 1:  # the mask is one number per token: it scales the columns of dX^T
+          key_coef = key_coef * plgpu.load(m_s.at[slot].at[0], layout=COLS)
+        plgpu.barrier_wait(prep_ready.at[slot])
+        stage_s = dh_pub.at[half] if staged else None
+        y = matmul_reg(ds_lo, kb_s.at[slot].T, wshape, stage=stage_s)  # dS^T Kb^T
+        dvl = plgpu.load(dvl_s.at[slot].T, layout=WGMMA).astype(F32)
+        dvn_lo = (dvl + y * bcast_cols(jnp.exp(g_end - g_c), wshape)).astype(dtype)
+        dvn_pub.at[half].T[...] = dvn_lo
+        dx = matmul_reg(dvn_lo, t_s.at[slot], wshape, stage=xt_s)  # dv_new^T Ag
+        u = (dx * bcast_cols(-key_coef, wshape)).astype(dtype)
+        kw = kb_s.at[slot] if r == 1 else kw_s.at[slot]
+        ds_dec = jnp.exp(g_end) * ds_t
+        if staged:  # the interpreter: staged operands, the accumulator added after
+          ds_new = ds_dec + matmul(do_s.at[slot].T, q_s.at[slot], sshape)
+          ds_new = ds_new + matmul_reg(u, kw, sshape, stage=xt_s)
+        else:
+
+          def update(acc):
+            plgpu.wgmma(acc, do_s.at[slot].T, q_s.at[slot])
+            plgpu.wgmma(acc, u, kw)
+
+          ds_new = lax.optimization_barrier(pl.run_state(update)(plgpu.ACC.init(ds_dec)))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dh_pub.at[half], dh_ref.at[b, h, n, cols_v])
+        for a in range(r):
+          piece = dvn_pub.at[half].at[pl.ds(a * c, c)]
+          plgpu.copy_smem_to_gmem(piece, dvn_ref.at[b, h, pl.ds(n * c, c), a, cols_v])
+        plgpu.barrier_arrive(in_free.at[slot])
+        return ds_new
+
+      ds_t = lax.fori_loop(0, nc, step, ds0)
+      dh0_ref.at[b, h, cols_v][...] = ds_t  # straight from registers to global memory
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _prep():
+      plgpu.set_max_registers(232, action="increase")
+      plgpu.copy_gmem_to_smem(sc_ref, sc_s, sc_bar)
+      plgpu.barrier_wait(sc_bar)
+      scale_v = sc_s[0]
+      sq = (N, N)
+      tok_r, tok_c = token_of(iota(sq, 0), c), token_of(iota(sq, 1), c)
+      kshape = (N, key_dim)
+      own = lax.div(iota(kshape, 1), dk) == lax.div(iota(kshape, 0), c)
+      pshape = (N, c)
+      causal_pq = token_of(iota(pshape, 0), c) <= iota(pshape, 1)
+      qshape = (key_dim, c)
+
+      def step(i, carry):
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(in_bar.at[slot])
+        kb_lo = None
+        if r > 1:
+          kfull = plgpu.load(kb_s.at[slot], layout=WGMMA).astype(F32)
+          kw_s.at[slot][...] = (kfull * mask_matrix(m_s.at[slot], kshape, dk, r)).astype(dtype)
+          kb_lo = jnp.where(own, kfull, 0.0).astype(dtype)
+          kb_s.at[slot][...] = kb_lo
+        g_r = plgpu.load(g_rows.at[slot], layout=ROWS)
+        g_c = plgpu.load(g_cols.at[slot], layout=COLS)
+        decay = jnp.exp(
+          jnp.where(tok_r >= tok_c, bcast_rows(g_r, sq) - bcast_cols(g_c, sq), -jnp.inf)
+        )
+        beta_c = bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
+        t0v = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
+        t_s.at[slot][...] = (t0v * decay * beta_c).astype(dtype)
+        plgpu.commit_smem()
+        # The intra-chunk scores transposed, (q Kb^T ⊙ D)^T, then dv_local.
+        g_t = plgpu.load(g_tok.at[slot].at[pl.ds(0, c)], layout=COLS)
+        if r == 1:
+          pq = matmul(kb_s.at[slot], q_s.at[slot].T, pshape)
+        else:  # Kb from registers: q's tile has a smaller swizzle than Kb's (wgmma wants one)
+          kb_stage = kb_s.at[slot] if staged else None
+          pq = matmul_reg(kb_lo, q_s.at[slot].T, pshape, stage=kb_stage)
+        d_pq = jnp.exp(
+          jnp.where(causal_pq, bcast_cols(g_t, pshape) - bcast_rows(g_r, pshape), -jnp.inf)
+        )
+        pq_lo = (pq * d_pq).astype(dtype)
+        dvl = matmul_reg(pq_lo, do_s.at[slot], (N, bv), stage=pq_s)
+        dvl_s.at[slot][...] = (dvl * scale_v).astype(dtype)
+        # scale E q in place of q (the chain's do^T (scale E q)).
+        q_t = plgpu.load(q_s.at[slot].T, layout=WGMMA).astype(F32)
+        q_s.at[slot].T[...] = (q_t * bcast_cols(scale_v * jnp.exp(g_t), qshape)).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(prep_ready.at[slot])
+        plgpu.barrier_arrive(in_free.at[slot])
+        return carry
+
+      lax.fori_loop(0, nc, step, None)
+
+    plgpu.barrier_arrive(done)
+    plgpu.barrier_wait(done)
+
+  args = [q, k, do, t0, gamma, gamma_rows, beta_rows, mask_rows, scale]
+  if has_dfinal:
+    args.append(dfinal_t)
+  dh_t, dv_new, dh0_t = plgpu.kernel(
+    body,
+    out_type=out_type,
+    scratch_types=scratch,
+    grid=(batch, heads, value_dim // bv),
+    grid_names=("b", "h", "v"),
+    num_threads=3,
+    thread_name="wg",
+    compiler_params=compiler_params(),
+    interpret=interpret,
+    kernel_name=f"gdp_state_grad_walk_r{r}",
+  )(*args)
+  return dh_t, dv_new, dh0_t
