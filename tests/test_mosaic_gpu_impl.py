@@ -188,8 +188,19 @@ def _rel_rms(got, want):
 
 def _run_interpreted():
   """Forward and gradients of "mosaic_gpu" against "xla" at a tiny shape, four value heads
-  sharing two key heads (grouped value heads); returns measures."""
-  x = _inputs(3, t_len=40, heads=4, key_heads=2)
+  sharing two key heads (grouped value heads), V = 64 (whole value tiles: the backward's reverse
+  walk runs on the forward walk's stored states); returns measures."""
+  from pallas_kernels.mosaic_gpu import backward_walk
+
+  walks = []
+  reverse_walk = backward_walk.state_grad_walk
+
+  def counted(*args, **kwargs):
+    walks.append(args[2].shape)
+    return reverse_walk(*args, **kwargs)
+
+  backward_walk.state_grad_walk = counted
+  x = _inputs(3, t_len=40, heads=4, key_heads=2, value_dim=64)
   names = tuple(x)
 
   def loss(implementation, *arrays):
@@ -212,6 +223,7 @@ def _run_interpreted():
     out[impl] = (o, final)
   (o, final), (o_ref, final_ref) = out["mosaic_gpu"], out["xla"]
   row = dict(
+    reverse_walks=len(walks),
     o=_rel_rms(o.astype(F32), o_ref.astype(F32)),
     final=_rel_rms(final, final_ref),
     shape_ok=o.shape == x["v"].shape and o.dtype == x["q"].dtype and final.dtype == F32,
@@ -253,8 +265,10 @@ def test_a_nan_spoils_nothing_before_it(interpreted):
 
 
 def test_gradients_interpreted_match_xla(interpreted):
-  # the Triton backward on the Mosaic forward's residuals, bf16 inputs
+  # the Mosaic reverse walk and the Triton backward's chunk-parallel kernels on the Mosaic
+  # forward's residuals, bf16 inputs
   row = interpreted
+  assert row["reverse_walks"] == 1, row
   for name in ("q", "k", "v", "g", "beta", "mask", "initial_state"):
     assert row["d" + name] < 3e-2, (name, row)
 
