@@ -12,9 +12,8 @@ notation (`walk_ws.py`: block-major rows `(a, t)`, `Kb`, `Kw`, `Ag = T0 ⊙ deca
   dS^T     <- exp(gamma_L) dS^T + do^T (scale E q) - (dX^T E) Kw                 [BV, K]
 
 and the dS^T left after the first chunk is d initial_state. dh (the gradient of the state at the
-end of each chunk) and dv_new (the gradient of v_new) are what the Triton backward's
-`bwd_dqkwg` and `bwd_wy` take (pallas_kernels/triton/backward/), so this kernel replaces its
-recomputation of w, u, the states and v_new and its stages `bwd_dv_local` and `bwd_dhu`.
+end of each chunk) and dv_new (the whole gradient of v_new), both transposed, are what the
+chunk-parallel kernel (`chunk_grads.py`) takes beside the forward walk's stored states.
 
 Three warpgroups, as in the forward walk:
 - warpgroup 2, the producer: streams q, k, do, T0, gamma, beta and the mask rows of the chunks,
@@ -24,7 +23,7 @@ Three warpgroups, as in the forward walk:
   of q;
 - warpgroup 0, the chain: the three dependent products `dS^T Kb^T`, `dv_new^T Ag`,
   `(dX^T E) Kw` (the last accumulated with `do^T (scale E q)` into the decayed `dS^T`), and the
-  stores of dh^T and dv_new (its rows written token-major, as the Triton kernels read them).
+  stores of dh^T and dv_new^T.
 
 The products over a chunk's tokens (`P^T do`, `do^T E q`) need `C >= 16` tokens (wgmma's
 16-deep bf16 step): r in 1, 2, 4; their token tiles take a swizzle of at most `C` elements
@@ -111,7 +110,7 @@ def state_grad_walk(
 
   Returns:
     `dh^T [B, H, NC, V, K]` (q's dtype; the gradient of the state at the end of each chunk,
-    transposed), `dv_new [B, H, Tp, r, V]` (q's dtype; token-major rows `(t, a)`) and
+    transposed), `dv_new^T [B, H, NC, V, N]` (q's dtype; block-major columns) and
     `d initial_state^T [B, H, V, K]` float32.
   """
   batch, padded, key_heads, key_dim = k.shape
@@ -164,7 +163,7 @@ def state_grad_walk(
     g_tok=plgpu.SMEM((stages, max(c, 32)), F32),
     m_s=plgpu.SMEM((stages, r, N), F32),
     dh_pub=smem((2, bv, key_dim), dtype),
-    dvn_pub=smem((2, N, bv), dtype),
+    dvn_pub=smem((2, bv, N), dtype),
     sc_s=plgpu.SMEM((4,), F32),
     in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
     prep_ready=plgpu.Barrier(num_barriers=stages),
@@ -180,7 +179,7 @@ def state_grad_walk(
 
   out_type = [
     jax.ShapeDtypeStruct((batch, heads, nc, value_dim, key_dim), dtype),
-    jax.ShapeDtypeStruct((batch, heads, padded, r, value_dim), dtype),
+    jax.ShapeDtypeStruct((batch, heads, nc, value_dim, N), dtype),
     jax.ShapeDtypeStruct((batch, heads, value_dim, key_dim), F32),
   ]
 
@@ -249,7 +248,7 @@ def state_grad_walk(
         half = lax.rem(i, 2)
         plgpu.barrier_wait(in_bar.at[slot])
         # the copies of the tiles published two chunks ago have read them
-        plgpu.wait_smem_to_gmem(1 + r, wait_read_only=True)
+        plgpu.wait_smem_to_gmem(2, wait_read_only=True)
         ds_lo = ds_t.astype(dtype)
         dh_pub.at[half][...] = ds_lo
         g_c = plgpu.load(g_chain.at[slot], layout=COLS)
@@ -262,7 +261,7 @@ def state_grad_walk(
         y = matmul_reg(ds_lo, kb_s.at[slot].T, wshape, stage=stage_s)  # dS^T Kb^T
         dvl = plgpu.load(dvl_s.at[slot].T, layout=WGMMA).astype(F32)
         dvn_lo = (dvl + y * bcast_cols(jnp.exp(g_end - g_c), wshape)).astype(dtype)
-        dvn_pub.at[half].T[...] = dvn_lo
+        dvn_pub.at[half][...] = dvn_lo
         dx = matmul_reg(dvn_lo, t_s.at[slot], wshape, stage=xt_s)  # dv_new^T Ag
         u = (dx * bcast_cols(-key_coef, wshape)).astype(dtype)
         kw = kb_s.at[slot] if r == 1 else kw_s.at[slot]
@@ -279,9 +278,7 @@ def state_grad_walk(
           ds_new = lax.optimization_barrier(pl.run_state(update)(plgpu.ACC.init(ds_dec)))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dh_pub.at[half], dh_ref.at[b, h, n, cols_v])
-        for a in range(r):
-          piece = dvn_pub.at[half].at[pl.ds(a * c, c)]
-          plgpu.copy_smem_to_gmem(piece, dvn_ref.at[b, h, pl.ds(n * c, c), a, cols_v])
+        plgpu.copy_smem_to_gmem(dvn_pub.at[half], dvn_ref.at[b, h, n, cols_v])
         plgpu.barrier_arrive(in_free.at[slot])
         return ds_new
 

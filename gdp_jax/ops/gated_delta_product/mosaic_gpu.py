@@ -36,9 +36,11 @@ from gdp_jax.ops.gated_delta_product.triton import (
   gated_delta_product_pallas,
 )
 from gdp_jax.ops.gated_delta_product.triton import _fused_forward as triton_forward
+from gdp_jax.ops.gated_delta_product.xla_backward import reduce_dmask
+from gdp_jax.ops.heads import sum_key_heads
 from pallas_kernels.common.backend import interpret_mode
 from pallas_kernels.common.options import KernelOptions
-from pallas_kernels.mosaic_gpu import backward_walk
+from pallas_kernels.mosaic_gpu import backward_walk, chunk_grads
 from pallas_kernels.mosaic_gpu import forward as mosaic_forward
 from pallas_kernels.mosaic_gpu.common import SUPPORTED_DTYPES, SUPPORTED_R, chunk_tokens
 
@@ -141,7 +143,7 @@ class MosaicForwardKernels:
     if not self.interpret:
       _check_device()
     batch, t_len, heads = v.shape[:3]
-    store = save_ai and stores_states(r, v.shape[-1])
+    store = save_ai and stores_states(r, q.shape[-1], v.shape[-1])
     out = mosaic_forward.forward(
       q,
       k,
@@ -169,46 +171,65 @@ class MosaicForwardKernels:
   def _params(self):
     return plgpu.InterpretGPUParams() if self.interpret else None
 
-  def state_grads(self, q, k, g, beta, mask, gamma, do, dfinal, scale, walk):
-    """The backward's states and their gradients from the forward walk's stored states: the
-    reverse walk (pallas_kernels/mosaic_gpu/backward_walk.py) in place of the Triton kernels'
-    recomputation of w, u, h, v_new and their stages bwd_dv_local and bwd_dhu.
-
-    walk: `(t0, h^T, v_new^T)` as the forward stored them. Returns `(ai, h^T, v_new^T, dh^T,
-    d initial_state, dv_new)`: ai the Triton backward's inverse (`triton_inverse`), the states
-    transposed as `bwd_dqkwg(transposed=True)` reads them, d initial_state `[B, H, K, V]`
-    float32 and dv_new `[B, H, Tp * r, V]`.
-    """
-    t0, h_t, vn_t = walk
-    batch, t_len, heads = do.shape[:3]
+  def backward(self, scale, residuals, cotangents):
+    """The Mosaic GPU backward (docs/mosaic_gpu.md#the-backward) from the forward walk's stored
+    states: the reverse walk (pallas_kernels/mosaic_gpu/backward_walk.py), then the
+    chunk-parallel gradients (chunk_grads.py) and their per-token sums here. Takes and returns
+    what the Triton backward does (`triton._backward`): `(dq, dk, dv, dg, dbeta, dmask,
+    d initial_state)`."""
+    q, k, v, g, beta, mask, h0, (_, _, (t0, states_t, vnew_t)) = residuals
+    do, dfinal = cotangents
+    batch, t_len, heads = v.shape[:3]
+    key_heads = q.shape[2]
     r = mask.shape[-1]
-    ops = mosaic_forward.prepare(
-      q, k, None, g, beta, _kernel_mask(mask, batch, t_len, heads), scale
-    )
-    dh_t, dv_new, dh0_t = backward_walk.state_grad_walk(
+    c = chunk_tokens(r)
+    nc = t_len // c
+    ops = mosaic_forward.prepare(q, k, v, g, beta, _kernel_mask(mask, batch, t_len, heads), scale)
+    params = self._params()
+    walk_args = (ops.gamma, ops.gamma_rows, ops.beta_rows, ops.mask_rows, ops.scale)
+    dh_t, dvnew_t, dh0_t = backward_walk.state_grad_walk(
       ops.q,
       ops.k,
       do,
       t0,
-      ops.gamma,
-      ops.gamma_rows,
-      ops.beta_rows,
-      ops.mask_rows,
-      ops.scale,
+      *walk_args,
       jnp.swapaxes(dfinal.astype(jnp.float32), 2, 3),
       block_v=mosaic_forward.BLOCK_V,
-      interpret=self._params(),
+      interpret=params,
     )
-    dv_new = dv_new.reshape(batch, heads, t_len * r, do.shape[-1])
-    ai = triton_inverse(t0, gamma, r)
-    return ai, h_t, vn_t, dh_t, jnp.swapaxes(dh0_t, 2, 3), dv_new
+    dq, dk, dv, vec = chunk_grads.chunk_grads(
+      ops.q, ops.k, ops.v, do, t0, states_t, vnew_t, dh_t, dvnew_t, *walk_args, interpret=params
+    )
+    # the per-row vectors to tokens: row (a, t) of chunk n is entry [n, a, t]
+    per_row = lambda i: vec[:, :, :, i].reshape(batch, heads, nc, r, c)
+    dgamma = jnp.sum(per_row(0) + per_row(1), axis=3) + vec[:, :, :, 4, :c]
+    dgamma = dgamma.at[..., -1].add(vec[:, :, :, 5, 0])
+    dg = jnp.flip(jnp.cumsum(jnp.flip(dgamma, -1), axis=-1), -1)  # gamma is a cumsum of g
+    dbeta = jnp.sum(per_row(2) + per_row(3), axis=3)
+    time_major = lambda x: jnp.moveaxis(x.reshape(batch, heads, t_len), 1, 2)  # -> [B, T, H]
+    # dM_t[a, d] at row (a, t): vector 6 + d
+    dm = jnp.stack([per_row(chunk_grads.VECTOR_ROWS + d) for d in range(r)], axis=-1)
+    dm = jnp.moveaxis(dm, 3, 4).reshape(batch, heads, t_len, r, r)  # [B, H, T, a, d]
+    dmask = reduce_dmask(dm, mask.shape)
+    if key_heads != heads:
+      dq, dk = (sum_key_heads(x.astype(jnp.float32), key_heads) for x in (dq, dk))
+    return (
+      dq.astype(q.dtype),
+      dk.astype(k.dtype),
+      dv.astype(v.dtype),
+      time_major(dg).astype(g.dtype),
+      time_major(dbeta).astype(beta.dtype),
+      dmask.astype(mask.dtype),
+      jnp.swapaxes(dh0_t, 2, 3).astype(h0.dtype),
+    )
 
 
-def stores_states(r: int, value_dim: int) -> bool:
+def stores_states(r: int, key_dim: int, value_dim: int) -> bool:
   """Whether a differentiated call keeps the forward walk's states for the Mosaic backward (its
-  reverse walk takes r in 1, 2, 4 and whole 64-column value tiles); else the forward saves the
-  Triton backward's residuals, which recomputes them."""
-  return r in backward_walk.SUPPORTED_R and value_dim % mosaic_forward.BLOCK_V == 0
+  kernels take r in 1, 2, 4 and K, V in 64, 128); else the forward saves the Triton backward's
+  residuals, and the Triton kernels recompute the states."""
+  dims = chunk_grads.SUPPORTED_DIMS
+  return r in chunk_grads.SUPPORTED_R and key_dim in dims and value_dim in dims
 
 
 @dataclasses.dataclass(frozen=True)

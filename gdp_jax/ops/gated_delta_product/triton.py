@@ -210,27 +210,41 @@ def _gdp_core_bwd(scale, bt, opts, kernels, residuals, cotangents):
 def _backward(scale, bt, opts, residuals, cotangents, table=None, kernels=None):
   """The backward kernels. residuals: the inputs and what the forward saved, `(gcum, ai)` from
   the Triton forward, or `(gcum, None, walk)` from other forward kernels that stored their walk's
-  states (`kernels.state_grads` then runs the reverse state walk on them: the Mosaic GPU
-  kernels, gdp_jax/ops/gated_delta_product/mosaic_gpu.py)."""
-  q, k, v, g, beta, mask, h0, (gcum, ai, *walk) = residuals
+  states, whose own backward then runs (`kernels.backward`: the Mosaic GPU kernels,
+  gdp_jax/ops/gated_delta_product/mosaic_gpu.py)."""
+  q, k, v, g, beta, mask, h0, (gcum, ai, *stored) = residuals
+  if stored:
+    return kernels.backward(scale, residuals, cotangents)
   do, dfinal = cotangents
-  r = mask.shape[-1]
-  transposed = bool(walk)
-  if walk:
-    ai, h, v_new, dh, dh0, dv_new = kernels.state_grads(
-      q, k, g, beta, mask, gcum, do, dfinal, scale, walk[0]
-    )
   # Grouped value heads: the backward kernels see HV heads throughout; q and k are repeated here
   # and dq, dk summed over each group at the end.
   key_heads, key_dtypes = q.shape[2], (q.dtype, k.dtype)
   q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
+  r = mask.shape[-1]
   common = dict(chunk=bt, key_blocks=r)
   prec = dict(precision=opts.precision)
+  # packed sequences: the table goes to the state walks only
+  walk = dict(common) if table is None else dict(common, table=table)
   beta_hm = jnp.moveaxis(beta.astype(jnp.float32), 1, 2)
-  if not walk:
-    h, v_new, dh, dh0, dv_new = _state_grads(
-      q, k, v, beta_hm, mask, h0, gcum, ai, do, dfinal, scale, opts, common, prec, table
-    )
+  w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, launch=opts.wy, **common, **prec)
+  h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, launch=opts.chunk_h, **walk, **prec)
+  dv_local = bwd_dv_local.chunk_bwd_dv_local(
+    q, k, gcum, do, scale=scale, launch=opts.bwd_dv_local, out_dtype=do.dtype, **common, **prec
+  )
+  dh, dh0, dv_new = bwd_dhu.chunk_bwd_dhu(
+    q,
+    k,
+    w,
+    gcum,
+    do,
+    dv_local,
+    dfinal.astype(jnp.float32),
+    scale=scale,
+    dh_dtype=q.dtype,
+    launch=opts.bwd_dhu,
+    **walk,
+    **prec,
+  )
   # Without grouped heads the kernels store dq, dk (bwd_wy adds bwd_dqkwg's part) and dv in the
   # input dtypes; grouped, dq and dk stay float32 for the sum over each group.
   grouped = key_heads != v.shape[2]
@@ -246,7 +260,6 @@ def _backward(scale, bt, opts, residuals, cotangents, table=None, kernels=None):
     scale=scale,
     launch=opts.bwd_dqkwg,
     dq_dtype=jnp.float32 if grouped else key_dtypes[0],
-    transposed=transposed,
     **common,
     **prec,
   )
@@ -280,35 +293,6 @@ def _backward(scale, bt, opts, residuals, cotangents, table=None, kernels=None):
     dmask.astype(mask.dtype),
     dh0.astype(h0.dtype),
   )
-
-
-def _state_grads(
-  q, k, v, beta_hm, mask, h0, gcum, ai, do, dfinal, scale, opts, common, prec, table
-):
-  """The states and their gradients by the Triton kernels: w, u, then h and v_new recomputed,
-  dv_local and the reverse walk. Returns (h, v_new, dh, dh0, dv_new)."""
-  # packed sequences: the table goes to the state walks only
-  walk = dict(common) if table is None else dict(common, table=table)
-  w, u = wy.recompute_w_u(k, v, beta_hm, mask, gcum, ai, launch=opts.wy, **common, **prec)
-  h, v_new, _ = chunk_h.chunk_state(k, w, u, gcum, h0, launch=opts.chunk_h, **walk, **prec)
-  dv_local = bwd_dv_local.chunk_bwd_dv_local(
-    q, k, gcum, do, scale=scale, launch=opts.bwd_dv_local, out_dtype=do.dtype, **common, **prec
-  )
-  dh, dh0, dv_new = bwd_dhu.chunk_bwd_dhu(
-    q,
-    k,
-    w,
-    gcum,
-    do,
-    dv_local,
-    dfinal.astype(jnp.float32),
-    scale=scale,
-    dh_dtype=q.dtype,
-    launch=opts.bwd_dhu,
-    **walk,
-    **prec,
-  )
-  return h, v_new, dh, dh0, dv_new
 
 
 _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)

@@ -46,7 +46,6 @@ def _dqkwg_kernel(
   scale,
   block_v,
   precision,
-  transposed,
 ):
   dot = functools.partial(backend.dot, precision=precision)
   chunk, bk = q_ref.shape
@@ -58,16 +57,6 @@ def _dqkwg_kernel(
     ds, dq_inter, dk_state, dw, inner = acc
     vs = pl.ds(pl.multiple_of(i * block_v, block_v), block_v)
     do = do_ref[:, vs].astype(dtype)
-    dvn = dvn_ref[:, vs].astype(dtype)
-    if transposed:  # h^T, dh^T [V, BK] and v_new^T [V, BT]
-      vn_t, h_t, dh_t = vn_ref[vs, :].astype(dtype), h_ref[vs, :], dh_ref[vs, :]
-      inner = inner + jnp.sum(h_t.astype(f32) * dh_t.astype(f32))
-      h_t = h_t.astype(dtype)
-      ds = ds + dot(do, vn_t)
-      dq_inter = dq_inter + dot(do, h_t)
-      dk_state = dk_state + dot(vn_t, dh_t.astype(dtype), trans_a=True)
-      dw = dw + dot(dvn, h_t)
-      return ds, dq_inter, dk_state, dw, inner
     vn = vn_ref[:, vs].astype(dtype)
     h = h_ref[:, vs]
     hc = h.astype(dtype)
@@ -76,7 +65,7 @@ def _dqkwg_kernel(
     ds = ds + dot(do, vn, trans_b=True)  # do v_new_a^T
     dq_inter = dq_inter + dot(do, hc, trans_b=True)
     dk_state = dk_state + dot(vn, dh.astype(dtype), trans_b=True)
-    dw = dw + dot(dvn, hc, trans_b=True)
+    dw = dw + dot(dvn_ref[:, vs].astype(dtype), hc, trans_b=True)
     return ds, dq_inter, dk_state, dw, inner
 
   zeros = lambda rows_, cols_: jnp.zeros((rows_, cols_), f32)
@@ -119,18 +108,13 @@ def chunk_bwd_dqkwg(
   launch=options.DEFAULT.bwd_dqkwg,
   precision="ieee",
   dq_dtype=jnp.float32,
-  transposed=False,
 ):
   """q, k [B, Tp, H, K]; v_new, dv_new [B, H, Tp*r, V]; gcum [B, H, Tp]; h, dh [B, H, NT, K, V];
   do [B, Tp, H, V] -> dq [B, Tp, H, K] in dq_dtype, dk [B, Tp, H, K] and dgamma [B, H, Tp]
   float32; dw [B, H, Tp*r, K] in q's dtype (bwd_wy, its consumer, uses it in that dtype).
 
   launch.block_k: key columns per program (BK, at most K / r; None: K / r); launch.block_v: the
-  V piece of the inner loop (None: all of V).
-
-  transposed: h and dh come transposed, `[B, H, NT, V, K]`, and v_new as `v_new^T` per chunk,
-  `[B, H, NT, V, N]` with block-major columns `(a, t)`: what the Mosaic GPU walks store
-  (pallas_kernels/mosaic_gpu/walk_ws.py, backward_walk.py)."""
+  V piece of the inner loop (None: all of V)."""
   bsz, t_len, heads, dim_k = q.shape
   dim_v = do.shape[-1]
   r = key_blocks
@@ -141,28 +125,17 @@ def chunk_bwd_dqkwg(
   nkb = dim_k // bk
   f32 = jnp.float32
   cols = pl.BlockSpec((None, chunk, None, bk), lambda j, t, b, h: (b, t, h, j))
-  if transposed:
-    state = pl.BlockSpec((None, None, None, dim_v, bk), lambda j, t, b, h: (b, h, t, 0, j))
-    # v_new^T's columns of key block a = j // per_block
-    vn_spec = pl.BlockSpec(
-      (None, None, None, dim_v, chunk), lambda j, t, b, h: (b, h, t, 0, j // per_block)
-    )
-  else:
-    state = pl.BlockSpec((None, None, None, bk, dim_v), lambda j, t, b, h: (b, h, t, j, 0))
-    # v_new's rows of key block a = j // per_block
-    vn_spec = pl.BlockSpec(
-      (None, None, chunk, None, dim_v), lambda j, t, b, h: (b, h, t, j // per_block, 0)
-    )
-    v_new = v_new.reshape(bsz, heads, t_len, r, dim_v)
+  state = pl.BlockSpec((None, None, None, bk, dim_v), lambda j, t, b, h: (b, h, t, j, 0))
   dg_parts = backend.pallas_call(
-    lambda *refs: _dqkwg_kernel(
-      *refs, precision=precision, scale=scale, block_v=bv, transposed=transposed
-    ),
+    lambda *refs: _dqkwg_kernel(*refs, precision=precision, scale=scale, block_v=bv),
     grid=(nkb, t_len // chunk, bsz, heads),
     in_specs=[
       cols,
       cols,
-      vn_spec,
+      # v_new's rows of key block a = j // per_block
+      pl.BlockSpec(
+        (None, None, chunk, None, dim_v), lambda j, t, b, h: (b, h, t, j // per_block, 0)
+      ),
       pl.BlockSpec((None, None, chunk), lambda j, t, b, h: (b, h, t)),
       state,
       state,
@@ -184,6 +157,6 @@ def chunk_bwd_dqkwg(
     num_warps=launch.num_warps,
     num_stages=launch.num_stages,
     name="gdp_bwd_dqkwg",
-  )(q, k, v_new, gcum, h, dh, do, dv_new)
+  )(q, k, v_new.reshape(bsz, heads, t_len, r, dim_v), gcum, h, dh, do, dv_new)
   dq, dkk, dw, dg = dg_parts
   return dq, dkk, dw, jnp.sum(dg, axis=0)
