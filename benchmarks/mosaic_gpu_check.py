@@ -372,7 +372,8 @@ GRAD_BARS = dict(q=8e-3, k=8e-3, v=8e-3, g=2e-2, beta=2e-2, mask=2e-2, initial_s
 
 
 def phase_operator(record, check_shape, bench_shape, args, save):
-  checks = OPERATOR_CHECKS[:1] if args.tiny else OPERATOR_CHECKS
+  checks = [c for c in OPERATOR_CHECKS if str(c[0]) in args.operator_rs.split(",")]
+  checks = checks[:1] if args.tiny else checks
   for r, mask_kind, grouped in checks:
     case = dict(phase="operator", r=r, impl="mosaic_gpu", what="check", mask=mask_kind)
     case["grouped"] = grouped
@@ -630,6 +631,7 @@ def run_groups_in_subprocesses(args, argv, record, start):
   phases = set(args.phases.split(","))
   groups = [g for g in GROUPS if g.split("-")[0] in phases]
   passthrough = [f"--reps={args.reps}", f"--inner={args.inner}"] + (["--tiny"] if args.tiny else [])
+  passthrough.append(f"--operator-rs={args.operator_rs}")
   for group in groups:
     left = args.budget - (time.perf_counter() - start)
     if left <= 5:
@@ -677,6 +679,7 @@ def main(argv=None):
   )
   parser.add_argument("--tiny", action="store_true", help="CPU smoke run: interpreter, tiny shapes")
   parser.add_argument("--group", help=f"run one group in this process: one of {GROUPS}")
+  parser.add_argument("--operator-rs", default="1,2,4", help="r of the operator phase's checks")
   args = parser.parse_args(argv)
   interpret = None
   if args.tiny:

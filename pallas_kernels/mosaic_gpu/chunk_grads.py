@@ -170,7 +170,9 @@ def chunk_grads(
     m_s=plgpu.SMEM((r, N), F32),
     sc_s=plgpu.SMEM((4,), F32),
     vec_s=plgpu.SMEM((n_vec, N), F32),
-    bar=plgpu.Barrier(num_arrivals=15 + 2 * r),
+    bar_keys=plgpu.Barrier(num_arrivals=r + 7),
+    bar_states=plgpu.Barrier(num_arrivals=r + 2),
+    bar_scores=plgpu.Barrier(num_arrivals=6),
   )
 
   xshape = (N, value_dim)
@@ -209,7 +211,8 @@ def chunk_grads(
 
   def body(q_ref, k_ref, v_ref, do_ref, t0_ref, st_ref, vn_ref, dh_ref, dvn_ref, g_ref, gr_ref,
            br_ref, m_ref, sc_ref, dq_ref, dk_ref, dv_ref, vec_ref, *, q_s, do_s, kw_s, nn_s, st_s,
-           dht_s, vnt_s, g_tok, g_rows, g_cols, g_last, b_rows, b_cols, m_s, sc_s, vec_s, bar,
+           dht_s, vnt_s, g_tok, g_rows, g_cols, g_last, b_rows, b_cols, m_s, sc_s, vec_s, bar_keys,
+           bar_states, bar_scores,
            keys_dx, dvnt_scores, x_scores, t0_s, kb_s=None, r_s=None, dv_s=None,
            stage_s=None):  # fmt: skip
     krep_s, dx_s = keys_dx
@@ -225,29 +228,31 @@ def chunk_grads(
     mb = b if m_b > 1 else 0
     mh = h if m_h > 1 else 0
     mn = n if m_n > 1 else 0
-    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_s, bar)
-    plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_s, bar)
+    # Three groups of loads, in the order the products need them, so that the first products
+    # run while the states still arrive.
     for a in range(r):  # C-row pieces stay 1024-byte aligned for every r
       part = pl.ds(a * c, c)
-      plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], krep_s.at[part], bar)
-      plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h], vrep_s.at[part], bar)
-    plgpu.copy_gmem_to_smem(t0_ref.at[b, h, chunk_rows], t0_s, bar)
-    plgpu.copy_gmem_to_smem(st_ref.at[b, h, n], st_s, bar)
-    plgpu.copy_gmem_to_smem(dh_ref.at[b, h, n], dht_s, bar)
-    plgpu.copy_gmem_to_smem(vn_ref.at[b, h, n], vnt_s, bar)
-    plgpu.copy_gmem_to_smem(dvn_ref.at[b, h, n], dvnt_s, bar)
-    plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_tok.at[pl.ds(0, c)], bar)
+      plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], krep_s.at[part], bar_keys)
+    plgpu.copy_gmem_to_smem(t0_ref.at[b, h, chunk_rows], t0_s, bar_keys)
     for dst in (g_rows, g_cols, g_last):
-      plgpu.copy_gmem_to_smem(gr_ref.at[b, h, chunk_rows], dst, bar)
+      plgpu.copy_gmem_to_smem(gr_ref.at[b, h, chunk_rows], dst, bar_keys)
     for dst in (b_rows, b_cols):
-      plgpu.copy_gmem_to_smem(br_ref.at[b, h, chunk_rows], dst, bar)
-    plgpu.copy_gmem_to_smem(m_ref.at[mb, mh, mn], m_s, bar)
-    plgpu.copy_gmem_to_smem(sc_ref, sc_s, bar)
+      plgpu.copy_gmem_to_smem(br_ref.at[b, h, chunk_rows], dst, bar_keys)
+    plgpu.copy_gmem_to_smem(m_ref.at[mb, mh, mn], m_s, bar_keys)
+    for a in range(r):
+      plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h], vrep_s.at[pl.ds(a * c, c)], bar_states)
+    plgpu.copy_gmem_to_smem(st_ref.at[b, h, n], st_s, bar_states)
+    plgpu.copy_gmem_to_smem(dvn_ref.at[b, h, n], dvnt_s, bar_states)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_s, bar_scores)
+    plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_s, bar_scores)
+    plgpu.copy_gmem_to_smem(dh_ref.at[b, h, n], dht_s, bar_scores)
+    plgpu.copy_gmem_to_smem(vn_ref.at[b, h, n], vnt_s, bar_scores)
+    plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_tok.at[pl.ds(0, c)], bar_scores)
+    plgpu.copy_gmem_to_smem(sc_ref, sc_s, bar_scores)
     if r > 1:  # R[(a, t), s] = [t == s]: sums over key blocks as products
       rshape = (N, c)
       r_s[...] = jnp.where(token_of(iota(rshape, 0), c) == iota(rshape, 1), 1.0, 0.0).astype(dtype)
-    plgpu.barrier_wait(bar)
-    scale_v = sc_s[0]
+    plgpu.barrier_wait(bar_keys)
     g_end = g_last[N - 1]
 
     def rows_vec(ref):
@@ -281,6 +286,7 @@ def chunk_grads(
     plgpu.commit_smem()
 
     # X = Vrep - E Kw S, in place of Vrep.
+    plgpu.barrier_wait(bar_states)
     ks = matmul(kw_s, st_s.T, xshape)
     x = plgpu.load(vrep_s, layout=WGMMA).astype(F32) - ks * bcast_rows(jnp.exp(g_r), xshape)
     vrep_s[...] = x.astype(dtype)
@@ -317,6 +323,8 @@ def chunk_grads(
     nn_s[...] = (f * bcast_rows(rows_vec(b_rows), sq)).astype(dtype)  # G
 
     # The intra-chunk scores, transposed: P^T = Kb q^T ⊙ D^T, and their gradient.
+    plgpu.barrier_wait(bar_scores)
+    scale_v = sc_s[0]
     pshape = (N, c)
     g_t = cols_vec(g_tok.at[pl.ds(0, c)])
     causal = token_of(iota(pshape, 0), c) <= iota(pshape, 1)
