@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import gdp_jax
-from pallas_kernels.mosaic_gpu import common
+from pallas_kernels.mosaic_gpu import backward_walk, chunk_grads, common
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
 from pallas_kernels.mosaic_gpu.forward import block_rows, forward, mask_rows
 from tests.cases import run_interpreted_subprocess
@@ -274,6 +274,30 @@ def test_refuses_unsupported_arguments():
   with pytest.raises(ValueError, match="K=96"):
     pad = jnp.zeros(q.shape[:3] + (32,), q.dtype)
     forward(jnp.concatenate([q, pad], -1), jnp.concatenate([k, pad], -1), v, g, beta)
+
+
+def test_backward_kernels_refuse_what_they_cannot_take():
+  spec = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+  q = spec((1, 64, 1, 128), bf)
+  v = spec((1, 64, 1, 256), bf)
+  vecs = spec((1, 1, 64), F32)
+  # V = 256: the chunk-parallel kernel keeps the whole state of a chunk in shared memory
+  with pytest.raises(ValueError, match="V=256"):
+    chunk_grads.chunk_grads(
+      q, q, v, v, spec((1, 1, 64, 64), bf), *(spec((1, 1, 1, 256, 128), bf),) * 4,
+      spec((1, 1, 64), F32), vecs, vecs, spec((1, 1, 1, 1, 64), F32), spec((4,), F32),
+    )  # fmt: skip
+  # r = 8: the products over a chunk's 8 tokens are below wgmma's 16-deep step
+  with pytest.raises(ValueError, match="r=8"):
+    backward_walk.state_grad_walk(
+      q, q, spec((1, 64, 1, 64), bf), spec((1, 1, 512, 64), bf), spec((1, 1, 64), F32),
+      vecs, vecs, spec((1, 1, 1, 8, 64), F32), spec((4,), F32),
+    )  # fmt: skip
+  # the shared-memory estimate is what the lowering checks against the limit: it must fit
+  for r in (1, 2, 4):
+    assert chunk_grads.smem_bytes(128, 128, r, bf, staged=False) <= common.SMEM_LIMIT, r
+    assert backward_walk.pick_stages(128, 64, r, bf, staged=False) >= 2, r
 
 
 if __name__ == "__main__" and "--interpreted" in sys.argv:
