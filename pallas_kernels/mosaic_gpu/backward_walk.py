@@ -53,6 +53,7 @@ from pallas_kernels.mosaic_gpu.common import (
   mask_matrix,
   matmul,
   matmul_reg,
+  matmul_sum,
   smem,
   token_of,
 )
@@ -265,17 +266,8 @@ def state_grad_walk(
         dx = matmul_reg(dvn_lo, t_s.at[slot], wshape, stage=xt_s)  # dv_new^T Ag
         u = (dx * bcast_cols(-key_coef, wshape)).astype(dtype)
         kw = kb_s.at[slot] if r == 1 else kw_s.at[slot]
-        ds_dec = jnp.exp(g_end) * ds_t
-        if staged:  # the interpreter: staged operands, the accumulator added after
-          ds_new = ds_dec + matmul(do_s.at[slot].T, q_s.at[slot], sshape)
-          ds_new = ds_new + matmul_reg(u, kw, sshape, stage=xt_s)
-        else:
-
-          def update(acc):
-            plgpu.wgmma(acc, do_s.at[slot].T, q_s.at[slot])
-            plgpu.wgmma(acc, u, kw)
-
-          ds_new = lax.optimization_barrier(pl.run_state(update)(plgpu.ACC.init(ds_dec)))
+        products = ((do_s.at[slot].T, q_s.at[slot]), (u, kw))
+        ds_new = matmul_sum(jnp.exp(g_end) * ds_t, products, sshape, stage=xt_s)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dh_pub.at[half], dh_ref.at[b, h, n, cols_v])
         plgpu.copy_smem_to_gmem(dvn_pub.at[half], dvn_ref.at[b, h, n, cols_v])

@@ -56,6 +56,7 @@ from pallas_kernels.mosaic_gpu.common import (
   mask_matrix,
   matmul,
   matmul_reg,
+  matmul_sum,
   smem,
   token_of,
 )
@@ -342,16 +343,17 @@ def chunk_grads(
     plgpu.commit_smem()
 
     # dKb = G^T Kw + (scale do v_new^T ⊙ D)^T q + diag(exp(gamma_L - gamma)) v_new dS'^T
+    stage_k = stage_s.at[pl.ds(0, key_dim)] if staged else None
     kb32 = plgpu.load(kb_ref, layout=WGMMA).astype(F32)
     vds = matmul(vnt_s.T, dht_s, kshape) * bcast_rows(jnp.exp(g_end - g_r), kshape)
     z = jnp.sum(vds * kb32, axis=1)
     dg_rows = dg_rows - z
     dg_last = jnp.sum(z)
-    dkb = vds + matmul(nn_s.T, kw_s, kshape) + matmul(dpdt_s, q_s, kshape)
+    dkb = matmul_sum(vds, ((nn_s.T, kw_s), (dpdt_s, q_s)), kshape, stage=stage_k)
     # dKw = G Kb - E dX S^T
     dkw_x = matmul(dx_s, st_s, kshape) * bcast_rows(-jnp.exp(g_r), kshape)
     dg_rows = dg_rows + jnp.sum(dkw_x * plgpu.load(kw_s, layout=WGMMA).astype(F32), axis=1)
-    dkw = dkw_x + matmul(nn_s, kb_ref, kshape)
+    dkw = matmul_sum(dkw_x, ((nn_s, kb_ref),), kshape, stage=stage_k)
     if r == 1:
       dm_rows = [jnp.sum(dkw * plgpu.load(krep_s, layout=WGMMA).astype(F32), axis=1)]
     else:  # the keys repeated per block again (their tile holds dX now): [tok_i == tok_j] Kb
@@ -375,8 +377,7 @@ def chunk_grads(
     qt = plgpu.load(q_s.T, layout=WGMMA).astype(F32)
     dg_tok = dg_tok + jnp.sum(dqs * qt, axis=0)
     kbt_lo = plgpu.load(kb_ref.T, layout=WGMMA)
-    stage = stage_s.at[pl.ds(0, key_dim)] if staged else None
-    dqt = dqs + matmul_reg(kbt_lo, dpdt_s, qshape, stage=stage)
+    dqt = matmul_sum(dqs, ((kbt_lo, dpdt_s),), qshape, stage=stage_k)
     q_s.T[...] = dqt.astype(dtype)
     # The state's own decay: exp(gamma_L) <S, dS'>.
     s_v = plgpu.load(st_s, layout=WGMMA).astype(F32)

@@ -117,6 +117,30 @@ def matmul_reg(a: jax.Array, b_ref, shape: tuple[int, int], *, init=None, stage=
   return lax.optimization_barrier(out)
 
 
+def matmul_sum(init: jax.Array, products, shape: tuple[int, int], *, stage=None) -> jax.Array:
+  """`init + sum(a @ b for a, b in products)` on the tensor cores, every product issued into one
+  accumulator initialised with the float32 WGMMA-layout `init` before a single wait.
+
+  products: `(a, b)` pairs, `b` a shared-memory ref, `a` a ref or a 16-bit WGMMA-layout array
+    (a register left operand).
+  stage: None on a GPU. In the Mosaic GPU interpreter (no initialised accumulators, no register
+    operands) each product runs on its own (`matmul` / `matmul_reg` with this staging tile) and is
+    added after: the same arithmetic.
+  """
+  if stage is not None:
+    out = init
+    for a, b in products:
+      out = out + (matmul_reg(a, b, shape, stage=stage) if isinstance(a, jax.Array)
+                   else matmul(a, b, shape))  # fmt: skip
+    return out
+
+  def body(acc):
+    for a, b in products:
+      plgpu.wgmma(acc, a, b)
+
+  return lax.optimization_barrier(pl.run_state(body)(plgpu.ACC.init(init)))
+
+
 def token_of(index: jax.Array, tokens: int) -> jax.Array:
   """Token `t` of block-major row or column `(a, t)`."""
   return lax.rem(index, tokens)
