@@ -139,7 +139,7 @@ def test_slow_patterns_match_node_ids():
   from tests.conftest import is_slow
 
   assert is_slow("tests/test_notebooks.py::test_notebook_runs[01_quickstart]")
-  assert is_slow("tests/test_nonfinite.py::test_reset_matches_reference[pallas]")
+  assert is_slow("tests/test_nonfinite.py::test_reset_matches_reference[triton]")
   assert not is_slow("tests/test_nonfinite.py::test_reset_matches_reference[xla]")
   assert not is_slow("tests/test_operator.py::test_jit_and_vmap")
 
