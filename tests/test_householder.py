@@ -204,7 +204,9 @@ def test_pallas_runs_the_operator_kernels_in_bfloat16(mode):
 def test_one_step_is_the_gated_delta_rule():
   """n_h = 1 is the r = 1 operator (mask None) itself, for every implementation."""
   inputs = hh_inputs(30, 1, T=9)
-  o_ref, f_ref = gated_delta_product(**inputs, output_final_state=True, implementation="reference")
+  o_ref, f_ref = jax.jit(  # one compile instead of one per operation
+    lambda kw: gated_delta_product(**kw, output_final_state=True, implementation="reference")
+  )(inputs)
   for implementation in ("reference", "xla"):
     o, f = run(implementation, 1, **inputs)
     assert_close(o, o_ref, F32, f"{implementation} o")
@@ -263,7 +265,9 @@ def test_step_matches_sequence(implementation, n_h, with_g):
 def test_step_from_no_state():
   inputs = hh_inputs(45, 2, T=1, with_state=False)
   args = (inputs["q"][:, 0], inputs["k"], inputs["v"], inputs["g"][:, 0], inputs["beta"])
-  o, s = householder_delta_product_step(*args, None, num_householder=2, implementation="xla")
+  o, s = jax.jit(  # one compile instead of one per operation
+    lambda *a: householder_delta_product_step(*a, None, num_householder=2, implementation="xla")
+  )(*args)
   o_ref, s_ref = run("reference", 2, **inputs)
   assert_close(o, o_ref[:, 0], F32, "o")
   assert_close(s, s_ref, F32, "state")
@@ -378,7 +382,7 @@ def test_packed_reference_against_float64_recurrence(n_h):
   """Each sequence against the independent float64 recurrence from its own initial state."""
   inputs = packed_hh_inputs(70 + n_h, n_h)
   cu = cu_of(PACKED)
-  o, final = run_packed("reference", n_h, cu, **inputs)
+  o, final = jax.jit(lambda kw: run_packed("reference", n_h, cu, **kw))(inputs)  # one compile
   h0 = inputs["initial_state"]
   for n in range(len(PACKED)):
     a, e = cu[n], cu[n + 1]
@@ -428,7 +432,7 @@ def test_packed_one_compilation_for_new_boundaries(implementation):
   for lengths in (PACKED, (0, 12, 3, 0)):
     cu = cu_of(lengths)
     o, final = packed(jnp.asarray(cu), inputs)
-    o_sep, final_sep = run_separate("reference", 2, cu, **inputs)
+    o_sep, final_sep = jax.jit(lambda kw, cu=cu: run_separate("reference", 2, cu, **kw))(inputs)
     assert_close(o, o_sep, F32, f"o for {lengths}")
     assert_close(final, final_sep, F32, f"final for {lengths}")
   assert len(traces) == 1
@@ -448,7 +452,7 @@ def test_packed_default_implementation_is_xla(monkeypatch):
   call = functools.partial(
     householder_delta_product, num_householder=2, cu_seqlens=cu_of((3, 4)), output_final_state=True
   )
-  o, final = jax.jit(lambda kw: call(**kw))(inputs)
+  o, final = jax.eval_shape(lambda kw: call(**kw), inputs)  # dispatch.entry runs when traced
   assert calls == [("gated_delta_product_varlen", "xla")]
   assert o.shape == (1, 7, 2, 8) and final.shape == (2, 2, 16, 8)
 
@@ -540,8 +544,15 @@ def test_bad_inputs_raise(change, error, words):
 @pytest.mark.parametrize("precision", [None, "default", "tf32", "highest"])
 def test_precision_strings_accepted(precision):
   inputs = hh_inputs(51, 2, T=3)
-  o, _ = householder_delta_product(
-    **inputs, num_householder=2, precision=precision, implementation="xla"
+  # traced and lowered to XLA (where the precision goes); compiling adds nothing to check here
+  o, _ = (
+    jax.jit(
+      lambda kw: householder_delta_product(
+        **kw, num_householder=2, precision=precision, implementation="xla"
+      )
+    )
+    .lower(inputs)
+    .out_info
   )
   assert o.shape == (2, 3, 2, 8)
 

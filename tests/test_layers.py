@@ -53,6 +53,33 @@ def run_steps(layer, x, cache):
   return jnp.stack(ys, axis=1), cache
 
 
+# A jitted layer call: one compile per call instead of one per operation; the arguments are
+# traced, the options static. Used where it compiles less than running eagerly: the eager
+# operations of the delta layers, compiled once, serve the many configurations of this file.
+@functools.partial(nnx.jit, static_argnames=("return_cache", "cache_size"))
+def apply(layer, x, lengths=None, *, return_cache=False, cache_size=None):
+  kw = {} if cache_size is None else dict(cache_size=cache_size)
+  return layer(x, lengths, return_cache=return_cache, **kw)
+
+
+jit_step_tokens = nnx.jit(lambda layer, x, cache: layer.step_tokens(x, cache))
+jit_step = nnx.jit(lambda layer, x_t, cache: layer.step(x_t, cache))
+
+
+def call(layer, *args, **kw):
+  """The layer call: attention jitted, the delta layers eagerly (`apply`)."""
+  return (
+    apply(layer, *args, **kw) if isinstance(layer, GroupedQueryAttention) else layer(*args, **kw)
+  )
+
+
+def call_step_tokens(layer, x, cache):
+  """layer.step_tokens, jitted for attention (as `call`)."""
+  if isinstance(layer, GroupedQueryAttention):
+    return jit_step_tokens(layer, x, cache)
+  return layer.step_tokens(x, cache)
+
+
 # ---- the block mask ---------------------------------------------------------------------------
 
 
@@ -97,13 +124,13 @@ def test_gdp_default_dtype_follows_bf16_inputs():
 
   layer = gdp(operator_fn=spy)
   x = x_of(0, dtype=jnp.bfloat16)
-  y = layer(x)
+  y = apply(layer, x)  # the spy runs when traced
   assert y.dtype == jnp.bfloat16
   assert seen == [(jnp.bfloat16,) * 3]
   assert {p.dtype for p in jax.tree.leaves(nnx.state(layer, nnx.Param))} == {jnp.dtype("float32")}
   # float32 activations keep float32 throughout.
   seen.clear()
-  assert layer(x.astype(jnp.float32)).dtype == jnp.float32
+  assert apply(layer, x.astype(jnp.float32)).dtype == jnp.float32
   assert seen == [(jnp.float32,) * 3]
 
 
@@ -141,7 +168,7 @@ def test_gdp_variants_match_steps(kw):
   layer = gdp(**kw)
   x = x_of(2, T=5)
   y_steps, _ = run_steps(layer, x, layer.init_cache(2))
-  assert_close(y_steps, layer(x), 2e-5, f"outputs {kw}")
+  assert_close(y_steps, apply(layer, x), 2e-5, f"outputs {kw}")
 
 
 def test_gdp_ragged_prefill_then_steps():
@@ -153,8 +180,8 @@ def test_gdp_ragged_prefill_then_steps():
   lengths = jnp.array([3, 6], jnp.int32)
   garbage = 100.0 * x_of(4, T=T)  # padding content is ignored
   pad = jnp.arange(T)[None, :, None] >= lengths[:, None, None]
-  _, cache = layer(jnp.where(pad, garbage, x), lengths, return_cache=True)
-  y_full = layer(x)
+  _, cache = apply(layer, jnp.where(pad, garbage, x), lengths, return_cache=True)
+  y_full = apply(layer, x)
   for b in range(2):
     n = int(lengths[b])
     row = jax.tree.map(lambda a: a[b : b + 1], cache)
@@ -170,7 +197,7 @@ def test_gdp_mask_ones_is_the_gated_delta_rule():
   params = {k: v for k, v in nnx.state(static).items() if k != "mask_weight"}
   nnx.update(ones, nnx.State(params))
   x = x_of(11)
-  assert_close(static(x), ones(x), 2e-5, "W = ones versus mask_mode='ones'")
+  assert_close(apply(static, x), apply(ones, x), 2e-5, "W = ones versus mask_mode='ones'")
 
 
 @pytest.mark.parametrize("r", [2, 4])
@@ -226,11 +253,12 @@ def test_linen_bridge():
 
   net = Net()
   x = x_of(6)
-  variables = net.init(jax.random.key(0), x)
+  # jitted: one compile per call instead of one per operation
+  variables = jax.jit(net.init)(jax.random.key(0), x)
   y = jax.jit(net.apply)(variables, x)
   assert y.shape == (2, 7, 3) and np.all(np.isfinite(y))
   assert "mixer" in variables["params"]
-  grads = jax.grad(lambda v: jnp.sum(net.apply(v, x) ** 2))(variables)
+  grads = jax.jit(jax.grad(lambda v: jnp.sum(net.apply(v, x) ** 2)))(variables)
   mixer = jax.tree.leaves(grads["params"]["mixer"])
   assert mixer and all(np.any(np.asarray(g) != 0) for g in mixer)
 
@@ -280,7 +308,7 @@ def test_lengths_out_of_range(make):
   for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_ok)):
     assert np.all(np.isfinite(np.asarray(got))), "non-finite cache"
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  y_next, _ = layer.step(x[:, 0], cache)
+  y_next, _ = jit_step(layer, x[:, 0], cache)
   assert np.all(np.isfinite(np.asarray(y_next)))
 
 
@@ -316,7 +344,7 @@ def test_integer_x_is_a_type_error(make):
       call()
   with pytest.raises(TypeError, match=r"x must be floating-point .* dtype bool"):
     layer.step(jnp.zeros((2, D), bool), init(layer))
-  assert layer(ids.astype(jnp.bfloat16)).shape == (2, 3, D)  # any float dtype is fine
+  assert apply(layer, ids.astype(jnp.bfloat16)).shape == (2, 3, D)  # any float dtype is fine
 
 
 def init(layer):
@@ -531,11 +559,11 @@ def attn(**kw):
 def test_attention_shapes_and_dtypes(dtype):
   layer = attn(dtype=dtype, cache_dtype=dtype)
   x = x_of(7, dtype=dtype)
-  y, cache = layer(x, return_cache=True, cache_size=12)
+  y, cache = apply(layer, x, return_cache=True, cache_size=12)
   assert y.shape == x.shape and y.dtype == dtype
   assert cache.key.shape == (2, 12, 2, 8) and cache.key.dtype == dtype
   np.testing.assert_array_equal(cache.lengths, [7, 7])
-  y1, cache1 = layer.step(x[:, 0], cache)
+  y1, cache1 = jit_step(layer, x[:, 0], cache)
   assert y1.shape == (2, D) and y1.dtype == dtype
   np.testing.assert_array_equal(cache1.lengths, [8, 8])
 
@@ -544,7 +572,7 @@ def test_attention_sequence_matches_steps():
   layer = attn()
   x = x_of(8)
   y_steps, cache = run_steps(layer, x, layer.init_cache(2, 16))
-  assert_close(y_steps, layer(x), 2e-5, "outputs")
+  assert_close(y_steps, apply(layer, x), 2e-5, "outputs")
   np.testing.assert_array_equal(cache.lengths, [7, 7])
 
 
@@ -556,9 +584,9 @@ def test_attention_ragged_prefill_then_steps():
   x = x_of(9, T=T)
   lengths = jnp.array([2, 5], jnp.int32)
   pad = jnp.arange(T)[None, :, None] >= lengths[:, None, None]
-  _, cache = layer(jnp.where(pad, 1e4, x), lengths, return_cache=True, cache_size=16)
+  _, cache = apply(layer, jnp.where(pad, 1e4, x), lengths, return_cache=True, cache_size=16)
   np.testing.assert_array_equal(cache.lengths, lengths)
-  y_full = layer(x)
+  y_full = apply(layer, x)
   for b in range(2):
     n = int(lengths[b])
     row = jax.tree.map(lambda a: a[b : b + 1], cache)
@@ -643,7 +671,7 @@ def ragged_cache_and_new(layer, seed, lengths, tq, **kw):
   T = max(lengths) + tq
   x = x_of(seed, T=T)
   n = jnp.asarray(lengths, jnp.int32)
-  _, cache = layer(x, n, return_cache=True, **kw)
+  _, cache = call(layer, x, n, return_cache=True, **kw)
   idx = n[:, None] + jnp.arange(tq)[None, :]
   return x, cache, jnp.take_along_axis(x, idx[..., None], axis=1)
 
@@ -652,7 +680,7 @@ def check_step_tokens(layer, seed, lengths, tq, rtol=2e-5, **kw):
   """step_tokens from a ragged prefill equals tq single steps (outputs and caches) and the
   whole-sequence outputs at those positions."""
   x, cache, x_new = ragged_cache_and_new(layer, seed, lengths, tq, **kw)
-  y, new = layer.step_tokens(x_new, cache)
+  y, new = call_step_tokens(layer, x_new, cache)
   assert y.shape == x_new.shape and y.dtype == x_new.dtype
   y_steps, new_steps = run_steps(layer, x_new, cache)
   assert_close(y, y_steps, rtol, "outputs versus single steps")
@@ -660,7 +688,7 @@ def check_step_tokens(layer, seed, lengths, tq, rtol=2e-5, **kw):
   for got, want in zip(jax.tree.leaves(new), jax.tree.leaves(new_steps)):
     assert got.shape == want.shape and got.dtype == want.dtype
     assert_close(got, want, rtol, "cache versus single steps")
-  y_full = layer(x)
+  y_full = call(layer, x)
   for b, n in enumerate(lengths):
     assert_close(y[b], y_full[b, n : n + tq], rtol, f"row {b} versus the whole sequence")
   return new
@@ -727,7 +755,7 @@ def test_attention_step_tokens_lengths_are_traced():
 
   x, cache, x_new = ragged_cache_and_new(layer, 33, [1, 3], 2, cache_size=8)
   y, _ = step_tokens(x_new, cache)
-  y_full = layer(x)
+  y_full = apply(layer, x)
   assert_close(y[1], y_full[1, 3:5], 2e-5, "row 1")
   step_tokens(x_new, cache._replace(lengths=cache.lengths + 1))
   assert len(calls) == 1
@@ -737,9 +765,9 @@ def test_attention_step_tokens_pallas_matches_xla():
   """The Pallas multi-token decode (interpreted off a GPU) inside the layer."""
   layer = attn()
   _, cache, x_new = ragged_cache_and_new(layer, 34, [1, 3], 2, cache_size=8)
-  y, new = layer.step_tokens(x_new, cache)
+  y, new = jit_step_tokens(layer, x_new, cache)
   layer.implementation = "pallas"
-  y_pallas, new_pallas = layer.step_tokens(x_new, cache)
+  y_pallas, new_pallas = jit_step_tokens(layer, x_new, cache)
   assert_close(y_pallas, y, 2e-5, "pallas versus xla")
   np.testing.assert_array_equal(new_pallas.key, new.key)
 

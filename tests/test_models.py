@@ -315,14 +315,19 @@ def test_tokens_are_checked(model):
 def test_step_tokens_errors(model):
   from gdp_jax.models import to_paged
 
+  # traced, not run: the checks read the caches' concrete lengths (closed over), and nothing
+  # before them compiles
+  def step_tokens(tokens, cache):
+    return jax.eval_shape(lambda t: model.step_tokens(t, cache), tokens)
+
   cache = model.init_cache(2, 16)
   with pytest.raises(ValueError, match=r"tokens has shape \(2,\), expected \[B, Tq\]"):
-    model.step_tokens(tokens_of(42)[:, 0], cache)
+    step_tokens(tokens_of(42)[:, 0], cache)
   with pytest.raises(TypeError, match="one entry per layer"):
-    model.step_tokens(tokens_of(42), cache[:2])
+    step_tokens(tokens_of(42), cache[:2])
   full = tuple(c._replace(lengths=c.lengths + 12) if hasattr(c, "lengths") else c for c in cache)
   with pytest.raises(ValueError, match=r"cache too small: sequence 0 holds 12 tokens, and Tq = 7"):
-    model.step_tokens(tokens_of(42), full)
+    step_tokens(tokens_of(42), full)
   paged = tuple(to_paged(c, 16) if hasattr(c, "lengths") else c for c in full)
   with pytest.raises(ValueError, match=r"cache too small: .* the cache's pages"):
-    model.step_tokens(tokens_of(42), paged)
+    step_tokens(tokens_of(42), paged)

@@ -135,11 +135,34 @@ def test_every_slow_and_scheduling_pattern_names_a_test():
     assert (ROOT / path).is_file(), f"SPLIT names no file: {path}"
 
 
+def unmatched_patterns(patterns, node_ids):
+  """The patterns (tests/conftest.py's form) that match none of `node_ids`."""
+  from tests.conftest import _path_id, _pattern
+
+  ids = [_path_id(i) for i in node_ids]
+  return [p for p in patterns if not any(_pattern([p]).fullmatch(i) for i in ids)]
+
+
+def test_every_slow_pattern_matches_a_collected_test(request):
+  """With the whole suite collected (no -m, -k or file selection: `make test`), every SLOW and
+  LONGEST_FIRST pattern matches a collected test: a renamed parameter (an implementation's id)
+  leaves a pattern matching nothing, and its tests in the fast tier."""
+  ids = [item.nodeid for item in request.session.items]
+  files = {i.replace("\\", "/").split("::")[0] for i in ids}
+  on_disk = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")}
+  options = request.config.option
+  if options.markexpr or options.keyword or files != on_disk:
+    pytest.skip("needs the whole suite collected")
+  assert unmatched_patterns(SLOW, ids) == [], "SLOW patterns that match no test"
+  assert unmatched_patterns(LONGEST_FIRST, ids) == [], "LONGEST_FIRST patterns that match no test"
+  assert unmatched_patterns(["tests/test_operator.py::test_jit_and_vmap[x*"], ids)  # can fail
+
+
 def test_slow_patterns_match_node_ids():
   from tests.conftest import is_slow
 
   assert is_slow("tests/test_notebooks.py::test_notebook_runs[01_quickstart]")
-  assert is_slow("tests/test_nonfinite.py::test_reset_matches_reference[pallas]")
+  assert is_slow("tests/test_nonfinite.py::test_reset_matches_reference[triton]")
   assert not is_slow("tests/test_nonfinite.py::test_reset_matches_reference[xla]")
   assert not is_slow("tests/test_operator.py::test_jit_and_vmap")
 

@@ -197,7 +197,8 @@ def test_packed_against_float64_recurrence(implementation):
   inputs = packed_inputs(2, LENGTHS, H=2, r=1, mask_kind=None)
   inputs["g"] = inputs["g"].at[0, 30].set(-jnp.inf)  # inside sequence 3 ([6, 29))
   cu = cu_of(LENGTHS)
-  o, final = run_packed(implementation, inputs, cu)
+  # jitted: one compile instead of one per operation
+  o, final = jax.jit(lambda kw: run_packed(implementation, kw, cu))(inputs)
   K = inputs["q"].shape[-1]
   for n in range(len(LENGTHS)):
     a, e = cu[n], cu[n + 1]
@@ -233,9 +234,10 @@ def test_one_compilation_for_new_boundaries():
 def test_non_finite_input_stays_in_its_sequence(implementation):
   inputs = packed_inputs(4, LENGTHS, r=2, mask_kind="head")
   cu = cu_of(LENGTHS)
-  o, final = run_packed(implementation, inputs, cu)
+  run = jax.jit(lambda kw: run_packed(implementation, kw, cu))  # one compile for both calls
+  o, final = run(inputs)
   bad = dict(inputs, v=inputs["v"].at[0, 2, 0].set(jnp.nan))  # sequence 0, head 0, token 2
-  o_bad, final_bad = run_packed(implementation, bad, cu)
+  o_bad, final_bad = run(bad)
   assert bool(jnp.all(jnp.isnan(o_bad[0, 2:5, 0]))) and bool(jnp.all(jnp.isnan(final_bad[0, 0])))
   np.testing.assert_array_equal(o_bad[0, :2], o[0, :2])
   np.testing.assert_array_equal(o_bad[0, 5:], o[0, 5:])
@@ -311,13 +313,18 @@ def test_default_implementation_with_cu_seqlens(monkeypatch):
   monkeypatch.setattr(
     dispatch, "entry", lambda f, i, **c: calls.append((f, i)) or original(f, i, **c)
   )
-  # jitted: one compile per call instead of one per operation (dispatch.entry runs when traced)
-  o, final = jax.jit(
-    lambda inputs, cu: gated_delta_product(**inputs, cu_seqlens=cu, output_final_state=True)
-  )(inputs, cu)
+  # traced only (dispatch.entry runs when traced; the packed kernels run in
+  # test_pallas_packed_equals_xla_packed)
+  o, final = jax.eval_shape(
+    lambda inputs, cu: gated_delta_product(**inputs, cu_seqlens=cu, output_final_state=True),
+    inputs,
+    cu,
+  )
   assert calls == [("gated_delta_product_varlen", "triton")]
-  o_none, none = jax.jit(lambda inputs, cu: gated_delta_product(**inputs, cu_seqlens=cu))(
-    {**inputs, "initial_state": None}, cu
+  o_none, none = jax.eval_shape(
+    lambda inputs, cu: gated_delta_product(**inputs, cu_seqlens=cu),
+    {**inputs, "initial_state": None},
+    cu,
   )
   assert none is None and o_none.shape == o.shape == inputs["v"].shape
 
