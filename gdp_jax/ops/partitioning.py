@@ -12,16 +12,24 @@ character per dimension:
   "h"  the (key) heads: may be split over mesh axes (the head axes)
   "v"  the value heads, HV = H * group: value head i reads key head i // group (grouped value
        heads), so they split over the head axes together with the key heads
+  "t"  the sequence (T tokens): may be split over mesh axes (the sequence axes) for a `spec.fn`
+       that takes them: it is then called with `sequence=` the tuple of those axes and runs
+       context parallel (collectives over them inside; docs/sharding.md)
+  "s"  a dimension that grows with the sequence but is not it (a residual's chunks): split with
+       the sequence where its size allows (the sequence mode's placeholders, below)
   "1"  a size-1 broadcast dimension; "-" any other dimension: never split (a split one is
-       gathered first: the sequence, the feature dims, r)
+       gathered first: the feature dims, r, the sequence of a spec with no "t")
 
-The partition step keeps the batch axes of the first array with a "b" dimension and the head
-axes of the first one with an "h" (or "v") dimension when they divide B and H (the key heads;
-else that dimension is gathered), asks every array for exactly that layout (the partitioner
-moves what differs) and runs `spec.fn` on each device's block. With `spec.sums` (gradients) a
-result that has no "b" (or no "h"/"v") dimension while the batch (or heads) are split is a sum
-over the blocks (the gradient of a broadcast input, e.g. a mask shared by every row): it is
-summed over those axes (psum in float32). Under `jax.vmap` the call runs `spec.fn` vmapped,
+The partition step keeps the batch axes of the first array with a "b" dimension, the head
+axes of the first one with an "h" (or "v") dimension and the sequence axes of the first one
+with a "t" when they divide B, H (the key heads) and T (else that dimension is gathered), asks
+every array for exactly that layout (the partitioner moves what differs) and runs `spec.fn` on
+each device's block. With `spec.sums` (gradients) a result that has no "b" (no "h"/"v", no "t")
+dimension while the batch (heads, sequence) are split is a sum over the blocks (the gradient of
+a broadcast input, e.g. a mask shared by every row, or the initial state along the sequence):
+it is summed over those axes (psum in float32). With the sequence split, `spec.fn` may return
+fewer results than `spec.results`: the rest are zeros of their blocks' shapes (placeholders for
+residuals that only the unsplit form saves). Under `jax.vmap` the call runs `spec.fn` vmapped,
 unpartitioned (custom_vmap); on one device, or inside `jax.shard_map` with every axis manual,
 `custom_partitioning` runs `spec.fn` directly.
 """
@@ -37,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-SPLIT_LABELS = ("b", "h", "v")
+SPLIT_LABELS = ("b", "h", "v", "t", "s")
 LABELS = (*SPLIT_LABELS, "1", "-")
 
 
@@ -82,61 +90,97 @@ def _size(mesh, axes) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def _choose_axes(spec: ShardSpec, mesh, arg_shapes):
-  """(batch axes, head axes): those of the first operand with a batch (head) dimension that is
-  split, kept when their device count divides B (H, the key heads), else ()."""
+@dataclasses.dataclass(frozen=True)
+class _Split:
+  """The mesh axes chosen for the batch, the heads and the sequence (each a tuple, () unsplit)."""
+
   batch: tuple[str, ...] = ()
   heads: tuple[str, ...] = ()
-  batch_size = None
+  sequence: tuple[str, ...] = ()
+
+  def axes(self, label: str) -> tuple[str, ...]:
+    if label == "b":
+      return self.batch
+    if label in ("h", "v"):
+      return self.heads
+    if label in ("t", "s"):
+      return self.sequence
+    return ()
+
+
+def _choose_axes(spec: ShardSpec, mesh, arg_shapes) -> _Split:
+  """The axes of the first operand with a batch (head, sequence) dimension that is split, kept
+  when their device count divides B (H, the key heads; T), else ()."""
+  found: dict[str, tuple[str, ...]] = {}
+  sizes: dict[str, int] = {"h": spec.heads}
   for labels, arg in zip(spec.operands, arg_shapes):
     for dim, label in enumerate(labels):
-      axes = _entry(arg.sharding, dim)
-      if label == "b":
-        batch_size = arg.shape[dim]
-        batch = batch or axes
-      elif label in ("h", "v"):
-        heads = heads or axes
+      role = "h" if label == "v" else label
+      if role not in ("b", "h", "t"):
+        continue
+      if role != "h":
+        sizes.setdefault(role, arg.shape[dim])
+      found[role] = found.get(role) or _entry(arg.sharding, dim)
   if not isinstance(mesh, jax.sharding.Mesh) or mesh.empty:
-    return (), ()
-  if batch_size is None or batch_size % _size(mesh, batch):
-    batch = ()
-  heads = tuple(a for a in heads if a not in batch)
-  if spec.heads % _size(mesh, heads):
-    heads = ()
-  return batch, heads
+    return _Split()
+  chosen: dict[str, tuple[str, ...]] = {}
+  taken: set[str] = set()
+  for role in ("b", "h", "t"):
+    axes = tuple(a for a in found.get(role, ()) if a not in taken)
+    if role not in sizes or sizes[role] % _size(mesh, axes):
+      axes = ()
+    chosen[role] = axes
+    taken.update(axes)
+  return _Split(chosen["b"], chosen["h"], chosen["t"])
 
 
-def _pspec(labels: str, batch, heads) -> PartitionSpec:
-  def entry(label):
-    axes = batch if label == "b" else heads if label in ("h", "v") else ()
-    if not axes:
+def _pspec(labels: str, split: _Split, mesh, shape) -> PartitionSpec:
+  def entry(label, size):
+    axes = split.axes(label)
+    if not axes or (label == "s" and size % _size(mesh, axes)):
       return None
     return axes[0] if len(axes) == 1 else axes
 
-  return PartitionSpec(*(entry(label) for label in labels))
+  return PartitionSpec(*(entry(label, n) for label, n in zip(labels, shape)))
 
 
-def _summed_axes(labels: str, batch, heads) -> tuple[str, ...]:
+def _summed_axes(labels: str, split: _Split) -> tuple[str, ...]:
   """The split axes a result does not vary over: it is a sum over their blocks."""
-  missing = () if "b" in labels else tuple(batch)
-  return missing + (() if ("h" in labels or "v" in labels) else tuple(heads))
+  missing = () if "b" in labels else split.batch
+  missing += () if ("h" in labels or "v" in labels) else split.heads
+  return missing + (() if "t" in labels else split.sequence)
 
 
-def _layout(spec: ShardSpec, mesh, arg_shapes):
-  batch, heads = _choose_axes(spec, mesh, arg_shapes)
-  arg_shardings = tuple(NamedSharding(mesh, _pspec(la, batch, heads)) for la in spec.operands)
-  result_shardings = tuple(NamedSharding(mesh, _pspec(la, batch, heads)) for la in spec.results)
-  return batch, heads, arg_shardings, result_shardings
+def _layout(spec: ShardSpec, mesh, arg_shapes, result_shape):
+  split = _choose_axes(spec, mesh, arg_shapes)
+  arg_shardings = tuple(
+    NamedSharding(mesh, _pspec(la, split, mesh, a.shape))
+    for la, a in zip(spec.operands, arg_shapes)
+  )
+  result_shardings = tuple(
+    NamedSharding(mesh, _pspec(la, split, mesh, r.shape))
+    for la, r in zip(spec.results, result_shape)
+  )
+  return split, arg_shardings, result_shardings
 
 
 def _partition(spec: ShardSpec, mesh, arg_shapes, result_shape):
-  batch, heads, arg_shardings, result_shardings = _layout(spec, mesh, arg_shapes)
+  split, arg_shardings, result_shardings = _layout(spec, mesh, arg_shapes, result_shape)
+  blocks = [s.shard_shape(r.shape) for s, r in zip(result_shardings, result_shape)]
 
   def per_device(*arrays):
-    outs = spec.fn(*arrays)
+    if split.sequence:
+      outs = tuple(spec.fn(*arrays, sequence=split.sequence))
+      # placeholders for the results the sequence mode does not compute (module docstring)
+      outs += tuple(
+        jnp.zeros(block, r.dtype)
+        for block, r in zip(blocks[len(outs) :], result_shape[len(outs) :])
+      )
+    else:
+      outs = tuple(spec.fn(*arrays))
     summed = []
     for labels, out in zip(spec.results, outs):
-      axes = _summed_axes(labels, batch, heads) if spec.sums else ()
+      axes = _summed_axes(labels, split) if spec.sums else ()
       if axes:
         out = jax.lax.psum(out.astype(jnp.float32), axes).astype(out.dtype)
       summed.append(out)
@@ -147,21 +191,23 @@ def _partition(spec: ShardSpec, mesh, arg_shapes, result_shape):
 
 def _infer_from_operands(spec: ShardSpec, mesh, arg_shapes, result_shape):
   # The GSPMD partitioner's propagation (jax_use_shardy_partitioner=False).
-  return _layout(spec, mesh, arg_shapes)[3]
+  return _layout(spec, mesh, arg_shapes, result_shape)[2]
 
 
 def _sharding_rule(spec: ShardSpec, mesh, operand_types, result_types):
-  """The Shardy rule: "b" and the head labels are factors shared by every array ("v" is the
-  compound (h group) when heads are grouped); every other dimension is its own factor that
-  must stay replicated."""
+  """The Shardy rule: "b", "t" and the head labels are factors shared by every array ("v" is
+  the compound (h group) when heads are grouped); "s" is a free factor of its own; every other
+  dimension is its own factor that must stay replicated."""
   replicated = []
   has_key_heads = any("h" in la for la in (*spec.operands, *spec.results))
 
   def mapping(labels, name):
     dims = []
     for dim, label in enumerate(labels):
-      if label == "b":
-        dims.append("b")
+      if label in ("b", "t"):
+        dims.append(label)
+      elif label == "s":
+        dims.append(f"{name}s{dim}")
       elif label == "h" or (label == "v" and spec.group == 1):
         dims.append("h")
       elif label == "v":
@@ -234,6 +280,29 @@ def per_shard_call(spec: ShardSpec, *arrays):
 # reads it across devices. Residuals of another kind (a dimension that
 # grows otherwise) leave `vjp_specs` returning None: the caller then recomputes the forward in
 # the backward.
+#
+# A function whose operands have a sequence ("t") dimension may also run with the sequence split
+# (context parallel: `fn(*primals, sequence=axes)`, collectives over those axes inside). Its
+# pullback is then another function's, so the split forward saves nothing (its residual results
+# are zero placeholders, their sequence dimensions split: probed with T doubled, "t" where a
+# dimension equals T, "s" where it otherwise grows with T) and the split backward recomputes the
+# split forward and differentiates it (`sequence_vjp`). Both calls choose the split from q's
+# sharding, so they agree.
+
+
+def sequence_vjp(fn, sequence, result_labels, primals, cotangents):
+  """The gradients of `fn(*primals, sequence=sequence)` on this device's block (inside a
+  per-device function whose mesh axes are named). A result with no "t" dimension is the same on
+  every device along the sequence axes (each computes it from the gathered pieces): its
+  cotangent, one value, enters through the first device's copy only. The gradient of an input
+  with no "t" dimension is this device's part of the sum (`ShardSpec.sums` adds them up)."""
+  first = jax.lax.axis_index(sequence) == 0
+  cotangents = tuple(
+    ct if "t" in labels else jnp.where(first, ct, jnp.zeros_like(ct))
+    for labels, ct in zip(result_labels, cotangents)
+  )
+  _, pullback = jax.vjp(lambda *p: tuple(fn(*p, sequence=sequence)), *primals)
+  return tuple(pullback(cotangents))
 
 
 def _vjp_leaves(fn, primals):
@@ -270,13 +339,15 @@ def _grown(avals, labels, grow):
   return [one(a, la) for a, la in zip(avals, labels)]
 
 
-def _residual_labels(base, by_batch, by_heads, batch, heads, heads_v):
+def _residual_labels(base, by_batch, by_heads, by_time, batch, heads, heads_v, time):
   labels = []
-  for n, nb, nh in zip(base.shape, by_batch.shape, by_heads.shape):
-    if nb == 2 * n and nh == n and n == batch:
+  for n, nb, nh, nt in zip(base.shape, by_batch.shape, by_heads.shape, by_time.shape):
+    if nb == 2 * n and nh == n and nt == n and n == batch:
       labels.append("b")
-    elif nh == 2 * n and nb == n and n in (heads, heads_v):
+    elif nh == 2 * n and nb == n and nt == n and n in (heads, heads_v):
       labels.append("h" if n == heads else "v")
+    elif nt != n and nb == n and nh == n:
+      labels.append("t" if (nt == 2 * n and n == time) else "s")
     elif nb == n and nh == n:
       labels.append("-")
     else:
@@ -303,7 +374,9 @@ class _ForwardSaving:
   fn: Callable
   sources: tuple
 
-  def __call__(self, *primals):
+  def __call__(self, *primals, sequence=()):
+    if sequence:  # context parallel: the outputs only (the residuals are placeholders)
+      return tuple(self.fn(*primals, sequence=sequence))
     outputs, residuals, sources, tree = _vjp_leaves(self.fn, primals)
     if len(_PULLBACK_TREES) >= _MAX_TREES:
       _PULLBACK_TREES.pop(next(iter(_PULLBACK_TREES)))
@@ -325,11 +398,14 @@ class _BackwardFromResiduals:
   fn: Callable
   primals: int
   sources: tuple
+  results: tuple[str, ...] = ()
 
-  def __call__(self, *arrays):
+  def __call__(self, *arrays, sequence=()):
     primals = arrays[: self.primals]
     saved = iter(arrays[self.primals : self.primals + self.sources.count(None)])
     cotangents = arrays[self.primals + self.sources.count(None) :]
+    if sequence:  # context parallel: the split forward again, differentiated
+      return sequence_vjp(self.fn, sequence, self.results, primals, cotangents)
     tree = _PULLBACK_TREES.get(_tree_key(self.fn, primals))
     if tree is None:
       _, _, _, tree = _vjp_leaves(self.fn, primals)
@@ -352,19 +428,21 @@ def vjp_specs(fn, operands, results, heads, group, *primals):
   cannot be labelled (the section's comment)."""
   avals = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in primals]
   batch = next(a.shape[la.index("b")] for a, la in zip(avals, operands) if "b" in la)
+  time = next((a.shape[la.index("t")] for a, la in zip(avals, operands) if "t" in la), None)
   base, sources = _probe(fn, avals)
   by_batch, _ = _probe(fn, _grown(avals, operands, "b"))
   by_heads, _ = _probe(fn, _grown(avals, operands, "hv"))
+  by_time = base if time is None else _probe(fn, _grown(avals, operands, "t"))[0]
   labels = []
-  for shapes in zip(base, by_batch, by_heads):
-    la = _residual_labels(*shapes, batch, heads, heads * group)
+  for shapes in zip(base, by_batch, by_heads, by_time):
+    la = _residual_labels(*shapes, batch, heads, heads * group, time)
     if la is None:
       return None
     labels.append(la)
   labels = tuple(labels)
   forward = ShardSpec(_ForwardSaving(fn, sources), operands, (*results, *labels), heads, group)
   backward = ShardSpec(
-    _BackwardFromResiduals(fn, len(primals), sources),
+    _BackwardFromResiduals(fn, len(primals), sources, tuple(results)),
     (*operands, *labels, *results),
     operands,
     heads,

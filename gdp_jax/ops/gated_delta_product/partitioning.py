@@ -26,29 +26,54 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gdp_jax.ops.partitioning import ShardSpec, per_shard_call, vjp_specs
+from gdp_jax.ops.gated_delta_product import context_parallel
+from gdp_jax.ops.partitioning import ShardSpec, per_shard_call, sequence_vjp, vjp_specs
 
-TOKENS = ("b-h-", "b-h-", "b-v-", "b-v", "b-v")  # q, k, v, g, beta
+TOKENS = ("bth-", "bth-", "btv-", "btv", "btv")  # q, k, v, g, beta
 STATE = "bv--"
-OUTPUT = "b-v-"
+OUTPUT = "btv-"
 
 
 def _mask_labels(mask) -> str:
-  """[Bm, Tm, Hm, r, r]: each of the first three is either full ("b", "-", "v") or size 1."""
-  full = "b-v"
+  """[Bm, Tm, Hm, r, r]: each of the first three is either full ("b", "t", "v") or size 1."""
+  full = "btv"
   return "".join(la if mask.shape[d] != 1 else "1" for d, la in enumerate(full)) + "--"
 
 
 @dataclasses.dataclass(frozen=True)
 class _Forward:
-  """The implementation's forward: (q, k, v, g, beta, mask, h0) -> (o, final)."""
+  """The implementation's forward: (q, k, v, g, beta, mask, h0) -> (o, final); with
+  `sequence` (mesh axes) this device's piece of a split sequence, context parallel."""
 
   run: object
   scale: float
   chunk_size: int
 
-  def __call__(self, *primals):
+  def __call__(self, *primals, sequence=()):
+    if sequence:
+      return _context_parallel(self, sequence, *primals)
     return tuple(self.run(*primals, self.scale, self.chunk_size))
+
+  def padded(self, q, k, values, g, beta, mask, start):
+    """The implementation on a piece whose length need not be a multiple of the chunk: padded
+    with no-op tokens (beta = g = 0), o cut back."""
+    t_len = q.shape[1]
+    t_pad = -(-t_len // self.chunk_size) * self.chunk_size
+    pad = lambda x: (
+      x if t_pad == t_len else jnp.pad(x, [(0, 0), (0, t_pad - t_len)] + [(0, 0)] * (x.ndim - 2))
+    )
+    mask = mask if mask.shape[1] == 1 else pad(mask)
+    arrays = (pad(q), pad(k), pad(values), pad(g), pad(beta), mask, start)
+    o, final = self.run(*arrays, self.scale, self.chunk_size)
+    return o[:, :t_len], final
+
+
+def _context_parallel(forward, sequence, q, k, v, g, beta, mask, h0):
+  """This device's piece of a sequence split over the mesh axes `sequence`: the per-device
+  function of `gdp_jax.sharding`'s context parallelism (context_parallel.py; the kernels as two
+  calls of the ordinary width), every device returning the same final state."""
+  operator = lambda values, start: forward.padded(q, k, values, g, beta, mask, start)
+  return context_parallel.piece_outputs(operator, q, v, h0, sequence, split=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +85,11 @@ class _Backward:
   scale: float
   chunk_size: int
 
-  def __call__(self, *arrays):
+  def __call__(self, *arrays, sequence=()):
     primals, cotangents = arrays[:7], arrays[7:]
     forward = _Forward(self.run, self.scale, self.chunk_size)
+    if sequence:
+      return sequence_vjp(forward, sequence, (OUTPUT, STATE), primals, cotangents)
     _, vjp = jax.vjp(lambda *p: forward(*p), *primals)
     return tuple(vjp(tuple(cotangents)))
 
