@@ -1,15 +1,17 @@
 """The operator, the step and GQA decode under plain `jax.jit` with sharded inputs
 (docs/sharding.md#under-plain-jaxjit): their Pallas kernels run per device on their block of
-batch rows and heads, with no gather.
+batch rows and heads, with no gather, and the operator runs context parallel on a split sequence.
 
 jax fixes its device count when it starts, so the cases of `tests/partitioning_checks.py` run in
 a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8: inputs sharded over the
-batch, the heads, batch x heads, batch x grouped value heads and the sequence; forward, final
-state and every gradient against one device, the outputs' and gradients' shardings, and the
-compiled program's collectives (none that move data); the one-token step, GQA decode and paged
-GQA decode likewise (forward only). `tests/model_partitioning_checks.py` the same way: a
-`HybridLM` training step with its parameters sharded by their annotations
-(docs/sharding.md#annotated-parameters).
+batch, the heads, batch x heads, batch x grouped value heads, the sequence and batch x grouped
+heads x sequence; forward, final state and every gradient against one device, the outputs' and
+gradients' shardings, and the compiled program's collectives (none that move data; with the
+sequence split only the all-gathers of the small per-piece states); the one-token step, GQA
+decode and paged GQA decode likewise (forward only). `tests/model_partitioning_checks.py` the
+same way: a `HybridLM` training step with its parameters sharded by their annotations
+(docs/sharding.md#annotated-parameters), and its decode (`step_tokens`, `step`) against one
+device.
 """
 
 from __future__ import annotations
