@@ -240,6 +240,15 @@ _partitioned.def_partition(
 )
 
 
+def every_axis_manual() -> bool:
+  """True while tracing inside `jax.shard_map` with every mesh axis manual: each device already
+  holds its own block, and custom_partitioning would only run the function as it is (after the
+  wrapper's own tracing work)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = jax.sharding.AxisType.Manual
+  return not mesh.empty and all(t == manual for t in mesh.axis_types)
+
+
 def per_shard_call(spec: ShardSpec, *arrays):
   """`spec.fn(*arrays)` (a tuple), run per device on its block of batch rows and heads when the
   arrays are sharded under `jax.jit` (module docstring). Under `jax.vmap` it is `spec.fn`

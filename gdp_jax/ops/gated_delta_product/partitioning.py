@@ -27,7 +27,13 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax.ops.gated_delta_product import context_parallel
-from gdp_jax.ops.partitioning import ShardSpec, per_shard_call, sequence_vjp, vjp_specs
+from gdp_jax.ops.partitioning import (
+  ShardSpec,
+  every_axis_manual,
+  per_shard_call,
+  sequence_vjp,
+  vjp_specs,
+)
 
 TOKENS = ("bth-", "bth-", "btv-", "btv", "btv")  # q, k, v, g, beta
 STATE = "bv--"
@@ -161,6 +167,8 @@ def partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
   """run(q, k, v, g, beta, mask, initial_state, scale, chunk_size) -> (o, final), per device
   on its block of batch rows and heads under `jax.jit` (module docstring). `run` must be
   hashable (an implementation instance) and differentiable with `jax.vjp`."""
+  if every_axis_manual():  # inside shard_map: this device's block already
+    return run(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
   if not isinstance(scale, (int, float)):
     o, final = partitioned(run, q, k, v, g, beta, mask, initial_state, 1.0, chunk_size)
     return (o.astype(jnp.float32) * scale).astype(o.dtype), final
