@@ -22,6 +22,11 @@ import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
+import numpy as np
+
+from gdp_jax.ops.partitioning import vjp_specs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "partitioning_checks.py")
 MODEL_SCRIPT = os.path.join(HERE, "model_partitioning_checks.py")
@@ -35,6 +40,26 @@ def test_annotated_model_trains_data_x_tensor_parallel():
   """`tests/model_partitioning_checks.py`: a `HybridLM` training step on a 2 x 4 (data x model)
   mesh, parameters sharded by their annotations, equals one device and moves no activation."""
   run_checks(MODEL_SCRIPT)
+
+
+def _sine(x):
+  return (jnp.sin(x),)
+
+
+def test_unsplit_backward_after_split_forward_is_nan():
+  """A per-shard function that may run with its sequence split saves a last residual, 1 from
+  the unsplit forward, 0 (a placeholder) from the split one: the unsplit backward after a split
+  forward returns NaN gradients, never wrong ones (gdp_jax/ops/partitioning.py)."""
+  x = jnp.linspace(-1.0, 1.0, 2 * 8 * 2 * 4).reshape(2, 8, 2, 4)
+  specs = vjp_specs(_sine, ("bth-",), ("bth-",), 2, 1, x)
+  assert specs.forward.results == ("bth-", "bth-", "")  # sin x; the residual cos x; the flag
+  out, cos, flag = specs.forward.fn(x)
+  assert float(flag) == 1.0
+  ct = jnp.full_like(x, 0.5)
+  (dx,) = specs.backward.fn(x, cos, flag, ct)
+  np.testing.assert_allclose(dx, 0.5 * jnp.cos(x), rtol=1e-6)
+  (dx,) = specs.backward.fn(x, jnp.zeros_like(cos), jnp.zeros_like(flag), ct)
+  assert bool(jnp.all(jnp.isnan(dx)))
 
 
 def run_checks(script):

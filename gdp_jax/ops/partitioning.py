@@ -296,7 +296,9 @@ def per_shard_call(spec: ShardSpec, *arrays):
 # are zero placeholders, their sequence dimensions split: probed with T doubled, "t" where a
 # dimension equals T, "s" where it otherwise grows with T) and the split backward recomputes the
 # split forward and differentiates it (`sequence_vjp`). Both calls choose the split from q's
-# sharding, so they agree.
+# sharding, so they agree; should they not, a last residual, 1 from the unsplit forward and 0
+# from the split one (a placeholder), makes an unsplit backward after a split forward return
+# NaN gradients rather than wrong ones.
 
 
 def sequence_vjp(fn, sequence, result_labels, primals, cotangents):
@@ -382,6 +384,7 @@ class _ForwardSaving:
 
   fn: Callable
   sources: tuple
+  flag: bool = False  # a last residual 1 (the section's comment)
 
   def __call__(self, *primals, sequence=()):
     if sequence:  # context parallel: the outputs only (the residuals are placeholders)
@@ -395,7 +398,7 @@ class _ForwardSaving:
         "the pullback's residuals on a device's block differ from those on the whole arrays: "
         f"{sources} vs {self.sources}"
       )
-    return (*outputs, *residuals)
+    return (*outputs, *residuals, *((jnp.ones((), jnp.float32),) if self.flag else ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,18 +411,28 @@ class _BackwardFromResiduals:
   primals: int
   sources: tuple
   results: tuple[str, ...] = ()
+  flag: bool = False  # the forward's last residual is `_ForwardSaving.flag`'s
 
   def __call__(self, *arrays, sequence=()):
     primals = arrays[: self.primals]
-    saved = iter(arrays[self.primals : self.primals + self.sources.count(None)])
-    cotangents = arrays[self.primals + self.sources.count(None) :]
+    count = self.sources.count(None) + self.flag
+    saved = iter(arrays[self.primals : self.primals + count])
+    cotangents = arrays[self.primals + count :]
     if sequence:  # context parallel: the split forward again, differentiated
       return sequence_vjp(self.fn, sequence, self.results, primals, cotangents)
     tree = _PULLBACK_TREES.get(_tree_key(self.fn, primals))
     if tree is None:
       _, _, _, tree = _vjp_leaves(self.fn, primals)
     leaves = [next(saved) if src is None else primals[src] for src in self.sources]
-    return tuple(tree.unflatten(leaves)(tuple(cotangents)))
+    grads = tuple(tree.unflatten(leaves)(tuple(cotangents)))
+    if not self.flag:
+      return grads
+    unsplit = next(saved) > 0  # 0: the forward ran split and saved nothing
+    return tuple(jnp.where(unsplit, d, jnp.nan) if _floating(d) else d for d in grads)
+
+
+def _floating(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.floating)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,10 +461,13 @@ def vjp_specs(fn, operands, results, heads, group, *primals):
     if la is None:
       return None
     labels.append(la)
-  labels = tuple(labels)
-  forward = ShardSpec(_ForwardSaving(fn, sources), operands, (*results, *labels), heads, group)
+  flag = time is not None  # may run split: the flag (the section's comment)
+  labels = tuple(labels) + (("",) if flag else ())
+  forward = ShardSpec(
+    _ForwardSaving(fn, sources, flag), operands, (*results, *labels), heads, group
+  )
   backward = ShardSpec(
-    _BackwardFromResiduals(fn, len(primals), sources, tuple(results)),
+    _BackwardFromResiduals(fn, len(primals), sources, tuple(results), flag),
     (*operands, *labels, *results),
     operands,
     heads,
