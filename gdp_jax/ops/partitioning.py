@@ -27,9 +27,10 @@ every array for exactly that layout (the partitioner moves what differs) and run
 each device's block. With `spec.sums` (gradients) a result that has no "b" (no "h"/"v", no "t")
 dimension while the batch (heads, sequence) are split is a sum over the blocks (the gradient of
 a broadcast input, e.g. a mask shared by every row, or the initial state along the sequence):
-it is summed over those axes (psum in float32). With the sequence split, `spec.fn` may return
-fewer results than `spec.results`: the rest are zeros of their blocks' shapes (placeholders for
-residuals that only the unsplit form saves). Under `jax.vmap` the call runs `spec.fn` vmapped,
+it is summed over those axes (psum in float32). With the sequence split, `spec.fn` is also given
+`blocks=` (the shape of each result's block on this device). `spec.fn` may return fewer results
+than `spec.results`: the rest are zeros of their blocks' shapes (placeholders for residuals that
+only the other form, split or unsplit, saves). Under `jax.vmap` the call runs `spec.fn` vmapped,
 unpartitioned (custom_vmap); on one device, or inside `jax.shard_map` with every axis manual,
 `custom_partitioning` runs `spec.fn` directly.
 """
@@ -170,14 +171,13 @@ def _partition(spec: ShardSpec, mesh, arg_shapes, result_shape):
 
   def per_device(*arrays):
     if split.sequence:
-      outs = tuple(spec.fn(*arrays, sequence=split.sequence))
-      # placeholders for the results the sequence mode does not compute (module docstring)
-      outs += tuple(
-        jnp.zeros(block, r.dtype)
-        for block, r in zip(blocks[len(outs) :], result_shape[len(outs) :])
-      )
+      outs = tuple(spec.fn(*arrays, sequence=split.sequence, blocks=tuple(blocks)))
     else:
       outs = tuple(spec.fn(*arrays))
+    # placeholders for the results this mode does not compute (module docstring)
+    outs += tuple(
+      jnp.zeros(block, r.dtype) for block, r in zip(blocks[len(outs) :], result_shape[len(outs) :])
+    )
     summed = []
     for labels, out in zip(spec.results, outs):
       axes = _summed_axes(labels, split) if spec.sums else ()
@@ -292,13 +292,20 @@ def per_shard_call(spec: ShardSpec, *arrays):
 #
 # A function whose operands have a sequence ("t") dimension may also run with the sequence split
 # (context parallel: `fn(*primals, sequence=axes)`, collectives over those axes inside). Its
-# pullback is then another function's, so the split forward saves nothing (its residual results
-# are zero placeholders, their sequence dimensions split: probed with T doubled, "t" where a
-# dimension equals T, "s" where it otherwise grows with T) and the split backward recomputes the
-# split forward and differentiates it (`sequence_vjp`). Both calls choose the split from q's
-# sharding, so they agree; should they not, a last residual, 1 from the unsplit forward and 0
-# from the split one (a placeholder), makes an unsplit backward after a split forward return
-# NaN gradients rather than wrong ones.
+# pullback is then another function's, so by default the split forward saves nothing (its
+# residual results are zero placeholders, their sequence dimensions split: probed with T
+# doubled, "t" where a dimension equals T, "s" where it otherwise grows with T) and the split
+# backward recomputes the split forward and differentiates it (`sequence_vjp`). A fn may do
+# better with four attributes: `split_extra` (the labels of residuals that only its split form
+# saves, placeholders in the unsplit form), `split_extra_avals(*primals)` (their shapes and
+# dtypes at these primals), `split_forward(sequence, sources, residual_blocks,
+# *primals)` -> (outputs, residuals in the unsplit form's slots, extras) or None (then the
+# default), and `split_backward(sequence, sources, primals, residuals, extras, cotangents)` ->
+# the gradients or None (the default; it must decide as `split_forward` did, from the residuals'
+# shapes). Both calls choose the split from q's sharding, so they agree; should they not, a
+# residual after the unsplit form's, 1 from the unsplit forward and 0 from the split one (a
+# placeholder), makes an unsplit backward after a split forward return NaN gradients rather
+# than wrong ones.
 
 
 def sequence_vjp(fn, sequence, result_labels, primals, cotangents):
@@ -366,6 +373,44 @@ def _residual_labels(base, by_batch, by_heads, by_time, batch, heads, heads_v, t
   return "".join(labels)
 
 
+def _fold(labels: str, shape, time):
+  """A residual dimension that grows with the sequence but is not it ("s": e.g. chunks x rows)
+  and is a multiple of T is passed between the calls folded into [T, size / T] ("t-"), so
+  that it splits with the sequence as q does (the Shardy rule ties it to q's T; a dimension
+  of its own would be gathered between the calls). Returns (labels, (dim, size / T) or None);
+  other such dimensions are never split ("-")."""
+  fold = None
+  out = []
+  for dim, (label, n) in enumerate(zip(labels, shape)):
+    if label == "s" and fold is None and time and n % time == 0:
+      fold = (dim, n // time)
+      out.append("t-")
+    else:
+      out.append("-" if label == "s" else label)
+  return "".join(out), fold
+
+
+def _folded(x, fold):
+  if fold is None:
+    return x
+  dim, ratio = fold
+  return x.reshape(x.shape[:dim] + (x.shape[dim] // ratio, ratio) + x.shape[dim + 1 :])
+
+
+def _unfolded(x, fold):
+  if fold is None:
+    return x
+  dim, _ = fold
+  return x.reshape(x.shape[:dim] + (x.shape[dim] * x.shape[dim + 1],) + x.shape[dim + 2 :])
+
+
+def _unfolded_shape(shape, fold):
+  if fold is None:
+    return tuple(shape)
+  dim, _ = fold
+  return tuple(shape[:dim]) + (shape[dim] * shape[dim + 1],) + tuple(shape[dim + 2 :])
+
+
 # The pullback's tree (its structure and static data, no arrays: `jax.vjp`'s result is a pytree
 # that may cross jit boundaries) on a device's block, kept by the forward call for the backward
 # call, keyed by fn and the block's shapes. Without it the backward traces the forward again
@@ -378,27 +423,65 @@ def _tree_key(fn, primals):
   return fn, tuple((tuple(p.shape), str(p.dtype)) for p in primals)
 
 
+def pullback_residuals(fn, primals):
+  """(outputs, residuals, sources, tree) of `jax.vjp(fn, *primals)` (`_vjp_leaves`), the tree kept
+  for `saved_pullback` on the same shapes."""
+  outputs, residuals, sources, tree = _vjp_leaves(fn, primals)
+  if len(_PULLBACK_TREES) >= _MAX_TREES:
+    _PULLBACK_TREES.pop(next(iter(_PULLBACK_TREES)))
+  _PULLBACK_TREES[_tree_key(fn, primals)] = tree
+  return outputs, residuals, sources, tree
+
+
+def saved_pullback(fn, primals, sources, residuals):
+  """fn's pullback at `primals` rebuilt from the residuals `pullback_residuals` returned (the
+  leaves that are inputs taken from `primals`, by `sources`)."""
+  tree = _PULLBACK_TREES.get(_tree_key(fn, primals))
+  if tree is None:
+    _, _, _, tree = _vjp_leaves(fn, primals)
+  saved = iter(residuals)
+  return tree.unflatten([next(saved) if src is None else primals[src] for src in sources])
+
+
 @dataclasses.dataclass(frozen=True)
 class _ForwardSaving:
   """fn's outputs, then the residuals of its pullback that are not inputs."""
 
   fn: Callable
   sources: tuple
-  flag: bool = False  # a last residual 1 (the section's comment)
+  flag: bool = False  # a residual 1 after the others (the section's comment)
+  outputs: int = 0
+  folds: tuple = ()  # per residual: `_fold`'s (dim, size / T) or None
 
-  def __call__(self, *primals, sequence=()):
-    if sequence:  # context parallel: the outputs only (the residuals are placeholders)
-      return tuple(self.fn(*primals, sequence=sequence))
-    outputs, residuals, sources, tree = _vjp_leaves(self.fn, primals)
-    if len(_PULLBACK_TREES) >= _MAX_TREES:
-      _PULLBACK_TREES.pop(next(iter(_PULLBACK_TREES)))
-    _PULLBACK_TREES[_tree_key(self.fn, primals)] = tree
+  def __call__(self, *primals, sequence=(), blocks=()):
+    if sequence:  # context parallel (the section's comment)
+      split = getattr(self.fn, "split_forward", None)
+      count = self.sources.count(None)
+      saving = None
+      if split is not None:
+        residual_blocks = blocks[self.outputs : self.outputs + count]
+        residual_blocks = [_unfolded_shape(b, f) for b, f in zip(residual_blocks, self._folds())]
+        saving = split(sequence, self.sources, residual_blocks, *primals)
+      if saving is None:  # the outputs only: the residuals are placeholders
+        return tuple(self.fn(*primals, sequence=sequence))
+      outputs, residuals, extras = saving
+      residuals = tuple(_folded(r, f) for r, f in zip(residuals, self._folds()))
+      return (*outputs, *residuals, jnp.zeros((), jnp.float32), *extras)
+    outputs, residuals, sources, _ = pullback_residuals(self.fn, primals)
     if sources != self.sources:
       raise RuntimeError(
         "the pullback's residuals on a device's block differ from those on the whole arrays: "
         f"{sources} vs {self.sources}"
       )
-    return (*outputs, *residuals, *((jnp.ones((), jnp.float32),) if self.flag else ()))
+    residuals = tuple(_folded(r, f) for r, f in zip(residuals, self._folds()))
+    if not self.flag:
+      return (*outputs, *residuals)
+    extra_avals = getattr(self.fn, "split_extra_avals", lambda *p: ())(*primals)
+    extras = tuple(jnp.zeros(a.shape, a.dtype) for a in extra_avals)  # placeholders
+    return (*outputs, *residuals, jnp.ones((), jnp.float32), *extras)
+
+  def _folds(self):
+    return self.folds or (None,) * self.sources.count(None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,23 +494,32 @@ class _BackwardFromResiduals:
   primals: int
   sources: tuple
   results: tuple[str, ...] = ()
-  flag: bool = False  # the forward's last residual is `_ForwardSaving.flag`'s
+  flag: bool = False  # the forward saves `_ForwardSaving.flag`'s residual
+  extras: int = 0  # then the `split_extra` residuals
+  folds: tuple = ()  # as `_ForwardSaving.folds`
 
-  def __call__(self, *arrays, sequence=()):
+  def __call__(self, *arrays, sequence=(), blocks=()):
     primals = arrays[: self.primals]
-    count = self.sources.count(None) + self.flag
-    saved = iter(arrays[self.primals : self.primals + count])
-    cotangents = arrays[self.primals + count :]
-    if sequence:  # context parallel: the split forward again, differentiated
-      return sequence_vjp(self.fn, sequence, self.results, primals, cotangents)
-    tree = _PULLBACK_TREES.get(_tree_key(self.fn, primals))
-    if tree is None:
-      _, _, _, tree = _vjp_leaves(self.fn, primals)
-    leaves = [next(saved) if src is None else primals[src] for src in self.sources]
-    grads = tuple(tree.unflatten(leaves)(tuple(cotangents)))
+    count = self.sources.count(None)
+    residuals = arrays[self.primals : self.primals + count]
+    residuals = tuple(_unfolded(r, f) for r, f in zip(residuals, self.folds or (None,) * count))
+    extras = arrays[
+      self.primals + count + self.flag : self.primals + count + self.flag + self.extras
+    ]
+    cotangents = arrays[self.primals + count + self.flag + self.extras :]
+    if sequence:  # context parallel (the section's comment)
+      split = getattr(self.fn, "split_backward", None)
+      grads = None
+      if split is not None:
+        grads = split(sequence, self.sources, primals, residuals, extras, cotangents)
+      if grads is None:  # the split forward again, differentiated
+        grads = sequence_vjp(self.fn, sequence, self.results, primals, cotangents)
+      return tuple(grads)
+    pullback = saved_pullback(self.fn, primals, self.sources, residuals)
+    grads = tuple(pullback(tuple(cotangents)))
     if not self.flag:
       return grads
-    unsplit = next(saved) > 0  # 0: the forward ran split and saved nothing
+    unsplit = arrays[self.primals + count] > 0  # 0: the forward ran split, saved other things
     return tuple(jnp.where(unsplit, d, jnp.nan) if _floating(d) else d for d in grads)
 
 
@@ -455,19 +547,27 @@ def vjp_specs(fn, operands, results, heads, group, *primals):
   by_batch, _ = _probe(fn, _grown(avals, operands, "b"))
   by_heads, _ = _probe(fn, _grown(avals, operands, "hv"))
   by_time = base if time is None else _probe(fn, _grown(avals, operands, "t"))[0]
-  labels = []
+  labels, folds = [], []
   for shapes in zip(base, by_batch, by_heads, by_time):
     la = _residual_labels(*shapes, batch, heads, heads * group, time)
     if la is None:
       return None
+    la, fold = _fold(la, shapes[0].shape, time)
     labels.append(la)
+    folds.append(fold)
   flag = time is not None  # may run split: the flag (the section's comment)
-  labels = tuple(labels) + (("",) if flag else ())
+  extra = tuple(getattr(fn, "split_extra", ())) if flag else ()
+  labels = tuple(labels) + (("",) if flag else ()) + extra
+  folds = tuple(folds)
   forward = ShardSpec(
-    _ForwardSaving(fn, sources, flag), operands, (*results, *labels), heads, group
+    _ForwardSaving(fn, sources, flag, len(results), folds),
+    operands,
+    (*results, *labels),
+    heads,
+    group,
   )
   backward = ShardSpec(
-    _BackwardFromResiduals(fn, len(primals), sources, tuple(results), flag),
+    _BackwardFromResiduals(fn, len(primals), sources, tuple(results), flag, len(extra), folds),
     (*operands, *labels, *results),
     operands,
     heads,

@@ -72,13 +72,20 @@ def piece_outputs(operator, q, v, initial_state, axes, *, split, state=None):
   if state is None:
     state = widened_state(bl, hv, dk, dv)
   o0, qp, final0, transition = summarise(operator, q, v, state, split)
-  pieces = jax.lax.all_gather(jnp.concatenate([transition, final0], axis=-1), axes)
   if initial_state is None:
     initial_state = jnp.zeros((bl, hv, dk, dv), f32)
+  return combine(o0, qp, final0, transition, initial_state, axes, q.dtype)
+
+
+def combine(o0, qp, final0, transition, initial_state, axes, dtype):
+  """(o in `dtype`, the final state) from this piece's `summarise` results: the all-gather of
+  the [P | F] pairs over `axes`, the chain from `initial_state` and the correction."""
+  dk = transition.shape[-1]
+  pieces = jax.lax.all_gather(jnp.concatenate([transition, final0], axis=-1), axes)
   incoming, final = chain_states(pieces[..., :dk], pieces[..., dk:], initial_state)
   me = jax.lax.axis_index(axes)
   s_in = jax.lax.dynamic_index_in_dim(incoming, me, axis=0, keepdims=False)
   # o_t = o0_t + scale q_t^T P_t S_in (docs/sharding.md#correcting-the-outputs); qp carries the
   # scale.
   o = o0.astype(f32) + jnp.einsum("bthk,bhkv->bthv", qp.astype(f32), s_in, precision=HIGHEST)
-  return o.astype(q.dtype), final
+  return o.astype(dtype), final

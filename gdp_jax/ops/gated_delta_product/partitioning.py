@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,8 @@ from gdp_jax.ops.partitioning import (
   ShardSpec,
   every_axis_manual,
   per_shard_call,
+  pullback_residuals,
+  saved_pullback,
   sequence_vjp,
   vjp_specs,
 )
@@ -49,16 +52,79 @@ def _mask_labels(mask) -> str:
 @dataclasses.dataclass(frozen=True)
 class _Forward:
   """The implementation's forward: (q, k, v, g, beta, mask, h0) -> (o, final); with
-  `sequence` (mesh axes) this device's piece of a split sequence, context parallel."""
+  `sequence` (mesh axes) this device's piece of a split sequence, context parallel.
+
+  Differentiated with the sequence split (gdp_jax/ops/partitioning.py's `split_forward`,
+  `split_backward`): the forward saves, in the unsplit form's residual slots, the residuals of
+  its first call (the piece's outputs from a zero state), and its final state F (`split_extra`);
+  the backward runs the second call (the transition) again and differentiates it with the
+  chain, then that first call's pullback from the saved residuals. Where the first call's
+  residuals do not fit the slots (a piece that is not whole chunks), nothing is saved and the
+  backward differentiates the whole split forward again."""
 
   run: object
   scale: float
   chunk_size: int
+  split_extra: ClassVar[tuple[str, ...]] = (STATE,)  # F of this device's piece
 
-  def __call__(self, *primals, sequence=()):
+  def __call__(self, *primals, sequence=(), blocks=()):
     if sequence:
       return _context_parallel(self, sequence, *primals)
     return tuple(self.run(*primals, self.scale, self.chunk_size))
+
+  def split_extra_avals(self, *primals):
+    return (jax.ShapeDtypeStruct(primals[6].shape, jnp.float32),)  # F, like the state
+
+  def _first_call_saves(self, sources, residual_shapes, primals):
+    """Whether the first call's residuals at `primals` fill slots of `residual_shapes`."""
+    if primals[0].shape[1] % self.chunk_size:
+      return False
+    found = []
+
+    def residuals(*p):
+      _, saved, got, _ = pullback_residuals(self, p)
+      found.append(got)
+      return saved
+
+    shapes = [tuple(r.shape) for r in jax.eval_shape(residuals, *primals)]
+    return found[0] == sources and shapes == [tuple(b) for b in residual_shapes]
+
+  def _second_call(self, sequence, o0, final0, q, k, v, g, beta, mask, h0):
+    """The transition call (0_K values from I_K) and the chain: (o, final) given the first
+    call's o0 and F."""
+    bl, _, hv, _ = v.shape
+    dk = q.shape[-1]
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (bl, hv, dk, dk))
+    zeros = jnp.zeros(v.shape[:3] + (dk,), v.dtype)
+    qp, transition = self.padded(q, k, zeros, g, beta, mask, eye)
+    return context_parallel.combine(o0, qp, final0, transition, h0, sequence, q.dtype)
+
+  def split_forward(self, sequence, sources, residual_blocks, q, k, v, g, beta, mask, h0):
+    first = (q, k, v, g, beta, mask, jnp.zeros_like(h0))
+    if not self._first_call_saves(sources, residual_blocks, first):
+      return None
+    (o0, final0), residuals, _, _ = pullback_residuals(self, first)
+    o, final = self._second_call(sequence, o0, final0, q, k, v, g, beta, mask, h0)
+    return (o, final), residuals, (final0,)
+
+  def split_backward(self, sequence, sources, primals, residuals, extras, cotangents):
+    q, k, v, g, beta, mask, h0 = primals
+    first = (q, k, v, g, beta, mask, jnp.zeros_like(h0))
+    if not self._first_call_saves(sources, [r.shape for r in residuals], first):
+      return None
+    do, dfinal = cotangents
+    # the final state is the same on every device along the sequence: its cotangent enters once
+    dfinal = jnp.where(jax.lax.axis_index(sequence) == 0, dfinal, jnp.zeros_like(dfinal))
+    o_aval = jax.eval_shape(self, *first)[0]
+    second = lambda o0, final0, q, k, g, beta, mask, h0: self._second_call(
+      sequence, o0, final0, q, k, v, g, beta, mask, h0
+    )
+    o0 = jnp.zeros(o_aval.shape, o_aval.dtype)  # o is linear in o0: its value is not read
+    _, pullback = jax.vjp(second, o0, extras[0], q, k, g, beta, mask, h0)
+    do0, dfinal0, dq, dk, dg, dbeta, dmask, dh0 = pullback((do, dfinal))
+    pullback = saved_pullback(self, first, sources, residuals)
+    dq1, dk1, dv, dg1, dbeta1, dmask1, _ = pullback((do0, dfinal0))
+    return dq + dq1, dk + dk1, dv, dg + dg1, dbeta + dbeta1, dmask + dmask1, dh0
 
   def padded(self, q, k, values, g, beta, mask, start):
     """The implementation on a piece whose length need not be a multiple of the chunk: padded
@@ -91,7 +157,7 @@ class _Backward:
   scale: float
   chunk_size: int
 
-  def __call__(self, *arrays, sequence=()):
+  def __call__(self, *arrays, sequence=(), blocks=()):
     primals, cotangents = arrays[:7], arrays[7:]
     forward = _Forward(self.run, self.scale, self.chunk_size)
     if sequence:
