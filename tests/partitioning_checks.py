@@ -15,8 +15,11 @@ the compiled program has no all-gather, all-to-all or collective-permute (the on
 allowed is the all-reduce that sums a broadcast mask's gradient over the devices sharing it).
 A sequence-sharded input runs context parallel: the same checks, and the only data-moving
 collectives are the all-gathers of the small float32 per-piece [.., K, K + V] states (in the
-forward, and again in the backward, which recomputes the split forward). The Householder form
-(the operator over the T * n_h sub-steps) likewise, on a batch x heads x sequence mesh.
+forward, and again in the backward, which runs the transition call again): "sequence" has
+pieces of half a chunk (the backward differentiates the whole piece again), "batch x grouped
+heads x sequence" and the Householder case whole chunks (the first call's residuals saved).
+The Householder form (the operator over the T * n_h sub-steps) is checked likewise, on a
+batch x heads x sequence mesh.
 The one-token step and dense and paged GQA decode are checked the same way (forward only).
 Each case prints one JSON line {"name", "ok", "detail", "seconds"}; the exit status is 0 when
 every case passed. On a machine with several GPUs, `--real` uses the devices as they are

@@ -15,8 +15,6 @@ character per dimension:
   "t"  the sequence (T tokens): may be split over mesh axes (the sequence axes) for a `spec.fn`
        that takes them: it is then called with `sequence=` the tuple of those axes and runs
        context parallel (collectives over them inside; docs/sharding.md)
-  "s"  a dimension that grows with the sequence but is not it (a residual's chunks): split with
-       the sequence where its size allows (the sequence mode's placeholders, below)
   "1"  a size-1 broadcast dimension; "-" any other dimension: never split (a split one is
        gathered first: the feature dims, r, the sequence of a spec with no "t")
 
@@ -46,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-SPLIT_LABELS = ("b", "h", "v", "t", "s")
+SPLIT_LABELS = ("b", "h", "v", "t")
 LABELS = (*SPLIT_LABELS, "1", "-")
 
 
@@ -104,7 +102,7 @@ class _Split:
       return self.batch
     if label in ("h", "v"):
       return self.heads
-    if label in ("t", "s"):
+    if label == "t":
       return self.sequence
     return ()
 
@@ -135,14 +133,14 @@ def _choose_axes(spec: ShardSpec, mesh, arg_shapes) -> _Split:
   return _Split(chosen["b"], chosen["h"], chosen["t"])
 
 
-def _pspec(labels: str, split: _Split, mesh, shape) -> PartitionSpec:
-  def entry(label, size):
+def _pspec(labels: str, split: _Split) -> PartitionSpec:
+  def entry(label):
     axes = split.axes(label)
-    if not axes or (label == "s" and size % _size(mesh, axes)):
+    if not axes:
       return None
     return axes[0] if len(axes) == 1 else axes
 
-  return PartitionSpec(*(entry(label, n) for label, n in zip(labels, shape)))
+  return PartitionSpec(*(entry(label) for label in labels))
 
 
 def _summed_axes(labels: str, split: _Split) -> tuple[str, ...]:
@@ -154,14 +152,8 @@ def _summed_axes(labels: str, split: _Split) -> tuple[str, ...]:
 
 def _layout(spec: ShardSpec, mesh, arg_shapes, result_shape):
   split = _choose_axes(spec, mesh, arg_shapes)
-  arg_shardings = tuple(
-    NamedSharding(mesh, _pspec(la, split, mesh, a.shape))
-    for la, a in zip(spec.operands, arg_shapes)
-  )
-  result_shardings = tuple(
-    NamedSharding(mesh, _pspec(la, split, mesh, r.shape))
-    for la, r in zip(spec.results, result_shape)
-  )
+  arg_shardings = tuple(NamedSharding(mesh, _pspec(la, split)) for la in spec.operands)
+  result_shardings = tuple(NamedSharding(mesh, _pspec(la, split)) for la in spec.results)
   return split, arg_shardings, result_shardings
 
 
@@ -196,8 +188,8 @@ def _infer_from_operands(spec: ShardSpec, mesh, arg_shapes, result_shape):
 
 def _sharding_rule(spec: ShardSpec, mesh, operand_types, result_types):
   """The Shardy rule: "b", "t" and the head labels are factors shared by every array ("v" is
-  the compound (h group) when heads are grouped); "s" is a free factor of its own; every other
-  dimension is its own factor that must stay replicated."""
+  the compound (h group) when heads are grouped); every other dimension is its own factor that
+  must stay replicated."""
   replicated = []
   has_key_heads = any("h" in la for la in (*spec.operands, *spec.results))
 
@@ -206,8 +198,6 @@ def _sharding_rule(spec: ShardSpec, mesh, operand_types, result_types):
     for dim, label in enumerate(labels):
       if label in ("b", "t"):
         dims.append(label)
-      elif label == "s":
-        dims.append(f"{name}s{dim}")
       elif label == "h" or (label == "v" and spec.group == 1):
         dims.append("h")
       elif label == "v":
@@ -294,7 +284,8 @@ def per_shard_call(spec: ShardSpec, *arrays):
 # (context parallel: `fn(*primals, sequence=axes)`, collectives over those axes inside). Its
 # pullback is then another function's, so by default the split forward saves nothing (its
 # residual results are zero placeholders, their sequence dimensions split: probed with T
-# doubled, "t" where a dimension equals T, "s" where it otherwise grows with T) and the split
+# doubled, "t" where a dimension equals T, and one that otherwise grows with T folded into
+# [T, size / T] where it is a multiple of T (`_fold`), else never split) and the split
 # backward recomputes the split forward and differentiates it (`sequence_vjp`). A fn may do
 # better with four attributes: `split_extra` (the labels of residuals that only its split form
 # saves, placeholders in the unsplit form), `split_extra_avals(*primals)` (their shapes and
@@ -303,9 +294,9 @@ def per_shard_call(spec: ShardSpec, *arrays):
 # default), and `split_backward(sequence, sources, primals, residuals, extras, cotangents)` ->
 # the gradients or None (the default; it must decide as `split_forward` did, from the residuals'
 # shapes). Both calls choose the split from q's sharding, so they agree; should they not, a
-# residual after the unsplit form's, 1 from the unsplit forward and 0 from the split one (a
-# placeholder), makes an unsplit backward after a split forward return NaN gradients rather
-# than wrong ones.
+# residual after the unsplit form's, 1 from the unsplit forward and 0 from the split one, makes
+# a backward that reads residuals of the other form return NaN gradients rather than wrong
+# ones.
 
 
 def sequence_vjp(fn, sequence, result_labels, primals, cotangents):
@@ -512,6 +503,9 @@ class _BackwardFromResiduals:
       grads = None
       if split is not None:
         grads = split(sequence, self.sources, primals, residuals, extras, cotangents)
+        if grads is not None and self.flag:  # the residuals must be the split forward's
+          split_forward = arrays[self.primals + count] == 0
+          grads = tuple(jnp.where(split_forward, d, jnp.nan) if _floating(d) else d for d in grads)
       if grads is None:  # the split forward again, differentiated
         grads = sequence_vjp(self.fn, sequence, self.results, primals, cotangents)
       return tuple(grads)

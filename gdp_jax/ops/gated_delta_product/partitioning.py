@@ -3,7 +3,8 @@
 
 `partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)` calls an
 implementation (`run`, the normalised inputs of api.py) so that inputs sharded over the batch
-and the heads run the kernels per device on their block, with no all-gather: the forward and the
+and the heads run the kernels per device on their block, with no all-gather, and inputs
+sharded over the sequence run context parallel: the forward and the
 backward are each a per-shard call (gdp_jax/ops/partitioning.py) inside one `jax.custom_vjp`
 (custom_partitioning has no autodiff rule of its own). The forward's per-shard call returns o,
 the final state and the residuals of the implementation's pullback (for the kernels: the padded
@@ -11,10 +12,12 @@ inputs, gamma and the chunk inverses), the backward's takes them back (`vjp_spec
 implementation whose residuals `vjp_specs` cannot label gets a backward that runs the forward
 again on the device's block (`_recomputing_specs`).
 
-Labels (gdp_jax/ops/partitioning.py): q, k [B, T, H, K] "b-h-"; v, o [B, T, HV, V] "b-v-";
-g, beta [B, T, HV] "b-v"; the state [B, HV, K, V] "bv--"; the mask [Bm, Tm, Hm, r, r] "b-v--"
-with "1" for its size-1 broadcast dimensions. The sequence, K, V and r are never split (a split
-sequence is gathered first). A scale that is an array (a traced or learned scale) is applied
+Labels (gdp_jax/ops/partitioning.py): q, k [B, T, H, K] "bth-"; v, o [B, T, HV, V] "btv-";
+g, beta [B, T, HV] "btv"; the state [B, HV, K, V] "bv--"; the mask [Bm, Tm, Hm, r, r] "btv--"
+with "1" for its size-1 broadcast dimensions. K, V and r are never split. A split sequence runs
+context parallel (`_context_parallel`, docs/sharding.md#under-plain-jaxjit): each device its
+piece, the pieces chained through an all-gather of their small float32 transition states;
+differentiated, see `_Forward`. A scale that is an array (a traced or learned scale) is applied
 outside: the call runs with scale 1 and o is multiplied afterwards (o is linear in the scale).
 """
 
