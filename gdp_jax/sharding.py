@@ -44,10 +44,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from gdp_jax.ops import dispatch, validation
 from gdp_jax.ops.gated_delta_product import api as _operator
+from gdp_jax.ops.gated_delta_product import context_parallel
 from gdp_jax.ops.step import api as _step
 
 f32 = jnp.float32
-HIGHEST = jax.lax.Precision.HIGHEST
 ROLES = ("batch", "heads", "sequence")
 
 # The mesh axes of each dimension of each named array ("b" batch, "t" sequence, "h" heads, "-"
@@ -395,88 +395,58 @@ def piece_summary(
     q.dtype), final0 [B, H, K, V] (the final state from zero) and transition [B, H, K, K]
     (P = P_T), both float32.
   """
-  bl, tl, hl, dk = q.shape
-  dv = v.shape[-1]
   if state is None:
-    eye = jnp.broadcast_to(jnp.eye(dk, dtype=f32), (bl, hl, dk, dk))
-    state = jnp.concatenate([jnp.zeros((bl, hl, dk, dv), f32), eye], axis=-1)
-  zeros = jnp.zeros((bl, tl, hl, dk), v.dtype)
-  run = lambda values, start: _operator.gated_delta_product(
+    state = context_parallel.widened_state(q.shape[0], v.shape[2], q.shape[-1], v.shape[-1])
+  operator = _piece_operator(
     q,
     k,
-    values,
     g,
     beta,
     mask,
     scale=scale,
-    initial_state=start,
-    output_final_state=True,
     chunk_size=chunk_size,
     implementation=implementation,
     **operator_kwargs,
   )
-  if split:
-    o0, final0 = run(v, state[..., :dv])
-    qp, transition = run(zeros, state[..., dv:])
-    return o0, qp, final0, transition
-  o_ext, fin_ext = run(jnp.concatenate([v, zeros], axis=-1), state)
-  return o_ext[..., :dv], o_ext[..., dv:], fin_ext[..., :dv], fin_ext[..., dv:]
+  return context_parallel.summarise(operator, q, v, state, split)
 
 
-def chain_states(transitions, finals, initial_state):
-  """The incoming state of every piece: S_in(0) = initial_state, S_in(j+1) = P_j S_in(j) + F_j.
+def _piece_operator(q, k, g, beta, mask, **run):
+  """(values, start) -> (o, final): the public operator on this piece's q, k, g, beta, mask."""
 
-  transitions [n, B, H, K, K], finals [n, B, H, K, V], initial_state [B, H, K, V] (float32).
-  Returns (incoming [n, B, H, K, V], the state after the last piece [B, H, K, V]).
-  """
-  s = initial_state.astype(f32)
-  incoming = []
-  for j in range(transitions.shape[0]):
-    incoming.append(s)
-    s = jnp.einsum("bhij,bhjv->bhiv", transitions[j], s, precision=HIGHEST) + finals[j]
-  return jnp.stack(incoming), s
+  def operator(values, start):
+    return _operator.gated_delta_product(
+      q, k, values, g, beta, mask, initial_state=start, output_final_state=True, **run
+    )
+
+  return operator
+
+
+chain_states = context_parallel.chain_states
 
 
 def _context_parallel_piece(a, sharding, vma, **run):
-  """Context parallel: this device's piece of the sequence, chained with the others."""
+  """Context parallel: this device's piece of the sequence, chained with the others
+  (gdp_jax/ops/gated_delta_product/context_parallel.py)."""
   q, v = a["q"], a["v"]
   bl, _, hl, dk = q.shape
-  dv = v.shape[-1]
   seq = sharding.axes("sequence")
-  eye = jnp.broadcast_to(jnp.eye(dk, dtype=f32), (bl, hl, dk, dk))
-  state = jnp.concatenate(
-    [
-      _zero_state(q, v, sharding, vma),
-      _vary(eye, sharding.axes("batch") + sharding.axes("heads") + seq, vma),
-    ],
-    axis=-1,
+  state = _vary(
+    context_parallel.widened_state(bl, hl, dk, v.shape[-1]),
+    sharding.axes("batch") + sharding.axes("heads") + seq,
+    vma,
   )
+  operator = _piece_operator(q, a["k"], a.get("g"), a["beta"], a.get("mask"), **run)
   # Pallas: two calls of the ordinary width; the others: one widened call (docs/sharding.md).
-  o0, qp, final0, transition = piece_summary(
-    q,
-    a["k"],
-    v,
-    a.get("g"),
-    a["beta"],
-    a.get("mask"),
-    state=state,
-    split=dispatch.is_pallas(run["implementation"]),
-    **run,
+  split = dispatch.is_pallas(run["implementation"])
+  o, final = context_parallel.piece_outputs(
+    operator, q, v, a.get("initial_state"), seq, split=split, state=state
   )
-  # All-gather the small per-piece (P, F) pairs over the sequence axes: [n, bl, hl, K, K + V].
-  pieces = jax.lax.all_gather(jnp.concatenate([transition, final0], axis=-1), seq)
-  h0 = a.get("initial_state")
-  if h0 is None:
-    h0 = jnp.zeros((bl, hl, dk, dv), f32)
-  incoming, final = chain_states(pieces[..., :dk], pieces[..., dk:], h0)
-  me = jax.lax.axis_index(seq)
-  s_in = jax.lax.dynamic_index_in_dim(incoming, me, axis=0, keepdims=False)
-  # o_t = o0_t + scale q_t^T P_t S_in (docs/sharding.md); qp already carries the scale.
-  o = o0.astype(f32) + jnp.einsum("bthk,bhkv->bthv", qp.astype(f32), s_in, precision=HIGHEST)
   # Every device has the same final state; the last piece's copy, summed over the axis, is
   # typed as replicated over it.
+  me = jax.lax.axis_index(seq)
   final = jax.lax.psum(jnp.where(me == sharding.size("sequence") - 1, final, 0.0), seq)
-  return o.astype(q.dtype), final
+  return o, final
 
 
 # ----------------------------------------------------------------------------------------------

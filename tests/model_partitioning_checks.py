@@ -12,8 +12,11 @@ tokens over "data"; one jitted step (loss, gradients, an SGD update) gives the l
 updated parameters of the same step on one device; the parameters keep their sharding; the
 compiled step gathers no sequence activation (no all-gather, all-to-all or collective-permute
 of an array with the batch x sequence tokens); and a model created under the mesh and the rules
-has its parameters sharded as they are annotated (flax's eager sharding). Each case prints one
-JSON line {"name", "ok", "detail", "seconds"}; the exit status is 0 when every case passed.
+has its parameters sharded as they are annotated (flax's eager sharding); and decoding
+(`step_tokens`, then `step`) with the sharded parameters gives the logits and caches of one
+device (values only: the decode path still moves activations, docs/sharding.md). Each case
+prints one JSON line {"name", "ok", "detail", "seconds"}; the exit status is 0 when every case
+passed.
 """
 
 from __future__ import annotations
@@ -179,11 +182,46 @@ def layer_prefill_cache():
   return f"outputs and cache against one device: {errs}"
 
 
+def decode_steps(implementation):
+  """`HybridLM.step_tokens` (three tokens from an empty cache) then `step` (one token) with the
+  parameters sharded by their annotations, under one `jax.jit`: the logits and the caches equal
+  one device. Reports the collectives of batch-sized arrays the compiled decode holds."""
+  mesh = mesh_2x4()
+  config = dataclasses.replace(CONFIG, implementation=implementation)
+  graphdef, params, rest = nnx.split(HybridLM(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
+  tokens = jax.random.randint(jax.random.key(3), (B, 4), 0, config.vocab_size, jnp.int32)
+
+  @jax.jit
+  def decode(params, tokens):
+    model = nnx.merge(graphdef, params, rest)
+    cache = model.init_cache(B, 8)
+    logits3, cache = model.step_tokens(tokens[:, :3], cache)
+    logits1, cache = model.step(tokens[:, 3], cache)
+    return logits3, logits1, cache
+
+  one = decode(params, tokens)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_AXIS_RULES):
+    specs = nnx.get_partition_spec(params)
+    placed = jax.jit(lambda p: jax.lax.with_sharding_constraint(p, specs))(params)
+    tokens8 = jax.device_put(tokens, P("data", None))
+    compiled = decode.lower(placed, tokens8).compile()
+    eight = compiled(placed, tokens8)
+  errs = [rel_err(a, b) for a, b in zip(jax.tree.leaves(eight), jax.tree.leaves(one))]
+  assert max(errs) <= 1e-5, f"logits and caches against one device: rel errs {errs}"
+  moved = collectives(compiled.as_text())
+  rows = sorted({c for c in moved if c[2][:1] in ((B,), (B // 2,))})
+  return f"logits and caches max rel err {max(errs):.1e}; batch-sized arrays moved: {rows}"
+
+
 CASES = [
   ("HybridLM training step, data 2 x model 4", lambda: training_step("xla")),
   ("HybridLM training step, Pallas kernels (interpreted)", lambda: training_step("triton")),
   ("HybridLM created under the mesh: eager sharding", eager_sharding),
   ("HouseholderDeltaProduct prefill cache under the mesh", layer_prefill_cache),
+  (
+    "HybridLM decode (step_tokens, step), Pallas kernels (interpreted)",
+    lambda: decode_steps("triton"),
+  ),
 ]
 
 

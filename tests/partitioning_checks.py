@@ -13,7 +13,13 @@ gradients under one `jax.jit`: outputs, final state and every gradient equal one
 "reference" implementation); o, the final state and the gradients keep the inputs' sharding; and
 the compiled program has no all-gather, all-to-all or collective-permute (the only collective
 allowed is the all-reduce that sums a broadcast mask's gradient over the devices sharing it).
-A sequence-sharded input is gathered along the sequence first (checked for its values only).
+A sequence-sharded input runs context parallel: the same checks, and the only data-moving
+collectives are the all-gathers of the small float32 per-piece [.., K, K + V] states (in the
+forward, and again in the backward, which runs the transition call again): "sequence" has
+pieces of half a chunk (the backward differentiates the whole piece again), "batch x grouped
+heads x sequence" and the Householder case whole chunks (the first call's residuals saved).
+The Householder form (the operator over the T * n_h sub-steps) is checked likewise, on a
+batch x heads x sequence mesh.
 The one-token step and dense and paged GQA decode are checked the same way (forward only).
 Each case prints one JSON line {"name", "ok", "detail", "seconds"}; the exit status is 0 when
 every case passed. On a machine with several GPUs, `--real` uses the devices as they are
@@ -47,6 +53,7 @@ from gdp_jax import (  # noqa: E402
   gated_delta_product,
   gated_delta_product_step,
   gqa_decode,
+  householder_delta_product,
   paged_gqa_decode,
 )
 from tests.cases import loss_and_grads, make_inputs, rel_err  # noqa: E402
@@ -63,7 +70,8 @@ CASES = [
   ("heads", {"model": 4}, 2, "head", False, False),
   ("batch x heads", {"data": 2, "model": 4}, 2, "shared", True, False),
   ("batch x grouped heads", {"data": 2, "model": 2}, 2, "token", True, True),
-  ("sequence (gathered)", {"data": 2, "seq": 4}, 2, "head", True, False),
+  ("sequence", {"seq": 4}, 2, "token", False, False),
+  ("batch x grouped heads x sequence", {"data": 2, "model": 2, "seq": 2}, 2, "shared", True, True),
 ]
 
 
@@ -122,16 +130,77 @@ def run_case(case, seed):
   worst = {n: e for n, e in errs.items() if e > (TOL if n in ("o", "final") else GRAD_TOL)}
   assert not worst, f"relative errors above tolerance: {worst} (all: {errs})"
   note = f"max rel err {max(errs.values()):.2e}"
-  if "seq" in axes:
-    return note + "; sequence gathered"
   moved = collectives(compiled.as_text())
-  assert not moved, f"the compiled program moves data between devices: {moved}"
+  if "seq" in axes:
+    note += "; " + check_piece_gathers(moved)
+  else:
+    assert not moved, f"the compiled program moves data between devices: {moved}"
   assert same_spec(o.sharding.spec, layout["q"], 4), f"o: {o.sharding.spec}"
   state_spec = layout["initial_state"]
   assert same_spec(final.sharding.spec, state_spec, 4), f"final: {final.sharding.spec}"
   for n, grad in grads.items():
     assert same_spec(grad.sharding.spec, layout[n], grad.ndim), f"d{n}: {grad.sharding.spec}"
-  return note + "; outputs and gradients keep the inputs' sharding; no all-gather"
+  gathers = "" if "seq" in axes else "; no all-gather"
+  return note + "; outputs and gradients keep the inputs' sharding" + gathers
+
+
+def check_piece_gathers(moved):
+  """Context parallel moves only the float32 per-piece [.., K, K + V] (transition | state)
+  pairs, by all-gather; never q, k, v, o or their gradients."""
+  piece = lambda c: c[0].startswith("all-gather") and c[1] == "f32" and c[2][-2:] == (K, K + V)
+  bad = [c for c in moved if not piece(c)]
+  assert not bad, f"collectives other than the piece states' all-gathers: {bad}"
+  assert moved, "no all-gather of the piece states: the sequence was not split"
+  return f"only all-gathers of the piece states {sorted(set(c[2] for c in moved))}"
+
+
+# The Householder form (the operator over the T * n_h sub-steps): (name, mesh axes).
+HOUSEHOLDER_CASES = [
+  ("householder batch x heads x sequence", {"data": 2, "model": 2, "seq": 2}),
+]
+
+
+def run_householder_case(case, seed):
+  name, axes = case
+  mesh = make_mesh(axes)
+  n_h = 2
+  rng = np.random.default_rng(seed)
+  normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  k = normal(B, T * n_h, H, K)
+  inp = dict(
+    q=normal(B, T, H, K),
+    k=k / jnp.linalg.norm(k, axis=-1, keepdims=True),
+    v=normal(B, T * n_h, H, V),
+    g=-jnp.abs(normal(B, T, H)) * 0.2,
+    beta=jax.nn.sigmoid(normal(B, T * n_h, H)),
+    initial_state=normal(B, H, K, V),
+  )
+  layout = specs(axes, None)
+  placed = {n: jax.device_put(x, NamedSharding(mesh, layout[n])) for n, x in inp.items()}
+
+  def householder(implementation, **kw):
+    return householder_delta_product(
+      **kw,
+      num_householder=n_h,
+      output_final_state=True,
+      implementation=implementation,
+      chunk_size=16,
+      **({"precision": "ieee"} if implementation == "triton" else {}),
+    )
+
+  both = lambda fn: jax.jit(lambda a: (fn(**a), loss_and_grads(fn, a, seed)))
+  compiled = both(lambda **kw: householder("triton", **kw)).lower(placed).compile()
+  (o, final), grads = compiled(placed)
+  (o1, final1), grads1 = both(lambda **kw: householder("reference", **kw))(inp)
+  errs = dict(o=rel_err(o, o1), final=rel_err(final, final1))
+  errs.update({f"d{n}": rel_err(grads[n], grads1[n]) for n in grads1})
+  worst = {n: e for n, e in errs.items() if e > (TOL if n in ("o", "final") else GRAD_TOL)}
+  assert not worst, f"relative errors above tolerance: {worst} (all: {errs})"
+  gathers = check_piece_gathers(collectives(compiled.as_text()))
+  assert same_spec(o.sharding.spec, layout["q"], 4), f"o: {o.sharding.spec}"
+  for n, grad in grads.items():
+    assert same_spec(grad.sharding.spec, layout[n], grad.ndim), f"d{n}: {grad.sharding.spec}"
+  return f"max rel err {max(errs.values()):.2e}; {gathers}; o and gradients keep the sharding"
 
 
 # The one-token step (inference: no gradients): (name, mesh axes, mask kind, array scale).
@@ -226,7 +295,8 @@ def run_decode_case(case, seed):
 def main(argv):
   """Runs the cases named in argv (all when none)."""
   argv = [a for a in argv if a != "--real"]
-  cases = [(run_case, c) for c in CASES] + [(run_step_case, c) for c in STEP_CASES]
+  cases = [(run_case, c) for c in CASES] + [(run_householder_case, c) for c in HOUSEHOLDER_CASES]
+  cases += [(run_step_case, c) for c in STEP_CASES]
   cases += [(run_decode_case, c) for c in DECODE_CASES]
   cases = [(run, c) for run, c in cases if not argv or c[0] in argv]
   print(json.dumps(dict(devices=jax.device_count(), cases=len(cases))), flush=True)

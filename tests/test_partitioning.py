@@ -1,15 +1,18 @@
 """The operator, the step and GQA decode under plain `jax.jit` with sharded inputs
 (docs/sharding.md#under-plain-jaxjit): their Pallas kernels run per device on their block of
-batch rows and heads, with no gather.
+batch rows and heads, with no gather, and the operator runs context parallel on a split sequence.
 
 jax fixes its device count when it starts, so the cases of `tests/partitioning_checks.py` run in
 a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8: inputs sharded over the
-batch, the heads, batch x heads, batch x grouped value heads and the sequence; forward, final
-state and every gradient against one device, the outputs' and gradients' shardings, and the
-compiled program's collectives (none that move data); the one-token step, GQA decode and paged
-GQA decode likewise (forward only). `tests/model_partitioning_checks.py` the same way: a
-`HybridLM` training step with its parameters sharded by their annotations
-(docs/sharding.md#annotated-parameters).
+batch, the heads, batch x heads, batch x grouped value heads, the sequence and batch x grouped
+heads x sequence (and the Householder form on batch x heads x sequence); forward, final state
+and every gradient against one device, the outputs' and gradients' shardings, and the compiled
+program's collectives (none that move data; with the sequence split only the all-gathers of
+the small per-piece states); the one-token step, GQA decode and paged GQA decode likewise
+(forward only). `tests/model_partitioning_checks.py` the same way: a `HybridLM` training step
+with its parameters sharded by their annotations
+(docs/sharding.md#annotated-parameters), and its decode (`step_tokens`, `step`) against one
+device.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ import json
 import os
 import subprocess
 import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+from gdp_jax.ops.partitioning import vjp_specs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "partitioning_checks.py")
@@ -32,6 +40,26 @@ def test_annotated_model_trains_data_x_tensor_parallel():
   """`tests/model_partitioning_checks.py`: a `HybridLM` training step on a 2 x 4 (data x model)
   mesh, parameters sharded by their annotations, equals one device and moves no activation."""
   run_checks(MODEL_SCRIPT)
+
+
+def _sine(x):
+  return (jnp.sin(x),)
+
+
+def test_unsplit_backward_after_split_forward_is_nan():
+  """A per-shard function that may run with its sequence split saves a last residual, 1 from
+  the unsplit forward, 0 (a placeholder) from the split one: the unsplit backward after a split
+  forward returns NaN gradients, never wrong ones (gdp_jax/ops/partitioning.py)."""
+  x = jnp.linspace(-1.0, 1.0, 2 * 8 * 2 * 4).reshape(2, 8, 2, 4)
+  specs = vjp_specs(_sine, ("bth-",), ("bth-",), 2, 1, x)
+  assert specs.forward.results == ("bth-", "bth-", "")  # sin x; the residual cos x; the flag
+  out, cos, flag = specs.forward.fn(x)
+  assert float(flag) == 1.0
+  ct = jnp.full_like(x, 0.5)
+  (dx,) = specs.backward.fn(x, cos, flag, ct)
+  np.testing.assert_allclose(dx, 0.5 * jnp.cos(x), rtol=1e-6)
+  (dx,) = specs.backward.fn(x, jnp.zeros_like(cos), jnp.zeros_like(flag), ct)
+  assert bool(jnp.all(jnp.isnan(dx)))
 
 
 def run_checks(script):

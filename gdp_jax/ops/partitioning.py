@@ -12,16 +12,23 @@ character per dimension:
   "h"  the (key) heads: may be split over mesh axes (the head axes)
   "v"  the value heads, HV = H * group: value head i reads key head i // group (grouped value
        heads), so they split over the head axes together with the key heads
+  "t"  the sequence (T tokens): may be split over mesh axes (the sequence axes) for a `spec.fn`
+       that takes them: it is then called with `sequence=` the tuple of those axes and runs
+       context parallel (collectives over them inside; docs/sharding.md)
   "1"  a size-1 broadcast dimension; "-" any other dimension: never split (a split one is
-       gathered first: the sequence, the feature dims, r)
+       gathered first: the feature dims, r, the sequence of a spec with no "t")
 
-The partition step keeps the batch axes of the first array with a "b" dimension and the head
-axes of the first one with an "h" (or "v") dimension when they divide B and H (the key heads;
-else that dimension is gathered), asks every array for exactly that layout (the partitioner
-moves what differs) and runs `spec.fn` on each device's block. With `spec.sums` (gradients) a
-result that has no "b" (or no "h"/"v") dimension while the batch (or heads) are split is a sum
-over the blocks (the gradient of a broadcast input, e.g. a mask shared by every row): it is
-summed over those axes (psum in float32). Under `jax.vmap` the call runs `spec.fn` vmapped,
+The partition step keeps the batch axes of the first array with a "b" dimension, the head
+axes of the first one with an "h" (or "v") dimension and the sequence axes of the first one
+with a "t" when they divide B, H (the key heads) and T (else that dimension is gathered), asks
+every array for exactly that layout (the partitioner moves what differs) and runs `spec.fn` on
+each device's block. With `spec.sums` (gradients) a result that has no "b" (no "h"/"v", no "t")
+dimension while the batch (heads, sequence) are split is a sum over the blocks (the gradient of
+a broadcast input, e.g. a mask shared by every row, or the initial state along the sequence):
+it is summed over those axes (psum in float32). With the sequence split, `spec.fn` is also given
+`blocks=` (the shape of each result's block on this device). `spec.fn` may return fewer results
+than `spec.results`: the rest are zeros of their blocks' shapes (placeholders for residuals that
+only the other form, split or unsplit, saves). Under `jax.vmap` the call runs `spec.fn` vmapped,
 unpartitioned (custom_vmap); on one device, or inside `jax.shard_map` with every axis manual,
 `custom_partitioning` runs `spec.fn` directly.
 """
@@ -37,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-SPLIT_LABELS = ("b", "h", "v")
+SPLIT_LABELS = ("b", "h", "v", "t")
 LABELS = (*SPLIT_LABELS, "1", "-")
 
 
@@ -82,33 +89,53 @@ def _size(mesh, axes) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def _choose_axes(spec: ShardSpec, mesh, arg_shapes):
-  """(batch axes, head axes): those of the first operand with a batch (head) dimension that is
-  split, kept when their device count divides B (H, the key heads), else ()."""
+@dataclasses.dataclass(frozen=True)
+class _Split:
+  """The mesh axes chosen for the batch, the heads and the sequence (each a tuple, () unsplit)."""
+
   batch: tuple[str, ...] = ()
   heads: tuple[str, ...] = ()
-  batch_size = None
+  sequence: tuple[str, ...] = ()
+
+  def axes(self, label: str) -> tuple[str, ...]:
+    if label == "b":
+      return self.batch
+    if label in ("h", "v"):
+      return self.heads
+    if label == "t":
+      return self.sequence
+    return ()
+
+
+def _choose_axes(spec: ShardSpec, mesh, arg_shapes) -> _Split:
+  """The axes of the first operand with a batch (head, sequence) dimension that is split, kept
+  when their device count divides B (H, the key heads; T), else ()."""
+  found: dict[str, tuple[str, ...]] = {}
+  sizes: dict[str, int] = {"h": spec.heads}
   for labels, arg in zip(spec.operands, arg_shapes):
     for dim, label in enumerate(labels):
-      axes = _entry(arg.sharding, dim)
-      if label == "b":
-        batch_size = arg.shape[dim]
-        batch = batch or axes
-      elif label in ("h", "v"):
-        heads = heads or axes
+      role = "h" if label == "v" else label
+      if role not in ("b", "h", "t"):
+        continue
+      if role != "h":
+        sizes.setdefault(role, arg.shape[dim])
+      found[role] = found.get(role) or _entry(arg.sharding, dim)
   if not isinstance(mesh, jax.sharding.Mesh) or mesh.empty:
-    return (), ()
-  if batch_size is None or batch_size % _size(mesh, batch):
-    batch = ()
-  heads = tuple(a for a in heads if a not in batch)
-  if spec.heads % _size(mesh, heads):
-    heads = ()
-  return batch, heads
+    return _Split()
+  chosen: dict[str, tuple[str, ...]] = {}
+  taken: set[str] = set()
+  for role in ("b", "h", "t"):
+    axes = tuple(a for a in found.get(role, ()) if a not in taken)
+    if role not in sizes or sizes[role] % _size(mesh, axes):
+      axes = ()
+    chosen[role] = axes
+    taken.update(axes)
+  return _Split(chosen["b"], chosen["h"], chosen["t"])
 
 
-def _pspec(labels: str, batch, heads) -> PartitionSpec:
+def _pspec(labels: str, split: _Split) -> PartitionSpec:
   def entry(label):
-    axes = batch if label == "b" else heads if label in ("h", "v") else ()
+    axes = split.axes(label)
     if not axes:
       return None
     return axes[0] if len(axes) == 1 else axes
@@ -116,27 +143,36 @@ def _pspec(labels: str, batch, heads) -> PartitionSpec:
   return PartitionSpec(*(entry(label) for label in labels))
 
 
-def _summed_axes(labels: str, batch, heads) -> tuple[str, ...]:
+def _summed_axes(labels: str, split: _Split) -> tuple[str, ...]:
   """The split axes a result does not vary over: it is a sum over their blocks."""
-  missing = () if "b" in labels else tuple(batch)
-  return missing + (() if ("h" in labels or "v" in labels) else tuple(heads))
+  missing = () if "b" in labels else split.batch
+  missing += () if ("h" in labels or "v" in labels) else split.heads
+  return missing + (() if "t" in labels else split.sequence)
 
 
-def _layout(spec: ShardSpec, mesh, arg_shapes):
-  batch, heads = _choose_axes(spec, mesh, arg_shapes)
-  arg_shardings = tuple(NamedSharding(mesh, _pspec(la, batch, heads)) for la in spec.operands)
-  result_shardings = tuple(NamedSharding(mesh, _pspec(la, batch, heads)) for la in spec.results)
-  return batch, heads, arg_shardings, result_shardings
+def _layout(spec: ShardSpec, mesh, arg_shapes, result_shape):
+  split = _choose_axes(spec, mesh, arg_shapes)
+  arg_shardings = tuple(NamedSharding(mesh, _pspec(la, split)) for la in spec.operands)
+  result_shardings = tuple(NamedSharding(mesh, _pspec(la, split)) for la in spec.results)
+  return split, arg_shardings, result_shardings
 
 
 def _partition(spec: ShardSpec, mesh, arg_shapes, result_shape):
-  batch, heads, arg_shardings, result_shardings = _layout(spec, mesh, arg_shapes)
+  split, arg_shardings, result_shardings = _layout(spec, mesh, arg_shapes, result_shape)
+  blocks = [s.shard_shape(r.shape) for s, r in zip(result_shardings, result_shape)]
 
   def per_device(*arrays):
-    outs = spec.fn(*arrays)
+    if split.sequence:
+      outs = tuple(spec.fn(*arrays, sequence=split.sequence, blocks=tuple(blocks)))
+    else:
+      outs = tuple(spec.fn(*arrays))
+    # placeholders for the results this mode does not compute (module docstring)
+    outs += tuple(
+      jnp.zeros(block, r.dtype) for block, r in zip(blocks[len(outs) :], result_shape[len(outs) :])
+    )
     summed = []
     for labels, out in zip(spec.results, outs):
-      axes = _summed_axes(labels, batch, heads) if spec.sums else ()
+      axes = _summed_axes(labels, split) if spec.sums else ()
       if axes:
         out = jax.lax.psum(out.astype(jnp.float32), axes).astype(out.dtype)
       summed.append(out)
@@ -147,12 +183,12 @@ def _partition(spec: ShardSpec, mesh, arg_shapes, result_shape):
 
 def _infer_from_operands(spec: ShardSpec, mesh, arg_shapes, result_shape):
   # The GSPMD partitioner's propagation (jax_use_shardy_partitioner=False).
-  return _layout(spec, mesh, arg_shapes)[3]
+  return _layout(spec, mesh, arg_shapes, result_shape)[2]
 
 
 def _sharding_rule(spec: ShardSpec, mesh, operand_types, result_types):
-  """The Shardy rule: "b" and the head labels are factors shared by every array ("v" is the
-  compound (h group) when heads are grouped); every other dimension is its own factor that
+  """The Shardy rule: "b", "t" and the head labels are factors shared by every array ("v" is
+  the compound (h group) when heads are grouped); every other dimension is its own factor that
   must stay replicated."""
   replicated = []
   has_key_heads = any("h" in la for la in (*spec.operands, *spec.results))
@@ -160,8 +196,8 @@ def _sharding_rule(spec: ShardSpec, mesh, operand_types, result_types):
   def mapping(labels, name):
     dims = []
     for dim, label in enumerate(labels):
-      if label == "b":
-        dims.append("b")
+      if label in ("b", "t"):
+        dims.append(label)
       elif label == "h" or (label == "v" and spec.group == 1):
         dims.append("h")
       elif label == "v":
@@ -192,6 +228,15 @@ _partitioned.def_partition(
   infer_sharding_from_operands=_infer_from_operands,
   sharding_rule=_sharding_rule,
 )
+
+
+def every_axis_manual() -> bool:
+  """True while tracing inside `jax.shard_map` with every mesh axis manual: each device already
+  holds its own block, and custom_partitioning would only run the function as it is (after the
+  wrapper's own tracing work)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = jax.sharding.AxisType.Manual
+  return not mesh.empty and all(t == manual for t in mesh.axis_types)
 
 
 def per_shard_call(spec: ShardSpec, *arrays):
@@ -234,6 +279,39 @@ def per_shard_call(spec: ShardSpec, *arrays):
 # reads it across devices. Residuals of another kind (a dimension that
 # grows otherwise) leave `vjp_specs` returning None: the caller then recomputes the forward in
 # the backward.
+#
+# A function whose operands have a sequence ("t") dimension may also run with the sequence split
+# (context parallel: `fn(*primals, sequence=axes)`, collectives over those axes inside). Its
+# pullback is then another function's, so by default the split forward saves nothing (its
+# residual results are zero placeholders, their sequence dimensions split: probed with T
+# doubled, "t" where a dimension equals T, and one that otherwise grows with T folded into
+# [T, size / T] where it is a multiple of T (`_fold`), else never split) and the split
+# backward recomputes the split forward and differentiates it (`sequence_vjp`). A fn may do
+# better with four attributes: `split_extra` (the labels of residuals that only its split form
+# saves, placeholders in the unsplit form), `split_extra_avals(*primals)` (their shapes and
+# dtypes at these primals), `split_forward(sequence, sources, residual_blocks,
+# *primals)` -> (outputs, residuals in the unsplit form's slots, extras) or None (then the
+# default), and `split_backward(sequence, sources, primals, residuals, extras, cotangents)` ->
+# the gradients or None (the default; it must decide as `split_forward` did, from the residuals'
+# shapes). Both calls choose the split from q's sharding, so they agree; should they not, a
+# residual after the unsplit form's, 1 from the unsplit forward and 0 from the split one, makes
+# a backward that reads residuals of the other form return NaN gradients rather than wrong
+# ones.
+
+
+def sequence_vjp(fn, sequence, result_labels, primals, cotangents):
+  """The gradients of `fn(*primals, sequence=sequence)` on this device's block (inside a
+  per-device function whose mesh axes are named). A result with no "t" dimension is the same on
+  every device along the sequence axes (each computes it from the gathered pieces): its
+  cotangent, one value, enters through the first device's copy only. The gradient of an input
+  with no "t" dimension is this device's part of the sum (`ShardSpec.sums` adds them up)."""
+  first = jax.lax.axis_index(sequence) == 0
+  cotangents = tuple(
+    ct if "t" in labels else jnp.where(first, ct, jnp.zeros_like(ct))
+    for labels, ct in zip(result_labels, cotangents)
+  )
+  _, pullback = jax.vjp(lambda *p: tuple(fn(*p, sequence=sequence)), *primals)
+  return tuple(pullback(cotangents))
 
 
 def _vjp_leaves(fn, primals):
@@ -270,18 +348,58 @@ def _grown(avals, labels, grow):
   return [one(a, la) for a, la in zip(avals, labels)]
 
 
-def _residual_labels(base, by_batch, by_heads, batch, heads, heads_v):
+def _residual_labels(base, by_batch, by_heads, by_time, batch, heads, heads_v, time):
   labels = []
-  for n, nb, nh in zip(base.shape, by_batch.shape, by_heads.shape):
-    if nb == 2 * n and nh == n and n == batch:
+  for n, nb, nh, nt in zip(base.shape, by_batch.shape, by_heads.shape, by_time.shape):
+    if nb == 2 * n and nh == n and nt == n and n == batch:
       labels.append("b")
-    elif nh == 2 * n and nb == n and n in (heads, heads_v):
+    elif nh == 2 * n and nb == n and nt == n and n in (heads, heads_v):
       labels.append("h" if n == heads else "v")
+    elif nt != n and nb == n and nh == n:
+      labels.append("t" if (nt == 2 * n and n == time) else "s")
     elif nb == n and nh == n:
       labels.append("-")
     else:
       return None
   return "".join(labels)
+
+
+def _fold(labels: str, shape, time):
+  """A residual dimension that grows with the sequence but is not it ("s": e.g. chunks x rows)
+  and is a multiple of T is passed between the calls folded into [T, size / T] ("t-"), so
+  that it splits with the sequence as q does (the Shardy rule ties it to q's T; a dimension
+  of its own would be gathered between the calls). Returns (labels, (dim, size / T) or None);
+  other such dimensions are never split ("-")."""
+  fold = None
+  out = []
+  for dim, (label, n) in enumerate(zip(labels, shape)):
+    if label == "s" and fold is None and time and n % time == 0:
+      fold = (dim, n // time)
+      out.append("t-")
+    else:
+      out.append("-" if label == "s" else label)
+  return "".join(out), fold
+
+
+def _folded(x, fold):
+  if fold is None:
+    return x
+  dim, ratio = fold
+  return x.reshape(x.shape[:dim] + (x.shape[dim] // ratio, ratio) + x.shape[dim + 1 :])
+
+
+def _unfolded(x, fold):
+  if fold is None:
+    return x
+  dim, _ = fold
+  return x.reshape(x.shape[:dim] + (x.shape[dim] * x.shape[dim + 1],) + x.shape[dim + 2 :])
+
+
+def _unfolded_shape(shape, fold):
+  if fold is None:
+    return tuple(shape)
+  dim, _ = fold
+  return tuple(shape[:dim]) + (shape[dim] * shape[dim + 1],) + tuple(shape[dim + 2 :])
 
 
 # The pullback's tree (its structure and static data, no arrays: `jax.vjp`'s result is a pytree
@@ -296,24 +414,65 @@ def _tree_key(fn, primals):
   return fn, tuple((tuple(p.shape), str(p.dtype)) for p in primals)
 
 
+def pullback_residuals(fn, primals):
+  """(outputs, residuals, sources, tree) of `jax.vjp(fn, *primals)` (`_vjp_leaves`), the tree kept
+  for `saved_pullback` on the same shapes."""
+  outputs, residuals, sources, tree = _vjp_leaves(fn, primals)
+  if len(_PULLBACK_TREES) >= _MAX_TREES:
+    _PULLBACK_TREES.pop(next(iter(_PULLBACK_TREES)))
+  _PULLBACK_TREES[_tree_key(fn, primals)] = tree
+  return outputs, residuals, sources, tree
+
+
+def saved_pullback(fn, primals, sources, residuals):
+  """fn's pullback at `primals` rebuilt from the residuals `pullback_residuals` returned (the
+  leaves that are inputs taken from `primals`, by `sources`)."""
+  tree = _PULLBACK_TREES.get(_tree_key(fn, primals))
+  if tree is None:
+    _, _, _, tree = _vjp_leaves(fn, primals)
+  saved = iter(residuals)
+  return tree.unflatten([next(saved) if src is None else primals[src] for src in sources])
+
+
 @dataclasses.dataclass(frozen=True)
 class _ForwardSaving:
   """fn's outputs, then the residuals of its pullback that are not inputs."""
 
   fn: Callable
   sources: tuple
+  flag: bool = False  # a residual 1 after the others (the section's comment)
+  outputs: int = 0
+  folds: tuple = ()  # per residual: `_fold`'s (dim, size / T) or None
 
-  def __call__(self, *primals):
-    outputs, residuals, sources, tree = _vjp_leaves(self.fn, primals)
-    if len(_PULLBACK_TREES) >= _MAX_TREES:
-      _PULLBACK_TREES.pop(next(iter(_PULLBACK_TREES)))
-    _PULLBACK_TREES[_tree_key(self.fn, primals)] = tree
+  def __call__(self, *primals, sequence=(), blocks=()):
+    if sequence:  # context parallel (the section's comment)
+      split = getattr(self.fn, "split_forward", None)
+      count = self.sources.count(None)
+      saving = None
+      if split is not None:
+        residual_blocks = blocks[self.outputs : self.outputs + count]
+        residual_blocks = [_unfolded_shape(b, f) for b, f in zip(residual_blocks, self._folds())]
+        saving = split(sequence, self.sources, residual_blocks, *primals)
+      if saving is None:  # the outputs only: the residuals are placeholders
+        return tuple(self.fn(*primals, sequence=sequence))
+      outputs, residuals, extras = saving
+      residuals = tuple(_folded(r, f) for r, f in zip(residuals, self._folds()))
+      return (*outputs, *residuals, jnp.zeros((), jnp.float32), *extras)
+    outputs, residuals, sources, _ = pullback_residuals(self.fn, primals)
     if sources != self.sources:
       raise RuntimeError(
         "the pullback's residuals on a device's block differ from those on the whole arrays: "
         f"{sources} vs {self.sources}"
       )
-    return (*outputs, *residuals)
+    residuals = tuple(_folded(r, f) for r, f in zip(residuals, self._folds()))
+    if not self.flag:
+      return (*outputs, *residuals)
+    extra_avals = getattr(self.fn, "split_extra_avals", lambda *p: ())(*primals)
+    extras = tuple(jnp.zeros(a.shape, a.dtype) for a in extra_avals)  # placeholders
+    return (*outputs, *residuals, jnp.ones((), jnp.float32), *extras)
+
+  def _folds(self):
+    return self.folds or (None,) * self.sources.count(None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,16 +484,41 @@ class _BackwardFromResiduals:
   fn: Callable
   primals: int
   sources: tuple
+  results: tuple[str, ...] = ()
+  flag: bool = False  # the forward saves `_ForwardSaving.flag`'s residual
+  extras: int = 0  # then the `split_extra` residuals
+  folds: tuple = ()  # as `_ForwardSaving.folds`
 
-  def __call__(self, *arrays):
+  def __call__(self, *arrays, sequence=(), blocks=()):
     primals = arrays[: self.primals]
-    saved = iter(arrays[self.primals : self.primals + self.sources.count(None)])
-    cotangents = arrays[self.primals + self.sources.count(None) :]
-    tree = _PULLBACK_TREES.get(_tree_key(self.fn, primals))
-    if tree is None:
-      _, _, _, tree = _vjp_leaves(self.fn, primals)
-    leaves = [next(saved) if src is None else primals[src] for src in self.sources]
-    return tuple(tree.unflatten(leaves)(tuple(cotangents)))
+    count = self.sources.count(None)
+    residuals = arrays[self.primals : self.primals + count]
+    residuals = tuple(_unfolded(r, f) for r, f in zip(residuals, self.folds or (None,) * count))
+    extras = arrays[
+      self.primals + count + self.flag : self.primals + count + self.flag + self.extras
+    ]
+    cotangents = arrays[self.primals + count + self.flag + self.extras :]
+    if sequence:  # context parallel (the section's comment)
+      split = getattr(self.fn, "split_backward", None)
+      grads = None
+      if split is not None:
+        grads = split(sequence, self.sources, primals, residuals, extras, cotangents)
+        if grads is not None and self.flag:  # the residuals must be the split forward's
+          split_forward = arrays[self.primals + count] == 0
+          grads = tuple(jnp.where(split_forward, d, jnp.nan) if _floating(d) else d for d in grads)
+      if grads is None:  # the split forward again, differentiated
+        grads = sequence_vjp(self.fn, sequence, self.results, primals, cotangents)
+      return tuple(grads)
+    pullback = saved_pullback(self.fn, primals, self.sources, residuals)
+    grads = tuple(pullback(tuple(cotangents)))
+    if not self.flag:
+      return grads
+    unsplit = arrays[self.primals + count] > 0  # 0: the forward ran split, saved other things
+    return tuple(jnp.where(unsplit, d, jnp.nan) if _floating(d) else d for d in grads)
+
+
+def _floating(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.floating)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,19 +536,32 @@ def vjp_specs(fn, operands, results, heads, group, *primals):
   cannot be labelled (the section's comment)."""
   avals = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in primals]
   batch = next(a.shape[la.index("b")] for a, la in zip(avals, operands) if "b" in la)
+  time = next((a.shape[la.index("t")] for a, la in zip(avals, operands) if "t" in la), None)
   base, sources = _probe(fn, avals)
   by_batch, _ = _probe(fn, _grown(avals, operands, "b"))
   by_heads, _ = _probe(fn, _grown(avals, operands, "hv"))
-  labels = []
-  for shapes in zip(base, by_batch, by_heads):
-    la = _residual_labels(*shapes, batch, heads, heads * group)
+  by_time = base if time is None else _probe(fn, _grown(avals, operands, "t"))[0]
+  labels, folds = [], []
+  for shapes in zip(base, by_batch, by_heads, by_time):
+    la = _residual_labels(*shapes, batch, heads, heads * group, time)
     if la is None:
       return None
+    la, fold = _fold(la, shapes[0].shape, time)
     labels.append(la)
-  labels = tuple(labels)
-  forward = ShardSpec(_ForwardSaving(fn, sources), operands, (*results, *labels), heads, group)
+    folds.append(fold)
+  flag = time is not None  # may run split: the flag (the section's comment)
+  extra = tuple(getattr(fn, "split_extra", ())) if flag else ()
+  labels = tuple(labels) + (("",) if flag else ()) + extra
+  folds = tuple(folds)
+  forward = ShardSpec(
+    _ForwardSaving(fn, sources, flag, len(results), folds),
+    operands,
+    (*results, *labels),
+    heads,
+    group,
+  )
   backward = ShardSpec(
-    _BackwardFromResiduals(fn, len(primals), sources),
+    _BackwardFromResiduals(fn, len(primals), sources, tuple(results), flag, len(extra), folds),
     (*operands, *labels, *results),
     operands,
     heads,

@@ -3,7 +3,8 @@
 
 `partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)` calls an
 implementation (`run`, the normalised inputs of api.py) so that inputs sharded over the batch
-and the heads run the kernels per device on their block, with no all-gather: the forward and the
+and the heads run the kernels per device on their block, with no all-gather, and inputs
+sharded over the sequence run context parallel: the forward and the
 backward are each a per-shard call (gdp_jax/ops/partitioning.py) inside one `jax.custom_vjp`
 (custom_partitioning has no autodiff rule of its own). The forward's per-shard call returns o,
 the final state and the residuals of the implementation's pullback (for the kernels: the padded
@@ -11,10 +12,12 @@ inputs, gamma and the chunk inverses), the backward's takes them back (`vjp_spec
 implementation whose residuals `vjp_specs` cannot label gets a backward that runs the forward
 again on the device's block (`_recomputing_specs`).
 
-Labels (gdp_jax/ops/partitioning.py): q, k [B, T, H, K] "b-h-"; v, o [B, T, HV, V] "b-v-";
-g, beta [B, T, HV] "b-v"; the state [B, HV, K, V] "bv--"; the mask [Bm, Tm, Hm, r, r] "b-v--"
-with "1" for its size-1 broadcast dimensions. The sequence, K, V and r are never split (a split
-sequence is gathered first). A scale that is an array (a traced or learned scale) is applied
+Labels (gdp_jax/ops/partitioning.py): q, k [B, T, H, K] "bth-"; v, o [B, T, HV, V] "btv-";
+g, beta [B, T, HV] "btv"; the state [B, HV, K, V] "bv--"; the mask [Bm, Tm, Hm, r, r] "btv--"
+with "1" for its size-1 broadcast dimensions. K, V and r are never split. A split sequence runs
+context parallel (`_context_parallel`, docs/sharding.md#under-plain-jaxjit): each device its
+piece, the pieces chained through an all-gather of their small float32 transition states;
+differentiated, see `_Forward`. A scale that is an array (a traced or learned scale) is applied
 outside: the call runs with scale 1 and o is multiplied afterwards (o is linear in the scale).
 """
 
@@ -22,33 +25,130 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from gdp_jax.ops.partitioning import ShardSpec, per_shard_call, vjp_specs
+from gdp_jax.ops.gated_delta_product import context_parallel
+from gdp_jax.ops.partitioning import (
+  ShardSpec,
+  every_axis_manual,
+  per_shard_call,
+  pullback_residuals,
+  saved_pullback,
+  sequence_vjp,
+  vjp_specs,
+)
 
-TOKENS = ("b-h-", "b-h-", "b-v-", "b-v", "b-v")  # q, k, v, g, beta
+TOKENS = ("bth-", "bth-", "btv-", "btv", "btv")  # q, k, v, g, beta
 STATE = "bv--"
-OUTPUT = "b-v-"
+OUTPUT = "btv-"
 
 
 def _mask_labels(mask) -> str:
-  """[Bm, Tm, Hm, r, r]: each of the first three is either full ("b", "-", "v") or size 1."""
-  full = "b-v"
+  """[Bm, Tm, Hm, r, r]: each of the first three is either full ("b", "t", "v") or size 1."""
+  full = "btv"
   return "".join(la if mask.shape[d] != 1 else "1" for d, la in enumerate(full)) + "--"
 
 
 @dataclasses.dataclass(frozen=True)
 class _Forward:
-  """The implementation's forward: (q, k, v, g, beta, mask, h0) -> (o, final)."""
+  """The implementation's forward: (q, k, v, g, beta, mask, h0) -> (o, final); with
+  `sequence` (mesh axes) this device's piece of a split sequence, context parallel.
+
+  Differentiated with the sequence split (gdp_jax/ops/partitioning.py's `split_forward`,
+  `split_backward`): the forward saves, in the unsplit form's residual slots, the residuals of
+  its first call (the piece's outputs from a zero state), and its final state F (`split_extra`);
+  the backward runs the second call (the transition) again and differentiates it with the
+  chain, then that first call's pullback from the saved residuals. Where the first call's
+  residuals do not fit the slots (a piece that is not whole chunks), nothing is saved and the
+  backward differentiates the whole split forward again."""
 
   run: object
   scale: float
   chunk_size: int
+  split_extra: ClassVar[tuple[str, ...]] = (STATE,)  # F of this device's piece
 
-  def __call__(self, *primals):
+  def __call__(self, *primals, sequence=(), blocks=()):
+    if sequence:
+      return _context_parallel(self, sequence, *primals)
     return tuple(self.run(*primals, self.scale, self.chunk_size))
+
+  def split_extra_avals(self, *primals):
+    return (jax.ShapeDtypeStruct(primals[6].shape, jnp.float32),)  # F, like the state
+
+  def _first_call_saves(self, sources, residual_shapes, primals):
+    """Whether the first call's residuals at `primals` fill slots of `residual_shapes`."""
+    if primals[0].shape[1] % self.chunk_size:
+      return False
+    found = []
+
+    def residuals(*p):
+      _, saved, got, _ = pullback_residuals(self, p)
+      found.append(got)
+      return saved
+
+    shapes = [tuple(r.shape) for r in jax.eval_shape(residuals, *primals)]
+    return found[0] == sources and shapes == [tuple(b) for b in residual_shapes]
+
+  def _second_call(self, sequence, o0, final0, q, k, v, g, beta, mask, h0):
+    """The transition call (0_K values from I_K) and the chain: (o, final) given the first
+    call's o0 and F."""
+    bl, _, hv, _ = v.shape
+    dk = q.shape[-1]
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (bl, hv, dk, dk))
+    zeros = jnp.zeros(v.shape[:3] + (dk,), v.dtype)
+    qp, transition = self.padded(q, k, zeros, g, beta, mask, eye)
+    return context_parallel.combine(o0, qp, final0, transition, h0, sequence, q.dtype)
+
+  def split_forward(self, sequence, sources, residual_blocks, q, k, v, g, beta, mask, h0):
+    first = (q, k, v, g, beta, mask, jnp.zeros_like(h0))
+    if not self._first_call_saves(sources, residual_blocks, first):
+      return None
+    (o0, final0), residuals, _, _ = pullback_residuals(self, first)
+    o, final = self._second_call(sequence, o0, final0, q, k, v, g, beta, mask, h0)
+    return (o, final), residuals, (final0,)
+
+  def split_backward(self, sequence, sources, primals, residuals, extras, cotangents):
+    q, k, v, g, beta, mask, h0 = primals
+    first = (q, k, v, g, beta, mask, jnp.zeros_like(h0))
+    if not self._first_call_saves(sources, [r.shape for r in residuals], first):
+      return None
+    do, dfinal = cotangents
+    # the final state is the same on every device along the sequence: its cotangent enters once
+    dfinal = jnp.where(jax.lax.axis_index(sequence) == 0, dfinal, jnp.zeros_like(dfinal))
+    o_aval = jax.eval_shape(self, *first)[0]
+    second = lambda o0, final0, q, k, g, beta, mask, h0: self._second_call(
+      sequence, o0, final0, q, k, v, g, beta, mask, h0
+    )
+    o0 = jnp.zeros(o_aval.shape, o_aval.dtype)  # o is linear in o0: its value is not read
+    _, pullback = jax.vjp(second, o0, extras[0], q, k, g, beta, mask, h0)
+    do0, dfinal0, dq, dk, dg, dbeta, dmask, dh0 = pullback((do, dfinal))
+    pullback = saved_pullback(self, first, sources, residuals)
+    dq1, dk1, dv, dg1, dbeta1, dmask1, _ = pullback((do0, dfinal0))
+    return dq + dq1, dk + dk1, dv, dg + dg1, dbeta + dbeta1, dmask + dmask1, dh0
+
+  def padded(self, q, k, values, g, beta, mask, start):
+    """The implementation on a piece whose length need not be a multiple of the chunk: padded
+    with no-op tokens (beta = g = 0), o cut back."""
+    t_len = q.shape[1]
+    t_pad = -(-t_len // self.chunk_size) * self.chunk_size
+    pad = lambda x: (
+      x if t_pad == t_len else jnp.pad(x, [(0, 0), (0, t_pad - t_len)] + [(0, 0)] * (x.ndim - 2))
+    )
+    mask = mask if mask.shape[1] == 1 else pad(mask)
+    arrays = (pad(q), pad(k), pad(values), pad(g), pad(beta), mask, start)
+    o, final = self.run(*arrays, self.scale, self.chunk_size)
+    return o[:, :t_len], final
+
+
+def _context_parallel(forward, sequence, q, k, v, g, beta, mask, h0):
+  """This device's piece of a sequence split over the mesh axes `sequence`: the per-device
+  function of `gdp_jax.sharding`'s context parallelism (context_parallel.py; the kernels as two
+  calls of the ordinary width), every device returning the same final state."""
+  operator = lambda values, start: forward.padded(q, k, values, g, beta, mask, start)
+  return context_parallel.piece_outputs(operator, q, v, h0, sequence, split=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +160,11 @@ class _Backward:
   scale: float
   chunk_size: int
 
-  def __call__(self, *arrays):
+  def __call__(self, *arrays, sequence=(), blocks=()):
     primals, cotangents = arrays[:7], arrays[7:]
     forward = _Forward(self.run, self.scale, self.chunk_size)
+    if sequence:
+      return sequence_vjp(forward, sequence, (OUTPUT, STATE), primals, cotangents)
     _, vjp = jax.vjp(lambda *p: forward(*p), *primals)
     return tuple(vjp(tuple(cotangents)))
 
@@ -134,6 +236,8 @@ def partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
   """run(q, k, v, g, beta, mask, initial_state, scale, chunk_size) -> (o, final), per device
   on its block of batch rows and heads under `jax.jit` (module docstring). `run` must be
   hashable (an implementation instance) and differentiable with `jax.vjp`."""
+  if every_axis_manual():  # inside shard_map: this device's block already
+    return run(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
   if not isinstance(scale, (int, float)):
     o, final = partitioned(run, q, k, v, g, beta, mask, initial_state, 1.0, chunk_size)
     return (o.astype(jnp.float32) * scale).astype(o.dtype), final
