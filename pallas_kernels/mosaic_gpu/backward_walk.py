@@ -337,7 +337,7 @@ def state_grad_walk(
     plgpu.barrier_wait(done)
 
   args = [q, k, do, t0, gamma, gamma_rows, beta_rows, mask_rows, scale]
-  if has_dfinal:
+  if dfinal_t is not None:
     args.append(dfinal_t)
   dh_t, dv_new, dh0_t = plgpu.kernel(
     body,

@@ -178,6 +178,7 @@ def forward(
     h0_t = jnp.swapaxes(initial_state.astype(F32), 2, 3)
     if vp != value_dim:
       h0_t = jnp.pad(h0_t, [(0, 0), (0, 0), (0, vp - value_dim), (0, 0)])
+  assert ops.v is not None  # prepare was given v
   t0 = chunk_inverse(ops.k, ops.beta_rows, ops.mask_rows, interpret=interpret)
   o, s_t, *states = state_walk_ws(
     ops.q,
