@@ -19,7 +19,7 @@ one-device output of the same implementation (and with xla's when xla runs).
 Implementations (`--impls`, comma separated; default `auto`):
   pallas     ours, the Pallas kernels the device prefers (compiled on GPU; interpreted on CPU,
              slowly): "mosaic_gpu" on Hopper, else "triton"
-  mosaic_gpu ours, the Mosaic GPU forward for Hopper with the Triton backward
+  mosaic_gpu ours, the Mosaic GPU kernels for Hopper, forward and backward
              (docs/implementations.md#mosaic-gpu)
   triton     ours, the Pallas kernels through the Triton lowering, forward and backward
   xla        ours, the chunked form in jnp

@@ -22,7 +22,7 @@ default 280) bounds the whole run:
    relative RMS against xla;
 4. sweep: chunk_inverse's launch parameter (chunks per program) at r = 1, 2, 4, its time alone;
 5. operator: `gated_delta_product(..., implementation="mosaic_gpu")` (the Mosaic forward and
-   reverse walk with the Triton backward's chunk-parallel kernels, one custom_vjp): output, final
+   reverse walk, then the chunk-parallel gradients, one custom_vjp): output, final
    state and every gradient against xla (`OPERATOR_CHECKS`: r = 1, 2, 4, mask shapes, grouped
    value heads; bars `GRAD_BARS`). Its speed beside the peers: `benchmarks/bench.py`.
 The table printed last summarises all three. `--tiny` runs small shapes in the Mosaic GPU

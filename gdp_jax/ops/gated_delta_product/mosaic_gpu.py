@@ -1,14 +1,16 @@
-"""`implementation="mosaic_gpu"`: the Mosaic GPU forward kernels for Hopper
-(pallas_kernels/mosaic_gpu/, docs/implementations.md#mosaic-gpu) with the Triton backward.
+"""`implementation="mosaic_gpu"`: the Mosaic GPU kernels for Hopper, forward and backward
+(pallas_kernels/mosaic_gpu/, docs/implementations.md#mosaic-gpu, docs/mosaic_gpu.md).
 
 It is the Triton implementation's operator (gdp_jax/ops/gated_delta_product/triton.py: the
-normalisation, the non-finite guard, the `jax.custom_vjp` and the backward kernels) with the
-forward kernels replaced by `pallas_kernels.mosaic_gpu.forward.forward`
-(`gated_delta_product_pallas(forward=MosaicForwardKernels(...))`). Differentiated, the Mosaic
-forward also returns its chunks' gate-free inverses, which `triton_inverse` turns into the Triton
-backward's residual (the gated inverse in token-major rows): a training step is the Mosaic forward
-plus the Triton backward. With a `chunk_size` below the kernels' `64 // r` tokens the Triton
-backward's chunk differs from theirs and a differentiated call runs the Triton forward.
+normalisation, the non-finite guard, the `jax.custom_vjp`) with the forward kernels replaced by
+`pallas_kernels.mosaic_gpu.forward.forward` (`gated_delta_product_pallas(
+forward=MosaicForwardKernels(...))`). Differentiated, with r in 1, 2, 4 and K, V in 64, 128, the
+forward walk stores its per-chunk states and the backward is the Mosaic one
+(`MosaicForwardKernels.backward`: the reverse walk, then the chunk-parallel gradients). Elsewhere
+the Mosaic forward returns its chunks' gate-free inverses, which `triton_inverse` turns into the
+Triton backward's residual (the gated inverse in token-major rows), and the Triton backward
+kernels run. With a `chunk_size` below the kernels' `64 // r` tokens the Triton backward's chunk
+differs from theirs and a differentiated call runs the Triton forward and backward.
 
 What the kernels take, and what this implementation refuses with a ValueError that points to
 "triton": q, k, v in bfloat16 or float16; K = 64 or 128; r in 1, 2, 4, 8; no packed sequences
@@ -122,12 +124,14 @@ def triton_inverse(t0, gamma, r):
 
 @dataclasses.dataclass(frozen=True)
 class MosaicForwardKernels:
-  """The Mosaic GPU forward in the place of the Triton forward kernels (the `forward` of
-  `gated_delta_product_pallas`, with `triton._forward`'s contract): `(o, final, (gamma, ai))` on
-  the Triton kernels' operands. With `save_ai` (a differentiated call) the Mosaic kernels also
-  return their inverses, turned into Triton's residual by `triton_inverse`; where the call's
-  Triton chunk is not the Mosaic kernels' `64 // r` tokens (a `chunk_size` below it), the Triton
-  forward kernels run instead, so the residuals always fit the Triton backward.
+  """The Mosaic GPU kernels in the place of the Triton forward kernels (the `forward` of
+  `gated_delta_product_pallas`, with `triton._forward`'s contract): `(o, final, saved)` on the
+  Triton kernels' operands. With `save_ai` (a differentiated call) `saved` is `(gamma, None,
+  (t0, states, v_new))` where the Mosaic backward takes the call (`stores_states`; the Triton
+  custom_vjp then hands its backward to `backward`), else `(gamma, ai)` with the inverses turned
+  into Triton's residual by `triton_inverse`; where the call's Triton chunk is not the Mosaic
+  kernels' `64 // r` tokens (a `chunk_size` below it), the Triton forward kernels run instead, so
+  the residuals always fit the Triton backward.
 
   interpret: run the kernels in the Mosaic GPU interpreter (else compiled for an sm_90 GPU).
   """
@@ -234,11 +238,11 @@ def stores_states(r: int, key_dim: int, value_dim: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
-  """The Mosaic GPU forward kernels (Hopper) with the Triton implementation's backward.
+  """The Mosaic GPU kernels (Hopper), forward and backward.
 
   "pallas" and None pick it on Hopper with `fallback=True` (gdp_jax/ops/dispatch.py). Forward
-  and training calls run the Mosaic forward; the backward is the Triton kernels' (module
-  docstring).
+  and training calls run the Mosaic forward; the backward is the Mosaic one where its kernels
+  reach, else the Triton kernels' (module docstring).
 
   options, precision, nonfinite_guard, backward: the Triton implementation's config, as in
     `TritonGatedDeltaProduct` (the Mosaic forward takes half-precision inputs only and has no
@@ -253,7 +257,7 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
 
   name: ClassVar[str] = "mosaic_gpu"
   summary: ClassVar[str] = (
-    "Pallas Mosaic GPU forward for Hopper, Triton backward (interpreted off a GPU)"
+    "Pallas Mosaic GPU kernels for Hopper, forward and backward (interpreted off a GPU)"
   )
   platforms: ClassVar[tuple[str, ...]] = ("gpu",)
   pallas: ClassVar[bool] = True
