@@ -43,25 +43,23 @@ from pallas_kernels.mosaic_gpu.common import (
   F32,
   ROWS,
   ROWS_PER_CHUNK,
-  SMEM_LIMIT,
   WGMMA,
   bcast_cols,
   bcast_rows,
   chunk_tokens,
   compiler_params,
+  gate_stage,
   iota,
-  mask_matrix,
   matmul,
   matmul_reg,
   matmul_sum,
+  ring_stages,
   smem,
   token_of,
 )
 
 N = ROWS_PER_CHUNK
 SUPPORTED_R = (1, 2, 4)
-# Alignment of the buffers adds to `smem_bytes` (as in walk_ws.py): keep this much spare.
-SMEM_MARGIN = 8 * 1024
 
 
 def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: bool) -> int:
@@ -74,14 +72,6 @@ def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: b
   fixed = (2 * block_v * key_dim + 2 * N * block_v) * isz
   fixed += 16 + ((block_v + c) * N * isz if staged else 0)
   return stages * per_stage + fixed
-
-
-def pick_stages(key_dim: int, block_v: int, r: int, dtype, staged: bool) -> int:
-  """The most ring stages (3 or 2) that fit in shared memory, or 0 if not even 2 do."""
-  for stages in (3, 2):
-    if smem_bytes(key_dim, block_v, r, dtype, stages, staged) + SMEM_MARGIN <= SMEM_LIMIT:
-      return stages
-  return 0
 
 
 def state_grad_walk(
@@ -136,14 +126,11 @@ def state_grad_walk(
   staged = interpret is not None
   bv = block_v
   dk = key_dim // r
-  if stages is None:
-    stages = pick_stages(key_dim, bv, r, dtype, staged)
-  need = smem_bytes(key_dim, bv, r, dtype, max(stages, 2), staged)
-  if stages < 2 or need + SMEM_MARGIN > SMEM_LIMIT:
-    raise ValueError(
-      f"state_grad_walk needs {need} bytes of shared memory with 2 stages, above the "
-      f"{SMEM_LIMIT} limit (K={key_dim}, block_v={bv}, r={r})"
-    )
+  stages = ring_stages(
+    f"state_grad_walk (K={key_dim}, block_v={bv}, r={r})",
+    lambda n: smem_bytes(key_dim, bv, r, dtype, n, staged),
+    stages,
+  )
   # q, T0, gamma per token, mask rows, 3 gamma rows, beta rows, do; per block: k
   n_copies = 9 + r
 
@@ -284,10 +271,6 @@ def state_grad_walk(
       plgpu.copy_gmem_to_smem(sc_ref, sc_s, sc_bar)
       plgpu.barrier_wait(sc_bar)
       scale_v = sc_s[0]
-      sq = (N, N)
-      tok_r, tok_c = token_of(iota(sq, 0), c), token_of(iota(sq, 1), c)
-      kshape = (N, key_dim)
-      own = lax.div(iota(kshape, 1), dk) == lax.div(iota(kshape, 0), c)
       pshape = (N, c)
       causal_pq = token_of(iota(pshape, 0), c) <= iota(pshape, 1)
       qshape = (key_dim, c)
@@ -295,20 +278,13 @@ def state_grad_walk(
       def step(i, carry):
         slot = lax.rem(i, stages)
         plgpu.barrier_wait(in_bar.at[slot])
-        kb_lo = None
-        if r > 1:
-          kfull = plgpu.load(kb_s.at[slot], layout=WGMMA).astype(F32)
-          kw_s.at[slot][...] = (kfull * mask_matrix(m_s.at[slot], kshape, dk, r)).astype(dtype)
-          kb_lo = jnp.where(own, kfull, 0.0).astype(dtype)
-          kb_s.at[slot][...] = kb_lo
         g_r = plgpu.load(g_rows.at[slot], layout=ROWS)
         g_c = plgpu.load(g_cols.at[slot], layout=COLS)
-        decay = jnp.exp(
-          jnp.where(tok_r >= tok_c, bcast_rows(g_r, sq) - bcast_cols(g_c, sq), -jnp.inf)
+        b_c = plgpu.load(b_cols.at[slot], layout=COLS)
+        kw = kw_s.at[slot] if r > 1 else None
+        kb_lo = gate_stage(
+          kb_s.at[slot], kw, t_s.at[slot], m_s.at[slot], g_r, g_c, b_c, dk, r, dtype
         )
-        beta_c = bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
-        t0v = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
-        t_s.at[slot][...] = (t0v * decay * beta_c).astype(dtype)
         plgpu.commit_smem()
         # The intra-chunk scores transposed, (q Kb^T ⊙ D)^T, then dv_local.
         g_t = plgpu.load(g_tok.at[slot].at[pl.ds(0, c)], layout=COLS)

@@ -50,6 +50,7 @@ from pallas_kernels.mosaic_gpu.common import (
   bcast_cols,
   bcast_rows,
   check_smem,
+  chunk_decay,
   chunk_tokens,
   compiler_params,
   iota,
@@ -57,6 +58,7 @@ from pallas_kernels.mosaic_gpu.common import (
   matmul,
   matmul_reg,
   matmul_sum,
+  own_block,
   smem,
   token_of,
 )
@@ -269,7 +271,7 @@ def chunk_grads(
 
     # The keys: Kw and Kb (r = 1: the mask is one number per row).
     kfull = plgpu.load(krep_s, layout=WGMMA).astype(F32)
-    own = lax.div(iota(kshape, 1), dk) == lax.div(iota(kshape, 0), c)
+    own = own_block(kshape, dk, c)
     if r == 1:
       m_rows = rows_vec(m_s.at[0])
       mmat = bcast_rows(m_rows, kshape)
@@ -280,7 +282,7 @@ def chunk_grads(
       kb_ref = kb_s
     kw_s[...] = (kfull * mmat).astype(dtype)
     # Ag = T0 ⊙ Dec ⊙ beta_s
-    decay = jnp.exp(jnp.where(tok_r >= tok_c, bcast_rows(g_r, sq) - bcast_cols(g_c, sq), -jnp.inf))
+    decay = chunk_decay(g_r, g_c, c)
     nn_s[...] = (plgpu.load(t0_s, layout=WGMMA).astype(F32) * decay * bcast_cols(b_c, sq)).astype(
       dtype
     )

@@ -51,6 +51,7 @@ from pallas_kernels.mosaic_gpu.common import (
   mask_matrix,
   matmul,
   matmul_reg,
+  own_block,
   smem,
   token_of,
 )
@@ -192,7 +193,7 @@ def chunk_inverse(
       else:
         kshape = (N, key_dim)
         kfull = plgpu.load(keys, layout=WGMMA)
-        own = lax.div(iota(kshape, 1), dk) == lax.div(iota(kshape, 0), c)
+        own = own_block(kshape, dk, c)
         kb_s[...] = jnp.where(own, kfull, jnp.zeros_like(kfull))
         plgpu.commit_smem()
         gram = matmul(keys, kb_s.T, sq)  # [(a,t),(d,s)] = <k_t^(d), k_s^(d)>

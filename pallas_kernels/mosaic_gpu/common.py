@@ -167,6 +167,60 @@ def mask_matrix(m_smem, shape: tuple[int, int], col_block_width: int, r: int) ->
   return out
 
 
+def own_block(shape: tuple[int, int], block_width: int, tokens: int) -> jax.Array:
+  """True where column `j` lies in key block `j // block_width` equal to row `(a, t)`'s block `a`:
+  `where(own_block(...), keys repeated per block, 0)` is the block keys Kb."""
+  return lax.div(iota(shape, 1), block_width) == block_of(iota(shape, 0), tokens)
+
+
+def chunk_decay(g_rows: jax.Array, g_cols: jax.Array, tokens: int) -> jax.Array:
+  """`Dec[(a,t),(d,s)] = exp(gamma_t - gamma_s)` for `t >= s`, else 0: `[N, N]` float32 from gamma
+  per row (ROWS layout) and per column (COLS layout) (docs/chunked_form.md#gamma)."""
+  sq = (ROWS_PER_CHUNK, ROWS_PER_CHUNK)
+  later = token_of(iota(sq, 0), tokens) >= token_of(iota(sq, 1), tokens)
+  return jnp.exp(jnp.where(later, bcast_rows(g_rows, sq) - bcast_cols(g_cols, sq), -jnp.inf))
+
+
+def gate_stage(kb_ref, kw_ref, t_ref, m_ref, g_rows, g_cols, beta_cols, block_width, r, dtype):
+  """A walk's stage made ready, in place: for r > 1 the keys repeated per block (`kb_ref`) into Kb
+  and the masked keys Kw (`kw_ref`), and T0 (`t_ref`) into `Ag = T0 ⊙ Dec ⊙ beta_s`. Returns Kb
+  in registers (16-bit; None for r = 1, where the keys are Kb already)."""
+  tokens = ROWS_PER_CHUNK // r
+  kb_lo = None
+  if r > 1:
+    kshape = kb_ref.shape
+    kfull = plgpu.load(kb_ref, layout=WGMMA).astype(F32)
+    kw_ref[...] = (kfull * mask_matrix(m_ref, kshape, block_width, r)).astype(dtype)
+    kb_lo = jnp.where(own_block(kshape, block_width, tokens), kfull, 0.0).astype(dtype)
+    kb_ref[...] = kb_lo
+  sq = (ROWS_PER_CHUNK, ROWS_PER_CHUNK)
+  t0v = plgpu.load(t_ref, layout=WGMMA).astype(F32)
+  decay = chunk_decay(g_rows, g_cols, tokens)
+  t_ref[...] = (t0v * decay * bcast_cols(beta_cols, sq)).astype(dtype)
+  return kb_lo
+
+
+# Alignment of the buffers adds to a kernel's own estimate of its shared memory (233,600 bytes
+# measured against 231,376 estimated for the forward walk at K = 128, r = 4, 3 stages): keep this
+# much spare.
+SMEM_MARGIN = 8 * 1024
+
+
+def ring_stages(name: str, smem_bytes_of, stages: int | None = None) -> int:
+  """The ring stages of a warp-specialised walk: `stages`, or (None) the most of 3 and 2 for which
+  `smem_bytes_of(stages)` fits in shared memory with `SMEM_MARGIN` to spare. A ValueError naming
+  the kernel when even 2 do not fit."""
+  if stages is None:
+    stages = next((s for s in (3, 2) if smem_bytes_of(s) + SMEM_MARGIN <= SMEM_LIMIT), 2)
+  need = smem_bytes_of(max(stages, 2))
+  if stages < 2 or need + SMEM_MARGIN > SMEM_LIMIT:
+    raise ValueError(
+      f"{name} needs {need} bytes of shared memory with {max(stages, 2)} stages, above the "
+      f"{SMEM_LIMIT} limit"
+    )
+  return stages
+
+
 def check_smem(name: str, nbytes: int) -> None:
   if nbytes > SMEM_LIMIT:
     raise ValueError(f"{name} needs {nbytes} bytes of shared memory, above the {SMEM_LIMIT} limit")

@@ -54,16 +54,16 @@ from pallas_kernels.mosaic_gpu.common import (
   F32,
   ROWS,
   ROWS_PER_CHUNK,
-  SMEM_LIMIT,
   WGMMA,
   bcast_cols,
   bcast_rows,
   chunk_tokens,
   compiler_params,
+  gate_stage,
   iota,
-  mask_matrix,
   matmul,
   matmul_reg,
+  ring_stages,
   smem,
   token_of,
 )
@@ -105,19 +105,6 @@ def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: b
   fixed = (2 * block_v * key_dim + 2 * block_v * N + c * N + 2 * c * block_v) * isz
   fixed += 16 + (block_v * N * isz if staged else 0)
   return stages * per_stage + fixed
-
-
-# Alignment of the buffers adds to `smem_bytes` (233,600 bytes measured against 231,376 estimated
-# at K = 128, r = 4, 3 stages): keep this much spare.
-SMEM_MARGIN = 8 * 1024
-
-
-def pick_stages(key_dim: int, block_v: int, r: int, dtype, staged: bool) -> int:
-  """The most ring stages (3 or 2) that fit in shared memory, or 0 if not even 2 do."""
-  for stages in (3, 2):
-    if smem_bytes(key_dim, block_v, r, dtype, stages, staged) + SMEM_MARGIN <= SMEM_LIMIT:
-      return stages
-  return 0
 
 
 def state_walk_ws(
@@ -169,14 +156,11 @@ def state_walk_ws(
   staged = interpret is not None
   bv = block_v
   dk = key_dim // r
-  if stages is None:
-    stages = pick_stages(key_dim, bv, r, dtype, staged)
-  need = smem_bytes(key_dim, bv, r, dtype, max(stages, 2), staged)
-  if stages < 2 or need + SMEM_MARGIN > SMEM_LIMIT:
-    raise ValueError(
-      f"state_walk_ws needs {need} bytes of shared memory with 2 stages, above the "
-      f"{SMEM_LIMIT} limit (K={key_dim}, block_v={bv}, r={r})"
-    )
+  stages = ring_stages(
+    f"state_walk_ws (K={key_dim}, block_v={bv}, r={r})",
+    lambda n: smem_bytes(key_dim, bv, r, dtype, n, staged),
+    stages,
+  )
   # q, T0, gamma per token, mask rows, 4 gamma rows, beta rows; per block: k, v
   n_copies = 9 + 2 * r
 
@@ -332,10 +316,6 @@ def state_walk_ws(
       plgpu.copy_gmem_to_smem(sc_ref, sc_s, sc_bar)
       plgpu.barrier_wait(sc_bar)
       scale_v = sc_s[0]
-      sq = (N, N)
-      tok_r, tok_c = token_of(iota(sq, 0), c), token_of(iota(sq, 1), c)
-      kshape = (N, key_dim)
-      own = lax.div(iota(kshape, 1), dk) == lax.div(iota(kshape, 0), c)
       pshape = (N, c)
       causal_pq = token_of(iota(pshape, 0), c) <= iota(pshape, 1)
       oshape = (bv, c)
@@ -346,18 +326,11 @@ def state_walk_ws(
         rows = pl.ds(n * c, c)
         plgpu.barrier_wait(in_bar.at[slot])
         # Off the chain: Kw, Kb (in place) and Ag (in place), then warpgroup 0 may go.
-        if r > 1:
-          kfull = plgpu.load(kb_s.at[slot], layout=WGMMA).astype(F32)
-          kw_s.at[slot][...] = (kfull * mask_matrix(m_s.at[slot], kshape, dk, r)).astype(dtype)
-          kb_s.at[slot][...] = jnp.where(own, kfull, 0.0).astype(dtype)
         g_r = plgpu.load(g_rows.at[slot], layout=ROWS)
         g_c = plgpu.load(g_cols.at[slot], layout=COLS)
-        decay = jnp.exp(
-          jnp.where(tok_r >= tok_c, bcast_rows(g_r, sq) - bcast_cols(g_c, sq), -jnp.inf)
-        )
-        beta_c = bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
-        t0v = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
-        t_s.at[slot][...] = (t0v * decay * beta_c).astype(dtype)
+        b_c = plgpu.load(b_cols.at[slot], layout=COLS)
+        kw = kw_s.at[slot] if r > 1 else None
+        gate_stage(kb_s.at[slot], kw, t_s.at[slot], m_s.at[slot], g_r, g_c, b_c, dk, r, dtype)
         plgpu.commit_smem()
         plgpu.barrier_arrive(prep_ready.at[slot])
         # The intra-chunk scores, transposed: (Kb q^T ⊙ D)^T.

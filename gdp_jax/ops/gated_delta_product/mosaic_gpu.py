@@ -126,7 +126,7 @@ def triton_inverse(t0, gamma, r):
 class MosaicForwardKernels:
   """The Mosaic GPU kernels in the place of the Triton forward kernels (the `forward` of
   `gated_delta_product_pallas`, with `triton._forward`'s contract): `(o, final, saved)` on the
-  Triton kernels' operands. With `save_ai` (a differentiated call) `saved` is `(gamma, None,
+  Triton kernels' operands. With `save_ai` (a differentiated call) `saved` is `(None, None,
   (t0, states, v_new))` where the Mosaic backward takes the call (`stores_states`; the Triton
   custom_vjp then hands its backward to `backward`), else `(gamma, ai)` with the inverses turned
   into Triton's residual by `triton_inverse`; where the call's Triton chunk is not the Mosaic
@@ -165,11 +165,11 @@ class MosaicForwardKernels:
     if not save_ai:
       return (*out, (None, None))
     o, final, t0, *states = out
+    if store:  # the Mosaic backward's residuals (`backward` forms its gates itself)
+      return o, final, (None, None, (t0, *states))
     g_hm = jnp.moveaxis(g.astype(jnp.float32), 1, 2)  # [B, H, Tp]
     gamma = jnp.cumsum(g_hm.reshape(batch, heads, t_len // bt, bt), axis=-1)
     gamma = gamma.reshape(g_hm.shape)
-    if store:  # the Mosaic backward's residuals (`state_grads`)
-      return o, final, (gamma, None, (t0, *states))
     return o, final, (gamma, triton_inverse(t0, gamma, r))
 
   def _params(self):

@@ -209,7 +209,7 @@ def _gdp_core_bwd(scale, bt, opts, kernels, residuals, cotangents):
 
 def _backward(scale, bt, opts, residuals, cotangents, table=None, kernels=None):
   """The backward kernels. residuals: the inputs and what the forward saved, `(gcum, ai)` from
-  the Triton forward, or `(gcum, None, walk)` from other forward kernels that stored their walk's
+  the Triton forward, or `(None, None, walk)` from other forward kernels that stored their walk's
   states, whose own backward then runs (`kernels.backward`: the Mosaic GPU kernels,
   gdp_jax/ops/gated_delta_product/mosaic_gpu.py)."""
   q, k, v, g, beta, mask, h0, (gcum, ai, *stored) = residuals
