@@ -6,7 +6,8 @@
 For each case the jitted `gated_delta_product` call (forward, or forward + backward) runs
 `--calls` times under `jax.profiler.trace`; the trace's device events (the GPU planes' kernel
 lines) are summed by name and divided by the number of calls: the time of each kernel and XLA
-fusion per call, the largest first. Kept with the date, jax version, GPU and command.
+fusion per call, the largest first. `jla` in --impls profiles jax-linear-attention's Gated
+DeltaNet (r = 1, no guard) the same way. Kept with the date, jax version, GPU and command.
 """
 
 from __future__ import annotations
@@ -32,7 +33,27 @@ from pallas_kernels.common.options import heuristic_options  # noqa: E402
 NAMES = ("q", "k", "v", "g", "beta", "mask")
 
 
+def jla_program(mode, inputs):
+  """jax-linear-attention's Gated DeltaNet (r = 1), as benchmarks/bench.py times it."""
+  import jla.ops
+
+  names = ("q", "k", "v", "g", "beta")
+  args = [inputs[n] for n in names]
+  args[-1] = args[-1].astype(inputs["q"].dtype)
+
+  def fwd(*a):
+    out = jla.ops.linear_attention("gated_deltanet", *a[:3], g=a[3], beta=a[4], impl="mosaic_gpu")
+    return out[0] if isinstance(out, tuple) else out
+
+  if mode == "fwd":
+    return jax.jit(fwd), args
+  loss = lambda *a: jnp.sum(fwd(*a).astype(jnp.float32))
+  return jax.jit(jax.grad(loss, range(len(names)))), args
+
+
 def program(impl, mode, inputs, guard):
+  if impl == "jla":
+    return jla_program(mode, inputs)
   names = [n for n in NAMES if inputs[n] is not None]
   r = 1 if inputs["mask"] is None else inputs["mask"].shape[-1]
   q, v = inputs["q"], inputs["v"]
@@ -93,7 +114,7 @@ def main(argv=None):
   )
   for impl in args.impls.split(","):
     for mode in args.modes.split(","):
-      for guard in args.guard.split(","):
+      for guard in args.guard.split(",") if impl != "jla" else ["n/a"]:
         fn, fn_args = program(impl, mode, inputs, guard == "on")
         jax.block_until_ready(fn(*fn_args))
         with tempfile.TemporaryDirectory() as trace_dir:
