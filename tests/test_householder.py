@@ -351,8 +351,8 @@ def packed_grads(fn, inputs, seed=0):
   [
     ("reference", 2, True, True),
     ("reference", 3, True, False),
-    ("xla", 2, True, True),
     ("xla", 3, False, True),
+    ("triton", 2, True, True),  # the Pallas kernels' packed path over the sub-steps
   ],
 )
 def test_packed_equals_separate(implementation, n_h, with_g, with_state):
@@ -438,11 +438,14 @@ def test_packed_one_compilation_for_new_boundaries(implementation):
   assert len(traces) == 1
 
 
-def test_packed_default_implementation_is_xla(monkeypatch):
-  """implementation=None with cu_seqlens runs "xla", also where it would pick "pallas"."""
+def test_packed_default_implementation_is_the_operators(monkeypatch):
+  """implementation=None with cu_seqlens runs what the operator's packed form picks: "pallas"
+  where that is the default."""
   from gdp_jax import dispatch
 
-  monkeypatch.setattr(dispatch, "default_implementation", lambda device=None: "pallas")
+  monkeypatch.setattr(
+    dispatch, "default_implementation", lambda device=None, function=None: "pallas"
+  )
   inputs = packed_hh_inputs(85, 2, lengths=(3, 4))
   calls = []
   original = dispatch.entry
@@ -453,7 +456,10 @@ def test_packed_default_implementation_is_xla(monkeypatch):
     householder_delta_product, num_householder=2, cu_seqlens=cu_of((3, 4)), output_final_state=True
   )
   o, final = jax.eval_shape(lambda kw: call(**kw), inputs)  # dispatch.entry runs when traced
-  assert calls == [("gated_delta_product_varlen", "xla")]
+  # "pallas" is its Pallas backend (off a GPU the interpreted one)
+  assert calls == [
+    ("gated_delta_product_varlen", dispatch.pallas_backend("gated_delta_product_varlen"))
+  ]
   assert o.shape == (1, 7, 2, 8) and final.shape == (2, 2, 16, 8)
 
 
@@ -472,7 +478,6 @@ def test_packed_default_implementation_is_xla(monkeypatch):
       ValueError,
       "initial_state has shape (1, 2, 16, 8), expected (4, 2, 16, 8) ([N, H, K, V]",
     ),
-    (dict(implementation="pallas"), NotImplementedError, "implementation='xla'"),
     (dict(implementation="cuda"), ValueError, "implementation must be one of"),
   ],
 )

@@ -58,8 +58,7 @@ class HouseholderDeltaProduct(DeltaMixer):
     allow_neg_eigval: beta = 2 sigmoid(.) in (0, 2) instead of (0, 1): eigenvalues down to -1.
     norm_eps: RMSNorm epsilon.
     chunk_size, implementation: applied to the default operator and step (None: the Pallas
-      kernels on a GPU, "xla" elsewhere and with cu_seqlens, which has no Pallas form yet: an
-      explicit Pallas implementation is a NotImplementedError there).
+      kernels on a GPU, "xla" elsewhere; with cu_seqlens too).
     operator_fn, step_fn: the operator and the step (default: built from the arguments above).
     dtype: computation dtype of projections, q, k, v (None: x's dtype); param_dtype: parameters.
     rngs: `nnx.Rngs`.

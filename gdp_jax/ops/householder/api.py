@@ -74,18 +74,10 @@ def check_num_householder(num_householder):
 
 
 def _check_implementation(implementation, packed):
-  """The implementation's name; with packed sequences None -> "xla" and "pallas" a
-  NotImplementedError (the Householder layout has no packed Pallas path yet)."""
-  if not packed:
-    return dispatch.resolve("gated_delta_product", implementation)
-  if implementation is None:
-    return "xla"
-  if dispatch.is_pallas(implementation):
-    raise NotImplementedError(
-      "householder_delta_product with cu_seqlens has no Pallas kernels yet: use "
-      "implementation='xla' (or None, which picks 'xla' when cu_seqlens is given)"
-    )
-  return dispatch.resolve("gated_delta_product_varlen", implementation)
+  """The implementation's name, as the operator resolves it (with packed sequences, its
+  packed form's)."""
+  function = "gated_delta_product_varlen" if packed else "gated_delta_product"
+  return dispatch.resolve(function, implementation)
 
 
 def check_householder_inputs(q, k, v, g, beta, initial_state, n_h, num_states=None):
@@ -216,8 +208,7 @@ def householder_delta_product(
       "pallas" (the best Pallas backend): the r = 1 operator `gated_delta_product` over the T*n_h
       sub-steps, the chunked jnp form or the Pallas kernels, forward and backward; or None for the
       fastest one available on the backend (the Pallas backend on a GPU, "xla" elsewhere). With
-      cu_seqlens, None picks "xla" everywhere and a Pallas backend is a NotImplementedError (no
-      packed Pallas path for this layout yet).
+      cu_seqlens the operator's packed form runs, over the sub-steps, in the same choices.
     precision: the float32 matmul precision of the Pallas kernels, as in `gated_delta_product`
       (None follows jax.default_matmul_precision: TF32; "highest": tf32x3; "ieee"); the
       "reference" and "xla" implementations compute at HIGHEST.
