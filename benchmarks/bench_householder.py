@@ -1,7 +1,7 @@
 """Time the Householder DeltaProduct beside flash-linear-attention's (GPU; not a test).
 
   python benchmarks/bench_householder.py --out householder.json [--shape 8,4096,16,128,128]
-      [--nh 1,2,3] [--reps 15] [--no-fla] [--dump DIR]
+      [--nh 1,2,3] [--reps 15] [--no-fla] [--dump DIR] [--packed N]
 
 For each n_h: ours (`gdp_jax.householder_delta_product`, implementation "pallas") and
 flash-linear-attention's `chunk_gated_delta_product` on the same inputs (made in PyTorch, copied
@@ -20,6 +20,12 @@ Householder form adds to the operator it runs.
 in the process. --dump DIR: the GPU's optimised HLO of the forward of ours and of r1 (which
 fusions and copies surround the kernels). Off a GPU the kernels are interpreted (slow): for a
 smoke run only, e.g. `--shape 1,32,2,16,16 --nh 2 --reps 1 --inner 1 --no-fla`.
+
+--packed N: the B*T tokens (and their sub-steps) in one row as N packed sequences (`cu_seqlens`;
+N = B: B sequences of T tokens, else N random lengths, seed 0, from
+`benchmarks/bench_varlen.random_lengths`), ours and flash-linear-attention's call with
+`cu_seqlens`, forward and forward + backward, with the unpacked figures of ours beside them in
+the same run (`unpacked_*`).
 
 Writes JSON with the date, the jax version, the GPU name and the command (docs/performance.md),
 after every figure.
@@ -41,6 +47,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.bench import command_line, time_jax  # noqa: E402
+from benchmarks.bench_varlen import cu_of, random_lengths  # noqa: E402
 from gdp_jax import gated_delta_product, householder_delta_product  # noqa: E402
 from gdp_jax.ops.householder.api import to_substeps  # noqa: E402
 
@@ -96,12 +103,26 @@ def _timed(fwd, mode):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-def ours(nh, mode):
+def ours(nh, mode, cu_seqlens=None):
   def fwd(q, k, v, g, beta):
-    o, _ = householder_delta_product(q, k, v, g, beta, num_householder=nh, implementation="pallas")
+    o, _ = householder_delta_product(
+      q, k, v, g, beta, num_householder=nh, cu_seqlens=cu_seqlens, implementation="pallas"
+    )
     return o
 
   return _timed(fwd, mode)
+
+
+def packed_lengths(batch, t_len, count):
+  """N = B: B sequences of T tokens; else `count` random lengths over the B*T tokens."""
+  if count == batch:
+    return [t_len] * batch
+  return [int(n) for n in random_lengths(batch * t_len, count)]
+
+
+def packed_inputs(inputs):
+  """[B, S, ...] -> [1, B*S, ...] (every array; PyTorch or JAX)."""
+  return {n: x.reshape((1, -1) + tuple(x.shape[2:])) for n, x in inputs.items()}
 
 
 def r1(mode):
@@ -113,26 +134,55 @@ def r1(mode):
   return _timed(fwd, mode)
 
 
-def fla_time(inputs, nh, mode, reps):
+def fla_time(inputs, nh, mode, reps, cu_seqlens=None):
   import torch
   import triton
   from fla.ops.gated_delta_product import chunk_gated_delta_product
 
   x = {n: t.detach().clone() for n, t in inputs.items()}
+  kw = {}
+  if cu_seqlens is not None:
+    kw["cu_seqlens"] = torch.as_tensor(np.asarray(cu_seqlens), dtype=torch.long, device="cuda")
   if mode == "fwd":
-    fn = lambda: chunk_gated_delta_product(**x, num_householder=nh)
+    fn = lambda: chunk_gated_delta_product(**x, num_householder=nh, **kw)
   else:
     for t in x.values():
       t.requires_grad_(True)
 
     def fn():
-      o, _ = chunk_gated_delta_product(**x, num_householder=nh)
+      o, _ = chunk_gated_delta_product(**x, num_householder=nh, **kw)
       o.float().sum().backward()
 
   fn()
   torch.cuda.synchronize()
   ms = triton.testing.do_bench(fn, warmup=50, rep=max(200, reps * 10), return_mode="median")
   return float(ms)
+
+
+def packed_case(case, nh, inputs, jin, lengths, timed, args, save):
+  """--packed: ours and flash-linear-attention's with cu_seqlens, ours unpacked beside them."""
+  cu = cu_of(lengths)
+  packed = [x.reshape((1, -1) + x.shape[2:]) for x in jin]
+  o_ours = np.asarray(ours(nh, "fwd", cu)(*packed).astype(jnp.float32))
+  if inputs is not None:
+    import torch
+    from fla.ops.gated_delta_product import chunk_gated_delta_product
+
+    cu_t = torch.as_tensor(cu, dtype=torch.long, device="cuda")
+    o_fla, _ = chunk_gated_delta_product(
+      **packed_inputs(inputs), num_householder=nh, cu_seqlens=cu_t
+    )
+    o_fla = o_fla.float().cpu().numpy()
+    case["rel_rms_ours_vs_fla"] = float(np.sqrt(np.mean((o_ours - o_fla) ** 2) / np.mean(o_fla**2)))
+  save(case)
+  for mode in ("fwd", "fwdbwd"):
+    timed(case, f"ours_{mode}_ms", ours(nh, mode, cu), packed)
+    timed(case, f"unpacked_{mode}_ms", ours(nh, mode), jin)
+  if inputs is not None:
+    for mode in ("fwd", "fwdbwd"):
+      case[f"fla_{mode}_ms"] = fla_time(packed_inputs(inputs), nh, mode, args.reps, cu)
+      case[f"ratio_{mode}"] = case[f"ours_{mode}_ms"] / case[f"fla_{mode}_ms"]
+      save(case)
 
 
 def dump_hlo(directory, name, fn, args):
@@ -151,6 +201,7 @@ def main(argv=None):
   p.add_argument("--inner", type=int, default=3)
   p.add_argument("--no-fla", action="store_true", help="ours and the r = 1 operator only")
   p.add_argument("--dump", default=None, help="write the forward's optimised HLO here")
+  p.add_argument("--packed", type=int, default=0, help="N packed sequences (cu_seqlens)")
   args = p.parse_args(argv)
   shape = tuple(int(s) for s in args.shape.split(","))
   B, T, H, K, V = shape
@@ -171,6 +222,9 @@ def main(argv=None):
     expected="r1_*: the r = 1 operator (pallas) over the T*n_h sub-steps, inputs prepared",
     runs=[],  # not "cases": that key marks `python -m gdp_jax bench` files
   )
+  if args.packed:
+    lengths = packed_lengths(B, T, args.packed)
+    result["packed_lengths"] = lengths
 
   def save(case):  # after every figure: a run cut short keeps what it measured
     print(json.dumps({k: v for k, v in case.items() if k != "all_ms"}), flush=True)
@@ -193,6 +247,9 @@ def main(argv=None):
     else:
       inputs = torch_inputs(shape, nh)
       jin = [to_jax(inputs[n]) for n in NAMES]
+    if args.packed:
+      packed_case(case, nh, inputs, jin, lengths, timed, args, save)
+      continue
     q, k, v, g, beta = jin
     q_sub, g_sub = jax.block_until_ready(jax.jit(to_substeps, static_argnums=2)(q, g, nh))
     sub = [q_sub, k, v, g_sub, beta]  # the r = 1 operator's inputs over the T*n_h sub-steps
