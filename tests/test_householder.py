@@ -201,6 +201,24 @@ def test_pallas_runs_the_operator_kernels_in_bfloat16(mode):
     assert not big_f32, f"float32 activation-sized arrays around the kernels: {big_f32}"
 
 
+@pytest.mark.parametrize("n_h,native", [(2, True), (4, True), (3, False)])
+def test_mosaic_gpu_takes_the_sub_steps_as_rows_of_a_token(n_h, native):
+  """implementation="mosaic_gpu": the forward's kernels take each token's n_h sub-steps as the
+  rows of its chunk (the r = n_h walk, no sub-step layout); differentiated, the r = 1 operator
+  over the sub-steps runs (its backward kernels). n_h = 3 is no divisor of the kernels' 64-row
+  chunk: the sub-step path both ways. Traced only (the kernels' values: test_mosaic_gpu.py)."""
+  inputs = hh_inputs(95, n_h, B=1, T=40, K=64, V=64, dtype=jnp.bfloat16)
+  call = functools.partial(
+    householder_delta_product, num_householder=n_h, implementation="mosaic_gpu", chunk_size=64
+  )
+  forward = str(jax.make_jaxpr(lambda kw: call(**kw)[0])(inputs))
+  loss = lambda kw: jnp.sum(call(**kw)[0].astype(jnp.float32))
+  backward = str(jax.make_jaxpr(jax.grad(loss))(inputs))
+  walk = f"gdp_state_walk_ws_r{n_h if native else 1}"
+  assert walk in forward and ("gdp_state_walk_ws_r1" in forward) != native
+  assert "gdp_state_grad_walk_r1" in backward and f"gdp_state_walk_ws_r{n_h}" not in backward
+
+
 def test_one_step_is_the_gated_delta_rule():
   """n_h = 1 is the r = 1 operator (mask None) itself, for every implementation."""
   inputs = hh_inputs(30, 1, T=9)

@@ -33,7 +33,7 @@ import pytest
 import gdp_jax
 from pallas_kernels.mosaic_gpu import backward_walk, chunk_grads, common
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
-from pallas_kernels.mosaic_gpu.forward import block_rows, forward, mask_rows
+from pallas_kernels.mosaic_gpu.forward import block_rows, forward, householder_forward, mask_rows
 from tests.cases import run_interpreted_subprocess
 
 F32 = jnp.float32
@@ -111,6 +111,24 @@ def test_forward_lowers_for_cuda_at_benchmark_shape(r, mask_kind, with_state):
     jax.jit(run).trace(act, act, act, gate, gate, mask, h0).lower(lowering_platforms=("cuda",))
   )
   text = lowered.as_text()
+  calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+  assert len(calls) == 2, calls  # chunk_inverse and state_walk
+
+
+@pytest.mark.parametrize("n_h", [2, 4])
+def test_householder_forward_lowers_for_cuda_at_benchmark_shape(n_h):
+  batch, t_len, heads, dim = 8, 4096, 16, 128
+  spec = jax.ShapeDtypeStruct
+  q = spec((batch, t_len, heads, dim), jnp.bfloat16)
+  sub = spec((batch, t_len * n_h, heads, dim), jnp.bfloat16)
+  g = spec((batch, t_len, heads), F32)
+  beta = spec((batch, t_len * n_h, heads), F32)
+  h0 = spec((batch, heads, dim, dim), F32)
+
+  def run(q, k, v, g, beta, h0):
+    return householder_forward(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+  text = jax.jit(run).trace(q, sub, sub, g, beta, h0).lower(lowering_platforms=("cuda",)).as_text()
   calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
   assert len(calls) == 2, calls  # chunk_inverse and state_walk
 
@@ -231,7 +249,48 @@ def _run_interpreted_cases():
       wrong_o, _ = _xla(q, k, v, g, beta, jnp.swapaxes(mask, -1, -2), h0, scale=0.3)
       row["o_wrong"] = _rel_rms(o.astype(F32), wrong_o)
     out[_case_name(case)] = row
+  for n_h, t_len in HOUSEHOLDER_CASES:
+    out[_case_name(("householder", n_h, t_len))] = _householder_case(n_h, t_len)
   return out
+
+
+# (n_h, T): whole chunks of 64 / n_h tokens and a part of one
+HOUSEHOLDER_CASES = [(2, 40), (4, 20)]
+
+
+def _householder_case(n_h, t_len):
+  """The Householder form's kernels (`householder_forward`) against its recurrence, and against
+  the recurrence with each token's sub-steps in reverse order (what a kernel that ignored their
+  order would match)."""
+  from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+  batch, heads, dim = 1, 2, 64
+  q, _, _, g, _, _, h0 = _inputs(30 + n_h, batch, t_len, heads, dim, dim, 1, "none")
+  _, k, v, _, beta, _, _ = _inputs(40 + n_h, batch, t_len * n_h, heads, dim, dim, 1, "none")
+  beta = (1.5 * beta).astype(jnp.bfloat16)  # beyond 1: the products of (I - beta k k^T) count
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  o, final = householder_forward(
+    q, k, v, g, beta, scale=0.3, initial_state=h0, output_final_state=True, interpret=params
+  )
+  races = bool(get_races().races_found)
+
+  def recurrence(k, v, beta):
+    up = functools.partial(jnp.asarray, dtype=F32)
+    return gdp_jax.householder_delta_product(
+      up(q), up(k), up(v), g, up(beta), num_householder=n_h, scale=0.3, initial_state=h0,
+      output_final_state=True, implementation="reference",
+    )  # fmt: skip
+
+  want_o, want_final = recurrence(k, v, beta)
+  rev = lambda x: x.reshape((batch, t_len, n_h) + x.shape[2:])[:, :, ::-1].reshape(x.shape)
+  wrong_o, _ = recurrence(rev(k), rev(v), rev(beta))
+  return dict(
+    o=_rel_rms(o.astype(F32), want_o),
+    state=_rel_rms(final, want_final),
+    o_wrong=_rel_rms(o.astype(F32), wrong_o),
+    shape_ok=o.shape == q.shape[:3] + (dim,) and o.dtype == q.dtype,
+    races=races,
+  )
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +316,14 @@ def test_forward_interpreted_matches_xla(interpreted, case):
   assert row.get("state", 0.0) < 1e-2, row
   if "o_wrong" in row:  # the check can fail
     assert row["o_wrong"] > 2e-2, row
+
+
+@pytest.mark.parametrize("n_h,t_len", HOUSEHOLDER_CASES)
+def test_householder_forward_interpreted_matches_its_recurrence(interpreted, n_h, t_len):
+  row = interpreted[_case_name(("householder", n_h, t_len))]
+  assert row["shape_ok"] and not row["races"], row
+  assert row["o"] < 1e-2 and row["state"] < 1e-2, row
+  assert row["o_wrong"] > 5e-2, row  # the check can fail: the sub-steps' order matters
 
 
 # ---------------------------------------------------------------------------------------------

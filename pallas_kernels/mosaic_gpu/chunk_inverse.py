@@ -23,6 +23,16 @@ Compiled, the kernel solves the groups of 16 rows exactly in float32 on the CUDA
 merges from there; the interpreter, which runs no raw Mosaic GPU code, merges from groups of 2.
 Each program walks several chunks, the next chunk's loads and the last chunk's store in flight.
 
+The Householder form (DeltaProduct, `householder_delta_product`: `r = n_h` sub-steps per token,
+each with its own key, value and beta; docs/mosaic_gpu.md#the-householder-form) takes the same
+rows with `k` `[B, Tp, n_h, Hk, K]`: row `(a, t)` is sub-step `a` of token `t`, and the sub-steps
+of a token follow each other, so
+
+  A0[(a,t),(d,s)] = beta_(a,t) <k_(a,t), k_(d,s)>     for s < t, or s = t and d < a
+
+and the block of a token with itself is strictly lower, not zero: the merges start from its
+inverse, `(I + L)^-1 = (I - L)(I + L^2)(I + L^4)...` (L nilpotent), formed on the tensor cores.
+
 The Gram tiles of all key blocks come from one product: `Krep Kb^T`, with `Krep` the chunk's keys
 repeated for each block `a` and `Kb` the same with every column outside block `a` zeroed, so
 `(Krep Kb^T)[(a,t),(d,s)] = <k_t^(d), k_s^(d)>`. No key block is ever sliced, so `K / r < 16`
@@ -44,6 +54,7 @@ from pallas_kernels.mosaic_gpu.common import (
   ROWS_PER_CHUNK,
   WGMMA,
   bcast_rows,
+  block_of,
   check_smem,
   chunk_tokens,
   compiler_params,
@@ -110,7 +121,11 @@ def chunk_inverse(
       solve compiled, the merges in the interpreter (which runs no raw Mosaic GPU code).
     interpret: None on a GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
   """
-  batch, padded, key_heads, key_dim = k.shape
+  householder = k.ndim == 5
+  if householder:  # [B, Tp, n_h, Hk, K]: the Householder form's sub-step keys
+    batch, padded, _, key_heads, key_dim = k.shape
+  else:
+    batch, padded, key_heads, key_dim = k.shape
   heads = beta_rows.shape[1]
   if heads % key_heads:
     raise ValueError(f"beta_rows: {heads} value heads, not a multiple of k's {key_heads} heads")
@@ -123,6 +138,8 @@ def chunk_inverse(
     raise ValueError(f"beta_rows: shape {beta_rows.shape}, expected {(batch, heads, padded * r)}")
   if mask_rows.ndim != 5 or mask_rows.shape[-1] != N:
     raise ValueError(f"mask_rows: shape {mask_rows.shape}, expected [Bm, Hm, NCm, r, {N}]")
+  if householder and k.shape[2] != r:
+    raise ValueError(f"k: {k.shape[2]} sub-steps per token, mask_rows says r={r}")
   nc = padded // c
   cpp = chunks_per_program or default_chunks_per_program(batch, heads, nc)
   if nc % cpp:
@@ -132,12 +149,16 @@ def chunk_inverse(
   dk = key_dim // r
   staged = interpret is not None
   if diag_solve is None:
-    diag_solve = not staged
+    diag_solve = not staged and not householder
+  if diag_solve and householder:
+    raise ValueError("diag_solve=True: the solve does not couple a token's sub-steps")
   if diag_solve and staged:
     raise ValueError("diag_solve=True: the Mosaic GPU interpreter runs no raw Mosaic GPU code")
   itemsize = jnp.dtype(dtype).itemsize
   n_bufs = 2 if staged else 1  # b, and in the interpreter a
-  tiles = (2 + (r > 1)) * N * key_dim * itemsize + (2 + n_bufs) * N * N * itemsize
+  tiles = (2 + (r > 1 and not householder)) * N * key_dim * itemsize + (
+    2 + n_bufs
+  ) * N * N * itemsize
   solve_bytes = 2 * N * (N + diag_solve_mod.PAD) * 4 if diag_solve else 0
   check_smem("chunk_inverse", tiles + solve_bytes + 2 * (r + 1) * N * 4)
 
@@ -149,7 +170,7 @@ def chunk_inverse(
     t_s=smem((2, N, N), dtype),  # double-buffered: a chunk's store leaves while the next runs
     bar=plgpu.Barrier(num_arrivals=r + 2, num_barriers=2),
   )
-  if r > 1:
+  if r > 1 and not householder:
     scratch["kb_s"] = smem((N, key_dim), dtype)
   if diag_solve:
     scratch["solve_s"] = diag_solve_mod.scratch()
@@ -164,10 +185,10 @@ def chunk_inverse(
     def issue(i, slot):
       n = nb * cpp + i
       rows = pl.ds(n * c, c)
+      hk = lax.div(h, group)
       for a in range(r):
-        plgpu.copy_gmem_to_smem(
-          k_ref.at[b, rows, lax.div(h, group)], krep_s.at[slot].at[pl.ds(a * c, c)], bar.at[slot]
-        )
+        src = k_ref.at[b, rows, a, hk] if householder else k_ref.at[b, rows, hk]
+        plgpu.copy_gmem_to_smem(src, krep_s.at[slot].at[pl.ds(a * c, c)], bar.at[slot])
       plgpu.copy_gmem_to_smem(beta_ref.at[b, h, pl.ds(n * N, N)], beta_s.at[slot], bar.at[slot])
       mn = n if m_n > 1 else 0
       plgpu.copy_gmem_to_smem(m_ref.at[mb, mh, mn], m_s.at[slot], bar.at[slot])
@@ -176,6 +197,9 @@ def chunk_inverse(
     sq = (N, N)
     tok_r, tok_c = token_of(iota(sq, 0), c), token_of(iota(sq, 1), c)
     eye = (iota(sq, 0) == iota(sq, 1)).astype(F32)
+    earlier = tok_r > tok_c
+    if householder:  # and the earlier sub-steps of the same token
+      earlier = earlier | ((tok_r == tok_c) & (block_of(iota(sq, 0), c) > block_of(iota(sq, 1), c)))
 
     @pl.loop(0, cpp)
     def _chunk(i):
@@ -188,7 +212,7 @@ def chunk_inverse(
         issue(i + 1, 1 - slot)
 
       keys = krep_s.at[slot]
-      if r == 1:
+      if r == 1 or householder:
         gram = matmul(keys, keys.T, sq)
       else:
         kshape = (N, key_dim)
@@ -198,10 +222,20 @@ def chunk_inverse(
         plgpu.commit_smem()
         gram = matmul(keys, kb_s.T, sq)  # [(a,t),(d,s)] = <k_t^(d), k_s^(d)>
       coef = bcast_rows(plgpu.load(beta_s.at[slot], layout=ROWS), sq)
-      coef = coef * mask_matrix(m_s.at[slot], sq, c, r)
-      a0 = jnp.where(tok_r > tok_c, gram * coef, 0.0)
+      if not householder:
+        coef = coef * mask_matrix(m_s.at[slot], sq, c, r)
+      a0 = jnp.where(earlier, gram * coef, 0.0)
 
-      if diag_solve:  # groups of 16 rows exactly in float32, then merges
+      if householder:  # each token's own block: (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...
+        low = jnp.where(tok_r == tok_c, a0, 0.0)
+        x = eye - low
+        power = 2
+        while power < r:
+          low = _product(low, low, bufs, dtype)
+          x = _product(x, eye + low, bufs, dtype)
+          power *= 2
+        size = 2
+      elif diag_solve:  # groups of 16 rows exactly in float32, then merges
         x = diag_solve_mod.diag_block_inverse(a0, solve_s, r)
         size = 2 * diag_solve_mod.BLOCK_ROWS // r
       else:  # token groups of 2: X = I - L exactly (X = I before)

@@ -181,13 +181,18 @@ def chunk_decay(g_rows: jax.Array, g_cols: jax.Array, tokens: int) -> jax.Array:
   return jnp.exp(jnp.where(later, bcast_rows(g_rows, sq) - bcast_cols(g_cols, sq), -jnp.inf))
 
 
-def gate_stage(kb_ref, kw_ref, t_ref, m_ref, g_rows, g_cols, beta_cols, block_width, r, dtype):
+def gate_stage(
+  kb_ref, kw_ref, t_ref, m_ref, g_rows, g_cols, beta_cols, block_width, r, dtype, mask_keys=None
+):
   """A walk's stage made ready, in place: for r > 1 the keys repeated per block (`kb_ref`) into Kb
   and the masked keys Kw (`kw_ref`), and T0 (`t_ref`) into `Ag = T0 ⊙ Dec ⊙ beta_s`. Returns Kb
-  in registers (16-bit; None for r = 1, where the keys are Kb already)."""
+  in registers (16-bit; None for r = 1, where the keys are Kb already, and with
+  `mask_keys=False`: the Householder form's sub-step keys, Kb = Kw as loaded)."""
   tokens = ROWS_PER_CHUNK // r
   kb_lo = None
-  if r > 1:
+  if mask_keys is None:
+    mask_keys = r > 1
+  if mask_keys:
     kshape = kb_ref.shape
     kfull = plgpu.load(kb_ref, layout=WGMMA).astype(F32)
     kw_ref[...] = (kfull * mask_matrix(m_ref, kshape, block_width, r)).astype(dtype)

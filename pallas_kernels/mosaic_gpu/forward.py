@@ -4,7 +4,8 @@
 `[B, T, H, ...]`) and returns `(o, final_state)`. It pads the time axis to whole chunks with no-op
 tokens and the value axis to whole 64-column tiles (docs/chunked_form.md#padding), forms the
 chunk-local cumulative log-decay `gamma` (docs/chunked_form.md#gamma) and the mask rows the
-kernels read, then runs `chunk_inverse` and `state_walk_ws`.
+kernels read, then runs `chunk_inverse` and `state_walk_ws`. `householder_forward` does the same
+for the Householder form (n_h sub-steps per token, `householder_delta_product`).
 """
 
 from __future__ import annotations
@@ -107,6 +108,16 @@ def pad_axes(x: jax.Array, time: int, last: int = 0) -> jax.Array:
   return jnp.pad(x, widths) if time or last else x
 
 
+def chunk_gamma(g, shape, padded: int, c: int) -> jax.Array:
+  """`[B, H, Tp]` float32: the chunk-local cumulative log-decay of g `[B, T, H]` (or None: zeros)
+  over chunks of `c` tokens, after the padding (docs/chunked_form.md#gamma)."""
+  batch, t_len, heads = shape
+  g32 = jnp.zeros(shape, F32) if g is None else g.astype(F32)
+  g32 = jnp.maximum(g32, MIN_LOG_DECAY)
+  g_hm = jnp.swapaxes(pad_axes(g32, padded - t_len), 1, 2)  # [B, H, Tp]
+  return jnp.cumsum(g_hm.reshape(batch, heads, padded // c, c), axis=-1).reshape(g_hm.shape)
+
+
 def prepare(q, k, v, g, beta, mask, scale) -> Operands:
   """Pads the time axis to whole chunks with no-op tokens and V to whole 64-column tiles
   (docs/chunked_form.md#padding) and forms gamma (docs/chunked_form.md#gamma), the per-row
@@ -121,10 +132,7 @@ def prepare(q, k, v, g, beta, mask, scale) -> Operands:
   if v is not None:
     vp = -(-v.shape[-1] // BLOCK_V) * BLOCK_V
     v = pad_axes(v, pt, vp - v.shape[-1])
-  g32 = jnp.zeros((batch, t_len, heads), F32) if g is None else g.astype(F32)
-  g32 = jnp.maximum(g32, MIN_LOG_DECAY)
-  g_hm = jnp.swapaxes(pad_axes(g32, pt), 1, 2)  # [B, H, Tp]
-  gamma = jnp.cumsum(g_hm.reshape(batch, heads, padded // c, c), axis=-1).reshape(g_hm.shape)
+  gamma = chunk_gamma(g, (batch, t_len, heads), padded, c)
   beta_hm = jnp.swapaxes(pad_axes(beta.astype(F32), pt), 1, 2)
   if scale is None:
     scale = key_dim**-0.5
@@ -202,3 +210,73 @@ def forward(
     final = jnp.swapaxes(s_t, 2, 3)[..., :value_dim]
   extra = ((t0,) if return_inverse else ()) + tuple(states)
   return (o, final, *extra) if extra else (o, final)
+
+
+def householder_forward(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array | None,
+  beta: jax.Array,
+  *,
+  scale: float | jax.Array | None = None,
+  initial_state: jax.Array | None = None,
+  output_final_state: bool = False,
+  interpret=None,
+):
+  """The Householder form's forward on the Mosaic GPU kernels: `(o [B, T, H, V], final state
+  [B, H, K, V] float32 or None)`.
+
+  q `[B, T, Hk, K]`, g `[B, T, H]` (or None) one row per token; k `[B, T n_h, Hk, K]`, v
+  `[B, T n_h, H, V]`, beta `[B, T n_h, H]` the `n_h` sub-steps of every token, sub-step `a` of
+  token `t` at `t n_h + a` (flash-linear-attention's `chunk_gated_delta_product` layout). The
+  kernels take the sub-steps as the `r = n_h` rows of a token (`chunk_inverse`, `walk_ws`): chunks
+  of `64 / n_h` tokens, the sub-steps never laid out as tokens of their own.
+  """
+  batch, t_len, key_heads, key_dim = q.shape
+  heads, value_dim = v.shape[2], v.shape[-1]
+  n_h = k.shape[1] // t_len
+  c = chunk_tokens(n_h)
+  if k.shape != (batch, t_len * n_h, key_heads, key_dim) or v.shape[:2] != k.shape[:2]:
+    raise ValueError(f"k, v: shapes {k.shape}, {v.shape}, expected [B, T n_h, H, .], T = {t_len}")
+  if q.dtype != k.dtype or q.dtype != v.dtype or jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    raise TypeError(f"q, k, v: dtypes {q.dtype}, {k.dtype}, {v.dtype}: one of bfloat16, float16")
+  if key_dim not in (64, 128):
+    raise ValueError(f"q, k: K={key_dim} must be 64 or 128")
+  padded = -(-t_len // c) * c
+  pt = padded - t_len
+  vp = -(-value_dim // BLOCK_V) * BLOCK_V
+  k5 = pad_axes(k.reshape(batch, t_len, n_h, key_heads, key_dim), pt)
+  v5 = pad_axes(v.reshape(batch, t_len, n_h, heads, value_dim), pt, vp - value_dim)
+  gamma = chunk_gamma(g, (batch, t_len, heads), padded, c)
+  # beta per block-major row (a, t): sub-step a of token t
+  beta_hm = pad_axes(beta.astype(F32).reshape(batch, t_len, n_h, heads), pt)
+  beta_rows = jnp.transpose(beta_hm.reshape(batch, padded // c, c, n_h, heads), (0, 4, 1, 3, 2))
+  beta_rows = beta_rows.reshape(batch, heads, padded * n_h)
+  ones = jnp.ones((1, 1, 1, n_h, N), F32)  # no mask: its rows only say r
+  if scale is None:
+    scale = key_dim**-0.5
+  h0_t = None
+  if initial_state is not None:
+    h0_t = jnp.swapaxes(initial_state.astype(F32), 2, 3)
+    if vp != value_dim:
+      h0_t = jnp.pad(h0_t, [(0, 0), (0, 0), (0, vp - value_dim), (0, 0)])
+  t0 = chunk_inverse(k5, beta_rows, ones, interpret=interpret)
+  o, s_t = state_walk_ws(
+    pad_axes(q, pt),
+    k5,
+    v5,
+    t0,
+    gamma,
+    block_rows(gamma, n_h),
+    beta_rows,
+    ones,
+    jnp.broadcast_to(jnp.asarray(scale, F32), (4,)),
+    h0_t,
+    block_v=BLOCK_V,
+    output_final_state=output_final_state,
+    interpret=interpret,
+  )
+  o = o[:, :t_len, :, :value_dim]
+  final = None if s_t is None else jnp.swapaxes(s_t, 2, 3)[..., :value_dim]
+  return o, final

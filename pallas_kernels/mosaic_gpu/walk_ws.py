@@ -31,6 +31,12 @@ the serial chain:
   products `S^T Kw^T`, `X^T Ag^T`, `v_new^T Kb`, publishing `S^T` and `v_new^T` (16-bit, double
   buffered) for warpgroup 1.
 
+The Householder form (`householder_delta_product` with `r = n_h` sub-steps per token;
+docs/mosaic_gpu.md#the-householder-form) takes k `[B, Tp, n_h, Hk, K]` and v `[B, Tp, n_h, H, V]`:
+row `(a, t)` holds sub-step `a` of token `t`, its own key and value, so `Kb = Kw` are the loaded
+keys and `Vrep` the loaded values (no block zeroing, no mask), with `chunk_inverse`'s T0 of the
+sub-steps; q, the gates and the output stay one row per token.
+
 w, u, v_new and the per-chunk states never reach HBM. The chain's left operands stay in registers
 and the state update accumulates into the decayed state (`common.matmul_reg`), so no product on
 the chain waits for a shared-memory store; in the Mosaic GPU interpreter, which runs neither, they
@@ -73,15 +79,21 @@ N = ROWS_PER_CHUNK
 
 def walk_dims(q, k, v, t0, mask_rows, block_v):
   """The walk's argument checks; returns (B, T padded, H, K, V, r, C, chunks, group) with H the
-  value heads and `group` value heads per key head (grouped value heads)."""
-  batch, padded, key_heads, key_dim = k.shape
-  heads, value_dim = v.shape[2], v.shape[-1]
+  value heads and `group` value heads per key head (grouped value heads). k and v of rank 5 are
+  the Householder form's sub-steps (module docstring)."""
+  k_shape, v_shape = k.shape, v.shape
+  if k.ndim == 5:  # one sub-step's shapes
+    if v.ndim != 5 or k.shape[2] != v.shape[2] or k.shape[2] != mask_rows.shape[-2]:
+      raise ValueError(f"k, v: shapes {k.shape}, {v.shape}, expected [B, T, n_h, H, .], n_h = r")
+    k_shape, v_shape = k.shape[:2] + k.shape[3:], v.shape[:2] + v.shape[3:]
+  batch, padded, key_heads, key_dim = k_shape
+  heads, value_dim = v_shape[2], v_shape[-1]
   r = mask_rows.shape[-2]
   c = chunk_tokens(r)
   dtype = k.dtype
-  if q.shape != k.shape or q.dtype != dtype or v.dtype != dtype:
+  if q.shape != k_shape or q.dtype != dtype or v.dtype != dtype:
     raise ValueError(f"q, k, v: shapes {q.shape}, {k.shape}, {v.shape} / dtypes must agree")
-  if v.shape[:2] != (batch, padded) or heads % key_heads:
+  if v_shape[:2] != (batch, padded) or heads % key_heads:
     raise ValueError(f"v: shape {v.shape}, expected [B, T, H, V] with H a multiple of {key_heads}")
   if padded % c:
     raise ValueError(f"k: length {padded} must be a multiple of the chunk {c} (r={r})")
@@ -150,6 +162,8 @@ def state_walk_ws(
   """
   dims = walk_dims(q, k, v, t0, mask_rows, block_v)
   batch, padded, heads, key_dim, value_dim, r, c, nc, group = dims
+  householder = k.ndim == 5
+  masked_keys = r > 1 and not householder  # Kb and Kw formed from the keys
   dtype = k.dtype
   m_b, m_h, m_n = mask_rows.shape[:3]
   has_h0 = initial_state_t is not None
@@ -191,7 +205,7 @@ def state_walk_ws(
     sc_bar=plgpu.Barrier(),
     done=plgpu.Barrier(num_arrivals=3),
   )
-  if r > 1:
+  if masked_keys:
     scratch["kw_s"] = smem((stages, N, key_dim), dtype)
   if staged:
     scratch["xt_s"] = smem((bv, N), dtype)
@@ -238,8 +252,10 @@ def state_walk_ws(
         plgpu.copy_gmem_to_smem(beta_ref.at[b, h, chunk_rows], b_cols.at[slot], bar)
         for a in range(r):  # tiles: C-row pieces stay 1024-byte aligned for every r
           part = pl.ds(a * c, c)
-          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], kb_s.at[slot].at[part], bar)
-          plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols_v], vrep_s.at[slot].at[part], bar)
+          k_src = k_ref.at[b, rows, a, hk] if householder else k_ref.at[b, rows, hk]
+          v_src = v_ref.at[b, rows, a, h, cols_v] if householder else v_ref.at[b, rows, h, cols_v]
+          plgpu.copy_gmem_to_smem(k_src, kb_s.at[slot].at[part], bar)
+          plgpu.copy_gmem_to_smem(v_src, vrep_s.at[slot].at[part], bar)
 
       for n in range(min(stages, nc)):
         issue(n, n)
@@ -279,8 +295,9 @@ def state_walk_ws(
         key_decay = jnp.exp(g_c)
         g_end = g_last[slot, N - 1]
         stage_s = st_pub.at[half] if staged else None
-        if r == 1:  # the mask is one number per token: it scales the columns of S^T k^T
-          key_decay = key_decay * plgpu.load(m_s.at[slot].at[0], layout=COLS)
+        if not masked_keys:  # Kw = Kb: the loaded keys
+          if r == 1:  # the mask is one number per token: it scales the columns of S^T k^T
+            key_decay = key_decay * plgpu.load(m_s.at[slot].at[0], layout=COLS)
           pw = matmul_reg(s_lo, kb_s.at[slot].T, wshape, stage=stage_s)
           plgpu.barrier_wait(prep_ready.at[slot])
         else:
@@ -329,8 +346,20 @@ def state_walk_ws(
         g_r = plgpu.load(g_rows.at[slot], layout=ROWS)
         g_c = plgpu.load(g_cols.at[slot], layout=COLS)
         b_c = plgpu.load(b_cols.at[slot], layout=COLS)
-        kw = kw_s.at[slot] if r > 1 else None
-        gate_stage(kb_s.at[slot], kw, t_s.at[slot], m_s.at[slot], g_r, g_c, b_c, dk, r, dtype)
+        kw = kw_s.at[slot] if masked_keys else None
+        gate_stage(
+          kb_s.at[slot],
+          kw,
+          t_s.at[slot],
+          m_s.at[slot],
+          g_r,
+          g_c,
+          b_c,
+          dk,
+          r,
+          dtype,
+          mask_keys=masked_keys,
+        )
         plgpu.commit_smem()
         plgpu.barrier_arrive(prep_ready.at[slot])
         # The intra-chunk scores, transposed: (Kb q^T ⊙ D)^T.

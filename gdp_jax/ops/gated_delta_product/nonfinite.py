@@ -66,18 +66,26 @@ def _bad_rows(x, batch, t_len, heads, local=False):
   return jnp.broadcast_to(bad, (batch, t_len, heads))
 
 
-def clean(q, k, v, g, beta, mask, *, local=False):
+def clean(q, k, v, g, beta, mask, *, local=False, substeps=1):
   """(cleaned (q, k, v, g, beta, mask), Marks) for the operator's normalised inputs:
   q, k [B, T, Hk, K] (Hk = H, or a divisor of H: grouped value heads); v [B, T, H, V];
-  g, beta [B, T, H]; mask [Bm, Tm, Hm, r, r]. Marks are per value head.
+  g, beta [B, T, H]; mask [Bm, Tm, Hm, r, r] (or None). Marks are per value head.
 
   local: the arrays are whole on this device (the Pallas kernels' guard, which runs per device:
   gdp_jax/ops/gated_delta_product/partitioning.py), so the reductions may flatten them (a
-  flattened sharded array would be gathered first)."""
-  batch, t_len, heads = v.shape[:3]
-  rows = lambda x: _bad_rows(x, batch, t_len, heads, local)
-  bad_state = rows(k) | rows(v) | rows(beta) | rows(mask) | jnp.isnan(g) | (g == jnp.inf)
-  bad_q = rows(q)
+  flattened sharded array would be gathered first).
+  substeps: the Householder form's n_h (householder_delta_product): k, v and beta hold T n_h
+  sub-steps, n_h per token, and a bad sub-step spoils the state from its token on."""
+  batch, t_sub, heads = v.shape[:3]
+  t_len = t_sub // substeps
+  sub_rows = lambda x: _bad_rows(x, batch, t_sub, heads, local)
+  bad_sub = sub_rows(k) | sub_rows(v) | sub_rows(beta)
+  if mask is not None:
+    bad_sub = bad_sub | sub_rows(mask)
+  if substeps > 1:
+    bad_sub = jnp.any(bad_sub.reshape(batch, t_len, substeps, heads), axis=2)
+  bad_state = bad_sub | jnp.isnan(g) | (g == jnp.inf)
+  bad_q = _bad_rows(q, batch, t_len, heads, local)
   # The state is bad from the first bad token on. One reduction over time finds it (a running
   # "or", `lax.cummax`, is a scan of many small kernels on a GPU).
   t = jax.lax.broadcasted_iota(jnp.int32, bad_state.shape, 1)
@@ -86,7 +94,8 @@ def clean(q, k, v, g, beta, mask, *, local=False):
   marks = Marks(o=spoiled | bad_q, final=first_bad < t_len)
   zero = lambda x: jnp.where(_finite(x), x, jnp.zeros((), x.dtype))
   g = jnp.where(jnp.isnan(g) | (g == jnp.inf), jnp.zeros((), g.dtype), g)
-  return (zero(q), zero(k), zero(v), g, zero(beta), zero(mask)), marks
+  mask = None if mask is None else zero(mask)
+  return (zero(q), zero(k), zero(v), g, zero(beta), mask), marks
 
 
 def mark(o, final, marks):

@@ -27,6 +27,8 @@ records its final state after its last.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +36,7 @@ import numpy as np
 from gdp_jax.ops import dispatch
 from gdp_jax.ops.gated_delta_product import varlen
 from gdp_jax.ops.gated_delta_product.api import gated_delta_product
+from gdp_jax.ops.householder import mosaic_gpu as householder_mosaic
 from gdp_jax.ops.householder.reference import householder_reference
 from gdp_jax.ops.step.api import gated_delta_product_step
 from gdp_jax.ops.validation import (
@@ -249,6 +252,67 @@ def householder_delta_product(
     o, final = householder_reference(q, k, v, g, beta, initial_state, scale, n_h, cu)
     return o.astype(q.dtype), (final if output_final_state else None)
 
+  if (
+    implementation == "mosaic_gpu"
+    and cu_seqlens is None
+    and householder_mosaic.supported(q, k, v, n_h, chunk_size)
+  ):
+    substeps = functools.partial(
+      _substep_path,
+      n_h=n_h,
+      scale=scale,
+      output_final_state=output_final_state,
+      chunk_size=chunk_size,
+      implementation=implementation,
+      precision=precision,
+    )
+    return householder_mosaic.householder_mosaic_gpu(
+      q,
+      k,
+      v,
+      g,
+      beta,
+      initial_state,
+      scale=scale,
+      n_h=n_h,
+      output_final_state=output_final_state,
+      substeps=substeps,
+    )
+  return _substep_path(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state,
+    n_h=n_h,
+    scale=scale,
+    output_final_state=output_final_state,
+    chunk_size=chunk_size,
+    implementation=implementation,
+    precision=precision,
+    cu_seqlens=cu_seqlens,
+  )
+
+
+def _substep_path(
+  q,
+  k,
+  v,
+  g,
+  beta,
+  initial_state,
+  *,
+  n_h,
+  scale,
+  output_final_state,
+  chunk_size,
+  implementation,
+  precision,
+  cu_seqlens=None,
+):
+  """The r = 1 operator `gated_delta_product` over the T*n_h sub-steps (`to_substeps`)."""
+  batch, t_len, heads, dim_v = q.shape[0], q.shape[1], v.shape[2], v.shape[3]
   q_sub, g_sub = to_substeps(q, g, n_h)
   cu_sub = None
   if cu_seqlens is not None:
