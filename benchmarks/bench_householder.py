@@ -1,7 +1,8 @@
 """Time the Householder DeltaProduct beside flash-linear-attention's (GPU; not a test).
 
   python benchmarks/bench_householder.py --out householder.json [--shape 8,4096,16,128,128]
-      [--nh 1,2,3] [--reps 15] [--no-fla] [--dump DIR] [--packed N]
+      [--nh 1,2,3] [--reps 15] [--no-fla] [--dump DIR] [--packed N] [--modes fwd,fwdbwd]
+      [--no-extras]
 
 For each n_h: ours (`gdp_jax.householder_delta_product`, implementation "pallas") and
 flash-linear-attention's `chunk_gated_delta_product` on the same inputs (made in PyTorch, copied
@@ -16,6 +17,7 @@ each token's last sub-step), and once the r = 1 operator at T tokens (`r1_at_T`:
 benchmark's figure, for the scaling from T to T*n_h). Then ours / r1 (`gap_*`) says what the
 Householder form adds to the operator it runs.
 
+--modes: the modes timed (default both); --no-extras: no sub-step, slice and r1_at_T timings.
 --no-fla: no PyTorch at all (inputs made with jax.random in the same regime), to time ours alone
 in the process. --dump DIR: the GPU's optimised HLO of the forward of ours and of r1 (which
 fusions and copies surround the kernels). Off a GPU the kernels are interpreted (slow): for a
@@ -202,7 +204,10 @@ def main(argv=None):
   p.add_argument("--no-fla", action="store_true", help="ours and the r = 1 operator only")
   p.add_argument("--dump", default=None, help="write the forward's optimised HLO here")
   p.add_argument("--packed", type=int, default=0, help="N packed sequences (cu_seqlens)")
+  p.add_argument("--modes", default="fwd,fwdbwd", help="fwd, fwdbwd or both")
+  p.add_argument("--no-extras", action="store_true", help="no sub-step, slice and r1_at_T timings")
   args = p.parse_args(argv)
+  modes = args.modes.split(",")
   shape = tuple(int(s) for s in args.shape.split(","))
   B, T, H, K, V = shape
   if not args.no_fla:
@@ -279,10 +284,17 @@ def main(argv=None):
       dump_hlo(args.dump, f"ours_fwd_nh{nh}", ours(nh, "fwd"), jin)
       dump_hlo(args.dump, f"r1_fwd_nh{nh}", r1("fwd"), sub)
     # JAX figures first (nothing of PyTorch's runs between them), then flash-linear-attention's
-    for mode in ("fwd", "fwdbwd"):
+    for mode in modes:
       timed(case, f"ours_{mode}_ms", ours(nh, mode), jin)
       timed(case, f"r1_{mode}_ms", r1(mode), sub)
       case[f"gap_{mode}"] = case[f"ours_{mode}_ms"] / case[f"r1_{mode}_ms"]
+    if not args.no_fla:
+      for mode in modes:
+        case[f"fla_{mode}_ms"] = fla_time(inputs, nh, mode, args.reps)
+        case[f"ratio_{mode}"] = case[f"ours_{mode}_ms"] / case[f"fla_{mode}_ms"]
+        save(case)
+    if args.no_extras:
+      continue
     to_sub = jax.jit(lambda q, g: to_substeps(q, g, nh))
     timed(case, "substeps_ms", to_sub, (q, g))
     last = jax.jit(lambda o: o.reshape(B, T, nh, H, V)[:, :, -1])
@@ -292,13 +304,8 @@ def main(argv=None):
       at_t = dict(tokens=T)
       result["r1_at_T"] = at_t
       first = [q, k[:, :T], v[:, :T], g, beta[:, :T]]
-      for mode in ("fwd", "fwdbwd"):
+      for mode in modes:
         timed(at_t, f"{mode}_ms", r1(mode), first)
-    if not args.no_fla:
-      for mode in ("fwd", "fwdbwd"):
-        case[f"fla_{mode}_ms"] = fla_time(inputs, nh, mode, args.reps)
-        case[f"ratio_{mode}"] = case[f"ours_{mode}_ms"] / case[f"fla_{mode}_ms"]
-        save(case)
   return 0
 
 

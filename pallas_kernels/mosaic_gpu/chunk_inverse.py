@@ -31,7 +31,8 @@ of a token follow each other, so
   A0[(a,t),(d,s)] = beta_(a,t) <k_(a,t), k_(d,s)>     for s < t, or s = t and d < a
 
 and the block of a token with itself is strictly lower, not zero: the merges start from its
-inverse, `(I + L)^-1 = (I - L)(I + L^2)(I + L^4)...` (L nilpotent), formed on the tensor cores.
+inverse, `(I + L)^-1 = (I - L)(I + L^2)(I + L^4)...` (L nilpotent), formed on the tensor cores
+(compiled, the float32 solve of the 16-row blocks couples the sub-steps in order instead).
 
 The Gram tiles of all key blocks come from one product: `Krep Kb^T`, with `Krep` the chunk's keys
 repeated for each block `a` and `Kb` the same with every column outside block `a` zeroed, so
@@ -149,9 +150,7 @@ def chunk_inverse(
   dk = key_dim // r
   staged = interpret is not None
   if diag_solve is None:
-    diag_solve = not staged and not householder
-  if diag_solve and householder:
-    raise ValueError("diag_solve=True: the solve does not couple a token's sub-steps")
+    diag_solve = not staged
   if diag_solve and staged:
     raise ValueError("diag_solve=True: the Mosaic GPU interpreter runs no raw Mosaic GPU code")
   itemsize = jnp.dtype(dtype).itemsize
@@ -226,7 +225,10 @@ def chunk_inverse(
         coef = coef * mask_matrix(m_s.at[slot], sq, c, r)
       a0 = jnp.where(earlier, gram * coef, 0.0)
 
-      if householder:  # each token's own block: (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...
+      if diag_solve:  # groups of 16 rows exactly in float32, then merges
+        x = diag_solve_mod.diag_block_inverse(a0, solve_s, r, within_token=householder)
+        size = 2 * diag_solve_mod.BLOCK_ROWS // r
+      elif householder:  # each token's own block: (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...
         low = jnp.where(tok_r == tok_c, a0, 0.0)
         x = eye - low
         power = 2
@@ -235,9 +237,6 @@ def chunk_inverse(
           x = _product(x, eye + low, bufs, dtype)
           power *= 2
         size = 2
-      elif diag_solve:  # groups of 16 rows exactly in float32, then merges
-        x = diag_solve_mod.diag_block_inverse(a0, solve_s, r)
-        size = 2 * diag_solve_mod.BLOCK_ROWS // r
       else:  # token groups of 2: X = I - L exactly (X = I before)
         x = None
         size = 2

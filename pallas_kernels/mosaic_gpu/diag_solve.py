@@ -11,9 +11,12 @@ with forward substitution: thread `j` of the warpgroup's first `N = 64` threads 
 
 right-looking: once `x[(d, s)]` is final it is added into every later row of the group, so the
 dependent chain is one fused multiply-add per row, and rows of one token never couple (A0 is zero
-between them: docs/chunked_form.md#the-chunk-matrix-a). All threads of a group read the same
-entries of A0 (broadcast loads); the float32 buffers have padded rows so that the WGMMA layout's
-stores of eight rows land in different banks.
+between them: docs/chunked_form.md#the-chunk-matrix-a). In the Householder form (`within_token`,
+docs/mosaic_gpu.md#the-householder-form) a token's rows are its sub-steps in order, and row `(a, t)`
+also takes the token's earlier sub-steps `(d, t)`, `d < a`: the solve walks the rows in sub-step
+order `(t, a)` and adds each finished one into the later sub-steps of its own token too. All threads
+of a group read the same entries of A0 (broadcast loads); the float32 buffers have padded rows so
+that the WGMMA layout's stores of eight rows land in different banks.
 
 Pallas has no per-thread code, so this is raw Mosaic GPU (`plgpu.inline_mgpu`), which the Mosaic
 GPU interpreter does not run: interpreted, `chunk_inverse` merges the small groups on the tensor
@@ -42,10 +45,10 @@ def scratch() -> list:
   return [plgpu.SMEM((N, N + PAD), F32) for _ in range(2)]
 
 
-def diag_block_inverse(a0, bufs, r: int):
+def diag_block_inverse(a0, bufs, r: int, within_token: bool = False):
   """`X = (I + A0_16)^-1` as float32 WGMMA-layout registers `[N, N]`, with `A0_16` the part of
-  `a0` (float32 `[N, N]` registers, strictly lower in token order) inside the 16-row groups;
-  zero outside those blocks. `bufs`: `scratch()`."""
+  `a0` (float32 `[N, N]` registers, strictly lower in token order, or with `within_token` in
+  sub-step order) inside the 16-row groups; zero outside those blocks. `bufs`: `scratch()`."""
   c = chunk_tokens(r)
   group = BLOCK_ROWS // r  # tokens per 16-row group
 
@@ -83,14 +86,16 @@ def diag_block_inverse(a0, bufs, r: int):
       rest = {
         (a, t): arith.select(is_start(a, t), one, zero) for a in range(r) for t in range(group)
       }
-      for s in range(group):  # tokens in order; the blocks of one token do not couple
+      for s in range(group):  # tokens in order
         for d in range(r):
           x_ds = rest.pop((d, s))
           memref.store(x_ds, x_ref, [row(d, s), col])
-          for a in range(r):
-            for t in range(s + 1, group):
-              a_entry = memref.load(a_ref, [row(a, t), row(d, s)])
-              rest[(a, t)] = mlir_math.fma(arith.negf(a_entry), x_ds, rest[(a, t)])
+          later = [(a, t) for a in range(r) for t in range(s + 1, group)]
+          if within_token:  # and the token's later sub-steps
+            later += [(a, s) for a in range(d + 1, r)]
+          for a, t in later:
+            a_entry = memref.load(a_ref, [row(a, t), row(d, s)])
+            rest[(a, t)] = mlir_math.fma(arith.negf(a_entry), x_ds, rest[(a, t)])
     mgpu_utils.warpgroup_barrier()  # every column is written before X is read back
     return mgpu.FragmentedArray.load_untiled(x_ref, layout=mgpu.WGMMA_LAYOUT, optimized=False)
 
