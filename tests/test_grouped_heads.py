@@ -154,11 +154,12 @@ def _pallas_operands(jaxpr):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_pallas_forward_does_not_repeat_keys(packed):
+def test_pallas_kernels_do_not_repeat_keys(packed):
   """The fused forward's pallas_calls take q and k with their H key heads (K = 32 != V = 16, so
   a [.., HV, 32] operand could only be a repeated q or k), in a call without gradient and in the
-  forward of a gradient; the backward's kernels get them repeated (which shows the check can
-  fail)."""
+  forward of a gradient; so do the backward's kernels, whose one [.., HV, 32] operand is dq's
+  part per value head handed from bwd_dqkwg to bwd_wy (a repeated q and k would add one to every
+  kernel that reads them)."""
   from pallas_kernels.common.options import DEFAULT
 
   H, HV, K = 1, 2, 32
@@ -187,8 +188,13 @@ def test_pallas_forward_does_not_repeat_keys(packed):
     # k in chunk_fwd; q and k in chunk_state_output
     assert len(key_operands) == 3 * len(calls) // 2, calls
     assert all(s[2] == H for s in key_operands), calls
-  repeated = [s for c in shapes("grad") for s in c if len(s) == 4 and s[-1] == K and s[2] == HV]
-  assert repeated
+  grad_calls = shapes("grad")
+  per_value_head = [s for c in grad_calls for s in c if len(s) == 4 and s[-1] == K and s[2] == HV]
+  assert len(per_value_head) == 1, grad_calls
+  key_operands = [s for c in grad_calls for s in c if len(s) == 4 and s[-1] == K and s[2] == H]
+  # the forward's 3 and the backward's 9: k in recompute_w_u, chunk_state and bwd_wy, q and k in
+  # bwd_dv_local, bwd_dhu and bwd_dqkwg
+  assert len(key_operands) == 3 + 9, grad_calls
 
 
 @pytest.mark.parametrize("r,dtype", [(1, jnp.bfloat16), (2, jnp.float32)])

@@ -18,8 +18,8 @@ the residuals gamma and Ai.
 
 Grouped value heads (HV value heads for H key heads, docs/varlen.md#grouped-value-heads): the
 forward kernels read key head h // (HV / H) through their index maps, so q and k stay
-[B, T, H, K] in the forward and in the residuals; the backward repeats them (`expand_key_heads`)
-and sums dq and dk over each group (`sum_key_heads`).
+[B, T, H, K] in the forward, in the residuals and in the backward's kernels too (index maps);
+dq and dk come per value head and are summed over each group (`sum_key_heads`).
 
 Packed sequences (`cu_seqlens`, docs/varlen.md): the forward kernels read q, k, v, g and beta
 straight from the packed row and write o there (masked loads and stores at each chunk's tokens),
@@ -50,7 +50,7 @@ from gdp_jax.ops.autodiff import raise_if_differentiated
 from gdp_jax.ops.gated_delta_product import nonfinite, varlen, xla_backward
 from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY, GatedDeltaProductImplementation
 from gdp_jax.ops.gated_delta_product.xla_backward import reduce_dmask
-from gdp_jax.ops.heads import expand_key_heads, sum_key_heads
+from gdp_jax.ops.heads import sum_key_heads
 from pallas_kernels.common import cumsum
 from pallas_kernels.common import options as kernel_options
 from pallas_kernels.common.options import MAX_CHUNK_ROWS, KernelOptions
@@ -216,10 +216,9 @@ def _backward(scale, bt, opts, residuals, cotangents, table=None, kernels=None):
   if stored:
     return kernels.backward(scale, residuals, cotangents)
   do, dfinal = cotangents
-  # Grouped value heads: the backward kernels see HV heads throughout; q and k are repeated here
-  # and dq, dk summed over each group at the end.
+  # Grouped value heads: the backward kernels run over the HV value heads and read q and k at key
+  # head h // group through their index maps; dq, dk come per value head, summed over each group.
   key_heads, key_dtypes = q.shape[2], (q.dtype, k.dtype)
-  q, k = (expand_key_heads(x, v.shape[2]) for x in (q, k))
   r = mask.shape[-1]
   common = dict(chunk=bt, key_blocks=r)
   prec = dict(precision=opts.precision)
@@ -426,8 +425,8 @@ def gated_delta_product_pallas(
   scale: a Python number is passed to the kernels; an array (a traced scale under `jax.jit`, a
     learned one) runs them with 1 and multiplies o afterwards (o is linear in the scale).
   Grouped value heads (HV a multiple of H): the forward kernels read key head i // (HV // H) for
-  value head i through their index maps (no repeated copy of q and k); the backward repeats q and
-  k before its kernels and sums dq and dk over each group.
+  value head i through their index maps (no repeated copy of q and k), the backward kernels too;
+  dq and dk are summed over each group.
   Non-finite inputs: a nan or inf at token t changes nothing before t, forward and gradients
   (`_gdp_guarded`, docs/precision.md#non-finite-inputs).
   forward: None (the Triton forward kernels) or other forward kernels behind the same backward: a

@@ -108,9 +108,11 @@ def chunk_bwd_dhu(
   int32 [2, N] (chunk_start, num_chunks of each sequence; or `varlen.sequence_chunks` [4, N],
   whose rows 2 and 3 are unused here); dfinal and d initial_state are then
   [N, H, K, V] (an empty sequence's d initial_state is its dfinal) and the grid is
-  (V / block_v, N, H), one program per sequence walking its chunks last to first."""
-  bsz, t_len, heads, dim_k = q.shape
-  dim_v = do.shape[-1]
+  (V / block_v, N, H), one program per sequence walking its chunks last to first. q and k may have
+  H / group key heads for do's H value heads (read at key head h // group)."""
+  bsz, t_len, key_heads, dim_k = q.shape
+  heads, dim_v = do.shape[2], do.shape[-1]
+  group = heads // key_heads
   r = key_blocks
   nt = t_len // chunk
   bv = min(launch.block_v, dim_v)
@@ -123,8 +125,8 @@ def chunk_bwd_dhu(
   )
   state_spec, num_states = specs.state(dim_k, bv), bsz
   in_specs = [
-    specs.seq_tokens(t_len, dim_k),
-    specs.seq_tokens(t_len, dim_k),
+    specs.seq_tokens(t_len, dim_k, group=group),
+    specs.seq_tokens(t_len, dim_k, group=group),
     specs.seq_rows(t_len, r, dim_k),
     specs.seq_scalars(t_len),
     specs.seq_tokens(t_len, bv, v_block=True),

@@ -114,9 +114,11 @@ def chunk_bwd_dqkwg(
   float32; dw [B, H, Tp*r, K] in q's dtype (bwd_wy, its consumer, uses it in that dtype).
 
   launch.block_k: key columns per program (BK, at most K / r; None: K / r); launch.block_v: the
-  V piece of the inner loop (None: all of V)."""
-  bsz, t_len, heads, dim_k = q.shape
-  dim_v = do.shape[-1]
+  V piece of the inner loop (None: all of V). q and k may have H / group key heads for do's H
+  value heads (read at key head h // group); dq and dk have H heads, one per value head."""
+  bsz, t_len, key_heads, dim_k = q.shape
+  heads, dim_v = do.shape[2], do.shape[-1]
+  group = heads // key_heads
   r = key_blocks
   n = chunk * r
   dk = dim_k // r
@@ -125,13 +127,14 @@ def chunk_bwd_dqkwg(
   nkb = dim_k // bk
   f32 = jnp.float32
   cols = pl.BlockSpec((None, chunk, None, bk), lambda j, t, b, h: (b, t, h, j))
+  key_cols = pl.BlockSpec((None, chunk, None, bk), lambda j, t, b, h: (b, t, h // group, j))
   state = pl.BlockSpec((None, None, None, bk, dim_v), lambda j, t, b, h: (b, h, t, j, 0))
   dg_parts = backend.pallas_call(
     lambda *refs: _dqkwg_kernel(*refs, precision=precision, scale=scale, block_v=bv),
     grid=(nkb, t_len // chunk, bsz, heads),
     in_specs=[
-      cols,
-      cols,
+      key_cols,
+      key_cols,
       # v_new's rows of key block a = j // per_block
       pl.BlockSpec(
         (None, None, chunk, None, dim_v), lambda j, t, b, h: (b, h, t, j // per_block, 0)
@@ -149,8 +152,8 @@ def chunk_bwd_dqkwg(
       pl.BlockSpec((None, None, None, chunk), lambda j, t, b, h: (j, b, h, t)),
     ],
     out_shape=[
-      jax.ShapeDtypeStruct(q.shape, dq_dtype),
-      jax.ShapeDtypeStruct(q.shape, f32),
+      jax.ShapeDtypeStruct((bsz, t_len, heads, dim_k), dq_dtype),
+      jax.ShapeDtypeStruct((bsz, t_len, heads, dim_k), f32),
       jax.ShapeDtypeStruct((bsz, heads, t_len * r, dim_k), q.dtype),
       jax.ShapeDtypeStruct((nkb, *gcum.shape), f32),
     ],

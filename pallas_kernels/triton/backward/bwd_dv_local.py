@@ -47,16 +47,18 @@ def chunk_bwd_dv_local(
 ):
   """q, k [B, Tp, H, K]; gcum [B, H, Tp]; do [B, Tp, H, V] -> dv_local [B, H, Tp*r, V] in
   out_dtype (the operator's backward: do's dtype, as bwd_dhu stores dv_new = dv_local + ... in it;
-  accumulated in float32 either way)."""
-  bsz, t_len, heads, dim_k = q.shape
-  dim_v = do.shape[-1]
+  accumulated in float32 either way). q and k may have H / group key heads for do's H value heads
+  (read at key head h // group; docs/varlen.md#grouped-value-heads)."""
+  bsz, t_len, key_heads, dim_k = q.shape
+  heads, dim_v = do.shape[2], do.shape[-1]
+  group = heads // key_heads
   r = key_blocks
   out = backend.pallas_call(
     lambda *refs: _dv_local_kernel(*refs, precision=precision, r=r, scale=scale),
     grid=(t_len // chunk, bsz, heads),
     in_specs=[
-      specs.tokens(chunk, dim_k),
-      specs.tokens(chunk, dim_k),
+      specs.tokens(chunk, dim_k, group=group),
+      specs.tokens(chunk, dim_k, group=group),
       specs.scalars(chunk),
       specs.tokens(chunk, dim_v),
     ],

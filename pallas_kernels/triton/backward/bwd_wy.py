@@ -177,9 +177,11 @@ def wy_bwd(
   kernel's part in float32 before dk is stored, so the sum and its cast need no pass of their own.
 
   launch.block_k: the K piece (at most K / r; None: K / r); launch.block_v: the V piece
-  (None: all of V)."""
-  bsz, t_len, heads, dim_k = k.shape
-  dim_v = v.shape[-1]
+  (None: all of V). k may have H / group key heads for v's H value heads (read at key head
+  h // group); dk has H heads, one per value head."""
+  bsz, t_len, key_heads, dim_k = k.shape
+  heads, dim_v = v.shape[2], v.shape[-1]
+  group = heads // key_heads
   r = key_blocks
   specs.check_key_blocks(mask, r)
   n = chunk * r
@@ -194,7 +196,7 @@ def wy_bwd(
     kernel,
     grid=(t_len // chunk, bsz, heads),
     in_specs=[
-      specs.tokens(chunk, dim_k),
+      specs.tokens(chunk, dim_k, group=group),
       specs.tokens(chunk, dim_v),
       specs.scalars(chunk),
       specs.scalars(chunk),
@@ -212,7 +214,7 @@ def wy_bwd(
       specs.scalars(chunk),
     ],
     out_shape=[
-      jax.ShapeDtypeStruct(k.shape, dk_dtype),
+      jax.ShapeDtypeStruct((bsz, t_len, heads, dim_k), dk_dtype),
       jax.ShapeDtypeStruct(v.shape, dv_dtype),
       jax.ShapeDtypeStruct(beta.shape, f32),
       jax.ShapeDtypeStruct((bsz, heads, t_len, r, r), f32),

@@ -100,8 +100,8 @@ def chunk_state(
   whose rows 2 and 3 are unused here); initial_state and the final state are
   then [N, H, K, V] (an empty sequence's final state is its initial state) and the grid is
   (V / block_v, N, H), one program per sequence."""
-  bsz, t_len, heads, dim_k = k.shape
-  dim_v = u.shape[-1]
+  bsz, t_len, key_heads, dim_k = k.shape
+  heads, dim_v = u.shape[1], u.shape[-1]  # k may have H / group key heads (grouped value heads)
   r = key_blocks
   nt = t_len // chunk
   bv = min(launch.block_v, dim_v)
@@ -112,7 +112,7 @@ def chunk_state(
   kernel = functools.partial(_chunk_h_kernel, precision=precision, r=r, chunk=chunk, num_chunks=nt)
   state_spec, num_states = specs.state(dim_k, bv), bsz
   in_specs = [
-    specs.seq_tokens(t_len, dim_k),
+    specs.seq_tokens(t_len, dim_k, group=heads // key_heads),
     specs.seq_rows(t_len, r, dim_k),
     per_row_v,
     specs.seq_scalars(t_len),

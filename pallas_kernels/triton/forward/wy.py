@@ -31,9 +31,11 @@ def _wy_kernel(k_ref, v_ref, beta_ref, g_ref, mask_ref, ai_ref, w_ref, u_ref, *,
 def recompute_w_u(
   k, v, beta, mask, gcum, ai, *, chunk, key_blocks, launch=options.DEFAULT.wy, precision="ieee"
 ):
-  """-> w [B, H, Tp*r, K], u [B, H, Tp*r, V] in k's dtype."""
-  bsz, t_len, heads, dim_k = k.shape
-  dim_v = v.shape[-1]
+  """-> w [B, H, Tp*r, K], u [B, H, Tp*r, V] in k's dtype. k may have H / group key heads for
+  v's H value heads (read at key head h // group; docs/varlen.md#grouped-value-heads)."""
+  bsz, t_len, key_heads, dim_k = k.shape
+  heads, dim_v = v.shape[2], v.shape[-1]
+  group = heads // key_heads
   r = key_blocks
   specs.check_key_blocks(mask, r)
   n = chunk * r
@@ -41,7 +43,7 @@ def recompute_w_u(
     lambda *refs: _wy_kernel(*refs, precision=precision, r=r),
     grid=(t_len // chunk, bsz, heads),
     in_specs=[
-      specs.tokens(chunk, dim_k),
+      specs.tokens(chunk, dim_k, group=group),
       specs.tokens(chunk, dim_v),
       specs.scalars(chunk),
       specs.scalars(chunk),
