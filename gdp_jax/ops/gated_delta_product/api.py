@@ -173,11 +173,14 @@ def gated_delta_product(
   if dispatch.is_pallas(implementation):
     config.update(options=options, backward=backward, precision=kernel_precision)
   run = dispatch.entry(function, implementation, **config)
-  if dispatch.is_pallas(implementation) and cu_seqlens is None:
-    # Inputs sharded over batch and heads under jax.jit: the kernels run per device
-    # (docs/sharding.md#under-plain-jaxjit).
-    run = partitioning.per_device(run)
-  if cu_seqlens is not None:
+  if dispatch.is_pallas(implementation) and cu_seqlens is None and partitioning.partitions():
+    # Sharded inputs under jax.jit: the kernels run per device on their block of batch rows and
+    # heads, or context parallel on their piece of the sequence, each device padding its own
+    # block to whole chunks (docs/sharding.md#under-plain-jaxjit).
+    o, final = partitioning.partitioned(
+      run, q, k, v, g, beta, mask5, initial_state, scale, chunk_size
+    )
+  elif cu_seqlens is not None:
     o, final = run(
       q, k, v, g, beta, mask5, initial_state, scale, chunk_size, jnp.asarray(cu_seqlens)
     )
