@@ -19,7 +19,9 @@ A sequence-sharded input runs context parallel: the same checks, and the only da
 collectives are the all-gathers of the small float32 per-piece [.., K, K + V] states (in the
 forward, and again in the backward, which runs the transition call again): "sequence" has
 pieces of half a chunk (the backward differentiates the whole piece again), "batch x grouped
-heads x sequence" and the Householder case whole chunks (the first call's residuals saved).
+heads x sequence" and the Householder case whole chunks (the first call's residuals saved),
+"batch x sequence, T = 40" pieces of 10 tokens that each device pads to one chunk (no
+residuals saved: the backward runs the forward again on each piece).
 The Householder form (the operator over the T * n_h sub-steps) is checked likewise, on a
 batch x heads x sequence mesh.
 The one-token step and dense and paged GQA decode are checked the same way (forward only).
