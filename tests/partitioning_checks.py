@@ -8,16 +8,20 @@ subprocess with 8 simulated CPU devices:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/partitioning_checks.py
 
 Each case places the inputs with `NamedSharding`s (batch, heads, batch x heads, grouped value
-heads, the sequence) and runs `gated_delta_product(..., implementation="triton")` and its
-gradients under one `jax.jit`: outputs, final state and every gradient equal one device (the
-"reference" implementation); o, the final state and the gradients keep the inputs' sharding; and
-the compiled program has no all-gather, all-to-all or collective-permute (the only collective
-allowed is the all-reduce that sums a broadcast mask's gradient over the devices sharing it).
+heads, the sequence; two with T = 40, not a multiple of the chunk, which each device pads on its
+own block or piece, so nothing is resharded) and runs
+`gated_delta_product(..., implementation="triton")` and its gradients under one `jax.jit`:
+outputs, final state and every gradient equal one device (the "reference" implementation); o,
+the final state and the gradients keep the inputs' sharding; and the compiled program has no
+all-gather, all-to-all or collective-permute (the only collective allowed is the all-reduce
+that sums a broadcast mask's gradient over the devices sharing it).
 A sequence-sharded input runs context parallel: the same checks, and the only data-moving
 collectives are the all-gathers of the small float32 per-piece [.., K, K + V] states (in the
 forward, and again in the backward, which runs the transition call again): "sequence" has
 pieces of half a chunk (the backward differentiates the whole piece again), "batch x grouped
-heads x sequence" and the Householder case whole chunks (the first call's residuals saved).
+heads x sequence" and the Householder case whole chunks (the first call's residuals saved),
+"batch x sequence, T = 40" pieces of 10 tokens that each device pads to one chunk (no
+residuals saved: the backward runs the forward again on each piece).
 The Householder form (the operator over the T * n_h sub-steps) is checked likewise, on a
 batch x heads x sequence mesh.
 The one-token step and dense and paged GQA decode are checked the same way (forward only).
@@ -63,15 +67,17 @@ TOL = 2e-5
 GRAD_TOL = 1e-4
 B, T, H, K, V = 2, 32, 4, 16, 8
 
-# (name, mesh axes {name: size}, r, mask kind, initial state, grouped value heads): the axes
-# "data" split the batch, "model" the heads, "seq" the sequence.
+# (name, mesh axes {name: size}, r, mask kind, initial state, grouped value heads[, T]): the
+# axes "data" split the batch, "model" the heads, "seq" the sequence. T = 40 is not a multiple
+# of the chunk (16): each device pads its own block or piece.
 CASES = [
-  ("batch", {"data": 2}, 1, None, True, False),
+  ("batch, T = 40", {"data": 2}, 1, None, True, False, 40),
   ("heads", {"model": 4}, 2, "head", False, False),
   ("batch x heads", {"data": 2, "model": 4}, 2, "shared", True, False),
   ("batch x grouped heads", {"data": 2, "model": 2}, 2, "token", True, True),
   ("sequence", {"seq": 4}, 2, "token", False, False),
   ("batch x grouped heads x sequence", {"data": 2, "model": 2, "seq": 2}, 2, "shared", True, True),
+  ("batch x sequence, T = 40", {"data": 2, "seq": 4}, 2, "head", True, False, 40),
 ]
 
 
@@ -105,9 +111,12 @@ def same_spec(a, b, ndim):
 
 
 def run_case(case, seed):
-  name, axes, r, mask_kind, with_state, grouped = case
+  name, axes, r, mask_kind, with_state, grouped, *length = case
   mesh = make_mesh(axes)
-  inp = make_inputs(seed, B=B, T=T, H=H, K=K, V=V, r=r, mask_kind=mask_kind, with_state=with_state)
+  t_len = length[0] if length else T
+  inp = make_inputs(
+    seed, B=B, T=t_len, H=H, K=K, V=V, r=r, mask_kind=mask_kind, with_state=with_state
+  )
   if grouped:  # two value heads per key head: q, k [B, T, H/2, K]
     inp["q"], inp["k"] = inp["q"][:, :, ::2], inp["k"][:, :, ::2]
   inp = {n: x for n, x in inp.items() if x is not None}

@@ -1,10 +1,11 @@
 """`gated_delta_product`: the public function: argument checks, normalisation, dispatch.
 
 The public operator (docs/operator.md). Every implementation receives the same normalised inputs:
-T padded to a multiple of the chunk (padding tokens have beta = 0, g = 0: exact no-ops), the mask
-as a 5-D array [Bm, Tm, Hm, r, r] that broadcasts against [B, T, HV, r, r], and a float32 state.
-q and k keep their H key heads (grouped value heads: v, g, beta, the mask and the state have
-HV = a multiple of H; each implementation maps them with `expand_key_heads`), see base.py. With
+T padded to a multiple of the chunk (padding tokens have beta = 0, g = 0: exact no-ops; on
+several devices the partitioning wrapper pads each device's block instead, partitioning.py), the
+mask as a 5-D array [Bm, Tm, Hm, r, r] that broadcasts against [B, T, HV, r, r], and a float32
+state. q and k keep their H key heads (grouped value heads: v, g, beta, the mask and the state
+have HV = a multiple of H; each implementation maps them with `expand_key_heads`), see base.py. With
 `cu_seqlens` (packed variable-length sequences, docs/varlen.md) T is not padded: the
 implementation's `varlen` method ("gated_delta_product_varlen" in gdp_jax/ops/dispatch.py) gets
 the offsets and an initial state per sequence, [N, HV, K, V].
@@ -173,11 +174,14 @@ def gated_delta_product(
   if dispatch.is_pallas(implementation):
     config.update(options=options, backward=backward, precision=kernel_precision)
   run = dispatch.entry(function, implementation, **config)
-  if dispatch.is_pallas(implementation) and cu_seqlens is None:
-    # Inputs sharded over batch and heads under jax.jit: the kernels run per device
-    # (docs/sharding.md#under-plain-jaxjit).
-    run = partitioning.per_device(run)
-  if cu_seqlens is not None:
+  if dispatch.is_pallas(implementation) and cu_seqlens is None and partitioning.partitions():
+    # Sharded inputs under jax.jit: the kernels run per device on their block of batch rows and
+    # heads, or context parallel on their piece of the sequence, each device padding its own
+    # block to whole chunks (docs/sharding.md#under-plain-jaxjit).
+    o, final = partitioning.partitioned(
+      run, q, k, v, g, beta, mask5, initial_state, scale, chunk_size
+    )
+  elif cu_seqlens is not None:
     o, final = run(
       q, k, v, g, beta, mask5, initial_state, scale, chunk_size, jnp.asarray(cu_seqlens)
     )

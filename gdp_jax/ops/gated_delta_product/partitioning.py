@@ -2,15 +2,17 @@
 (docs/sharding.md#under-plain-jaxjit).
 
 `partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)` calls an
-implementation (`run`, the normalised inputs of api.py) so that inputs sharded over the batch
+implementation (`run`, the normalised inputs of api.py, T not yet padded: each device pads its
+own block or piece to whole chunks, `padded_run`) so that inputs sharded over the batch
 and the heads run the kernels per device on their block, with no all-gather, and inputs
 sharded over the sequence run context parallel: the forward and the
 backward are each a per-shard call (gdp_jax/ops/partitioning.py) inside one `jax.custom_vjp`
 (custom_partitioning has no autodiff rule of its own). The forward's per-shard call returns o,
 the final state and the residuals of the implementation's pullback (for the kernels: the padded
 inputs, gamma and the chunk inverses), the backward's takes them back (`vjp_specs`). An
-implementation whose residuals `vjp_specs` cannot label gets a backward that runs the forward
-again on the device's block (`_recomputing_specs`).
+implementation whose residuals `vjp_specs` cannot label, and any T that is not a multiple of
+the chunk, gets a backward that runs the forward again on the device's block
+(`_recomputing_specs`).
 
 Labels (gdp_jax/ops/partitioning.py): q, k [B, T, H, K] "bth-"; v, o [B, T, HV, V] "btv-";
 g, beta [B, T, HV] "btv"; the state [B, HV, K, V] "bv--"; the mask [Bm, Tm, Hm, r, r] "btv--"
@@ -73,7 +75,7 @@ class _Forward:
   def __call__(self, *primals, sequence=(), blocks=()):
     if sequence:
       return _context_parallel(self, sequence, *primals)
-    return tuple(self.run(*primals, self.scale, self.chunk_size))
+    return tuple(self.padded(*primals))
 
   def split_extra_avals(self, *primals):
     return (jax.ShapeDtypeStruct(primals[6].shape, jnp.float32),)  # F, like the state
@@ -130,17 +132,24 @@ class _Forward:
     return dq + dq1, dk + dk1, dv, dg + dg1, dbeta + dbeta1, dmask + dmask1, dh0
 
   def padded(self, q, k, values, g, beta, mask, start):
-    """The implementation on a piece whose length need not be a multiple of the chunk: padded
-    with no-op tokens (beta = g = 0), o cut back."""
-    t_len = q.shape[1]
-    t_pad = -(-t_len // self.chunk_size) * self.chunk_size
-    pad = lambda x: (
-      x if t_pad == t_len else jnp.pad(x, [(0, 0), (0, t_pad - t_len)] + [(0, 0)] * (x.ndim - 2))
-    )
-    mask = mask if mask.shape[1] == 1 else pad(mask)
-    arrays = (pad(q), pad(k), pad(values), pad(g), pad(beta), mask, start)
-    o, final = self.run(*arrays, self.scale, self.chunk_size)
-    return o[:, :t_len], final
+    """The implementation on a block or piece whose length need not be a multiple of the chunk
+    (`padded_run`)."""
+    return padded_run(self.run, q, k, values, g, beta, mask, start, self.scale, self.chunk_size)
+
+
+def padded_run(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+  """`run` (an implementation that takes T a multiple of the chunk) on any T: padded with no-op
+  tokens (beta = g = 0), o cut back. Under the partitioning each device pads its own block or
+  piece, so a sequence split stays where it is (docs/sharding.md#under-plain-jaxjit)."""
+  t_len = q.shape[1]
+  t_pad = -(-t_len // chunk_size) * chunk_size
+  if t_pad == t_len:
+    return run(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - t_len)] + [(0, 0)] * (x.ndim - 2))
+  mask = mask if mask.shape[1] == 1 else pad(mask)
+  arrays = (pad(q), pad(k), pad(v), pad(g), pad(beta), mask, initial_state)
+  o, final = run(*arrays, scale, chunk_size)
+  return o[:, :t_len], final
 
 
 def _context_parallel(forward, sequence, q, k, v, g, beta, mask, h0):
@@ -176,8 +185,13 @@ def _operands(mask):
 @functools.lru_cache(maxsize=256)
 def _saving_specs(run, scale, chunk_size, avals):
   """The per-shard forward that saves the residuals of the implementation's pullback and the
-  backward that uses them (`vjp_specs`), or None (then `_recomputing_specs`)."""
+  backward that uses them (`vjp_specs`), or None (then `_recomputing_specs`): also when T is
+  not a multiple of the chunk, where each device pads its own block, so the residuals (of the
+  padded block) have no layout that follows the inputs' split and probing them with T doubled
+  would meet another pullback (one with no padding)."""
   q, _, v, _, _, mask, _ = avals
+  if q.shape[1] % chunk_size:
+    return None
   heads = q.shape[2]
   return vjp_specs(
     _Forward(run, scale, chunk_size),
@@ -234,10 +248,11 @@ _operator.defvjp(_operator_fwd, _operator_bwd)
 
 def partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
   """run(q, k, v, g, beta, mask, initial_state, scale, chunk_size) -> (o, final), per device
-  on its block of batch rows and heads under `jax.jit` (module docstring). `run` must be
+  on its block of batch rows and heads under `jax.jit` (module docstring). T need not be a
+  multiple of the chunk: each device pads its own block (`padded_run`). `run` must be
   hashable (an implementation instance) and differentiable with `jax.vjp`."""
   if every_axis_manual():  # inside shard_map: this device's block already
-    return run(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
+    return padded_run(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)
   if not isinstance(scale, (int, float)):
     o, final = partitioned(run, q, k, v, g, beta, mask, initial_state, 1.0, chunk_size)
     return (o.astype(jnp.float32) * scale).astype(o.dtype), final
@@ -247,13 +262,11 @@ def partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
     if "forward-mode autodiff" not in str(error):  # jax.jvp of the custom_vjp
       raise
   # forward mode: the implementation itself, unpartitioned (its derivative, or its clear error)
-  return run(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
+  return padded_run(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)
 
 
-def per_device(run):
-  """`run` with the same signature, partitioned (`partitioned`); `run` itself in a process with
-  one device, where there is nothing to partition (and the Mosaic GPU interpreter's callbacks
-  could not pass through custom_partitioning's lowering)."""
-  if jax.device_count() == 1:
-    return run
-  return functools.partial(partitioned, run)
+def partitions() -> bool:
+  """Whether the implementations are wrapped (`partitioned`): not in a process with one device,
+  where there is nothing to partition (and the Mosaic GPU interpreter's callbacks could not
+  pass through custom_partitioning's lowering)."""
+  return jax.device_count() > 1
