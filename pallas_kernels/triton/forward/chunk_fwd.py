@@ -196,6 +196,98 @@ def _blocks_kernel(
         ai_ref[0][blk(i), blk(j)] = x[i, j].astype(ai_ref[0].dtype) if j <= i else zeros
 
 
+# From this many rows (r = 8: 16 tokens x 8 rows) the row blocks run in a loop (`_loop_kernel`):
+# unrolled, the merge's block products grow as nb^3 (220 products at nb = 8, a 40,000-line Triton
+# module that took minutes to compile; docs/performance.md#compile-time).
+LOOP_ROWS = 128
+
+
+def _token_rows(x, i, tb):
+  """Tokens i * tb ... i * tb + tb - 1 of a per-token [BT] value, exactly (a one-hot sum: the
+  Triton lowering cannot slice a value at a traced offset): [tb]."""
+  bt = x.shape[0]
+  want = jax.lax.broadcasted_iota(jnp.int32, (tb, bt), 0) + i * tb
+  have = jax.lax.broadcasted_iota(jnp.int32, (tb, bt), 1)
+  return jnp.sum(jnp.where(want == have, x[None, :], 0.0), axis=1)
+
+
+def _loop_kernel(
+  k_ref,
+  v_ref,
+  g_ref,
+  beta_ref,
+  mask_ref,
+  gamma_ref,
+  w_ref,
+  u_ref,
+  *ai_ref,
+  r,
+  per_token_mask,
+  precision,
+  inverse,
+):
+  """The same outputs as `_blocks_kernel`, with the row blocks in a `fori_loop` (one copy of
+  the loop body in the Triton module, whatever nb). X is carried as one [N, N] tile (the row
+  blocks not done yet are zero), so row block i's merge is one product with the whole of it:
+
+    X_i,<i = -X_ii (A_i,<i X),   w_i = X_i,: (exp(gamma) beta Kw),   u_i = X_i,: (beta v)
+
+  with A_i,: = beta_i M (Kw_i Kb^T) exp(gamma_i - gamma) (token-strictly causal) a [16, N] row.
+  The whole chunk's keys, values and gamma are reloaded in each step (not held across the loop:
+  registers). The diagonal block X_ii is placed into the row exactly (a select, no product)."""
+  bt = k_ref.shape[0]
+  n = bt * r
+  nb = n // BLOCK
+  c = _Chunk(k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask)
+  dtype = c.dtype
+  dot = functools.partial(backend.dot, precision=precision)
+  whole = pl.ds(0, bt)
+  local = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0) // r  # token of each row in a block
+  tok_all = rows.row_tokens(n, r)
+  col_block = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, n), 1) // BLOCK
+  row_block = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) // BLOCK
+  half = dtype != f32
+
+  gamma_ref[whole] = jnp.cumsum(g_ref[whole].astype(f32))  # chunk-local cumsum of g
+
+  def body(i, x):
+    gam = jnp.cumsum(g_ref[whole].astype(f32))  # [BT], as stored above
+    gam_all = rows.per_row(gam, r)  # [N]
+    gam_i = rows.per_row(_token_rows(gam, i, c.tb), r)  # [16]
+    beta_i = c.beta(i)
+    kw_i = c.masked_keys(i)
+    kb_i = c.block_keys(i)
+    k_all = k_ref[whole, :]
+    kb_all = rows.block_keys(k_all, r)  # [N, K]
+    tok_i = local + i * c.tb
+    # A_i,: (token-strictly causal: zero from the diagonal block's own tokens on) and A_ii.
+    decay = rows.causal_decay(gam_i, gam_all, tok_i, tok_all, strict=True)
+    a_row = beta_i[:, None] * dot(kw_i.astype(dtype), kb_all.astype(dtype), trans_b=True) * decay
+    decay_ii = rows.causal_decay(gam_i, gam_i, tok_i, tok_i, strict=True)
+    a_ii = beta_i[:, None] * dot(kw_i.astype(dtype), kb_i.astype(dtype), trans_b=True) * decay_ii
+    (x_ii,) = _invert_diagonal([a_ii], inverse)
+    # X_i,: = -X_ii (A_i,<i X) + X_ii at column block i.
+    merged = dot(x_ii, dot(jnp.where(col_block < i, a_row, 0.0), x))
+    x_ii_tiled = jnp.broadcast_to(x_ii[:, None, :], (BLOCK, nb, BLOCK)).reshape(BLOCK, n)
+    x_row = jnp.where(col_block == i, x_ii_tiled, -merged)
+    # w_i, u_i from the whole chunk's right-hand sides [N, K] and [N, V].
+    beta_all = rows.per_row(beta_ref[whole].astype(f32), r)
+    kw_all = rows.masked_keys(k_all, mask_ref, r, whole if per_token_mask else slice(None))
+    w_rhs = ((jnp.exp(gam_all) * beta_all)[:, None] * kw_all).astype(dtype)
+    bv = beta_ref[whole].astype(f32)[:, None] * v_ref[whole, :].astype(f32)
+    u_rhs = rows.repeat_rows(bv.astype(dtype), r)
+    x_op = x_row.astype(dtype) if half else x_row
+    rows_i = pl.ds(i * BLOCK, BLOCK)
+    w_ref[rows_i, :] = dot(x_op, w_rhs).astype(w_ref.dtype)
+    u_ref[rows_i, :] = dot(x_op, u_rhs).astype(u_ref.dtype)
+    if ai_ref:
+      ai_ref[0][rows_i, :] = x_row.astype(ai_ref[0].dtype)
+    x_rows = jnp.broadcast_to(x_row[None], (nb, BLOCK, n)).reshape(n, n)
+    return jnp.where(row_block == i, x_rows, x)
+
+  jax.lax.fori_loop(0, nb, body, jnp.zeros((n, n), f32))
+
+
 def _in_place(kernel, chunk):
   """`kernel` on whole-row refs k, v [T, D] and g, beta [T] of the packed row and a per-chunk
   table [2, NT] (the last input): program c's chunk starts at token table[0, c] and holds
@@ -324,7 +416,11 @@ def chunk_fwd(
     out_specs.append(specs.rows(n, n))
     out_shape.append(jax.ShapeDtypeStruct((bsz, heads, t_len * r, n), k.dtype))
   kernel = functools.partial(
-    _blocks_kernel, r=r, per_token_mask=per_token_mask, precision=precision, inverse=inverse
+    _loop_kernel if n >= LOOP_ROWS else _blocks_kernel,
+    r=r,
+    per_token_mask=per_token_mask,
+    precision=precision,
+    inverse=inverse,
   )
   group = heads // key_heads
   in_specs = [
