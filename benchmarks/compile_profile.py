@@ -13,7 +13,8 @@ and the second call, the number of Pallas kernels in its jaxpr, and jax's own mo
 (backend compile, persistent-cache hits). `generate` (and its variants with other XLA options,
 GENERATE_OPTIONS) is split per program (prefill, decode loop): trace, lower and backend compile
 of each in the first call, and what each holds (matmuls, loops, Pallas kernels; fusions and GEMMs
-after XLA). Each entry runs in its own processes with its own caches.
+after XLA). `chunk-fwd`: the Triton chunk_fwd alone in its two forms ("blocks" unrolled, "loop"),
+f32 and bf16, per r: compile and run time. Each entry runs in its own processes and caches.
 docs/performance.md#compile-time explains the figures.
 """
 
@@ -239,6 +240,39 @@ def _generate_case(impl, entry="generate"):
   )
 
 
+def _chunk_fwd_case(r, form, dtype_name):
+  """The Triton chunk_fwd alone at the operator's shape in form "blocks" or "loop"
+  (pallas_kernels/triton/forward/chunk_fwd.py): its compile, and its run time (median of 10)."""
+  import jax
+  import jax.numpy as jnp
+
+  from gdp_jax.ops.gated_delta_product.triton import pallas_chunk
+  from pallas_kernels.triton.forward import chunk_fwd
+
+  B, T, H, K, V = (SHAPE[n] for n in "BTHKV")
+  dtype = dict(f32=jnp.float32, bf16=jnp.bfloat16)[dtype_name]
+  keys = jax.random.split(jax.random.key(0), 4)
+  k = (jax.random.normal(keys[0], (B, T, H, K)) / jnp.sqrt(K / r)).astype(dtype)
+  v = jax.random.normal(keys[1], (B, T, H, V)).astype(dtype)
+  g = -jax.nn.softplus(jax.random.normal(keys[2], (B, H, T)))
+  beta = jax.nn.sigmoid(jax.random.normal(keys[3], (B, H, T)))
+  mask = jnp.tril(jnp.ones((r, r), jnp.float32))[None, None, None]
+
+  def fn(k, v, g, beta):
+    return chunk_fwd.chunk_fwd(
+      k, v, g, beta, mask, key_blocks=r, chunk=pallas_chunk(64, r), save_ai=True, form=form
+    )
+
+  record = _profile(fn, (k, v, g, beta))
+  jitted = jax.jit(fn)
+  times = []
+  for _ in range(10):
+    t0 = time.perf_counter()
+    jax.block_until_ready(jitted(k, v, g, beta))
+    times.append(time.perf_counter() - t0)
+  return dict(record, form=form, dtype=dtype_name, run_ms=round(1e3 * sorted(times)[5], 4))
+
+
 def run_cases(entries, impls, rs, modes):
   """One phase, in this process: every requested case, errors recorded per case."""
   import jax
@@ -248,6 +282,9 @@ def run_cases(entries, impls, rs, modes):
   for entry in entries:
     if entry == "operator":
       cases += [(entry, impl, r, mode) for impl in impls for r in rs for mode in modes]
+    elif entry == "chunk-fwd":
+      cases += [(entry, "pallas", r, f"{form}:{dt}") for r in rs for form in ("blocks", "loop")
+                for dt in ("f32", "bf16")]  # fmt: skip
     elif entry == "layer" or entry in GENERATE_OPTIONS:
       cases += [(entry, impl, 2 if entry == "layer" else None, "fwdbwd") for impl in impls]
     else:
@@ -259,6 +296,8 @@ def run_cases(entries, impls, rs, modes):
     try:
       if entry in GENERATE_OPTIONS:
         record.update(_generate_case(impl, entry))
+      elif entry == "chunk-fwd":
+        record.update(_chunk_fwd_case(r, *mode.split(":")))
       else:
         fn, args = _operator_case(impl, r, mode) if entry == "operator" else _layer_case(impl)
         record.update(_profile(fn, args))
@@ -354,7 +393,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as cache2:
       for phase in args.phases.split(","):
         if phase == "no-autotune":
-          if "xla" in impls and entry not in GENERATE_OPTIONS:
+          if "xla" in impls and entry in ("operator", "layer"):
             records += _phase(phase, cache2, [*entry_common, "--impls", "xla"], save)
         else:
           records += _phase(phase, cache, [*entry_common, "--impls", args.impls], save)
@@ -373,6 +412,7 @@ def main(argv=None):
       f"{rec['entry']:9} {rec['impl']:6} {rec['r'] or '':>2} {rec['mode']:6} {rec['phase']:12} "
       f"{rec.get('trace_s', 0):6.1f} {rec.get('lower_s', 0):6.1f} {rec.get('compile_s', 0):7.1f} "
       f"{rec['first_call_s']:7.1f} {rec.get('pallas_kernels', '')}"
+      + (f" run {rec['run_ms']:.3f} ms" if "run_ms" in rec else "")
     )
     for prog in rec.get("programs", ()):  # generate: its programs
       print(

@@ -90,6 +90,7 @@ FWD_CASES = [
   (2, 64, "shared", jnp.float32, 32, 16),
   (4, 16, "head", jnp.bfloat16, 64, 16),
   (8, 16, "token", jnp.float32, 128, 16),
+  (4, 32, "head", jnp.bfloat16, 64, 32),  # N = 128: the row-block loop with half inputs
 ]
 
 
@@ -333,6 +334,7 @@ def _kernel_avals(r, chunk, K, V, dtype, per_token, T=128):
     (2, 32, 256, 256, jnp.bfloat16, False),
     (1, 64, 128, 128, jnp.float32, False),
     (2, 32, 128, 128, jnp.float32, True),
+    (8, 16, 128, 128, jnp.float32, True),
   ],
 )
 def test_fused_kernels_lower_to_triton(monkeypatch, r, chunk, K, V, dtype, per_token):
@@ -365,3 +367,5 @@ def test_fused_kernels_lower_to_triton(monkeypatch, r, chunk, K, V, dtype, per_t
   modules = lower_for_h200(monkeypatch, fused, *fwd_avals, *state_avals)
   assert len(modules) == len(variants) + (2 if first else 1)
   assert all("tt.func" in m for m in modules)
+  if chunk * r >= chunk_fwd.LOOP_ROWS:  # the row-block loop: one block's products, not nb^3
+    assert len(modules[0].splitlines()) < 4000 and modules[0].count("tt.dot ") <= 16

@@ -196,10 +196,12 @@ def _blocks_kernel(
         ai_ref[0][blk(i), blk(j)] = x[i, j].astype(ai_ref[0].dtype) if j <= i else zeros
 
 
-# From this many rows (r = 8: 16 tokens x 8 rows) the row blocks run in a loop (`_loop_kernel`):
-# unrolled, the merge's block products grow as nb^3 (220 products at nb = 8, a 40,000-line Triton
-# module that took minutes to compile; docs/performance.md#compile-time).
+# form="auto": from this many rows (r = 8: 16 tokens x 8 rows) the row blocks run in a loop
+# (`_loop_kernel`): unrolled (`_blocks_kernel`), the merge's block products grow as nb^3 (220
+# products at nb = 8, a 40,000-line Triton module that took minutes to compile;
+# docs/performance.md#compile-time). Read at each call (benchmarks/compile_profile.py tries 64).
 LOOP_ROWS = 128
+FORMS = ("auto", "blocks", "loop")
 
 
 def _token_rows(x, i, tb):
@@ -355,6 +357,7 @@ def chunk_fwd(
   inverse="auto",
   launch=options.DEFAULT.chunk_fwd,
   table=None,
+  form="auto",
 ):
   """The fused intra-chunk forward.
 
@@ -375,6 +378,8 @@ def chunk_fwd(
   ("squaring-x3", "squaring-tf32": six products at TF32 x 3 or TF32 precision;
   pallas_kernels/common/tril.py).
   launch: warps and pipeline stages (pallas_kernels/common/options.py).
+  form: "blocks" (every block product unrolled), "loop" (the row blocks in a `fori_loop`, X one
+  [N, N] tile: a Triton module of one row block's size) or "auto" ("loop" from LOOP_ROWS rows).
 
   table: None, or packed sequences read in place (docs/varlen.md#the-pallas-kernels, B = 1):
   int32 [2, NT] (`varlen.chunk_tokens`), each chunk's first token in the packed row and its number
@@ -388,6 +393,8 @@ def chunk_fwd(
     raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
   if inverse == "auto":
     inverse = AUTO_INVERSE[precision]
+  if form not in FORMS:
+    raise ValueError(f"form must be one of {FORMS}, got {form!r}")
   bsz, t_len, key_heads, dim_k = k.shape
   heads, dim_v = v.shape[2:]
   r = key_blocks
@@ -416,7 +423,7 @@ def chunk_fwd(
     out_specs.append(specs.rows(n, n))
     out_shape.append(jax.ShapeDtypeStruct((bsz, heads, t_len * r, n), k.dtype))
   kernel = functools.partial(
-    _loop_kernel if n >= LOOP_ROWS else _blocks_kernel,
+    _loop_kernel if form == "loop" or (form == "auto" and n >= LOOP_ROWS) else _blocks_kernel,
     r=r,
     per_token_mask=per_token_mask,
     precision=precision,
