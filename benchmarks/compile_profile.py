@@ -129,12 +129,16 @@ def _profile(fn, args):
   )
 
 
-# generate's XLA options per entry (compiler_options of models.generate): as shipped (the decode
-# loop without XLA's GEMM autotuner), XLA's defaults for both programs, the autotuner off for both.
+# generate's variants per entry: (compiler_options of models.generate, chunk_fwd.LOOP_ROWS or None
+# to keep it). As shipped (the decode loop without XLA's GEMM autotuner); XLA's defaults for both
+# programs; the autotuner off for both; as shipped with the Triton chunk_fwd's row-block loop from
+# 64 rows (r = 2 here: its unrolled form is a 6,700-line Triton module).
+NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
 GENERATE_OPTIONS = {
-  "generate": None,
-  "generate-xla-default": ({}, {}),
-  "generate-no-autotune": ({"xla_gpu_autotune_level": 0}, {"xla_gpu_autotune_level": 0}),
+  "generate": (None, None),
+  "generate-xla-default": (({}, {}), None),
+  "generate-no-autotune": ((NO_AUTOTUNE, NO_AUTOTUNE), None),
+  "generate-loop-forward": (None, 64),
 }
 
 
@@ -200,7 +204,11 @@ def _generate_case(impl, entry="generate"):
   )  # fmt: skip
   model = models.HybridLM(config, rngs=nnx.Rngs(0))
   prompts = [[(7 * b + i) % 256 for i in range(16 + 5 * b)] for b in range(8)]
-  options = GENERATE_OPTIONS[entry]
+  options, loop_rows = GENERATE_OPTIONS[entry]
+  if loop_rows is not None:
+    from pallas_kernels.triton.forward import chunk_fwd
+
+    chunk_fwd.LOOP_ROWS = loop_rows
   events: list[tuple[str, float]] = []
   jax.monitoring.register_event_duration_secs_listener(
     lambda name, secs, **_: events.append((name, secs))
@@ -232,6 +240,7 @@ def _generate_case(impl, entry="generate"):
     )
   return dict(
     options=None if options is None else [dict(o) for o in options],
+    chunk_fwd_loop_rows=loop_rows,
     first_call_s=round(t1 - t0, 3),
     second_call_s=round(t2 - t1, 4),
     second_call_compile_events=len(second_compiles),

@@ -120,6 +120,16 @@ def test_chunk_fwd_matches_stages(r, chunk, mask_kind, dtype, K, V):
     )
     assert len(out) == 3
     assert_close(out[1], w, 0.0, "w without save_ai")
+    # the row-block loop (form "auto" takes it from 128 rows) at N = 64: the same values
+    looped = chunk_fwd.chunk_fwd(
+      *(kern[n] for n in ("k", "v", "g", "beta", "mask")),
+      key_blocks=r,
+      chunk=chunk,
+      save_ai=True,
+      form="loop",
+    )
+    for name, got, want in zip(("gamma", "w", "u", "Ai"), looped, (gamma, w, u, ai)):
+      assert_close(got, want, 1e-5, f"{name} of the loop form")
 
 
 @pytest.mark.parametrize("inverse", ["substitution", "squaring-x3"])
@@ -268,6 +278,8 @@ def test_bad_arguments():
     chunk_fwd.chunk_fwd(k, v[..., :12], s, s, mask(1), key_blocks=1, chunk=16)
   with pytest.raises(ValueError, match="inverse must be one of"):
     chunk_fwd.chunk_fwd(k, v, s, s, mask(1), key_blocks=1, chunk=16, inverse="newton")
+  with pytest.raises(ValueError, match="form must be one of"):
+    chunk_fwd.chunk_fwd(k, v, s, s, mask(1), key_blocks=1, chunk=16, form="unrolled")
   with pytest.raises(ValueError, match="block_v"):
     chunk_state_output.chunk_state_output(
       k,
