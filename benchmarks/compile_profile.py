@@ -173,19 +173,20 @@ STAGE_EVENTS = {
 
 
 def _split_by_program(events, names):
-  """The events of a call that compiled `names` in turn (jax traces, lowers and compiles a
-  jitted function before it runs, so the first trace event and everything up to the next one
-  belong to the first program, and so on): per program its trace, lower and backend-compile
-  seconds, and the persistent-cache events."""
-  programs: list[dict] = []
-  for name, secs in events:
-    if name == "/jax/core/compile/jaxpr_trace_duration" or not programs:
-      programs.append({})
-    stage = STAGE_EVENTS.get(name, name.rsplit("/", 1)[-1])
-    programs[-1][stage] = round(programs[-1].get(stage, 0.0) + secs, 4)
-  return [dict(program=n, **p) for n, p in zip(names, programs)] + [
-    dict(program=f"other {i}", **p) for i, p in enumerate(programs[len(names) :])
-  ]
+  """The (event, seconds, function name) events of a call, summed per program: a program is
+  named by the first of `names` its function's name holds ("prefill" in "_prefill_program"),
+  else by that name (an eager op compiled on the way). Per program its trace, lower and
+  backend-compile seconds and the persistent-cache events."""
+  programs: dict[str, dict] = {}
+  name = "unnamed"
+  for event, secs, fun in events:
+    if fun is not None:  # (the persistent cache's events name none: the current program's)
+      name = next((n for n in names if n in fun), fun)
+    record = programs.setdefault(name, {})
+    stage = STAGE_EVENTS.get(event, event.rsplit("/", 1)[-1])
+    record[stage] = round(record.get(stage, 0.0) + secs, 4)
+  order = [n for n in names if n in programs] + [n for n in programs if n not in names]
+  return [dict(program=n, **programs[n]) for n in order]
 
 
 def _generate_case(impl, entry="generate"):
@@ -209,9 +210,9 @@ def _generate_case(impl, entry="generate"):
     from pallas_kernels.triton.forward import chunk_fwd
 
     chunk_fwd.LOOP_ROWS = loop_rows
-  events: list[tuple[str, float]] = []
+  events: list[tuple[str, float, str | None]] = []
   jax.monitoring.register_event_duration_secs_listener(
-    lambda name, secs, **_: events.append((name, secs))
+    lambda name, secs, fun_name=None, **_: events.append((name, secs, fun_name))
   )
   t0 = time.perf_counter()
   jax.block_until_ready(models.generate(model, prompts, 64, compiler_options=options))
@@ -219,14 +220,14 @@ def _generate_case(impl, entry="generate"):
   first_events = list(events)
   jax.block_until_ready(models.generate(model, prompts, 64, compiler_options=options))
   t2 = time.perf_counter()
-  second_compiles = [n for n, _ in events[len(first_events) :] if n in STAGE_EVENTS]
+  second_compiles = [n for n, _, _ in events[len(first_events) :] if n in STAGE_EVENTS]
   programs = _split_by_program(first_events, ("prefill", "decode"))
   # What each program holds (a second lowering and compile, outside the timings above).
   call = models.generate_call(model, prompts, 64, compiler_options=options)
   first, cache, key = call.prefill(**call.prefill_args)
   graphdef, state = call.prefill_args["graphdef"], call.prefill_args["state"]
   for record, (fn, args, kwargs) in zip(
-    programs,
+    [p for p in programs if p["program"] in ("prefill", "decode")],
     (
       (call.prefill, (), call.prefill_args),
       (call.decode, (graphdef, state, first, cache, key), call.decode_args),

@@ -494,8 +494,18 @@ def summarize(records):
       ratio = err / bound if np.isfinite(err) else float("inf")
       if ratio > worst.get(rec["precision"] or rec["dtype"], (0, None))[0]:
         worst[rec["precision"] or rec["dtype"]] = (ratio, f"{rec['key']} {name} {err:.3g}")
+  # Seconds summed over the configurations, per part (where a matrix run's time goes).
+  totals: dict[str, float] = {}
+  for rec in records:
+    for what in ("fwd", "bwd"):
+      for part in ("lower_s", "compile_s", "run_s"):
+        value = (rec.get(what) or {}).get(part)
+        totals[f"{what}_{part}"] = totals.get(f"{what}_{part}", 0.0) + (value or 0.0)
+    for part in ("reference_compile_s", "reference_run_s"):
+      totals[part] = totals.get(part, 0.0) + (rec.get(part) or 0.0)
   return dict(
     configs=len(records),
+    totals={name: round(value, 2) for name, value in totals.items()},
     passed=len(records) - len(failures),
     failed=len(failures),
     failures=failures,
@@ -832,6 +842,7 @@ def main(argv=None):
     f"\n{summary['passed']}/{len(configs)} passed in {final['wall_s']:.0f} s; "
     f"{summary['cache_hits']}/{summary['compiles']} compiles from the cache"
   )
+  print("  seconds summed over the configurations:", summary["totals"])
   for c in summary["slowest_compiles"][:5]:
     print(
       f"  slow compile: {c['key']} {c['stage']} {c['compile_s']:.1f} s "

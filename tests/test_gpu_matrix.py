@@ -79,6 +79,7 @@ STAGE_FIELDS = (
 )
 SUMMARY_FIELDS = (
   "configs",
+  "totals",
   "passed",
   "failed",
   "failures",
@@ -227,6 +228,7 @@ def test_summary_flags_slow_compiles_and_failures():
   ]  # a cached 70 s first compile counts
   assert summary["slowest_compiles"][3]["key"] == "b"
   assert summary["cache_hits"] == 2 and summary["compiles"] == 6
+  assert summary["totals"]["bwd_compile_s"] == 64.2 and summary["totals"]["fwd_run_s"] == 0
 
 
 def test_tiny_run_reports_a_planted_mismatch(tmp_path):

@@ -16,7 +16,10 @@ ungated inverse applied to W~, and no exp of a positive argument is ever formed.
 v, g, beta and the mask are loaded from their refs with `pl.ds` (a loaded value cannot be sliced
 in the Triton lowering, docs/pallas_triton.md). Row block i needs the rows of X above it, so X
 stays alive; the A blocks of one row block live only while it is done. The merge and the products
-are 16 x 16 block products only (X kept as its lower-triangular blocks).
+are 16 x 16 block products only (X kept as its lower-triangular blocks), all unrolled
+(`_blocks_kernel`); from LOOP_ROWS rows (r = 8) the row blocks run in a `fori_loop` instead, X one
+[N, N] tile and each step's merge one product with it (`_loop_kernel`: a Triton module of one row
+block's size; docs/performance.md#compile-time).
 
 Packed sequences in place (`table=`, docs/varlen.md#the-pallas-kernels): k, v, g and beta are the
 packed row [1, T, ...] itself; program c reads its chunk's tokens at the offset of a per-chunk
