@@ -554,20 +554,28 @@ def _decode_program(graphdef, state, first, cache, key, steps, capacity, tempera
 
 
 @functools.cache
-def generate_programs(prefill_options: tuple = (), decode_options: tuple = ()) -> tuple[Any, Any]:
-  """The jitted prefill and decode loop of `generate`, compiled with the XLA options given as
-  sorted (name, value) pairs (one pair of jitted functions, hence one trace cache, per set)."""
-  prefill = jax.jit(
+def _jitted_prefill(options: tuple) -> Any:
+  return jax.jit(
     _prefill_program,
     static_argnames=("graphdef", "cache_size", "temperature", "page_size"),
-    compiler_options=dict(prefill_options) or None,
+    compiler_options=dict(options) or None,
   )
-  decode = jax.jit(
+
+
+@functools.cache
+def _jitted_decode(options: tuple) -> Any:
+  return jax.jit(
     _decode_program,
     static_argnames=("graphdef", "capacity", "temperature"),
-    compiler_options=dict(decode_options) or None,
+    compiler_options=dict(options) or None,
   )
-  return prefill, decode
+
+
+def generate_programs(prefill_options: tuple = (), decode_options: tuple = ()) -> tuple[Any, Any]:
+  """The jitted prefill and decode loop of `generate`, compiled with the XLA options given as
+  sorted (name, value) pairs: one jitted function (hence one trace cache) per program and set of
+  options."""
+  return _jitted_prefill(prefill_options), _jitted_decode(decode_options)
 
 
 def _options_key(options: dict) -> tuple:
@@ -713,6 +721,15 @@ def generate_call(
     cache_size = _round_up(cache_size, page_size)
   key = jax.random.key(0) if rng is None else rng
   graphdef, state = nnx.split(model)
+  if compiler_options is not None and (
+    not isinstance(compiler_options, (tuple, list))
+    or len(compiler_options) != 2
+    or not all(o is None or isinstance(o, dict) for o in compiler_options)
+  ):
+    raise TypeError(
+      f"compiler_options must be None or a pair (prefill, decode) of dicts of XLA options "
+      f"(or None for either's default), got {compiler_options!r}"
+    )
   prefill_opts, decode_opts = compiler_options or (None, None)
   prefill_opts = PREFILL_COMPILER_OPTIONS if prefill_opts is None else prefill_opts
   decode_opts = DECODE_COMPILER_OPTIONS if decode_opts is None else decode_opts
