@@ -425,8 +425,12 @@ def chunk_fwd(
   if save_ai:
     out_specs.append(specs.rows(n, n))
     out_shape.append(jax.ShapeDtypeStruct((bsz, heads, t_len * r, n), k.dtype))
+  looped = form == "loop" or (form == "auto" and n >= LOOP_ROWS)
+  num_warps = launch.num_warps
+  if looped:  # X ([N, N] float32) is carried across the loop: at most 64 registers a thread
+    num_warps = max(num_warps, min(8, n * n // (32 * 64)))
   kernel = functools.partial(
-    _loop_kernel if form == "loop" or (form == "auto" and n >= LOOP_ROWS) else _blocks_kernel,
+    _loop_kernel if looped else _blocks_kernel,
     r=r,
     per_token_mask=per_token_mask,
     precision=precision,
@@ -458,7 +462,7 @@ def chunk_fwd(
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
-      num_warps=launch.num_warps,
+      num_warps=num_warps,
       num_stages=launch.num_stages,
       name="gdp_chunk_fwd",
     )(*args)
