@@ -2,13 +2,20 @@
 
   python benchmarks/compile_profile.py --out compile.json [--entries operator,layer,generate]
       [--impls pallas,xla] [--rs 1,2,4,8]
+  python benchmarks/compile_profile.py --entries generate,generate-xla-default,\
+      generate-no-autotune --impls pallas --phases cold,warm --out generate.json
 
 Each entry point is timed in three phases, each in a fresh process: `cold` (an empty persistent
 compilation cache), `warm` (the same cache again: what a notebook restart costs) and, for the jnp
 implementation, `no-autotune` (cold with `--xla_gpu_autotune_level=0`: the share of XLA's GEMM
 autotuner). Per entry and phase: the jitted function's trace, lower and compile times, the first
 and the second call, the number of Pallas kernels in its jaxpr, and jax's own monitoring events
-(backend compile, persistent-cache hits). docs/performance.md#compile-time explains the figures.
+(backend compile, persistent-cache hits). `generate` (and its variants with other XLA options,
+GENERATE_OPTIONS) is split per program (prefill, decode loop): trace, lower and backend compile
+of each in the first call, and what each holds (matmuls, loops, Pallas kernels; fusions and GEMMs
+after XLA). `chunk-fwd`: the Triton chunk_fwd alone in its two forms ("blocks" unrolled, "loop"),
+f32 and bf16, per r: compile and run time. Each entry runs in its own processes and caches.
+docs/performance.md#compile-time explains the figures.
 """
 
 from __future__ import annotations
@@ -122,35 +129,158 @@ def _profile(fn, args):
   )
 
 
-def _generate_case(impl):
-  """HybridLM.generate's first and second call (vocab 256, width 512, "DDA", 8 x 64 tokens)."""
+# generate's variants per entry: (compiler_options of models.generate, chunk_fwd.LOOP_ROWS or None
+# to keep it). As shipped (the decode loop without XLA's GEMM autotuner); XLA's defaults for both
+# programs; the autotuner off for both; as shipped with the Triton chunk_fwd's row-block loop from
+# 64 rows (r = 2 here: its unrolled form is a 6,700-line Triton module).
+NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
+GENERATE_OPTIONS = {
+  "generate": (None, None),
+  "generate-xla-default": (({}, {}), None),
+  "generate-no-autotune": ((NO_AUTOTUNE, NO_AUTOTUNE), None),
+  "generate-loop-forward": (None, 64),
+}
+
+
+def _hlo_counts(lowered, compiled) -> dict:
+  """What a program gives XLA to compile: in the lowered StableHLO the matmuls, loops and kernel
+  custom calls (Pallas: Triton or Mosaic GPU); in the compiled HLO the fusions and the GEMMs
+  (cuBLAS or Triton GEMM fusions: what XLA's GEMM autotuner tunes)."""
+  text = lowered.as_text()
+  try:
+    hlo = compiled.as_text() or ""
+  except Exception:  # noqa: BLE001  (some backends keep no text)
+    hlo = ""
+  return dict(
+    stablehlo_lines=text.count("\n"),
+    dot_general=text.count("stablehlo.dot_general"),
+    while_loops=text.count("stablehlo.while"),
+    kernel_calls=text.count("stablehlo.custom_call"),
+    hlo_lines=hlo.count("\n"),
+    fusions=hlo.count(" fusion("),
+    gemm_custom_calls=hlo.count('custom_call_target="__cublas'),
+    triton_gemm_fusions=hlo.count('"kind":"__triton_gemm'),
+    hlo_dots=hlo.count(" dot("),
+  )
+
+
+# jax's monitoring events of one compilation, in the order they come for each program.
+STAGE_EVENTS = {
+  "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+  "/jax/core/compile/backend_compile_duration": "backend_compile_s",
+}
+
+
+def _split_by_program(events, names):
+  """The (event, seconds, function name) events of a call, summed per program: a program is
+  named by the first of `names` its function's name holds ("prefill" in "_prefill_program"),
+  else by that name (an eager op compiled on the way). Per program its trace, lower and
+  backend-compile seconds and the persistent-cache events."""
+  programs: dict[str, dict] = {}
+  name = "unnamed"
+  for event, secs, fun in events:
+    if fun is not None:  # (the persistent cache's events name none: the current program's)
+      name = next((n for n in names if n in fun), fun)
+    record = programs.setdefault(name, {})
+    stage = STAGE_EVENTS.get(event, event.rsplit("/", 1)[-1])
+    record[stage] = round(record.get(stage, 0.0) + secs, 4)
+  order = [n for n in names if n in programs] + [n for n in programs if n not in names]
+  return [dict(program=n, **programs[n]) for n in order]
+
+
+def _generate_case(impl, entry="generate"):
+  """HybridLM.generate (vocab 256, width 512, "DDA", 8 x 64 tokens): the first call, split into
+  its two programs (prefill, decode loop: trace, lower, backend compile each), the second call,
+  and what each program gives XLA (`_hlo_counts`, from a lowering and compile after the calls:
+  the persistent cache's). `entry` picks the XLA options (GENERATE_OPTIONS)."""
   import jax
   from flax import nnx
 
-  from gdp_jax.models import HybridConfig, HybridLM, generate
+  from gdp_jax import models
 
-  config = HybridConfig(
+  config = models.HybridConfig(
     vocab_size=256, hidden_size=512, layer_pattern="DDA", num_heads=4, head_dim=128,
     implementation=impl,
   )  # fmt: skip
-  model = HybridLM(config, rngs=nnx.Rngs(0))
+  model = models.HybridLM(config, rngs=nnx.Rngs(0))
   prompts = [[(7 * b + i) % 256 for i in range(16 + 5 * b)] for b in range(8)]
-  events: list[tuple[str, float]] = []
+  options, loop_rows = GENERATE_OPTIONS[entry]
+  if loop_rows is not None:
+    from pallas_kernels.triton.forward import chunk_fwd
+
+    chunk_fwd.LOOP_ROWS = loop_rows
+  events: list[tuple[str, float, str | None]] = []
   jax.monitoring.register_event_duration_secs_listener(
-    lambda name, secs, **_: events.append((name, secs))
+    lambda name, secs, fun_name=None, **_: events.append((name, secs, fun_name))
   )
   t0 = time.perf_counter()
-  jax.block_until_ready(generate(model, prompts, 64))
+  jax.block_until_ready(models.generate(model, prompts, 64, compiler_options=options))
   t1 = time.perf_counter()
-  jax.block_until_ready(generate(model, prompts, 64))
+  first_events = list(events)
+  jax.block_until_ready(models.generate(model, prompts, 64, compiler_options=options))
   t2 = time.perf_counter()
-  compiles = [secs for name, secs in events if name.endswith("backend_compile_duration")]
+  second_compiles = [n for n, _, _ in events[len(first_events) :] if n in STAGE_EVENTS]
+  programs = _split_by_program(first_events, ("prefill", "decode"))
+  # What each program holds (a second lowering and compile, outside the timings above).
+  call = models.generate_call(model, prompts, 64, compiler_options=options)
+  first, cache, key = call.prefill(**call.prefill_args)
+  graphdef, state = call.prefill_args["graphdef"], call.prefill_args["state"]
+  for record, (fn, args, kwargs) in zip(
+    [p for p in programs if p["program"] in ("prefill", "decode")],
+    (
+      (call.prefill, (), call.prefill_args),
+      (call.decode, (graphdef, state, first, cache, key), call.decode_args),
+    ),
+  ):
+    traced = fn.trace(*args, **kwargs)
+    lowered = traced.lower()
+    record.update(
+      pallas_kernels=_count_pallas_calls(traced.jaxpr.jaxpr),
+      **_hlo_counts(lowered, lowered.compile()),
+    )
   return dict(
-    first_call_s=t1 - t0,
-    second_call_s=t2 - t1,
-    backend_compiles=len(compiles),
-    backend_compile_s=sum(compiles),
+    options=None if options is None else [dict(o) for o in options],
+    chunk_fwd_loop_rows=loop_rows,
+    first_call_s=round(t1 - t0, 3),
+    second_call_s=round(t2 - t1, 4),
+    second_call_compile_events=len(second_compiles),
+    backend_compile_s=round(sum(p.get("backend_compile_s", 0.0) for p in programs), 3),
+    programs=programs,
   )
+
+
+def _chunk_fwd_case(r, form, dtype_name):
+  """The Triton chunk_fwd alone at the operator's shape in form "blocks" or "loop"
+  (pallas_kernels/triton/forward/chunk_fwd.py): its compile, and its run time (median of 10)."""
+  import jax
+  import jax.numpy as jnp
+
+  from gdp_jax.ops.gated_delta_product.triton import pallas_chunk
+  from pallas_kernels.triton.forward import chunk_fwd
+
+  B, T, H, K, V = (SHAPE[n] for n in "BTHKV")
+  dtype = dict(f32=jnp.float32, bf16=jnp.bfloat16)[dtype_name]
+  keys = jax.random.split(jax.random.key(0), 4)
+  k = (jax.random.normal(keys[0], (B, T, H, K)) / jnp.sqrt(K / r)).astype(dtype)
+  v = jax.random.normal(keys[1], (B, T, H, V)).astype(dtype)
+  g = -jax.nn.softplus(jax.random.normal(keys[2], (B, H, T)))
+  beta = jax.nn.sigmoid(jax.random.normal(keys[3], (B, H, T)))
+  mask = jnp.tril(jnp.ones((r, r), jnp.float32))[None, None, None]
+
+  def fn(k, v, g, beta):
+    return chunk_fwd.chunk_fwd(
+      k, v, g, beta, mask, key_blocks=r, chunk=pallas_chunk(64, r), save_ai=True, form=form
+    )
+
+  record = _profile(fn, (k, v, g, beta))
+  jitted = jax.jit(fn)
+  times = []
+  for _ in range(10):
+    t0 = time.perf_counter()
+    jax.block_until_ready(jitted(k, v, g, beta))
+    times.append(time.perf_counter() - t0)
+  return dict(record, form=form, dtype=dtype_name, run_ms=round(1e3 * sorted(times)[5], 4))
 
 
 def run_cases(entries, impls, rs, modes):
@@ -162,13 +292,22 @@ def run_cases(entries, impls, rs, modes):
   for entry in entries:
     if entry == "operator":
       cases += [(entry, impl, r, mode) for impl in impls for r in rs for mode in modes]
-    elif entry in ("layer", "generate"):
+    elif entry == "chunk-fwd":
+      cases += [(entry, "pallas", r, f"{form}:{dt}") for r in rs for form in ("blocks", "loop")
+                for dt in ("f32", "bf16")]  # fmt: skip
+    elif entry == "layer" or entry in GENERATE_OPTIONS:
       cases += [(entry, impl, 2 if entry == "layer" else None, "fwdbwd") for impl in impls]
+    else:
+      raise SystemExit(
+        f"--entries: unknown entry {entry!r} (operator, layer, {', '.join(GENERATE_OPTIONS)})"
+      )
   for entry, impl, r, mode in cases:
     record = dict(entry=entry, impl=impl, r=r, mode=mode)
     try:
-      if entry == "generate":
-        record.update(_generate_case(impl))
+      if entry in GENERATE_OPTIONS:
+        record.update(_generate_case(impl, entry))
+      elif entry == "chunk-fwd":
+        record.update(_chunk_fwd_case(r, *mode.split(":")))
       else:
         fn, args = _operator_case(impl, r, mode) if entry == "operator" else _layer_case(impl)
         record.update(_profile(fn, args))
@@ -236,7 +375,6 @@ def main(argv=None):
     "--modes",
     args.modes,
   ]
-  passthrough = [*common, "--impls", args.impls]
   import jax
 
   meta = dict(
@@ -257,15 +395,20 @@ def main(argv=None):
       with open(args.out, "w") as f:
         json.dump(dict(meta, results=records + new), f, indent=1)
 
-  with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as cache2:
-    for phase in args.phases.split(","):
-      if phase == "no-autotune":
-        if "xla" in impls:
-          records += _phase(phase, cache2, [*common, "--impls", "xla"], save)
-      else:
-        records += _phase(phase, cache, passthrough, save)
-      save([])
-      print(f"phase {phase} done", flush=True)
+  # Each entry in its own processes and caches: XLA's autotuner and the kernel compilers keep
+  # in-process caches, and one entry's programs must not be found in another's persistent cache.
+  for entry in entries:
+    entry_common = list(common)
+    entry_common[entry_common.index("--entries") + 1] = entry
+    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as cache2:
+      for phase in args.phases.split(","):
+        if phase == "no-autotune":
+          if "xla" in impls and entry in ("operator", "layer"):
+            records += _phase(phase, cache2, [*entry_common, "--impls", "xla"], save)
+        else:
+          records += _phase(phase, cache, [*entry_common, "--impls", args.impls], save)
+        save([])
+        print(f"{entry}: phase {phase} done", flush=True)
 
   print(f"{'entry':9} {'impl':6} {'r':>2} {'mode':6} {'phase':12} {'trace':>6} {'lower':>6} "
         f"{'compile':>7} {'first':>7} kernels")  # fmt: skip
@@ -279,7 +422,16 @@ def main(argv=None):
       f"{rec['entry']:9} {rec['impl']:6} {rec['r'] or '':>2} {rec['mode']:6} {rec['phase']:12} "
       f"{rec.get('trace_s', 0):6.1f} {rec.get('lower_s', 0):6.1f} {rec.get('compile_s', 0):7.1f} "
       f"{rec['first_call_s']:7.1f} {rec.get('pallas_kernels', '')}"
+      + (f" run {rec['run_ms']:.3f} ms" if "run_ms" in rec else "")
     )
+    for prog in rec.get("programs", ()):  # generate: its programs
+      print(
+        f"  {prog['program']:8} trace {prog.get('trace_s', 0):5.2f} lower "
+        f"{prog.get('lower_s', 0):5.2f} backend compile {prog.get('backend_compile_s', 0):6.2f} "
+        f"kernels {prog.get('pallas_kernels', '-')} dots {prog.get('dot_general', '-')} "
+        f"fusions {prog.get('fusions', '-')} gemms {prog.get('gemm_custom_calls', '-')}"
+        f"+{prog.get('triton_gemm_fusions', '-')}"
+      )
 
 
 if __name__ == "__main__":

@@ -513,8 +513,17 @@ def _pick(logits, key, temperature):
   return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_size", "temperature", "page_size"))
-def _prefill(graphdef, state, tokens, lengths, key, cache_size, temperature, page_size=None):
+# XLA options of generate's two programs (docs/performance.md#compile-time). XLA's GPU GEMM
+# autotuner compiles and times many configurations of every distinct matmul of a program; the
+# decode loop's matmuls are [B, D] x [D, *] for a handful of sequences B (latency bound,
+# microseconds whichever configuration runs), so the loop is compiled without it. The prefill
+# keeps XLA's default: its matmuls grow with the prompts. The options are part of the persistent
+# cache's key.
+PREFILL_COMPILER_OPTIONS: dict[str, Any] = {}
+DECODE_COMPILER_OPTIONS: dict[str, Any] = {"xla_gpu_autotune_level": 0}
+
+
+def _prefill_program(graphdef, state, tokens, lengths, key, cache_size, temperature, page_size):
   """The first new token [B], the cache after the prompts, and the decode loop's key (the key is
   split here: no eager random op to compile on a first call)."""
   key, decode_key = jax.random.split(key)
@@ -526,12 +535,11 @@ def _prefill(graphdef, state, tokens, lengths, key, cache_size, temperature, pag
   return _pick(last, key, temperature), cache, decode_key
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "temperature"))
-def _decode(graphdef, state, first, cache, key, steps, capacity, temperature):
+def _decode_program(graphdef, state, first, cache, key, steps, capacity, temperature):
   """`steps` (traced) decode steps after the prefill's token `first` [B]: int32 [B, capacity]
-  whose first steps + 1 columns are the tokens. The step count is traced (a `fori_loop`) and the
-  buffer's size a multiple of `pad_to`, so every max_new_tokens of one bucket shares this
-  compilation; step i samples with `fold_in(key, i)`."""
+  whose first steps + 1 columns are the tokens. The step count is traced (a `fori_loop`: the
+  step is compiled once, not unrolled) and the buffer's size a multiple of `pad_to`, so every
+  max_new_tokens of one bucket shares this compilation; step i samples with `fold_in(key, i)`."""
   model = nnx.merge(graphdef, state)
   out = jnp.zeros((first.shape[0], capacity), jnp.int32).at[:, 0].set(first)
 
@@ -545,6 +553,58 @@ def _decode(graphdef, state, first, cache, key, steps, capacity, temperature):
   return out
 
 
+@functools.cache
+def _jitted_prefill(options: tuple) -> Any:
+  return jax.jit(
+    _prefill_program,
+    static_argnames=("graphdef", "cache_size", "temperature", "page_size"),
+    compiler_options=dict(options) or None,
+  )
+
+
+@functools.cache
+def _jitted_decode(options: tuple) -> Any:
+  return jax.jit(
+    _decode_program,
+    static_argnames=("graphdef", "capacity", "temperature"),
+    compiler_options=dict(options) or None,
+  )
+
+
+def generate_programs(prefill_options: tuple = (), decode_options: tuple = ()) -> tuple[Any, Any]:
+  """The jitted prefill and decode loop of `generate`, compiled with the XLA options given as
+  sorted (name, value) pairs: one jitted function (hence one trace cache) per program and set of
+  options."""
+  return _jitted_prefill(prefill_options), _jitted_decode(decode_options)
+
+
+def _options_key(options: dict) -> tuple:
+  return tuple(sorted(options.items()))
+
+
+# The programs `generate` runs with the default options.
+_prefill, _decode = generate_programs(
+  _options_key(PREFILL_COMPILER_OPTIONS), _options_key(DECODE_COMPILER_OPTIONS)
+)
+
+
+class GenerateCall(NamedTuple):
+  """`generate`'s two programs and their arguments (`generate_call`): prefill(**prefill_args)
+  -> (first, cache, key); decode(graphdef, state, first, cache, key, **decode_args)."""
+
+  prefill: Any
+  decode: Any
+  prefill_args: dict
+  decode_args: dict
+  max_new_tokens: int
+
+  def run(self) -> jax.Array:
+    first, cache, key = self.prefill(**self.prefill_args)
+    graphdef, state = self.prefill_args["graphdef"], self.prefill_args["state"]
+    out = self.decode(graphdef, state, first, cache, key, **self.decode_args)
+    return out[:, : self.max_new_tokens]
+
+
 def generate(
   model: HybridLM,
   prompts: Sequence[Sequence[int]] | jax.Array | np.ndarray,
@@ -555,6 +615,7 @@ def generate(
   rng: jax.Array | None = None,
   pad_to: int = 64,
   page_size: int | None = None,
+  compiler_options: tuple[dict | None, dict | None] | None = None,
 ) -> jax.Array:
   """Continue a batch of prompts of different lengths.
 
@@ -571,6 +632,10 @@ def generate(
       `gqa_decode`); a power of two >= 16 keeps it in pages of that many positions
       (`PagedKVCache`, decoded by `paged_gqa_decode`; the cache size is rounded up to a multiple
       of it). The tokens are the same either way.
+    compiler_options: (prefill, decode) XLA options of the two programs, None for either the
+      default (`PREFILL_COMPILER_OPTIONS`, `DECODE_COMPILER_OPTIONS`: the decode loop without
+      XLA's GEMM autotuner, docs/performance.md#compile-time); e.g. ({}, {}) compiles both with
+      XLA's defaults.
 
   Returns:
     int32 [B, max_new_tokens]: the generated tokens of each prompt (all of them: there is no
@@ -581,6 +646,34 @@ def generate(
   count traced: each is compiled once per bucket of prompt length and of max_new_tokens
   (multiples of `pad_to`).
   """
+  return generate_call(
+    model,
+    prompts,
+    max_new_tokens,
+    lengths=lengths,
+    temperature=temperature,
+    rng=rng,
+    pad_to=pad_to,
+    page_size=page_size,
+    compiler_options=compiler_options,
+  ).run()
+
+
+def generate_call(
+  model: HybridLM,
+  prompts: Sequence[Sequence[int]] | jax.Array | np.ndarray,
+  max_new_tokens: int,
+  *,
+  lengths: jax.Array | np.ndarray | None = None,
+  temperature: float = 0.0,
+  rng: jax.Array | None = None,
+  pad_to: int = 64,
+  page_size: int | None = None,
+  compiler_options: tuple[dict | None, dict | None] | None = None,
+) -> GenerateCall:
+  """`generate`'s arguments checked and padded into its two jitted programs and their
+  arguments, not run (`GenerateCall.run()` runs them; benchmarks/compile_profile.py times each
+  program's trace, lowering and compile)."""
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
   if temperature < 0:
@@ -628,17 +721,31 @@ def generate(
     cache_size = _round_up(cache_size, page_size)
   key = jax.random.key(0) if rng is None else rng
   graphdef, state = nnx.split(model)
+  if compiler_options is not None and (
+    not isinstance(compiler_options, (tuple, list))
+    or len(compiler_options) != 2
+    or not all(o is None or isinstance(o, dict) for o in compiler_options)
+  ):
+    raise TypeError(
+      f"compiler_options must be None or a pair (prefill, decode) of dicts of XLA options "
+      f"(or None for either's default), got {compiler_options!r}"
+    )
+  prefill_opts, decode_opts = compiler_options or (None, None)
+  prefill_opts = PREFILL_COMPILER_OPTIONS if prefill_opts is None else prefill_opts
+  decode_opts = DECODE_COMPILER_OPTIONS if decode_opts is None else decode_opts
+  prefill, decode = generate_programs(_options_key(prefill_opts), _options_key(decode_opts))
   # NumPy operands go straight to the jitted functions (no eager op to compile first)
-  first, cache, key = _prefill(
-    graphdef,
-    state,
-    np.asarray(tokens, np.int32),
-    np.asarray(lengths, np.int32),
-    key,
-    cache_size,
-    float(temperature),
-    page_size,
+  prefill_args = dict(
+    graphdef=graphdef,
+    state=state,
+    tokens=np.asarray(tokens, np.int32),
+    lengths=np.asarray(lengths, np.int32),
+    key=key,
+    cache_size=cache_size,
+    temperature=float(temperature),
+    page_size=page_size,
   )
-  steps = np.int32(max_new_tokens - 1)
-  out = _decode(graphdef, state, first, cache, key, steps, capacity, float(temperature))
-  return out[:, :max_new_tokens]
+  decode_args = dict(
+    steps=np.int32(max_new_tokens - 1), capacity=capacity, temperature=float(temperature)
+  )
+  return GenerateCall(prefill, decode, prefill_args, decode_args, max_new_tokens)

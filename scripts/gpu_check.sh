@@ -24,6 +24,11 @@
 #   decode          gqa_decode and the recurrent step (benchmarks/bench_decode.py)
 #   compile         the compile-time profile (benchmarks/compile_profile.py, COMPILE_ARGS; its
 #                   own cold and warm caches; the whole default profile takes longer than 10 min)
+#   compile-generate  the part of it sized for a few minutes: HybridLM.generate's first call split
+#                   per program (prefill, decode loop) as shipped (cold and warm), and cold with
+#                   XLA's default options, with XLA's GEMM autotuner off in both programs and with
+#                   the Triton chunk_fwd's row-block loop from 64 rows; and chunk_fwd's two forms
+#                   alone at r = 1, 2, 4 (compile and run time)
 #   all             tests matrix bench stages memory decode (several commands' worth)
 #
 # Compilation: every section uses jax's persistent compilation cache in .jax_cache/ in the
@@ -42,7 +47,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gdp_gpu_out}"
 PY="${PY:-python3}"
 SECTIONS_KNOWN="tests tests-forward tests-backward tests-decode matrix matrix-ieee matrix-dims"
-SECTIONS_KNOWN+=" bench stages memory decode compile"
+SECTIONS_KNOWN+=" bench stages memory decode compile compile-generate"
 sections="${*:-all}"
 if [[ " $sections " == *" list "* ]]; then
   echo "$SECTIONS_KNOWN all"
@@ -166,6 +171,19 @@ fi
 if want decode && [ -f benchmarks/bench_decode.py ]; then
   "$PY" benchmarks/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 \
       | tee "$OUT/bench_decode.log" | tail -30
+fi
+if want compile-generate; then
+  t0=$SECONDS
+  "$PY" benchmarks/compile_profile.py --out "$OUT/compile_generate.json" --impls pallas \
+      --entries generate --phases cold,warm 2>&1 \
+      | tee "$OUT/compile_generate.log" | grep -v "^E[0-9]" | tail -8
+  "$PY" benchmarks/compile_profile.py --out "$OUT/compile_generate_variants.json" \
+      --impls pallas --phases cold \
+      --entries generate-xla-default,generate-no-autotune,generate-loop-forward 2>&1 \
+      | tee "$OUT/compile_generate_variants.log" | grep -v "^E[0-9]" | tail -12
+  "$PY" benchmarks/compile_profile.py --out "$OUT/compile_chunk_fwd.json" --entries chunk-fwd \
+      --rs 1,2,4 --phases cold 2>&1 | tee "$OUT/compile_chunk_fwd.log" | grep -v "^E[0-9]" | tail -14
+  echo "section compile-generate: done in $((SECONDS - t0)) s" | tee -a "$OUT/sections.txt"
 fi
 if want compile; then
   "$PY" benchmarks/compile_profile.py --out "$OUT/compile_profile.json" ${COMPILE_ARGS:-} 2>&1 \

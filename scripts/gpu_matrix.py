@@ -31,9 +31,12 @@ together, sharing their reference) from a queue of claim files, the slowest firs
 then K + V), so the last ones to finish are quick. Compile times are then measured with N
 compiles competing for the CPU (`--jobs 1` for clean timings). `--shard I/N` splits the plan
 across separate commands (each may use --jobs). A CUDA fault (illegal address) poisons the rest
-of its process: rerun the configurations after it with `--only`. The jnp reference's compile and
-run time is `reference_s` in the record of the configuration that computed it; the JSON keeps
-XLA_FLAGS (`xla_flags`: scripts/gpu_check.sh turns XLA's GEMM autotuner off).
+of its process: rerun the configurations after it with `--only`. Per configuration the JSON keeps
+each stage's lower, compile and first-run seconds (`fwd`, `bwd`: `lower_s`, `compile_s`, `run_s`)
+and the reference's (`reference_compile_s`, `reference_run_s`, their sum `reference_s`) in the
+record of the configuration that computed it. The reference is compiled with
+REFERENCE_COMPILER_OPTIONS (XLA's GEMM autotuner off, its matmuls on cuBLAS; `--reference-autotune`
+for XLA's defaults); the JSON keeps them and XLA_FLAGS (`xla_flags`).
 
 Writes a JSON (`--out`, rewritten after every configuration: date, jax version, GPU, command, one
 record per configuration, a summary: failures, slowest compiles, configurations whose compile
@@ -286,6 +289,7 @@ def compile_and_run(fn, args, events):
   rec = dict(
     lower_s=None,
     compile_s=None,
+    run_s=None,
     cache_hit=None,
     first_compile_s=None,
     ok=False,
@@ -308,7 +312,9 @@ def compile_and_run(fn, args, events):
       round(events.saved_s - saved, 1) if rec["cache_hit"] else rec["compile_s"]
     )
     phase = "run"
+    t0 = time.perf_counter()
     out = jax.block_until_ready(compiled(*args))
+    rec["run_s"] = round(time.perf_counter() - t0, 4)  # the first run (compiled already)
     rec["ok"] = True
     return out, rec
   except Exception as exc:  # noqa: BLE001  (a configuration that fails is a result)
@@ -377,18 +383,31 @@ def inputs_for(config, args):
   return names, arrays, do, dfinal
 
 
+# XLA options of the reference's program (`reference`): its matmuls go to cuBLAS (no Triton GEMM
+# fusions) and are not autotuned. The reference only has to be right (float32 at HIGHEST either
+# way); at r = 8 its large fusions otherwise spent minutes each in XLA's GEMM autotuner
+# (docs/performance.md#compile-time). `--reference-autotune` keeps XLA's defaults.
+REFERENCE_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+
+
 def reference(config, args):
-  """The xla forward and gradients (or an error text) for a configuration's group, and the
-  seconds it took (compile and run)."""
+  """The reference's forward and gradients (or an error text) for a configuration's group, and
+  its seconds: (lower + compile, run) of its one program (the gradients with the outputs)."""
   names, arrays, do, dfinal = inputs_for(config, args)
   forward, grads = functions(config, names, args, planted=False)
+  options = None if getattr(args, "reference_autotune", False) else REFERENCE_COMPILER_OPTIONS
   t0 = time.perf_counter()
-  try:  # one compile: the gradients with the outputs beside them
+  compile_s = None
+  try:
     fn = functools.partial(grads, args.against, with_outputs=True)
-    dx, out = jax.jit(fn)(arrays, do, dfinal)
-    return jax.device_get((out, dx)), None, round(time.perf_counter() - t0, 2)
+    compiled = jax.jit(fn).lower(arrays, do, dfinal).compile(compiler_options=options)
+    compile_s = round(time.perf_counter() - t0, 2)
+    t1 = time.perf_counter()
+    dx, out = jax.block_until_ready(compiled(arrays, do, dfinal))
+    run_s = round(time.perf_counter() - t1, 3)
+    return jax.device_get((out, dx)), None, (compile_s, run_s)
   except Exception as exc:  # noqa: BLE001
-    return None, error_text(exc), round(time.perf_counter() - t0, 2)
+    return None, error_text(exc), (compile_s, round(time.perf_counter() - t0, 2))
 
 
 def run_config(config, args, events, ref, planted=False, reference_s=None):
@@ -401,7 +420,10 @@ def run_config(config, args, events, ref, planted=False, reference_s=None):
     mask_shape=list(arrays[names.index("mask")].shape) if "mask" in names else None,
     tolerance=dict(forward=tol_fwd, gradient=tol_grad),
     planted=planted,
-    reference_s=reference_s,
+    # the reference's (compile, run) seconds, in the record of the configuration that computed it
+    reference_s=None if reference_s is None else sum(x or 0 for x in reference_s),
+    reference_compile_s=None if reference_s is None else reference_s[0],
+    reference_run_s=None if reference_s is None else reference_s[1],
   )
   failures = []
   out, rec["fwd"] = compile_and_run(functools.partial(forward, "pallas"), (arrays,), events)
@@ -472,8 +494,18 @@ def summarize(records):
       ratio = err / bound if np.isfinite(err) else float("inf")
       if ratio > worst.get(rec["precision"] or rec["dtype"], (0, None))[0]:
         worst[rec["precision"] or rec["dtype"]] = (ratio, f"{rec['key']} {name} {err:.3g}")
+  # Seconds summed over the configurations, per part (where a matrix run's time goes).
+  totals: dict[str, float] = {}
+  for rec in records:
+    for what in ("fwd", "bwd"):
+      for part in ("lower_s", "compile_s", "run_s"):
+        value = (rec.get(what) or {}).get(part)
+        totals[f"{what}_{part}"] = totals.get(f"{what}_{part}", 0.0) + (value or 0.0)
+    for part in ("reference_compile_s", "reference_run_s"):
+      totals[part] = totals.get(part, 0.0) + (rec.get(part) or 0.0)
   return dict(
     configs=len(records),
+    totals={name: round(value, 2) for name, value in totals.items()},
     passed=len(records) - len(failures),
     failed=len(failures),
     failures=failures,
@@ -544,6 +576,7 @@ def environment(args):
     jobs=args.jobs,
     xla_flags=os.environ.get("XLA_FLAGS", ""),
     against=args.against,
+    reference_compiler_options=None if args.reference_autotune else REFERENCE_COMPILER_OPTIONS,
     tf32_tolerance=dict(forward=TF32_TOLERANCE, gradient=TF32_GRAD_TOLERANCE),
     tolerances={
       name: dict(forward=TOLERANCE[d], gradient=GRAD_TOLERANCE[d]) for name, d in DTYPES.items()
@@ -593,7 +626,7 @@ def run_jobs(args, argv):
   """Run the plan in args.jobs processes that take its groups from a queue (`claimed`; each
   rewrites its JSON in OUT.parts/ after every configuration), then merge their records in plan
   order. On SIGTERM or Ctrl-C the processes are stopped and what they finished is kept."""
-  strip = {"--jobs", "--out", "--time-limit"}
+  strip = {"--jobs", "--workers", "--out", "--time-limit"}
   child_argv, skip = [], False
   for item in argv:
     if skip:
@@ -686,9 +719,11 @@ def main(argv=None):
   p.add_argument("--shard", default="0/1", help="I/N: run the I-th of N interleaved parts")
   p.add_argument(
     "--jobs",
+    "--workers",
     type=int,
     default=None,
-    help="processes side by side (default: min(8, CPUs / 2) on a GPU, 1 elsewhere)",
+    help="worker processes side by side (default: one per CPU core, at most 16, on a GPU; "
+    "1 elsewhere)",
   )
   p.add_argument("--shape", default="1,256,2", help="B,T,H")
   p.add_argument("--chunk-size", type=int, default=64)
@@ -698,6 +733,12 @@ def main(argv=None):
     default="xla",
     choices=("xla", "reference"),
     help="the implementation compared with (float32, HIGHEST precision; default xla)",
+  )
+  p.add_argument(
+    "--reference-autotune",
+    action="store_true",
+    help="compile the reference with XLA's default GEMM handling (autotuned Triton GEMMs) "
+    "instead of REFERENCE_COMPILER_OPTIONS",
   )
   p.add_argument(
     "--time-limit",
@@ -801,6 +842,7 @@ def main(argv=None):
     f"\n{summary['passed']}/{len(configs)} passed in {final['wall_s']:.0f} s; "
     f"{summary['cache_hits']}/{summary['compiles']} compiles from the cache"
   )
+  print("  seconds summed over the configurations:", summary["totals"])
   for c in summary["slowest_compiles"][:5]:
     print(
       f"  slow compile: {c['key']} {c['stage']} {c['compile_s']:.1f} s "

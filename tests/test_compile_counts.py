@@ -156,3 +156,20 @@ def test_generate_traces_once_per_bucket(small_model):
   finally:
     type(small_model).prefill, type(small_model).step = prefill, step
   assert first.shape == second.shape == (2, 4)
+
+
+def test_generate_compiler_options(small_model):
+  """generate's XLA options (docs/performance.md#compile-time): the default programs compile the
+  decode loop with DECODE_COMPILER_OPTIONS; other options are other programs, with the same
+  tokens; a malformed pair is a TypeError naming the argument."""
+  from gdp_jax import models
+
+  prompts = [[1, 2, 3], [4, 5]]
+  assert models.generate_call(small_model, prompts, 3).decode is models._decode
+  default = models.generate(small_model, prompts, 3, pad_to=16)
+  call = models.generate_call(small_model, prompts, 3, pad_to=16, compiler_options=({}, {}))
+  assert call.prefill is models._prefill  # the same options: the same jitted prefill
+  assert call.decode is not models._decode
+  np.testing.assert_array_equal(call.run(), default)
+  with pytest.raises(TypeError, match="compiler_options must be None or a pair"):
+    models.generate(small_model, prompts, 3, compiler_options={"xla_gpu_autotune_level": 0})

@@ -90,6 +90,7 @@ FWD_CASES = [
   (2, 64, "shared", jnp.float32, 32, 16),
   (4, 16, "head", jnp.bfloat16, 64, 16),
   (8, 16, "token", jnp.float32, 128, 16),
+  (4, 32, "head", jnp.bfloat16, 64, 32),  # N = 128: the row-block loop with half inputs
 ]
 
 
@@ -119,6 +120,16 @@ def test_chunk_fwd_matches_stages(r, chunk, mask_kind, dtype, K, V):
     )
     assert len(out) == 3
     assert_close(out[1], w, 0.0, "w without save_ai")
+    # the row-block loop (form "auto" takes it from 128 rows) at N = 64: the same values
+    looped = chunk_fwd.chunk_fwd(
+      *(kern[n] for n in ("k", "v", "g", "beta", "mask")),
+      key_blocks=r,
+      chunk=chunk,
+      save_ai=True,
+      form="loop",
+    )
+    for name, got, want in zip(("gamma", "w", "u", "Ai"), looped, (gamma, w, u, ai)):
+      assert_close(got, want, 1e-5, f"{name} of the loop form")
 
 
 @pytest.mark.parametrize("inverse", ["substitution", "squaring-x3"])
@@ -267,6 +278,8 @@ def test_bad_arguments():
     chunk_fwd.chunk_fwd(k, v[..., :12], s, s, mask(1), key_blocks=1, chunk=16)
   with pytest.raises(ValueError, match="inverse must be one of"):
     chunk_fwd.chunk_fwd(k, v, s, s, mask(1), key_blocks=1, chunk=16, inverse="newton")
+  with pytest.raises(ValueError, match="form must be one of"):
+    chunk_fwd.chunk_fwd(k, v, s, s, mask(1), key_blocks=1, chunk=16, form="unrolled")
   with pytest.raises(ValueError, match="block_v"):
     chunk_state_output.chunk_state_output(
       k,
@@ -333,6 +346,7 @@ def _kernel_avals(r, chunk, K, V, dtype, per_token, T=128):
     (2, 32, 256, 256, jnp.bfloat16, False),
     (1, 64, 128, 128, jnp.float32, False),
     (2, 32, 128, 128, jnp.float32, True),
+    (8, 16, 128, 128, jnp.float32, True),
   ],
 )
 def test_fused_kernels_lower_to_triton(monkeypatch, r, chunk, K, V, dtype, per_token):
@@ -365,3 +379,5 @@ def test_fused_kernels_lower_to_triton(monkeypatch, r, chunk, K, V, dtype, per_t
   modules = lower_for_h200(monkeypatch, fused, *fwd_avals, *state_avals)
   assert len(modules) == len(variants) + (2 if first else 1)
   assert all("tt.func" in m for m in modules)
+  if chunk * r >= chunk_fwd.LOOP_ROWS:  # the row-block loop: one block's products, not nb^3
+    assert len(modules[0].splitlines()) < 4000 and modules[0].count("tt.dot ") <= 16

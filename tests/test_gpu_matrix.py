@@ -37,6 +37,7 @@ TOP_FIELDS = (
   "jobs",
   "xla_flags",
   "against",
+  "reference_compiler_options",
   "tolerances",
   "tf32_tolerance",
   "command",
@@ -56,6 +57,8 @@ RECORD_FIELDS = (
   "tolerance",
   "planted",
   "reference_s",
+  "reference_compile_s",
+  "reference_run_s",
   "fwd",
   "bwd",
   "reference_error",
@@ -64,9 +67,19 @@ RECORD_FIELDS = (
   "failures",
   "seconds",
 )
-STAGE_FIELDS = ("lower_s", "compile_s", "cache_hit", "first_compile_s", "ok", "error", "phase")
+STAGE_FIELDS = (
+  "lower_s",
+  "compile_s",
+  "run_s",
+  "cache_hit",
+  "first_compile_s",
+  "ok",
+  "error",
+  "phase",
+)
 SUMMARY_FIELDS = (
   "configs",
+  "totals",
   "passed",
   "failed",
   "failures",
@@ -149,10 +162,10 @@ def test_the_two_references_agree():
   config = gpu_matrix.Config(*gpu_matrix.TINY_CONFIGS[2])  # r = 2, a per-token mask
   results = {}
   for against in ("xla", "reference"):
-    (out, grads), error, seconds = gpu_matrix.reference(
+    (out, grads), error, (compile_s, run_s) = gpu_matrix.reference(
       config, _args("--tiny", "--against", against)
     )
-    assert error is None and seconds > 0
+    assert error is None and compile_s > 0 and run_s > 0
     results[against] = (out, grads)
   for x, y in zip(*(jax.tree.leaves(results[a]) for a in ("xla", "reference"))):
     assert gpu_matrix.host_rel_err(x, y) < 1e-5 and np.any(np.asarray(y) != 0)
@@ -215,6 +228,7 @@ def test_summary_flags_slow_compiles_and_failures():
   ]  # a cached 70 s first compile counts
   assert summary["slowest_compiles"][3]["key"] == "b"
   assert summary["cache_hits"] == 2 and summary["compiles"] == 6
+  assert summary["totals"]["bwd_compile_s"] == 64.2 and summary["totals"]["fwd_run_s"] == 0
 
 
 def test_tiny_run_reports_a_planted_mismatch(tmp_path):
@@ -257,11 +271,14 @@ def test_tiny_run_reports_a_planted_mismatch(tmp_path):
       for field in STAGE_FIELDS:
         assert field in c[stage], (c["key"], stage, field)
       assert c[stage]["ok"] and c[stage]["compile_s"] > 0 and c[stage]["lower_s"] > 0
+      assert c[stage]["run_s"] > 0
     grads = {"d" + n for n in ("q", "k", "v", "g", "beta", "initial_state")}
     grads |= {"dmask"} if c["mask"] != "none" else set()
     assert set(c["errors"]) == {"o", "final_state"} | grads
   # each configuration computed its own reference (three shapes): its time is recorded
   assert all(c["reference_s"] > 0 for c in configs)
+  assert all(c["reference_compile_s"] > 0 and c["reference_run_s"] > 0 for c in configs)
+  assert result["reference_compiler_options"] == gpu_matrix.REFERENCE_COMPILER_OPTIONS
   planted, *others = configs
   assert planted["planted"] and planted["status"] == "fail"
   assert any(f.startswith("o: relative error") for f in planted["failures"])

@@ -16,7 +16,10 @@ ungated inverse applied to W~, and no exp of a positive argument is ever formed.
 v, g, beta and the mask are loaded from their refs with `pl.ds` (a loaded value cannot be sliced
 in the Triton lowering, docs/pallas_triton.md). Row block i needs the rows of X above it, so X
 stays alive; the A blocks of one row block live only while it is done. The merge and the products
-are 16 x 16 block products only (X kept as its lower-triangular blocks).
+are 16 x 16 block products only (X kept as its lower-triangular blocks), all unrolled
+(`_blocks_kernel`); from LOOP_ROWS rows (r = 8) the row blocks run in a `fori_loop` instead, X one
+[N, N] tile and each step's merge one product with it (`_loop_kernel`: a Triton module of one row
+block's size; docs/performance.md#compile-time).
 
 Packed sequences in place (`table=`, docs/varlen.md#the-pallas-kernels): k, v, g and beta are the
 packed row [1, T, ...] itself; program c reads its chunk's tokens at the offset of a per-chunk
@@ -196,6 +199,100 @@ def _blocks_kernel(
         ai_ref[0][blk(i), blk(j)] = x[i, j].astype(ai_ref[0].dtype) if j <= i else zeros
 
 
+# form="auto": from this many rows (r = 8: 16 tokens x 8 rows) the row blocks run in a loop
+# (`_loop_kernel`): unrolled (`_blocks_kernel`), the merge's block products grow as nb^3 (220
+# products at nb = 8, a 40,000-line Triton module that took minutes to compile;
+# docs/performance.md#compile-time). Read at each call (benchmarks/compile_profile.py tries 64).
+LOOP_ROWS = 128
+FORMS = ("auto", "blocks", "loop")
+
+
+def _token_rows(x, i, tb):
+  """Tokens i * tb ... i * tb + tb - 1 of a per-token [BT] value, exactly (a one-hot sum: the
+  Triton lowering cannot slice a value at a traced offset): [tb]."""
+  bt = x.shape[0]
+  want = jax.lax.broadcasted_iota(jnp.int32, (tb, bt), 0) + i * tb
+  have = jax.lax.broadcasted_iota(jnp.int32, (tb, bt), 1)
+  return jnp.sum(jnp.where(want == have, x[None, :], 0.0), axis=1)
+
+
+def _loop_kernel(
+  k_ref,
+  v_ref,
+  g_ref,
+  beta_ref,
+  mask_ref,
+  gamma_ref,
+  w_ref,
+  u_ref,
+  *ai_ref,
+  r,
+  per_token_mask,
+  precision,
+  inverse,
+):
+  """The same outputs as `_blocks_kernel`, with the row blocks in a `fori_loop` (one copy of
+  the loop body in the Triton module, whatever nb). X is carried as one [N, N] tile (the row
+  blocks not done yet are zero), so row block i's merge is one product with the whole of it:
+
+    X_i,<i = -X_ii (A_i,<i X),   w_i = X_i,: (exp(gamma) beta Kw),   u_i = X_i,: (beta v)
+
+  with A_i,: = beta_i M (Kw_i Kb^T) exp(gamma_i - gamma) (token-strictly causal) a [16, N] row.
+  The whole chunk's keys, values and gamma are reloaded in each step (not held across the loop:
+  registers). The diagonal block X_ii is placed into the row exactly (a select, no product)."""
+  bt = k_ref.shape[0]
+  n = bt * r
+  nb = n // BLOCK
+  c = _Chunk(k_ref, v_ref, beta_ref, mask_ref, r, per_token_mask)
+  dtype = c.dtype
+  dot = functools.partial(backend.dot, precision=precision)
+  whole = pl.ds(0, bt)
+  local = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0) // r  # token of each row in a block
+  tok_all = rows.row_tokens(n, r)
+  col_block = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, n), 1) // BLOCK
+  row_block = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) // BLOCK
+  half = dtype != f32
+
+  gamma_ref[whole] = jnp.cumsum(g_ref[whole].astype(f32))  # chunk-local cumsum of g
+
+  def body(i, x):
+    gam = jnp.cumsum(g_ref[whole].astype(f32))  # [BT], as stored above
+    gam_all = rows.per_row(gam, r)  # [N]
+    gam_i = rows.per_row(_token_rows(gam, i, c.tb), r)  # [16]
+    beta_i = c.beta(i)
+    kw_i = c.masked_keys(i)
+    kb_i = c.block_keys(i)
+    k_all = k_ref[whole, :]
+    kb_all = rows.block_keys(k_all, r)  # [N, K]
+    tok_i = local + i * c.tb
+    # A_i,: (token-strictly causal: zero from the diagonal block's own tokens on) and A_ii.
+    decay = rows.causal_decay(gam_i, gam_all, tok_i, tok_all, strict=True)
+    a_row = beta_i[:, None] * dot(kw_i.astype(dtype), kb_all.astype(dtype), trans_b=True) * decay
+    decay_ii = rows.causal_decay(gam_i, gam_i, tok_i, tok_i, strict=True)
+    a_ii = beta_i[:, None] * dot(kw_i.astype(dtype), kb_i.astype(dtype), trans_b=True) * decay_ii
+    (x_ii,) = _invert_diagonal([a_ii], inverse)
+    # X_i,: = -X_ii (A_i,<i X) + X_ii at column block i.
+    merged = dot(x_ii, dot(jnp.where(col_block < i, a_row, 0.0), x))
+    x_ii_tiled = jnp.broadcast_to(x_ii[:, None, :], (BLOCK, nb, BLOCK)).reshape(BLOCK, n)
+    x_row = jnp.where(col_block == i, x_ii_tiled, -merged)
+    # w_i, u_i from the whole chunk's right-hand sides [N, K] and [N, V].
+    beta_all = rows.per_row(beta_ref[whole].astype(f32), r)
+    kw_all = rows.masked_keys(k_all, mask_ref, r, whole if per_token_mask else slice(None))
+    w_rhs = ((jnp.exp(gam_all) * beta_all)[:, None] * kw_all).astype(dtype)
+    bv = beta_ref[whole].astype(f32)[:, None] * v_ref[whole, :].astype(f32)
+    u_rhs = rows.repeat_rows(bv.astype(dtype), r)
+    x_op = x_row.astype(dtype) if half else x_row
+    rows_i = pl.ds(i * BLOCK, BLOCK)
+    w_ref[rows_i, :] = dot(x_op, w_rhs).astype(w_ref.dtype)
+    u_ref[rows_i, :] = dot(x_op, u_rhs).astype(u_ref.dtype)
+    if ai_ref:
+      ai_ref[0][rows_i, :] = x_row.astype(ai_ref[0].dtype)
+    x_rows = jnp.broadcast_to(x_row[None], (nb, BLOCK, n)).reshape(n, n)
+    return jnp.where(row_block == i, x_rows, x)
+
+  jax.lax.fori_loop(0, nb, body, jnp.zeros((n, n), f32))
+
+
 def _in_place(kernel, chunk):
   """`kernel` on whole-row refs k, v [T, D] and g, beta [T] of the packed row and a per-chunk
   table [2, NT] (the last input): program c's chunk starts at token table[0, c] and holds
@@ -263,6 +360,7 @@ def chunk_fwd(
   inverse="auto",
   launch=options.DEFAULT.chunk_fwd,
   table=None,
+  form="auto",
 ):
   """The fused intra-chunk forward.
 
@@ -283,6 +381,8 @@ def chunk_fwd(
   ("squaring-x3", "squaring-tf32": six products at TF32 x 3 or TF32 precision;
   pallas_kernels/common/tril.py).
   launch: warps and pipeline stages (pallas_kernels/common/options.py).
+  form: "blocks" (every block product unrolled), "loop" (the row blocks in a `fori_loop`, X one
+  [N, N] tile: a Triton module of one row block's size) or "auto" ("loop" from LOOP_ROWS rows).
 
   table: None, or packed sequences read in place (docs/varlen.md#the-pallas-kernels, B = 1):
   int32 [2, NT] (`varlen.chunk_tokens`), each chunk's first token in the packed row and its number
@@ -296,6 +396,8 @@ def chunk_fwd(
     raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
   if inverse == "auto":
     inverse = AUTO_INVERSE[precision]
+  if form not in FORMS:
+    raise ValueError(f"form must be one of {FORMS}, got {form!r}")
   bsz, t_len, key_heads, dim_k = k.shape
   heads, dim_v = v.shape[2:]
   r = key_blocks
@@ -323,8 +425,16 @@ def chunk_fwd(
   if save_ai:
     out_specs.append(specs.rows(n, n))
     out_shape.append(jax.ShapeDtypeStruct((bsz, heads, t_len * r, n), k.dtype))
+  looped = form == "loop" or (form == "auto" and n >= LOOP_ROWS)
+  num_warps = launch.num_warps
+  if looped:  # X ([N, N] float32) is carried across the loop: at most 64 registers a thread
+    num_warps = max(num_warps, min(8, n * n // (32 * 64)))
   kernel = functools.partial(
-    _blocks_kernel, r=r, per_token_mask=per_token_mask, precision=precision, inverse=inverse
+    _loop_kernel if looped else _blocks_kernel,
+    r=r,
+    per_token_mask=per_token_mask,
+    precision=precision,
+    inverse=inverse,
   )
   group = heads // key_heads
   in_specs = [
@@ -352,7 +462,7 @@ def chunk_fwd(
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
-      num_warps=launch.num_warps,
+      num_warps=num_warps,
       num_stages=launch.num_stages,
       name="gdp_chunk_fwd",
     )(*args)
