@@ -84,7 +84,8 @@ def _inputs(
     (dict(dtype=F32), r"q, k, v: dtype float32.*bfloat16 or float16.*\"triton\""),
     (dict(key_dim=32), r"q, k: K = 32.*\(64, 128\).*\"triton\""),
     (dict(r=3), r"mask: r = 3 key blocks.*\"triton\""),
-    (dict(cu_seqlens=True), r"cu_seqlens: packed sequences.*\"triton\""),
+    # packed sequences run (docs/mosaic_gpu.md#packed-sequences): refused as unpacked ones are
+    (dict(cu_seqlens=True, dtype=F32), r"q, k, v: dtype float32.*\"triton\""),
   ],
 )
 def test_inputs_it_cannot_take_are_clear_errors(change, words):
@@ -136,6 +137,39 @@ def test_lowers_for_cuda_at_benchmark_shape(monkeypatch, r, dim):
     # gradients
     assert len(mosaic) == (2 if function is run else 4), (function.__name__, len(mosaic))
     assert function is value_and_grad or not triton, triton
+
+
+def test_packed_forward_lowers_for_cuda(monkeypatch):
+  # packed sequences (64 of them in one row of 32k tokens): without gradient the Mosaic forward's
+  # two kernels, its walk one program per sequence; differentiated, the Triton kernels both ways
+  table = {f: dict(t) for f, t in dispatch.TABLE.items()}
+  monkeypatch.setattr(dispatch, "TABLE", table)
+  compiled = table["gated_delta_product"]["mosaic_gpu"].replace(interpret=False)
+  dispatch.register("gated_delta_product", compiled)
+  t_len, heads, dim, num_seqs, r = 32768, 16, 128, 64, 2
+  spec = jax.ShapeDtypeStruct
+  act, gate = spec((1, t_len, heads, dim), jnp.bfloat16), spec((1, t_len, heads), F32)
+  cu, h0 = spec((num_seqs + 1,), jnp.int32), spec((num_seqs, heads, dim, dim), F32)
+
+  def run(q, k, v, g, beta, cu, h0):
+    return gated_delta_product(
+      q, k, v, g, beta, jnp.ones((heads, r, r)), cu_seqlens=cu, initial_state=h0,
+      output_final_state=True, implementation="mosaic_gpu",
+    )  # fmt: skip
+
+  def value_and_grad(q, k, v, g, beta, cu, h0):
+    def loss(q, k, v, g, beta, h0):
+      return sum(jnp.sum(x.astype(F32)) for x in run(q, k, v, g, beta, cu, h0))
+
+    return jax.value_and_grad(loss, range(6))(q, k, v, g, beta, h0)
+
+  for function in (run, value_and_grad):
+    lowered = jax.jit(function).trace(act, act, act, gate, gate, cu, h0)
+    lines = lowered.lower(lowering_platforms=("cuda",)).as_text().splitlines()
+    mosaic = [line for line in lines if "custom_call" in line and "mosaic_gpu" in line]
+    assert len(mosaic) == (2 if function is run else 0), (function.__name__, len(mosaic))
+  # (off a GPU the Triton kernels lower interpreted, as plain HLO: their names are in the jaxpr)
+  assert "gdp_chunk_fwd" in str(jax.make_jaxpr(value_and_grad)(act, act, act, gate, gate, cu, h0))
 
 
 @pytest.mark.parametrize("r", [1, 2, 4])
@@ -243,7 +277,40 @@ def _run_interpreted():
   wrong = dict(x, mask=jnp.swapaxes(x["mask"], -1, -2))
   o_wrong = loss("xla", *wrong.values())[1][0]
   row["o_wrong"] = _rel_rms(o.astype(F32), o_wrong.astype(F32))
+  row.update(_packed_interpreted())
   return row
+
+
+def _packed_interpreted():
+  """Packed sequences without gradient (the walks one program per sequence) against "xla":
+  lengths 5, 0, 40, 1, 30 at r = 2 (chunks of 32 tokens; an empty sequence, one of one token,
+  one of two chunks), a per-token mask, an initial state per sequence and a nan in one
+  sequence, which spoils that sequence from its token on and nothing else."""
+  lengths = (5, 0, 40, 1, 30)
+  cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+  x = _inputs(8, t_len=sum(lengths), heads=2, key_heads=2, value_dim=64)
+  x["mask"] = jax.random.uniform(jax.random.PRNGKey(9), (1, sum(lengths), 2, 2, 2))
+  x["initial_state"] = 0.3 * jax.random.normal(jax.random.PRNGKey(10), (5, 2, 64, 64))
+  x["v"] = x["v"].at[0, 20, 1].set(jnp.nan)  # token 20: sequence 2 (tokens 5 to 44), head 1
+
+  def run(implementation):
+    return jax.jit(
+      lambda kw: gated_delta_product(
+        **kw, scale=0.3, cu_seqlens=cu, output_final_state=True, implementation=implementation
+      )
+    )(x)
+
+  (o, final), (o_ref, final_ref) = run("mosaic_gpu"), run("xla")
+  fine = np.ones(o.shape[1:3], bool)
+  fine[20:45, 1] = False
+  o, o_ref = np.asarray(o[0].astype(F32)), np.asarray(o_ref[0].astype(F32))
+  kept = np.array([0, 1, 3, 4])  # the sequences without the nan
+  return dict(
+    packed_o=_rel_rms(o[fine], o_ref[fine]),
+    packed_nan=bool(np.isnan(o[20:45, 1]).all() and not np.isnan(o[fine]).any()),
+    packed_final=_rel_rms(final[kept], final_ref[kept]),
+    packed_empty_keeps_its_state=bool(jnp.array_equal(final[1], x["initial_state"][1])),
+  )
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +323,12 @@ def test_forward_interpreted_matches_xla(interpreted):
   assert row["shape_ok"], row
   assert row["o"] < 1e-2 and row["final"] < 1e-2, row
   assert row["o_wrong"] > 2e-2, row
+
+
+def test_packed_forward_interpreted_matches_xla(interpreted):
+  row = interpreted
+  assert row["packed_o"] < 1e-2 and row["packed_final"] < 1e-2, row
+  assert row["packed_nan"] and row["packed_empty_keeps_its_state"], row
 
 
 def test_a_nan_spoils_nothing_before_it(interpreted):

@@ -163,6 +163,7 @@ def forward(
   output_final_state: bool = False,
   return_inverse: bool = False,
   store_states: bool = False,
+  seq_table: jax.Array | None = None,
   interpret=None,
 ):
   """`o [B, T, H, V]` (dtype of q) and the final state `[B, H, K, V]` float32 (or None); with
@@ -171,11 +172,14 @@ def forward(
   with `store_states` (T a multiple of the chunk, V of 64) after them the per-chunk states and
   v_new, transposed (`state_walk_ws`): the residuals of the Mosaic backward (`backward.py`).
 
+  seq_table: None, or packed sequences in the chunk-aligned padded layout (B = 1, docs/varlen.md):
+    int32 `[N, 4]` (first chunk, chunk count, 0, 0) per sequence (`state_walk_ws`); the initial and
+    final states are then `[N, H, K, V]`.
   interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
     The interpreter runs the walk's three warpgroups as threads of XLA's CPU client: on a machine
     with fewer than 3 cores set NPROC (for example NPROC=8) before jax starts, or they starve.
   """
-  check_inputs(q, k, v, g, beta, mask, initial_state)
+  check_inputs(q, k, v, g, beta, mask, initial_state if seq_table is None else None)
   t_len, value_dim = q.shape[1], v.shape[-1]
   ops = prepare(q, k, v, g, beta, mask, scale)
   vp = ops.value_padded
@@ -202,6 +206,7 @@ def forward(
     block_v=BLOCK_V,
     output_final_state=output_final_state,
     store_states=store_states,
+    seq_table=seq_table,
     interpret=interpret,
   )
   o = o[:, :t_len, :, :value_dim]

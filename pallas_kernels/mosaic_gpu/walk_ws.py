@@ -49,6 +49,8 @@ jax-linear-attention records).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -75,6 +77,15 @@ from pallas_kernels.mosaic_gpu.common import (
 )
 
 N = ROWS_PER_CHUNK
+
+
+def when(condition, fn) -> None:
+  """`fn()` if `condition`: at trace time for a Python bool, else under `pl.when`."""
+  if isinstance(condition, bool):
+    if condition:
+      fn()
+  else:
+    pl.when(condition)(fn)
 
 
 def walk_dims(q, k, v, t0, mask_rows, block_v):
@@ -135,6 +146,7 @@ def state_walk_ws(
   output_final_state: bool = False,
   store_states: bool = False,
   stages: int | None = None,
+  seq_table: jax.Array | None = None,
   interpret=None,
 ):
   """The state walk and the output, per (batch, head, value tile) (module docstring).
@@ -154,6 +166,12 @@ def state_walk_ws(
       and `v_new^T` `[B, H, NC, V, N]` (block-major columns), both in the input dtype: the
       residuals of the backward (`backward_walk.py`), copied from the tiles the chain publishes.
     stages: ring stages (None: the most that fit).
+    seq_table: None, or packed sequences on the chunk-aligned padded layout (docs/varlen.md, B = 1):
+      int32 `[N, 4]`, row n `(first chunk, chunk count, ., .)` of sequence n (the last two
+      entries unused: a row is one 16-byte copy; `varlen.sequence_chunks(...).T` fits). The
+      grid's first axis is then the sequence: program (n, h, v) walks sequence n's chunks from
+      its initial state (`initial_state_t [N, H, V, K]`) and writes its final state
+      (`[N, H, V, K]`); chunks of no sequence are not walked (their output rows stay unwritten).
     interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()`.
 
   Returns:
@@ -168,6 +186,16 @@ def state_walk_ws(
   m_b, m_h, m_n = mask_rows.shape[:3]
   has_h0 = initial_state_t is not None
   staged = interpret is not None
+  packed = seq_table is not None
+  num_states = batch
+  if packed:
+    num_states = seq_table.shape[0]
+    if batch != 1 or seq_table.shape != (num_states, 4) or seq_table.dtype != jnp.int32:
+      raise ValueError(
+        f"seq_table: {seq_table.shape} {seq_table.dtype} with B={batch}: int32 [N, 4], B=1"
+      )
+    if has_h0 and initial_state_t.shape[0] != num_states:
+      raise ValueError(f"initial_state_t: {initial_state_t.shape}, expected {num_states} states")
   bv = block_v
   dk = key_dim // r
   stages = ring_stages(
@@ -202,7 +230,8 @@ def state_walk_ws(
     in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     s_ready=plgpu.Barrier(num_barriers=2),
     s_free=plgpu.Barrier(num_barriers=2),
-    sc_bar=plgpu.Barrier(),
+    sc_bar=plgpu.Barrier(num_arrivals=2 if packed else 1),
+    tab_s=plgpu.SMEM((4,), jnp.int32),
     done=plgpu.Barrier(num_arrivals=3),
   )
   if masked_keys:
@@ -212,33 +241,47 @@ def state_walk_ws(
 
   out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), dtype)]
   if output_final_state:
-    out_type.append(jax.ShapeDtypeStruct((batch, heads, value_dim, key_dim), F32))
+    out_type.append(jax.ShapeDtypeStruct((num_states, heads, value_dim, key_dim), F32))
   if store_states:
     out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, key_dim), dtype))
     out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, N), dtype))
 
   def body(*refs, q_s, kb_s, vrep_s, t_s, g_rows, g_cols, g_chain, g_last, b_cols, g_tok, m_s,
            st_pub, vn_pub, pq_s, o_s, sc_s, in_bar, prep_ready, in_free, s_ready, s_free, sc_bar,
-           done, kw_s=None, xt_s=None):  # fmt: skip
+           done, tab_s, kw_s=None, xt_s=None):  # fmt: skip
     refs = list(refs)
     q_ref, k_ref, v_ref, t0_ref, g_ref = (refs.pop(0) for _ in range(5))
     gr_ref, beta_ref, m_ref, sc_ref = (refs.pop(0) for _ in range(4))
     h0_ref = refs.pop(0) if has_h0 else None
+    tab_ref = refs.pop(0) if packed else None
     o_ref = refs.pop(0)
     ht_ref = refs.pop(0) if output_final_state else None
     states_ref, vnew_ref = (refs.pop(0), refs.pop(0)) if store_states else (None, None)
     b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
     hk = lax.div(h, group)  # the key head of value head h
+    wg = lax.axis_index("wg")
+    seq = b  # the state's index: the batch row, or the sequence
+    first, count = 0, nc  # the chunks walked
+    if packed:  # the sequence's chunks, from its row of the table (every warpgroup waits)
+
+      @pl.when(wg == 1)
+      def _():
+        plgpu.copy_gmem_to_smem(tab_ref.at[seq], tab_s, sc_bar)
+        plgpu.copy_gmem_to_smem(sc_ref, sc_s, sc_bar)
+
+      plgpu.barrier_wait(sc_bar)
+      first, count = tab_s[0], tab_s[1]
+      b = 0
     cols_v = pl.ds(iv * bv, bv)
     mb = b if m_b > 1 else 0
     mh = h if m_h > 1 else 0
-    wg = lax.axis_index("wg")
 
     @pl.when(wg == 2)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
 
-      def issue(n, slot):
+      def issue(i, slot):
+        n = first + i  # the chunk of the i-th step
         rows = pl.ds(n * c, c)
         bar = in_bar.at[slot]
         mn = n if m_n > 1 else 0
@@ -257,23 +300,24 @@ def state_walk_ws(
           plgpu.copy_gmem_to_smem(k_src, kb_s.at[slot].at[part], bar)
           plgpu.copy_gmem_to_smem(v_src, vrep_s.at[slot].at[part], bar)
 
-      for n in range(min(stages, nc)):
-        issue(n, n)
+      for i in range(stages):
+        when(i < count, functools.partial(issue, i, i))
 
-      @pl.loop(stages, nc)
-      def _refill(n):
-        slot = lax.rem(n, stages)
+      @pl.loop(stages, count)
+      def _refill(i):
+        slot = lax.rem(i, stages)
         plgpu.barrier_wait(in_free.at[slot])
-        issue(n, slot)
+        issue(i, slot)
 
-      for n in range(max(nc - stages, 0), nc):  # consume the last releases of every stage
-        plgpu.barrier_wait(in_free.at[n % stages])
+      for j in range(stages):  # consume the last releases of every stage
+        i = count - stages + j
+        when(i >= 0, lambda i=i: plgpu.barrier_wait(in_free.at[i % stages]))
 
     @pl.when(wg == 0)
     def _chain():
       plgpu.set_max_registers(232, action="increase")
       if has_h0:  # straight from global memory into the WGMMA layout
-        s0 = plgpu.load(h0_ref.at[b, h, cols_v], layout=WGMMA, optimized=False)
+        s0 = plgpu.load(h0_ref.at[seq, h, cols_v], layout=WGMMA, optimized=False)
       else:
         s0 = plgpu.layout_cast(jnp.zeros((bv, key_dim), F32), WGMMA)
       wshape = (bv, N)
@@ -310,8 +354,8 @@ def state_walk_ws(
         plgpu.commit_smem()
         plgpu.barrier_arrive(s_ready.at[half])
         if store_states:
-          plgpu.copy_smem_to_gmem(st_pub.at[half], states_ref.at[b, h, n, cols_v])
-          plgpu.copy_smem_to_gmem(vn_pub.at[half], vnew_ref.at[b, h, n, cols_v])
+          plgpu.copy_smem_to_gmem(st_pub.at[half], states_ref.at[b, h, first + n, cols_v])
+          plgpu.copy_smem_to_gmem(vn_pub.at[half], vnew_ref.at[b, h, first + n, cols_v])
         vd_t = (vn_t * bcast_cols(jnp.exp(g_end - g_c), wshape)).astype(dtype)
         s_new = matmul_reg(
           vd_t, kb_s.at[slot], (bv, key_dim), init=jnp.exp(g_end) * s_t, stage=xt_s
@@ -319,19 +363,21 @@ def state_walk_ws(
         plgpu.barrier_arrive(in_free.at[slot])
         return s_new
 
-      s_t = lax.fori_loop(0, nc, step, s0)
-      for n in range(max(nc - 2, 0), nc):  # consume the last releases of the published tiles
-        plgpu.barrier_wait(s_free.at[n % 2])
+      s_t = lax.fori_loop(0, count, step, s0)
+      for j in range(2):  # consume the last releases of the published tiles
+        i = count - 2 + j
+        when(i >= 0, lambda i=i: plgpu.barrier_wait(s_free.at[i % 2]))
       if output_final_state:  # straight from registers to global memory
-        ht_ref.at[b, h, cols_v][...] = s_t
+        ht_ref.at[seq, h, cols_v][...] = s_t
       if store_states:
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
     def _output():
       plgpu.set_max_registers(232, action="increase")
-      plgpu.copy_gmem_to_smem(sc_ref, sc_s, sc_bar)
-      plgpu.barrier_wait(sc_bar)
+      if not packed:  # (packed: read with the table, above)
+        plgpu.copy_gmem_to_smem(sc_ref, sc_s, sc_bar)
+        plgpu.barrier_wait(sc_bar)
       scale_v = sc_s[0]
       pshape = (N, c)
       causal_pq = token_of(iota(pshape, 0), c) <= iota(pshape, 1)
@@ -340,7 +386,7 @@ def state_walk_ws(
       def step(n, carry):
         slot = lax.rem(n, stages)
         half = lax.rem(n, 2)
-        rows = pl.ds(n * c, c)
+        rows = pl.ds((first + n) * c, c)
         plgpu.barrier_wait(in_bar.at[slot])
         # Off the chain: Kw, Kb (in place) and Ag (in place), then warpgroup 0 may go.
         g_r = plgpu.load(g_rows.at[slot], layout=ROWS)
@@ -381,7 +427,7 @@ def state_walk_ws(
         plgpu.copy_smem_to_gmem(o_s.at[half], o_ref.at[b, rows, h, cols_v])
         return carry
 
-      lax.fori_loop(0, nc, step, None)
+      lax.fori_loop(0, count, step, None)
       plgpu.wait_smem_to_gmem(0)
 
     plgpu.barrier_arrive(done)
@@ -390,11 +436,13 @@ def state_walk_ws(
   args = [q, k, v, t0, gamma, gamma_rows, beta_rows, mask_rows, scale]
   if initial_state_t is not None:
     args.append(initial_state_t)
+  if packed:
+    args.append(seq_table)
   outs = plgpu.kernel(
     body,
     out_type=out_type,
     scratch_types=scratch,
-    grid=(batch, heads, value_dim // bv),
+    grid=(num_states, heads, value_dim // bv),
     grid_names=("b", "h", "v"),
     num_threads=3,
     thread_name="wg",

@@ -13,9 +13,12 @@ kernels run. With a `chunk_size` below the kernels' `64 // r` tokens the Triton 
 differs from theirs and a differentiated call runs the Triton forward and backward.
 
 What the kernels take, and what this implementation refuses with a ValueError that points to
-"triton": q, k, v in bfloat16 or float16; K = 64 or 128; r in 1, 2, 4, 8; no packed sequences
-(cu_seqlens). Grouped value heads (HV a multiple of H) read each key head through the kernels'
-index maps. `backward="xla"` (a debugging switch) runs the Triton forward.
+"triton": q, k, v in bfloat16 or float16; K = 64 or 128; r in 1, 2, 4, 8. Packed sequences
+(cu_seqlens) run the Mosaic forward without gradient (the inputs gathered into the chunk-aligned
+layout, the walks one program per sequence) and the Triton kernels both ways when differentiated
+(docs/mosaic_gpu.md#packed-sequences; named explicitly only, until it has run on a GPU). Grouped
+value heads (HV a multiple of H) read each key head through the kernels' index maps.
+`backward="xla"` (a debugging switch) runs the Triton forward.
 
 Off a GPU (or with GDP_PALLAS_INTERPRET=1, pallas_kernels/common/backend.py) the kernels run in
 jax's Mosaic GPU interpreter: the state walk's three warpgroups run as threads of XLA's CPU pool,
@@ -26,17 +29,20 @@ docs/mosaic_gpu.md#testing-without-a-gpu). Compiled, they need an sm_90 GPU (H10
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from gdp_jax.ops.gated_delta_product import varlen
 from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation
 from gdp_jax.ops.gated_delta_product.triton import (
   TritonGatedDeltaProduct,
   gated_delta_product_pallas,
 )
+from gdp_jax.ops.gated_delta_product.triton import _forward as triton_packed_forward
 from gdp_jax.ops.gated_delta_product.triton import _fused_forward as triton_forward
 from gdp_jax.ops.gated_delta_product.xla_backward import reduce_dmask
 from gdp_jax.ops.heads import sum_key_heads
@@ -139,9 +145,11 @@ class MosaicForwardKernels:
   interpret: bool
 
   def __call__(self, q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai):
-    if packing is not None:  # `unsupported` sends packed sequences elsewhere first
-      raise ValueError('cu_seqlens: not supported by implementation="mosaic_gpu"')
     r = mask.shape[-1]
+    if packing is not None:
+      if save_ai or bt != chunk_tokens(r):  # differentiated: the Triton kernels both ways
+        return triton_packed_forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai)
+      return self._packed(q, k, v, g, beta, mask, h0, packing, scale)
     if save_ai and bt != chunk_tokens(r):
       return triton_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, {}, {})
     if not self.interpret:
@@ -171,6 +179,26 @@ class MosaicForwardKernels:
     gamma = jnp.cumsum(g_hm.reshape(batch, heads, t_len // bt, bt), axis=-1)
     gamma = gamma.reshape(g_hm.shape)
     return o, final, (gamma, triton_inverse(t0, gamma, r))
+
+  def _packed(self, q, k, v, g, beta, mask, h0, packing, scale):
+    """Packed sequences without gradient: the inputs gathered into the chunk-aligned layout
+    (docs/varlen.md), the walks one program per sequence (`seq_table`), o gathered back."""
+    if not self.interpret:
+      _check_device()
+    lay = packing.layout
+    heads = v.shape[2]
+    pack = functools.partial(varlen.pack, lay=lay)
+    mask5 = mask if mask.shape[1] == 1 else pack(mask)
+    o, final = mosaic_forward.forward(
+      *map(pack, (q, k, v, g, beta)),
+      _kernel_mask(mask5, 1, lay.t_pad, heads),
+      scale=scale,
+      initial_state=h0,
+      output_final_state=True,
+      seq_table=varlen.sequence_chunks(lay).T,
+      interpret=self._params(),
+    )
+    return varlen.unpack(o, lay), final, (None, None)
 
   def _params(self):
     return plgpu.InterpretGPUParams() if self.interpret else None
@@ -249,8 +277,7 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
     float32 matmuls to set); the non-finite guard (on unless `nonfinite_guard` or
     `options.nonfinite_guard` turns it off) wraps the Mosaic forward the same way.
   fallback: False (an explicit `implementation="mosaic_gpu"`): inputs the kernels cannot take
-    are a ValueError naming the argument. True: they run the Triton implementation instead
-    (packed sequences too).
+    are a ValueError naming the argument. True: they run the Triton implementation instead.
   interpret: None follows pallas_kernels/common/backend.py (the Mosaic GPU interpreter off a
     GPU); False lowers the kernels for the GPU, True interprets them.
   """
@@ -290,10 +317,16 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
     return gated_delta_product_pallas(*args, **self.triton()._options(q, v, mask), forward=kernels)
 
   def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
+    """Packed sequences: without gradient the Mosaic forward, its walks one program per sequence
+    (docs/mosaic_gpu.md#packed-sequences); differentiated, the Triton kernels both ways. Named
+    explicitly only: "pallas" and None (`fallback`) keep the Triton kernels for packed sequences
+    until this path has run compiled on a GPU."""
+    args = (q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens)
     if self.fallback:
-      args = (q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens)
       return self.triton().varlen(*args)
-    raise ValueError(
-      f"cu_seqlens: packed sequences (cu_seqlens shape {tuple(cu_seqlens.shape)}) are not "
-      f'supported by implementation="mosaic_gpu"; {USE_TRITON}'
-    )
+    reason = unsupported(q, k, v, mask)
+    if reason is not None:
+      raise ValueError(reason)
+    interpret = self.interpret if self.interpret is not None else interpret_mode()
+    kernels = MosaicForwardKernels(interpret=interpret)
+    return gated_delta_product_pallas(*args, **self.triton()._options(q, v, mask), forward=kernels)
