@@ -132,7 +132,6 @@ SLOW = (
   "tests/test_implementations.py::TestTriton::test_forward_half_precision*",
   "tests/test_implementations.py::TestTriton::test_two_halves_thread_the_state",
   "tests/test_pallas_forward.py::test_forward_without_state_and_odd_dims",
-  "tests/test_dispatch.py::test_xla_backward_agrees_with_pallas_backward*",
   "tests/test_grouped_heads.py::test_grouped_equals_repeated_keys[pallas*",
   "tests/test_layers.py::test_gdp_packed_gradients_do_not_cross_documents[pallas*",
   "tests/test_varlen.py::test_pallas_packed_equals_xla_packed*",

@@ -27,6 +27,7 @@ from tests.cases import (
   assert_close,
   loss_and_grads,
   make_inputs,
+  outputs_and_grads,
   present_arrays,
   tol,
 )
@@ -196,25 +197,34 @@ def test_chunk_state_output_matches_stages(r, chunk, mask_kind, dtype, K, V, blo
     assert_close(unpad["v"](v_new), ref["v_new"], t, "v_new")
 
 
-def run(implementation, **inputs):
+def run(implementation, backward=None, **inputs):
   return gated_delta_product(
-    **inputs, output_final_state=True, implementation=implementation, precision="ieee"
+    **inputs,
+    output_final_state=True,
+    implementation=implementation,
+    precision="ieee",
+    **({} if backward is None else dict(backward=backward)),
   )
 
 
 def test_operator_forward_and_gradients():
   """The whole pallas operator against the recurrence, forward and every gradient: ragged T, K
-  and V, per-token mask, r = 2."""
+  and V, per-token mask, r = 2; the gradients with the kernels' backward and with the jnp one
+  (backward="xla")."""
   inputs = make_inputs(21, B=1, T=21, H=2, K=24, V=20, r=2, mask_kind="token")
-  o_ref, f_ref = run("reference", **inputs)
-  o, f = run("pallas", **inputs)
+  # jitted: one compile instead of one per operation; the reference's outputs and gradients
+  # from one program (tests/cases.py outputs_and_grads)
+  (o_ref, f_ref), g_ref = outputs_and_grads(functools.partial(run, "reference"), inputs)
+  o, f = jax.jit(functools.partial(run, "pallas"))(**inputs)
   assert_close(o, o_ref, F32, "o")
   assert_close(f, f_ref, F32, "final state")
-  g_ref = loss_and_grads(functools.partial(run, "reference"), inputs)
   g_pal = loss_and_grads(functools.partial(run, "pallas"), inputs)
+  g_jnp_bwd = loss_and_grads(functools.partial(run, "pallas", backward="xla"), inputs)
+  assert set(g_pal) == set(g_jnp_bwd) == set(g_ref) == set(inputs)
   for name in g_ref:
     assert g_pal[name].shape == inputs[name].shape, name
     assert_close(g_pal[name], g_ref[name], GRAD_TOLERANCE[jnp.float32], f"d{name}")
+    assert_close(g_jnp_bwd[name], g_ref[name], GRAD_TOLERANCE[jnp.float32], f"d{name} (xla bwd)")
 
 
 def _sub_jaxprs(params):

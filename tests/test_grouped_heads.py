@@ -17,7 +17,14 @@ from flax import nnx
 
 from gdp_jax import dispatch, gated_delta_product, gated_delta_product_step
 from gdp_jax.layers import GatedDeltaProduct
-from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, make_inputs, tol
+from tests.cases import (
+  GRAD_TOLERANCE,
+  assert_close,
+  loss_and_grads,
+  make_inputs,
+  outputs_and_grads,
+  tol,
+)
 
 
 def grouped_inputs(seed, B=1, T=20, H=1, HV=2, K=16, V=16, r=2, mask_kind="head"):
@@ -63,14 +70,17 @@ def test_grouped_equals_repeated_keys(implementation, H, HV, r, mask_kind):
   run = functools.partial(
     gated_delta_product, output_final_state=True, chunk_size=16, implementation=implementation
   )
-  o, final = jax.jit(lambda kw: run(**kw))(inputs)
-  o_rep, final_rep = jax.jit(lambda kw: run(**kw))(repeat_keys(inputs))
+  if implementation == "pallas":  # a custom_vjp: its plain forward is a program of its own
+    o, final = jax.jit(lambda kw: run(**kw))(inputs)
+    o_rep, final_rep = jax.jit(lambda kw: run(**kw))(repeat_keys(inputs))
+    grads_of = jax.jit(lambda kw: loss_and_grads(run, kw))
+    grads, grads_rep = grads_of(inputs), grads_of(repeat_keys(inputs))
+  else:  # outputs and gradients from one program (tests/cases.py outputs_and_grads)
+    (o, final), grads = outputs_and_grads(run, inputs)
+    (o_rep, final_rep), grads_rep = outputs_and_grads(run, repeat_keys(inputs))
   assert o.shape == inputs["v"].shape and final.shape == inputs["initial_state"].shape
   assert_close(o, o_rep, tol(jnp.float32), "o")
   assert_close(final, final_rep, tol(jnp.float32), "final state")
-
-  grads_of = jax.jit(lambda kw: loss_and_grads(run, kw))
-  grads, grads_rep = grads_of(inputs), grads_of(repeat_keys(inputs))
   for name, d in grads.items():
     expected = sum_groups(grads_rep[name], H) if name in ("q", "k") else grads_rep[name]
     assert d.shape == inputs[name].shape, name
@@ -90,13 +100,12 @@ def test_pallas_grouped_other_paths(backward):
     gated_delta_product, **kw, implementation="pallas", options=options, backward=backward
   )
   xla = functools.partial(gated_delta_product, **kw, implementation="xla")
-  for got, expected, name in zip(jax.jit(pallas)(**inputs), jax.jit(xla)(**inputs), ("o", "final")):
+  # "xla": outputs and gradients from one program (tests/cases.py outputs_and_grads)
+  outputs_xla, grads_xla = outputs_and_grads(xla, inputs)
+  for got, expected, name in zip(jax.jit(pallas)(**inputs), outputs_xla, ("o", "final")):
     assert_close(got, expected, tol(jnp.float32), name)
   if backward == "xla":
-    grads, grads_xla = (
-      jax.jit(lambda i: loss_and_grads(pallas, i))(inputs),
-      loss_and_grads(xla, inputs),
-    )
+    grads = jax.jit(lambda i: loss_and_grads(pallas, i))(inputs)
     for name, d in grads.items():
       assert d.shape == inputs[name].shape, name
       assert_close(d, grads_xla[name], tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")

@@ -490,16 +490,22 @@ def test_gdp_document_start_resets_the_state():
   assert not np.allclose(np.asarray(y[:, :16]), np.asarray(y2[:, :16]))
 
 
-def doc_gradients(layer, lengths, T):
-  """grads[i] = d(sum sin(y) over document i) / dx, for x [1, T, D] packed as `lengths`."""
-  x = x_of(14, B=1, T=T)
-  seg, spans = packed(lengths, T)
-  weights = jnp.asarray([(np.arange(T) >= a) & (np.arange(T) < e) for a, e in spans], jnp.float32)[
-    :, None, :, None
-  ]  # [docs, 1, T, 1]: one doc each
+def doc_gradients(layer):
+  """A function of (lengths, T): grads[i] = d(sum sin(y) over document i) / dx, for x [1, T, D]
+  packed as `lengths`, and the documents' (start, end). One jitted function per layer: segment
+  ids and weights are traced, so document lengths of the same count and T share one compile."""
   loss = lambda x, s, w: jnp.sum(jnp.sin(layer(x, segment_ids=s)) * w)
-  run = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, None, 0)))  # seg traced: one compile
-  return np.abs(np.asarray(run(x, seg, weights))), spans
+  run = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, None, 0)))
+
+  def grads(lengths, T):
+    x = x_of(14, B=1, T=T)
+    seg, spans = packed(lengths, T)
+    weights = jnp.asarray(
+      [(np.arange(T) >= a) & (np.arange(T) < e) for a, e in spans], jnp.float32
+    )[:, None, :, None]  # [docs, 1, T, 1]: one doc each
+    return np.abs(np.asarray(run(x, seg, weights))), spans
+
+  return grads
 
 
 @pytest.mark.parametrize(
@@ -516,8 +522,9 @@ def test_gdp_packed_gradients_do_not_cross_documents(implementation, lengths):
   cases = [(lengths, 0.0)]
   if implementation == "xla":
     cases.append(((20, 12, 32), 1e-6))
+  doc_grads = doc_gradients(layer)
   for lens, bound in cases:
-    grads, spans = doc_gradients(layer, lens, T)
+    grads, spans = doc_grads(lens, T)
     for i, (a, e) in enumerate(spans):
       outside = np.ones(T, bool)
       outside[a:e] = False
@@ -713,13 +720,15 @@ def test_gdp_step_tokens_from_empty_cache_and_single_token():
   """From init_cache, Tq tokens are the whole sequence; Tq = 1 is one step."""
   layer = gdp(mask_mode="token")
   x = x_of(31, T=5)
-  y, cache = layer.step_tokens(x, layer.init_cache(2))
-  y_ref, cache_ref = layer(x, return_cache=True)
+  empty = layer.init_cache(2)
+  # jitted: one compile per call instead of one per operation
+  y, cache = jit_step_tokens(layer, x, empty)
+  y_ref, cache_ref = apply(layer, x, return_cache=True)
   assert_close(y, y_ref, 2e-5, "outputs")
   assert_close(cache.state, cache_ref.state, 2e-5, "state")
   np.testing.assert_array_equal(cache.conv, cache_ref.conv)
-  y1, c1 = layer.step_tokens(x[:, :1], layer.init_cache(2))
-  y1_ref, c1_ref = layer.step(x[:, 0], layer.init_cache(2))
+  y1, c1 = jit_step_tokens(layer, x[:, :1], empty)
+  y1_ref, c1_ref = jit_step(layer, x[:, 0], empty)
   assert_close(y1[:, 0], y1_ref, 2e-5, "one token")
   assert_close(c1.state, c1_ref.state, 2e-5, "one token's state")
 

@@ -25,34 +25,34 @@ from tests.cases import assert_close, make_inputs, present_arrays, stage_inputs,
 STAGE_CASES = [(1, None, 32), (2, "head", 32), (4, "token", 16), (2, "shared", 16)]
 
 
-@pytest.mark.parametrize("r,mask_kind,chunk", STAGE_CASES)
-def test_stages_match_xla(r, mask_kind, chunk):
-  s = stage_inputs(r, mask_kind, chunk)
-  k, v, beta, mask, gcum = s["k"], s["v"], s["beta_hm"], s["mask"], s["gcum"]
-  f32 = tol(jnp.float32)
-
-  assert_close(cumsum.chunk_local_cumsum(s["g_hm"], chunk), gcum, f32, "cumsum")
-  rev_ref = jnp.flip(xla.chunk_local_cumsum(jnp.flip(s["g_hm"], -1), chunk), -1)
-  if s["g_hm"].shape[-1] == chunk:
-    assert_close(
-      cumsum.chunk_local_cumsum(s["g_hm"], chunk, reverse=True), rev_ref, f32, "reverse cumsum"
-    )
-
+@functools.partial(jax.jit, static_argnames=("chunk", "r"))
+def forward_stages(g_hm, k, v, beta, mask, gcum, h0, *, chunk, r):
+  """Every stage, kernel and jnp form, as one program (one compile instead of one per
+  operation): {name: (kernel's, jnp's)}."""
+  out = {"cumsum": (cumsum.chunk_local_cumsum(g_hm, chunk), gcum)}
+  if g_hm.shape[-1] == chunk:
+    rev_ref = jnp.flip(xla.chunk_local_cumsum(jnp.flip(g_hm, -1), chunk), -1)
+    out["reverse cumsum"] = (cumsum.chunk_local_cumsum(g_hm, chunk, reverse=True), rev_ref)
   ai_ref = xla.solve_tril(xla.chunk_kkt(k, beta, mask, gcum, chunk), chunk * r)
-
   w_ref, u_ref = xla.recompute_w_u(k, v, beta, mask, gcum, ai_ref, chunk)
   w, u = wy.recompute_w_u(k, v, beta, mask, gcum, ai_ref, chunk=chunk, key_blocks=r)
-  assert_close(w, w_ref, f32, "w")
-  assert_close(u, u_ref, f32, "u")
-
-  h0 = s["initial_state"]
+  out["w"], out["u"] = (w, w_ref), (u, u_ref)
   h_ref, vn_ref, fin_ref = xla.chunk_state(k, w_ref, u_ref, gcum, h0, chunk, chunk)
   h, vn, fin = chunk_h.chunk_state(
     k, w_ref, u_ref, gcum, h0, chunk=chunk, key_blocks=r, launch=Launch(block_v=16)
   )
-  assert_close(h, h_ref, f32, "h")
-  assert_close(vn, vn_ref, f32, "v_new")
-  assert_close(fin, fin_ref, f32, "final state")
+  out["h"], out["v_new"], out["final state"] = (h, h_ref), (vn, vn_ref), (fin, fin_ref)
+  return out
+
+
+@pytest.mark.parametrize("r,mask_kind,chunk", STAGE_CASES)
+def test_stages_match_xla(r, mask_kind, chunk):
+  s = stage_inputs(r, mask_kind, chunk)
+  names = ("g_hm", "k", "v", "beta_hm", "mask", "gcum", "initial_state")
+  stages = forward_stages(*(s[n] for n in names), chunk=chunk, r=r)
+  assert ("reverse cumsum" in stages) == (s["g_hm"].shape[-1] == chunk)
+  for name, (got, want) in stages.items():
+    assert_close(got, want, tol(jnp.float32), name)
 
 
 def test_reverse_cumsum_within_chunks():

@@ -24,6 +24,7 @@ from tests.cases import (
   cotangents,
   make_inputs,
   np_gated_delta_rule,
+  outputs_and_grads,
   tol,
 )
 
@@ -176,15 +177,16 @@ CASES = [
 def test_packed_equals_separate(implementation, r, mask_kind, H, HV):
   inputs = packed_inputs(1, LENGTHS, H=H, HV=HV, r=r, mask_kind=mask_kind)
   cu = cu_of(LENGTHS)
-  o, final = jax.jit(lambda kw: run_packed(implementation, kw, cu))(inputs)
+  # outputs and gradients: one program per side (tests/cases.py outputs_and_grads)
+  packed = lambda **kw: run_packed(implementation, kw, cu)
+  (o, final), grads = outputs_and_grads(packed, inputs)
   assert o.shape == inputs["v"].shape and final.shape == inputs["initial_state"].shape
-  o_sep, final_sep = jax.jit(lambda kw: run_separate(implementation, kw, cu))(inputs)
+  separate = lambda **kw: run_separate(implementation, kw, cu)
+  (o_sep, final_sep), grads_sep = outputs_and_grads(separate, inputs)
   assert_close(o, o_sep, tol(jnp.float32), "o")
   assert_close(final, final_sep, tol(jnp.float32), "final states")
   np.testing.assert_array_equal(final[2], inputs["initial_state"][2])  # the empty sequence
-
-  grads = grads_of(lambda kw: run_packed(implementation, kw, cu), inputs)
-  grads_sep = grads_of(lambda kw: run_separate(implementation, kw, cu), inputs)
+  assert set(grads) == {n for n in ARRAYS if inputs.get(n) is not None}
   for name, d in grads.items():
     assert d.shape == inputs[name].shape, name
     assert_close(d, grads_sep[name], tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
@@ -358,15 +360,17 @@ def test_pallas_packed_equals_xla_packed(r, mask_kind, H, HV, chunk, backward, l
   pallas = lambda kw: gated_delta_product(
     **kw, **extra, cu_seqlens=cu, output_final_state=True, chunk_size=chunk, implementation="pallas"
   )
-  o, final = jax.jit(pallas)(inputs)
-  o_xla, final_xla = jax.jit(lambda kw: run_packed("xla", kw, cu, chunk))(inputs)
+  o, final = jax.jit(pallas)(inputs)  # the forward without gradient: the fused kernels
+  # "xla": outputs and gradients from one program (tests/cases.py outputs_and_grads)
+  (o_xla, final_xla), grads_xla = outputs_and_grads(
+    lambda **kw: run_packed("xla", kw, cu, chunk), inputs
+  )
   assert o.shape == o_xla.shape and final.shape == final_xla.shape
   assert_close(o, o_xla, tol(jnp.float32), "o")
   assert_close(final, final_xla, tol(jnp.float32), "final states")
   for n in empty:
     np.testing.assert_array_equal(final[n], inputs["initial_state"][n])
   grads = grads_of(pallas, inputs)
-  grads_xla = grads_of(lambda kw: run_packed("xla", kw, cu, chunk), inputs)
   for name, d in grads.items():
     assert d.shape == inputs[name].shape, name
     assert_close(d, grads_xla[name], tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
@@ -540,12 +544,18 @@ def test_chunk_fwd_in_place_equals_padded_copy():
   mask = varlen.pack(jax.random.uniform(keys[4], (1, T, HV, r, r)), lay)
   hm = lambda x: jnp.moveaxis(x, 1, 2)  # [1, T, H] -> [1, H, T]
   fwd = dict(key_blocks=r, chunk=16, precision="ieee", save_ai=True)
-  want = chunk_fwd.chunk_fwd(
-    padded["k"], padded["v"], hm(padded["g"]), hm(padded["beta"]), mask, **fwd
-  )
-  got = chunk_fwd.chunk_fwd(
-    row["k"], row["v"], hm(row["g"]), hm(row["beta"]), mask, table=varlen.chunk_tokens(lay), **fwd
-  )
+
+  @jax.jit  # both calls in one program: one compile instead of one per operation
+  def both(row, padded, mask, table):
+    want = chunk_fwd.chunk_fwd(
+      padded["k"], padded["v"], hm(padded["g"]), hm(padded["beta"]), mask, **fwd
+    )
+    got = chunk_fwd.chunk_fwd(
+      row["k"], row["v"], hm(row["g"]), hm(row["beta"]), mask, table=table, **fwd
+    )
+    return got, want
+
+  got, want = both(row, padded, mask, varlen.chunk_tokens(lay))
   for x, y, what in zip(got, want, ("gamma", "w", "u", "Ai")):
     np.testing.assert_array_equal(x, y, err_msg=what)
 
@@ -712,11 +722,12 @@ def test_batch_must_be_one():
 @pytest.mark.parametrize(
   "layer_class,kw",
   [
-    (GatedDeltaProduct, dict(num_blocks=2)),
+    # (the static mask's packed call: the operator's in test_packed_equals_separate, the
+    # layer's packed documents in test_layers.py)
     (GatedDeltaProduct, dict(num_blocks=2, num_v_heads=4, mask_mode="token")),
     (HouseholderDeltaProduct, dict(num_householder=2)),
   ],
-  ids=["static", "grouped-token", "householder"],
+  ids=["grouped-token", "householder"],
 )
 def test_layer_packed_call_equals_separate_calls(layer_class, kw):
   """Outputs, the per-document caches of a packed prefill and the gradient in x equal those of
