@@ -188,13 +188,13 @@ def state_walk_ws(
   staged = interpret is not None
   packed = seq_table is not None
   num_states = batch
-  if packed:
+  if seq_table is not None:
     num_states = seq_table.shape[0]
     if batch != 1 or seq_table.shape != (num_states, 4) or seq_table.dtype != jnp.int32:
       raise ValueError(
         f"seq_table: {seq_table.shape} {seq_table.dtype} with B={batch}: int32 [N, 4], B=1"
       )
-    if has_h0 and initial_state_t.shape[0] != num_states:
+    if initial_state_t is not None and initial_state_t.shape[0] != num_states:
       raise ValueError(f"initial_state_t: {initial_state_t.shape}, expected {num_states} states")
   bv = block_v
   dk = key_dim // r
@@ -436,7 +436,7 @@ def state_walk_ws(
   args = [q, k, v, t0, gamma, gamma_rows, beta_rows, mask_rows, scale]
   if initial_state_t is not None:
     args.append(initial_state_t)
-  if packed:
+  if seq_table is not None:
     args.append(seq_table)
   outs = plgpu.kernel(
     body,
