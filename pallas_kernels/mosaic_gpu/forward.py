@@ -108,6 +108,16 @@ def pad_axes(x: jax.Array, time: int, last: int = 0) -> jax.Array:
   return jnp.pad(x, widths) if time or last else x
 
 
+def state_t(initial_state: jax.Array | None, value_padded: int) -> jax.Array | None:
+  """The initial state `[B, H, K, V]` as the walk takes it: transposed, float32, V padded to
+  `value_padded` columns (or None)."""
+  if initial_state is None:
+    return None
+  h0_t = jnp.swapaxes(initial_state.astype(F32), 2, 3)  # [B, H, V, K]
+  extra = value_padded - h0_t.shape[2]
+  return jnp.pad(h0_t, [(0, 0), (0, 0), (0, extra), (0, 0)]) if extra else h0_t
+
+
 def chunk_gamma(g, shape, padded: int, c: int) -> jax.Array:
   """`[B, H, Tp]` float32: the chunk-local cumulative log-decay of g `[B, T, H]` (or None: zeros)
   over chunks of `c` tokens, after the padding (docs/chunked_form.md#gamma)."""
@@ -185,11 +195,7 @@ def forward(
   vp = ops.value_padded
   if store_states and (ops.padded != t_len or vp != value_dim):
     raise ValueError(f"store_states: T={t_len} and V={value_dim} must be whole chunks and tiles")
-  h0_t = None
-  if initial_state is not None:
-    h0_t = jnp.swapaxes(initial_state.astype(F32), 2, 3)
-    if vp != value_dim:
-      h0_t = jnp.pad(h0_t, [(0, 0), (0, 0), (0, vp - value_dim), (0, 0)])
+  h0_t = state_t(initial_state, vp)
   assert ops.v is not None  # prepare was given v
   t0 = chunk_inverse(ops.k, ops.beta_rows, ops.mask_rows, interpret=interpret)
   o, s_t, *states = state_walk_ws(
@@ -261,11 +267,7 @@ def householder_forward(
   ones = jnp.ones((1, 1, 1, n_h, N), F32)  # no mask: its rows only say r
   if scale is None:
     scale = key_dim**-0.5
-  h0_t = None
-  if initial_state is not None:
-    h0_t = jnp.swapaxes(initial_state.astype(F32), 2, 3)
-    if vp != value_dim:
-      h0_t = jnp.pad(h0_t, [(0, 0), (0, 0), (0, vp - value_dim), (0, 0)])
+  h0_t = state_t(initial_state, vp)
   t0 = chunk_inverse(k5, beta_rows, ones, interpret=interpret)
   o, s_t = state_walk_ws(
     pad_axes(q, pt),

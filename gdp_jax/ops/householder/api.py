@@ -252,20 +252,20 @@ def householder_delta_product(
     o, final = householder_reference(q, k, v, g, beta, initial_state, scale, n_h, cu)
     return o.astype(q.dtype), (final if output_final_state else None)
 
+  substeps = functools.partial(
+    _substep_path,
+    n_h=n_h,
+    scale=scale,
+    output_final_state=output_final_state,
+    chunk_size=chunk_size,
+    implementation=implementation,
+    precision=precision,
+  )
   if (
     implementation == "mosaic_gpu"
     and cu_seqlens is None
     and householder_mosaic.supported(q, k, v, n_h, chunk_size)
   ):
-    substeps = functools.partial(
-      _substep_path,
-      n_h=n_h,
-      scale=scale,
-      output_final_state=output_final_state,
-      chunk_size=chunk_size,
-      implementation=implementation,
-      precision=precision,
-    )
     return householder_mosaic.householder_mosaic_gpu(
       q,
       k,
@@ -278,21 +278,7 @@ def householder_delta_product(
       output_final_state=output_final_state,
       substeps=substeps,
     )
-  return _substep_path(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    initial_state,
-    n_h=n_h,
-    scale=scale,
-    output_final_state=output_final_state,
-    chunk_size=chunk_size,
-    implementation=implementation,
-    precision=precision,
-    cu_seqlens=cu_seqlens,
-  )
+  return substeps(q, k, v, g, beta, initial_state, cu_seqlens=cu_seqlens)
 
 
 def _substep_path(
