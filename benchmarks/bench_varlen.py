@@ -28,13 +28,17 @@ forward + backward (`jax.grad` of sum(o) with respect to q, k, v, g and beta), e
   unpacked         B = 8 rows of 4096;
   packed8          the same tokens in one row as 8 sequences of 4096 (`cu_seqlens`);
   packed64         the same tokens in one row as 64 sequences of random lengths (seed 0);
+  long30k          one sequence of 30720 tokens beside 64 of random lengths in the other 2048;
   grouped          B = 8, H = 8 key heads, HV = 16 value heads (against `unpacked`: H = HV = 16,
                    separate keys);
 and flash-linear-attention's `chunk_gated_delta_rule` (when `fla` and torch import, on CUDA) for
-unpacked, packed8 and packed64 (its own `cu_seqlens`; benchmarks/bench.py `fla_case`, triton's
-do_bench). `cu_seqlens` is an argument of the jitted function (traced, as in training).
+unpacked, packed8, packed64 and long30k (its own `cu_seqlens`; benchmarks/bench.py `fla_case`,
+triton's do_bench). `cu_seqlens` is an argument of the jitted function (traced, as in training).
 Ratios (the goals of the packed form and of grouped heads): packed / unpacked <= 1.15,
-grouped / separate <= 1.1.
+long30k / unpacked <= 1.2, grouped / separate <= 1.1. `--impl mosaic_gpu` runs the Hopper
+kernels: their packed forward, and under differentiation the kernels the operator picks then
+(docs/mosaic_gpu.md#packed-sequences); every correctness case also checks the plain forward
+(jit without `jax.grad`), since under differentiation the custom_vjp runs its own forward.
 
 Case names (for `--only`, which keeps the cases whose name contains one of its comma-separated
 strings): "packed f32 r=1" ... "grouped bf16 r=2"; "<layout> <mode> <impl>", e.g.
@@ -76,7 +80,8 @@ from tests.cases import make_inputs as random_inputs  # noqa: E402
 SCHEMA = "gdp_jax.bench_varlen/1"
 SECTIONS = ("correct", "speed")
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
-GOALS = dict(packed_over_unpacked=1.15, grouped_over_separate=1.1)
+GOALS = dict(packed_over_unpacked=1.15, long_over_unpacked=1.2, grouped_over_separate=1.1)
+LAYOUTS = ("unpacked", "packed8", "packed64", "long30k")  # the token layouts fla also runs
 # 8 sequences, 2048 tokens: one token, an empty one, one of exactly 64 (the r = 1 chunk), the
 # others off the chunk grid.
 CORRECT_LENGTHS = (1, 130, 0, 577, 64, 389, 200, 687)
@@ -191,6 +196,23 @@ def outputs_and_grads(impl, inputs, cu, cots, precision):
   return jax.block_until_ready(out)
 
 
+def plain_forward(impl, inputs, cu, precision):
+  """jit of (o, final) without differentiation: the forward a served model runs (under
+  `jax.grad` a custom_vjp runs its own forward rule, which may take other kernels)."""
+
+  def forward(inputs, cu_seqlens):
+    return gated_delta_product(
+      **inputs,
+      cu_seqlens=cu_seqlens,
+      output_final_state=True,
+      implementation=impl,
+      precision=precision,
+    )
+
+  o, final = jax.jit(forward)(inputs, cu)
+  return jax.block_until_ready({"o (plain forward)": o, "final_state (plain forward)": final})
+
+
 def correct_case(name, cfg, impl):
   """Compare `impl` with "xla" for one configuration; returns the record."""
   dtype = DTYPES[cfg["dtype"]]
@@ -208,17 +230,19 @@ def correct_case(name, cfg, impl):
   t0 = time.perf_counter()
   ref = outputs_and_grads("xla", inputs, cu, cots, None)
   rec["xla_s"] = round(time.perf_counter() - t0, 2)
+  ref["o (plain forward)"], ref["final_state (plain forward)"] = ref["o"], ref["final_state"]
   if impl == "xla":  # a smoke run of the script: the reference against itself (errors 0)
     got = ref
     rec["note"] = "impl is the reference: errors are 0 by construction"
   else:
     t0 = time.perf_counter()
     got = outputs_and_grads(impl, inputs, cu, cots, precision)
+    got.update(plain_forward(impl, inputs, cu, precision))
     rec["impl_s"] = round(time.perf_counter() - t0, 2)  # compile + one run
   arrays, failed = {}, []
   for key, value in ref.items():
     rms, mx = errors(got[key], value)
-    bound = tol_fwd if key in ("o", "final_state") else tol_grad
+    bound = tol_fwd if not key.startswith("d") else tol_grad
     ok = bool(np.isfinite(rms) and np.isfinite(mx) and mx <= bound)
     arrays[key] = dict(rel_rms=rms, rel_max=mx, tolerance=bound, ok=ok)
     if not ok:
@@ -257,13 +281,13 @@ def speed_plan(smoke, with_fla):
   """[(name, layout, mode, impl)] in the order they run."""
   plan = []
   for mode in ("fwd", "fwdbwd"):
-    for layout in ("unpacked", "packed8", "packed64"):
+    for layout in LAYOUTS:
       plan.append((layout, mode, "ours"))
   for mode in ("fwd", "fwdbwd"):
     plan.append(("grouped", mode, "ours"))
   if with_fla:
     for mode in ("fwd", "fwdbwd"):
-      for layout in ("unpacked", "packed8", "packed64"):
+      for layout in LAYOUTS:
         plan.append((layout, mode, "fla"))
   return plan
 
@@ -278,7 +302,13 @@ def layout_inputs(layout, base, shape, n_random, key_heads):
       args[0], args[1] = args[0][:, :, :key_heads], args[1][:, :, :key_heads]
     fields = dict(B=B, T=T, H=args[0].shape[2], HV=H, K=K, V=V, sequences=B)
     return args + [None], None, fields
-  lengths = [T] * B if layout == "packed8" else list(random_lengths(B * T, n_random))
+  if layout == "packed8":
+    lengths = [T] * B
+  elif layout == "packed64":
+    lengths = list(random_lengths(B * T, n_random))
+  else:  # long30k: one long sequence beside n_random short ones in 1/16 of the tokens
+    short = B * T // 16
+    lengths = [B * T - short] + list(random_lengths(short, n_random))
   packed = [x.reshape((1, B * T) + x.shape[2:]) for x in args]
   cu = cu_of(lengths)
   fields = dict(B=1, T=B * T, H=H, HV=H, K=K, V=V, sequences=len(lengths))
@@ -321,6 +351,7 @@ def ratios(results):
       for layout, goal in (
         ("packed8", GOALS["packed_over_unpacked"]),
         ("packed64", GOALS["packed_over_unpacked"]),
+        ("long30k", GOALS["long_over_unpacked"]),
         ("grouped", GOALS["grouped_over_separate"]),
       ):
         if (layout, mode, impl) in ms:
@@ -328,7 +359,7 @@ def ratios(results):
           key = f"{impl} {layout}/{'separate' if layout == 'grouped' else 'unpacked'} {mode}"
           out[key] = dict(ratio=value, goal=goal, meets_goal=bool(value <= goal))
       if impl == "ours":
-        for layout in ("unpacked", "packed8", "packed64"):
+        for layout in LAYOUTS:
           if (layout, mode, "fla") in ms and (layout, mode, "ours") in ms:
             out[f"ours/fla {layout} {mode}"] = dict(
               ratio=ms[(layout, mode, "ours")] / ms[(layout, mode, "fla")]
@@ -355,8 +386,9 @@ def main(argv=None):
   p.add_argument(
     "--impl",
     default="pallas",
-    choices=("pallas", "xla"),
-    help="the implementation checked and timed (default pallas; xla for a quick smoke run)",
+    choices=("pallas", "mosaic_gpu", "xla"),
+    help="the implementation checked and timed (default pallas; mosaic_gpu: the Hopper kernels' "
+    "packed forward; xla for a quick smoke run)",
   )
   p.add_argument(
     "--only",
