@@ -9,6 +9,7 @@ interpreter's warpgroup threads and XLA's CPU pool share one pool sized by the c
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from types import SimpleNamespace
@@ -141,7 +142,8 @@ def test_lowers_for_cuda_at_benchmark_shape(monkeypatch, r, dim):
 
 def test_packed_forward_lowers_for_cuda(monkeypatch):
   # packed sequences (64 of them in one row of 32k tokens): without gradient the Mosaic forward's
-  # two kernels, its walk one program per sequence; differentiated, the Triton kernels both ways
+  # two kernels, its walk one program per sequence; differentiated, the backward's two more (the
+  # reverse walk also one program per sequence), and no Triton kernel
   table = {f: dict(t) for f, t in dispatch.TABLE.items()}
   monkeypatch.setattr(dispatch, "TABLE", table)
   compiled = table["gated_delta_product"]["mosaic_gpu"].replace(interpret=False)
@@ -167,9 +169,11 @@ def test_packed_forward_lowers_for_cuda(monkeypatch):
     lowered = jax.jit(function).trace(act, act, act, gate, gate, cu, h0)
     lines = lowered.lower(lowering_platforms=("cuda",)).as_text().splitlines()
     mosaic = [line for line in lines if "custom_call" in line and "mosaic_gpu" in line]
-    assert len(mosaic) == (2 if function is run else 0), (function.__name__, len(mosaic))
-  # (off a GPU the Triton kernels lower interpreted, as plain HLO: their names are in the jaxpr)
-  assert "gdp_chunk_fwd" in str(jax.make_jaxpr(value_and_grad)(act, act, act, gate, gate, cu, h0))
+    assert len(mosaic) == (2 if function is run else 4), (function.__name__, len(mosaic))
+  # (off a GPU the Triton kernels lower interpreted, as plain HLO: their names would be in the
+  # jaxpr)
+  jaxpr = str(jax.make_jaxpr(value_and_grad)(act, act, act, gate, gate, cu, h0))
+  assert not any(name in jaxpr for name in ("gdp_chunk_fwd", "gdp_chunk_h", "gdp_bwd_")), jaxpr
 
 
 @pytest.mark.parametrize("r", [1, 2, 4])
@@ -278,28 +282,34 @@ def _run_interpreted():
   o_wrong = loss("xla", *wrong.values())[1][0]
   row["o_wrong"] = _rel_rms(o.astype(F32), o_wrong.astype(F32))
   row.update(_packed_interpreted())
+  row["reverse_walks_with_packed"] = len(walks)
   return row
 
 
 def _packed_interpreted():
-  """Packed sequences without gradient (the walks one program per sequence) against "xla":
-  lengths 5, 0, 40, 1, 30 at r = 2 (chunks of 32 tokens; an empty sequence, one of one token,
-  one of two chunks), a per-token mask, an initial state per sequence and a nan in one
-  sequence, which spoils that sequence from its token on and nothing else."""
+  """Packed sequences (the walks one program per sequence) against "xla": lengths 5, 0, 40, 1,
+  30 at r = 2 (chunks of 32 tokens; an empty sequence, one of one token, one of two chunks), a
+  per-token mask, an initial state per sequence; without gradient with a nan in one sequence,
+  which spoils that sequence from its token on and nothing else; every gradient without it."""
   lengths = (5, 0, 40, 1, 30)
   cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
   x = _inputs(8, t_len=sum(lengths), heads=2, key_heads=2, value_dim=64)
   x["mask"] = jax.random.uniform(jax.random.PRNGKey(9), (1, sum(lengths), 2, 2, 2))
   x["initial_state"] = 0.3 * jax.random.normal(jax.random.PRNGKey(10), (5, 2, 64, 64))
+  clean = dict(x)
   x["v"] = x["v"].at[0, 20, 1].set(jnp.nan)  # token 20: sequence 2 (tokens 5 to 44), head 1
 
-  def run(implementation):
-    return jax.jit(
-      lambda kw: gated_delta_product(
-        **kw, scale=0.3, cu_seqlens=cu, output_final_state=True, implementation=implementation
-      )
-    )(x)
+  def call(implementation, kw):
+    return gated_delta_product(
+      **kw, scale=0.3, cu_seqlens=cu, output_final_state=True, implementation=implementation
+    )
 
+  def loss(implementation, kw):
+    o, final = call(implementation, kw)
+    return jnp.sum(o.astype(F32) * jnp.cos(o.astype(F32))) + jnp.sum(final**2)
+
+  grads = {i: jax.jit(jax.grad(functools.partial(loss, i)))(clean) for i in ("mosaic_gpu", "xla")}
+  run = lambda implementation: jax.jit(functools.partial(call, implementation))(x)
   (o, final), (o_ref, final_ref) = run("mosaic_gpu"), run("xla")
   fine = np.ones(o.shape[1:3], bool)
   fine[20:45, 1] = False
@@ -310,6 +320,10 @@ def _packed_interpreted():
     packed_nan=bool(np.isnan(o[20:45, 1]).all() and not np.isnan(o[fine]).any()),
     packed_final=_rel_rms(final[kept], final_ref[kept]),
     packed_empty_keeps_its_state=bool(jnp.array_equal(final[1], x["initial_state"][1])),
+    **{
+      f"packed_d{name}": _rel_rms(grads["mosaic_gpu"][name].astype(F32), ref.astype(F32))
+      for name, ref in grads["xla"].items()
+    },
   )
 
 
@@ -329,6 +343,15 @@ def test_packed_forward_interpreted_matches_xla(interpreted):
   row = interpreted
   assert row["packed_o"] < 1e-2 and row["packed_final"] < 1e-2, row
   assert row["packed_nan"] and row["packed_empty_keeps_its_state"], row
+
+
+def test_packed_gradients_interpreted_match_xla(interpreted):
+  # the Mosaic backward on packed sequences: the reverse walk one program per sequence, the
+  # chunk-parallel gradients over the chunk-aligned layout, every gradient back to the packed row
+  row = interpreted
+  assert row["reverse_walks_with_packed"] == 2, row
+  for name in ("q", "k", "v", "g", "beta", "mask", "initial_state"):
+    assert row["packed_d" + name] < 3e-2, (name, row)
 
 
 def test_a_nan_spoils_nothing_before_it(interpreted):

@@ -32,6 +32,8 @@ The products over a chunk's tokens (`P^T do`, `do^T E q`) need `C >= 16` tokens 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -56,6 +58,7 @@ from pallas_kernels.mosaic_gpu.common import (
   ring_stages,
   smem,
   token_of,
+  when,
 )
 
 N = ROWS_PER_CHUNK
@@ -88,6 +91,7 @@ def state_grad_walk(
   *,
   block_v: int = 64,
   stages: int | None = None,
+  seq_table: jax.Array | None = None,
   interpret=None,
 ):
   """The reverse walk (module docstring).
@@ -98,11 +102,15 @@ def state_grad_walk(
     t0, gamma, gamma_rows, beta_rows, mask_rows, scale: as the forward walk takes them
       (`walk_ws.state_walk_ws`).
     dfinal_t: None or `[B, H, V, K]` float32, d final_state transposed.
+    seq_table: None, or packed sequences on the chunk-aligned padded layout (B = 1), the forward
+      walk's table (`walk_ws.state_walk_ws`): program (n, h, v) walks sequence n's chunks, last
+      first, from its `dfinal_t [N, H, V, K]` and writes its `d initial_state^T`; chunks of no
+      sequence are not walked (their dh^T and dv_new^T stay unwritten).
 
   Returns:
     `dh^T [B, H, NC, V, K]` (q's dtype; the gradient of the state at the end of each chunk,
     transposed), `dv_new^T [B, H, NC, V, N]` (q's dtype; block-major columns) and
-    `d initial_state^T [B, H, V, K]` float32.
+    `d initial_state^T [B, H, V, K]` float32 (`[N, H, V, K]` with seq_table).
   """
   batch, padded, key_heads, key_dim = k.shape
   heads, value_dim = do.shape[2], do.shape[-1]
@@ -123,6 +131,16 @@ def state_grad_walk(
   group = heads // key_heads
   m_b, m_h, m_n = mask_rows.shape[:3]
   has_dfinal = dfinal_t is not None
+  packed = seq_table is not None
+  num_states = batch
+  if seq_table is not None:
+    num_states = seq_table.shape[0]
+    if batch != 1 or seq_table.shape != (num_states, 4) or seq_table.dtype != jnp.int32:
+      raise ValueError(
+        f"seq_table: {seq_table.shape} {seq_table.dtype} with B={batch}: int32 [N, 4], B=1"
+      )
+    if dfinal_t is not None and dfinal_t.shape[0] != num_states:
+      raise ValueError(f"dfinal_t: {dfinal_t.shape}, expected {num_states} states")
   staged = interpret is not None
   bv = block_v
   dk = key_dim // r
@@ -156,7 +174,8 @@ def state_grad_walk(
     in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
     prep_ready=plgpu.Barrier(num_barriers=stages),
     in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-    sc_bar=plgpu.Barrier(),
+    sc_bar=plgpu.Barrier(num_arrivals=2 if packed else 1),
+    tab_s=plgpu.SMEM((4,), jnp.int32),
     done=plgpu.Barrier(num_arrivals=3),
   )
   if r > 1:
@@ -168,30 +187,44 @@ def state_grad_walk(
   out_type = [
     jax.ShapeDtypeStruct((batch, heads, nc, value_dim, key_dim), dtype),
     jax.ShapeDtypeStruct((batch, heads, nc, value_dim, N), dtype),
-    jax.ShapeDtypeStruct((batch, heads, value_dim, key_dim), F32),
+    jax.ShapeDtypeStruct((num_states, heads, value_dim, key_dim), F32),
   ]
 
   def body(*refs, q_s, kb_s, do_s, t_s, dvl_s, g_rows, g_cols, g_chain, b_cols, g_tok, m_s,
-           dh_pub, dvn_pub, sc_s, in_bar, prep_ready, in_free, sc_bar, done, kw_s=None,
+           dh_pub, dvn_pub, sc_s, in_bar, prep_ready, in_free, sc_bar, tab_s, done, kw_s=None,
            xt_s=None, pq_s=None):  # fmt: skip
     refs = list(refs)
     q_ref, k_ref, do_ref, t0_ref, g_ref = (refs.pop(0) for _ in range(5))
     gr_ref, beta_ref, m_ref, sc_ref = (refs.pop(0) for _ in range(4))
     dfinal_ref = refs.pop(0) if has_dfinal else None
+    tab_ref = refs.pop(0) if packed else None
     dh_ref, dvn_ref, dh0_ref = refs
     b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
     hk = lax.div(h, group)  # the key head of value head h
+    wg = lax.axis_index("wg")
+    seq = b  # the state's index: the batch row, or the sequence
+    first, count = 0, nc  # the chunks walked (last first)
+    if packed:  # the sequence's chunks, from its row of the table (every warpgroup waits)
+
+      @pl.when(wg == 1)
+      def _():
+        plgpu.copy_gmem_to_smem(tab_ref.at[seq], tab_s, sc_bar)
+        plgpu.copy_gmem_to_smem(sc_ref, sc_s, sc_bar)
+
+      plgpu.barrier_wait(sc_bar)
+      first, count = tab_s[0], tab_s[1]
+      b = 0
+    last = first + count - 1  # the chunk of the first step
     cols_v = pl.ds(iv * bv, bv)
     mb = b if m_b > 1 else 0
     mh = h if m_h > 1 else 0
-    wg = lax.axis_index("wg")
 
     @pl.when(wg == 2)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
 
       def issue(i, slot):
-        n = nc - 1 - i  # the chunks last first
+        n = last - i  # the chunks last first
         rows = pl.ds(n * c, c)
         bar = in_bar.at[slot]
         mn = n if m_n > 1 else 0
@@ -208,30 +241,31 @@ def state_grad_walk(
           part = pl.ds(a * c, c)
           plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], kb_s.at[slot].at[part], bar)
 
-      for i in range(min(stages, nc)):
-        issue(i, i)
+      for i in range(stages):
+        when(i < count, functools.partial(issue, i, i))
 
-      @pl.loop(stages, nc)
+      @pl.loop(stages, count)
       def _refill(i):
         slot = lax.rem(i, stages)
         plgpu.barrier_wait(in_free.at[slot])
         issue(i, slot)
 
-      for i in range(max(nc - stages, 0), nc):  # consume the last releases of every stage
-        plgpu.barrier_wait(in_free.at[i % stages])
+      for j in range(stages):  # consume the last releases of every stage
+        i = count - stages + j
+        when(i >= 0, lambda i=i: plgpu.barrier_wait(in_free.at[i % stages]))
 
     @pl.when(wg == 0)
     def _chain():
       plgpu.set_max_registers(232, action="increase")
       if has_dfinal:  # straight from global memory into the WGMMA layout
-        ds0 = plgpu.load(dfinal_ref.at[b, h, cols_v], layout=WGMMA, optimized=False)
+        ds0 = plgpu.load(dfinal_ref.at[seq, h, cols_v], layout=WGMMA, optimized=False)
       else:
         ds0 = plgpu.layout_cast(jnp.zeros((bv, key_dim), F32), WGMMA)
       wshape = (bv, N)
       sshape = (bv, key_dim)
 
       def step(i, ds_t):
-        n = nc - 1 - i
+        n = last - i
         slot = lax.rem(i, stages)
         half = lax.rem(i, 2)
         plgpu.barrier_wait(in_bar.at[slot])
@@ -261,15 +295,16 @@ def state_grad_walk(
         plgpu.barrier_arrive(in_free.at[slot])
         return ds_new
 
-      ds_t = lax.fori_loop(0, nc, step, ds0)
-      dh0_ref.at[b, h, cols_v][...] = ds_t  # straight from registers to global memory
+      ds_t = lax.fori_loop(0, count, step, ds0)
+      dh0_ref.at[seq, h, cols_v][...] = ds_t  # straight from registers to global memory
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
     def _prep():
       plgpu.set_max_registers(232, action="increase")
-      plgpu.copy_gmem_to_smem(sc_ref, sc_s, sc_bar)
-      plgpu.barrier_wait(sc_bar)
+      if not packed:  # (packed: read with the table, above)
+        plgpu.copy_gmem_to_smem(sc_ref, sc_s, sc_bar)
+        plgpu.barrier_wait(sc_bar)
       scale_v = sc_s[0]
       pshape = (N, c)
       causal_pq = token_of(iota(pshape, 0), c) <= iota(pshape, 1)
@@ -307,7 +342,7 @@ def state_grad_walk(
         plgpu.barrier_arrive(in_free.at[slot])
         return carry
 
-      lax.fori_loop(0, nc, step, None)
+      lax.fori_loop(0, count, step, None)
 
     plgpu.barrier_arrive(done)
     plgpu.barrier_wait(done)
@@ -315,11 +350,13 @@ def state_grad_walk(
   args = [q, k, do, t0, gamma, gamma_rows, beta_rows, mask_rows, scale]
   if dfinal_t is not None:
     args.append(dfinal_t)
+  if seq_table is not None:
+    args.append(seq_table)
   dh_t, dv_new, dh0_t = plgpu.kernel(
     body,
     out_type=out_type,
     scratch_types=scratch,
-    grid=(batch, heads, value_dim // bv),
+    grid=(num_states, heads, value_dim // bv),
     grid_names=("b", "h", "v"),
     num_threads=3,
     thread_name="wg",

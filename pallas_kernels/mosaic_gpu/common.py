@@ -233,3 +233,12 @@ def check_smem(name: str, nbytes: int) -> None:
 
 def compiler_params() -> plgpu.CompilerParams:
   return plgpu.CompilerParams(approx_math=True)
+
+
+def when(condition, fn) -> None:
+  """`fn()` if `condition`: at trace time for a Python bool, else under `pl.when`."""
+  if isinstance(condition, bool):
+    if condition:
+      fn()
+  else:
+    pl.when(condition)(fn)

@@ -74,18 +74,10 @@ from pallas_kernels.mosaic_gpu.common import (
   ring_stages,
   smem,
   token_of,
+  when,
 )
 
 N = ROWS_PER_CHUNK
-
-
-def when(condition, fn) -> None:
-  """`fn()` if `condition`: at trace time for a Python bool, else under `pl.when`."""
-  if isinstance(condition, bool):
-    if condition:
-      fn()
-  else:
-    pl.when(condition)(fn)
 
 
 def walk_dims(q, k, v, t0, mask_rows, block_v):

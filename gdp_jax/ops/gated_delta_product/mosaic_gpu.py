@@ -14,10 +14,10 @@ differs from theirs and a differentiated call runs the Triton forward and backwa
 
 What the kernels take, and what this implementation refuses with a ValueError that points to
 "triton": q, k, v in bfloat16 or float16; K = 64 or 128; r in 1, 2, 4, 8. Packed sequences
-(cu_seqlens) run the Mosaic forward without gradient (the inputs gathered into the chunk-aligned
-layout, the walks one program per sequence) and the Triton kernels both ways when differentiated
-(docs/mosaic_gpu.md#packed-sequences; named explicitly only, until it has run on a GPU). Grouped
-value heads (HV a multiple of H) read each key head through the kernels' index maps.
+(cu_seqlens) run on the Mosaic kernels where unpacked calls do (the inputs gathered into the
+chunk-aligned layout, both walks one program per sequence; docs/mosaic_gpu.md#packed-sequences),
+when named explicitly: "pallas" and None keep the Triton kernels for them. Grouped value heads
+(HV a multiple of H) read each key head through the kernels' index maps.
 `backward="xla"` (a debugging switch) runs the Triton forward.
 
 Off a GPU (or with GDP_PALLAS_INTERPRET=1, pallas_kernels/common/backend.py) the kernels run in
@@ -146,16 +146,16 @@ class MosaicForwardKernels:
 
   def __call__(self, q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai):
     r = mask.shape[-1]
+    store = save_ai and stores_states(r, q.shape[-1], v.shape[-1])
     if packing is not None:
-      if save_ai or bt != chunk_tokens(r):  # differentiated: the Triton kernels both ways
+      if bt != chunk_tokens(r) or (save_ai and not store):  # the Triton kernels both ways
         return triton_packed_forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai)
-      return self._packed(q, k, v, g, beta, mask, h0, packing, scale)
+      return self._packed(q, k, v, g, beta, mask, h0, packing, scale, store)
     if save_ai and bt != chunk_tokens(r):
       return triton_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, {}, {})
     if not self.interpret:
       _check_device()
     batch, t_len, heads = v.shape[:3]
-    store = save_ai and stores_states(r, q.shape[-1], v.shape[-1])
     out = mosaic_forward.forward(
       q,
       k,
@@ -180,43 +180,58 @@ class MosaicForwardKernels:
     gamma = gamma.reshape(g_hm.shape)
     return o, final, (gamma, triton_inverse(t0, gamma, r))
 
-  def _packed(self, q, k, v, g, beta, mask, h0, packing, scale):
-    """Packed sequences without gradient: the inputs gathered into the chunk-aligned layout
-    (docs/varlen.md), the walks one program per sequence (`seq_table`), o gathered back."""
+  def _packed(self, q, k, v, g, beta, mask, h0, packing, scale, store):
+    """Packed sequences: the inputs gathered into the chunk-aligned layout (docs/varlen.md), the
+    walks one program per sequence (`seq_table`), o gathered back; with `store` (a
+    differentiated call) the Mosaic backward's residuals, as `__call__` returns them."""
     if not self.interpret:
       _check_device()
     lay = packing.layout
     heads = v.shape[2]
     pack = functools.partial(varlen.pack, lay=lay)
     mask5 = mask if mask.shape[1] == 1 else pack(mask)
-    o, final = mosaic_forward.forward(
+    o, final, *stored = mosaic_forward.forward(
       *map(pack, (q, k, v, g, beta)),
       _kernel_mask(mask5, 1, lay.t_pad, heads),
       scale=scale,
       initial_state=h0,
       output_final_state=True,
+      return_inverse=store,
+      store_states=store,
       seq_table=packing.sequences.T,  # the Triton walks' table, built once per call
       interpret=self._params(),
     )
-    return varlen.unpack(o, lay), final, (None, None)
+    saved = (None, None, tuple(stored)) if store else (None, None)
+    return varlen.unpack(o, lay), final, saved
 
   def _params(self):
     return plgpu.InterpretGPUParams() if self.interpret else None
 
-  def backward(self, scale, residuals, cotangents):
+  def backward(self, scale, residuals, cotangents, packing=None):
     """The Mosaic GPU backward (docs/mosaic_gpu.md#the-backward) from the forward walk's stored
     states: the reverse walk (pallas_kernels/mosaic_gpu/backward_walk.py), then the
     chunk-parallel gradients (chunk_grads.py) and their per-token sums here. Takes and returns
     what the Triton backward does (`triton._backward`): `(dq, dk, dv, dg, dbeta, dmask,
-    d initial_state)`."""
+    d initial_state)`. packing: None, or packed sequences: the residuals' token arrays are then
+    the packed row, gathered here into the chunk-aligned layout the forward walked; the reverse
+    walk runs one program per sequence, and every per-token gradient goes back to the packed
+    row before any sum over tokens (chunks of no sequence were not walked)."""
     q, k, v, g, beta, mask, h0, (_, _, (t0, states_t, vnew_t)) = residuals
     do, dfinal = cotangents
+    to_row, seq_table, token_mask = (lambda x: x), None, mask
+    if packing is not None:
+      pack = functools.partial(varlen.pack, lay=packing.layout)
+      to_row = functools.partial(varlen.unpack, lay=packing.layout)
+      q, k, v, g, beta, do = map(pack, (q, k, v, g, beta, do))
+      token_mask = mask if mask.shape[1] == 1 else pack(mask)
+      seq_table = packing.sequences.T
     batch, t_len, heads = v.shape[:3]
     key_heads = q.shape[2]
     r = mask.shape[-1]
     c = chunk_tokens(r)
     nc = t_len // c
-    ops = mosaic_forward.prepare(q, k, v, g, beta, _kernel_mask(mask, batch, t_len, heads), scale)
+    kernel_mask = _kernel_mask(token_mask, batch, t_len, heads)
+    ops = mosaic_forward.prepare(q, k, v, g, beta, kernel_mask, scale)
     params = self._params()
     walk_args = (ops.gamma, ops.gamma_rows, ops.beta_rows, ops.mask_rows, ops.scale)
     dh_t, dvnew_t, dh0_t = backward_walk.state_grad_walk(
@@ -227,6 +242,7 @@ class MosaicForwardKernels:
       *walk_args,
       jnp.swapaxes(dfinal.astype(jnp.float32), 2, 3),
       block_v=mosaic_forward.BLOCK_V,
+      seq_table=seq_table,
       interpret=params,
     )
     dq, dk, dv, vec = chunk_grads.chunk_grads(
@@ -242,15 +258,16 @@ class MosaicForwardKernels:
     # dM_t[a, d] at row (a, t): vector 6 + d
     dm = jnp.stack([per_row(chunk_grads.VECTOR_ROWS + d) for d in range(r)], axis=-1)
     dm = jnp.moveaxis(dm, 3, 4).reshape(batch, heads, t_len, r, r)  # [B, H, T, a, d]
+    dm = jnp.moveaxis(to_row(jnp.moveaxis(dm, 1, 2)), 1, 2)
     dmask = reduce_dmask(dm, mask.shape)
     if key_heads != heads:
       dq, dk = (sum_key_heads(x.astype(jnp.float32), key_heads) for x in (dq, dk))
     return (
-      dq.astype(q.dtype),
-      dk.astype(k.dtype),
-      dv.astype(v.dtype),
-      time_major(dg).astype(g.dtype),
-      time_major(dbeta).astype(beta.dtype),
+      to_row(dq).astype(q.dtype),
+      to_row(dk).astype(k.dtype),
+      to_row(dv).astype(v.dtype),
+      to_row(time_major(dg)).astype(g.dtype),
+      to_row(time_major(dbeta)).astype(beta.dtype),
       dmask.astype(mask.dtype),
       jnp.swapaxes(dh0_t, 2, 3).astype(h0.dtype),
     )
@@ -317,10 +334,10 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
     return gated_delta_product_pallas(*args, **self.triton()._options(q, v, mask), forward=kernels)
 
   def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
-    """Packed sequences: without gradient the Mosaic forward, its walks one program per sequence
-    (docs/mosaic_gpu.md#packed-sequences); differentiated, the Triton kernels both ways. Named
-    explicitly only: "pallas" and None (`fallback`) keep the Triton kernels for packed sequences
-    until this path has run compiled on a GPU."""
+    """Packed sequences on the Mosaic kernels, both walks one program per sequence
+    (docs/mosaic_gpu.md#packed-sequences). Named explicitly only: "pallas" and None
+    (`fallback`) keep the Triton kernels for packed sequences (their forward reads the packed row
+    in place and is as fast; this path's backward has not yet run compiled on a GPU)."""
     args = (q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens)
     if self.fallback:
       return self.triton().varlen(*args)

@@ -183,9 +183,10 @@ def _gdp_core_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, kernels)
 
 def _gdp_core_bwd(scale, bt, opts, kernels, residuals, cotangents):
   *residuals, packing = residuals
-  if packing is None:
+  if packing is None or residuals[-1][2:]:  # unpacked, or other kernels' stored walk (below)
     backward = raise_if_differentiated(
-      functools.partial(_backward, scale, bt, opts, kernels=kernels), NO_HIGHER_DERIVATIVES
+      functools.partial(_backward, scale, bt, opts, kernels=kernels, packing=packing),
+      NO_HIGHER_DERIVATIVES,
     )
     return (*backward(tuple(residuals), cotangents), None)
   q, k, v, g, beta, mask, h0, (gcum, ai) = residuals
@@ -207,14 +208,15 @@ def _gdp_core_bwd(scale, bt, opts, kernels, residuals, cotangents):
   return (*map(unpack, (dq, dk, dv, dg, dbeta)), dmask, dh0, None)
 
 
-def _backward(scale, bt, opts, residuals, cotangents, table=None, kernels=None):
+def _backward(scale, bt, opts, residuals, cotangents, table=None, kernels=None, packing=None):
   """The backward kernels. residuals: the inputs and what the forward saved, `(gcum, ai)` from
   the Triton forward, or `(None, None, walk)` from other forward kernels that stored their walk's
   states, whose own backward then runs (`kernels.backward`: the Mosaic GPU kernels,
-  gdp_jax/ops/gated_delta_product/mosaic_gpu.py)."""
+  gdp_jax/ops/gated_delta_product/mosaic_gpu.py), packed sequences too (`packing`: the
+  residuals' token arrays are then the packed row)."""
   q, k, v, g, beta, mask, h0, (gcum, ai, *stored) = residuals
   if stored:
-    return kernels.backward(scale, residuals, cotangents)
+    return kernels.backward(scale, residuals, cotangents, packing)
   do, dfinal = cotangents
   # Grouped value heads: the backward kernels run over the HV value heads and read q and k at key
   # head h // group through their index maps; dq, dk come per value head, summed over each group.
