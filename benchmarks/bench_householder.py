@@ -105,10 +105,10 @@ def _timed(fwd, mode):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-def ours(nh, mode, cu_seqlens=None):
+def ours(nh, mode, cu_seqlens=None, implementation="pallas"):
   def fwd(q, k, v, g, beta):
     o, _ = householder_delta_product(
-      q, k, v, g, beta, num_householder=nh, cu_seqlens=cu_seqlens, implementation="pallas"
+      q, k, v, g, beta, num_householder=nh, cu_seqlens=cu_seqlens, implementation=implementation
     )
     return o
 
@@ -165,7 +165,7 @@ def packed_case(case, nh, inputs, jin, lengths, timed, args, save):
   """--packed: ours and flash-linear-attention's with cu_seqlens, ours unpacked beside them."""
   cu = cu_of(lengths)
   packed = [x.reshape((1, -1) + x.shape[2:]) for x in jin]
-  o_ours = np.asarray(ours(nh, "fwd", cu)(*packed).astype(jnp.float32))
+  o_ours = np.asarray(ours(nh, "fwd", cu, args.impl)(*packed).astype(jnp.float32))
   if inputs is not None:
     import torch
     from fla.ops.gated_delta_product import chunk_gated_delta_product
@@ -178,8 +178,8 @@ def packed_case(case, nh, inputs, jin, lengths, timed, args, save):
     case["rel_rms_ours_vs_fla"] = float(np.sqrt(np.mean((o_ours - o_fla) ** 2) / np.mean(o_fla**2)))
   save(case)
   for mode in ("fwd", "fwdbwd"):
-    timed(case, f"ours_{mode}_ms", ours(nh, mode, cu), packed)
-    timed(case, f"unpacked_{mode}_ms", ours(nh, mode), jin)
+    timed(case, f"ours_{mode}_ms", ours(nh, mode, cu, args.impl), packed)
+    timed(case, f"unpacked_{mode}_ms", ours(nh, mode, None, args.impl), jin)
   if inputs is not None:
     for mode in ("fwd", "fwdbwd"):
       case[f"fla_{mode}_ms"] = fla_time(packed_inputs(inputs), nh, mode, args.reps, cu)
@@ -206,6 +206,12 @@ def main(argv=None):
   p.add_argument("--packed", type=int, default=0, help="N packed sequences (cu_seqlens)")
   p.add_argument("--modes", default="fwd,fwdbwd", help="fwd, fwdbwd or both")
   p.add_argument("--no-extras", action="store_true", help="no sub-step, slice and r1_at_T timings")
+  p.add_argument(
+    "--impl",
+    default="pallas",
+    choices=("pallas", "mosaic_gpu", "triton"),
+    help="our implementation (mosaic_gpu: the Hopper kernels, packed sequences too)",
+  )
   args = p.parse_args(argv)
   modes = args.modes.split(",")
   shape = tuple(int(s) for s in args.shape.split(","))
@@ -217,7 +223,8 @@ def main(argv=None):
     # timing only we let it run (docs/performance.md#peers-for-side-by-side-timing).
     fla_chunk_o.TRITON_ABOVE_3_7_1 = True
   result = dict(
-    what="householder_delta_product (pallas) vs flash-linear-attention chunk_gated_delta_product",
+    what=f"householder_delta_product ({args.impl}) vs flash-linear-attention "
+    "chunk_gated_delta_product",
     date=datetime.date.today().isoformat(),
     jax=jax.__version__,
     device=jax.devices()[0].device_kind,
@@ -258,7 +265,7 @@ def main(argv=None):
     q, k, v, g, beta = jin
     q_sub, g_sub = jax.block_until_ready(jax.jit(to_substeps, static_argnums=2)(q, g, nh))
     sub = [q_sub, k, v, g_sub, beta]  # the r = 1 operator's inputs over the T*n_h sub-steps
-    o_ours = np.asarray(ours(nh, "fwd")(*jin).astype(jnp.float32))
+    o_ours = np.asarray(ours(nh, "fwd", None, args.impl)(*jin).astype(jnp.float32))
     o_r1 = r1("fwd")(*sub)
     o_last = np.asarray(o_r1.reshape(B, T, nh, H, V)[:, :, -1].astype(jnp.float32))
     case["rel_rms_ours_vs_r1"] = float(
@@ -281,11 +288,11 @@ def main(argv=None):
     del o_ours, o_last
     save(case)
     if args.dump:
-      dump_hlo(args.dump, f"ours_fwd_nh{nh}", ours(nh, "fwd"), jin)
+      dump_hlo(args.dump, f"ours_fwd_nh{nh}", ours(nh, "fwd", None, args.impl), jin)
       dump_hlo(args.dump, f"r1_fwd_nh{nh}", r1("fwd"), sub)
     # JAX figures first (nothing of PyTorch's runs between them), then flash-linear-attention's
     for mode in modes:
-      timed(case, f"ours_{mode}_ms", ours(nh, mode), jin)
+      timed(case, f"ours_{mode}_ms", ours(nh, mode, None, args.impl), jin)
       timed(case, f"r1_{mode}_ms", r1(mode), sub)
       case[f"gap_{mode}"] = case[f"ours_{mode}_ms"] / case[f"r1_{mode}_ms"]
     if not args.no_fla:

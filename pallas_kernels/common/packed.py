@@ -75,7 +75,7 @@ def walk(table_ref, step, state, num_chunks, *, reverse=False):
 
   @pl.when(tail < num_chunks)
   def _():
-    step(tail, tuple(jnp.zeros_like(s) for s in state))
+    step(tail, jax.tree.map(jnp.zeros_like, state))
 
   return state
 

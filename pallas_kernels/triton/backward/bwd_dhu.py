@@ -39,9 +39,14 @@ def _dhu_kernel(
   num_chunks,
   scale,
   precision,
+  looped=False,
   table_ref=None,
 ):
   dot = functools.partial(backend.dot, precision=precision)
+  if looped:
+    refs = (q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref, dh_ref, dv_new_ref, dh0_ref)
+    kw = dict(r=r, chunk=chunk, num_chunks=num_chunks, scale=scale, dot=dot, table_ref=table_ref)
+    return _dhu_loop(*refs, **kw)
   dim_k = k_ref.shape[-1]
   dk = dim_k // r
   dtype = k_ref.dtype
@@ -81,6 +86,41 @@ def _dhu_kernel(
     dh0_ref[cols(d), :] = ds[d]
 
 
+def _dhu_loop(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref, dh_ref, dv_new_ref,
+              dh0_ref, *, r, chunk, num_chunks, scale, dot, table_ref):  # fmt: skip
+  """The kernel's loop form (`options.state_loop`): dS one [K, BV] tile, the row blocks a in a
+  loop; block a's dv_new reads `(k ⊙ [block a's columns]) dS`."""
+  dim_k = k_ref.shape[-1]
+  dtype = k_ref.dtype
+  last = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
+  block = jax.lax.broadcasted_iota(jnp.int32, (1, dim_k), 1) // (dim_k // r)
+
+  def step(c, ds):
+    tok = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    dh_ref[c, :, :] = ds.astype(dh_ref.dtype)
+    g = g_ref[tok]
+    g_last = jnp.sum(jnp.where(last, g, 0.0))
+    kd = (k_ref[tok, :].astype(jnp.float32) * jnp.exp(g_last - g)[:, None]).astype(dtype)
+    qd = (q_ref[tok, :].astype(jnp.float32) * (scale * jnp.exp(g))[:, None]).astype(dtype)
+    ds_op = ds.astype(dtype)
+    nxt = jnp.exp(g_last) * ds + dot(qd, do_ref[tok, :].astype(dtype), trans_a=True)
+
+    def row_block(a, nxt):
+      kd_a = jnp.where(block == a, kd, jnp.zeros_like(kd))
+      dvn = (dvl_ref[tok, a, :] + dot(kd_a, ds_op)).astype(dtype)
+      dv_new_ref[tok, a, :] = dvn
+      return nxt - dot(w_ref[tok, a, :], dvn, trans_a=True)
+
+    return jax.lax.fori_loop(0, r, row_block, nxt)
+
+  ds = dfinal_ref[...].astype(jnp.float32)
+  if table_ref is None:
+    ds = jax.lax.fori_loop(0, num_chunks, lambda i, ds: step(num_chunks - 1 - i, ds), ds)
+  else:
+    ds = packed.walk(table_ref, step, ds, num_chunks, reverse=True)
+  dh0_ref[...] = ds
+
+
 def chunk_bwd_dhu(
   q,
   k,
@@ -97,6 +137,7 @@ def chunk_bwd_dhu(
   launch=options.DEFAULT.bwd_dhu,
   precision="ieee",
   table=None,
+  form="auto",
 ):
   """q, k [B, Tp, H, K]; w [B, H, Tp*r, K]; gcum [B, H, Tp]; do [B, Tp, H, V];
   dv_local [B, H, Tp*r, V]; dfinal [B, H, K, V] f32 ->
@@ -109,7 +150,8 @@ def chunk_bwd_dhu(
   whose rows 2 and 3 are unused here); dfinal and d initial_state are then
   [N, H, K, V] (an empty sequence's d initial_state is its dfinal) and the grid is
   (V / block_v, N, H), one program per sequence walking its chunks last to first. q and k may have
-  H / group key heads for do's H value heads (read at key head h // group)."""
+  H / group key heads for do's H value heads (read at key head h // group). form:
+  `options.STATE_FORMS` (the row blocks unrolled or in a loop; "auto" by r)."""
   bsz, t_len, key_heads, dim_k = q.shape
   heads, dim_v = do.shape[2], do.shape[-1]
   group = heads // key_heads
@@ -121,7 +163,13 @@ def chunk_bwd_dhu(
   dvl5 = dv_local.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
   kernel = functools.partial(
-    _dhu_kernel, precision=precision, r=r, chunk=chunk, num_chunks=nt, scale=scale
+    _dhu_kernel,
+    precision=precision,
+    r=r,
+    chunk=chunk,
+    num_chunks=nt,
+    scale=scale,
+    looped=options.state_loop(form, r),
   )
   state_spec, num_states = specs.state(dim_k, bv), bsz
   in_specs = [

@@ -35,9 +35,15 @@ def _chunk_h_kernel(
   chunk,
   num_chunks,
   precision,
+  looped=False,
   table_ref=None,
 ):
   dot = functools.partial(backend.dot, precision=precision)
+  if looped:
+    refs = (k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_ref)
+    return _chunk_h_loop(
+      *refs, r=r, chunk=chunk, num_chunks=num_chunks, dot=dot, table_ref=table_ref
+    )
   dim_k = k_ref.shape[-1]
   dk = dim_k // r
   dtype = k_ref.dtype
@@ -76,6 +82,40 @@ def _chunk_h_kernel(
     final_ref[cols(d), :] = state[d]
 
 
+def _chunk_h_loop(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_ref, *, r, chunk,
+                  num_chunks, dot, table_ref):  # fmt: skip
+  """The kernel's loop form (`options.state_loop`): S one [K, BV] tile, the row blocks a in a
+  loop; block a's update is `(k ⊙ [block a's columns])^T v_new[(., a)]`."""
+  dim_k = k_ref.shape[-1]
+  dtype = k_ref.dtype
+  last = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
+  block = jax.lax.broadcasted_iota(jnp.int32, (1, dim_k), 1) // (dim_k // r)
+
+  def body(c, state):
+    tok = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    h_ref[c, :, :] = state.astype(h_ref.dtype)
+    g = g_ref[tok]
+    g_last = jnp.sum(jnp.where(last, g, 0.0))
+    s_op = state.astype(dtype)
+    k_dec = (k_ref[tok, :].astype(jnp.float32) * jnp.exp(g_last - g)[:, None]).astype(dtype)
+
+    def row_block(a, update):
+      vn = (u_ref[tok, a, :].astype(jnp.float32) - dot(w_ref[tok, a, :], s_op)).astype(dtype)
+      v_new_ref[tok, a, :] = vn.astype(v_new_ref.dtype)
+      k_a = jnp.where(block == a, k_dec, jnp.zeros_like(k_dec))
+      return update + dot(k_a, vn, trans_a=True)
+
+    update = jax.lax.fori_loop(0, r, row_block, jnp.zeros_like(state))
+    return jnp.exp(g_last) * state + update
+
+  state = h0_ref[...].astype(jnp.float32)
+  if table_ref is None:
+    state = jax.lax.fori_loop(0, num_chunks, body, state)
+  else:
+    state = packed.walk(table_ref, body, state, num_chunks)
+  final_ref[...] = state
+
+
 def chunk_state(
   k,
   w,
@@ -89,6 +129,7 @@ def chunk_state(
   launch=options.DEFAULT.chunk_h,
   precision="ieee",
   table=None,
+  form="auto",
 ):
   """k [B, Tp, H, K]; w [B, H, Tp*r, K]; u [B, H, Tp*r, V]; gcum [B, H, Tp] f32;
   initial_state [B, H, K, V] f32 ->
@@ -99,7 +140,8 @@ def chunk_state(
   int32 [2, N] (chunk_start, num_chunks of each sequence; or `varlen.sequence_chunks` [4, N],
   whose rows 2 and 3 are unused here); initial_state and the final state are
   then [N, H, K, V] (an empty sequence's final state is its initial state) and the grid is
-  (V / block_v, N, H), one program per sequence."""
+  (V / block_v, N, H), one program per sequence. form: `options.STATE_FORMS` (the row blocks
+  unrolled or in a loop; "auto" by r)."""
   bsz, t_len, key_heads, dim_k = k.shape
   heads, dim_v = u.shape[1], u.shape[-1]  # k may have H / group key heads (grouped value heads)
   r = key_blocks
@@ -109,7 +151,14 @@ def chunk_state(
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   u5 = u.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
-  kernel = functools.partial(_chunk_h_kernel, precision=precision, r=r, chunk=chunk, num_chunks=nt)
+  kernel = functools.partial(
+    _chunk_h_kernel,
+    precision=precision,
+    r=r,
+    chunk=chunk,
+    num_chunks=nt,
+    looped=options.state_loop(form, r),
+  )
   state_spec, num_states = specs.state(dim_k, bv), bsz
   in_specs = [
     specs.seq_tokens(t_len, dim_k, group=heads // key_heads),

@@ -50,12 +50,17 @@ def _kernel(
   scale,
   precision,
   in_place=False,
+  looped=False,
   table_ref=None,
 ):
   dim_k = k_ref.shape[-1]
   dk = dim_k // r
   dtype = k_ref.dtype
   dot = functools.partial(backend.dot, precision=precision)
+  if looped:
+    refs = (q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *state_refs)
+    kw = dict(r=r, chunk=chunk, num_chunks=num_chunks, scale=scale, dot=dot)
+    return _loop_kernel(*refs, **kw, in_place=in_place, table_ref=table_ref)
   tok = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
   last = tok == chunk - 1
   cols = lambda d: pl.ds(d * dk, dk)
@@ -119,6 +124,61 @@ def _kernel(
     final_ref[cols(d), :] = state[d]
 
 
+def _loop_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *state_refs, r,
+                 chunk, num_chunks, scale, dot, in_place, table_ref):  # fmt: skip
+  """The kernel's loop form (`options.state_loop`): S one [K, BV] tile, the row blocks a in a
+  loop; block a's scores are `(q ⊙ [block a's columns]) k^T` and its update
+  `(k ⊙ [block a's columns])^T v_new[(., a)]`."""
+  dim_k = k_ref.shape[-1]
+  dtype = k_ref.dtype
+  tok = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+  last = tok == chunk - 1
+  block = jax.lax.broadcasted_iota(jnp.int32, (1, dim_k), 1) // (dim_k // r)
+  t_len = q_ref.shape[0]
+  span = packed.sequence_span(table_ref, pl.program_id(1)) if in_place else None
+
+  def body(c, state):
+    tt = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    if state_refs:
+      state_refs[0][c, :, :] = state.astype(state_refs[0].dtype)
+    g = g_ref[tt]
+    g_last = jnp.sum(jnp.where(last, g, 0.0))
+    s_op = state.astype(dtype)
+    if in_place:
+      start, valid = packed.sequence_rows(span, c, chunk, t_len)
+      q = packed.load_rows(q_ref, start, chunk, valid, (slice(None),))
+      k = packed.load_rows(k_ref, start, chunk, valid, (slice(None),))
+    else:
+      q, k = q_ref[tt, :], k_ref[tt, :]
+    o = jnp.exp(g)[:, None] * dot(q, s_op)
+    decay = rows.causal_decay(g, g, tok, tok, strict=False)
+    k_dec = (k.astype(f32) * jnp.exp(g_last - g)[:, None]).astype(dtype)
+
+    def row_block(a, carry):
+      o, update = carry
+      vn = (u_ref[tt, a, :].astype(f32) - dot(w_ref[tt, a, :], s_op)).astype(dtype)
+      if state_refs:
+        state_refs[1][tt, a, :] = vn.astype(state_refs[1].dtype)
+      q_a = jnp.where(block == a, q, jnp.zeros_like(q))
+      p = dot(q_a, k, trans_b=True) * decay
+      k_a = jnp.where(block == a, k_dec, jnp.zeros_like(k_dec))
+      return o + dot(p.astype(dtype), vn), update + dot(k_a, vn, trans_a=True)
+
+    o, update = jax.lax.fori_loop(0, r, row_block, (o, jnp.zeros_like(state)))
+    if in_place:
+      packed.store_rows(o_ref, start, scale * o, valid)
+    else:
+      o_ref[tt, :] = (scale * o).astype(o_ref.dtype)
+    return jnp.exp(g_last) * state + update
+
+  state = h0_ref[...].astype(f32)
+  if table_ref is None:
+    state = jax.lax.fori_loop(0, num_chunks, body, state)
+  else:
+    state = packed.walk(table_ref, body, state, num_chunks)
+  final_ref[...] = state
+
+
 def chunk_state_output(
   q,
   k,
@@ -136,6 +196,7 @@ def chunk_state_output(
   launch=options.DEFAULT.chunk_state_output,
   table=None,
   in_place=False,
+  form="auto",
 ):
   """The state recurrence and the output in one walk over the chunks.
 
@@ -162,6 +223,8 @@ def chunk_state_output(
   chunk's tokens with masked loads, and o [1, T, H, V] is written there with masked stores;
   w, u, gamma (and the saved h, v_new) keep the chunk-aligned layout of Tp = C * NT tokens
   (pallas_kernels/common/packed.py).
+
+  form: `options.STATE_FORMS` (the row blocks unrolled or in a loop; "auto" by r).
   """
   if q.ndim != 4 or q.shape != k.shape:
     raise ValueError(f"q and k must both be [B, Tp, H, K], got q {q.shape}, k {k.shape}")
@@ -223,7 +286,14 @@ def chunk_state_output(
       jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype),
     ]
   kernel = functools.partial(
-    _kernel, r=r, chunk=chunk, num_chunks=nt, scale=scale, precision=precision, in_place=in_place
+    _kernel,
+    r=r,
+    chunk=chunk,
+    num_chunks=nt,
+    scale=scale,
+    precision=precision,
+    in_place=in_place,
+    looped=options.state_loop(form, r),
   )
   in_specs = [
     specs.seq_tokens(t_tokens, dim_k, group=heads // key_heads),

@@ -1,0 +1,85 @@
+"""The Triton state kernels' loop form (`chunk_h`, `chunk_state_output`, `bwd_dhu` with the state
+as one [K, BV] tile and the row blocks in a loop; `pallas_kernels/common/options.py`
+`state_loop`, docs/performance.md#compile-time): the operator with every state kernel in that
+form against "xla", plain and packed (the walks per sequence, `chunk_state_output` reading the
+packed row in place), every gradient; and the r = 8 modules it is for, lowered for an H200."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdp_jax import gated_delta_product
+from pallas_kernels.common import options
+from pallas_kernels.triton.backward import bwd_dhu
+from pallas_kernels.triton.forward import chunk_h, chunk_state_output
+from tests.cases import GRAD_TOLERANCE, TOLERANCE, assert_close, make_inputs, outputs_and_grads
+
+F32 = jnp.float32
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_operator_with_the_loop_form_matches_xla(monkeypatch, packed):
+  # every r loops (the default loops from r = 8 only, which is costly to interpret here)
+  monkeypatch.setattr(options, "LOOP_KEY_BLOCKS", 1)
+  x = make_inputs(0, B=1, T=70, H=2, K=32, V=32, r=2, mask_kind="token", dtype=F32)
+  cu = None
+  if packed:  # an empty sequence, one of 5 tokens, one over a chunk, one ending the row
+    cu = jnp.asarray(np.cumsum([0, 5, 0, 40, 25]), jnp.int32)
+    x["initial_state"] = 0.3 * jax.random.normal(jax.random.PRNGKey(1), (4, 2, 32, 32), F32)
+
+  def run(implementation, **kw):
+    return gated_delta_product(
+      **kw,
+      cu_seqlens=cu,
+      output_final_state=True,
+      implementation=implementation,
+      precision="highest",
+    )
+
+  (o, final), grads = outputs_and_grads(functools.partial(run, "triton"), x)
+  (o_ref, final_ref), grads_ref = outputs_and_grads(functools.partial(run, "xla"), x)
+  assert_close(o, o_ref, TOLERANCE[F32], "o")
+  assert_close(final, final_ref, TOLERANCE[F32], "final state")
+  for name, ref in grads_ref.items():
+    assert_close(grads[name], ref, GRAD_TOLERANCE[F32], f"d{name}")
+
+
+def test_r8_state_kernels_lower_to_small_modules(monkeypatch):
+  # r = 8, 16-token chunks: unrolled, chunk_h, chunk_state_output and bwd_dhu lowered to 5,500 -
+  # 6,300 lines with 72 - 96 dots each; the loop form to one row block's products
+  from tests.triton_lowering import lower_for_h200
+
+  r, chunk, t_len, dim = 8, 16, 64, 128
+  S = jax.ShapeDtypeStruct
+  tokens, rows_k = S((1, t_len, 2, dim), jnp.bfloat16), S((1, 2, t_len * r, dim), jnp.bfloat16)
+  gamma, state = S((1, 2, t_len), F32), S((1, 2, dim, dim), F32)
+  common = dict(key_blocks=r, chunk=chunk)
+
+  def kernels(q, k, w, u, gamma, h0, do):
+    return (
+      chunk_h.chunk_state(k, w, u, gamma, h0, **common),
+      chunk_state_output.chunk_state_output(q, k, w, u, gamma, h0, scale=0.1, **common),
+      bwd_dhu.chunk_bwd_dhu(q, k, w, gamma, do, u, h0, scale=0.1, **common),
+    )
+
+  modules = lower_for_h200(
+    monkeypatch, kernels, tokens, tokens, rows_k, rows_k, gamma, state, tokens
+  )
+  assert len(modules) == 3
+  for module in modules:
+    assert len(module.splitlines()) < 1000 and module.count("tt.dot ") <= 6, (
+      len(module.splitlines()),
+      module.count("tt.dot "),
+    )
+
+
+def test_a_bad_form_is_a_value_error():
+  with pytest.raises(ValueError, match="form must be one of"):
+    options.state_loop("unrolled", 8)
+  assert options.state_loop("auto", 8) and not options.state_loop("auto", 4)
+  assert options.state_loop("loop", 1) and not options.state_loop("blocks", 8)
