@@ -350,17 +350,18 @@ class PagedDecodeOptions:
   min_blocks_per_split: int = _PAGED["min_blocks_per_split"]
 
 
-# The state kernels (chunk_h, chunk_state_output, bwd_dhu) hold the state as r key-block tiles
-# and unroll the r x r block products of a chunk ("blocks"), or hold it as one [K, BV] tile and
-# run the r row blocks in a loop ("loop": 2 to 4 products per row block over the whole K, so a
-# module of one row block's size; docs/performance.md#compile-time). "auto" takes the loop from
-# this many key blocks on (r = 8: about 5,500-6,300-line modules with 72-96 dots unrolled).
+# The kernels that walk a chunk's r key blocks (chunk_h, chunk_state_output, bwd_dhu: the state
+# as r key-block tiles, r x r block products per chunk; bwd_wy: its K pieces) unroll them
+# ("blocks"), or run them in a `fori_loop` ("loop": the state kernels hold the state as one
+# [K, BV] tile, 2 to 4 products per row block over the whole K), so that the Triton module is one
+# block's size (docs/performance.md#compile-time). "auto" loops from this many key blocks on
+# (r = 8: 4,200-6,300-line modules with 52-96 dots unrolled).
 LOOP_KEY_BLOCKS = 8
-STATE_FORMS = ("auto", "blocks", "loop")
+LOOP_FORMS = ("auto", "blocks", "loop")
 
 
-def state_loop(form: str, key_blocks: int) -> bool:
-  """Whether a state kernel runs its row blocks in a loop (`STATE_FORMS`)."""
-  if form not in STATE_FORMS:
-    raise ValueError(f"form must be one of {STATE_FORMS}, got {form!r}")
+def key_block_loop(form: str, key_blocks: int) -> bool:
+  """Whether a kernel runs its key blocks in a loop (`LOOP_FORMS`)."""
+  if form not in LOOP_FORMS:
+    raise ValueError(f"form must be one of {LOOP_FORMS}, got {form!r}")
   return form == "loop" or (form == "auto" and key_blocks >= LOOP_KEY_BLOCKS)

@@ -88,7 +88,7 @@ def _dhu_kernel(
 
 def _dhu_loop(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref, dh_ref, dv_new_ref,
               dh0_ref, *, r, chunk, num_chunks, scale, dot, table_ref):  # fmt: skip
-  """The kernel's loop form (`options.state_loop`): dS one [K, BV] tile, the row blocks a in a
+  """The kernel's loop form (`options.key_block_loop`): dS one [K, BV] tile, the row blocks a in a
   loop; block a's dv_new reads `(k ⊙ [block a's columns]) dS`."""
   dim_k = k_ref.shape[-1]
   dtype = k_ref.dtype
@@ -151,7 +151,7 @@ def chunk_bwd_dhu(
   [N, H, K, V] (an empty sequence's d initial_state is its dfinal) and the grid is
   (V / block_v, N, H), one program per sequence walking its chunks last to first. q and k may have
   H / group key heads for do's H value heads (read at key head h // group). form:
-  `options.STATE_FORMS` (the row blocks unrolled or in a loop; "auto" by r)."""
+  `options.LOOP_FORMS` (the row blocks unrolled or in a loop; "auto" by r)."""
   bsz, t_len, key_heads, dim_k = q.shape
   heads, dim_v = do.shape[2], do.shape[-1]
   group = heads // key_heads
@@ -169,7 +169,7 @@ def chunk_bwd_dhu(
     chunk=chunk,
     num_chunks=nt,
     scale=scale,
-    looped=options.state_loop(form, r),
+    looped=options.key_block_loop(form, r),
   )
   state_spec, num_states = specs.state(dim_k, bv), bsz
   in_specs = [

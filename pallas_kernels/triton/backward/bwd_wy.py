@@ -64,6 +64,7 @@ def _wy_bwd_kernel(
   block_v,
   precision,
   add_dk,
+  looped=False,
 ):
   # with add_dk, one more input: the other part of dk, added before the store (`wy_bwd`)
   dk_in_ref = refs[0] if add_dk else None
@@ -87,7 +88,21 @@ def _wy_bwd_kernel(
   eg_r = rows.per_row(jnp.exp(g), r)
   scale_w = beta_r * eg_r
   ai = ai_ref[...].astype(dtype)
-  pieces = [(pl.ds(c0, block_k), c0 // dk) for c0 in range(0, dim_k, block_k)]
+  num_pieces = dim_k // block_k
+
+  def over_pieces(body, carry):
+    """carry = body(cols, b, carry) over the K pieces (columns `cols` inside key block b):
+    unrolled, or in a `fori_loop` (`looped`: one piece's products in the module)."""
+    if not looped:
+      for c0 in range(0, dim_k, block_k):
+        carry = body(pl.ds(c0, block_k), c0 // dk, carry)
+      return carry
+
+    def step(i, carry):
+      c0 = pl.multiple_of(i * block_k, block_k)
+      return body(pl.ds(c0, block_k), c0 // dk, carry)
+
+    return jax.lax.fori_loop(0, num_pieces, step, carry)
 
   # u = Ai U~ with U~ = beta v (per token, repeated over a):  dU~ = Ai^T du;  X = du U~^T + ...
   x = jnp.zeros((n, n), f32)
@@ -103,14 +118,17 @@ def _wy_bwd_kernel(
     x = x + dot(du, rows.repeat_rows((beta[:, None] * vp).astype(dtype), r), trans_b=True)
 
   # w = Ai W~ with W~ = beta exp(gamma) Kw:  dW~ = Ai^T dw;  X += dw W~^T;  KK = Kw Kb^T
-  kk = jnp.zeros((n, n), f32)
-  s_w = jnp.zeros((n,), f32)  # <dW~, Kw> per row
-  for cols, b in pieces:
+  def first_pass(cols, b, carry):
+    s_w, x, kk = carry
     _, kw, kb, _ = _key_piece(k_ref, mask_ref, cols, b, r)
     dw = dw_ref[:, cols].astype(dtype)
     s_w = s_w + jnp.sum(dot(ai, dw, trans_a=True) * kw, axis=1)
     x = x + dot(dw, (scale_w[:, None] * kw).astype(dtype), trans_b=True)
     kk = kk + dot(kw.astype(dtype), kb.astype(dtype), trans_b=True)
+    return s_w, x, kk
+
+  # s_w: <dW~, Kw> per row
+  s_w, x, kk = over_pieces(first_pass, (jnp.zeros((n,), f32), x, jnp.zeros((n, n), f32)))
 
   # Ai = (I + Ag)^-1:  dAg = -Ai^T X Ai^T on token-strictly-lower entries
   xa = dot(ai, x.astype(dtype), trans_a=True)
@@ -128,16 +146,15 @@ def _wy_bwd_kernel(
 
   # dKw = beta exp(gamma) dW~ + (beta G) Kb, dKb = (beta G)^T Kw, per K piece -> dk, dmask
   onehot = jax.lax.broadcasted_iota(jnp.int32, (1, 1, r), 2)
-  dmask = jnp.zeros((chunk, r, r), f32)
-  for cols, b in pieces:
+
+  def second_pass(cols, b, dmask):
     kp, kw, kb, mcol = _key_piece(k_ref, mask_ref, cols, b, r)
     dwt = dot(ai, dw_ref[:, cols].astype(dtype), trans_a=True)
     dkw = scale_w[:, None] * dwt + dot(gb, kb.astype(dtype))
     dkb = dot(gb, kw.astype(dtype), trans_a=True)
     if r == 1:
       store_dk(cols, dkw * mcol + dkb)
-      dmask = dmask + jnp.sum(dkw * kp, axis=1).reshape(chunk, 1, 1)
-      continue
+      return dmask + jnp.sum(dkw * kp, axis=1).reshape(chunk, 1, 1)
     dkw3 = dkw.reshape(chunk, r, block_k)
     is_b = (jax.lax.broadcasted_iota(jnp.int32, (1, r, 1), 1) == b).astype(f32)
     store_dk(
@@ -146,8 +163,9 @@ def _wy_bwd_kernel(
       + jnp.sum(dkb.reshape(chunk, r, block_k) * is_b, axis=1),
     )
     col = jnp.sum(dkw3 * kp[:, None, :], axis=2)  # this piece's part of dM[:, :, b]  [BT, r]
-    dmask = dmask + col[:, :, None] * (onehot == b).astype(f32)
-  dmask_ref[...] = dmask
+    return dmask + col[:, :, None] * (onehot == b).astype(f32)
+
+  dmask_ref[...] = over_pieces(second_pass, jnp.zeros((chunk, r, r), f32))
 
 
 def wy_bwd(
@@ -167,6 +185,7 @@ def wy_bwd(
   dk_in=None,
   dk_dtype=jnp.float32,
   dv_dtype=jnp.float32,
+  form="auto",
 ):
   """k [B, Tp, H, K]; v [B, Tp, H, V]; beta, gcum [B, H, Tp]; mask [Bm, Tm, Hm, r, r];
   ai [B, H, Tp*r, N]; dw [B, H, Tp*r, K]; du [B, H, Tp*r, V] ->
@@ -178,7 +197,8 @@ def wy_bwd(
 
   launch.block_k: the K piece (at most K / r; None: K / r); launch.block_v: the V piece
   (None: all of V). k may have H / group key heads for v's H value heads (read at key head
-  h // group); dk has H heads, one per value head."""
+  h // group); dk has H heads, one per value head. form: `options.LOOP_FORMS` (the K pieces
+  unrolled or in a loop; "auto" by r)."""
   bsz, t_len, key_heads, dim_k = k.shape
   heads, dim_v = v.shape[2], v.shape[-1]
   group = heads // key_heads
@@ -190,7 +210,13 @@ def wy_bwd(
   f32 = jnp.float32
   add_dk = dk_in is not None
   kernel = functools.partial(
-    _wy_bwd_kernel, precision=precision, r=r, block_k=bk, block_v=bv, add_dk=add_dk
+    _wy_bwd_kernel,
+    precision=precision,
+    r=r,
+    block_k=bk,
+    block_v=bv,
+    add_dk=add_dk,
+    looped=options.key_block_loop(form, r),
   )
   return backend.pallas_call(
     kernel,

@@ -84,7 +84,7 @@ def _chunk_h_kernel(
 
 def _chunk_h_loop(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_ref, *, r, chunk,
                   num_chunks, dot, table_ref):  # fmt: skip
-  """The kernel's loop form (`options.state_loop`): S one [K, BV] tile, the row blocks a in a
+  """The kernel's loop form (`options.key_block_loop`): S one [K, BV] tile, the row blocks a in a
   loop; block a's update is `(k ⊙ [block a's columns])^T v_new[(., a)]`."""
   dim_k = k_ref.shape[-1]
   dtype = k_ref.dtype
@@ -140,7 +140,7 @@ def chunk_state(
   int32 [2, N] (chunk_start, num_chunks of each sequence; or `varlen.sequence_chunks` [4, N],
   whose rows 2 and 3 are unused here); initial_state and the final state are
   then [N, H, K, V] (an empty sequence's final state is its initial state) and the grid is
-  (V / block_v, N, H), one program per sequence. form: `options.STATE_FORMS` (the row blocks
+  (V / block_v, N, H), one program per sequence. form: `options.LOOP_FORMS` (the row blocks
   unrolled or in a loop; "auto" by r)."""
   bsz, t_len, key_heads, dim_k = k.shape
   heads, dim_v = u.shape[1], u.shape[-1]  # k may have H / group key heads (grouped value heads)
@@ -157,7 +157,7 @@ def chunk_state(
     r=r,
     chunk=chunk,
     num_chunks=nt,
-    looped=options.state_loop(form, r),
+    looped=options.key_block_loop(form, r),
   )
   state_spec, num_states = specs.state(dim_k, bv), bsz
   in_specs = [

@@ -126,7 +126,7 @@ def _kernel(
 
 def _loop_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *state_refs, r,
                  chunk, num_chunks, scale, dot, in_place, table_ref):  # fmt: skip
-  """The kernel's loop form (`options.state_loop`): S one [K, BV] tile, the row blocks a in a
+  """The kernel's loop form (`options.key_block_loop`): S one [K, BV] tile, the row blocks a in a
   loop; block a's scores are `(q ⊙ [block a's columns]) k^T` and its update
   `(k ⊙ [block a's columns])^T v_new[(., a)]`."""
   dim_k = k_ref.shape[-1]
@@ -224,7 +224,7 @@ def chunk_state_output(
   w, u, gamma (and the saved h, v_new) keep the chunk-aligned layout of Tp = C * NT tokens
   (pallas_kernels/common/packed.py).
 
-  form: `options.STATE_FORMS` (the row blocks unrolled or in a loop; "auto" by r).
+  form: `options.LOOP_FORMS` (the row blocks unrolled or in a loop; "auto" by r).
   """
   if q.ndim != 4 or q.shape != k.shape:
     raise ValueError(f"q and k must both be [B, Tp, H, K], got q {q.shape}, k {k.shape}")
@@ -293,7 +293,7 @@ def chunk_state_output(
     scale=scale,
     precision=precision,
     in_place=in_place,
-    looped=options.state_loop(form, r),
+    looped=options.key_block_loop(form, r),
   )
   in_specs = [
     specs.seq_tokens(t_tokens, dim_k, group=heads // key_heads),
