@@ -365,3 +365,12 @@ def key_block_loop(form: str, key_blocks: int) -> bool:
   if form not in LOOP_FORMS:
     raise ValueError(f"form must be one of {LOOP_FORMS}, got {form!r}")
   return form == "loop" or (form == "auto" and key_blocks >= LOOP_KEY_BLOCKS)
+
+
+def loop_warps(num_warps: int, looped: bool, dim_k: int, block_v: int) -> int:
+  """A state kernel's warps: in the loop form the state and its update are two [K, BV] float32
+  tiles live at once, so at least enough warps (up to 8) for them to take 64 registers a
+  thread, as `chunk_fwd`'s loop form does for its carried inverse."""
+  if not looped:
+    return num_warps
+  return max(num_warps, min(8, 2 * dim_k * block_v // (32 * 64)))

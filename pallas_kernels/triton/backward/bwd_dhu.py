@@ -162,6 +162,7 @@ def chunk_bwd_dhu(
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   dvl5 = dv_local.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
+  looped = options.key_block_loop(form, r)
   kernel = functools.partial(
     _dhu_kernel,
     precision=precision,
@@ -169,7 +170,7 @@ def chunk_bwd_dhu(
     chunk=chunk,
     num_chunks=nt,
     scale=scale,
-    looped=options.key_block_loop(form, r),
+    looped=looped,
   )
   state_spec, num_states = specs.state(dim_k, bv), bsz
   in_specs = [
@@ -199,7 +200,7 @@ def chunk_bwd_dhu(
       jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), q.dtype),
       jax.ShapeDtypeStruct((num_states, heads, dim_k, dim_v), jnp.float32),
     ],
-    num_warps=launch.num_warps,
+    num_warps=options.loop_warps(launch.num_warps, looped, dim_k, bv),
     num_stages=launch.num_stages,
     name="gdp_bwd_dhu",
   )(*args)

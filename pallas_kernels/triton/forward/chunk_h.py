@@ -151,13 +151,14 @@ def chunk_state(
   w5 = w.reshape(bsz, heads, t_len, r, dim_k)
   u5 = u.reshape(bsz, heads, t_len, r, dim_v)
   per_row_v = specs.seq_rows(t_len, r, bv, v_block=True)
+  looped = options.key_block_loop(form, r)
   kernel = functools.partial(
     _chunk_h_kernel,
     precision=precision,
     r=r,
     chunk=chunk,
     num_chunks=nt,
-    looped=options.key_block_loop(form, r),
+    looped=looped,
   )
   state_spec, num_states = specs.state(dim_k, bv), bsz
   in_specs = [
@@ -185,7 +186,7 @@ def chunk_state(
       jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype),
       jax.ShapeDtypeStruct((num_states, heads, dim_k, dim_v), jnp.float32),
     ],
-    num_warps=launch.num_warps,
+    num_warps=options.loop_warps(launch.num_warps, looped, dim_k, bv),
     num_stages=launch.num_stages,
     name="gdp_chunk_h",
   )(*args)

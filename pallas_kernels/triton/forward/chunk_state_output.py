@@ -285,6 +285,7 @@ def chunk_state_output(
       jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), h_dtype),
       jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype),
     ]
+  looped = options.key_block_loop(form, r)
   kernel = functools.partial(
     _kernel,
     r=r,
@@ -293,7 +294,7 @@ def chunk_state_output(
     scale=scale,
     precision=precision,
     in_place=in_place,
-    looped=options.key_block_loop(form, r),
+    looped=looped,
   )
   in_specs = [
     specs.seq_tokens(t_tokens, dim_k, group=heads // key_heads),
@@ -315,7 +316,7 @@ def chunk_state_output(
     in_specs=in_specs,
     out_specs=out_specs,
     out_shape=out_shape,
-    num_warps=launch.num_warps,
+    num_warps=options.loop_warps(launch.num_warps, looped, dim_k, bv),
     num_stages=launch.num_stages,
     name="gdp_chunk_state_output",
   )(*args)
