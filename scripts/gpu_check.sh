@@ -29,6 +29,10 @@
 #                   XLA's default options, with XLA's GEMM autotuner off in both programs and with
 #                   the Triton chunk_fwd's row-block loop from 64 rows; and chunk_fwd's two forms
 #                   alone at r = 1, 2, 4 (compile and run time)
+#   packed          packed sequences on the Hopper kernels (`implementation="mosaic_gpu"`, forward and
+#                   backward) against xla and timed beside the unpacked call and flash-linear-
+#                   attention (benchmarks/bench_varlen.py --impl mosaic_gpu), then the Householder
+#                   form with 64 packed sequences (benchmarks/bench_householder.py --packed 64)
 #   all             tests matrix bench stages memory decode (several commands' worth)
 #
 # Compilation: every section uses jax's persistent compilation cache in .jax_cache/ in the
@@ -47,7 +51,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gdp_gpu_out}"
 PY="${PY:-python3}"
 SECTIONS_KNOWN="tests tests-forward tests-backward tests-decode matrix matrix-ieee matrix-dims"
-SECTIONS_KNOWN+=" bench stages memory decode compile compile-generate"
+SECTIONS_KNOWN+=" bench stages memory decode compile compile-generate packed"
 sections="${*:-all}"
 if [[ " $sections " == *" list "* ]]; then
   echo "$SECTIONS_KNOWN all"
@@ -184,6 +188,14 @@ if want compile-generate; then
   "$PY" benchmarks/compile_profile.py --out "$OUT/compile_chunk_fwd.json" --entries chunk-fwd \
       --rs 1,2,4 --phases cold 2>&1 | tee "$OUT/compile_chunk_fwd.log" | grep -v "^E[0-9]" | tail -14
   echo "section compile-generate: done in $((SECONDS - t0)) s" | tee -a "$OUT/sections.txt"
+fi
+if want packed; then
+  "$PY" benchmarks/bench_varlen.py --impl mosaic_gpu --reps 7 --inner 3 \
+      --time-limit $((SECTION_TIME_LIMIT / 2)) --out "$OUT/varlen_mosaic.json" 2>&1 \
+      | tee "$OUT/varlen_mosaic.log" | grep -v "^E[0-9]" | tail -40
+  timeout --signal=INT $((SECTION_TIME_LIMIT / 2)) "$PY" benchmarks/bench_householder.py \
+      --nh 2,4 --packed 64 --impl mosaic_gpu --reps 5 --no-extras \
+      --out "$OUT/householder_packed_mosaic.json" 2>&1 | grep -v "^E[0-9]" | tail -12
 fi
 if want compile; then
   "$PY" benchmarks/compile_profile.py --out "$OUT/compile_profile.json" ${COMPILE_ARGS:-} 2>&1 \
