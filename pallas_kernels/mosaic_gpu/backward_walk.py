@@ -48,6 +48,7 @@ from pallas_kernels.mosaic_gpu.common import (
   WGMMA,
   bcast_cols,
   bcast_rows,
+  check_seq_table,
   chunk_tokens,
   compiler_params,
   gate_stage,
@@ -55,6 +56,7 @@ from pallas_kernels.mosaic_gpu.common import (
   matmul,
   matmul_reg,
   matmul_sum,
+  read_seq_table,
   ring_stages,
   smem,
   token_of,
@@ -132,15 +134,7 @@ def state_grad_walk(
   m_b, m_h, m_n = mask_rows.shape[:3]
   has_dfinal = dfinal_t is not None
   packed = seq_table is not None
-  num_states = batch
-  if seq_table is not None:
-    num_states = seq_table.shape[0]
-    if batch != 1 or seq_table.shape != (num_states, 4) or seq_table.dtype != jnp.int32:
-      raise ValueError(
-        f"seq_table: {seq_table.shape} {seq_table.dtype} with B={batch}: int32 [N, 4], B=1"
-      )
-    if dfinal_t is not None and dfinal_t.shape[0] != num_states:
-      raise ValueError(f"dfinal_t: {dfinal_t.shape}, expected {num_states} states")
+  num_states = check_seq_table(seq_table, batch, dfinal_t, "dfinal_t")
   staged = interpret is not None
   bv = block_v
   dk = key_dim // r
@@ -204,15 +198,8 @@ def state_grad_walk(
     wg = lax.axis_index("wg")
     seq = b  # the state's index: the batch row, or the sequence
     first, count = 0, nc  # the chunks walked (last first)
-    if packed:  # the sequence's chunks, from its row of the table (every warpgroup waits)
-
-      @pl.when(wg == 1)
-      def _():
-        plgpu.copy_gmem_to_smem(tab_ref.at[seq], tab_s, sc_bar)
-        plgpu.copy_gmem_to_smem(sc_ref, sc_s, sc_bar)
-
-      plgpu.barrier_wait(sc_bar)
-      first, count = tab_s[0], tab_s[1]
+    if packed:  # the sequence's chunks, from its row of the table
+      first, count = read_seq_table(tab_ref, sc_ref, tab_s, sc_s, sc_bar, seq, wg)
       b = 0
     last = first + count - 1  # the chunk of the first step
     cols_v = pl.ds(iv * bv, bv)

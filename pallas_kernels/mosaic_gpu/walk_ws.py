@@ -65,12 +65,14 @@ from pallas_kernels.mosaic_gpu.common import (
   WGMMA,
   bcast_cols,
   bcast_rows,
+  check_seq_table,
   chunk_tokens,
   compiler_params,
   gate_stage,
   iota,
   matmul,
   matmul_reg,
+  read_seq_table,
   ring_stages,
   smem,
   token_of,
@@ -179,15 +181,7 @@ def state_walk_ws(
   has_h0 = initial_state_t is not None
   staged = interpret is not None
   packed = seq_table is not None
-  num_states = batch
-  if seq_table is not None:
-    num_states = seq_table.shape[0]
-    if batch != 1 or seq_table.shape != (num_states, 4) or seq_table.dtype != jnp.int32:
-      raise ValueError(
-        f"seq_table: {seq_table.shape} {seq_table.dtype} with B={batch}: int32 [N, 4], B=1"
-      )
-    if initial_state_t is not None and initial_state_t.shape[0] != num_states:
-      raise ValueError(f"initial_state_t: {initial_state_t.shape}, expected {num_states} states")
+  num_states = check_seq_table(seq_table, batch, initial_state_t, "initial_state_t")
   bv = block_v
   dk = key_dim // r
   stages = ring_stages(
@@ -254,15 +248,8 @@ def state_walk_ws(
     wg = lax.axis_index("wg")
     seq = b  # the state's index: the batch row, or the sequence
     first, count = 0, nc  # the chunks walked
-    if packed:  # the sequence's chunks, from its row of the table (every warpgroup waits)
-
-      @pl.when(wg == 1)
-      def _():
-        plgpu.copy_gmem_to_smem(tab_ref.at[seq], tab_s, sc_bar)
-        plgpu.copy_gmem_to_smem(sc_ref, sc_s, sc_bar)
-
-      plgpu.barrier_wait(sc_bar)
-      first, count = tab_s[0], tab_s[1]
+    if packed:  # the sequence's chunks, from its row of the table
+      first, count = read_seq_table(tab_ref, sc_ref, tab_s, sc_s, sc_bar, seq, wg)
       b = 0
     cols_v = pl.ds(iv * bv, bv)
     mb = b if m_b > 1 else 0
