@@ -9,6 +9,7 @@ interpreter's warpgroup threads and XLA's CPU pool share one pool sized by the c
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from types import SimpleNamespace
@@ -250,9 +251,9 @@ def _run_interpreted():
   out = {}
   grads = {}
   for impl in ("mosaic_gpu", "xla"):
-    (_, (o, final)), d = jax.value_and_grad(lambda *a: loss(impl, *a), range(7), has_aux=True)(
-      *x.values()
-    )
+    # jitted: one program instead of one per eager operation
+    value_and_grad = jax.value_and_grad(functools.partial(loss, impl), range(7), has_aux=True)
+    (_, (o, final)), d = jax.jit(value_and_grad)(*x.values())
     grads[impl] = dict(zip(names, d))
     out[impl] = (o, final)
   (o, final), (o_ref, final_ref) = out["mosaic_gpu"], out["xla"]
@@ -275,7 +276,7 @@ def _run_interpreted():
   row["o_before_bad"] = _rel_rms(o_bad[:, :9], o_ref.astype(F32)[:, :9])
   # what a wrong mask orientation scores: the comparison can fail
   wrong = dict(x, mask=jnp.swapaxes(x["mask"], -1, -2))
-  o_wrong = loss("xla", *wrong.values())[1][0]
+  o_wrong = jax.jit(lambda *a: loss("xla", *a)[1][0])(*wrong.values())
   row["o_wrong"] = _rel_rms(o.astype(F32), o_wrong.astype(F32))
   row.update(_packed_interpreted())
   return row
