@@ -56,9 +56,9 @@ ROLE_AXES = {"batch": "data", "heads": "model", "sequence": "seq"}
 
 # (r, mask kind, with initial state, layout): every r; each mask shape, with a sequence split (a
 # token mask is cut along the sequence, a head mask along the heads); with and without an initial
-# state under a sequence split; the sequence split into 2, 4 and 8 pieces alone and next to batch
-# and heads, and batch x heads without it. (One case per layout or mask feature: the operator's
-# math at every r and mask shape is checked on one device in test_implementations.py.)
+# state under a sequence split; the sequence split into 2, 4 and 8 pieces, alone (8) and next to
+# batch and heads, and batch x heads without it. (One case per layout or mask feature: the
+# operator's math at every r and mask shape is checked on one device in test_implementations.py.)
 LAYOUT_BH = {"batch": 2, "heads": 4}
 CASES = {
   "operator_a": [
@@ -67,7 +67,6 @@ CASES = {
     (2, "shared", False, {"sequence": 8}),
   ],
   "operator_b": [
-    (2, "token", True, {"sequence": 8}),
     (4, "head", True, {"sequence": 4, "heads": 2}),
     (4, "token", False, {"sequence": 4, "batch": 2}),
   ],

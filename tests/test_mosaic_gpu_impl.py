@@ -129,7 +129,9 @@ def test_lowers_for_cuda_at_benchmark_shape(monkeypatch, r, dim):
     return jax.value_and_grad(loss, range(len(args)))(*args)
 
   mask = spec((heads, r, r), F32)
-  for function in (run, value_and_grad):
+  # the forward alone at one shape (the forward kernels at every r: test_mosaic_gpu.py's
+  # lowering tests); the training step at each
+  for function in (run, value_and_grad) if (r, dim) == (2, 128) else (value_and_grad,):
     lowered = jax.jit(function).trace(act, act, act, gate, gate, mask)
     lines = lowered.lower(lowering_platforms=("cuda",)).as_text().splitlines()
     mosaic = [line for line in lines if "custom_call" in line and "mosaic_gpu" in line]
