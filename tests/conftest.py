@@ -156,7 +156,12 @@ SLOW = (
 # below). Units start in the order of `LONGEST_FIRST` (node-id patterns as in `SLOW`; the longest
 # units on a 2-core CPU first, so that no long unit starts last while the other worker idles),
 # then in collection order.
-SPLIT = ("tests/test_sharding.py", "tests/test_notebooks.py", "tests/test_readme.py")
+SPLIT = (
+  "tests/test_sharding.py",
+  "tests/test_partitioning.py",
+  "tests/test_notebooks.py",
+  "tests/test_readme.py",
+)
 LONGEST_FIRST = (
   "tests/test_sharding.py::test_sharding_group*",
   "tests/test_notebooks.py::test_notebook_runs*",

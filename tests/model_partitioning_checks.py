@@ -8,13 +8,14 @@ subprocess with 8 simulated CPU devices:
 
 On a 2 x 4 ("data", "model") mesh: the parameters of a `HybridLM` with every kind of layer are
 placed by `nnx.get_partition_spec` under `nnx.logical_axis_rules(LOGICAL_AXIS_RULES)` and the
-tokens over "data"; one jitted step (loss, gradients, an SGD update) gives the loss and the
-updated parameters of the same step on one device; the parameters keep their sharding; the
-compiled step gathers no sequence activation (no all-gather, all-to-all or collective-permute
-of an array with the batch x sequence tokens); and a model created under the mesh and the rules
-has its parameters sharded as they are annotated (flax's eager sharding); and decoding
-(`step_tokens`, then `step`) with the sharded parameters gives the logits and caches of one
-device (values only: the decode path still moves activations, docs/sharding.md). Each case
+tokens over "data"; one jitted step (loss, gradients, an SGD update) on the Pallas kernels gives
+the loss and the updated parameters of the same step on one device (the jnp form there); the
+parameters keep their sharding; the compiled step gathers no sequence activation (no
+all-gather, all-to-all or collective-permute of an array with the batch x sequence tokens); and
+a model created under the mesh and the rules has its parameters sharded as they are annotated
+(flax's eager sharding); and decoding (`step_tokens`, then `step`) with the sharded parameters
+gives the logits and caches of one device (values only: the decode path still moves
+activations, docs/sharding.md). Each case
 prints one JSON line {"name", "ok", "detail", "seconds"}; the exit status is 0 when every case
 passed.
 """
@@ -98,12 +99,24 @@ def same_spec(a, b, ndim):
   return pad(a) == pad(b)
 
 
+def split_model(implementation):
+  """(graphdef, parameters, the rest) of the `HybridLM` of CONFIG on `implementation`."""
+  config = dataclasses.replace(CONFIG, implementation=implementation)
+  return nnx.split(HybridLM(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
+
+
+# One device runs the jnp form ("xla"): the sharded kernels are held to it directly (one program
+# on one device fewer to compile than the kernels' own; the kernels equal the jnp form on one
+# device in the operator's tests).
+ONE_DEVICE = "xla"
+
+
 def training_step(implementation):
   mesh = mesh_2x4()
-  config = dataclasses.replace(CONFIG, implementation=implementation)
-  graphdef, params, rest = nnx.split(HybridLM(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
-  tokens = jax.random.randint(jax.random.key(2), (B, T + 1), 0, config.vocab_size, jnp.int32)
-  loss1, new1 = train_step_for(graphdef, rest)(params, tokens)
+  graphdef, params, rest = split_model(implementation)
+  tokens = jax.random.randint(jax.random.key(2), (B, T + 1), 0, CONFIG.vocab_size, jnp.int32)
+  graphdef1, _, rest1 = split_model(ONE_DEVICE)
+  loss1, new1 = train_step_for(graphdef1, rest1)(params, tokens)
 
   with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_AXIS_RULES):
     specs = nnx.get_partition_spec(params)
@@ -187,19 +200,23 @@ def decode_steps(implementation):
   parameters sharded by their annotations, under one `jax.jit`: the logits and the caches equal
   one device. Reports the collectives of batch-sized arrays the compiled decode holds."""
   mesh = mesh_2x4()
-  config = dataclasses.replace(CONFIG, implementation=implementation)
-  graphdef, params, rest = nnx.split(HybridLM(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
-  tokens = jax.random.randint(jax.random.key(3), (B, 4), 0, config.vocab_size, jnp.int32)
+  tokens = jax.random.randint(jax.random.key(3), (B, 4), 0, CONFIG.vocab_size, jnp.int32)
 
-  @jax.jit
-  def decode(params, tokens):
-    model = nnx.merge(graphdef, params, rest)
-    cache = model.init_cache(B, 8)
-    logits3, cache = model.step_tokens(tokens[:, :3], cache)
-    logits1, cache = model.step(tokens[:, 3], cache)
-    return logits3, logits1, cache
+  def decode_for(graphdef, rest):
+    @jax.jit
+    def decode(params, tokens):
+      model = nnx.merge(graphdef, params, rest)
+      cache = model.init_cache(B, 8)
+      logits3, cache = model.step_tokens(tokens[:, :3], cache)
+      logits1, cache = model.step(tokens[:, 3], cache)
+      return logits3, logits1, cache
 
-  one = decode(params, tokens)
+    return decode
+
+  graphdef, params, rest = split_model(implementation)
+  decode = decode_for(graphdef, rest)
+  graphdef1, _, rest1 = split_model(ONE_DEVICE)
+  one = decode_for(graphdef1, rest1)(params, tokens)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_AXIS_RULES):
     specs = nnx.get_partition_spec(params)
     placed = jax.jit(lambda p: jax.lax.with_sharding_constraint(p, specs))(params)
@@ -213,9 +230,14 @@ def decode_steps(implementation):
   return f"logits and caches max rel err {max(errs):.1e}; batch-sized arrays moved: {rows}"
 
 
+# The training step runs the Pallas kernels (interpreted on a CPU): the same checks hold for the
+# jnp form, whose annotated layers are checked under the mesh by the prefill case below (and
+# whose training step over a ShardingConfig by tests/sharding_checks.py's model group).
 CASES = [
-  ("HybridLM training step, data 2 x model 4", lambda: training_step("xla")),
-  ("HybridLM training step, Pallas kernels (interpreted)", lambda: training_step("triton")),
+  (
+    "HybridLM training step, data 2 x model 4, Pallas kernels (interpreted)",
+    lambda: training_step("triton"),
+  ),
   ("HybridLM created under the mesh: eager sharding", eager_sharding),
   ("HouseholderDeltaProduct prefill cache under the mesh", layer_prefill_cache),
   (

@@ -7,9 +7,10 @@ subprocess with 8 simulated CPU devices:
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/partitioning_checks.py
 
-Each case places the inputs with `NamedSharding`s (batch, heads, batch x heads, grouped value
-heads, the sequence; two with T = 40, not a multiple of the chunk, which each device pads on its
-own block or piece, so nothing is resharded) and runs
+Each case places the inputs with `NamedSharding`s (batch x heads with a per-head mask split
+over the heads, batch x grouped value heads, the sequence, batch x grouped value heads x
+sequence, batch x sequence; two with T = 40, not a multiple of the chunk, which each device pads
+on its own block or piece, so nothing is resharded) and runs
 `gated_delta_product(..., implementation="triton")` and its gradients under one `jax.jit`:
 outputs, final state and every gradient equal one device (the "reference" implementation); o,
 the final state and the gradients keep the inputs' sharding; and the compiled program has no
@@ -71,9 +72,7 @@ B, T, H, K, V = 2, 32, 4, 16, 8
 # axes "data" split the batch, "model" the heads, "seq" the sequence. T = 40 is not a multiple
 # of the chunk (16): each device pads its own block or piece.
 CASES = [
-  ("batch, T = 40", {"data": 2}, 1, None, True, False, 40),
-  ("heads", {"model": 4}, 2, "head", False, False),
-  ("batch x heads", {"data": 2, "model": 4}, 2, "shared", True, False),
+  ("batch x heads, T = 40", {"data": 2, "model": 4}, 2, "head", True, False, 40),
   ("batch x grouped heads", {"data": 2, "model": 2}, 2, "token", True, True),
   ("sequence", {"seq": 4}, 2, "token", False, False),
   ("batch x grouped heads x sequence", {"data": 2, "model": 2, "seq": 2}, 2, "shared", True, True),

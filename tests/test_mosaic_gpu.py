@@ -63,6 +63,7 @@ def _inputs(seed, batch, t_len, heads, key_dim, value_dim, r, mask_kind, dtype=j
   return q, k, v, g, beta, mask, h0
 
 
+@functools.partial(jax.jit, static_argnames=("scale",))
 def _xla(q, k, v, g, beta, mask, h0, scale=None):
   up = functools.partial(jnp.asarray, dtype=F32)
   return gdp_jax.gated_delta_product(
@@ -211,9 +212,9 @@ def _run_interpreted_cases():
     rows = mask_rows(mask, batch, t_len, heads, t_len, r)
     beta_rows = block_rows(jnp.swapaxes(beta, 1, 2), r)
     # two chunks in one program: the second one's loads in flight while the first is inverted
-    t0 = chunk_inverse(
-      k, beta_rows, rows, chunks_per_program=2, interpret=plgpu.InterpretGPUParams()
-    )
+    t0 = jax.jit(
+      functools.partial(chunk_inverse, chunks_per_program=2, interpret=plgpu.InterpretGPUParams())
+    )(k, beta_rows, rows)
     got = np.asarray(t0.astype(F32))
     mask_np = np.ones((r, r)) if mask is None else np.asarray(mask)
     want = _t0_reference(k.astype(F32), beta, mask_np, r)
@@ -226,18 +227,9 @@ def _run_interpreted_cases():
     q, k, v, g, beta, mask, h0 = _inputs(7 + r, 1, t_len, 2, 64, 64, r, mask_kind, jnp.dtype(dtype))
     h0 = h0 if state else None
     params = plgpu.InterpretGPUParams(detect_races=True)
-    o, final = forward(
-      q,
-      k,
-      v,
-      g,
-      beta,
-      mask,
-      scale=0.3,
-      initial_state=h0,
-      output_final_state=state,
-      interpret=params,
-    )
+    # jitted: one program instead of one per eager operation around the kernels
+    run = functools.partial(forward, scale=0.3, output_final_state=state, interpret=params)
+    o, final = jax.jit(run)(q, k, v, g, beta, mask, initial_state=h0)
     want_o, want_final = _xla(q, k, v, g, beta, mask, h0, scale=0.3)
     row = dict(
       o=_rel_rms(o.astype(F32), want_o), shape_ok=o.shape == v.shape and o.dtype == q.dtype
@@ -269,11 +261,11 @@ def _householder_case(n_h, t_len):
   _, k, v, _, beta, _, _ = _inputs(40 + n_h, batch, t_len * n_h, heads, dim, dim, 1, "none")
   beta = (1.5 * beta).astype(jnp.bfloat16)  # beyond 1: the products of (I - beta k k^T) count
   params = plgpu.InterpretGPUParams(detect_races=True)
-  o, final = householder_forward(
-    q, k, v, g, beta, scale=0.3, initial_state=h0, output_final_state=True, interpret=params
-  )
+  run = functools.partial(householder_forward, scale=0.3, output_final_state=True, interpret=params)
+  o, final = jax.jit(run)(q, k, v, g, beta, initial_state=h0)
   races = bool(get_races().races_found)
 
+  @jax.jit
   def recurrence(k, v, beta):
     up = functools.partial(jnp.asarray, dtype=F32)
     return gdp_jax.householder_delta_product(

@@ -129,7 +129,9 @@ def test_lowers_for_cuda_at_benchmark_shape(monkeypatch, r, dim):
     return jax.value_and_grad(loss, range(len(args)))(*args)
 
   mask = spec((heads, r, r), F32)
-  for function in (run, value_and_grad):
+  # the forward alone at one shape (the forward kernels at every r: test_mosaic_gpu.py's
+  # lowering tests); the training step at each
+  for function in (run, value_and_grad) if (r, dim) == (2, 128) else (value_and_grad,):
     lowered = jax.jit(function).trace(act, act, act, gate, gate, mask)
     lines = lowered.lower(lowering_platforms=("cuda",)).as_text().splitlines()
     mosaic = [line for line in lines if "custom_call" in line and "mosaic_gpu" in line]
@@ -193,12 +195,14 @@ def test_triton_inverse_is_the_triton_kernels_residual(r):
   beta_hm = jnp.moveaxis(beta, 1, 2)
   rows = mosaic_forward.mask_rows(mask, batch, t_len, heads, t_len, r)
   beta_rows = mosaic_forward.block_rows(beta_hm, r)
-  t0 = chunk_inverse(k, beta_rows, rows, interpret=plgpu.InterpretGPUParams())
+  # each kernel call jitted: one program instead of one per eager operation around it
+  inverse = functools.partial(chunk_inverse, interpret=plgpu.InterpretGPUParams())
+  t0 = jax.jit(inverse)(k, beta_rows, rows)
   mask5 = jnp.broadcast_to(mask[None, None], (1, 1, heads, r, r))
   g_hm = jnp.moveaxis(g, 1, 2)
-  gamma, _, _, ai = chunk_fwd.chunk_fwd(
-    k, v, g_hm, beta_hm, mask5, key_blocks=r, chunk=64 // r, save_ai=True
-  )
+  fwd = functools.partial(chunk_fwd.chunk_fwd, key_blocks=r, chunk=64 // r, save_ai=True)
+  gamma, _, _, ai = jax.jit(fwd)(k, v, g_hm, beta_hm, mask5)
+  to_triton = jax.jit(functools.partial(triton_inverse, r=r))
   eye = np.eye(64, dtype=np.float32)  # compared off the unit diagonal, which would dominate
 
   def rel(a):
@@ -207,12 +211,12 @@ def test_triton_inverse_is_the_triton_kernels_residual(r):
     return float(np.sqrt(np.mean((a - w) ** 2) / np.mean(w**2)))
 
   want = np.asarray(ai, np.float32)
-  assert triton_inverse(t0, gamma, r).shape == want.shape
-  assert rel(triton_inverse(t0, gamma, r)) < 1e-2  # both in bf16
+  assert to_triton(t0, gamma).shape == want.shape
+  assert rel(to_triton(t0, gamma)) < 1e-2  # both in bf16
   # the transposed inverse scores far worse: the comparison can fail
   t0_chunks = t0.reshape(t0.shape[:2] + (-1, 64, 64))
   transposed = jnp.swapaxes(t0_chunks, -1, -2).reshape(t0.shape)
-  assert rel(triton_inverse(transposed, gamma, r)) > 0.3
+  assert rel(to_triton(transposed, gamma)) > 0.3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,9 +258,9 @@ def _run_interpreted():
   out = {}
   grads = {}
   for impl in ("mosaic_gpu", "xla"):
-    (_, (o, final)), d = jax.value_and_grad(lambda *a: loss(impl, *a), range(7), has_aux=True)(
-      *x.values()
-    )
+    # jitted: one program instead of one per eager operation
+    value_and_grad = jax.value_and_grad(functools.partial(loss, impl), range(7), has_aux=True)
+    (_, (o, final)), d = jax.jit(value_and_grad)(*x.values())
     grads[impl] = dict(zip(names, d))
     out[impl] = (o, final)
   (o, final), (o_ref, final_ref) = out["mosaic_gpu"], out["xla"]
@@ -279,7 +283,7 @@ def _run_interpreted():
   row["o_before_bad"] = _rel_rms(o_bad[:, :9], o_ref.astype(F32)[:, :9])
   # what a wrong mask orientation scores: the comparison can fail
   wrong = dict(x, mask=jnp.swapaxes(x["mask"], -1, -2))
-  o_wrong = loss("xla", *wrong.values())[1][0]
+  o_wrong = jax.jit(lambda *a: loss("xla", *a)[1][0])(*wrong.values())
   row["o_wrong"] = _rel_rms(o.astype(F32), o_wrong.astype(F32))
   row.update(_packed_interpreted())
   row["reverse_walks_with_packed"] = len(walks)

@@ -31,91 +31,67 @@ from tests.cases import (
 F32 = tol(jnp.float32)
 
 
-@pytest.mark.parametrize(
-  "r,mask_kind,chunk", [(1, None, 32), (2, "head", 16), (4, "token", 16), (2, "shared", 32)]
-)
-def test_backward_stages_match_xla(r, mask_kind, chunk):
-  s = stage_inputs(r, mask_kind, chunk)
-  q, k, v, beta, mask, gcum = s["q"], s["k"], s["v"], s["beta_hm"], s["mask"], s["gcum"]
-  B, T, H, K = q.shape
-  V = v.shape[-1]
-  rng = np.random.default_rng(1)
-  do = jnp.asarray(rng.standard_normal((B, T, H, V)), jnp.float32)
-  dfinal = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _backward_stages(r, chunk, q, k, v, beta, mask, gcum, h0, do, dfinal):
+  """{stage output: (kernel's, jnp form's)} of the four backward stages, in one program (one
+  compile instead of one per eager operation of the jnp stages and around the kernels)."""
   ai = xla.solve_tril(xla.chunk_kkt(k, beta, mask, gcum, chunk), chunk * r)
   w, u = xla.recompute_w_u(k, v, beta, mask, gcum, ai, chunk)
-  h, v_new, _ = xla.chunk_state(k, w, u, gcum, s["initial_state"], chunk, chunk)
+  h, v_new, _ = xla.chunk_state(k, w, u, gcum, h0, chunk, chunk)
+  pairs = {}
 
   dvl = xb.chunk_bwd_dv_local(q, k, gcum, do, 0.3, chunk, r)
-  assert_close(
+  pairs["dv_local"] = (
     bwd_dv_local.chunk_bwd_dv_local(q, k, gcum, do, scale=0.3, chunk=chunk, key_blocks=r),
     dvl,
-    F32,
-    "dv_local",
   )
 
   dh, dh0, dvn = xb.chunk_bwd_dhu(q, k, w, gcum, do, dvl, dfinal, 0.3, chunk)
-  for got, ref, name in zip(
-    bwd_dhu.chunk_bwd_dhu(
-      q,
-      k,
-      w,
-      gcum,
-      do,
-      dvl,
-      dfinal,
-      scale=0.3,
-      chunk=chunk,
-      key_blocks=r,
-      launch=Launch(block_v=16),
-    ),
-    (dh, dh0, dvn),
-    ("dh", "dh0", "dv_new"),
-  ):
-    assert_close(got, ref, F32, name)
+  got2 = bwd_dhu.chunk_bwd_dhu(
+    q, k, w, gcum, do, dvl, dfinal, scale=0.3, chunk=chunk, key_blocks=r,
+    launch=Launch(block_v=16),
+  )  # fmt: skip
+  pairs.update(zip(("dh", "dh0", "dv_new"), zip(got2, (dh, dh0, dvn))))
 
   ref3 = xb.chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dvn, 0.3, chunk)
   # key columns in blocks of 16 and V in pieces of 16: several programs per key block (their
   # dgamma parts summed) and several loop steps
   got3 = bwd_dqkwg.chunk_bwd_dqkwg(
-    q,
-    k,
-    v_new,
-    gcum,
-    h,
-    dh,
-    do,
-    dvn,
-    scale=0.3,
-    chunk=chunk,
-    key_blocks=r,
+    q, k, v_new, gcum, h, dh, do, dvn, scale=0.3, chunk=chunk, key_blocks=r,
     launch=Launch(block_v=16, block_k=16),
-  )
-  for got, ref, name in zip(got3, ref3, ("dq", "dk", "dw", "dgamma")):
-    assert_close(got, ref, F32, name)
+  )  # fmt: skip
+  pairs.update(zip(("dq", "dk (dqkwg)", "dw", "dgamma (dqkwg)"), zip(got3, ref3)))
 
   dw = ref3[2]
   ref4 = xb.wy_bwd(k, v, beta, mask, gcum, ai, dw, dvn, chunk)
   # K and V in pieces of 16: several pieces per key block (r <= 2) and per V
   got4 = list(
     bwd_wy.wy_bwd(
-      k,
-      v,
-      beta,
-      mask,
-      gcum,
-      ai,
-      dw,
-      dvn,
-      chunk=chunk,
-      key_blocks=r,
+      k, v, beta, mask, gcum, ai, dw, dvn, chunk=chunk, key_blocks=r,
       launch=Launch(block_v=16, block_k=16),
       dk_in=ref3[1],  # bwd_dqkwg's part of dk, added in the kernel (as the operator does)
     )
-  )
+  )  # fmt: skip
   got4[3] = xb.reduce_dmask(got4[3], mask.shape)
   ref4 = (ref4[0] + ref3[1], *ref4[1:])
-  for got, ref, name in zip(got4, ref4, ("dk", "dv", "dbeta", "dmask", "dgamma")):
+  pairs.update(zip(("dk", "dv", "dbeta", "dmask", "dgamma"), zip(got4, ref4)))
+  return pairs
+
+
+@pytest.mark.parametrize(
+  "r,mask_kind,chunk", [(1, None, 32), (2, "head", 16), (4, "token", 16), (2, "shared", 32)]
+)
+def test_backward_stages_match_xla(r, mask_kind, chunk):
+  s = stage_inputs(r, mask_kind, chunk)
+  B, T, H, K = s["q"].shape
+  V = s["v"].shape[-1]
+  rng = np.random.default_rng(1)
+  do = jnp.asarray(rng.standard_normal((B, T, H, V)), jnp.float32)
+  dfinal = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
+  arrays = (s["q"], s["k"], s["v"], s["beta_hm"], s["mask"], s["gcum"], s["initial_state"])
+  pairs = _backward_stages(r, chunk, *arrays, do, dfinal)
+  assert len(pairs) == 13, sorted(pairs)
+  for name, (got, ref) in pairs.items():
     # dmask sums per-token terms over whatever the mask broadcasts: a longer float32 sum
     assert_close(got, ref, GRAD_TOLERANCE[jnp.float32] if name == "dmask" else F32, name)
 

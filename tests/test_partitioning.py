@@ -3,10 +3,10 @@
 batch rows and heads, with no gather, and the operator runs context parallel on a split sequence.
 
 jax fixes its device count when it starts, so the cases of `tests/partitioning_checks.py` run in
-a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8: inputs sharded over the
-batch, the heads, batch x heads, batch x grouped value heads, the sequence, batch x grouped
-heads x sequence and, with T not a multiple of the chunk, the batch and batch x sequence (and
-the Householder form on batch x heads x sequence); forward, final state
+a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8: inputs sharded over
+batch x grouped value heads, the sequence, batch x grouped heads x sequence and, with T not a
+multiple of the chunk, batch x heads and batch x sequence (and the Householder form on batch x
+heads x sequence); forward, final state
 and every gradient against one device, the outputs' and gradients' shardings, and the compiled
 program's collectives (none that move data; with the sequence split only the all-gathers of
 the small per-piece states); the one-token step, GQA decode and paged GQA decode likewise

@@ -1,15 +1,15 @@
 """Several devices (gdp_jax.sharding): the sharded operator, step, layer and a hybrid model
 training step against one device, on 8 simulated CPU devices.
 
-jax fixes its device count when it starts, so each test runs groups of `tests/sharding_checks.py`
-in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8: two subprocesses (two
-tests, so `pytest -n 2` spreads them), each paying jax's start once for several groups. What each
-group checks is in that file; in short: forward, final state and every gradient equal one device
-for r = 1, 2, 4, masks [r, r], [H, r, r], [B, T, H, r, r], with and without an initial state,
+jax fixes its device count when it starts, so the test runs the groups of
+`tests/sharding_checks.py` in one subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8, paying jax's start once. What each group
+checks is in that file; in short: forward, final state and every gradient equal one device for
+r = 1, 2, 4, masks [r, r], [H, r, r], [B, T, H, r, r], with and without an initial state,
 batch / head parallel and the sequence split into 2, 4 and 8 pieces; the compiled programs move
 no q, k or v between devices; one case on the Pallas kernels (interpreted); the one-token step;
 the Flax layer with the sequence split; a training step of the hybrid model on a 2 x 4 (data x
-model) mesh; `python -m gdp_jax bench --devices 4`.
+model) mesh; `python -m gdp_jax bench --devices 4` (forward).
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def run_groups(groups):
   return proc, results
 
 
-# Every group of sharding_checks.GROUPS, in two processes of about equal length.
-PROCESSES = [("operator_a", "operator_b", "step", "api"), ("pallas", "model", "bench")]
+# Every group of sharding_checks.GROUPS, in one process (about a minute on two cores: a second
+# process would pay jax's start and the groups' shared compiles again).
+PROCESSES = [("operator_a", "operator_b", "step", "api", "pallas", "model", "bench")]
 
 
 def test_every_group_runs():
