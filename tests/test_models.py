@@ -4,6 +4,8 @@ errors, and the demo command with tiny settings."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,8 +36,9 @@ def tiny(**kw):
     chunk_size=16,
     implementation="xla",
   )
+  seed = kw.pop("rngs_seed", 0)
   args.update(kw)
-  return HybridLM(HybridConfig(**args), rngs=nnx.Rngs(0))
+  return HybridLM(HybridConfig(**args), rngs=nnx.Rngs(seed))
 
 
 def tokens_of(seed, B=2, T=7):
@@ -138,6 +141,23 @@ def test_gradients_reach_every_parameter():
   for path, g in leaves:
     assert np.all(np.isfinite(g)), jax.tree_util.keystr(path)
     assert np.any(np.asarray(g) != 0), f"zero gradient for {jax.tree_util.keystr(path)}"
+
+
+def test_models_of_one_configuration_share_their_compiled_step():
+  # the layers keep their operator in the graph definition's static part (`ValuePartial`, equal
+  # by value): a second model of the same configuration traces and compiles nothing new
+  traces = []
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def logits(graphdef, state, tokens):
+    traces.append(1)
+    return nnx.merge(graphdef, state)(tokens)
+
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  for seed in (0, 1):
+    graphdef, state = nnx.split(tiny(layer_pattern="DHA", rngs_seed=seed))
+    logits(graphdef, state, tokens)
+  assert len(traces) == 1
 
 
 def test_training_step_lowers_loss():

@@ -587,18 +587,6 @@ def _train_step(graphdef, static, schedule, params, opt_state, inputs, targets, 
   return optax.apply_updates(params, updates), opt_state, loss, norm(grads)
 
 
-# One graph definition per model configuration and process: the jitted steps take it static, and
-# the graph definitions of two models of one configuration compare unequal (their layers hold the
-# operator as a `functools.partial`, which compares by identity), so each new model of a
-# configuration already trained would trace and compile the steps again.
-_GRAPHDEFS: dict[Any, Any] = {}
-
-
-def shared_graphdef(model_config, graphdef):
-  """The graph definition first seen for `model_config` in this process (`graphdef` if none)."""
-  return _GRAPHDEFS.setdefault(model_config, graphdef)
-
-
 @functools.cache
 def compiled_steps(donate: bool):
   """(train_step, eval_sums) jitted with graphdef and the hyperparameters static."""
@@ -798,7 +786,6 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
   mc = model_config(cfg)
   model = HybridLM(mc, rngs=nnx.Rngs(cfg.seed))
   graphdef, params = nnx.split(model)
-  graphdef = shared_graphdef(mc, graphdef)
   del model
   donate = jax.default_backend() != "cpu"
   train_step, eval_sums = compiled_steps(donate)

@@ -3,6 +3,8 @@ the Linear projection and the gated RMSNorm."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,30 @@ MASK_MODES = ("static", "token", "ones")  # of the block-masked GatedDeltaProduc
 KEY_NORMS = ("block", "full")
 ATTENTION_IMPLS = ("xla", "flash")
 f32 = jnp.float32
+
+
+class ValuePartial(functools.partial):
+  """`functools.partial` that compares by value (its function and arguments) where they are
+  hashable: a layer keeps its operator in the static part of its graph definition, so that two
+  layers (models) of one configuration have equal graph definitions and a jitted step traces
+  and compiles once for both, not once per model."""
+
+  def _key(self):
+    return (self.func, self.args, tuple(sorted(self.keywords.items())))
+
+  def __eq__(self, other):
+    if not isinstance(other, ValuePartial):
+      return NotImplemented
+    try:
+      return hash(self) == hash(other) and self._key() == other._key()
+    except TypeError:  # an unhashable argument: identity, as a plain partial
+      return self is other
+
+  def __hash__(self):
+    try:
+      return hash(self._key())
+    except TypeError:
+      return id(self)
 
 
 def l2norm(x, axis=-1, eps=1e-6):

@@ -4,7 +4,6 @@ cache) is delta_mixer.py's, shared with `HouseholderDeltaProduct`."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -17,6 +16,7 @@ from gdp_jax.layers.common import (
   KEY_NORMS,
   MASK_MODES,
   Linear,
+  ValuePartial,
   _check_choice,
   _check_positive_int,
   f32,
@@ -198,14 +198,12 @@ class GatedDeltaProduct(DeltaMixer):
         )
     sequence, step = gated_delta_product, gated_delta_product_step
     if sharding is not None:
-      sequence = functools.partial(sharded_gated_delta_product, sharding=sharding)
-      step = functools.partial(sharded_gated_delta_product_step, sharding=sharding)
+      sequence = ValuePartial(sharded_gated_delta_product, sharding=sharding)
+      step = ValuePartial(sharded_gated_delta_product_step, sharding=sharding)
     if operator_fn is None:
-      operator_fn = functools.partial(
-        sequence, chunk_size=chunk_size, implementation=implementation
-      )
+      operator_fn = ValuePartial(sequence, chunk_size=chunk_size, implementation=implementation)
     if step_fn is None:
-      step_fn = functools.partial(step, implementation=step_implementation(implementation))
+      step_fn = ValuePartial(step, implementation=step_implementation(implementation))
     self.num_blocks, self.mask_mode, self.key_norm = num_blocks, mask_mode, key_norm
     self.beta_norm = beta_norm
     super().__init__(

@@ -4,12 +4,10 @@ delta_mixer.py's, shared with the block-masked `GatedDeltaProduct`."""
 
 from __future__ import annotations
 
-import functools
-
 from flax import nnx
 from jax.typing import DTypeLike
 
-from gdp_jax.layers.common import _check_positive_int, f32, l2norm
+from gdp_jax.layers.common import ValuePartial, _check_positive_int, f32, l2norm
 from gdp_jax.layers.delta_mixer import (
   DeltaMixer,
   OperatorFn,
@@ -89,11 +87,11 @@ class HouseholderDeltaProduct(DeltaMixer):
     _check_positive_int("num_householder", num_householder)
     check_operator_config(chunk_size, implementation)
     if operator_fn is None:
-      operator_fn = functools.partial(
+      operator_fn = ValuePartial(
         householder_delta_product, chunk_size=chunk_size, implementation=implementation
       )
     if step_fn is None:
-      step_fn = functools.partial(
+      step_fn = ValuePartial(
         householder_delta_product_step, implementation=step_implementation(implementation)
       )
     self.num_householder = num_householder
