@@ -29,6 +29,14 @@ def block_indicator(r, dim_k):
   return (col_block == jax.lax.broadcasted_iota(jnp.int32, (r, dim_k), 0)).astype(f32)
 
 
+def key_block_columns(x, a, r):
+  """x [BT, K] with only key block a's columns kept (the others 0); `a` may be traced (the
+  kernels' key-block loop form, pallas_kernels/common/options.py)."""
+  dim_k = x.shape[-1]
+  col_block = jax.lax.broadcasted_iota(jnp.int32, (1, dim_k), 1) // (dim_k // r)
+  return jnp.where(col_block == a, x, jnp.zeros_like(x))
+
+
 def expanded_mask(mask_ref, r, dim_k, tokens=slice(None)):
   """Mexp[x, a, c] = M_x[a, block(c)] from a mask tile [X, r, r] (X = 1 or BT): [X, r, K].
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import backend, options, packed, specs
+from pallas_kernels.common import backend, options, packed, rows, specs
 
 
 def _dhu_kernel(
@@ -90,10 +90,8 @@ def _dhu_loop(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref, dh_ref, d
               dh0_ref, *, r, chunk, num_chunks, scale, dot, table_ref):  # fmt: skip
   """The kernel's loop form (`options.key_block_loop`): dS one [K, BV] tile, the row blocks a in a
   loop; block a's dv_new reads `(k ⊙ [block a's columns]) dS`."""
-  dim_k = k_ref.shape[-1]
   dtype = k_ref.dtype
   last = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
-  block = jax.lax.broadcasted_iota(jnp.int32, (1, dim_k), 1) // (dim_k // r)
 
   def step(c, ds):
     tok = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
@@ -106,8 +104,7 @@ def _dhu_loop(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref, dh_ref, d
     nxt = jnp.exp(g_last) * ds + dot(qd, do_ref[tok, :].astype(dtype), trans_a=True)
 
     def row_block(a, nxt):
-      kd_a = jnp.where(block == a, kd, jnp.zeros_like(kd))
-      dvn = (dvl_ref[tok, a, :] + dot(kd_a, ds_op)).astype(dtype)
+      dvn = (dvl_ref[tok, a, :] + dot(rows.key_block_columns(kd, a, r), ds_op)).astype(dtype)
       dv_new_ref[tok, a, :] = dvn
       return nxt - dot(w_ref[tok, a, :], dvn, trans_a=True)
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import backend, options, packed, specs
+from pallas_kernels.common import backend, options, packed, rows, specs
 
 
 def _chunk_h_kernel(
@@ -86,10 +86,8 @@ def _chunk_h_loop(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_re
                   num_chunks, dot, table_ref):  # fmt: skip
   """The kernel's loop form (`options.key_block_loop`): S one [K, BV] tile, the row blocks a in a
   loop; block a's update is `(k ⊙ [block a's columns])^T v_new[(., a)]`."""
-  dim_k = k_ref.shape[-1]
   dtype = k_ref.dtype
   last = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
-  block = jax.lax.broadcasted_iota(jnp.int32, (1, dim_k), 1) // (dim_k // r)
 
   def body(c, state):
     tok = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
@@ -102,8 +100,7 @@ def _chunk_h_loop(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_re
     def row_block(a, update):
       vn = (u_ref[tok, a, :].astype(jnp.float32) - dot(w_ref[tok, a, :], s_op)).astype(dtype)
       v_new_ref[tok, a, :] = vn.astype(v_new_ref.dtype)
-      k_a = jnp.where(block == a, k_dec, jnp.zeros_like(k_dec))
-      return update + dot(k_a, vn, trans_a=True)
+      return update + dot(rows.key_block_columns(k_dec, a, r), vn, trans_a=True)
 
     update = jax.lax.fori_loop(0, r, row_block, jnp.zeros_like(state))
     return jnp.exp(g_last) * state + update

@@ -129,11 +129,9 @@ def _loop_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *s
   """The kernel's loop form (`options.key_block_loop`): S one [K, BV] tile, the row blocks a in a
   loop; block a's scores are `(q ⊙ [block a's columns]) k^T` and its update
   `(k ⊙ [block a's columns])^T v_new[(., a)]`."""
-  dim_k = k_ref.shape[-1]
   dtype = k_ref.dtype
   tok = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
   last = tok == chunk - 1
-  block = jax.lax.broadcasted_iota(jnp.int32, (1, dim_k), 1) // (dim_k // r)
   t_len = q_ref.shape[0]
   span = packed.sequence_span(table_ref, pl.program_id(1)) if in_place else None
 
@@ -159,9 +157,8 @@ def _loop_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *s
       vn = (u_ref[tt, a, :].astype(f32) - dot(w_ref[tt, a, :], s_op)).astype(dtype)
       if state_refs:
         state_refs[1][tt, a, :] = vn.astype(state_refs[1].dtype)
-      q_a = jnp.where(block == a, q, jnp.zeros_like(q))
-      p = dot(q_a, k, trans_b=True) * decay
-      k_a = jnp.where(block == a, k_dec, jnp.zeros_like(k_dec))
+      p = dot(rows.key_block_columns(q, a, r), k, trans_b=True) * decay
+      k_a = rows.key_block_columns(k_dec, a, r)
       return o + dot(p.astype(dtype), vn), update + dot(k_a, vn, trans_a=True)
 
     o, update = jax.lax.fori_loop(0, r, row_block, (o, jnp.zeros_like(state)))
