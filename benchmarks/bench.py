@@ -613,12 +613,30 @@ def add_arguments(p, out_required=False):
   p.add_argument(
     "--tiny", action="store_true", help=f"a smoke run: shape {TINY_SHAPE}, reps 2, inner 1"
   )
+  p.add_argument(
+    "--key-block-form",
+    choices=("auto", "blocks", "loop"),
+    default="auto",
+    help="the Triton kernels' key-block form at every r: auto (as shipped: loops from r = 8, "
+    "chunk_fwd from 128 rows), blocks (unrolled) or loop (docs/kernels.md#chunk_h)",
+  )
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   p.add_argument(
     "--progress",
     action="store_true",
     help="draw the progress bar even when stderr is not a terminal",
   )
+
+
+def set_key_block_form(form: str) -> None:
+  """Where the Triton kernels switch to their loop forms: as shipped ("auto"), never ("blocks")
+  or from one key block / row block on ("loop"); read when a kernel is built."""
+  from pallas_kernels.common import options
+  from pallas_kernels.triton.forward import chunk_fwd
+
+  if form != "auto":
+    options.LOOP_KEY_BLOCKS = 1 if form == "loop" else 1 << 30
+    chunk_fwd.LOOP_ROWS = 0 if form == "loop" else 1 << 30
 
 
 def run(args) -> int:
@@ -638,6 +656,7 @@ def run(args) -> int:
     args.inner = 5 if backend == "gpu" else 1
   if args.tiny:
     args.shape, args.reps, args.inner = [TINY_SHAPE], 2, 1
+  set_key_block_form(args.key_block_form)
   shapes = parse_shapes(args.shape or [GPU_SHAPE if backend == "gpu" else CPU_SHAPE])
   rs = [int(x) for x in str(args.rs).split(",") if x.strip()]
   dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
@@ -672,6 +691,7 @@ def run(args) -> int:
     jax_version=jax.__version__,
     gdp_jax_version=gdp_jax.__version__,
     interpret_mode=kernel_backend.interpret_mode(),
+    key_block_form=args.key_block_form,
     reps=args.reps,
     inner=args.inner,
     shapes=[dict(zip("BTHKV", s)) for s in shapes],

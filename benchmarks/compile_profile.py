@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -129,16 +130,19 @@ def _profile(fn, args):
   )
 
 
-# generate's variants per entry: (compiler_options of models.generate, chunk_fwd.LOOP_ROWS or None
-# to keep it). As shipped (the decode loop without XLA's GEMM autotuner); XLA's defaults for both
-# programs; the autotuner off for both; as shipped with the Triton chunk_fwd's row-block loop from
-# 64 rows (r = 2 here: its unrolled form is a 6,700-line Triton module).
+# generate's variants per entry: (its prefill mode, compiler_options of models.generate,
+# chunk_fwd.LOOP_ROWS or None to keep it). As shipped ("auto": the profile's prompts, padded to 64
+# tokens, read by the decode step in the decode loop's program); the chunked prefill (two
+# programs) as shipped, with XLA's defaults for both programs, with the autotuner off for both,
+# and with the Triton chunk_fwd's row-block loop from 64 rows (r = 2 here: its unrolled form is a
+# 6,700-line Triton module).
 NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
 GENERATE_OPTIONS = {
-  "generate": (None, None),
-  "generate-xla-default": (({}, {}), None),
-  "generate-no-autotune": ((NO_AUTOTUNE, NO_AUTOTUNE), None),
-  "generate-loop-forward": (None, 64),
+  "generate": ("auto", None, None),
+  "generate-chunked": ("chunked", None, None),
+  "generate-xla-default": ("chunked", ({}, {}), None),
+  "generate-no-autotune": ("chunked", (NO_AUTOTUNE, NO_AUTOTUNE), None),
+  "generate-loop-forward": ("chunked", None, 64),
 }
 
 
@@ -205,7 +209,7 @@ def _generate_case(impl, entry="generate"):
   )  # fmt: skip
   model = models.HybridLM(config, rngs=nnx.Rngs(0))
   prompts = [[(7 * b + i) % 256 for i in range(16 + 5 * b)] for b in range(8)]
-  options, loop_rows = GENERATE_OPTIONS[entry]
+  prefill, options, loop_rows = GENERATE_OPTIONS[entry]
   if loop_rows is not None:
     from pallas_kernels.triton.forward import chunk_fwd
 
@@ -215,24 +219,28 @@ def _generate_case(impl, entry="generate"):
     lambda name, secs, fun_name=None, **_: events.append((name, secs, fun_name))
   )
   t0 = time.perf_counter()
-  jax.block_until_ready(models.generate(model, prompts, 64, compiler_options=options))
+  run = functools.partial(models.generate, compiler_options=options, prefill=prefill)
+  jax.block_until_ready(run(model, prompts, 64))
   t1 = time.perf_counter()
   first_events = list(events)
-  jax.block_until_ready(models.generate(model, prompts, 64, compiler_options=options))
+  jax.block_until_ready(run(model, prompts, 64))
   t2 = time.perf_counter()
   second_compiles = [n for n, _, _ in events[len(first_events) :] if n in STAGE_EVENTS]
+  # the prefill by steps is one program, "_prompt_decode_program": named decode
   programs = _split_by_program(first_events, ("prefill", "decode"))
   # What each program holds (a second lowering and compile, outside the timings above).
-  call = models.generate_call(model, prompts, 64, compiler_options=options)
-  first, cache, key = call.prefill(**call.prefill_args)
-  graphdef, state = call.prefill_args["graphdef"], call.prefill_args["state"]
-  for record, (fn, args, kwargs) in zip(
-    [p for p in programs if p["program"] in ("prefill", "decode")],
-    (
+  call = models.generate_call(model, prompts, 64, compiler_options=options, prefill=prefill)
+  if call.prefill is None:
+    calls = [(call.decode, (), call.decode_args)]
+  else:
+    first, cache, key = call.prefill(**call.prefill_args)
+    graphdef, state = call.prefill_args["graphdef"], call.prefill_args["state"]
+    calls = [
       (call.prefill, (), call.prefill_args),
       (call.decode, (graphdef, state, first, cache, key), call.decode_args),
-    ),
-  ):
+    ]
+  named = [p for p in programs if p["program"] in ("prefill", "decode")]
+  for record, (fn, args, kwargs) in zip(named, calls):
     traced = fn.trace(*args, **kwargs)
     lowered = traced.lower()
     record.update(
@@ -240,6 +248,7 @@ def _generate_case(impl, entry="generate"):
       **_hlo_counts(lowered, lowered.compile()),
     )
   return dict(
+    prefill=prefill,
     options=None if options is None else [dict(o) for o in options],
     chunk_fwd_loop_rows=loop_rows,
     first_call_s=round(t1 - t0, 3),

@@ -6,10 +6,11 @@ attention layers) and `generate` for a batch of prompts of different lengths.
     logits = model(tokens)                                 # [B, T, vocab] float32
     new_tokens = generate(model, [[1, 2, 3], [4, 5]], 8)   # [B, 8] int32, greedy
 
-Prefill runs the whole (right-padded) prompts through the chunked operator and causal attention;
-the decode loop is one `jax.jit`-ed `fori_loop` of `HybridLM.step` with the per-sequence lengths
-and the step count traced, so prompts of new lengths and other numbers of new tokens reuse the
-compiled prefill and loop (shapes are rounded up to multiples of `pad_to`).
+Prefill runs the whole (right-padded) prompts through the chunked operator and causal attention
+(short prompts: through the decode step, in the decode loop's program); the decode loop is one
+`jax.jit`-ed `fori_loop` of `HybridLM.step` with the per-sequence lengths and the step count
+traced, so prompts of new lengths and other numbers of new tokens reuse the compiled programs
+(shapes are rounded up to multiples of `pad_to`).
 `generate(..., page_size=16)` keeps the attention layers' decode cache in pages
 (`PagedKVCache`, `paged_gqa_decode`; docs/inference.md#paged-kv-cache).
 """
@@ -521,6 +522,12 @@ def _pick(logits, key, temperature):
 # cache's key.
 PREFILL_COMPILER_OPTIONS: dict[str, Any] = {}
 DECODE_COMPILER_OPTIONS: dict[str, Any] = {"xla_gpu_autotune_level": 0}
+# prefill="auto": prompts padded to at most this many tokens are read by the decode step in the
+# decode loop (one program, no chunked kernels to compile: seconds less on a first call, at most
+# this many more sequential steps per call); longer ones by the chunked operator
+# (docs/performance.md#compile-time).
+STEP_PREFILL_TOKENS = 64
+PREFILL_MODES = ("auto", "chunked", "steps")
 
 
 def _prefill_program(graphdef, state, tokens, lengths, key, cache_size, temperature, page_size):
@@ -553,6 +560,48 @@ def _decode_program(graphdef, state, first, cache, key, steps, capacity, tempera
   return out
 
 
+def _prompt_decode_program(
+  graphdef, state, tokens, lengths, key, new_tokens, capacity, cache_size, temperature, page_size
+):
+  """`generate` with prefill="steps": the prompts read by the decode step itself, in the loop
+  that then generates (one program, no chunked kernels: docs/performance.md#compile-time). Every
+  sequence advances one token per iteration: sequence b is fed its prompt while i < lengths[b],
+  then its own samples; the token sampled at iteration i is its new token j = i - lengths[b] + 1.
+  max(lengths) + new_tokens - 1 iterations (traced); a short prompt's sequence generates a few
+  tokens past `new_tokens`, unused (the cache holds t_pad + capacity positions). Returns int32
+  [B, capacity]; step j of sequence b samples with `fold_in(fold_in(key, b), j)`."""
+  model = nnx.merge(graphdef, state)
+  batch, width = tokens.shape
+  cache = model.init_cache(batch, cache_size)
+  if page_size is not None:
+    cache = tuple(to_paged(c, page_size) if isinstance(c, KVCache) else c for c in cache)
+  rows = jnp.arange(batch)
+
+  def pick(logits, j):
+    if temperature == 0.0:
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    keys = jax.vmap(lambda b, jb: jax.random.fold_in(jax.random.fold_in(key, b), jb))(rows, j)
+    draw = jax.vmap(lambda k, lg: jax.random.categorical(k, lg / temperature))
+    return draw(keys, logits).astype(jnp.int32)
+
+  def body(i, carry):
+    prev, cache, out = carry
+    token = jnp.where(i < lengths, tokens[:, jnp.minimum(i, width - 1)], prev)
+    logits, cache = model.step(token, cache)
+    j = i - lengths + 1
+    nxt = pick(logits, j)
+    col = jnp.clip(j, 0, capacity - 1)
+    keep = (j >= 0) & (j < capacity)
+    out = out.at[rows, col].set(jnp.where(keep, nxt, out[rows, col]))
+    return nxt, cache, out
+
+  out = jnp.zeros((batch, capacity), jnp.int32)
+  first = jnp.zeros((batch,), jnp.int32)
+  steps = jnp.max(lengths) + new_tokens - 1
+  _, _, out = jax.lax.fori_loop(0, steps, body, (first, cache, out))
+  return out
+
+
 @functools.cache
 def _jitted_prefill(options: tuple) -> Any:
   return jax.jit(
@@ -567,6 +616,15 @@ def _jitted_decode(options: tuple) -> Any:
   return jax.jit(
     _decode_program,
     static_argnames=("graphdef", "capacity", "temperature"),
+    compiler_options=dict(options) or None,
+  )
+
+
+@functools.cache
+def _jitted_prompt_decode(options: tuple) -> Any:
+  return jax.jit(
+    _prompt_decode_program,
+    static_argnames=("graphdef", "capacity", "cache_size", "temperature", "page_size"),
     compiler_options=dict(options) or None,
   )
 
@@ -589,8 +647,10 @@ _prefill, _decode = generate_programs(
 
 
 class GenerateCall(NamedTuple):
-  """`generate`'s two programs and their arguments (`generate_call`): prefill(**prefill_args)
-  -> (first, cache, key); decode(graphdef, state, first, cache, key, **decode_args)."""
+  """`generate`'s programs and their arguments (`generate_call`). Chunked prefill:
+  prefill(**prefill_args) -> (first, cache, key), then decode(graphdef, state, first, cache,
+  key, **decode_args). Prefill by steps: prefill is None and decode(**decode_args) is the one
+  program."""
 
   prefill: Any
   decode: Any
@@ -599,6 +659,8 @@ class GenerateCall(NamedTuple):
   max_new_tokens: int
 
   def run(self) -> jax.Array:
+    if self.prefill is None:
+      return self.decode(**self.decode_args)[:, : self.max_new_tokens]
     first, cache, key = self.prefill(**self.prefill_args)
     graphdef, state = self.prefill_args["graphdef"], self.prefill_args["state"]
     out = self.decode(graphdef, state, first, cache, key, **self.decode_args)
@@ -616,6 +678,7 @@ def generate(
   pad_to: int = 64,
   page_size: int | None = None,
   compiler_options: tuple[dict | None, dict | None] | None = None,
+  prefill: str = "auto",
 ) -> jax.Array:
   """Continue a batch of prompts of different lengths.
 
@@ -635,16 +698,21 @@ def generate(
     compiler_options: (prefill, decode) XLA options of the two programs, None for either the
       default (`PREFILL_COMPILER_OPTIONS`, `DECODE_COMPILER_OPTIONS`: the decode loop without
       XLA's GEMM autotuner, docs/performance.md#compile-time); e.g. ({}, {}) compiles both with
-      XLA's defaults.
+      XLA's defaults. With prefill="steps" the decode options compile the one program.
+    prefill: "chunked" reads the prompts with the chunked operator and causal attention in one
+      call (a program of its own), "steps" with the decode step inside the decode loop (one
+      program: fewer kernels to compile, max(lengths) more sequential steps), "auto" (default)
+      "steps" when the prompts padded to `pad_to` are at most `STEP_PREFILL_TOKENS` (64) tokens.
+      The tokens are the same either way (greedy, up to floating-point ties; sampling draws
+      other keys).
 
   Returns:
     int32 [B, max_new_tokens]: the generated tokens of each prompt (all of them: there is no
     end-of-sequence stop).
 
-  The prompt is prefilled with the chunked operator / causal attention in one call, then a
-  `jax.jit`-ed loop of `max_new_tokens - 1` decode steps runs with the lengths and the step
-  count traced: each is compiled once per bucket of prompt length and of max_new_tokens
-  (multiples of `pad_to`).
+  The prompt is prefilled (`prefill`), then a `jax.jit`-ed loop of decode steps runs with the
+  lengths and the step count traced: each program is compiled once per bucket of prompt length
+  and of max_new_tokens (multiples of `pad_to`).
   """
   return generate_call(
     model,
@@ -656,6 +724,7 @@ def generate(
     pad_to=pad_to,
     page_size=page_size,
     compiler_options=compiler_options,
+    prefill=prefill,
   ).run()
 
 
@@ -670,6 +739,7 @@ def generate_call(
   pad_to: int = 64,
   page_size: int | None = None,
   compiler_options: tuple[dict | None, dict | None] | None = None,
+  prefill: str = "auto",
 ) -> GenerateCall:
   """`generate`'s arguments checked and padded into its two jitted programs and their
   arguments, not run (`GenerateCall.run()` runs them; benchmarks/compile_profile.py times each
@@ -730,12 +800,15 @@ def generate_call(
       f"compiler_options must be None or a pair (prefill, decode) of dicts of XLA options "
       f"(or None for either's default), got {compiler_options!r}"
     )
+  if prefill not in PREFILL_MODES:
+    raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+  if prefill == "auto":
+    prefill = "steps" if t_pad <= STEP_PREFILL_TOKENS else "chunked"
   prefill_opts, decode_opts = compiler_options or (None, None)
   prefill_opts = PREFILL_COMPILER_OPTIONS if prefill_opts is None else prefill_opts
   decode_opts = DECODE_COMPILER_OPTIONS if decode_opts is None else decode_opts
-  prefill, decode = generate_programs(_options_key(prefill_opts), _options_key(decode_opts))
   # NumPy operands go straight to the jitted functions (no eager op to compile first)
-  prefill_args = dict(
+  prompt_args = dict(
     graphdef=graphdef,
     state=state,
     tokens=np.asarray(tokens, np.int32),
@@ -745,7 +818,12 @@ def generate_call(
     temperature=float(temperature),
     page_size=page_size,
   )
+  if prefill == "steps":
+    program = _jitted_prompt_decode(_options_key(decode_opts))
+    args = dict(prompt_args, new_tokens=np.int32(max_new_tokens), capacity=capacity)
+    return GenerateCall(None, program, {}, args, max_new_tokens)
+  prefill_program, decode = generate_programs(_options_key(prefill_opts), _options_key(decode_opts))
   decode_args = dict(
     steps=np.int32(max_new_tokens - 1), capacity=capacity, temperature=float(temperature)
   )
-  return GenerateCall(prefill, decode, prefill_args, decode_args, max_new_tokens)
+  return GenerateCall(prefill_program, decode, prompt_args, decode_args, max_new_tokens)

@@ -25,10 +25,11 @@
 #   compile         the compile-time profile (benchmarks/compile_profile.py, COMPILE_ARGS; its
 #                   own cold and warm caches; the whole default profile takes longer than 10 min)
 #   compile-generate  the part of it sized for a few minutes: HybridLM.generate's first call split
-#                   per program (prefill, decode loop) as shipped (cold and warm), and cold with
-#                   XLA's default options, with XLA's GEMM autotuner off in both programs and with
-#                   the Triton chunk_fwd's row-block loop from 64 rows; and chunk_fwd's two forms
-#                   alone at r = 1, 2, 4 (compile and run time)
+#                   per program as shipped (cold and warm: short prompts read by the decode step in
+#                   the decode loop's program), and cold with the chunked prefill (prefill and
+#                   decode loop) as shipped, with XLA's GEMM autotuner off in both programs and
+#                   with the Triton chunk_fwd's row-block loop from 64 rows; and chunk_fwd's two
+#                   forms alone at r = 1, 2, 4 (compile and run time)
 #   packed          packed sequences on the Hopper kernels (`implementation="mosaic_gpu"`, forward and
 #                   backward) against xla and timed beside the unpacked call and flash-linear-
 #                   attention (benchmarks/bench_varlen.py --impl mosaic_gpu), then the Householder
@@ -183,7 +184,7 @@ if want compile-generate; then
       | tee "$OUT/compile_generate.log" | grep -v "^E[0-9]" | tail -8
   "$PY" benchmarks/compile_profile.py --out "$OUT/compile_generate_variants.json" \
       --impls pallas --phases cold \
-      --entries generate-xla-default,generate-no-autotune,generate-loop-forward 2>&1 \
+      --entries generate-chunked,generate-no-autotune,generate-loop-forward 2>&1 \
       | tee "$OUT/compile_generate_variants.log" | grep -v "^E[0-9]" | tail -12
   "$PY" benchmarks/compile_profile.py --out "$OUT/compile_chunk_fwd.json" --entries chunk-fwd \
       --rs 1,2,4 --phases cold 2>&1 | tee "$OUT/compile_chunk_fwd.log" | grep -v "^E[0-9]" | tail -14

@@ -11,6 +11,7 @@ Tracing only (`jax.make_jaxpr`) for the kernel counts: nothing runs, so it is qu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -118,44 +119,82 @@ def _cache_sizes():
   return models._prefill._cache_size(), models._decode._cache_size()
 
 
-def test_generate_traces_once_per_bucket(small_model):
-  from gdp_jax import models
-
-  traces = {"prefill": 0, "decode": 0}
-  prefill, step = type(small_model).prefill, type(small_model).step
+@contextlib.contextmanager
+def _counting_traces(cls, **methods):
+  """Within: {count name: traces} of the methods of `cls` named by the keywords (method name ->
+  count name); a count grows while jax traces a call (a Python side effect)."""
+  traces = dict.fromkeys(methods.values(), 0)
+  originals = {name: getattr(cls, name) for name in methods}
 
   def counting(name, method):
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
-      traces[name] += 1  # runs while jax traces (a Python side effect)
+      traces[methods[name]] += 1
       return method(*args, **kwargs)
 
     return wrapper
 
+  try:
+    for name, method in originals.items():
+      setattr(cls, name, counting(name, method))
+    yield traces
+  finally:
+    for name, method in originals.items():
+      setattr(cls, name, method)
+
+
+def test_generate_traces_once_per_bucket(small_model):
+  """prefill="chunked": one trace of the prefill and of the decode loop per bucket."""
+  from gdp_jax import models
+
   models._prefill.clear_cache()
   models._decode.clear_cache()
-  try:
-    type(small_model).prefill = counting("prefill", prefill)
-    type(small_model).step = counting("decode", step)
-    first = models.generate(small_model, [[1, 2, 3], [4, 5, 6, 7, 8]], 4, pad_to=16)
+  gen = functools.partial(models.generate, small_model, pad_to=16, prefill="chunked")
+  with _counting_traces(type(small_model), prefill="prefill", step="decode") as traces:
+    first = gen([[1, 2, 3], [4, 5, 6, 7, 8]], 4)
     assert traces == {"prefill": 1, "decode": 1}, traces
     sizes = _cache_sizes()
     assert sizes == (1, 1), sizes
     # Other prompt lengths (and contents) and other numbers of new tokens in the same buckets
     # (T <= 16, max_new_tokens <= 16): nothing new.
-    second = models.generate(small_model, [[9], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]], 4, pad_to=16)
-    models.generate(small_model, np.array([[7, 7, 7, 7, 7, 7]]).repeat(2, 0), 4, pad_to=16)
-    longer = models.generate(small_model, [[9], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]], 9, pad_to=16)
+    second = gen([[9], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]], 4)
+    gen(np.array([[7, 7, 7, 7, 7, 7]]).repeat(2, 0), 4)
+    longer = gen([[9], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]], 9)
     assert traces == {"prefill": 1, "decode": 1}, traces
     assert _cache_sizes() == sizes
     assert longer.shape == (2, 9)
     np.testing.assert_array_equal(longer[:, :4], second)  # greedy: the same first tokens
     # A prompt longer than the bucket is a new shape: one more prefill and decode trace.
-    models.generate(small_model, [list(range(1, 18)), [1]], 4, pad_to=16)
+    gen([list(range(1, 18)), [1]], 4)
     assert traces == {"prefill": 2, "decode": 2}, traces
-  finally:
-    type(small_model).prefill, type(small_model).step = prefill, step
   assert first.shape == second.shape == (2, 4)
+
+
+def test_generate_prefill_by_steps_is_one_program(small_model):
+  """prefill="steps" (what "auto" takes for prompts of at most STEP_PREFILL_TOKENS): the prompts
+  go through the decode step inside the decode loop, one program traced once per bucket with no
+  prefill trace, and the greedy tokens equal the chunked prefill's; paged caches too; a bad mode
+  is a ValueError."""
+  from gdp_jax import models
+
+  prompts = [[9], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7]]
+  chunked = models.generate(small_model, prompts, 6, pad_to=16, prefill="chunked")
+  program = models._jitted_prompt_decode(models._options_key(models.DECODE_COMPILER_OPTIONS))
+  program.clear_cache()
+  with _counting_traces(type(small_model), prefill="prefill", step="step") as traces:
+    steps = models.generate(small_model, prompts, 6, pad_to=16)
+    assert traces == {"prefill": 0, "step": 1}, traces
+    models.generate(small_model, [[1, 2, 3], [4], [5, 6]], 3, pad_to=16)  # the same bucket
+    assert traces == {"prefill": 0, "step": 1}, traces
+    assert program._cache_size() == 1
+  np.testing.assert_array_equal(steps, chunked)
+  paged = models.generate(small_model, prompts, 6, pad_to=16, prefill="steps", page_size=16)
+  np.testing.assert_array_equal(paged, chunked)
+  # a prompt past STEP_PREFILL_TOKENS: "auto" takes the chunked prefill
+  long = [[1] * (models.STEP_PREFILL_TOKENS + 1), [1]]
+  assert models.generate_call(small_model, long, 2, pad_to=16).prefill is not None
+  with pytest.raises(ValueError, match="prefill must be one of"):
+    models.generate(small_model, prompts, 2, prefill="chunks")
 
 
 def test_generate_compiler_options(small_model):
@@ -165,9 +204,10 @@ def test_generate_compiler_options(small_model):
   from gdp_jax import models
 
   prompts = [[1, 2, 3], [4, 5]]
-  assert models.generate_call(small_model, prompts, 3).decode is models._decode
+  gen = functools.partial(models.generate_call, small_model, prefill="chunked")
+  assert gen(prompts, 3).decode is models._decode
   default = models.generate(small_model, prompts, 3, pad_to=16)
-  call = models.generate_call(small_model, prompts, 3, pad_to=16, compiler_options=({}, {}))
+  call = gen(prompts, 3, pad_to=16, compiler_options=({}, {}))
   assert call.prefill is models._prefill  # the same options: the same jitted prefill
   assert call.decode is not models._decode
   np.testing.assert_array_equal(call.run(), default)
