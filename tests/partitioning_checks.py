@@ -22,7 +22,9 @@ forward, and again in the backward, which runs the transition call again): "sequ
 pieces of half a chunk (the backward differentiates the whole piece again), "batch x grouped
 heads x sequence" and the Householder case whole chunks (the first call's residuals saved),
 "batch x sequence, T = 40" pieces of 10 tokens that each device pads to one chunk (no
-residuals saved: the backward runs the forward again on each piece).
+residuals saved: the backward runs the forward again on each piece). "xla batch x sequence"
+runs the jnp chunked form ("xla") the same way (whole chunks: its saved chunk inverses and
+states split by chunk), and its jvp under `jax.jit` too.
 The Householder form (the operator over the T * n_h sub-steps) is checked likewise, on a
 batch x heads x sequence mesh.
 The one-token step and dense and paged GQA decode are checked the same way (forward only).
@@ -77,6 +79,7 @@ CASES = [
   ("sequence", {"seq": 4}, 2, "token", False, False),
   ("batch x grouped heads x sequence", {"data": 2, "model": 2, "seq": 2}, 2, "shared", True, True),
   ("batch x sequence, T = 40", {"data": 2, "seq": 4}, 2, "head", True, False, 40),
+  ("xla batch x sequence", {"data": 2, "seq": 2}, 2, "token", True, False, 64, "xla"),
 ]
 
 
@@ -110,9 +113,10 @@ def same_spec(a, b, ndim):
 
 
 def run_case(case, seed):
-  name, axes, r, mask_kind, with_state, grouped, *length = case
+  name, axes, r, mask_kind, with_state, grouped, *rest = case
   mesh = make_mesh(axes)
-  t_len = length[0] if length else T
+  t_len = rest[0] if rest else T
+  implementation = rest[1] if len(rest) > 1 else "triton"
   inp = make_inputs(
     seed, B=B, T=t_len, H=H, K=K, V=V, r=r, mask_kind=mask_kind, with_state=with_state
   )
@@ -127,10 +131,11 @@ def run_case(case, seed):
       **kw, output_final_state=True, implementation=implementation, chunk_size=16
     )
 
-  pallas = lambda **kw: operator("triton", precision="ieee", **kw)
+  precision = {"precision": "ieee"} if implementation == "triton" else {}
+  partitioned = lambda **kw: operator(implementation, **precision, **kw)
   reference = lambda **kw: operator("reference", **kw)
   both = lambda fn: jax.jit(lambda a: (fn(**a), loss_and_grads(fn, a, seed)))
-  compiled = both(pallas).lower(placed).compile()
+  compiled = both(partitioned).lower(placed).compile()
   (o, final), grads = compiled(placed)
   (o1, final1), grads1 = both(reference)(inp)
   errs = dict(o=rel_err(o, o1), final=rel_err(final, final1))
@@ -138,6 +143,11 @@ def run_case(case, seed):
   worst = {n: e for n, e in errs.items() if e > (TOL if n in ("o", "final") else GRAD_TOL)}
   assert not worst, f"relative errors above tolerance: {worst} (all: {errs})"
   note = f"max rel err {max(errs.values()):.2e}"
+  if implementation == "xla":  # forward mode too: its wrapper is a custom_jvp
+    tangent = lambda fn, a: jax.jvp(lambda q: fn(**{**a, "q": q})[0], (a["q"],), (a["k"],))[1]
+    err = rel_err(jax.jit(tangent, static_argnums=0)(partitioned, placed), tangent(reference, inp))
+    assert err <= TOL, f"jvp: relative error {err}"
+    note += f"; jvp under jit rel err {err:.2e}"
   moved = collectives(compiled.as_text())
   if "seq" in axes:
     note += "; " + check_piece_gathers(moved)

@@ -6,12 +6,12 @@ jax fixes its device count when it starts, so the cases of `tests/partitioning_c
 a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8: inputs sharded over
 batch x grouped value heads, the sequence, batch x grouped heads x sequence and, with T not a
 multiple of the chunk, batch x heads and batch x sequence (and the Householder form on batch x
-heads x sequence); forward, final state
-and every gradient against one device, the outputs' and gradients' shardings, and the compiled
-program's collectives (none that move data; with the sequence split only the all-gathers of
-the small per-piece states); the one-token step, GQA decode and paged GQA decode likewise
-(forward only). `tests/model_partitioning_checks.py` the same way: a `HybridLM` training step
-with its parameters sharded by their annotations
+heads x sequence, and "xla", the jnp chunked form, on batch x sequence, with a jvp); forward,
+final state and every gradient against one device, the outputs' and gradients' shardings,
+and the compiled program's collectives (none that move data; with the sequence split only the
+all-gathers of the small per-piece states); the one-token step, GQA decode and paged GQA
+decode likewise (forward only). `tests/model_partitioning_checks.py` the same way: a `HybridLM`
+training step with its parameters sharded by their annotations
 (docs/sharding.md#annotated-parameters), and its decode (`step_tokens`, `step`) against one
 device.
 """
@@ -26,7 +26,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
-from gdp_jax.ops.partitioning import vjp_specs
+from gdp_jax.ops.partitioning import _fold, _folded, _unfolded, vjp_specs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "partitioning_checks.py")
@@ -61,6 +61,23 @@ def test_unsplit_backward_after_split_forward_is_nan():
   np.testing.assert_allclose(dx, 0.5 * jnp.cos(x), rtol=1e-6)
   (dx,) = specs.backward.fn(x, jnp.zeros_like(cos), jnp.zeros_like(flag), ct)
   assert bool(jnp.all(jnp.isnan(dx)))
+
+
+def test_chunk_count_folds_into_the_sequence():
+  """A residual laid out by chunk ([B, H, T/C, K, V], a state per chunk) is passed between the
+  per-shard calls folded into [B, H, T, K V / C], so that a device's piece of whole chunks holds
+  exactly its own chunks (gdp_jax/ops/partitioning.py, `_fold`)."""
+  labels, fold = _fold("bhc--", (2, 4, 2, 16, 8), 32)
+  assert labels == "bht-" and fold == ("chunks", 2, 16, (16, 8))
+  x = jnp.arange(2 * 4 * 2 * 16 * 8, dtype=jnp.float32).reshape(2, 4, 2, 16, 8)
+  folded = _folded(x, fold)
+  assert folded.shape == (2, 4, 32, 8)
+  np.testing.assert_array_equal(_unfolded(folded, fold), x)
+  for piece in range(2):  # the sequence in two pieces of one chunk each
+    block = folded[:, :, 16 * piece : 16 * (piece + 1)]
+    np.testing.assert_array_equal(_unfolded(block, fold), x[:, :, piece : piece + 1])
+  quarter = folded[:, :, :8]  # half a chunk: no residual has this block's shape
+  assert _unfolded(quarter, fold).shape == quarter.shape
 
 
 def run_checks(script):

@@ -284,8 +284,9 @@ def per_shard_call(spec: ShardSpec, *arrays):
 # (context parallel: `fn(*primals, sequence=axes)`, collectives over those axes inside). Its
 # pullback is then another function's, so by default the split forward saves nothing (its
 # residual results are zero placeholders, their sequence dimensions split: probed with T
-# doubled, "t" where a dimension equals T, and one that otherwise grows with T folded into
-# [T, size / T] where it is a multiple of T (`_fold`), else never split) and the split
+# doubled, "t" where a dimension equals T, one that otherwise grows with T folded into
+# [T, size / T] where it is a multiple of T, a count of chunks of m tokens folded with the
+# dimensions after it into [T, their size / m] (`_fold`), else never split) and the split
 # backward recomputes the split forward and differentiates it (`sequence_vjp`). A fn may do
 # better with four attributes: `split_extra` (the labels of residuals that only its split form
 # saves, placeholders in the unsplit form), `split_extra_avals(*primals)` (their shapes and
@@ -355,8 +356,12 @@ def _residual_labels(base, by_batch, by_heads, by_time, batch, heads, heads_v, t
       labels.append("b")
     elif nh == 2 * n and nb == n and nt == n and n in (heads, heads_v):
       labels.append("h" if n == heads else "v")
+    elif nt == 2 * n and nb == n and nh == n and n == time:
+      labels.append("t")
+    elif nt == 2 * n and nb == n and nh == n and time % n == 0:
+      labels.append("c")  # T / n pieces of n tokens: chunks
     elif nt != n and nb == n and nh == n:
-      labels.append("t" if (nt == 2 * n and n == time) else "s")
+      labels.append("s")
     elif nb == n and nh == n:
       labels.append("-")
     else:
@@ -365,41 +370,55 @@ def _residual_labels(base, by_batch, by_heads, by_time, batch, heads, heads_v, t
 
 
 def _fold(labels: str, shape, time):
-  """A residual dimension that grows with the sequence but is not it ("s": e.g. chunks x rows)
-  and is a multiple of T is passed between the calls folded into [T, size / T] ("t-"), so
-  that it splits with the sequence as q does (the Shardy rule ties it to q's T; a dimension
-  of its own would be gathered between the calls). Returns (labels, (dim, size / T) or None);
-  other such dimensions are never split ("-")."""
-  fold = None
-  out = []
+  """A residual dimension that grows with the sequence but is not it is passed between the
+  calls folded into a dimension of T, so that it splits with the sequence as q does (the Shardy
+  rule ties it to q's T; a dimension of its own would be gathered between the calls):
+
+  - "s", a multiple of T (e.g. chunks x rows): [T, size / T] ("t-"), fold ("rows", dim, size / T);
+  - "c", T / m chunks of m tokens, followed only by dimensions never split whose size is a
+    multiple of m (e.g. a state per chunk, [.., T / m, K, V]): these dimensions together as
+    [T, their size / m] ("t-"), fold ("chunks", dim, m, their shape), so that a device's piece
+    of whole chunks holds its own chunks' entries.
+
+  Returns (labels, fold or None); other such dimensions are never split ("-")."""
+  never = lambda la: la.replace("s", "-").replace("c", "-")
   for dim, (label, n) in enumerate(zip(labels, shape)):
-    if label == "s" and fold is None and time and n % time == 0:
-      fold = (dim, n // time)
-      out.append("t-")
-    else:
-      out.append("-" if label == "s" else label)
-  return "".join(out), fold
+    if label == "s" and time and n % time == 0:
+      return never(labels[:dim]) + "t-" + never(labels[dim + 1 :]), ("rows", dim, n // time)
+    tail = tuple(shape[dim + 1 :])
+    if label == "c" and set(labels[dim + 1 :]) <= {"-"} and math.prod(tail) % (time // n) == 0:
+      return never(labels[:dim]) + "t-", ("chunks", dim, time // n, tail)
+  return never(labels), None
 
 
 def _folded(x, fold):
   if fold is None:
     return x
-  dim, ratio = fold
-  return x.reshape(x.shape[:dim] + (x.shape[dim] // ratio, ratio) + x.shape[dim + 1 :])
-
-
-def _unfolded(x, fold):
-  if fold is None:
-    return x
-  dim, _ = fold
-  return x.reshape(x.shape[:dim] + (x.shape[dim] * x.shape[dim + 1],) + x.shape[dim + 2 :])
+  kind, dim, ratio, *_ = fold
+  if kind == "rows":
+    return x.reshape(x.shape[:dim] + (x.shape[dim] // ratio, ratio) + x.shape[dim + 1 :])
+  tokens = x.shape[dim] * ratio
+  return x.reshape(x.shape[:dim] + (tokens, math.prod(x.shape[dim + 1 :]) // ratio))
 
 
 def _unfolded_shape(shape, fold):
+  """The shape of a folded block unfolded; for a block of chunks that are not whole, a shape
+  no residual has (-1)."""
+  shape = tuple(shape)
   if fold is None:
-    return tuple(shape)
-  dim, _ = fold
-  return tuple(shape[:dim]) + (shape[dim] * shape[dim + 1],) + tuple(shape[dim + 2 :])
+    return shape
+  kind, dim, ratio, *tail = fold
+  if kind == "rows":
+    return shape[:dim] + (shape[dim] * shape[dim + 1],) + shape[dim + 2 :]
+  count = shape[dim] // ratio if shape[dim] % ratio == 0 else -1
+  return shape[:dim] + (count, *tail[0])
+
+
+def _unfolded(x, fold):
+  """A folded block unfolded, or as it is when it holds chunks that are not whole (the split
+  forward saved nothing in it: its shape then matches no residual)."""
+  shape = _unfolded_shape(x.shape, fold)
+  return x if -1 in shape else x.reshape(shape)
 
 
 # The pullback's tree (its structure and static data, no arrays: `jax.vjp`'s result is a pytree
@@ -523,12 +542,13 @@ def _floating(x) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class VjpSpecs:
-  """The two per-shard calls of a differentiable function: `forward` returns its outputs and
-  then the residuals, `backward` takes (*primals, *residuals, *cotangents)."""
+  """The two per-shard calls of a differentiable function `fn`: `forward` returns its outputs
+  and then the residuals, `backward` takes (*primals, *residuals, *cotangents)."""
 
   forward: ShardSpec
   backward: ShardSpec
   outputs: int
+  fn: Callable
 
 
 def vjp_specs(fn, operands, results, heads, group, *primals):
@@ -568,4 +588,4 @@ def vjp_specs(fn, operands, results, heads, group, *primals):
     group,
     sums=True,
   )
-  return VjpSpecs(forward, backward, len(results))
+  return VjpSpecs(forward, backward, len(results), fn)

@@ -181,6 +181,11 @@ def gated_delta_product(
     o, final = partitioning.partitioned(
       run, q, k, v, g, beta, mask5, initial_state, scale, chunk_size
     )
+  elif implementation == "xla" and cu_seqlens is None and partitioning.partitions():
+    # The jnp chunked form: the same per-device calls, differentiable in every mode.
+    o, final = partitioning.differentiable(
+      run, q, k, v, g, beta, mask5, initial_state, scale, chunk_size
+    )
   elif cu_seqlens is not None:
     o, final = run(
       q, k, v, g, beta, mask5, initial_state, scale, chunk_size, jnp.asarray(cu_seqlens)

@@ -32,7 +32,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from gdp_jax.ops.gated_delta_product import context_parallel
+from gdp_jax.ops.gated_delta_product import context_parallel, xla
 from gdp_jax.ops.partitioning import (
   ShardSpec,
   every_axis_manual,
@@ -42,6 +42,7 @@ from gdp_jax.ops.partitioning import (
   sequence_vjp,
   vjp_specs,
 )
+from gdp_jax.ops.partitioning_jvp import every_mode_call
 
 TOKENS = ("bth-", "bth-", "btv-", "btv", "btv")  # q, k, v, g, beta
 STATE = "bv--"
@@ -263,6 +264,26 @@ def partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
       raise
   # forward mode: the implementation itself, unpartitioned (its derivative, or its clear error)
   return padded_run(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)
+
+
+def differentiable(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+  """`partitioned` for an implementation that JAX differentiates in every mode ("xla"): the
+  same per-shard calls (batch and heads per device, a split sequence context parallel), the
+  implementation run under `xla.Saving` (residuals of a layout that does not change with the
+  block's sizes), inside a `jax.custom_jvp` whose tangent is a linear primitive
+  (gdp_jax/ops/partitioning_jvp.py), so forward mode and higher orders keep working. Where the
+  residuals have no layout of their own (T not a multiple of the chunk, or residuals
+  `vjp_specs` cannot label) the implementation runs as it is and XLA partitions it."""
+  if every_axis_manual():
+    return padded_run(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)
+  if not isinstance(scale, (int, float)):
+    o, final = differentiable(run, q, k, v, g, beta, mask, initial_state, 1.0, chunk_size)
+    return (o.astype(jnp.float32) * scale).astype(o.dtype), final
+  primals = (q, k, v, g, beta, mask, initial_state)
+  specs = _saving_specs(xla.Saving(run), float(scale), chunk_size, _avals(*primals))
+  if specs is None:
+    return padded_run(run, *primals, scale, chunk_size)
+  return every_mode_call(specs, *primals)
 
 
 def partitions() -> bool:

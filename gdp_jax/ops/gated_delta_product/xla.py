@@ -33,6 +33,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from gdp_jax.ops.gated_delta_product import nonfinite, varlen
 from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY, GatedDeltaProductImplementation
@@ -363,11 +364,33 @@ def chunked_forward(q, k, v, g, beta, mask, initial_state, scale, chunk_size):
   gcum, seg = gate_cumsum(to_head_major(g), chunk_size)
   beta_hm = to_head_major(beta)
   a = chunk_kkt(k, beta_hm, mask, gcum, chunk_size, seg)
-  ai = solve_tril(a, chunk_size * r)
+  ai = checkpoint_name(solve_tril(a, chunk_size * r), "gdp_chunk_inverses")
   w, u = recompute_w_u(k, v, beta_hm, mask, gcum, ai, chunk_size, seg)
   h, v_new, final = chunk_state(k, w, u, gcum, initial_state, chunk_size, chunk_size, seg)
+  h, v_new = checkpoint_name(h, "gdp_chunk_states"), checkpoint_name(v_new, "gdp_new_values")
   o = chunk_output(q, k, v_new, h, gcum, scale, chunk_size, seg)
   return o, final
+
+
+# The arrays `Saving` keeps for the backward: all else is computed again from them and the inputs.
+SAVED = ("gdp_chunk_inverses", "gdp_chunk_states", "gdp_new_values")
+
+
+@dataclasses.dataclass(frozen=True)
+class Saving:
+  """An implementation (`run(q, k, v, g, beta, mask, initial_state, scale, chunk_size)`) under
+  `jax.checkpoint` saving only the named arrays of `chunked_forward` (`SAVED`): its pullback's
+  residuals are those and the inputs, laid out as this file lays them out whatever the sizes
+  (JAX's own residuals of jnp code change with sizes of 1, e.g. a block of one batch row).
+  o comes out in q's dtype, as from the context-parallel pieces (the caller casts it anyway)."""
+
+  run: object
+
+  def __call__(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+    policy = jax.checkpoint_policies.save_only_these_names(*SAVED)
+    body = lambda *a: self.run(*a, scale, chunk_size)
+    o, final = jax.checkpoint(body, policy=policy)(q, k, v, g, beta, mask, initial_state)
+    return o.astype(q.dtype), final
 
 
 def gated_delta_product_xla_varlen(
