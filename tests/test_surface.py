@@ -88,7 +88,9 @@ def test_float64_numpy_without_x64_is_float32():
   inputs = {
     n: (None if x is None else np.asarray(x, np.float64)) for n, x in _operator_inputs().items()
   }
-  o, _ = gated_delta_product(**inputs, implementation="xla")
+  # jitted, the arrays closed over (the function gets them as NumPy float64, as eagerly): one
+  # compile instead of one per operation
+  o, _ = jax.jit(lambda: gated_delta_product(**inputs, implementation="xla"))()
   assert o.dtype == jnp.float32
 
 
