@@ -84,6 +84,15 @@ def repeat_rows(x, r):
   return jnp.broadcast_to(x[:, None, :], (bt, r, d)).reshape(bt * r, d)
 
 
+def chunk_end_decay(g):
+  """g [C]: a chunk's cumulative log gates (non-increasing) -> (g_last, [C, 1] exp(g_last - g)):
+  the chunk's last gate and each token's decay to the chunk's end (at most 1: no overflow), what a
+  state update scales its keys by (docs/chunked_form.md)."""
+  last = jax.lax.broadcasted_iota(jnp.int32, g.shape, 0) == g.shape[0] - 1
+  g_last = jnp.sum(jnp.where(last, g, 0.0))
+  return g_last, jnp.exp(g_last - g)[:, None]
+
+
 def causal_decay(g_i, g_j, tok_i, tok_j, strict):
   """exp(g_i - g_j) where token i > token j (>= if not strict), else exactly 0: [I, J].
 

@@ -50,7 +50,6 @@ def _dhu_kernel(
   dim_k = k_ref.shape[-1]
   dk = dim_k // r
   dtype = k_ref.dtype
-  last = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
   cols = lambda d: pl.ds(d * dk, dk)
 
   def step(c, ds):
@@ -58,8 +57,7 @@ def _dhu_kernel(
     for d in range(r):
       dh_ref[c, cols(d), :] = ds[d].astype(dh_ref.dtype)
     g = g_ref[tok]
-    g_last = jnp.sum(jnp.where(last, g, 0.0))
-    k_dec = jnp.exp(g_last - g)[:, None]
+    g_last, k_dec = rows.chunk_end_decay(g)
     dv_new = []
     for a in range(r):
       kd = (k_ref[tok, cols(a)].astype(jnp.float32) * k_dec).astype(dtype)
@@ -91,14 +89,13 @@ def _dhu_loop(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref, dh_ref, d
   """The kernel's loop form (`options.key_block_loop`): dS one [K, BV] tile, the row blocks a in a
   loop; block a's dv_new reads `(k ⊙ [block a's columns]) dS`."""
   dtype = k_ref.dtype
-  last = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
 
   def step(c, ds):
     tok = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     dh_ref[c, :, :] = ds.astype(dh_ref.dtype)
     g = g_ref[tok]
-    g_last = jnp.sum(jnp.where(last, g, 0.0))
-    kd = (k_ref[tok, :].astype(jnp.float32) * jnp.exp(g_last - g)[:, None]).astype(dtype)
+    g_last, decay = rows.chunk_end_decay(g)
+    kd = (k_ref[tok, :].astype(jnp.float32) * decay).astype(dtype)
     qd = (q_ref[tok, :].astype(jnp.float32) * (scale * jnp.exp(g))[:, None]).astype(dtype)
     ds_op = ds.astype(dtype)
     nxt = jnp.exp(g_last) * ds + dot(qd, do_ref[tok, :].astype(dtype), trans_a=True)

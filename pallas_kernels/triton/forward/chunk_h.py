@@ -47,7 +47,6 @@ def _chunk_h_kernel(
   dim_k = k_ref.shape[-1]
   dk = dim_k // r
   dtype = k_ref.dtype
-  last = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
   cols = lambda d: pl.ds(d * dk, dk)
 
   def body(c, state):
@@ -56,7 +55,7 @@ def _chunk_h_kernel(
     for d in range(r):
       h_ref[c, cols(d), :] = state[d].astype(h_ref.dtype)
     g = g_ref[tok]
-    g_last = jnp.sum(jnp.where(last, g, 0.0))
+    g_last, decay = rows.chunk_end_decay(g)
     v_new = []
     for a in range(r):
       pred = None
@@ -66,7 +65,6 @@ def _chunk_h_kernel(
       vn = (u_ref[tok, a, :].astype(jnp.float32) - pred).astype(dtype)
       v_new_ref[tok, a, :] = vn.astype(v_new_ref.dtype)
       v_new.append(vn)
-    decay = jnp.exp(g_last - g)[:, None]
     out = []
     for d in range(r):
       k_dec = (k_ref[tok, cols(d)].astype(jnp.float32) * decay).astype(dtype)
@@ -87,15 +85,14 @@ def _chunk_h_loop(k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, v_new_ref, final_re
   """The kernel's loop form (`options.key_block_loop`): S one [K, BV] tile, the row blocks a in a
   loop; block a's update is `(k ⊙ [block a's columns])^T v_new[(., a)]`."""
   dtype = k_ref.dtype
-  last = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
 
   def body(c, state):
     tok = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     h_ref[c, :, :] = state.astype(h_ref.dtype)
     g = g_ref[tok]
-    g_last = jnp.sum(jnp.where(last, g, 0.0))
+    g_last, decay = rows.chunk_end_decay(g)
     s_op = state.astype(dtype)
-    k_dec = (k_ref[tok, :].astype(jnp.float32) * jnp.exp(g_last - g)[:, None]).astype(dtype)
+    k_dec = (k_ref[tok, :].astype(jnp.float32) * decay).astype(dtype)
 
     def row_block(a, update):
       vn = (u_ref[tok, a, :].astype(jnp.float32) - dot(w_ref[tok, a, :], s_op)).astype(dtype)

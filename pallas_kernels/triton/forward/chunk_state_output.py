@@ -62,7 +62,6 @@ def _kernel(
     kw = dict(r=r, chunk=chunk, num_chunks=num_chunks, scale=scale, dot=dot)
     return _loop_kernel(*refs, **kw, in_place=in_place, table_ref=table_ref)
   tok = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-  last = tok == chunk - 1
   cols = lambda d: pl.ds(d * dk, dk)
 
   t_len = q_ref.shape[0]  # the tokens of q, k and o (the packed row's when in place)
@@ -76,7 +75,7 @@ def _kernel(
       for d in range(r):
         state_refs[0][c, cols(d), :] = state[d].astype(state_refs[0].dtype)
     g = g_ref[tt]
-    g_last = jnp.sum(jnp.where(last, g, 0.0))
+    g_last, k_decay = rows.chunk_end_decay(g)
     s_op = [s.astype(dtype) for s in state]  # dot operands
     if in_place:  # the chunk's tokens in the packed row; rows past the sequence read as zeros
       start, valid = packed.sequence_rows(span, c, chunk, t_len)
@@ -108,7 +107,6 @@ def _kernel(
       packed.store_rows(o_ref, start, scale * o, valid)
     else:
       o_ref[tt, :] = (scale * o).astype(o_ref.dtype)
-    k_decay = jnp.exp(g_last - g)[:, None]  # g_last <= g: no overflow
     out = []
     for d in range(r):
       k_dec = (k[d].astype(f32) * k_decay).astype(dtype)
@@ -131,7 +129,6 @@ def _loop_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *s
   `(k ⊙ [block a's columns])^T v_new[(., a)]`."""
   dtype = k_ref.dtype
   tok = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-  last = tok == chunk - 1
   t_len = q_ref.shape[0]
   span = packed.sequence_span(table_ref, pl.program_id(1)) if in_place else None
 
@@ -140,7 +137,7 @@ def _loop_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *s
     if state_refs:
       state_refs[0][c, :, :] = state.astype(state_refs[0].dtype)
     g = g_ref[tt]
-    g_last = jnp.sum(jnp.where(last, g, 0.0))
+    g_last, k_decay = rows.chunk_end_decay(g)
     s_op = state.astype(dtype)
     if in_place:
       start, valid = packed.sequence_rows(span, c, chunk, t_len)
@@ -150,7 +147,7 @@ def _loop_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *s
       q, k = q_ref[tt, :], k_ref[tt, :]
     o = jnp.exp(g)[:, None] * dot(q, s_op)
     decay = rows.causal_decay(g, g, tok, tok, strict=False)
-    k_dec = (k.astype(f32) * jnp.exp(g_last - g)[:, None]).astype(dtype)
+    k_dec = (k.astype(f32) * k_decay).astype(dtype)
 
     def row_block(a, carry):
       o, update = carry
