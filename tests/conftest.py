@@ -6,9 +6,10 @@ skipped, with that reason, on a CPU.
 
 The slow tier: `SLOW` below lists, in one place, the tests marked `slow` at collection: the
 end-to-end and subprocess checks (notebooks, README blocks, command lines and scripts, sharding
-subprocesses, the GPU-matrix self-check) and the heavy interpreted Pallas cases. `make test` runs
-everything; `make test-fast` (`pytest -m "not slow"`) the rest. A test may also carry
-`@pytest.mark.slow` itself.
+subprocesses, the GPU-matrix self-check) and the heavy interpreted Pallas cases; and, of the
+parametrized tests `FAST_CASES` names, the cases it does not keep (one or two of each stay fast).
+`make test` runs everything; `make test-fast` (`pytest -m "not slow"`) the rest. A test may also
+carry `@pytest.mark.slow` itself.
 
 Scheduling over two workers (`LONGEST_FIRST` below): each test file is one unit of work (its
 tests share compiled functions), the subprocess tests of a few files units of their own, and the
@@ -147,6 +148,69 @@ SLOW = (
   "tests/test_mosaic_gpu_impl.py::test_packed_forward_interpreted_matches_xla*",
   "tests/test_mosaic_gpu_impl.py::test_packed_gradients_interpreted_match_xla*",
   "tests/test_mosaic_gpu.py::test_householder_forward_interpreted_matches_its_recurrence*",
+  "tests/test_layers.py::test_gdp_step_tokens_pallas_matches_xla",
+  "tests/test_varlen.py::test_chunk_fwd_in_place_equals_padded_copy",
+  "tests/test_mosaic_gpu_impl.py::test_triton_inverse_is_the_triton_kernels_residual*",
+  # the Mosaic kernels lowered for the GPU at 32k packed tokens (the fast tier lowers them at
+  # one benchmark shape)
+  "tests/test_mosaic_gpu_impl.py::test_packed_forward_lowers_for_cuda",
+  # End to end in one process: a model training a step (the fast tier keeps the plain model's),
+  # a layer's packed call and ragged prefill against separate calls (the fast tier keeps the
+  # GatedDeltaProduct layer's), the example language model's packing.
+  "tests/test_householder.py::test_hybrid_model_with_a_householder_layer_trains_a_step",
+  "tests/test_householder.py::test_householder_layer_ragged_prefill_and_gradients",
+  "tests/test_varlen.py::test_layer_packed_call_equals_separate_calls*",
+  "tests/test_train_lm.py::test_packed_documents_do_not_see_each_other",
+)
+
+# One case of each: for a parametrized test named here, the fast tier runs the cases matching
+# its patterns (the same check at other shapes, dtypes and mask kinds; every implementation a
+# test takes where the cases name them) and the slow tier the rest. Patterns as in `SLOW`.
+FAST_CASES = (
+  "tests/test_decode.py::test_random_against_numpy[2-float32-*",
+  "tests/test_decode.py::test_random_against_numpy[8-bfloat16-*",
+  "tests/test_decode.py::test_kernel_splits_and_blocks[float32-16-3]",
+  "tests/test_decode.py::test_kernel_splits_and_blocks[bfloat16-32-4]",
+  "tests/test_decode.py::test_problem_examples[*-float32-pallas]",
+  "tests/test_decode.py::test_problem_examples[*-bfloat16-xla]",
+  "tests/test_fused_forward.py::test_fused_kernels_lower_to_triton[2-32-128-128-bfloat16-True]",
+  "tests/test_fused_forward.py::test_fused_kernels_lower_to_triton[8-16-128-128-float32-True]",
+  "tests/test_grouped_heads.py::test_grouped_equals_repeated_keys[reference-1-2-2-head]",
+  "tests/test_grouped_heads.py::test_grouped_equals_repeated_keys[xla-1-3-1-None]",
+  "tests/test_householder.py::test_packed_equals_separate[reference-2-True-True]",
+  "tests/test_householder.py::test_xla_matches_reference[3-True-False]",
+  "tests/test_implementations.py::TestTriton::test_forward_matches_reference[4-head-9-64]",
+  "tests/test_implementations.py::TestXla::test_forward_matches_reference[1-None-45-64]",
+  "tests/test_implementations.py::TestXla::test_forward_matches_reference[4-token-50-16]",
+  "tests/test_implementations.py::TestXla::test_gradients_match_reference[4-head-24-True]",
+  "tests/test_layers.py::test_gdp_sequence_matches_steps[static-True-True]",
+  "tests/test_layers.py::test_gdp_step_tokens_matches_steps[static]",
+  "tests/test_layers.py::test_gdp_step_tokens_matches_steps[token]",
+  "tests/test_layers.py::test_gdp_packed_documents_match_separate_runs[token-True-lengths2]",
+  "tests/test_layers.py::test_gdp_packed_gradients_do_not_cross_documents[xla-lengths0]",
+  "tests/test_layers.py::test_given_callables_run_every_call[gdp]",
+  "tests/test_models.py::test_step_tokens_matches_steps_and_sequence[dense]",
+  "tests/test_mosaic_gpu.py::test_forward_lowers_for_cuda_at_benchmark_shape[4-shared-True]",
+  "tests/test_mosaic_gpu_impl.py::test_lowers_for_cuda_at_benchmark_shape[2-128]",
+  "tests/test_nonfinite.py::test_nonfinite_forward_is_causal[*-k-nan]",
+  "tests/test_nonfinite.py::test_nonfinite_forward_is_causal[xla-*",
+  "tests/test_nonfinite.py::test_nonfinite_gradient_is_causal[xla-*",
+  "tests/test_operator.py::test_lengths_and_mask_shapes[5-shared]",
+  "tests/test_operator.py::test_lengths_and_mask_shapes[65-head]",
+  "tests/test_operator.py::test_all_ones_mask_is_gated_delta_rule[2-*",
+  "tests/test_paged_decode.py::test_paged_equals_dense[float32-*",
+  "tests/test_paged_decode.py::test_paged_multi_token[bfloat16-*",
+  "tests/test_paged_decode.py::test_dense_multi_token[5-*",
+  "tests/test_pallas_backward.py::test_backward_lowers_to_triton[2-head-64-64-float32]",
+  "tests/test_step.py::test_steps_match_operator[token-2-*",
+  "tests/test_varlen.py::test_packed_equals_separate[reference-1-None-2-2]",
+  "tests/test_varlen.py::test_packed_equals_separate[xla-2-token-1-2]",
+  "tests/test_varlen.py::test_jnp_backward_of_packed_form[token]",
+  "tests/test_xla_backward.py::test_full_backward[4-token-True-32]",
+  "tests/test_xla_backward.py::test_wy_bwd[2-token-*",
+  "tests/test_xla_backward.py::test_dqkwg[2-token-*",
+  "tests/test_xla_backward.py::test_dhu[2-token-*",
+  "tests/test_xla_backward.py::test_dv_local[2-token-*",
 )
 
 
@@ -193,6 +257,8 @@ def _pattern(patterns):
 
 
 _SLOW_RE = _pattern(SLOW)
+_FAST_CASES_RE = _pattern(FAST_CASES)
+_FAST_CASES_FAMILIES = {p.split("[")[0] for p in FAST_CASES}
 _FIRST_RE = [_pattern([p]) for p in LONGEST_FIRST]
 
 
@@ -201,8 +267,11 @@ def _path_id(nodeid: str) -> str:
 
 
 def is_slow(nodeid: str) -> bool:
-  """Whether a test's node id is in the slow tier (`SLOW`)."""
-  return _SLOW_RE.fullmatch(_path_id(nodeid)) is not None
+  """Whether a test's node id is in the slow tier (`SLOW`, or a case `FAST_CASES` leaves out)."""
+  nodeid = _path_id(nodeid)
+  if _SLOW_RE.fullmatch(nodeid):
+    return True
+  return nodeid.split("[")[0] in _FAST_CASES_FAMILIES and not _FAST_CASES_RE.fullmatch(nodeid)
 
 
 def start_rank(nodeid: str) -> int:

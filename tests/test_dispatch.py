@@ -6,9 +6,11 @@ tests/test_fused_forward.py::test_operator_forward_and_gradients)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -104,10 +106,10 @@ def test_unknown_names_are_clear_errors():
 @pytest.mark.parametrize("name", general_backends("gated_delta_product"))
 def test_operator_reaches_every_implementation(name):
   inputs = make_inputs(0, B=1, T=9, H=1, K=16, V=16, r=2, mask_kind="head")
-  o, final = gated_delta_product(
-    **inputs, output_final_state=True, chunk_size=16, implementation=name
-  )
-  o_ref, f_ref = gated_delta_product(**inputs, output_final_state=True, implementation="reference")
+  # jitted: one compile per call instead of one per operation (the choice is made while tracing)
+  run = functools.partial(gated_delta_product, output_final_state=True, chunk_size=16)
+  o, final = jax.jit(functools.partial(run, implementation=name))(**inputs)
+  o_ref, f_ref = jax.jit(functools.partial(run, implementation="reference"))(**inputs)
   assert_close(o, o_ref, tol(jnp.float32), name)
   assert_close(final, f_ref, tol(jnp.float32), name)
 
@@ -116,17 +118,10 @@ def test_operator_reaches_every_implementation(name):
 def test_step_reaches_every_implementation(name):
   inputs = make_inputs(1, B=2, T=1, H=2, K=16, V=16, r=2, mask_kind="head")
   step = {n: x[:, 0] if n in ("q", "k", "v", "g", "beta") else x for n, x in inputs.items()}
-  o, new = gated_delta_product_step(
-    step["q"],
-    step["k"],
-    step["v"],
-    step["g"],
-    step["beta"],
-    step["mask"],
-    step["initial_state"],
-    implementation=name,
-  )
-  o_ref, f_ref = gated_delta_product(**inputs, output_final_state=True, implementation="reference")
+  args = [step[n] for n in ("q", "k", "v", "g", "beta", "mask", "initial_state")]
+  o, new = jax.jit(functools.partial(gated_delta_product_step, implementation=name))(*args)
+  reference = functools.partial(gated_delta_product, output_final_state=True)
+  o_ref, f_ref = jax.jit(functools.partial(reference, implementation="reference"))(**inputs)
   assert_close(o, o_ref[:, 0], tol(jnp.float32), name)
   assert_close(new, f_ref, tol(jnp.float32), name)
 

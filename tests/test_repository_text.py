@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from tests.conftest import LONGEST_FIRST, SLOW, SPLIT
+from tests.conftest import FAST_CASES, LONGEST_FIRST, SLOW, SPLIT
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -127,7 +127,11 @@ def _test_functions():
 
 def test_every_slow_and_scheduling_pattern_names_a_test():
   tests = _test_functions()
-  for name, patterns in (("SLOW", SLOW), ("LONGEST_FIRST", LONGEST_FIRST)):
+  for name, patterns in (
+    ("SLOW", SLOW),
+    ("FAST_CASES", FAST_CASES),
+    ("LONGEST_FIRST", LONGEST_FIRST),
+  ):
     for pattern in patterns:
       base = pattern.split("[")[0].rstrip("*")
       assert any(t.startswith(base) for t in tests), f"{name} names no test: {pattern}"
@@ -155,6 +159,7 @@ def test_every_slow_pattern_matches_a_collected_test(request):
     pytest.skip("needs the whole suite collected")
   assert unmatched_patterns(SLOW, ids) == [], "SLOW patterns that match no test"
   assert unmatched_patterns(LONGEST_FIRST, ids) == [], "LONGEST_FIRST patterns that match no test"
+  assert unmatched_patterns(FAST_CASES, ids) == [], "FAST_CASES patterns that match no test"
   assert unmatched_patterns(["tests/test_operator.py::test_jit_and_vmap[x*"], ids)  # can fail
 
 
@@ -165,6 +170,10 @@ def test_slow_patterns_match_node_ids():
   assert is_slow("tests/test_nonfinite.py::test_reset_matches_reference[triton]")
   assert not is_slow("tests/test_nonfinite.py::test_reset_matches_reference[xla]")
   assert not is_slow("tests/test_operator.py::test_jit_and_vmap")
+  # FAST_CASES: a listed test's other cases are slow, a test not listed keeps every case fast
+  assert not is_slow("tests/test_step.py::test_steps_match_operator[token-2-xla]")
+  assert is_slow("tests/test_step.py::test_steps_match_operator[head-2-xla]")
+  assert not is_slow("tests/test_step.py::test_pallas_in_a_jitted_scan[True]")
 
 
 def test_make_targets_run_the_tiers():

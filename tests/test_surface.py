@@ -109,9 +109,9 @@ def test_pallas_forward_mode_and_second_order_are_clear_errors(transform):
   inputs = _operator_inputs()
   q = inputs["q"]
   loss = lambda q: _pallas_loss(q, inputs)
-  # jacfwd and grad of grad under jit: the error comes while tracing, before anything compiles
+  # under jit: the error comes while tracing, before anything compiles or runs
   run = {
-    "jvp": lambda: jax.jvp(loss, (q,), (q,)),
+    "jvp": lambda: jax.jit(lambda q: jax.jvp(loss, (q,), (q,)))(q),
     "jacfwd": lambda: jax.jit(jax.jacfwd(loss))(q),
     "grad of grad": lambda: jax.jit(jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2)))(q),
   }
@@ -121,6 +121,25 @@ def test_pallas_forward_mode_and_second_order_are_clear_errors(transform):
     "only.*need implementation='xla'",
   ):
     run[transform]()
+
+
+@pytest.mark.parametrize("operator", ["gated_delta_product", "householder_delta_product"])
+def test_mosaic_gpu_forward_mode_is_a_clear_error_while_tracing(operator):
+  # jax.jvp of a custom_vjp under jax.jit would fail only when lowered, with JAX's own TypeError;
+  # traced here with abstract inputs at a shape the Mosaic kernels take (nothing lowers or runs)
+  spec, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+  n_h = 2 if operator == "householder_delta_product" else 1
+  kw = dict(num_householder=n_h) if n_h > 1 else {}
+  function = getattr(gdp_jax, operator)
+
+  def forward_mode(q, k, g, beta):
+    loss = lambda q: jnp.sum(function(q, k, k, g, beta, implementation="mosaic_gpu", **kw)[0])
+    return jax.jvp(loss, (q,), (q,))
+
+  q, k = spec((1, 64, 2, 64), bf16), spec((1, 64 * n_h, 2, 64), bf16)
+  g, beta = spec((1, 64, 2), jnp.float32), spec((1, 64 * n_h, 2), jnp.float32)
+  with pytest.raises(NotImplementedError, match="supports reverse-mode first derivatives only"):
+    jax.jit(forward_mode).trace(q, k, g, beta)
 
 
 def test_xla_supports_forward_mode_and_second_order():

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+from jax.interpreters import ad
 
 
 def raise_if_differentiated(fn: Callable, message: str) -> Callable:
@@ -18,6 +19,19 @@ def raise_if_differentiated(fn: Callable, message: str) -> Callable:
 
   fn.defjvp(jvp)
   return fn
+
+
+def in_forward_mode(values) -> bool:
+  """Whether `values` (a pytree) are being differentiated in forward mode (jax.jvp, jax.jacfwd).
+  Reverse mode (jax.grad, jax.vjp) linearizes instead: False."""
+  return any(isinstance(x, ad.JVPTracer) for x in jax.tree.leaves(values))
+
+
+def raise_if_forward_mode(values, message: str) -> None:
+  """NotImplementedError(message) in forward mode (`in_forward_mode`): a custom_vjp under
+  jax.jit would otherwise fail only when the program is lowered, with JAX's own TypeError."""
+  if in_forward_mode(values):
+    raise NotImplementedError(message)
 
 
 def no_gradients_message(function: str) -> str:

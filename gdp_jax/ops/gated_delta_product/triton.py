@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gdp_jax.ops.autodiff import raise_if_differentiated
+from gdp_jax.ops.autodiff import raise_if_differentiated, raise_if_forward_mode
 from gdp_jax.ops.gated_delta_product import nonfinite, varlen, xla_backward
 from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY, GatedDeltaProductImplementation
 from gdp_jax.ops.gated_delta_product.xla_backward import reduce_dmask
@@ -454,6 +454,7 @@ def _run_scaled(inner, args, scale, rest, kw):
   """inner(*args, scale, *rest, **kw): a Python-number scale goes to the kernels; an array (a
   traced or learned scale) runs them with 1 and multiplies o afterwards (o is linear in the
   scale). Forward-mode autodiff through the custom_vjp becomes a clear NotImplementedError."""
+  raise_if_forward_mode((args, scale), NO_HIGHER_DERIVATIVES)
   if not isinstance(scale, (int, float)):
     o, final = _run_scaled(inner, args, 1.0, rest, kw)
     return (o.astype(jnp.float32) * scale).astype(o.dtype), final

@@ -16,6 +16,7 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from gdp_jax.ops.autodiff import in_forward_mode
 from gdp_jax.ops.gated_delta_product import nonfinite
 from pallas_kernels.common.backend import interpret_mode
 from pallas_kernels.mosaic_gpu.common import SUPPORTED_DTYPES
@@ -62,6 +63,9 @@ def householder_mosaic_gpu(q, k, v, g, beta, initial_state, *, scale, n_h, outpu
   """`(o, final or None)` of the Householder form: the forward here, the vjp of `substeps`
   (the sub-step path, `(q, k, v, g, beta, initial_state) -> (o, final or None)`) when
   differentiated."""
+  if in_forward_mode((q, k, v, g, beta, initial_state, scale)):
+    # the sub-step path's clear error (its custom_vjp has reverse mode only)
+    return substeps(q, k, v, g, beta, initial_state)
 
   @jax.custom_vjp
   def run(q, k, v, g, beta, initial_state):
