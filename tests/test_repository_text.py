@@ -190,6 +190,8 @@ def test_make_targets_run_the_tiers():
 def test_units_start_longest_first():
   from tests.conftest import start_rank
 
-  assert start_rank("tests/test_sharding.py::test_sharding_group[pallas_model_bench]") == 0
+  group = LONGEST_FIRST.index("tests/test_sharding.py::test_sharding_group*")
+  assert start_rank("tests/test_sharding.py::test_sharding_group[pallas_model_bench]") == group
+  assert start_rank("tests/test_varlen.py::test_layout_tables") == 0
   assert start_rank("tests/test_sharding.py::test_every_group_runs") == len(LONGEST_FIRST)
   assert 0 < start_rank("tests/test_householder.py::test_bad_inputs_raise[x]") < len(LONGEST_FIRST)
