@@ -24,7 +24,8 @@ heads x sequence" and the Householder case whole chunks (the first call's residu
 "batch x sequence, T = 40" pieces of 10 tokens that each device pads to one chunk (no
 residuals saved: the backward runs the forward again on each piece). "xla batch x sequence"
 runs the jnp chunked form ("xla") the same way (whole chunks: its saved chunk inverses and
-states split by chunk), and its jvp under `jax.jit` too.
+states split by chunk), and its jvp under `jax.jit` too; the Pallas cases' jvp under `jax.jit` is
+the operator's NotImplementedError while tracing (reverse mode only).
 The Householder form (the operator over the T * n_h sub-steps) is checked likewise, on a
 batch x heads x sequence mesh.
 The one-token step and dense and paged GQA decode are checked the same way (forward only).
@@ -148,6 +149,14 @@ def run_case(case, seed):
     err = rel_err(jax.jit(tangent, static_argnums=0)(partitioned, placed), tangent(reference, inp))
     assert err <= TOL, f"jvp: relative error {err}"
     note += f"; jvp under jit rel err {err:.2e}"
+  else:  # forward mode of a custom_vjp of kernels: the operator's clear error while tracing
+    tangent = lambda a: jax.jvp(lambda q: partitioned(**{**a, "q": q})[0], (a["q"],), (a["k"],))
+    try:
+      jax.jit(tangent).trace(placed)
+    except NotImplementedError as error:
+      assert "reverse-mode first derivatives only" in str(error), error
+    else:
+      raise AssertionError("jax.jvp under jax.jit traced without the operator's error")
   moved = collectives(compiled.as_text())
   if "seq" in axes:
     note += "; " + check_piece_gathers(moved)

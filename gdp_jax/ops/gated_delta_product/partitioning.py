@@ -32,6 +32,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from gdp_jax.ops.autodiff import in_forward_mode
 from gdp_jax.ops.gated_delta_product import context_parallel, xla
 from gdp_jax.ops.partitioning import (
   ShardSpec,
@@ -252,18 +253,15 @@ def partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
   on its block of batch rows and heads under `jax.jit` (module docstring). T need not be a
   multiple of the chunk: each device pads its own block (`padded_run`). `run` must be
   hashable (an implementation instance) and differentiable with `jax.vjp`."""
-  if every_axis_manual():  # inside shard_map: this device's block already
-    return padded_run(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)
+  primals = (q, k, v, g, beta, mask, initial_state)
+  # inside shard_map (this device's block already), or forward mode: the implementation itself,
+  # unpartitioned (its derivative, or its clear error while tracing)
+  if every_axis_manual() or in_forward_mode((primals, scale)):
+    return padded_run(run, *primals, scale, chunk_size)
   if not isinstance(scale, (int, float)):
-    o, final = partitioned(run, q, k, v, g, beta, mask, initial_state, 1.0, chunk_size)
+    o, final = partitioned(run, *primals, 1.0, chunk_size)
     return (o.astype(jnp.float32) * scale).astype(o.dtype), final
-  try:
-    return _operator(run, float(scale), chunk_size, q, k, v, g, beta, mask, initial_state)
-  except TypeError as error:
-    if "forward-mode autodiff" not in str(error):  # jax.jvp of the custom_vjp
-      raise
-  # forward mode: the implementation itself, unpartitioned (its derivative, or its clear error)
-  return padded_run(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)
+  return _operator(run, float(scale), chunk_size, *primals)
 
 
 def differentiable(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):

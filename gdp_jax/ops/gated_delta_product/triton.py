@@ -446,6 +446,8 @@ def gated_delta_product_pallas(
   pallas_kernels/common/packed.py). A non-finite input spoils its own sequence only.
   """
   args = (q, k, v, g, beta, mask, initial_state)
+  # forward mode through the custom_vjp: a clear error while tracing
+  raise_if_forward_mode((args, scale), NO_HIGHER_DERIVATIVES)
   kw = dict(options=options, backward=backward, precision=precision, forward=forward)
   return _run_scaled(_gated_delta_product_pallas, args, scale, (chunk_size, cu_seqlens), kw)
 
@@ -453,17 +455,11 @@ def gated_delta_product_pallas(
 def _run_scaled(inner, args, scale, rest, kw):
   """inner(*args, scale, *rest, **kw): a Python-number scale goes to the kernels; an array (a
   traced or learned scale) runs them with 1 and multiplies o afterwards (o is linear in the
-  scale). Forward-mode autodiff through the custom_vjp becomes a clear NotImplementedError."""
-  raise_if_forward_mode((args, scale), NO_HIGHER_DERIVATIVES)
+  scale)."""
   if not isinstance(scale, (int, float)):
     o, final = _run_scaled(inner, args, 1.0, rest, kw)
     return (o.astype(jnp.float32) * scale).astype(o.dtype), final
-  try:
-    return inner(*args, scale, *rest, **kw)
-  except TypeError as error:
-    if "forward-mode autodiff" in str(error):  # jax.jvp of a custom_vjp function
-      raise NotImplementedError(NO_HIGHER_DERIVATIVES) from error
-    raise
+  return inner(*args, scale, *rest, **kw)
 
 
 def _kernel_inputs(q, k, v, g, initial_state, r, options, precision):
