@@ -1,7 +1,7 @@
 """gdp-jax: gated delta product linear attention for JAX (docs/operator.md).
 
 The operator and the inference steps are imported here (their code: gdp_jax/ops/, one folder per
-op); the submodules `layers` and `models` (Flax), `sharding`, `dispatch` and `ops` load on first
+op); the submodules `layers` and `models` (Flax), `sharding`, `varlen` and `ops` load on first
 use, e.g. `gdp_jax.layers.GatedDeltaProduct` or `gdp_jax.layers.HouseholderDeltaProduct` after
 `import gdp_jax`. The demo, the language-model example and the benchmarks live outside the
 package, in the repository's `examples/` and `benchmarks/`.
@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import importlib
 
-from gdp_jax.ops.gated_delta_product.api import gated_delta_product
+from gdp_jax.ops.gated_delta_product.api import describe_runtime, gated_delta_product
 from gdp_jax.ops.gqa_decode.api import gqa_decode, paged_gqa_decode
 from gdp_jax.ops.householder.api import householder_delta_product, householder_delta_product_step
 from gdp_jax.ops.step.api import gated_delta_product_step
 from gdp_jax.ops.validation import value_checks
 
 __all__ = [
+  "describe_runtime",
   "gated_delta_product",
   "gated_delta_product_step",
   "gqa_decode",
@@ -33,7 +34,6 @@ _SUBMODULES = (
   "layers",
   "models",
   "sharding",
-  "dispatch",
   "varlen",
   "ops",
 )

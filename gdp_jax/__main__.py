@@ -13,6 +13,8 @@ import pathlib
 import sys
 import time
 
+from gdp_jax.ops.gated_delta_product.api import IMPLEMENTATIONS
+
 # The packages each extra brings that the lab modules import (matplotlib stays optional: the
 # plots are skipped with a message without it).
 EXTRA_PACKAGES = {"examples": ("optax", "orbax.checkpoint", "tqdm"), "bench": ("tqdm",)}
@@ -135,8 +137,6 @@ def _missing(message):
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m gdp_jax")
   sub = parser.add_subparsers(dest="command", required=True)
-  from gdp_jax import dispatch
-
   commands = [*sys.argv[1:2]] if argv is None else [*argv[:1]]
   for name, (_, _, help_text, epilog) in LAB_COMMANDS.items():
     # Only the command that runs is imported (its extras); `--help` at the top lists them all.
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
       p.add_argument(
         "--implementation",
         default=None,
-        choices=list(dispatch.implementations("gated_delta_product")),
+        choices=list(IMPLEMENTATIONS),
       )
       p.set_defaults(func=check)
   args, rest = parser.parse_known_args(argv)

@@ -42,10 +42,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gdp_jax.ops import dispatch, validation
+from gdp_jax.ops import registry, validation
 from gdp_jax.ops.gated_delta_product import api as _operator
 from gdp_jax.ops.gated_delta_product import context_parallel
+from gdp_jax.ops.gated_delta_product.api import REGISTRY
+from gdp_jax.ops.gated_delta_product.base import Problem
 from gdp_jax.ops.step import api as _step
+from gdp_jax.ops.step.api import REGISTRY as STEP_REGISTRY
 
 f32 = jnp.float32
 ROLES = ("batch", "heads", "sequence")
@@ -221,11 +224,9 @@ def _check_vma(implementation):
   Pallas' interpreter (kernels on CPU) cannot type kernels whose inputs vary over different mesh
   axes, so interpreted kernels run without it (JAX's autodiff stays correct, with a few more
   collectives)."""
-  if not dispatch.is_pallas(implementation):
+  if not REGISTRY.is_pallas(implementation):
     return True
-  from pallas_kernels.common import backend
-
-  return not backend.interpret_mode()
+  return not registry.interpreted()
 
 
 def _vary(x, axes, enabled):
@@ -300,13 +301,13 @@ def sharded_gated_delta_product(
       options=options,
     )
   _check_config(sharding)
-  batch, t_len, heads, dim_k, dim_v, _, _ = validation.check_inputs(
+  batch, t_len, heads, dim_k, dim_v, _, r = validation.check_inputs(
     q, k, v, g, beta, mask, initial_state
   )
-  implementation = dispatch.resolve(
-    "gated_delta_product", implementation, sharding.mesh.devices.flat[0]
-  )
-  dispatch.check_backward(backward, implementation)
+  problem = Problem(jnp.asarray(q).dtype, dim_k, dim_v, r, False)
+  impl = REGISTRY.resolve(implementation, sharding.mesh.devices.flat[0], problem)
+  registry.check_backward(backward, impl)
+  implementation = impl.name
   chunk_size = validation.check_chunk_size(chunk_size)
   output_final_state = validation.check_bool("output_final_state", output_final_state)
   shape = f"q has shape {tuple(q.shape)} = [B, T, H, K]"
@@ -327,7 +328,7 @@ def sharded_gated_delta_product(
   arrays = _place(sharding, arrays, specs)
   vma = _check_vma(implementation)
   run = dict(scale=scale, chunk_size=chunk_size, implementation=implementation, precision=precision)
-  if dispatch.is_pallas(implementation):
+  if impl.pallas:
     run.update(backward=backward, options=options)
   out_specs = (sharding.spec_for("o", 4), sharding.spec_for("state", 4))
   if sharding.size("sequence") > 1:
@@ -438,7 +439,7 @@ def _context_parallel_piece(a, sharding, vma, **run):
   )
   operator = _piece_operator(q, a["k"], a.get("g"), a["beta"], a.get("mask"), **run)
   # Pallas: two calls of the ordinary width; the others: one widened call (docs/sharding.md).
-  split = dispatch.is_pallas(run["implementation"])
+  split = REGISTRY.is_pallas(run["implementation"])
   o, final = context_parallel.piece_outputs(
     operator, q, v, a.get("initial_state"), seq, split=split, state=state
   )
@@ -492,9 +493,7 @@ def sharded_gated_delta_product_step(
     )
   _check_config(sharding)
   batch, heads, dim_k, dim_v, _, _ = validation.check_step_inputs(q, k, v, g, beta, mask, state)
-  implementation = dispatch.resolve(
-    "gated_delta_product_step", implementation, sharding.mesh.devices.flat[0]
-  )
+  implementation = STEP_REGISTRY.resolve(implementation, sharding.mesh.devices.flat[0]).name
   shape = f"q has shape {tuple(q.shape)} = [B, H, K]"
   _check_divisible(sharding, "B", batch, "batch", shape)
   _check_divisible(sharding, "H", heads, "heads", shape)

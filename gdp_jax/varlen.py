@@ -1,9 +1,34 @@
-"""`gdp_jax.varlen` is gdp_jax/ops/gated_delta_product/varlen.py (packed sequences,
-docs/varlen.md; the same module object)."""
+"""Packed variable-length sequences (`cu_seqlens`, docs/varlen.md): the offsets' helpers and the
+chunk-aligned padded layout, from gdp_jax/ops/gated_delta_product/varlen.py."""
 
-import sys
+from gdp_jax.ops.gated_delta_product.varlen import (
+  Layout,
+  chunk_initial_states,
+  chunk_tokens,
+  clean,
+  final_states,
+  layout,
+  max_chunks,
+  pack,
+  sanitize,
+  sequence_chunks,
+  token_boundaries,
+  token_sequences,
+  unpack,
+)
 
-from gdp_jax.ops.gated_delta_product import varlen as _varlen
-from gdp_jax.ops.gated_delta_product.varlen import *  # noqa: F403 (the names, for type checkers)
-
-sys.modules[__name__] = _varlen
+__all__ = [
+  "Layout",
+  "chunk_initial_states",
+  "chunk_tokens",
+  "clean",
+  "final_states",
+  "layout",
+  "max_chunks",
+  "pack",
+  "sanitize",
+  "sequence_chunks",
+  "token_boundaries",
+  "token_sequences",
+  "unpack",
+]

@@ -19,10 +19,13 @@ NARROW_IMPLEMENTATIONS = ("mosaic_gpu",)
 
 
 def general_backends(function):
-  """The backends of `function` in the dispatch table that take every input the tests use."""
-  from gdp_jax import dispatch
+  """The implementations of `function` ("gated_delta_product" or "gated_delta_product_step")
+  that take every input the tests use."""
+  from gdp_jax.ops.gated_delta_product.api import REGISTRY
+  from gdp_jax.ops.step.api import REGISTRY as STEP_REGISTRY
 
-  return tuple(n for n in dispatch.backends(function) if n not in NARROW_IMPLEMENTATIONS)
+  names = {"gated_delta_product": REGISTRY, "gated_delta_product_step": STEP_REGISTRY}
+  return tuple(n for n in names[function].names() if n not in NARROW_IMPLEMENTATIONS)
 
 
 # Relative error allowed, measured as max|x - ref| / max(max|ref|, 1e-6) over the whole array.

@@ -98,7 +98,7 @@ SLOW = (
   "tests/test_sharding.py::*",
   "tests/test_partitioning.py::*",
   "tests/test_gpu_matrix.py::test_tiny_run_reports_a_planted_mismatch*",
-  "tests/test_dispatch.py::test_a_jitted_pallas_call_compiles_once*",
+  "tests/test_registry.py::test_a_jitted_pallas_call_compiles_once*",
   "tests/test_surface.py::test_submodules_reachable_after_import_gdp_jax*",
   "tests/test_bench.py::test_bench_command_tiny*",
   "tests/test_bench.py::test_bench_operator_script_is_a_thin_caller*",
@@ -150,7 +150,6 @@ SLOW = (
   "tests/test_mosaic_gpu.py::test_householder_forward_interpreted_matches_its_recurrence*",
   "tests/test_layers.py::test_gdp_step_tokens_pallas_matches_xla",
   "tests/test_varlen.py::test_chunk_fwd_in_place_equals_padded_copy",
-  "tests/test_mosaic_gpu_impl.py::test_triton_inverse_is_the_triton_kernels_residual*",
   # the Mosaic kernels lowered for the GPU at 32k packed tokens (the fast tier lowers them at
   # one benchmark shape)
   "tests/test_mosaic_gpu_impl.py::test_packed_forward_lowers_for_cuda",
@@ -259,7 +258,7 @@ LONGEST_FIRST = (
   "tests/test_step.py::*",
   "tests/test_compile_counts.py::*",
   "tests/test_surface.py::*",
-  "tests/test_dispatch.py::*",
+  "tests/test_registry.py::*",
   "tests/test_pallas_forward.py::*",
   "tests/test_bench.py::*",
   "tests/test_values.py::*",

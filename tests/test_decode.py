@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdp_jax import dispatch, gqa_decode
+from gdp_jax import gqa_decode
+from gdp_jax.ops import registry
+from gdp_jax.ops.gqa_decode.api import REGISTRY
 from pallas_kernels.triton.inference import decode_attention
 from tests.cases import assert_close
 from tests.triton_lowering import lower_for_h200
@@ -256,9 +258,7 @@ def test_scale(implementation):
 
 
 def test_default_implementation_and_lists():
-  assert dispatch.resolve("gqa_decode", None) == (
-    "triton" if dispatch.pallas_supported() else "xla"
-  )
+  assert REGISTRY.resolve(None).name == ("triton" if registry.pallas_supported() else "xla")
   ex = EXAMPLES[0]
   out = gqa_decode(
     jnp.asarray(ex["query"], jnp.float32),

@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gdp_jax import dispatch, gated_delta_product, gated_delta_product_step
+from gdp_jax import gated_delta_product, gated_delta_product_step
 from gdp_jax.layers import GatedDeltaProduct
+from gdp_jax.ops.gated_delta_product.api import IMPLEMENTATIONS
+from gdp_jax.ops.step.api import REGISTRY as STEP_REGISTRY
 from tests.cases import (
   GRAD_TOLERANCE,
   assert_close,
@@ -65,7 +67,7 @@ CASES = [
 
 @pytest.mark.parametrize("implementation,H,HV,r,mask_kind", CASES)
 def test_grouped_equals_repeated_keys(implementation, H, HV, r, mask_kind):
-  assert implementation in dispatch.implementations("gated_delta_product")
+  assert implementation in IMPLEMENTATIONS
   inputs = grouped_inputs(1, H=H, HV=HV, r=r, mask_kind=mask_kind)
   run = functools.partial(
     gated_delta_product, output_final_state=True, chunk_size=16, implementation=implementation
@@ -111,7 +113,7 @@ def test_pallas_grouped_other_paths(backward):
       assert_close(d, grads_xla[name], tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
 
 
-@pytest.mark.parametrize("implementation", dispatch.backends("gated_delta_product_step"))
+@pytest.mark.parametrize("implementation", STEP_REGISTRY.names())
 def test_grouped_step_equals_repeated_keys(implementation):
   inputs = grouped_inputs(2, B=2, T=1, H=2, HV=4, r=2, mask_kind="token")
   step = first_token(inputs)

@@ -455,25 +455,23 @@ def test_packed_one_compilation_for_new_boundaries(implementation):
 def test_packed_default_implementation_is_the_operators(monkeypatch):
   """implementation=None with cu_seqlens runs what the operator's packed form picks: "pallas"
   where that is the default."""
-  from gdp_jax import dispatch
+  from gdp_jax.ops import registry
 
-  monkeypatch.setattr(
-    dispatch, "default_implementation", lambda device=None, function=None: "pallas"
-  )
+  monkeypatch.setattr(registry, "pallas_supported", lambda device=None: True)
   inputs = packed_hh_inputs(85, 2, lengths=(3, 4))
   calls = []
-  original = dispatch.entry
+  original = registry.Registry.resolve
   monkeypatch.setattr(
-    dispatch, "entry", lambda f, i, **c: calls.append((f, i)) or original(f, i, **c)
+    registry.Registry,
+    "resolve",
+    lambda self, *a, **kw: calls.append((self.function, impl := original(self, *a, **kw))) or impl,
   )
   call = functools.partial(
     householder_delta_product, num_householder=2, cu_seqlens=cu_of((3, 4)), output_final_state=True
   )
-  o, final = jax.eval_shape(lambda kw: call(**kw), inputs)  # dispatch.entry runs when traced
-  # "pallas" is its Pallas backend (off a GPU the interpreted one)
-  assert calls == [
-    ("gated_delta_product_varlen", dispatch.pallas_backend("gated_delta_product_varlen"))
-  ]
+  o, final = jax.eval_shape(lambda kw: call(**kw), inputs)  # resolved while traced
+  # the Pallas backend (off a GPU the interpreted Triton one), for the sub-steps' operator too
+  assert [(f, impl.name) for f, impl in calls] == [("gated_delta_product", "triton")] * 2
   assert o.shape == (1, 7, 2, 8) and final.shape == (2, 2, 16, 8)
 
 

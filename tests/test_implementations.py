@@ -2,7 +2,7 @@
 and the "triton" kernels, interpreted on CPU): the forward and the gradient of every input against
 the recurrent reference, half precision, state threading and JAX transformations.
 
-One test class per implementation of the dispatch table (gdp_jax/ops/dispatch.py) on a shared
+One test class per implementation of the operator's registry (its api.py) on a shared
 base (`ChunkedImplementationTests`); a new implementation gets its class here (a test checks).
 Stage-by-stage tests of the kernels live in test_pallas_forward.py and test_pallas_backward.py;
 the independent float64 checks and the argument checks in test_operator.py.
@@ -206,6 +206,6 @@ def test_reference_threads_the_state():
 
 
 def test_every_chunked_implementation_has_a_test_class():
-  # a new implementation in the dispatch table needs its class here
+  # a new implementation in the registry needs its class here
   classes = {c.implementation for c in ChunkedImplementationTests.__subclasses__()}
   assert classes == set(CHUNKED), (classes, CHUNKED)

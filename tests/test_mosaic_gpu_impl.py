@@ -1,5 +1,5 @@
 """`implementation="mosaic_gpu"` of `gated_delta_product` (gdp_jax/ops/gated_delta_product/
-mosaic_gpu.py) on a CPU: its dispatch entry (registered, opt-in), the clear errors for inputs it
+mosaic_gpu.py) on a CPU: its place in the registry, the clear errors for inputs it
 cannot take, the lowering for cuda at the benchmark shape through the public function, and its
 forward and gradients in the Mosaic GPU interpreter against "xla".
 
@@ -19,8 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdp_jax import dispatch, gated_delta_product
+from gdp_jax import gated_delta_product
+from gdp_jax.ops.gated_delta_product.api import REGISTRY
 from gdp_jax.ops.gated_delta_product.mosaic_gpu import MosaicGpuGatedDeltaProduct
+from gdp_jax.ops.gqa_decode.api import PAGED_REGISTRY
+from gdp_jax.ops.gqa_decode.api import REGISTRY as DECODE_REGISTRY
+from gdp_jax.ops.step.api import REGISTRY as STEP_REGISTRY
 from tests.cases import run_interpreted_subprocess
 
 F32 = jnp.float32
@@ -29,33 +33,16 @@ A100 = SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NV
 
 
 def test_registered_for_the_operator_and_preferred_on_hopper():
-  impl = dispatch.implementation("gated_delta_product", "mosaic_gpu")
-  assert isinstance(impl, MosaicGpuGatedDeltaProduct) and impl.pallas and not impl.fallback
-  assert "mosaic_gpu" in dispatch.implementations("gated_delta_product")
-  for function in ("gated_delta_product_step", "gqa_decode", "paged_gqa_decode"):
-    assert "mosaic_gpu" not in dispatch.implementations(function)
-  # "pallas" and None pick it on Hopper, with the inputs its kernels cannot take sent to triton;
-  # named, it is obeyed and strict
+  impl = REGISTRY.get("mosaic_gpu")
+  assert isinstance(impl, MosaicGpuGatedDeltaProduct) and impl.pallas
+  assert REGISTRY.names()[0] == "mosaic_gpu"
+  for other in (STEP_REGISTRY, DECODE_REGISTRY, PAGED_REGISTRY):
+    assert "mosaic_gpu" not in other.names()
+  # "pallas" and None pick it on Hopper for the calls it takes (tests/test_registry.py: the
+  # others go on to triton); named, it is obeyed and strict
   for requested in ("pallas", None):
-    assert dispatch.resolve("gated_delta_product", requested, H200) == "mosaic_gpu"
-    config = dispatch.automatic_config("gated_delta_product", requested, "mosaic_gpu")
-    assert config == {"fallback": True}
-    assert dispatch.resolve("gated_delta_product", requested, A100) == "triton"
-  assert dispatch.automatic_config("gated_delta_product", "mosaic_gpu", "mosaic_gpu") == {}
-  assert dispatch.automatic_config("gated_delta_product", None, "triton") == {}
-
-
-def test_fallback_runs_triton_for_inputs_the_kernels_cannot_take():
-  # float32 inputs: an error when named, the Triton implementation when picked for the device
-  x = _inputs(dtype=F32, t_len=16)
-  mask5 = x["mask"][None, None]
-  args = (x["q"], x["k"], x["v"], x["g"], x["beta"], mask5, x["initial_state"], 0.3, 16)
-  with pytest.raises(ValueError, match="float32"):
-    MosaicGpuGatedDeltaProduct()(*args)
-  got = MosaicGpuGatedDeltaProduct(fallback=True)(*args)
-  want = MosaicGpuGatedDeltaProduct().triton()(*args)
-  for a, b in zip(got, want, strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert REGISTRY.resolve(requested, H200).name == "mosaic_gpu"
+    assert REGISTRY.resolve(requested, A100).name == "triton"
 
 
 def _inputs(
@@ -85,6 +72,7 @@ def _inputs(
     (dict(dtype=F32), r"q, k, v: dtype float32.*bfloat16 or float16.*\"triton\""),
     (dict(key_dim=32), r"q, k: K = 32.*\(64, 128\).*\"triton\""),
     (dict(r=3), r"mask: r = 3 key blocks.*\"triton\""),
+    (dict(value_dim=256), r"v: V = 256.*\(64, 128\).*\"triton\""),
     # packed sequences run (docs/mosaic_gpu.md#packed-sequences): refused as unpacked ones are
     (dict(cu_seqlens=True, dtype=F32), r"q, k, v: dtype float32.*\"triton\""),
   ],
@@ -111,10 +99,8 @@ def test_lowers_for_cuda_at_benchmark_shape(monkeypatch, r, dim):
   # the public function with implementation="mosaic_gpu", its kernels lowered for the GPU (not
   # the interpreter) from this CPU: the Mosaic GPU forward's two kernels and nothing else; a
   # training step adds the backward's two
-  table = {f: dict(t) for f, t in dispatch.TABLE.items()}
-  monkeypatch.setattr(dispatch, "TABLE", table)
-  compiled = table["gated_delta_product"]["mosaic_gpu"].replace(interpret=False)
-  dispatch.register("gated_delta_product", compiled)
+  monkeypatch.setattr(REGISTRY, "_table", dict(REGISTRY._table))
+  REGISTRY.register(REGISTRY.get("mosaic_gpu").replace(interpret=False))
   batch, t_len, heads = 8, 4096, 16
   spec = jax.ShapeDtypeStruct
   act, gate = spec((batch, t_len, heads, dim), jnp.bfloat16), spec((batch, t_len, heads), F32)
@@ -146,10 +132,8 @@ def test_packed_forward_lowers_for_cuda(monkeypatch):
   # packed sequences (64 of them in one row of 32k tokens): without gradient the Mosaic forward's
   # two kernels, its walk one program per sequence; differentiated, the backward's two more (the
   # reverse walk also one program per sequence), and no Triton kernel
-  table = {f: dict(t) for f, t in dispatch.TABLE.items()}
-  monkeypatch.setattr(dispatch, "TABLE", table)
-  compiled = table["gated_delta_product"]["mosaic_gpu"].replace(interpret=False)
-  dispatch.register("gated_delta_product", compiled)
+  monkeypatch.setattr(REGISTRY, "_table", dict(REGISTRY._table))
+  REGISTRY.register(REGISTRY.get("mosaic_gpu").replace(interpret=False))
   t_len, heads, dim, num_seqs, r = 32768, 16, 128, 64, 2
   spec = jax.ShapeDtypeStruct
   act, gate = spec((1, t_len, heads, dim), jnp.bfloat16), spec((1, t_len, heads), F32)
@@ -176,47 +160,6 @@ def test_packed_forward_lowers_for_cuda(monkeypatch):
   # jaxpr)
   jaxpr = str(traced.jaxpr)
   assert not any(name in jaxpr for name in ("gdp_chunk_fwd", "gdp_chunk_h", "gdp_bwd_")), jaxpr
-
-
-@pytest.mark.parametrize("r", [1, 2, 4])
-def test_triton_inverse_is_the_triton_kernels_residual(r):
-  """The Mosaic chunks' T0 (interpreted), gated and reordered, is the Triton chunk_fwd's Ai."""
-  import jax.experimental.pallas.mosaic_gpu as plgpu
-
-  from gdp_jax.ops.gated_delta_product.mosaic_gpu import triton_inverse
-  from pallas_kernels.mosaic_gpu import forward as mosaic_forward
-  from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
-  from pallas_kernels.triton.forward import chunk_fwd
-
-  x = _inputs(r, t_len=64, key_dim=64, value_dim=16)
-  mask = jax.random.uniform(jax.random.PRNGKey(r), (2, r, r))
-  k, v, g, beta = x["k"], x["v"], x["g"], x["beta"]
-  batch, t_len, heads = v.shape[:3]
-  beta_hm = jnp.moveaxis(beta, 1, 2)
-  rows = mosaic_forward.mask_rows(mask, batch, t_len, heads, t_len, r)
-  beta_rows = mosaic_forward.block_rows(beta_hm, r)
-  # each kernel call jitted: one program instead of one per eager operation around it
-  inverse = functools.partial(chunk_inverse, interpret=plgpu.InterpretGPUParams())
-  t0 = jax.jit(inverse)(k, beta_rows, rows)
-  mask5 = jnp.broadcast_to(mask[None, None], (1, 1, heads, r, r))
-  g_hm = jnp.moveaxis(g, 1, 2)
-  fwd = functools.partial(chunk_fwd.chunk_fwd, key_blocks=r, chunk=64 // r, save_ai=True)
-  gamma, _, _, ai = jax.jit(fwd)(k, v, g_hm, beta_hm, mask5)
-  to_triton = jax.jit(functools.partial(triton_inverse, r=r))
-  eye = np.eye(64, dtype=np.float32)  # compared off the unit diagonal, which would dominate
-
-  def rel(a):
-    a = np.asarray(a, np.float32).reshape(want.shape[:2] + (-1, 64, 64)) - eye
-    w = want.reshape(a.shape) - eye
-    return float(np.sqrt(np.mean((a - w) ** 2) / np.mean(w**2)))
-
-  want = np.asarray(ai, np.float32)
-  assert to_triton(t0, gamma).shape == want.shape
-  assert rel(to_triton(t0, gamma)) < 1e-2  # both in bf16
-  # the transposed inverse scores far worse: the comparison can fail
-  t0_chunks = t0.reshape(t0.shape[:2] + (-1, 64, 64))
-  transposed = jnp.swapaxes(t0_chunks, -1, -2).reshape(t0.shape)
-  assert rel(to_triton(transposed, gamma)) > 0.3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,8 +308,8 @@ def test_a_nan_spoils_nothing_before_it(interpreted):
 
 
 def test_gradients_interpreted_match_xla(interpreted):
-  # the Mosaic reverse walk and the Triton backward's chunk-parallel kernels on the Mosaic
-  # forward's residuals, bf16 inputs
+  # the Mosaic reverse walk and chunk-parallel gradients on the forward walk's stored states,
+  # bf16 inputs
   row = interpreted
   assert row["reverse_walks"] == 1, row
   for name in ("q", "k", "v", "g", "beta", "mask", "initial_state"):

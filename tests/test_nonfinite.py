@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdp_jax import dispatch, gated_delta_product
+from gdp_jax import gated_delta_product
+from gdp_jax.ops.gated_delta_product.api import REGISTRY
 from tests.cases import (
   GRAD_TOLERANCE,
   assert_close,
@@ -46,7 +47,7 @@ _jitted_operator = functools.cache(lambda implementation: jax.jit(_operator(impl
 
 def run(implementation, **inputs):
   """The operator with its final state; "pallas" eagerly (the guard's Python choice)."""
-  if dispatch.is_pallas(implementation):
+  if REGISTRY.is_pallas(implementation):
     return _operator(implementation)(**inputs)
   return _jitted_operator(implementation)(**inputs)
 
@@ -72,7 +73,7 @@ def test_reset_matches_reference(implementation):
   # outputs and gradients from one program where JAX differentiates the implementation
   # (tests/cases.py outputs_and_grads); "pallas" (a custom_vjp) runs its plain forward apart
   (o_ref, f_ref), g_ref = outputs_and_grads(_operator("reference"), inputs)
-  if dispatch.is_pallas(implementation):
+  if REGISTRY.is_pallas(implementation):
     o, f = run(implementation, **inputs)
     got = loss_and_grads(functools.partial(run, implementation), inputs)
   else:
@@ -88,7 +89,7 @@ def test_reset_matches_reference(implementation):
 def test_reset_is_a_fresh_start(implementation):
   """Independent of the reference: after g_t = -inf the outputs are those of a run that starts
   at t from a zero state."""
-  if dispatch.is_pallas(implementation):
+  if REGISTRY.is_pallas(implementation):
     pytest.skip("covered by test_reset_matches_reference (interpreted kernels are slow)")
   inputs = make_inputs(41, B=1, T=T, H=2, K=32, V=16, r=2, mask_kind="token")
   cut = 21
@@ -133,7 +134,7 @@ def spoil(inputs, name, value):
 def _cases(pallas_bad=PALLAS_BAD):
   out = []
   for impl in IMPLS:
-    for name, value in pallas_bad if dispatch.is_pallas(impl) else BAD:
+    for name, value in pallas_bad if REGISTRY.is_pallas(impl) else BAD:
       out.append(pytest.param(impl, name, value, id=f"{impl}-{name}-{value}"))
   return out
 
@@ -163,7 +164,7 @@ def _grad(implementation):
   """jax.grad of the prefix loss: eager for "pallas" (the guard's Python choice), else jitted
   once per implementation."""
   grad = jax.grad(loss_on_prefix(implementation), argnums=tuple(range(len(NAMES))))
-  return grad if dispatch.is_pallas(implementation) else jax.jit(grad)
+  return grad if REGISTRY.is_pallas(implementation) else jax.jit(grad)
 
 
 def grads(implementation, inputs):

@@ -15,13 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdp_jax import dispatch, gqa_decode, paged_gqa_decode
+from gdp_jax import gqa_decode, paged_gqa_decode
+from gdp_jax.ops import registry
+from gdp_jax.ops.gqa_decode.api import PAGED_REGISTRY, REGISTRY
 from pallas_kernels.triton.inference import decode_attention, paged_decode_attention
 from tests.cases import assert_close
 from tests.triton_lowering import lower_for_h200
 
-PAGED_IMPLS = list(dispatch.backends("paged_gqa_decode"))
-DENSE_IMPLS = list(dispatch.backends("gqa_decode"))
+PAGED_IMPLS = list(PAGED_REGISTRY.names())
+DENSE_IMPLS = list(REGISTRY.names())
 TOL = {jnp.float32: 5e-5, jnp.bfloat16: 2e-4}
 
 
@@ -300,9 +302,7 @@ def test_signature_and_docstring():
   ]
   assert all(p.annotation is not inspect.Parameter.empty for p in sig.parameters.values())
   assert "block_tables" in (paged_gqa_decode.__doc__ or "")
-  assert dispatch.resolve("paged_gqa_decode", None) == (
-    "triton" if dispatch.pallas_supported() else "xla"
-  )
+  assert PAGED_REGISTRY.resolve(None).name == ("triton" if registry.pallas_supported() else "xla")
 
 
 # ---- bad input ---------------------------------------------------------------------------------

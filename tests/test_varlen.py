@@ -303,26 +303,27 @@ def test_jnp_backward_of_packed_form(mask_kind):
 def test_default_implementation_with_cu_seqlens(monkeypatch):
   """implementation=None with cu_seqlens runs what it picks without them: "pallas" where that is
   the default (the packed kernels, checked on a GPU by benchmarks/bench_varlen.py), else "xla"."""
-  from gdp_jax import dispatch
+  from gdp_jax.ops import registry
 
   # a supported GPU's default (the Pallas backend; on this CPU the interpreted Triton kernels)
-  monkeypatch.setattr(dispatch, "pallas_supported", lambda device=None: True)
-  assert dispatch.resolve("gated_delta_product", None) == "triton"
+  monkeypatch.setattr(registry, "pallas_supported", lambda device=None: True)
   inputs = packed_inputs(7, (3, 9), r=1, mask_kind=None)
   cu = cu_of((3, 9))
   calls = []
-  original = dispatch.entry
+  original = registry.Registry.resolve
   monkeypatch.setattr(
-    dispatch, "entry", lambda f, i, **c: calls.append((f, i)) or original(f, i, **c)
+    registry.Registry,
+    "resolve",
+    lambda self, *a, **kw: calls.append((self.function, impl := original(self, *a, **kw))) or impl,
   )
-  # traced only (dispatch.entry runs when traced; the packed kernels run in
+  # traced only (resolved while traced; the packed kernels run in
   # test_pallas_packed_equals_xla_packed)
   o, final = jax.eval_shape(
     lambda inputs, cu: gated_delta_product(**inputs, cu_seqlens=cu, output_final_state=True),
     inputs,
     cu,
   )
-  assert calls == [("gated_delta_product_varlen", "triton")]
+  assert [(f, impl.name) for f, impl in calls] == [("gated_delta_product", "triton")]
   o_none, none = jax.eval_shape(
     lambda inputs, cu: gated_delta_product(**inputs, cu_seqlens=cu),
     {**inputs, "initial_state": None},

@@ -64,7 +64,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from gdp_jax import dispatch
+from gdp_jax.ops.gated_delta_product.api import IMPLEMENTATIONS
 
 SCHEMA = "gdp_jax.train_lm/1"
 BOS, PAD = 256, 257
@@ -1232,8 +1232,8 @@ def add_arguments(p):
   p.add_argument(
     "--implementation",
     default=None,
-    choices=list(dispatch.implementations("gated_delta_product")),
-    help="operator (default: Pallas on a supported GPU, xla elsewhere; gdp_jax/dispatch.py)",
+    choices=list(IMPLEMENTATIONS),
+    help="operator (default: Pallas on a supported GPU, xla elsewhere; docs/implementations.md)",
   )
   p.add_argument(
     "--attn-impl",

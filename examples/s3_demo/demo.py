@@ -49,7 +49,8 @@ import time
 import numpy as np
 import tqdm
 
-from gdp_jax import dispatch
+from gdp_jax.ops.gated_delta_product.api import REGISTRY
+from gdp_jax.ops.step.api import REGISTRY as STEP_REGISTRY
 
 GROUPS = ("S3", "S4", "S5", "A4", "A5", "Z6", "Z2^2", "Z2^3", "Z2^4")
 
@@ -272,7 +273,7 @@ def add_arguments(p):
   p.add_argument(
     "--implementation",
     default=None,
-    choices=list(dispatch.implementations("gated_delta_product_step")),
+    choices=list(STEP_REGISTRY.accepted()),
     help="operator implementation (default: Pallas on a supported GPU, xla elsewhere)",
   )
 
@@ -330,7 +331,7 @@ def run(args) -> int:
     chunk_size=args.chunk_size,
     implementation=args.implementation,
   )
-  impl = dispatch.resolve("gated_delta_product", args.implementation)
+  impl = REGISTRY.resolve(args.implementation).name
   print(
     f"gdp-jax demo: the {args.group} word problem ({len(elems)} permutations): predict the "
     f"running product at each of T = {args.seq_len} positions"

@@ -10,7 +10,6 @@ import numpy as np
 from flax import nnx
 from jax.typing import DTypeLike
 
-from gdp_jax import dispatch
 from gdp_jax.layers import partitioning
 from gdp_jax.layers.common import (
   ATTENTION_IMPLS,
@@ -25,6 +24,8 @@ from gdp_jax.layers.common import (
   f32,
 )
 from gdp_jax.layers.partitioning import EMBED, HEADS, KV_HEADS
+from gdp_jax.ops import registry
+from gdp_jax.ops.gqa_decode.api import REGISTRY as DECODE_REGISTRY
 from gdp_jax.ops.gqa_decode.api import gqa_decode
 
 
@@ -58,8 +59,6 @@ def _flash_attention(q, k, v, segment_ids):
     warnings.simplefilter("ignore", DeprecationWarning)
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
-  from pallas_kernels.common import backend
-
   t_len, head_dim = q.shape[1], q.shape[-1]
   block = min(128, t_len)
   if t_len % block:
@@ -86,7 +85,7 @@ def _flash_attention(q, k, v, segment_ids):
     sm_scale=head_dim**-0.5,
     causal=True,
     block_sizes=blocks,
-    interpret=backend.interpret_mode(),
+    interpret=registry.interpreted(),
   )
 
 
@@ -152,7 +151,7 @@ class GroupedQueryAttention(nnx.Module):
     if head_dim % 2 != 0:
       raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
     if implementation is not None:
-      dispatch.resolve("gqa_decode", implementation)  # a clear error if unknown
+      DECODE_REGISTRY.resolve(implementation)  # a clear error if unknown
     _check_choice("attention_impl", attention_impl, ATTENTION_IMPLS)
     self.attention_impl = attention_impl
     self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads

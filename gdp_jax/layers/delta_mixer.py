@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from gdp_jax import dispatch, varlen
 from gdp_jax.layers import partitioning
 from gdp_jax.layers.common import (
   RESET_LOG_DECAY,
@@ -30,6 +29,9 @@ from gdp_jax.layers.common import (
 )
 from gdp_jax.layers.partitioning import EMBED, HEADS
 from gdp_jax.layers.short_conv import ShortConv
+from gdp_jax.ops.gated_delta_product import varlen
+from gdp_jax.ops.gated_delta_product.api import REGISTRY
+from gdp_jax.ops.step.api import REGISTRY as STEP_REGISTRY
 from gdp_jax.ops.validation import CHUNK_SIZES, check_cu_seqlens, check_cu_seqlens_values
 
 # What a layer calls: the whole-sequence operator, (q, k, v, g, beta[, mask], *, initial_state,
@@ -57,13 +59,13 @@ def check_operator_config(chunk_size, implementation):
   if chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
   if implementation is not None:
-    dispatch.resolve("gated_delta_product", implementation)  # a clear error if unknown
+    REGISTRY.resolve(implementation)  # a clear error if unknown
 
 
 def step_implementation(implementation):
   """The one-token step's implementation for a layer's `implementation` ("reference" and
   "mosaic_gpu" have no step of their own: "xla")."""
-  if implementation in (None, *dispatch.implementations("gated_delta_product_step")):
+  if implementation in (None, *STEP_REGISTRY.accepted()):
     return implementation
   return "xla"
 

@@ -15,15 +15,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common.gates import RESET_LOG_DECAY
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
 from pallas_kernels.mosaic_gpu.common import F32, ROWS_PER_CHUNK, SUPPORTED_DTYPES, chunk_tokens
 from pallas_kernels.mosaic_gpu.walk_ws import state_walk_ws
 
 N = ROWS_PER_CHUNK
 BLOCK_V = 64
-# A log-decay at or below this is a reset (exp underflows to 0 in float32); clamping keeps
-# gamma finite (docs/chunked_form.md#resets).
-MIN_LOG_DECAY = -88.0
 
 
 def mask_rows(mask: jax.Array | None, batch: int, t_len: int, heads: int, padded: int, r: int):
@@ -123,7 +121,7 @@ def chunk_gamma(g, shape, padded: int, c: int) -> jax.Array:
   over chunks of `c` tokens, after the padding (docs/chunked_form.md#gamma)."""
   batch, t_len, heads = shape
   g32 = jnp.zeros(shape, F32) if g is None else g.astype(F32)
-  g32 = jnp.maximum(g32, MIN_LOG_DECAY)
+  g32 = jnp.maximum(g32, RESET_LOG_DECAY)  # keeps gamma finite: docs/chunked_form.md#resets
   g_hm = jnp.swapaxes(pad_axes(g32, padded - t_len), 1, 2)  # [B, H, Tp]
   return jnp.cumsum(g_hm.reshape(batch, heads, padded // c, c), axis=-1).reshape(g_hm.shape)
 

@@ -1,14 +1,13 @@
-"""`gated_delta_product`: the public function: argument checks, normalisation, dispatch.
+"""`gated_delta_product`: the public function (docs/operator.md): argument checks, what every
+implementation shares, and the registry of its implementations in order of preference
+(docs/implementations.md#choosing-an-implementation).
 
-The public operator (docs/operator.md). Every implementation receives the same normalised inputs:
-T padded to a multiple of the chunk (padding tokens have beta = 0, g = 0: exact no-ops; on
-several devices the partitioning wrapper pads each device's block instead, partitioning.py), the
-mask as a 5-D array [Bm, Tm, Hm, r, r] that broadcasts against [B, T, HV, r, r], and a float32
-state. q and k keep their H key heads (grouped value heads: v, g, beta, the mask and the state
-have HV = a multiple of H; each implementation maps them with `expand_key_heads`), see base.py. With
-`cu_seqlens` (packed variable-length sequences, docs/varlen.md) T is not padded: the
-implementation's `varlen` method ("gated_delta_product_varlen" in gdp_jax/ops/dispatch.py) gets
-the offsets and an initial state per sequence, [N, HV, K, V].
+Every implementation receives the same normalised inputs (base.py): T padded with no-op tokens
+to its `time_multiple` (on several devices each device pads its own block, partitioning.py), g
+clamped at RESET_LOG_DECAY, the mask as a 5-D array [Bm, Tm, Hm, r, r], a float32 state and a
+Python-number scale (an array scale multiplies o afterwards: o is linear in it). With
+`cu_seqlens` (docs/varlen.md) T is not padded: the implementation's `varlen` method gets the
+offsets and an initial state per sequence, [N, HV, K, V].
 """
 
 from __future__ import annotations
@@ -16,8 +15,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gdp_jax.ops import dispatch
+from gdp_jax.ops import registry
 from gdp_jax.ops.gated_delta_product import partitioning
+from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY, Problem, run_padded
+from gdp_jax.ops.gated_delta_product.mosaic_gpu import MosaicGpuGatedDeltaProduct
+from gdp_jax.ops.gated_delta_product.reference import ReferenceGatedDeltaProduct
+from gdp_jax.ops.gated_delta_product.triton import TritonGatedDeltaProduct
+from gdp_jax.ops.gated_delta_product.xla import XlaGatedDeltaProduct
 from gdp_jax.ops.validation import (
   check_bool,
   check_chunk_size,
@@ -30,15 +34,28 @@ from gdp_jax.ops.validation import (
 from pallas_kernels.common.backend import resolve_precision
 from pallas_kernels.common.options import KernelOptions
 
-IMPLEMENTATIONS = dispatch.implementations("gated_delta_product")
+# In order of preference: None and "pallas" take the first that serves the device and the call.
+REGISTRY = registry.Registry(
+  "gated_delta_product",
+  (
+    MosaicGpuGatedDeltaProduct(),
+    TritonGatedDeltaProduct(),
+    XlaGatedDeltaProduct(),
+    ReferenceGatedDeltaProduct(),
+  ),
+)
+IMPLEMENTATIONS = REGISTRY.accepted()
 
 
-def _pad_time(x, t_pad):
-  if x.shape[1] == t_pad:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[1] = (0, t_pad - x.shape[1])
-  return jnp.pad(x, widths)
+def describe_runtime(device=None) -> str:
+  """One line naming the device and the implementation `None` picks there (for notebooks/logs)."""
+  device = registry.default_device() if device is None else device
+  if device.platform == "gpu":
+    capability = getattr(device, "compute_capability", "?")
+    where = f"{device.device_kind} (compute capability {capability})"
+  else:
+    where = f"{device.platform.upper()} ({device.device_kind})"
+  return f"{where}: implementation=None runs {REGISTRY.resolve(None, device).name!r}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,13 +101,12 @@ def gated_delta_product(
     output_final_state: True to also return the final state [B, HV, K, V] float32 (a bool).
     chunk_size: tokens per chunk of the chunked forms, one of 16, 32, 64.
     implementation: "reference" (recurrence over time), "xla" (chunked jnp), "triton" (the
-      Pallas GPU kernels through Triton; interpreted on CPU, slowly), "pallas" (the best Pallas
-      backend for the device: "mosaic_gpu" on Hopper, "triton" on other GPUs), or None for the
-      fastest one available on the device (the Pallas backend on a supported GPU, "xla"
-      elsewhere; gdp_jax/ops/dispatch.py), with cu_seqlens too (the kernels' packed form,
-      docs/varlen.md). "mosaic_gpu" (Hopper): the Mosaic GPU forward, the Triton kernels when
-      differentiated; named, bf16/fp16 and K = 64 or 128 only
-      (docs/implementations.md#mosaic-gpu).
+      Pallas GPU kernels through Triton; interpreted on CPU, slowly), "mosaic_gpu" (the Hopper
+      kernels: bf16/fp16, K and V in 64 and 128, r in 1, 2, 4), "pallas" (the first Pallas
+      backend that serves the device and takes the call), or None for the fastest one available
+      (the Pallas backend on a supported GPU, "xla" elsewhere;
+      docs/implementations.md#choosing-an-implementation). A named implementation that cannot
+      take the call is a ValueError saying why.
     precision: float32 matmuls of the Pallas kernels: None follows
       `jax.default_matmul_precision` (TF32 by default, as XLA's float32 dots on these GPUs),
       "highest" gives tf32x3 (close to float32), "ieee" full float32 on the CUDA cores
@@ -121,8 +137,8 @@ def gated_delta_product(
 
   Values: g = -inf (a reset) gives the recurrence's result in every implementation. A nan or
   inf at token t leaves the outputs before t and their gradients unchanged in every
-  implementation but "mosaic_gpu" (docs/precision.md#non-finite-inputs; "pallas" through a guard
-  that reads the inputs once); with cu_seqlens it spoils its own sequence only.
+  implementation (docs/precision.md#non-finite-inputs); with cu_seqlens it spoils its own
+  sequence only.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -154,48 +170,39 @@ def gated_delta_product(
   output_final_state = check_bool("output_final_state", output_final_state)
   chunk_size = check_chunk_size(chunk_size)
   scale = check_scale(scale)
-  function = "gated_delta_product" if cu_seqlens is None else "gated_delta_product_varlen"
-  requested, implementation = implementation, dispatch.resolve(function, implementation)
-  dispatch.check_backward(backward, implementation)
+  problem = Problem(q.dtype, dim_k, dim_v, r, cu_seqlens is not None)
+  impl = REGISTRY.resolve(implementation, problem=problem)
+  registry.check_backward(backward, impl)
   # None with explicit options keeps options.precision; else None follows jax's default.
-  kernel_precision = (
-    None if (precision is None and options is not None) else (resolve_precision(precision))
-  )
+  kernel_precision = resolve_precision(precision)
+  if precision is None and options is not None:
+    kernel_precision = None
+  if impl.pallas:
+    impl = impl.replace(options=options, backward=backward, precision=kernel_precision)
   if scale is None:
     scale = dim_k**-0.5
   if g is None:
     g = jnp.zeros((batch, t_len, heads_v), jnp.float32)
+  # a reset (g = -inf) as the chunked forms take it (pallas_kernels/common/gates.py); nan stays
+  g = jnp.maximum(g, jnp.asarray(RESET_LOG_DECAY, g.dtype))
   if initial_state is None:
     states = batch if num_seqs is None else num_seqs
     initial_state = jnp.zeros((states, heads_v, dim_k, dim_v), jnp.float32)
   initial_state = initial_state.astype(jnp.float32)
-
-  config = dispatch.automatic_config(function, requested, implementation)
-  if dispatch.is_pallas(implementation):
-    config.update(options=options, backward=backward, precision=kernel_precision)
-  run = dispatch.entry(function, implementation, **config)
-  if dispatch.is_pallas(implementation) and cu_seqlens is None and partitioning.partitions():
+  array_scale = None
+  if not isinstance(scale, (int, float)):  # a traced or learned scale: o is linear in it
+    array_scale, scale = scale, 1.0
+  args = (q, k, v, g, beta, mask5, initial_state, float(scale), chunk_size)
+  if cu_seqlens is not None:
+    o, final = impl.varlen(*args, jnp.asarray(cu_seqlens))
+  elif partitioning.partitions() and (impl.pallas or impl.name == "xla"):
     # Sharded inputs under jax.jit: the kernels run per device on their block of batch rows and
     # heads, or context parallel on their piece of the sequence, each device padding its own
-    # block to whole chunks (docs/sharding.md#under-plain-jaxjit).
-    o, final = partitioning.partitioned(
-      run, q, k, v, g, beta, mask5, initial_state, scale, chunk_size
-    )
-  elif implementation == "xla" and cu_seqlens is None and partitioning.partitions():
-    # The jnp chunked form: the same per-device calls, differentiable in every mode.
-    o, final = partitioning.differentiable(
-      run, q, k, v, g, beta, mask5, initial_state, scale, chunk_size
-    )
-  elif cu_seqlens is not None:
-    o, final = run(
-      q, k, v, g, beta, mask5, initial_state, scale, chunk_size, jnp.asarray(cu_seqlens)
-    )
-  elif not getattr(dispatch.implementation(function, implementation), "pads_time", True):
-    o, final = run(q, k, v, g, beta, mask5, initial_state, scale, chunk_size)
+    # block (docs/sharding.md#under-plain-jaxjit); "xla" differentiable in every mode.
+    wrap = partitioning.partitioned if impl.pallas else partitioning.differentiable
+    o, final = wrap(impl, *args)
   else:
-    t_pad = -(-t_len // chunk_size) * chunk_size
-    padded = [_pad_time(x, t_pad) for x in (q, k, v, g, beta)]
-    mask_p = mask5 if mask5.shape[1] == 1 else _pad_time(mask5, t_pad)
-    o, final = run(*padded, mask_p, initial_state, scale, chunk_size)
-    o = o[:, :t_len]
+    o, final = run_padded(impl, *args)
+  if array_scale is not None:
+    o = o.astype(jnp.float32) * array_scale
   return o.astype(q.dtype), (final if output_final_state else None)

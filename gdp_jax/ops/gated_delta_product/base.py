@@ -1,42 +1,62 @@
-"""What every implementation of `gated_delta_product` takes and returns, and the reset constant.
+"""What every implementation of `gated_delta_product` takes and returns, and what they share.
 
 An implementation is called with the normalised inputs of gdp_jax/ops/gated_delta_product/api.py
 (docs/implementations.md#registering-an-implementation): q, k [B, Tp, H, K]; v [B, Tp, HV, V];
-g, beta [B, Tp, HV]; the mask [Bm, Tm, Hm, r, r]; a float32 initial state [B, HV, K, V]; the scale
-(a Python float or a scalar float32 array) and the chunk size. Tp is T padded to a multiple of
-the chunk with no-op tokens when `pads_time`. It returns (o [B, Tp, HV, V], final [B, HV, K, V]
-float32). `varlen` is the packed form (cu_seqlens, docs/varlen.md): B = 1, T not padded, an
-initial state per sequence.
+g, beta [B, Tp, HV] (g clamped at RESET_LOG_DECAY); the mask [Bm, Tm, Hm, r, r]; a float32
+initial state [B, HV, K, V]; the scale (a Python float) and the chunk size. Tp is T padded with
+no-op tokens to a multiple of `time_multiple` (`run_padded`). It returns (o [B, Tp, HV, V],
+final [B, HV, K, V] float32). `varlen` is the packed form (cu_seqlens, docs/varlen.md): B = 1,
+T not padded, an initial state per sequence.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import NamedTuple
+
+import jax.numpy as jnp
 
 from gdp_jax.ops.base import Implementation
+from pallas_kernels.common.gates import RESET_LOG_DECAY
 
-# A log-decay at or below this is a reset of the state (docs/chunked_form.md#resets): exp(-112) is
-# below the smallest float32 subnormal (1.4e-45, reached from g < -103.3), so it is exactly 0
-# whether or not the hardware flushes subnormals to zero (at -88, exp(g) is a subnormal that only
-# a flush makes 0). The jnp chunked form treats g <= RESET_LOG_DECAY as an exact reset, the
-# kernels clamp g at it (g = -inf would make -inf - (-inf) = nan), and the layers write it at a
-# document start. g = -inf is the exact reset.
-RESET_LOG_DECAY = -112.0
+__all__ = ["RESET_LOG_DECAY", "GatedDeltaProductImplementation", "Problem", "run_padded"]
+
+
+class Problem(NamedTuple):
+  """What an implementation's `unsupported` looks at in a call."""
+
+  dtype: jnp.dtype
+  key_dim: int
+  value_dim: int
+  key_blocks: int  # r
+  packed: bool  # cu_seqlens given
 
 
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaProductImplementation(Implementation):
-  """The operator's implementations (the module docstring says what they take).
+  """The operator's implementations (the module docstring says what they take)."""
 
-  pads_time: whether the caller pads T to a multiple of the chunk (the chunked forms) or not
-  (the recurrence, which ignores the chunk size).
-  """
-
-  pads_time: ClassVar[bool] = True
+  def time_multiple(self, chunk_size: int, key_blocks: int) -> int:
+    """T is padded to a multiple of this (1: not padded)."""
+    return chunk_size
 
   def __call__(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
     raise NotImplementedError
 
   def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
     raise NotImplementedError
+
+
+def run_padded(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
+  """`run` (an implementation) on any T: padded with no-op tokens (beta = g = 0, which change
+  nothing: docs/chunked_form.md#padding) to its `time_multiple`, o cut back."""
+  t_len = q.shape[1]
+  multiple = run.time_multiple(chunk_size, mask.shape[-1])
+  t_pad = -(-t_len // multiple) * multiple
+  if t_pad == t_len:
+    return run(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - t_len)] + [(0, 0)] * (x.ndim - 2))
+  mask = mask if mask.shape[1] == 1 else pad(mask)
+  arrays = (pad(q), pad(k), pad(v), pad(g), pad(beta), mask, initial_state)
+  o, final = run(*arrays, scale, chunk_size)
+  return o[:, :t_len], final

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from gdp_jax.ops.autodiff import in_forward_mode
 from gdp_jax.ops.gated_delta_product import context_parallel, xla
+from gdp_jax.ops.gated_delta_product.base import run_padded
 from gdp_jax.ops.partitioning import (
   ShardSpec,
   every_axis_manual,
@@ -136,22 +137,7 @@ class _Forward:
   def padded(self, q, k, values, g, beta, mask, start):
     """The implementation on a block or piece whose length need not be a multiple of the chunk
     (`padded_run`)."""
-    return padded_run(self.run, q, k, values, g, beta, mask, start, self.scale, self.chunk_size)
-
-
-def padded_run(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
-  """`run` (an implementation that takes T a multiple of the chunk) on any T: padded with no-op
-  tokens (beta = g = 0), o cut back. Under the partitioning each device pads its own block or
-  piece, so a sequence split stays where it is (docs/sharding.md#under-plain-jaxjit)."""
-  t_len = q.shape[1]
-  t_pad = -(-t_len // chunk_size) * chunk_size
-  if t_pad == t_len:
-    return run(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
-  pad = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - t_len)] + [(0, 0)] * (x.ndim - 2))
-  mask = mask if mask.shape[1] == 1 else pad(mask)
-  arrays = (pad(q), pad(k), pad(v), pad(g), pad(beta), mask, initial_state)
-  o, final = run(*arrays, scale, chunk_size)
-  return o[:, :t_len], final
+    return run_padded(self.run, q, k, values, g, beta, mask, start, self.scale, self.chunk_size)
 
 
 def _context_parallel(forward, sequence, q, k, v, g, beta, mask, h0):
@@ -257,7 +243,7 @@ def partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
   # inside shard_map (this device's block already), or forward mode: the implementation itself,
   # unpartitioned (its derivative, or its clear error while tracing)
   if every_axis_manual() or in_forward_mode((primals, scale)):
-    return padded_run(run, *primals, scale, chunk_size)
+    return run_padded(run, *primals, scale, chunk_size)
   if not isinstance(scale, (int, float)):
     o, final = partitioned(run, *primals, 1.0, chunk_size)
     return (o.astype(jnp.float32) * scale).astype(o.dtype), final
@@ -273,14 +259,14 @@ def differentiable(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size
   residuals have no layout of their own (T not a multiple of the chunk, or residuals
   `vjp_specs` cannot label) the implementation runs as it is and XLA partitions it."""
   if every_axis_manual():
-    return padded_run(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)
+    return run_padded(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)
   if not isinstance(scale, (int, float)):
     o, final = differentiable(run, q, k, v, g, beta, mask, initial_state, 1.0, chunk_size)
     return (o.astype(jnp.float32) * scale).astype(o.dtype), final
   primals = (q, k, v, g, beta, mask, initial_state)
   specs = _saving_specs(xla.Saving(run), float(scale), chunk_size, _avals(*primals))
   if specs is None:
-    return padded_run(run, *primals, scale, chunk_size)
+    return run_padded(run, *primals, scale, chunk_size)
   return every_mode_call(specs, *primals)
 
 

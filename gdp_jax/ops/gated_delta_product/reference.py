@@ -119,7 +119,10 @@ class ReferenceGatedDeltaProduct(GatedDeltaProductImplementation):
     "the definitions in float32 (the recurrence over time; paged decode position by position): "
     "the ground truth"
   )
-  pads_time: ClassVar[bool] = False
+  automatic: ClassVar[bool] = False
+
+  def time_multiple(self, chunk_size, key_blocks):
+    return 1  # a recurrence: no chunks
 
   def __call__(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
     del chunk_size

@@ -1,39 +1,15 @@
-"""`implementation="triton"` (what "pallas" resolves to today): the chunked form
-(docs/chunked_form.md) as Pallas kernels (pallas_kernels/triton/, docs/kernels.md).
+"""`implementation="triton"`: the chunked form (docs/chunked_form.md) as Pallas kernels through the
+Triton lowering (pallas_kernels/triton/, docs/kernels.md), one `jax.custom_vjp` for the plain and
+the packed form.
 
-Inputs arrive validated and padded in time by `gdp_jax.ops.gated_delta_product.api`. Here they are
-also padded in the feature axes so every kernel tile is a power of two of at least 16 (the Triton
-dot's minimum): each key block of dk = K / r columns to dkp, and V to Vp, with zeros, which
-changes nothing (a zero key column never touches the state; a zero value column stays zero).
-
-The pallas chunk: a chunk of BT tokens makes [BT*r, BT*r] chunk matrices that live in registers,
-so the kernels use BT = min(chunk_size, 64 // r) tokens, at least 16 (64 for r = 1, 32 for r = 2,
-16 for r = 4 and 8): at most 64 rows, 128 for r = 8. The result is the same function; only
-rounding differs.
-
-The forward is two fused kernels (docs/kernels.md "Fused forward kernels"): chunk_fwd (cumsum,
-KKT, inverse, w and u per chunk) and chunk_state_output (the state walk with the output). A call
-without gradient writes neither Ai nor h nor v_new. The backward recomputes w, u, h and v_new from
-the residuals gamma and Ai.
-
-Grouped value heads (HV value heads for H key heads, docs/varlen.md#grouped-value-heads): the
-forward kernels read key head h // (HV / H) through their index maps, so q and k stay
-[B, T, H, K] in the forward, in the residuals and in the backward's kernels too (index maps);
-dq and dk come per value head and are summed over each group (`sum_key_heads`).
-
-Packed sequences (`cu_seqlens`, docs/varlen.md): the forward kernels read q, k, v, g and beta
-straight from the packed row and write o there (masked loads and stores at each chunk's tokens),
-their per-chunk intermediates in the chunk-aligned layout, the state walks one program per
-sequence; the backward gathers the inputs into the chunk-aligned layout (`varlen.pack`) and its
-results back (`varlen.unpack`).
-
-One custom_vjp (`_gdp_core`) for both forms: the packing (`_Packing`: the layout and the kernels'
-tables) is None for the plain form, and every kernel takes its table as an optional argument.
-Non-finite inputs (docs/precision.md#non-finite-inputs): a thin guard around it (`_gdp_guarded`)
-runs the kernels once, on cleaned inputs, and marks the outputs a bad token spoils with nan
-(selects only, gdp_jax/ops/gated_delta_product/nonfinite.py). `backward="xla"` puts the jnp
-backward of the chunked form behind the kernels' forward (`_pallas_forward_xla_backward`, for
-debugging).
+Here the inputs are also padded in the feature axes so every tile is a power of two of at least
+16 (zeros change nothing), and the kernels chunk BT = min(chunk_size, 64 // r) tokens, at least 16.
+The forward is two fused kernels (chunk_fwd, chunk_state_output); a call without gradient writes
+neither the inverses nor the states. The backward recomputes w, u, h and v_new from the residuals
+gamma and Ai. Grouped value heads are read through the kernels' index maps (dq, dk summed per
+group). Packed sequences (docs/varlen.md): the forward reads the packed row in place, the backward
+gathers into the chunk-aligned layout. Non-finite inputs (docs/precision.md#non-finite-inputs):
+a guard runs the kernels once on cleaned inputs and marks the spoiled outputs (`_gdp_guarded`).
 """
 
 from __future__ import annotations
@@ -48,7 +24,7 @@ from jax.experimental import pallas as pl
 
 from gdp_jax.ops.autodiff import raise_if_differentiated, raise_if_forward_mode
 from gdp_jax.ops.gated_delta_product import nonfinite, varlen, xla_backward
-from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY, GatedDeltaProductImplementation
+from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation
 from gdp_jax.ops.gated_delta_product.xla_backward import reduce_dmask
 from gdp_jax.ops.heads import sum_key_heads
 from pallas_kernels.common import cumsum
@@ -141,7 +117,7 @@ def _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, chunk_k
   return o, final, (gcum, out[3] if save_ai else None)
 
 
-def _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai, kernels=None):
+def _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai):
   """The forward kernels on feature-padded inputs. Returns (o, final, (gcum, ai)); ai is None
   without save_ai (a call without gradient). q and k may have fewer (key) heads than v (grouped
   value heads). packing: None, or packed sequences (`_Packing`): the inputs are then the packed
@@ -149,8 +125,6 @@ def _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai, kern
   (`packing.chunks`) and chunk_state_output at each sequence's (`packing.sequences`), both with
   masked loads, and chunk_state_output writes o there; gcum and ai come back in the
   chunk-aligned layout and only a per-token mask is gathered into it."""
-  if kernels is not None:  # other forward kernels (gated_delta_product_pallas's `forward`)
-    return kernels(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai)
   if packing is None:
     return _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, {}, {})
   mask = _pack_mask(mask, packing)
@@ -162,31 +136,30 @@ def _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai, kern
 # ---- the kernels' custom_vjp: one for the plain and the packed form --------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
-def _gdp_core(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, kernels):
-  o, final, _ = _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, False, kernels)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _gdp_core(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
+  o, final, _ = _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, False)
   return o, final
 
 
-def _gdp_core_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, kernels):
+def _gdp_core_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
   # Residuals: the inputs as they came (the caller holds them anyway; q and k with their H key
   # heads; the packed row itself, no chunk-aligned copies), gamma ([B, HV, Tp] float32) and the
   # chunk inverses Ai ([B, HV, Tp*r, N] in the input dtype: as much memory as one [B, T, HV, N]
   # activation), both in the chunk-aligned layout, and the packing. The backward recomputes w, u
   # (wy.py) and h, v_new (chunk_h.py) from them.
   forward = raise_if_differentiated(
-    lambda *a: _forward(*a, packing, scale, bt, opts, True, kernels), NO_HIGHER_DERIVATIVES
+    lambda *a: _forward(*a, packing, scale, bt, opts, True), NO_HIGHER_DERIVATIVES
   )
   o, final, saved = forward(q, k, v, g, beta, mask, h0)
   return (o, final), (q, k, v, g, beta, mask, h0, saved, packing)
 
 
-def _gdp_core_bwd(scale, bt, opts, kernels, residuals, cotangents):
+def _gdp_core_bwd(scale, bt, opts, residuals, cotangents):
   *residuals, packing = residuals
-  if packing is None or residuals[-1][2:]:  # unpacked, or other kernels' stored walk (below)
+  if packing is None:
     backward = raise_if_differentiated(
-      functools.partial(_backward, scale, bt, opts, kernels=kernels, packing=packing),
-      NO_HIGHER_DERIVATIVES,
+      functools.partial(_backward, scale, bt, opts), NO_HIGHER_DERIVATIVES
     )
     return (*backward(tuple(residuals), cotangents), None)
   q, k, v, g, beta, mask, h0, (gcum, ai) = residuals
@@ -208,15 +181,10 @@ def _gdp_core_bwd(scale, bt, opts, kernels, residuals, cotangents):
   return (*map(unpack, (dq, dk, dv, dg, dbeta)), dmask, dh0, None)
 
 
-def _backward(scale, bt, opts, residuals, cotangents, table=None, kernels=None, packing=None):
-  """The backward kernels. residuals: the inputs and what the forward saved, `(gcum, ai)` from
-  the Triton forward, or `(None, None, walk)` from other forward kernels that stored their walk's
-  states, whose own backward then runs (`kernels.backward`: the Mosaic GPU kernels,
-  gdp_jax/ops/gated_delta_product/mosaic_gpu.py), packed sequences too (`packing`: the
-  residuals' token arrays are then the packed row)."""
-  q, k, v, g, beta, mask, h0, (gcum, ai, *stored) = residuals
-  if stored:
-    return kernels.backward(scale, residuals, cotangents, packing)
+def _backward(scale, bt, opts, residuals, cotangents, table=None):
+  """The backward kernels. residuals: the inputs and what the forward saved, `(gcum, ai)`;
+  table: the packed sequences' walk table (the residuals then in the chunk-aligned layout)."""
+  q, k, v, g, beta, mask, h0, (gcum, ai) = residuals
   do, dfinal = cotangents
   # Grouped value heads: the backward kernels run over the HV value heads and read q and k at key
   # head h // group through their index maps; dq, dk come per value head, summed over each group.
@@ -324,27 +292,27 @@ def _cleaner(packing):
   return _packed_cleaner(packing)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
-def _gdp_guarded(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, kernels):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _gdp_guarded(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
   """`_gdp_core` causal under non-finite inputs (the section's comment); per sequence with
   packed sequences."""
   cleaned, marks = _cleaner(packing)(q, k, v, g, beta, mask)
   # Without a gradient q stays as it is (one select pass less): a bad q spoils only its own
   # token's output, which is marked anyway (the backward needs it clean: `_gdp_guarded_fwd`).
-  o, final = _gdp_core(q, *cleaned[1:], h0, packing, scale, bt, opts, kernels)
+  o, final = _gdp_core(q, *cleaned[1:], h0, packing, scale, bt, opts)
   return nonfinite.mark(o, final, marks)
 
 
-def _gdp_guarded_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, kernels):
+def _gdp_guarded_fwd(q, k, v, g, beta, mask, h0, packing, scale, bt, opts):
   cleaned, marks = _cleaner(packing)(q, k, v, g, beta, mask)
-  (o, final), residuals = _gdp_core_fwd(*cleaned, h0, packing, scale, bt, opts, kernels)
+  (o, final), residuals = _gdp_core_fwd(*cleaned, h0, packing, scale, bt, opts)
   return nonfinite.mark(o, final, marks), (residuals, marks)
 
 
-def _gdp_guarded_bwd(scale, bt, opts, kernels, residuals, cotangents):
+def _gdp_guarded_bwd(scale, bt, opts, residuals, cotangents):
   residuals, marks = residuals
   cotangents = nonfinite.mark_cotangents(*cotangents, marks)
-  return _gdp_core_bwd(scale, bt, opts, kernels, residuals, cotangents)
+  return _gdp_core_bwd(scale, bt, opts, residuals, cotangents)
 
 
 _gdp_guarded.defvjp(_gdp_guarded_fwd, _gdp_guarded_bwd)
@@ -383,16 +351,10 @@ def _pack_mask(mask, packing):
   return mask if mask.shape[1] == 1 else _pack_padded(mask, packing)
 
 
-def _clean_packed(offsets, empty, q, k, v, g, beta, mask):
-  """`varlen.clean` on the packed row: a bad token marks its own sequence from it on and that
-  sequence's final state; an empty sequence's final state (its initial state) never."""
-  cleaned, marks = varlen.clean(q, k, v, g, beta, mask, offsets)
-  return cleaned, marks._replace(final=marks.final & ~empty[:, None])
-
-
 def _packed_cleaner(packing):
-  lay = packing.layout
-  return functools.partial(_clean_packed, lay.cu_seqlens, lay.empty)
+  """`varlen.clean` on the packed row: a bad token marks its own sequence from it on and that
+  sequence's final state (never an empty sequence's)."""
+  return lambda *inputs: varlen.clean(*inputs, packing.layout.cu_seqlens)
 
 
 # ---- the entry points ------------------------------------------------------------------------
@@ -411,61 +373,47 @@ def gated_delta_product_pallas(
   cu_seqlens=None,
   *,
   options=None,
-  backward="pallas",
   precision=None,
-  forward=None,
 ):
   """q, k [B, Tp, H, K]; v [B, Tp, HV, V]; g, beta [B, Tp, HV]; mask [Bm, Tm, Hm, r, r];
-  initial_state [B, HV, K, V] f32 -> (o [B, Tp, HV, V] in q's dtype, final [B, HV, K, V] f32).
+  initial_state [B, HV, K, V] f32; scale a Python number -> (o [B, Tp, HV, V] in q's dtype,
+  final [B, HV, K, V] f32).
 
   Differentiable in every input (jax.custom_vjp); the padding around the kernels is plain jnp.
   options: a `KernelOptions` (precision, launch parameters); None picks the heuristic's.
   precision: the kernels' float32 matmul precision ("tf32", "tf32x3", "ieee"); overrides
     options.precision when given.
-  backward: "pallas" (the backward kernels) or "xla" (the jnp backward of xla_backward.py behind
-    the Pallas forward, for debugging).
-  scale: a Python number is passed to the kernels; an array (a traced scale under `jax.jit`, a
-    learned one) runs them with 1 and multiplies o afterwards (o is linear in the scale).
-  Grouped value heads (HV a multiple of H): the forward kernels read key head i // (HV // H) for
-  value head i through their index maps (no repeated copy of q and k), the backward kernels too;
-  dq and dk are summed over each group.
-  Non-finite inputs: a nan or inf at token t changes nothing before t, forward and gradients
-  (`_gdp_guarded`, docs/precision.md#non-finite-inputs).
-  forward: None (the Triton forward kernels) or other forward kernels behind the same backward: a
-    module-level function `(q, k, v, g, beta, mask, h0, packing, scale, bt, options, save_ai) ->
-    (o, final, (gamma, ai))` on the kernels' operands (`_forward`'s contract), as
-    implementation="mosaic_gpu" gives (gdp_jax/ops/gated_delta_product/mosaic_gpu.py).
+  Grouped value heads (HV a multiple of H): the kernels read key head i // (HV // H) for value
+  head i through their index maps (no repeated copy of q and k); dq and dk are summed over each
+  group. Non-finite inputs: a nan or inf at token t changes nothing before t, forward and
+  gradients (`_gdp_guarded`, docs/precision.md#non-finite-inputs).
 
   cu_seqlens: None, or packed sequences (docs/varlen.md): q, k [1, T, H, K]; v [1, T, HV, V];
   g, beta [1, T, HV]; mask [1, Tm, Hm, r, r]; initial_state [N, HV, K, V] float32; cu_seqlens
-  [N + 1] int (T not padded) -> (o [1, T, HV, V], final [N, HV, K, V]). The kernels work on the
-  chunk-aligned layout at their chunk BT (`varlen.layout`, `pallas_chunk`): the forward reads q,
-  k, v, g and beta in place in the packed row and writes o there; the backward gathers its
-  operands into that layout. The state walks (chunk_state_output, chunk_h, bwd_dhu) run one
-  program per (V tile, sequence, head) over that sequence's chunks (`varlen.sequence_chunks`,
-  pallas_kernels/common/packed.py). A non-finite input spoils its own sequence only.
+  [N + 1] int (T not padded) -> (o [1, T, HV, V], final [N, HV, K, V]). The forward reads the
+  packed row in place; the backward gathers its operands into the chunk-aligned layout
+  (`varlen.layout`); the state walks run one program per (V tile, sequence, head).
   """
   args = (q, k, v, g, beta, mask, initial_state)
   # forward mode through the custom_vjp: a clear error while tracing
   raise_if_forward_mode((args, scale), NO_HIGHER_DERIVATIVES)
-  kw = dict(options=options, backward=backward, precision=precision, forward=forward)
-  return _run_scaled(_gated_delta_product_pallas, args, scale, (chunk_size, cu_seqlens), kw)
+  t_len, dim_k, dim_v = q.shape[1], q.shape[-1], v.shape[-1]
+  r = mask.shape[-1]
+  bt = pallas_chunk(chunk_size, r)
+  packing = None if cu_seqlens is None else _packing(cu_seqlens, t_len, bt)
+  q, k, v, h0, options = _kernel_inputs(q, k, v, initial_state, r, options, precision)
+  core = _gdp_guarded if options.nonfinite_guard else _gdp_core
+  mask = mask.astype(jnp.float32)
+  o, final = core(q, k, v, g, beta, mask, h0, packing, scale, bt, options)
+  o = o[..., :dim_v]
+  final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
+  return o, final
 
 
-def _run_scaled(inner, args, scale, rest, kw):
-  """inner(*args, scale, *rest, **kw): a Python-number scale goes to the kernels; an array (a
-  traced or learned scale) runs them with 1 and multiplies o afterwards (o is linear in the
-  scale)."""
-  if not isinstance(scale, (int, float)):
-    o, final = _run_scaled(inner, args, 1.0, rest, kw)
-    return (o.astype(jnp.float32) * scale).astype(o.dtype), final
-  return inner(*args, scale, *rest, **kw)
-
-
-def _kernel_inputs(q, k, v, g, initial_state, r, options, precision):
+def _kernel_inputs(q, k, v, initial_state, r, options, precision):
   """The kernels' operands and options: q, k and the state's key blocks padded to a power of two
-  >= 16, V likewise (`padded_dims`); g clamped at RESET_LOG_DECAY; the options (the heuristic's
-  when None) at `precision` when given. Returns (q, k, v, g, h0, options)."""
+  >= 16, V likewise (`padded_dims`); the options (the heuristic's when None) at `precision` when
+  given. Returns (q, k, v, h0, options)."""
   dim_k, dim_v = q.shape[-1], v.shape[-1]
   dkp, vp = padded_dims(dim_k, dim_v, r)
   q = pad_key_blocks(q, r, dkp)
@@ -478,97 +426,7 @@ def _kernel_inputs(q, k, v, g, initial_state, r, options, precision):
     )
   if precision is not None:
     options = options.replace(precision=precision)
-  # A reset (g = -inf) would make the kernels' chunk-local gamma -inf and their decay differences
-  # -inf - (-inf) = nan. Clamped to RESET_LOG_DECAY its exp is still 0 in float32 (a reset), and
-  # the decays after it inside the chunk stay finite (their exponents lose about 1e-5 of
-  # precision; the kernels' own handling, docs/chunked_form.md#resets, would make it exact).
-  g = jnp.maximum(g, jnp.asarray(RESET_LOG_DECAY, g.dtype))  # (a nan g stays nan)
-  return q, k, v, g, h0, options
-
-
-def _gated_delta_product_pallas(
-  q,
-  k,
-  v,
-  g,
-  beta,
-  mask,
-  initial_state,
-  scale,
-  chunk_size,
-  cu_seqlens,
-  *,
-  options,
-  backward,
-  precision,
-  forward,
-):
-  if backward == "xla":
-    return _pallas_forward_xla_backward(
-      q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
-    )
-  t_len, dim_k, dim_v = q.shape[1], q.shape[-1], v.shape[-1]
-  r = mask.shape[-1]
-  bt = pallas_chunk(chunk_size, r)
-  packing = None if cu_seqlens is None else _packing(cu_seqlens, t_len, bt)
-  q, k, v, g, h0, options = _kernel_inputs(q, k, v, g, initial_state, r, options, precision)
-  core = _gdp_guarded if options.nonfinite_guard else _gdp_core
-  mask = mask.astype(jnp.float32)
-  o, final = core(q, k, v, g, beta, mask, h0, packing, scale, bt, options, forward)
-  o = o[..., :dim_v]
-  final = unpad_key_blocks(final[..., :dim_v], r, dim_k // r, axis=-2)
-  return o, final
-
-
-# ---- backward="xla": the kernels' forward, the jnp backward (debugging) ----------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
-def _pallas_forward_xla_backward(
-  q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
-):
-  """The Pallas forward with the jnp backward of the chunked form (`backward="xla"`; packed
-  sequences too, with cu_seqlens)."""
-  return gated_delta_product_pallas(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    mask,
-    initial_state,
-    scale,
-    chunk_size,
-    cu_seqlens,
-    options=options,
-    precision=precision,
-  )
-
-
-def _pallas_forward_xla_backward_fwd(
-  q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
-):
-  out = _pallas_forward_xla_backward(
-    q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk_size, options, precision
-  )
-  return out, (q, k, v, g, beta, mask, initial_state, cu_seqlens)
-
-
-def _pallas_forward_xla_backward_bwd(scale, chunk_size, options, precision, residuals, cotangents):
-  *primals, cu_seqlens = residuals
-  do, dfinal = cotangents
-  if cu_seqlens is None:
-    grads = xla_backward.gated_delta_product_xla_bwd(*primals, scale, chunk_size, do, dfinal)
-  else:
-    grads = xla_backward.gated_delta_product_xla_varlen_bwd(
-      *primals, scale, chunk_size, cu_seqlens, do, dfinal
-    )
-  return tuple(grads) + (None,)
-
-
-_pallas_forward_xla_backward.defvjp(
-  _pallas_forward_xla_backward_fwd, _pallas_forward_xla_backward_bwd
-)
+  return q, k, v, h0, options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -613,16 +471,20 @@ class TritonGatedDeltaProduct(GatedDeltaProductImplementation):
           precision=self.precision or "tf32",
         )
       options = options.replace(nonfinite_guard=self.nonfinite_guard)
-    return dict(options=options, backward=self.backward, precision=self.precision)
+    return dict(options=options, precision=self.precision)
+
+  def serves(self, capability):
+    return capability >= (8, 0)
 
   def __call__(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
-    config = self._options(q, v, mask)
-    return gated_delta_product_pallas(
-      q, k, v, g, beta, mask, initial_state, scale, chunk_size, **config
-    )
+    return self._run(q, k, v, g, beta, mask, initial_state, scale, chunk_size, None)
 
   def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
-    config = self._options(q, v, mask)
-    return gated_delta_product_pallas(
-      q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens, **config
-    )
+    return self._run(q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens)
+
+  def _run(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
+    args = (q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens)
+    if self.backward == "xla":
+      forward = self.replace(backward="pallas")
+      return xla_backward.with_xla_backward(forward, *args[:7], cu_seqlens, scale, chunk_size)
+    return gated_delta_product_pallas(*args, **self._options(q, v, mask))

@@ -43,30 +43,30 @@ HIGHEST = jax.lax.Precision.HIGHEST
 f32 = jnp.float32
 
 
-def _einsum(spec, *xs):
+def einsum_f32(spec, *xs):
   return jnp.einsum(spec, *xs, precision=HIGHEST)
 
 
-def _chunks(x, chunk, axis):
+def split_chunks(x, chunk, axis):
   """Split `axis` (length Tp) into (Tp // chunk, chunk)."""
   shape = x.shape
   return x.reshape(shape[:axis] + (shape[axis] // chunk, chunk) + shape[axis + 1 :])
 
 
-def _head_major_chunks(x, chunk):
+def head_major_chunks(x, chunk):
   """[B, Tp, H, D] -> [B, H, NT, chunk, D] float32."""
   x = jnp.moveaxis(x.astype(f32), 2, 1)
-  return _chunks(x, chunk, 2)
+  return split_chunks(x, chunk, 2)
 
 
-def _mask_chunks(mask, batch, heads, t_len, chunk):
+def mask_chunks(mask, batch, heads, t_len, chunk):
   """[Bm, Tm, Hm, r, r] -> [B, H, NT, chunk, r, r] float32 (broadcast)."""
   r = mask.shape[-1]
   mask = jnp.broadcast_to(mask.astype(f32), (batch, t_len, heads, r, r))
-  return _chunks(jnp.moveaxis(mask, 2, 1), chunk, 2)
+  return split_chunks(jnp.moveaxis(mask, 2, 1), chunk, 2)
 
 
-def _decay(gc, inclusive, seg=None):
+def chunk_decay(gc, inclusive, seg=None):
   """exp(gamma_t - gamma_s) where s < t (s <= t if inclusive) and no reset lies in (s, t], else
   exactly 0: [..., C, C].
 
@@ -83,14 +83,14 @@ def _decay(gc, inclusive, seg=None):
   return jnp.exp(jnp.where(causal, diff, -jnp.inf))
 
 
-def _from_start(gc, seg=None):
+def decay_from_start(gc, seg=None):
   """exp(gamma_t), the decay from the chunk's start to the end of token t: 0 after a reset."""
   if seg is None:
     return jnp.exp(gc)
   return jnp.exp(jnp.where(seg == 0, gc, -jnp.inf))
 
 
-def _to_end(gc, seg=None):
+def decay_to_end(gc, seg=None):
   """exp(gamma_L - gamma_t), the decay from the end of token t to the chunk's end L: 0 when a
   reset lies in (t, L]."""
   diff = gc[..., -1:] - gc
@@ -106,7 +106,7 @@ def _to_end(gc, seg=None):
 
 def chunk_local_cumsum(g, chunk):
   """gamma: the cumulative sum of g from each chunk's start (inclusive). g: [B, H, Tp]."""
-  return _chunks(g.astype(f32), chunk, 2).cumsum(-1).reshape(g.shape)
+  return split_chunks(g.astype(f32), chunk, 2).cumsum(-1).reshape(g.shape)
 
 
 def resets(g):
@@ -124,7 +124,7 @@ def gate_cumsum(g, chunk):
   """
   reset = resets(g)
   gcum = chunk_local_cumsum(jnp.where(reset, 0.0, g.astype(f32)), chunk)
-  seg = _chunks(reset.astype(jnp.int32), chunk, 2).cumsum(-1).reshape(g.shape)
+  seg = split_chunks(reset.astype(jnp.int32), chunk, 2).cumsum(-1).reshape(g.shape)
   return gcum, seg
 
 
@@ -138,11 +138,11 @@ def chunk_kkt(k, beta, mask, gcum, chunk, seg=None):
   """
   bsz, t_len, heads, dim_k = k.shape
   r = mask.shape[-1]
-  kc = _head_major_chunks(k, chunk).reshape(bsz, heads, t_len // chunk, chunk, r, dim_k // r)
-  mc = _mask_chunks(mask, bsz, heads, t_len, chunk)  # [B,H,NT,C,r,r]
-  bc = _chunks(beta.astype(f32), chunk, 2)  # [B,H,NT,C]
-  dec = _decay(_chunks(gcum, chunk, 2), False, _seg_chunks(seg, chunk))  # [B,H,NT,C,C]
-  kk = _einsum("zyntbd,zynsbd->zyntsb", kc, kc)  # <k_t^(b), k_s^(b)>
+  kc = head_major_chunks(k, chunk).reshape(bsz, heads, t_len // chunk, chunk, r, dim_k // r)
+  mc = mask_chunks(mask, bsz, heads, t_len, chunk)  # [B,H,NT,C,r,r]
+  bc = split_chunks(beta.astype(f32), chunk, 2)  # [B,H,NT,C]
+  dec = chunk_decay(split_chunks(gcum, chunk, 2), False, seg_chunks(seg, chunk))  # [B,H,NT,C,C]
+  kk = einsum_f32("zyntbd,zynsbd->zyntsb", kc, kc)  # <k_t^(b), k_s^(b)>
   a = (
     bc[..., :, None, None, None]
     * mc[..., :, :, None, :]  # [B,H,NT,t,a,s,b]
@@ -165,7 +165,7 @@ def _unit_lower_inverse(m):
   h = n // 2
   x11 = _unit_lower_inverse(m[..., :h, :h])
   x22 = _unit_lower_inverse(m[..., h:, h:])
-  x21 = -_einsum("...ij,...jk,...kl->...il", x22, m[..., h:, :h], x11)
+  x21 = -einsum_f32("...ij,...jk,...kl->...il", x22, m[..., h:, :h], x11)
   top = jnp.concatenate([x11, jnp.zeros(x11.shape[:-1] + (n - h,), m.dtype)], axis=-1)
   return jnp.concatenate([top, jnp.concatenate([x21, x22], axis=-1)], axis=-2)
 
@@ -179,16 +179,16 @@ def solve_tril(a, chunk_rows):
   return inv.reshape(a.shape)
 
 
-def _seg_chunks(seg, chunk):
-  return None if seg is None else _chunks(seg, chunk, 2)
+def seg_chunks(seg, chunk):
+  return None if seg is None else split_chunks(seg, chunk, 2)
 
 
 def _masked_keys(k, mask, chunk):
   """W~ / beta: row (t,a) = [M_t[a,0] k_t^(0), ..., M_t[a,r-1] k_t^(r-1)]. [B,H,NT,C,r,K]."""
   bsz, t_len, heads, dim_k = k.shape
   r = mask.shape[-1]
-  kc = _head_major_chunks(k, chunk).reshape(bsz, heads, t_len // chunk, chunk, r, dim_k // r)
-  mc = _mask_chunks(mask, bsz, heads, t_len, chunk)
+  kc = head_major_chunks(k, chunk).reshape(bsz, heads, t_len // chunk, chunk, r, dim_k // r)
+  mc = mask_chunks(mask, bsz, heads, t_len, chunk)
   kw = mc[..., :, :, :, None] * kc[..., :, None, :, :]  # [.., t, a, d, dk]
   return kw.reshape(bsz, heads, t_len // chunk, chunk, r, dim_k)
 
@@ -200,16 +200,16 @@ def recompute_w_u(k, v, beta, mask, gcum, ai, chunk, seg=None):
   r = mask.shape[-1]
   n = chunk * r
   nt = t_len // chunk
-  bc = _chunks(beta.astype(f32), chunk, 2)
-  gc = _chunks(gcum, chunk, 2)
-  w_tilde = (bc * _from_start(gc, _seg_chunks(seg, chunk)))[..., None, None] * _masked_keys(
+  bc = split_chunks(beta.astype(f32), chunk, 2)
+  gc = split_chunks(gcum, chunk, 2)
+  w_tilde = (bc * decay_from_start(gc, seg_chunks(seg, chunk)))[..., None, None] * _masked_keys(
     k, mask, chunk
   )
-  u_tilde = bc[..., None, None] * _head_major_chunks(v, chunk)[..., :, None, :]
+  u_tilde = bc[..., None, None] * head_major_chunks(v, chunk)[..., :, None, :]
   u_tilde = jnp.broadcast_to(u_tilde, (bsz, heads, nt, chunk, r, dim_v))
   aic = ai.reshape(bsz, heads, nt, n, n)
-  w = _einsum("zynij,zynjk->zynik", aic, w_tilde.reshape(bsz, heads, nt, n, dim_k))
-  u = _einsum("zynij,zynjv->zyniv", aic, u_tilde.reshape(bsz, heads, nt, n, dim_v))
+  w = einsum_f32("zynij,zynjk->zynik", aic, w_tilde.reshape(bsz, heads, nt, n, dim_k))
+  u = einsum_f32("zynij,zynjv->zyniv", aic, u_tilde.reshape(bsz, heads, nt, n, dim_v))
   return w.reshape(bsz, heads, t_len * r, dim_k), u.reshape(bsz, heads, t_len * r, dim_v)
 
 
@@ -219,9 +219,9 @@ def _walk_chunks(k, w, u, gcum, chunk, seg):
   bsz, t_len, heads, dim_k = k.shape
   r = w.shape[2] // t_len
   nt, n = t_len // chunk, chunk * r
-  kc = _head_major_chunks(k, chunk).reshape(bsz, heads, nt, chunk, r, dim_k // r)
-  gc = _chunks(gcum, chunk, 2)
-  sc = _chunks(jnp.zeros(gcum.shape, jnp.int32) if seg is None else seg, chunk, 2)
+  kc = head_major_chunks(k, chunk).reshape(bsz, heads, nt, chunk, r, dim_k // r)
+  gc = split_chunks(gcum, chunk, 2)
+  sc = split_chunks(jnp.zeros(gcum.shape, jnp.int32) if seg is None else seg, chunk, 2)
   wc = w.astype(f32).reshape(bsz, heads, nt, n, dim_k)
   uc = u.astype(f32).reshape(bsz, heads, nt, n, u.shape[-1])
   return kc, gc, sc, wc, uc
@@ -231,10 +231,10 @@ def _walk_step(state, k_c, g_c, s_c, w_c, u_c):
   """One chunk of the state walk: (the state after it, v_new [B, H, N, V]) from the state
   entering it (docs/chunked_form.md#the-state-update-and-the-output)."""
   bsz, heads, chunk, r, _ = k_c.shape
-  v_new = u_c - _einsum("zyik,zykv->zyiv", w_c, state)  # [B,H,N,V]
-  k_dec = k_c * _to_end(g_c, s_c)[..., None, None]
-  upd = _einsum("zytad,zytav->zyadv", k_dec, v_new.reshape(bsz, heads, chunk, r, -1))
-  decay = _from_start(g_c, s_c)[..., -1]  # exp(gamma_L)
+  v_new = u_c - einsum_f32("zyik,zykv->zyiv", w_c, state)  # [B,H,N,V]
+  k_dec = k_c * decay_to_end(g_c, s_c)[..., None, None]
+  upd = einsum_f32("zytad,zytav->zyadv", k_dec, v_new.reshape(bsz, heads, chunk, r, -1))
+  decay = decay_from_start(g_c, s_c)[..., -1]  # exp(gamma_L)
   return decay[..., None, None] * state + upd.reshape(state.shape), v_new
 
 
@@ -313,19 +313,19 @@ def chunk_output(q, k, v_new, h, gcum, scale, chunk, seg=None):
   dim_v = v_new.shape[-1]
   r = v_new.shape[2] // t_len
   nt = t_len // chunk
-  qc = _head_major_chunks(q, chunk)
-  kc = _head_major_chunks(k, chunk)
-  gc = _chunks(gcum, chunk, 2)
+  qc = head_major_chunks(q, chunk)
+  kc = head_major_chunks(k, chunk)
+  gc = split_chunks(gcum, chunk, 2)
   vc = v_new.astype(f32).reshape(bsz, heads, nt, chunk, r, dim_v)
-  sc = _seg_chunks(seg, chunk)
-  inter = _from_start(gc, sc)[..., None] * _einsum("zyntk,zynkv->zyntv", qc, h)
-  qk = _einsum(
+  sc = seg_chunks(seg, chunk)
+  inter = decay_from_start(gc, sc)[..., None] * einsum_f32("zyntk,zynkv->zyntv", qc, h)
+  qk = einsum_f32(
     "zyntad,zynsad->zyntsa",
     qc.reshape(qc.shape[:-1] + (r, dim_k // r)),
     kc.reshape(kc.shape[:-1] + (r, dim_k // r)),
   )
-  qk = qk * _decay(gc, True, sc)[..., None]
-  intra = _einsum("zyntsa,zynsav->zyntv", qk, vc)
+  qk = qk * chunk_decay(gc, True, sc)[..., None]
+  intra = einsum_f32("zyntsa,zynsav->zyntv", qk, vc)
   o = scale * (inter + intra)  # [B,H,NT,C,V]
   return jnp.moveaxis(o.reshape(bsz, heads, t_len, dim_v), 1, 2)
 

@@ -58,10 +58,11 @@ dependence of w is handled entirely in stage 4, so stage 3 needs no w (a formula
 ungated w, v_new = u - exp(gamma) w S0, would add -<w, dw exp(gamma)> to dg in stage 3 instead).
 
 Exactness: every exp of a gamma difference that could be positive is masked before `exp`
-(`xla._decay`); padded tokens (beta = 0, g = 0) give exact zeros wherever they should. Resets
+(`xla.chunk_decay`); padded tokens (beta = 0, g = 0) give exact zeros wherever they should. Resets
 (g <= xla.RESET_LOG_DECAY, g = -inf included) enter as in the forward: gamma counts them as 0 and
-every decay across one is a masked (exact) zero (`xla.gate_cumsum`, `_from_start`, `_to_end`,
-docs/chunked_form.md#resets), so a reset's dg is 0 and no -inf - (-inf) is ever formed. Non-finite
+every decay across one is a masked (exact) zero (`xla.gate_cumsum`, `decay_from_start`,
+`decay_to_end`, docs/chunked_form.md#resets), so a reset's dg is 0 and no -inf - (-inf) is ever
+formed. Non-finite
 inputs are cleaned and their outputs marked as in the forward
 (gdp_jax/ops/gated_delta_product/nonfinite.py).
 
@@ -75,21 +76,23 @@ may be shared, per head or per token.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from gdp_jax.ops.gated_delta_product import nonfinite, varlen
 from gdp_jax.ops.gated_delta_product import xla as _xla
 from gdp_jax.ops.gated_delta_product.xla import (
-  _chunks,
-  _decay,
-  _einsum,
-  _from_start,
-  _head_major_chunks,
-  _mask_chunks,
-  _seg_chunks,
-  _to_end,
+  chunk_decay,
+  decay_from_start,
+  decay_to_end,
+  einsum_f32,
   f32,
+  head_major_chunks,
+  mask_chunks,
+  seg_chunks,
+  split_chunks,
 )
 from gdp_jax.ops.heads import expand_key_heads, sum_key_heads
 
@@ -109,7 +112,7 @@ __all__ = [
 def _blocks(x, chunk, r):
   """[B, Tp, H, K] -> [B, H, NT, C, r, dk] float32."""
   bsz, t_len, heads, dim = x.shape
-  return _head_major_chunks(x, chunk).reshape(bsz, heads, t_len // chunk, chunk, r, dim // r)
+  return head_major_chunks(x, chunk).reshape(bsz, heads, t_len // chunk, chunk, r, dim // r)
 
 
 def _to_time_major(x):
@@ -140,11 +143,11 @@ def chunk_bwd_dv_local(q, k, gcum, do, scale, chunk, r, seg=None):
   bsz, t_len, heads, _ = q.shape
   dim_v = do.shape[-1]
   qc, kc = _blocks(q, chunk, r), _blocks(k, chunk, r)
-  doc = _head_major_chunks(do, chunk)  # [B,H,NT,C,V]
-  gc = _chunks(gcum, chunk, 2)
-  qk = _einsum("zyntad,zynsad->zyntsa", qc, kc)  # <q_t^(a), k_s^(a)>
-  p = scale * qk * _decay(gc, True, _seg_chunks(seg, chunk))[..., None]
-  dv = _einsum("zyntsa,zyntv->zynsav", p, doc)
+  doc = head_major_chunks(do, chunk)  # [B,H,NT,C,V]
+  gc = split_chunks(gcum, chunk, 2)
+  qk = einsum_f32("zyntad,zynsad->zyntsa", qc, kc)  # <q_t^(a), k_s^(a)>
+  p = scale * qk * chunk_decay(gc, True, seg_chunks(seg, chunk))[..., None]
+  dv = einsum_f32("zyntsa,zyntv->zynsav", p, doc)
   return dv.reshape(bsz, heads, t_len * r, dim_v)
 
 
@@ -186,12 +189,12 @@ def _dhu_inputs(q, k, w, gcum, do, dv_local, chunk, seg):
   r = w.shape[2] // t_len
   nt = t_len // chunk
   n = chunk * r
-  qc = _head_major_chunks(q, chunk)  # [B,H,NT,C,K]
+  qc = head_major_chunks(q, chunk)  # [B,H,NT,C,K]
   kc = _blocks(k, chunk, r)  # [B,H,NT,C,r,dk]
-  gc = _chunks(gcum, chunk, 2)
-  sc = _chunks(jnp.zeros(gcum.shape, jnp.int32) if seg is None else seg, chunk, 2)
+  gc = split_chunks(gcum, chunk, 2)
+  sc = split_chunks(jnp.zeros(gcum.shape, jnp.int32) if seg is None else seg, chunk, 2)
   wc = w.astype(f32).reshape(bsz, heads, nt, n, dim_k)
-  doc = _head_major_chunks(do, chunk)
+  doc = head_major_chunks(do, chunk)
   dvl = dv_local.astype(f32).reshape(bsz, heads, nt, n, dim_v)
   return tuple(jnp.moveaxis(x, 2, 0) for x in (qc, kc, gc, sc, wc, doc, dvl))
 
@@ -201,15 +204,15 @@ def _dhu_chunk(dh, q_c, k_c, g_c, s_c, w_c, do_c, dvl_c, scale):
   (dS0, the gradient of the state entering it; dv_new of the chunk)."""
   bsz, heads, _, r, dk = k_c.shape
   dim_v = dh.shape[-1]
-  from_start = _from_start(g_c, s_c)  # exp(gamma), [B,H,C]
-  k_dec = k_c * _to_end(g_c, s_c)[..., None, None]  # [B,H,C,r,dk]
-  dv_state = _einsum("zytad,zyadv->zytav", k_dec, dh.reshape(bsz, heads, r, dk, dim_v))
+  from_start = decay_from_start(g_c, s_c)  # exp(gamma), [B,H,C]
+  k_dec = k_c * decay_to_end(g_c, s_c)[..., None, None]  # [B,H,C,r,dk]
+  dv_state = einsum_f32("zytad,zyadv->zytav", k_dec, dh.reshape(bsz, heads, r, dk, dim_v))
   dv_new = dvl_c + dv_state.reshape(dvl_c.shape)
   q_dec = q_c * (scale * from_start)[..., None]
   ds0 = (
     from_start[..., -1, None, None] * dh
-    + _einsum("zytk,zytv->zykv", q_dec, do_c)
-    - _einsum("zyik,zyiv->zykv", w_c, dv_new)
+    + einsum_f32("zytk,zytv->zykv", q_dec, do_c)
+    - einsum_f32("zyik,zyiv->zykv", w_c, dv_new)
   )
   return ds0, dv_new
 
@@ -269,30 +272,30 @@ def chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk, seg=None
   dk = dim_k // r
   nt = t_len // chunk
   qc, kc = _blocks(q, chunk, r), _blocks(k, chunk, r)  # [B,H,NT,C,r,dk]
-  doc = _head_major_chunks(do, chunk)  # [B,H,NT,C,V]
+  doc = head_major_chunks(do, chunk)  # [B,H,NT,C,V]
   vn = _rows(v_new, chunk, r)  # [B,H,NT,C,r,V]
   dvn = dv_new.astype(f32).reshape(bsz, heads, nt, chunk * r, dim_v)
-  gc = _chunks(gcum, chunk, 2)  # [B,H,NT,C]
-  sc = _seg_chunks(seg, chunk)
-  from_start = _from_start(gc, sc)  # exp(gamma), [B,H,NT,C]
+  gc = split_chunks(gcum, chunk, 2)  # [B,H,NT,C]
+  sc = seg_chunks(seg, chunk)
+  from_start = decay_from_start(gc, sc)  # exp(gamma), [B,H,NT,C]
   hb = h.astype(f32).reshape(bsz, heads, nt, r, dk, dim_v)
   dhb = dh.astype(f32).reshape(bsz, heads, nt, r, dk, dim_v)
 
   # intra-chunk attention part of o
-  ds = _einsum("zyntv,zynsav->zyntsa", doc, vn)  # <do_t, v_new[(s,a)]>
-  ds = scale * ds * _decay(gc, True, sc)[..., None]
-  dq = _einsum("zyntsa,zynsad->zyntad", ds, kc)
-  dkk = _einsum("zyntsa,zyntad->zynsad", ds, qc)
-  z = ds * _einsum("zyntad,zynsad->zyntsa", qc, kc)
+  ds = einsum_f32("zyntv,zynsav->zyntsa", doc, vn)  # <do_t, v_new[(s,a)]>
+  ds = scale * ds * chunk_decay(gc, True, sc)[..., None]
+  dq = einsum_f32("zyntsa,zynsad->zyntad", ds, kc)
+  dkk = einsum_f32("zyntsa,zyntad->zynsad", ds, qc)
+  z = ds * einsum_f32("zyntad,zynsad->zyntsa", qc, kc)
   dg = z.sum((-2, -1)) - z.sum((-3, -1))
 
   # the inter-chunk part of o: scale exp(gamma_t) q_t^T S0
-  dq_inter = (scale * from_start)[..., None, None] * _einsum("zyntv,zynadv->zyntad", doc, hb)
+  dq_inter = (scale * from_start)[..., None, None] * einsum_f32("zyntv,zynadv->zyntad", doc, hb)
   dq = dq + dq_inter
   dg = dg + (dq_inter * qc).sum((-2, -1))
 
   # the state update: S_end^(a) = exp(g_L) S0^(a) + sum_t exp(g_L - g_t) k_t^(a) v_new[(t,a)]^T
-  dk_state = _to_end(gc, sc)[..., None, None] * _einsum("zyntav,zynadv->zyntad", vn, dhb)
+  dk_state = decay_to_end(gc, sc)[..., None, None] * einsum_f32("zyntav,zynadv->zyntad", vn, dhb)
   dkk = dkk + dk_state
   c = (dk_state * kc).sum((-2, -1))  # [B,H,NT,C]
   last = from_start[..., -1] * (hb * dhb).sum((-3, -2, -1)) + c.sum(-1)
@@ -300,7 +303,7 @@ def chunk_bwd_dqkwg(q, k, v_new, gcum, h, dh, do, dv_new, scale, chunk, seg=None
   dg = dg.at[..., -1].add(last)
 
   # v_new = u - w S0
-  dw = -_einsum("zyniv,zynkv->zynik", dvn, h.astype(f32))
+  dw = -einsum_f32("zyniv,zynkv->zynik", dvn, h.astype(f32))
 
   return (
     _to_time_major(dq),
@@ -338,12 +341,12 @@ def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, w=None, u=None, seg=None):
   nt = t_len // chunk
   n = chunk * r
   kc = _blocks(k, chunk, r)  # [B,H,NT,C,r,dk]
-  vc = _head_major_chunks(v, chunk)  # [B,H,NT,C,V]
-  mc = _mask_chunks(mask, bsz, heads, t_len, chunk)  # [B,H,NT,C,r,r]
-  bc = _chunks(beta.astype(f32), chunk, 2)  # [B,H,NT,C]
-  gc = _chunks(gcum, chunk, 2)
-  sc = _seg_chunks(seg, chunk)
-  eg = _from_start(gc, sc)
+  vc = head_major_chunks(v, chunk)  # [B,H,NT,C,V]
+  mc = mask_chunks(mask, bsz, heads, t_len, chunk)  # [B,H,NT,C,r,r]
+  bc = split_chunks(beta.astype(f32), chunk, 2)  # [B,H,NT,C]
+  gc = split_chunks(gcum, chunk, 2)
+  sc = seg_chunks(seg, chunk)
+  eg = decay_from_start(gc, sc)
   aic = ai.astype(f32).reshape(bsz, heads, nt, n, n)
   dwc = dw.astype(f32).reshape(bsz, heads, nt, n, dim_k)
   duc = du.astype(f32).reshape(bsz, heads, nt, n, dim_v)
@@ -353,20 +356,20 @@ def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, w=None, u=None, seg=None):
   w_tilde = (bc * eg)[..., None, None, None] * kw
   w_tilde = w_tilde.reshape(bsz, heads, nt, n, dim_k)
   if w is None:
-    w = _einsum("zynij,zynjk->zynik", aic, w_tilde)
+    w = einsum_f32("zynij,zynjk->zynik", aic, w_tilde)
   else:
     w = w.astype(f32).reshape(bsz, heads, nt, n, dim_k)
   if u is None:
     u_tilde = jnp.broadcast_to(
       (bc[..., None] * vc)[..., :, None, :], (bsz, heads, nt, chunk, r, dim_v)
     )
-    u = _einsum("zynij,zynjv->zyniv", aic, u_tilde.reshape(bsz, heads, nt, n, dim_v))
+    u = einsum_f32("zynij,zynjv->zyniv", aic, u_tilde.reshape(bsz, heads, nt, n, dim_v))
   else:
     u = u.astype(f32).reshape(bsz, heads, nt, n, dim_v)
 
   # through w = Ai W~, u = Ai U~
-  dwt = _einsum("zynji,zynjk->zynik", aic, dwc)  # Ai^T dw, [.., N, K]
-  dut = _einsum("zynji,zynjv->zyniv", aic, duc)  # Ai^T du, [.., N, V]
+  dwt = einsum_f32("zynji,zynjk->zynik", aic, dwc)  # Ai^T dw, [.., N, K]
+  dut = einsum_f32("zynji,zynjv->zyniv", aic, duc)  # Ai^T du, [.., N, V]
   dwt6 = dwt.reshape(bsz, heads, nt, chunk, r, r, dk)  # [.., t, a, b, dk]
   dut5 = dut.reshape(bsz, heads, nt, chunk, r, dim_v)
   kdw = (dwt6 * kc[..., :, None, :, :]).sum(-1)  # <dW~[(t,a),b], k_t^(b)>
@@ -377,16 +380,16 @@ def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, w=None, u=None, seg=None):
   dgc = (dwt * w_tilde).reshape(bsz, heads, nt, chunk, r * dim_k).sum(-1)
 
   # through Ai = (I + Ag)^-1: dAg = -Ai^T dAi Ai^T = -(dW~ w^T + dU~ u^T), token-strictly-lower
-  dag = -(_einsum("zynik,zynjk->zynij", dwt, w) + _einsum("zyniv,zynjv->zynij", dut, u))
+  dag = -(einsum_f32("zynik,zynjk->zynij", dwt, w) + einsum_f32("zyniv,zynjv->zynij", dut, u))
   dag = dag.reshape(bsz, heads, nt, chunk, r, chunk, r)  # [.., t, a, s, b]
-  e = dag * _decay(gc, False, sc)[..., :, None, :, None]  # zero unless t > s
-  kk = _einsum("zyntbd,zynsbd->zyntsb", kc, kc)  # <k_t^(b), k_s^(b)>
+  e = dag * chunk_decay(gc, False, sc)[..., :, None, :, None]  # zero unless t > s
+  kk = einsum_f32("zyntbd,zynsbd->zyntsb", kc, kc)  # <k_t^(b), k_s^(b)>
   ekk = (e * kk[..., :, None, :, :]).sum(-2)  # sum_s: [.., t, a, b]
   dbeta = dbeta + (mc * ekk).sum((-2, -1))
   dmask = dmask + bc[..., None, None] * ekk
   f = bc[..., None, None] * (mc[..., :, :, None, :] * e).sum(-3)  # [.., t, s, b]
   dk_out = dk_out + (
-    _einsum("zyntsb,zynsbd->zyntbd", f, kc) + _einsum("zyntsb,zyntbd->zynsbd", f, kc)
+    einsum_f32("zyntsb,zynsbd->zyntbd", f, kc) + einsum_f32("zyntsb,zyntbd->zynsbd", f, kc)
   )
   # gamma enters Ag through D: z[t,s] = sum_{a,b} (dAg * Ag)[(t,a),(s,b)] = sum_b F_b kk_b
   z = (f * kk).sum(-1)  # [.., t, s]
@@ -409,7 +412,7 @@ def wy_bwd(k, v, beta, mask, gcum, ai, dw, du, chunk, w=None, u=None, seg=None):
 
 def chunk_local_reverse_cumsum(dgcum, chunk):
   """dg_t = sum_{s >= t in t's chunk} dgcum_s: the vjp of `xla.chunk_local_cumsum`. [B,H,Tp]."""
-  x = _chunks(dgcum.astype(f32), chunk, 2)
+  x = split_chunks(dgcum.astype(f32), chunk, 2)
   return jnp.flip(jnp.flip(x, -1).cumsum(-1), -1).reshape(dgcum.shape)
 
 
@@ -503,3 +506,33 @@ def gated_delta_product_xla_varlen_bwd(
   )
   grads = nonfinite.clean_gradients(grads, primals)
   return _grouped(grads, primals, heads, dtypes) + (dh0.astype(initial_state.dtype),)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 9, 10))
+def with_xla_backward(forward, q, k, v, g, beta, mask, initial_state, cu_seqlens, scale, chunk):
+  """`forward` (an implementation, hashable) with this module's jnp backward of the chunked form
+  behind it: `backward="xla"` of the Pallas implementations, a debugging switch; packed
+  sequences too (cu_seqlens, else None)."""
+  args = (q, k, v, g, beta, mask, initial_state)
+  if cu_seqlens is None:
+    return forward(*args, scale, chunk)
+  return forward.varlen(*args, scale, chunk, cu_seqlens)
+
+
+def _with_xla_backward_fwd(forward, *primals):
+  *arrays, cu_seqlens, scale, chunk = primals
+  out = with_xla_backward(forward, *primals)
+  return out, (*arrays, cu_seqlens)
+
+
+def _with_xla_backward_bwd(forward, scale, chunk, residuals, cotangents):
+  *primals, cu_seqlens = residuals
+  do, dfinal = cotangents
+  if cu_seqlens is None:
+    grads = gated_delta_product_xla_bwd(*primals, scale, chunk, do, dfinal)
+  else:
+    grads = gated_delta_product_xla_varlen_bwd(*primals, scale, chunk, cu_seqlens, do, dfinal)
+  return (*grads, None)
+
+
+with_xla_backward.defvjp(_with_xla_backward_fwd, _with_xla_backward_bwd)

@@ -1,9 +1,8 @@
 """`gqa_decode` and `paged_gqa_decode`: the public functions (docs/inference.md): argument checks,
-normalisation and dispatch to an implementation (gdp_jax/ops/dispatch.py): "xla" (jnp, any
-backend; the ground truth for the kernels), "triton" (the Pallas kernels of
-`pallas_kernels/triton/inference/`, interpreted on CPU, slowly), "pallas" (the best Pallas
-backend) and, paged, "reference"; `implementation=None` picks the Pallas backend on a supported
-GPU and "xla" elsewhere.
+normalisation and their implementations in order of preference (gdp_jax/ops/registry.py):
+"triton" (the Pallas kernels of `pallas_kernels/triton/inference/`, interpreted on CPU, slowly),
+"xla" (jnp, any backend; the ground truth for the kernels) and, paged, "reference";
+`implementation=None` picks the Pallas backend on a supported GPU and "xla" elsewhere.
 """
 
 from __future__ import annotations
@@ -12,8 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdp_jax.ops import dispatch
+from gdp_jax.ops import registry
 from gdp_jax.ops.gqa_decode import partitioning
+from gdp_jax.ops.gqa_decode.reference import ReferencePagedGqaDecode
+from gdp_jax.ops.gqa_decode.triton import TritonGqaDecode, TritonPagedGqaDecode
+from gdp_jax.ops.gqa_decode.xla import XlaGqaDecode, XlaPagedGqaDecode
 from gdp_jax.ops.validation import (
   check_float,
   check_int32_values,
@@ -22,6 +24,10 @@ from gdp_jax.ops.validation import (
 )
 
 CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+REGISTRY = registry.Registry("gqa_decode", (TritonGqaDecode(), XlaGqaDecode()))
+PAGED_REGISTRY = registry.Registry(
+  "paged_gqa_decode", (TritonPagedGqaDecode(), XlaPagedGqaDecode(), ReferencePagedGqaDecode())
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,14 +195,13 @@ def gqa_decode(
   _check_heads(query, q_heads, key_cache, "key_cache")
   lengths = _check_lengths(lengths, batch)
   _check_new_tokens(query, tq, lengths, seq_len, "key_cache")
-  implementation = dispatch.resolve("gqa_decode", implementation)
+  run = REGISTRY.resolve(implementation)
   query, key_cache, value_cache = (jnp.asarray(x) for x in (query, key_cache, value_cache))
   # Clipped before the cast: an int64 length (x64) beyond int32 behaves as S, never wraps.
   lengths = jnp.clip(jnp.asarray(lengths), 0, seq_len).astype(jnp.int32)
   if 0 in (batch, tq, q_heads, dim, seq_len):
     return jnp.zeros(query.shape, jnp.float32)
-  run = dispatch.entry("gqa_decode", implementation)
-  if dispatch.is_pallas(implementation):
+  if run.pallas:
     # Inputs sharded over batch and heads under jax.jit: the kernels run per device
     # (docs/sharding.md#under-plain-jaxjit).
     run = partitioning.per_device(run, paged=False)
@@ -318,15 +323,14 @@ def paged_gqa_decode(
   capacity = max_pages * page_size
   block_tables = _check_block_tables(block_tables, batch, num_pages, lengths, capacity, page_size)
   _check_new_tokens(query, tq, lengths, capacity, "block_tables (max_pages * page_size)")
-  implementation = dispatch.resolve("paged_gqa_decode", implementation)
+  run = PAGED_REGISTRY.resolve(implementation)
   query, key_pages, value_pages = (jnp.asarray(x) for x in (query, key_pages, value_pages))
   lengths = jnp.clip(jnp.asarray(lengths), 0, capacity).astype(jnp.int32)
   if 0 in (batch, tq, q_heads, dim, capacity, num_pages):
     return jnp.zeros(query.shape, jnp.float32)
   # Clamped (and then cast: int64 ids never wrap): a bad traced id reads a real page.
   block_tables = jnp.clip(jnp.asarray(block_tables), 0, num_pages - 1).astype(jnp.int32)
-  run = dispatch.entry("paged_gqa_decode", implementation)
-  if dispatch.is_pallas(implementation):
+  if run.pallas:
     # Inputs sharded over batch and heads under jax.jit: the kernels run per device
     # (docs/sharding.md#under-plain-jaxjit).
     run = partitioning.per_device(run, paged=True)

@@ -40,6 +40,7 @@ def paged_gqa_decode_reference(query, key_pages, value_pages, block_tables, leng
 class ReferencePagedGqaDecode(Implementation):
   """As `XlaPagedGqaDecode` (gdp_jax/ops/gqa_decode/xla.py)."""
 
+  automatic: ClassVar[bool] = False
   name: ClassVar[str] = "reference"
   summary: ClassVar[str] = (
     "the definitions in float32 (the recurrence over time; paged decode position by position): "

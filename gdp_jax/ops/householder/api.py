@@ -33,11 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdp_jax.ops import dispatch
 from gdp_jax.ops.gated_delta_product import varlen
-from gdp_jax.ops.gated_delta_product.api import gated_delta_product
+from gdp_jax.ops.gated_delta_product.api import REGISTRY, gated_delta_product
+from gdp_jax.ops.gated_delta_product.base import Problem
 from gdp_jax.ops.householder import mosaic_gpu as householder_mosaic
 from gdp_jax.ops.householder.reference import householder_reference
+from gdp_jax.ops.step.api import REGISTRY as STEP_REGISTRY
 from gdp_jax.ops.step.api import gated_delta_product_step
 from gdp_jax.ops.validation import (
   CHUNK_SIZES,
@@ -76,11 +77,10 @@ def check_num_householder(num_householder):
   return int(num_householder)
 
 
-def _check_implementation(implementation, packed):
-  """The implementation's name, as the operator resolves it (with packed sequences, its
-  packed form's)."""
-  function = "gated_delta_product_varlen" if packed else "gated_delta_product"
-  return dispatch.resolve(function, implementation)
+def _check_implementation(implementation, q, v, packed):
+  """The implementation's name, as the operator resolves it for the r = 1 sub-step calls."""
+  problem = Problem(jnp.asarray(q).dtype, q.shape[-1], v.shape[-1], 1, packed)
+  return REGISTRY.resolve(implementation, problem=problem).name
 
 
 def check_householder_inputs(q, k, v, g, beta, initial_state, n_h, num_states=None):
@@ -235,7 +235,7 @@ def householder_delta_product(
         f"to back in one row), got B = {batch} (q shape {_shape(q)})"
       )
     check_cu_seqlens_values(cu_seqlens, t_len)  # over the T tokens of q
-  implementation = _check_implementation(implementation, cu_seqlens is not None)
+  implementation = _check_implementation(implementation, q, v, cu_seqlens is not None)
   resolve_precision(precision)  # a clear error for a bad value
   if chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
@@ -372,7 +372,7 @@ def householder_delta_product_step(
   check_float("beta", beta)
   check_shape("beta", beta, (batch, n_h, heads), f"[B, n_h, H] with n_h = {n_h}")
   if implementation is not None:
-    dispatch.resolve("gated_delta_product_step", implementation)  # a clear error if unknown
+    STEP_REGISTRY.resolve(implementation)  # a clear error if unknown
   # gated_delta_product_step checks the rest (dtypes, g, state) on the first sub-step.
   o = None
   for j in range(n_h):

@@ -1,7 +1,7 @@
 """`gated_delta_product_step`: the public function (docs/inference.md): argument checks,
-normalisation and dispatch to an implementation (gdp_jax/ops/dispatch.py): "xla" (jnp) or
-"triton" (the Pallas kernel, interpreted on CPU); "pallas" the best Pallas backend; None the
-Pallas backend on a supported GPU for a state of at most `PALLAS_STEP_MAX_STATE` elements.
+normalisation and its implementations in order of preference (gdp_jax/ops/registry.py): "triton"
+(the Pallas kernel, interpreted on CPU), "xla" (jnp); None the Pallas backend on a supported GPU
+for a state of at most `PALLAS_STEP_MAX_STATE` elements.
 """
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gdp_jax.ops import dispatch
+from gdp_jax.ops import registry
 from gdp_jax.ops.heads import expand_key_heads
 from gdp_jax.ops.step import partitioning
+from gdp_jax.ops.step.triton import TritonStep
+from gdp_jax.ops.step.xla import XlaStep
 from gdp_jax.ops.validation import check_bool, check_step_inputs, static_scale
 from pallas_kernels.common import tuning
 from pallas_kernels.common.backend import resolve_precision
@@ -20,6 +22,7 @@ from pallas_kernels.common.backend import resolve_precision
 # fused jnp step above, where it reads a large state faster (measured on an H200: the tuning
 # table's "step_max_state", pallas_kernels/triton/tuning/h200.json, docs/inference.md).
 PALLAS_STEP_MAX_STATE = tuning.value("step_max_state")
+REGISTRY = registry.Registry("gated_delta_product_step", (TritonStep(), XlaStep()))
 
 
 def gated_delta_product_step(
@@ -82,7 +85,7 @@ def gated_delta_product_step(
   g = None if g is None else jnp.asarray(g)
   if implementation is None and batch * heads * dim_k * dim_v > PALLAS_STEP_MAX_STATE:
     implementation = "xla"  # a large state: XLA's fused step reads it faster
-  implementation = dispatch.resolve("gated_delta_product_step", implementation)
+  impl = REGISTRY.resolve(implementation)
   resolve_precision(precision)  # a clear error for a bad value
   if g is None:
     g = jnp.zeros((batch, heads), jnp.float32)
@@ -90,9 +93,9 @@ def gated_delta_product_step(
     state = jnp.zeros((batch, heads, dim_k, dim_v), jnp.float32)
   state = jnp.asarray(state).astype(jnp.float32)
   static, dynamic = static_scale(scale, dim_k**-0.5)
-  config = dict(in_place=in_place) if dispatch.is_pallas(implementation) else {}
-  run = dispatch.entry("gated_delta_product_step", implementation, **config)
-  if dispatch.is_pallas(implementation):
+  run = impl
+  if impl.pallas:
+    run = impl.replace(in_place=in_place)
     # Inputs sharded over batch and heads under jax.jit: the kernel runs per device
     # (docs/sharding.md#under-plain-jaxjit).
     run = partitioning.per_device(run)

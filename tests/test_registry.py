@@ -1,7 +1,7 @@
-"""The dispatch table (gdp_jax/ops/dispatch.py): every implementation reachable from every public
-function that lists it, the default per device, the clear error on an unsupported GPU, and the
-backward switch of the Pallas forward (its gradients with either backward:
-tests/test_fused_forward.py::test_operator_forward_and_gradients)."""
+"""The registries (gdp_jax/ops/registry.py, one per op in its api.py): every implementation
+reachable from every public function that lists it, the choice per device and per call, the clear
+error on an unsupported GPU, and the backward switch of the Pallas forward (its gradients with
+either backward: tests/test_fused_forward.py::test_operator_forward_and_gradients)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,42 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gdp_jax import dispatch, gated_delta_product, gated_delta_product_step, gqa_decode
-from gdp_jax.ops import base
+from gdp_jax import describe_runtime, gated_delta_product, gated_delta_product_step, gqa_decode
+from gdp_jax.ops import base, registry
+from gdp_jax.ops.gated_delta_product.api import REGISTRY
+from gdp_jax.ops.gated_delta_product.base import Problem
+from gdp_jax.ops.gqa_decode.api import REGISTRY as DECODE_REGISTRY
+from gdp_jax.ops.step.api import REGISTRY as STEP_REGISTRY
 from pallas_kernels.common import options
 from tests.cases import assert_close, general_backends, make_inputs, tol
+
+REGISTRIES = {
+  "gated_delta_product": REGISTRY,
+  "gated_delta_product_step": STEP_REGISTRY,
+  "gqa_decode": DECODE_REGISTRY,
+}
 
 
 def _gpu(capability, kind="NVIDIA Test GPU"):
   return SimpleNamespace(platform="gpu", compute_capability=capability, device_kind=kind)
+
+
+def _resolve(function, implementation, device=None, problem=None):
+  return REGISTRIES[function].resolve(implementation, device, problem).name
+
+
+def _recording(monkeypatch):
+  """The names every registry resolves to from now on (appended to the list returned)."""
+  picked = []
+  resolve = registry.Registry.resolve
+
+  def recorded(self, *args, **kwargs):
+    impl = resolve(self, *args, **kwargs)
+    picked.append(impl.name)
+    return impl
+
+  monkeypatch.setattr(registry.Registry, "resolve", recorded)
+  return picked
 
 
 @pytest.mark.parametrize(
@@ -43,10 +71,34 @@ def test_default_per_device(device, expected):
   hopper = expected == "triton" and getattr(device, "compute_capability", None) == "9.0"
   for function in ("gated_delta_product", "gated_delta_product_step", "gqa_decode"):
     want = "mosaic_gpu" if hopper and function == "gated_delta_product" else expected
-    assert dispatch.resolve(function, None, device) == want
+    assert _resolve(function, None, device) == want
     if expected == "triton":  # "pallas": the best Pallas backend for the device
-      assert dispatch.resolve(function, "pallas", device) == want
-  assert dispatch.default_implementation(device) == ("mosaic_gpu" if hopper else expected)
+      assert _resolve(function, "pallas", device) == want
+
+
+def test_the_first_implementation_that_takes_the_call_runs():
+  # the preference list walked per call: on Hopper the Mosaic kernels take half-precision inputs
+  # with K, V in 64, 128 and r in 1, 2, 4; any other call goes on to the Triton kernels, and a
+  # named implementation that cannot take it is a clear error
+  h200 = _gpu("9.0", "NVIDIA H200")
+  ok = Problem(jnp.bfloat16, 128, 128, 2, False)
+  assert _resolve("gated_delta_product", None, h200, ok) == "mosaic_gpu"
+  for other in (
+    ok._replace(dtype=jnp.float32),
+    ok._replace(key_dim=32),
+    ok._replace(value_dim=256),
+    ok._replace(key_blocks=8),
+    ok._replace(packed=True),
+  ):
+    assert _resolve("gated_delta_product", None, h200, other) == "triton", other
+    assert _resolve("gated_delta_product", "pallas", h200, other) == "triton", other
+  assert _resolve("gated_delta_product", "mosaic_gpu", h200, ok._replace(packed=True))
+  with pytest.raises(ValueError, match="takes bfloat16 or float16 only"):
+    _resolve("gated_delta_product", "mosaic_gpu", h200, ok._replace(dtype=jnp.float32))
+  with pytest.raises(ValueError, match="r = 8 key blocks"):
+    _resolve("gated_delta_product", "mosaic_gpu", h200, ok._replace(key_blocks=8))
+  with pytest.raises(ValueError, match=r"NVIDIA A100 \(compute capability 8\.0\)"):
+    _resolve("gated_delta_product", "mosaic_gpu", _gpu("8.0", "NVIDIA A100"), ok)
 
 
 def test_pallas_prefers_a_registered_backend_on_the_gpus_its_rule_names(monkeypatch):
@@ -57,50 +109,48 @@ def test_pallas_prefers_a_registered_backend_on_the_gpus_its_rule_names(monkeypa
     name: ClassVar[str] = "mosaic_gpu"
     pallas: ClassVar[bool] = True
 
-  table = {f: dict(t) for f, t in dispatch.TABLE.items()}
-  monkeypatch.setattr(dispatch, "TABLE", table)
-  del table["gated_delta_product"]["mosaic_gpu"]
+    def serves(self, capability):
+      return capability == (9, 0)
+
+  ours = registry.Registry("gated_delta_product", [REGISTRY.get(n) for n in REGISTRY.names()])
+  monkeypatch.setitem(REGISTRIES, "gated_delta_product", ours)
+  ours._table.pop("mosaic_gpu")
   h200 = _gpu("9.0", "NVIDIA H200")
-  assert dispatch.resolve("gated_delta_product", "pallas", h200) == "triton"  # not registered
-  dispatch.register("gated_delta_product", Mosaic())
+  assert _resolve("gated_delta_product", "pallas", h200) == "triton"  # not registered
+  ours.register(Mosaic(), before="triton")
   a100 = _gpu("8.0", "NVIDIA A100")
-  assert dispatch.resolve("gated_delta_product", "pallas", h200) == "mosaic_gpu"
-  assert dispatch.resolve("gated_delta_product", None, h200) == "mosaic_gpu"
-  assert dispatch.resolve("gated_delta_product", "pallas", a100) == "triton"
-  assert dispatch.resolve("gqa_decode", "pallas", h200) == "triton"  # not registered there
-  assert dispatch.resolve("gated_delta_product", "triton", h200) == "triton"  # explicit: obeyed
-  assert "mosaic_gpu" in dispatch.implementations("gated_delta_product")
+  assert _resolve("gated_delta_product", "pallas", h200) == "mosaic_gpu"
+  assert _resolve("gated_delta_product", None, h200) == "mosaic_gpu"
+  assert _resolve("gated_delta_product", "pallas", a100) == "triton"
+  assert _resolve("gqa_decode", "pallas", h200) == "triton"  # not registered there
+  assert _resolve("gated_delta_product", "triton", h200) == "triton"  # explicit: obeyed
+  assert ours.names() == ("mosaic_gpu", "triton", "xla", "reference")
 
 
-def test_backends_and_accepted_names():
-  names = ("reference", "xla", "triton", "mosaic_gpu")
-  assert dispatch.backends("gated_delta_product") == names
-  assert dispatch.implementations("gated_delta_product") == (*names, "pallas")
-  assert dispatch.implementations("gated_delta_product_varlen") == dispatch.implementations(
-    "gated_delta_product"
-  )
-  assert dispatch.backends("gqa_decode") == ("xla", "triton")
-  assert dispatch.is_pallas("pallas") and dispatch.is_pallas("triton")
-  assert dispatch.is_pallas("mosaic_gpu")
-  assert not dispatch.is_pallas("xla") and not dispatch.is_pallas(None)
-  with pytest.raises(ValueError, match="unknown function"):
-    dispatch.backends("attention")
+def test_names_in_order_of_preference_and_accepted_names():
+  names = ("mosaic_gpu", "triton", "xla", "reference")
+  assert REGISTRY.names() == names
+  assert REGISTRY.accepted() == (*names, "pallas")
+  assert DECODE_REGISTRY.names() == ("triton", "xla")
+  assert REGISTRY.is_pallas("pallas") and REGISTRY.is_pallas("triton")
+  assert REGISTRY.is_pallas("mosaic_gpu")
+  assert not REGISTRY.is_pallas("xla") and not REGISTRY.is_pallas(None)
 
 
 def test_explicit_pallas_on_an_unsupported_gpu_names_it():
   with pytest.raises(ValueError, match=r"Tesla T4 with compute capability 7\.5"):
-    dispatch.resolve("gated_delta_product", "pallas", _gpu("7.5", "Tesla T4"))
+    _resolve("gated_delta_product", "pallas", _gpu("7.5", "Tesla T4"))
 
 
 def test_unknown_names_are_clear_errors():
   with pytest.raises(ValueError, match="implementation must be one of"):
-    dispatch.resolve("gated_delta_product", "cuda")
+    _resolve("gated_delta_product", "cuda")
   with pytest.raises(ValueError, match="implementation must be one of"):
-    dispatch.resolve("gqa_decode", "reference")  # no reference decode
+    _resolve("gqa_decode", "reference")  # no reference decode
   with pytest.raises(ValueError, match="backward must be one of"):
-    dispatch.check_backward("triton", "pallas")
+    registry.check_backward("triton", REGISTRY.get("triton"))
   with pytest.raises(ValueError, match="selects the backward of the Pallas forward"):
-    dispatch.check_backward("xla", "xla")
+    registry.check_backward("xla", REGISTRY.get("xla"))
 
 
 @pytest.mark.parametrize("name", general_backends("gated_delta_product"))
@@ -114,7 +164,7 @@ def test_operator_reaches_every_implementation(name):
   assert_close(final, f_ref, tol(jnp.float32), name)
 
 
-@pytest.mark.parametrize("name", dispatch.backends("gated_delta_product_step"))
+@pytest.mark.parametrize("name", STEP_REGISTRY.names())
 def test_step_reaches_every_implementation(name):
   inputs = make_inputs(1, B=2, T=1, H=2, K=16, V=16, r=2, mask_kind="head")
   step = {n: x[:, 0] if n in ("q", "k", "v", "g", "beta") else x for n, x in inputs.items()}
@@ -131,14 +181,11 @@ def test_step_default_follows_the_state_size(monkeypatch):
   # large ones (step api's PALLAS_STEP_MAX_STATE, measured on an H200); explicit names are obeyed
   from gdp_jax.ops.step import api as step_api
 
-  monkeypatch.setattr(dispatch, "default_device", lambda: _gpu("9.0", "NVIDIA H200"))
-  picked = []
-
-  def entry(function, impl, **config):
-    # a stand-in that records the choice and returns (v, state), shaped like (o, new_state)
-    return lambda *a, **kw: (picked.append(impl), (a[2], a[6]))[1]
-
-  monkeypatch.setattr(dispatch, "entry", entry)
+  monkeypatch.setattr(registry, "default_device", lambda: _gpu("9.0", "NVIDIA H200"))
+  picked = _recording(monkeypatch)
+  # a stand-in for both implementations' calls, (v, state) shaped like (o, new_state)
+  for name in STEP_REGISTRY.names():
+    monkeypatch.setattr(type(STEP_REGISTRY.get(name)), "__call__", lambda self, *a: (a[2], a[6]))
   limit = step_api.PALLAS_STEP_MAX_STATE
   for heads, expected in ((1, "triton"), (2, "xla")):
     dim = int(limit**0.5)  # one head of dim x dim: just under the limit; two heads: over it
@@ -149,7 +196,7 @@ def test_step_default_follows_the_state_size(monkeypatch):
   assert picked[-1] == "triton"
 
 
-@pytest.mark.parametrize("name", dispatch.backends("gqa_decode"))
+@pytest.mark.parametrize("name", DECODE_REGISTRY.names())
 def test_decode_reaches_every_implementation(name):
   q = jnp.ones((1, 2, 16)) * 0.1
   kc = jnp.arange(4 * 16, dtype=jnp.float32).reshape(1, 4, 1, 16) / 64
@@ -210,19 +257,15 @@ def test_decode_splits_follow_the_sm_count():
   ],
 )
 def test_describe_runtime_names_the_device_and_the_choice(device, words):
-  assert words in dispatch.describe_runtime(device)
+  assert words in describe_runtime(device)
 
 
 def test_float16_on_a_gpu_without_bf16_tensor_cores_runs_xla(monkeypatch):
   # a T4 (compute capability 7.5) has float16 tensor cores but not the bf16 / TF32 ones the
   # kernels are built for: None picks "xla" there for float16 inputs too, "pallas" is refused
   t4 = _gpu("7.5", "Tesla T4")
-  monkeypatch.setattr(dispatch, "default_device", lambda: t4)
-  picked = []
-  entry = dispatch.entry
-  monkeypatch.setattr(
-    dispatch, "entry", lambda f, impl, **config: picked.append(impl) or entry(f, impl, **config)
-  )
+  monkeypatch.setattr(registry, "default_device", lambda: t4)
+  picked = _recording(monkeypatch)
   inputs = make_inputs(4, B=1, T=16, H=1, K=16, V=16, r=2, mask_kind="head")
   half = {n: x.astype(jnp.float16) if n in ("q", "k", "v") else x for n, x in inputs.items()}
   o, _ = gated_delta_product(**half, chunk_size=16)
@@ -239,11 +282,11 @@ def test_readme_lists_the_supported_gpus():
   readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
   section = readme.split("## Supported GPUs", 1)[1].split("\n## ", 1)[0]
   rows = [line for line in section.splitlines() if line.startswith("| ") and "pallas" in line]
-  assert len(rows) == len(dispatch.SUPPORTED_GPUS)
-  for gpu, row in zip(dispatch.SUPPORTED_GPUS, rows):
+  assert len(rows) == len(registry.SUPPORTED_GPUS)
+  for gpu, row in zip(registry.SUPPORTED_GPUS, rows):
     assert row.startswith(f"| {gpu} |"), (gpu, row)
   assert "compute capability 8.0 or newer" in section
-  assert dispatch.MIN_COMPUTE_CAPABILITY == (8, 0)
+  assert registry.MIN_COMPUTE_CAPABILITY == (8, 0)
 
 
 _COMPILE_ONCE = """
