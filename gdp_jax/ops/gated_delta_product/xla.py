@@ -392,6 +392,9 @@ class Saving:
     o, final = jax.checkpoint(body, policy=policy)(q, k, v, g, beta, mask, initial_state)
     return o.astype(q.dtype), final
 
+  def time_multiple(self, chunk_size, key_blocks):
+    return self.run.time_multiple(chunk_size, key_blocks)
+
 
 def gated_delta_product_xla_varlen(
   q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens
