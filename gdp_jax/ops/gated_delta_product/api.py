@@ -12,12 +12,19 @@ offsets and an initial state per sequence, [N, HV, K, V].
 
 from __future__ import annotations
 
+from typing import cast
+
 import jax
 import jax.numpy as jnp
 
 from gdp_jax.ops import registry
 from gdp_jax.ops.gated_delta_product import partitioning
-from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY, Problem, run_padded
+from gdp_jax.ops.gated_delta_product.base import (
+  RESET_LOG_DECAY,
+  GatedDeltaProductImplementation,
+  Problem,
+  run_padded,
+)
 from gdp_jax.ops.gated_delta_product.mosaic_gpu import MosaicGpuGatedDeltaProduct
 from gdp_jax.ops.gated_delta_product.reference import ReferenceGatedDeltaProduct
 from gdp_jax.ops.gated_delta_product.triton import TritonGatedDeltaProduct
@@ -171,10 +178,10 @@ def gated_delta_product(
   chunk_size = check_chunk_size(chunk_size)
   scale = check_scale(scale)
   problem = Problem(q.dtype, dim_k, dim_v, r, cu_seqlens is not None)
-  impl = REGISTRY.resolve(implementation, problem=problem)
+  impl = cast(GatedDeltaProductImplementation, REGISTRY.resolve(implementation, problem=problem))
   registry.check_backward(backward, impl)
   # None with explicit options keeps options.precision; else None follows jax's default.
-  kernel_precision = resolve_precision(precision)
+  kernel_precision: str | None = resolve_precision(precision)
   if precision is None and options is not None:
     kernel_precision = None
   if impl.pallas:
