@@ -54,7 +54,7 @@ def test_precision_reaches_the_kernel_options(monkeypatch):
   core = gdp_triton._gdp_core
 
   def spy(*args):
-    seen.append(args[-2].precision)  # (..., options, forward kernels)
+    seen.append(args[-1].precision)  # (..., options)
     return core(*args)
 
   monkeypatch.setattr(gdp_triton, "_gdp_core", spy)
