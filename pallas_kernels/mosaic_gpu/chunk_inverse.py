@@ -19,7 +19,7 @@ operand in registers. A two-term split of the operands inside 16-row groups (thr
 float32) changed the forward's error by nothing measurable on an H200 (relative RMS 4.0e-3
 either way against the jnp form at r = 1, 2, 4) and is gone (docs/mosaic_gpu.md#speed-on-an-h200).
 Compiled, the kernel solves the groups of 16 rows exactly in float32 on the CUDA cores first
-(`diag_solve.py`: four dependent merge products fewer at r = 1, 0.19 -> 0.14 ms on an H200) and
+(`diag_solve.py`: four dependent merge products fewer at r = 1; benchmarks/results) and
 merges from there; the interpreter, which runs no raw Mosaic GPU code, merges from groups of 2.
 Each program walks several chunks, the next chunk's loads and the last chunk's store in flight.
 
