@@ -45,21 +45,21 @@ def _plain(var: nnx.Variable, transpose: bool) -> tuple[Callable, Callable]:
     return value.T if transpose else value
 
   def write(value):
-    var.value = jnp.asarray(value.T if transpose else value, var.value.dtype)
+    var.set_value(jnp.asarray(value.T if transpose else value, var.get_value().dtype))
 
   return read, write
 
 
 def _split_columns(vars_: list[nnx.Variable]) -> tuple[Callable, Callable]:
   """Our kernels [D, n_i] side by side are transformers' one [sum n_i, D] weight."""
-  widths = [v.value.shape[1] for v in vars_]
+  widths = [v.get_value().shape[1] for v in vars_]
 
   def read():
     return np.concatenate([np.asarray(v[...]) for v in vars_], axis=1).T
 
   def write(value):
     for v, part in zip(vars_, np.split(value.T, np.cumsum(widths)[:-1], axis=1)):
-      v.value = jnp.asarray(part, v.value.dtype)
+      v.set_value(jnp.asarray(part, v.get_value().dtype))
 
   return read, write
 
@@ -71,7 +71,7 @@ def _conv(var: nnx.Variable) -> tuple[Callable, Callable]:
     return np.asarray(var[...]).T[:, None, :]
 
   def write(value):
-    var.value = jnp.asarray(value[:, 0, :].T, var.value.dtype)
+    var.set_value(jnp.asarray(value[:, 0, :].T, var.get_value().dtype))
 
   return read, write
 
@@ -79,7 +79,7 @@ def _conv(var: nnx.Variable) -> tuple[Callable, Callable]:
 def _add(table, name, var, transpose=False, pair=None, shape=None):
   read, write = pair if pair is not None else _plain(var, transpose)
   if shape is None:
-    shape = var.value.shape[::-1] if transpose else var.value.shape
+    shape = var.get_value().shape[::-1] if transpose else var.get_value().shape
   table[name] = Weight(tuple(shape), read, write)
 
 
@@ -105,13 +105,13 @@ def weight_map(model: Qwen3_5LM) -> dict[str, Weight]:
       continue
     gdn, q = layer.linear_attn, p + "linear_attn."
     qkv = [gdn.q_proj.kernel, gdn.k_proj.kernel, gdn.v_proj.kernel]
-    width = sum(v.value.shape[1] for v in qkv)
+    width = sum(v.get_value().shape[1] for v in qkv)
     shape = (width, model.config.hidden_size)
     _add(table, q + "in_proj_qkv.weight", None, pair=_split_columns(qkv), shape=shape)
     _add(table, q + "in_proj_z.weight", gdn.g_proj.kernel, transpose=True)
     _add(table, q + "in_proj_b.weight", gdn.b_proj.kernel, transpose=True)
     _add(table, q + "in_proj_a.weight", gdn.a_proj.kernel, transpose=True)
-    size, channels = gdn.conv.weight.value.shape
+    size, channels = gdn.conv.weight.get_value().shape
     _add(table, q + "conv1d.weight", None, pair=_conv(gdn.conv.weight), shape=(channels, 1, size))
     _add(table, q + "A_log", gdn.A_log)
     _add(table, q + "dt_bias", gdn.dt_bias)
@@ -163,7 +163,9 @@ def load(
   dtype = DTYPES.get(str(dtype), dtype)
   if not any(dtype == d for d in DTYPES.values()):
     raise TypeError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-  config = Qwen3_5Config.from_dict(json.loads((folder / "config.json").read_text()), **config_overrides)
+  config = Qwen3_5Config.from_dict(
+    json.loads((folder / "config.json").read_text()), **config_overrides
+  )
   # abstract parameters (no random initialisation to run), each replaced by the checkpoint's
   model = nnx.eval_shape(lambda: Qwen3_5LM(config, param_dtype=dtype, rngs=nnx.Rngs(0)))
   table = weight_map(model)
