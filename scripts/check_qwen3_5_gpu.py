@@ -14,8 +14,8 @@ Qwen3_5ForCausalLM, weights drawn as scripts/make_qwen3_5_golden.py draws them):
     torch's float32 ones; pass for the tiny model: < 1e-4);
   - the round trip: our float32 model saved (`save`) and loaded in transformers gives its
     logits unchanged (pass: relative RMS < 1e-6);
-  - the greedy continuation (32 tokens, float32) of ours and transformers' (pass for the tiny
-    model: all tokens equal; the larger random model's margins are thin, so only reported).
+  - for the tiny model, the greedy continuation (32 tokens, float32) of ours and transformers'
+    (pass: all tokens equal).
 Exit status 1 if a check fails; the JSON is written either way.
 """
 
@@ -105,6 +105,7 @@ def our_logits(model, ids):
 
 
 def check_folder(name, folder, ids, new_tokens, strict):
+  """One model's rows; `strict`: also the float32 bound and the greedy tokens."""
   import jax.numpy as jnp
   import torch
 
@@ -129,9 +130,10 @@ def check_folder(name, folder, ids, new_tokens, strict):
     save(ours32_model, tmp)
     again = torch_logits(torch_model(tmp, torch.float32), ids)
   row["round_trip_relative_rms"] = relative_rms(again, ref32)
-  theirs = torch_greedy(ref32_model, ids, new_tokens)
-  ours = np.asarray(generate(ours32_model, ids, new_tokens))
-  row["greedy_tokens_equal"] = float(np.mean(ours == theirs))
+  if strict:
+    theirs = torch_greedy(ref32_model, ids, new_tokens)
+    ours = np.asarray(generate(ours32_model, ids, new_tokens))
+    row["greedy_tokens_equal"] = float(np.mean(ours == theirs))
   row["seconds"] = time.perf_counter() - t0
   checks = [
     row["bf16_ours_vs_transformers_f32"]
@@ -148,7 +150,7 @@ def check_folder(name, folder, ids, new_tokens, strict):
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "qwen3_5.json"))
-  parser.add_argument("--tokens", type=int, default=512, help="T of the larger model's input")
+  parser.add_argument("--tokens", type=int, default=256, help="T of the larger model's input")
   parser.add_argument("--skip-larger", action="store_true")
   args = parser.parse_args()
   import jax
@@ -183,7 +185,7 @@ def main() -> int:
       model.save_pretrained(tmp)
       del model
       ids = np.random.default_rng(0).integers(0, LARGER["vocab_size"], (2, args.tokens))
-      result["larger"] = check_folder("larger", tmp, ids.astype(np.int32), 32, False)
+      result["larger"] = check_folder("larger", tmp, ids.astype(np.int32), 0, False)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
