@@ -105,3 +105,22 @@ def test_multimodal_names_and_config(tmp_path, model):
   leaves = jax.tree.leaves(nnx.state(loaded))
   for a, b in zip(leaves, jax.tree.leaves(nnx.state(model))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_tied_embeddings(tmp_path):
+  """tie_word_embeddings (here a multimodal config's top-level one): no lm_head, and a saved
+  copy of it in the checkpoint is skipped; the logits use the embedding."""
+  import safetensors.numpy
+
+  config = json.loads((GOLDEN / "config.json").read_text())
+  (tmp_path / "config.json").write_text(
+    json.dumps({"model_type": "qwen3_5", "text_config": config, "tie_word_embeddings": True})
+  )
+  shutil.copy(GOLDEN / "model.safetensors", tmp_path / "model.safetensors")
+  tied = load(tmp_path)
+  assert tied.config.tie_word_embeddings and not hasattr(tied, "lm_head")
+  assert "lm_head.weight" not in weight_map(tied)
+  weights = safetensors.numpy.load_file(GOLDEN / "model.safetensors")
+  del weights["lm_head.weight"]
+  safetensors.numpy.save_file(weights, tmp_path / "model.safetensors")
+  assert load(tmp_path).config == tied.config

@@ -2,8 +2,9 @@
 (docs/qwen3_5.md#configuration), read from and written back to that dict.
 
 A multimodal checkpoint's config.json (model_type "qwen3_5") keeps the text model's sizes under
-"text_config"; `from_dict` reads either. RoPE's base and partial factor come from
-"rope_parameters" (or the older top-level "rope_theta" / "partial_rotary_factor").
+"text_config" (its top-level tie_word_embeddings applies); `from_dict` reads either. RoPE's base
+and partial factor come from "rope_parameters" (or the older top-level "rope_theta" /
+"partial_rotary_factor").
 """
 
 from __future__ import annotations
@@ -101,8 +102,11 @@ class Qwen3_5Config:
   def from_dict(cls, data: dict[str, Any], **overrides: Any) -> Qwen3_5Config:
     """From a transformers config.json dict (text-only or multimodal); `overrides` set the
     fields that are not in it (implementation, chunk_size) or replace others."""
-    if "text_config" in data:
+    if "text_config" in data:  # a multimodal config: its own tie_word_embeddings rules the head
+      outer = data
       data = dict(data["text_config"])
+      if "tie_word_embeddings" in outer:
+        data["tie_word_embeddings"] = outer["tie_word_embeddings"]
     model_type = data.get("model_type", "qwen3_5_text")
     if model_type not in TEXT_MODEL_TYPES:
       raise ValueError(

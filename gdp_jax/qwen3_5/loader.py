@@ -176,8 +176,8 @@ def load(
       multimodal = any(n.startswith("model.language_model.") for n in names)
       for name in names:
         ours = _our_name(name, multimodal)
-        if ours is None:
-          continue
+        if ours is None or (ours == "lm_head.weight" and config.tie_word_embeddings):
+          continue  # skipped, or the tied head's copy of the embedding
         if ours not in table:
           raise KeyError(
             f"weight {name!r} in {path.name} has no place in a Qwen3.5 text model of this "
@@ -191,7 +191,7 @@ def load(
             f"weight {name!r} in {path.name} has shape {tuple(value.shape)}, expected "
             f"{expected} for the config in {folder / 'config.json'}"
           )
-        table[ours].write(np.asarray(value, np.float32))
+        table[ours].write(np.asarray(value))  # cast once, to the parameter's dtype
         seen.add(ours)
   missing = [n for n in table if n not in seen]
   if missing:
