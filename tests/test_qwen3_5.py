@@ -47,8 +47,16 @@ def test_logits_match_transformers(model, golden):
 
 
 def test_greedy_matches_transformers(model, golden):
-  new = np.asarray(generate(model, golden["input_ids"], golden["greedy"].shape[1]))
-  np.testing.assert_array_equal(new, golden["greedy"])
+  ids, greedy = golden["input_ids"], golden["greedy"]
+  new = np.asarray(generate(model, ids, greedy.shape[1]))
+  np.testing.assert_array_equal(new, greedy)
+  # prompts of different lengths (right-padded in one batch, the same compiled program): each
+  # prompt extended by its first greedy tokens continues with the rest
+  cut = (8, 3)
+  prompts = [np.concatenate([ids[b], greedy[b, : cut[b]]]) for b in range(2)]
+  new = np.asarray(generate(model, prompts, greedy.shape[1]))
+  for b in range(2):
+    np.testing.assert_array_equal(new[b, : -cut[b]], greedy[b, cut[b] :])
 
 
 def test_round_trip(model, tmp_path):
