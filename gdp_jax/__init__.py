@@ -36,6 +36,7 @@ _SUBMODULES = (
   "sharding",
   "varlen",
   "ops",
+  "qwen3_5",
 )
 
 
