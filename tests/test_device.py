@@ -4,10 +4,15 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import tomllib
 
+import jax
 import pytest
 
-from pallas_kernels.common import device
+from pallas_kernels.common import compat, device
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,3 +55,24 @@ def test_off_a_gpu_the_interpreter_figures():
     device.INTERPRET.shared_memory_per_block,
   )
   assert device.sm_count() > 0 and device.shared_memory_per_block() > 0
+
+
+def test_the_jax_range_is_pyproject_s():
+  deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+  assert f"jax>={compat.OLDEST},<={compat.NEWEST}" in deps
+  assert compat.supported(), f"jax {jax.__version__} is outside {compat.OLDEST}..{compat.NEWEST}"
+
+
+@pytest.mark.parametrize(
+  "version,ok",
+  [("0.11.1", False), ("0.11.2", True), ("0.12.0", True), ("0.12.0.1", True), ("0.12.1", False)],
+)
+def test_supported_versions(version, ok):
+  assert compat.supported(version) is ok
+
+
+def test_the_private_names_the_tests_reach_import():
+  internals = compat.triton_lowering_internals()
+  assert callable(internals.gpu_info.get_gpu_info_from_version)
+  assert callable(internals.lowering.lower_jaxpr_to_triton_module)
+  assert internals.registration.gpu_info_lib is not None
