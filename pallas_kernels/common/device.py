@@ -73,12 +73,13 @@ def device_info(device=None) -> DeviceInfo:
   if device.platform != "gpu":
     return dataclasses.replace(INTERPRET, platform=device.platform, name=str(device.device_kind))
   capability = compute_capability(device)
+  smem = SHARED_MEMORY_PER_BLOCK.get(capability) if capability else None
   return DeviceInfo(
     platform="gpu",
     name=str(device.device_kind),
     compute_capability=capability,
     sm_count=int(getattr(device, "core_count", 0) or INTERPRET.sm_count),
-    shared_memory_per_block=SHARED_MEMORY_PER_BLOCK.get(capability, UNKNOWN_SHARED_MEMORY),
+    shared_memory_per_block=smem or UNKNOWN_SHARED_MEMORY,
   )
 
 
