@@ -48,6 +48,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.common import device
 from pallas_kernels.mosaic_gpu import diag_solve as diag_solve_mod
 from pallas_kernels.mosaic_gpu.common import (
   F32,
@@ -79,10 +80,6 @@ def _product(a: jax.Array, b: jax.Array, bufs, dtype) -> jax.Array:
   return matmul_reg(a.astype(dtype), bufs[0], (N, N), stage=bufs[1] if len(bufs) > 1 else None)
 
 
-# Streaming multiprocessors of an H100 / H200: the chunks-per-program rule keeps every one busy.
-NUM_SMS = 132
-
-
 def default_chunks_per_program(batch: int, heads: int, chunks: int) -> int:
   """The most chunks per program (8, 4 or 2, dividing the chunk count) that still leave about
   1.5 programs per streaming multiprocessor (two fit on one), else 1.
@@ -91,7 +88,7 @@ def default_chunks_per_program(batch: int, heads: int, chunks: int) -> int:
   so more chunks per program hide more of the memory latency, as long as every SM has work.
   """
   for cpp in (8, 4, 2):
-    if chunks % cpp == 0 and batch * heads * (chunks // cpp) * 2 >= 3 * NUM_SMS:
+    if chunks % cpp == 0 and batch * heads * (chunks // cpp) * 2 >= 3 * device.sm_count():
       return cpp
   return 1
 

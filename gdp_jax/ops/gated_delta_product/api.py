@@ -39,6 +39,7 @@ from gdp_jax.ops.validation import (
   shape_of,
 )
 from pallas_kernels.common.backend import resolve_precision
+from pallas_kernels.common.device import describe_capability
 from pallas_kernels.common.options import KernelOptions
 
 # In order of preference: None and "pallas" take the first that serves the device and the call.
@@ -58,8 +59,7 @@ def describe_runtime(device=None) -> str:
   """One line naming the device and the implementation `None` picks there (for notebooks/logs)."""
   device = registry.default_device() if device is None else device
   if device.platform == "gpu":
-    capability = getattr(device, "compute_capability", "?")
-    where = f"{device.device_kind} (compute capability {capability})"
+    where = f"{device.device_kind} (compute capability {describe_capability(device)})"
   else:
     where = f"{device.platform.upper()} ({device.device_kind})"
   return f"{where}: implementation=None runs {REGISTRY.resolve(None, device).name!r}"

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import backend, options
+from pallas_kernels.common import backend, device, options
 
 f32 = jnp.float32
 
@@ -62,7 +62,7 @@ def default_num_splits(
 ):
   """Splits of the cache positions per (sequence, cache head): about `programs_per_sm` programs
   per SM of the device in all, each split at least `min_blocks_per_split` blocks of S long."""
-  sm_count = options.device_info().sm_count if sm_count is None else sm_count
+  sm_count = device.sm_count() if sm_count is None else sm_count
   pairs = max(batch * kv_heads, 1)
   want = pl.cdiv(defaults.programs_per_sm * sm_count, pairs)
   most = max(1, seq_len // (defaults.min_blocks_per_split * block_s))
