@@ -6,6 +6,8 @@ for a state of at most `PALLAS_STEP_MAX_STATE` elements.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,7 +171,8 @@ def gated_delta_product_verify(
     initial_state = jnp.zeros((batch, heads, dim_k, dim_v), jnp.float32)
   state = jnp.asarray(initial_state).astype(jnp.float32)
   static, dynamic = static_scale(scale, dim_k**-0.5)
-  return impl.verify(q, k, v, g, beta, mask5, state, static if dynamic is None else dynamic)
+  verify = cast(Any, impl).verify  # XlaStep.verify, TritonStep.verify
+  return verify(q, k, v, g, beta, mask5, state, static if dynamic is None else dynamic)
 
 
 def select_state(
