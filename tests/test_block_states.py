@@ -13,7 +13,7 @@ import pytest
 from gdp_jax import gated_delta_product
 from gdp_jax.ops.gated_delta_product.api import REGISTRY
 from gdp_jax.ops.gated_delta_product.base import Problem
-from gdp_jax.ops.gated_delta_product.block_states import block_offsets
+from gdp_jax.varlen import block_offsets
 from tests.cases import make_inputs
 
 EVERY, CHUNK = 16, 16
@@ -130,3 +130,16 @@ def test_mosaic_gpu_routes_block_states_to_triton():
     assert REGISTRY.resolve(implementation, h200, states).name == "triton"
   with pytest.raises(ValueError, match="block states"):
     REGISTRY.resolve("mosaic_gpu", h200, states)
+
+
+def test_a_bad_token_spoils_the_states_from_its_block_on():
+  inp = _inputs(1, 48)
+  inp["k"] = inp["k"].at[0, 20, 1].set(jnp.nan)  # key head 1: value heads 2 and 3, token 20
+  call = lambda inp: [
+    gated_delta_product(**inp, chunk_size=CHUNK, state_every=EVERY, implementation=i)[2]
+    for i in ("xla", "triton")
+  ]
+  clean = _prefix_finals(inp, [EVERY])[0]
+  for states in jax.jit(call)(inp):
+    np.testing.assert_allclose(states[:, 0], clean, rtol=2e-5, atol=2e-5)  # before token 20
+    assert np.isnan(states[0, 1:, 2:]).all() and np.isfinite(states[0, 1:, :2]).all()

@@ -12,7 +12,7 @@ offsets and an initial state per sequence, [N, HV, K, V].
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +71,50 @@ def describe_runtime(device=None) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+@overload
+def gated_delta_product(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array | None = None,
+  beta: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  *,
+  scale: float | jax.Array | None = None,
+  initial_state: jax.Array | None = None,
+  output_final_state: bool = False,
+  chunk_size: int = 64,
+  implementation: str | None = None,
+  precision: str | None = None,
+  backward: str = "pallas",
+  options: KernelOptions | None = None,
+  cu_seqlens: jax.Array | None = None,
+  state_every: None = None,
+) -> tuple[jax.Array, jax.Array | None]: ...
+
+
+@overload
+def gated_delta_product(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array | None = None,
+  beta: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  *,
+  scale: float | jax.Array | None = None,
+  initial_state: jax.Array | None = None,
+  output_final_state: bool = False,
+  chunk_size: int = 64,
+  implementation: str | None = None,
+  precision: str | None = None,
+  backward: str = "pallas",
+  options: KernelOptions | None = None,
+  cu_seqlens: jax.Array | None = None,
+  state_every: int,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]: ...
+
+
 def gated_delta_product(
   q: jax.Array,
   k: jax.Array,
@@ -89,7 +133,7 @@ def gated_delta_product(
   options: KernelOptions | None = None,
   cu_seqlens: jax.Array | None = None,
   state_every: int | None = None,
-) -> Any:
+) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
   """Block-masked gated delta product linear attention (docs/operator.md).
 
   Per batch row and value head a float32 state S [K, V] evolves as
@@ -139,9 +183,9 @@ def gated_delta_product(
       j the state after tokens [0, (j + 1) N) (a ragged end of T % N tokens has no row: its
       state is the final state). With cu_seqlens [1, T // N, HV, K, V]: each sequence's blocks
       counted from its own start, sequence n's in rows [c[n], c[n + 1]) of
-      c = `gdp_jax.ops.gated_delta_product.block_states.block_offsets(cu_seqlens, N)`, zeros
-      after the last. Not on "mosaic_gpu" (None and "pallas" pick "triton"); "triton" has no
-      derivatives then (a NotImplementedError), "reference" and "xla" differentiate the states.
+      c = `gdp_jax.varlen.block_offsets(cu_seqlens, N)`, zeros after the last. Not on
+      "mosaic_gpu" (None and "pallas" pick "triton"); "triton" has no derivatives then (a
+      NotImplementedError), "reference" and "xla" differentiate the states.
 
   Returns:
     (o [B, T, HV, V] in q.dtype, final_state [B, HV, K, V] ([N, HV, K, V] with cu_seqlens)

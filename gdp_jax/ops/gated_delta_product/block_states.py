@@ -3,9 +3,9 @@ caching (docs/operator.md#block-boundary-states, docs/inference.md#prefix-cachin
 
 Plain rows: states [B, T // N, HV, K, V] float32, row j the state after tokens [0, (j + 1) N).
 Packed rows (cu_seqlens): [1, T // N, HV, K, V], the blocks of each sequence counted from its own
-start, sequence n's in rows [cu_blocks[n], cu_blocks[n + 1]) (`block_offsets`), zeros after the
-last. "reference" keeps them from its scan; "xla" and "triton" sample the states their walk over
-the chunks computes (each chunk's start state); "triton" has no derivatives here.
+start, sequence n's in rows [c[n], c[n + 1]) (c = `varlen.block_offsets`), zeros after the last.
+"reference" keeps them from its scan; "xla" and "triton" sample the states their walk over the
+chunks computes (each chunk's start state); "triton" has no derivatives here.
 """
 
 from __future__ import annotations
@@ -31,18 +31,10 @@ NO_DERIVATIVES = (
 )
 
 
-def block_offsets(cu_seqlens, every: int):
-  """int32 [N + 1]: where each packed sequence's block states start in the states' rows
-  (cu_seqlens [N + 1]): the running sum of each sequence's whole blocks, L_n // every."""
-  cu = jnp.asarray(cu_seqlens).astype(i32)
-  blocks = (cu[1:] - cu[:-1]) // every
-  return jnp.concatenate([jnp.zeros((1,), i32), jnp.cumsum(blocks).astype(i32)])
-
-
 def _packed_rows(cu, every: int, rows: int):
   """For each states row of the packed form: (sequence n, tokens p of it before the boundary,
   valid). cu: sanitised offsets."""
-  offsets = block_offsets(cu, every)
+  offsets = varlen.block_offsets(cu, every)
   i = jnp.arange(rows, dtype=i32)
   n = jnp.searchsorted(offsets[1:], i, side="right", method="compare_all")
   n = jnp.minimum(n, cu.shape[0] - 2).astype(i32)
@@ -104,7 +96,7 @@ def _reference(impl, q, k, v, g, beta, mask, h0, scale, chunk, every, cu_seqlens
     (q, k, v, g, beta, mask), marks = varlen.clean(q, k, v, g, beta, mask, cu, with_state=True)
     seq, first, _ = varlen.token_boundaries(cu, t_len)
     p = t - cu[seq] + 1  # tokens of its sequence up to and including t
-    slot = jnp.where(p % every == 0, block_offsets(cu, every)[seq] + p // every - 1, -1)
+    slot = jnp.where(p % every == 0, varlen.block_offsets(cu, every)[seq] + p // every - 1, -1)
     n, p_row, _ = _packed_rows(cu, every, rows)
     token = (cu[n] + p_row - 1)[None]
   mask = jnp.broadcast_to(mask, q.shape[:3] + mask.shape[-2:])

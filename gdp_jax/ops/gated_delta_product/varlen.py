@@ -282,3 +282,13 @@ def clean(q, k, v, g, beta, mask, cu_seqlens, *, with_state=False):
   end = jnp.maximum(cu_seqlens[1:] - 1, 0)
   final = jnp.where((cu_seqlens[1:] > cu_seqlens[:-1])[:, None], spoiled[0, end], False)
   return cleaned, nonfinite.Marks(spoiled | bad(q), final, spoiled if with_state else None)
+
+
+def block_offsets(cu_seqlens, every: int):
+  """int32 [N + 1]: where each packed sequence's block states start in the rows of
+  `gated_delta_product(..., state_every=every, cu_seqlens=cu_seqlens)`'s states
+  (docs/operator.md#block-boundary-states): the running sum of each sequence's whole blocks,
+  L_n // every, from 0. cu_seqlens [N + 1] may be traced."""
+  cu = jnp.asarray(cu_seqlens).astype(i32)
+  blocks = (cu[1:] - cu[:-1]) // every
+  return jnp.concatenate([jnp.zeros((1,), i32), jnp.cumsum(blocks).astype(i32)])
