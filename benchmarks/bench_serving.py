@@ -10,7 +10,8 @@ states: the forward of `gated_delta_product` (o and the final state) at B, T, H,
   states' overhead over the forward without them.
 verify: `gated_delta_product_verify` over Tq tokens (`--tq`: 1, 2, 4, 8) against one
   `gated_delta_product_step` call, B in `--batches` (8, 64), H = 16, K = V = 128, a float32 state,
-  each implementation ("triton", "xla").
+  each implementation ("triton", "xla"), and "xla-compact": compact=True and `select_state` to
+  Tq - 1 tokens (verify and rollback).
 Median ms per call over `--reps` loops of `--inner` calls (`benchmarks.bench.time_jax`); the JSON
 ("runs") holds the date, the jax version, the GPU name and the command.
 """
@@ -35,6 +36,7 @@ from gdp_jax import (  # noqa: E402
   gated_delta_product,
   gated_delta_product_step,
   gated_delta_product_verify,
+  select_state,
 )
 
 SHAPE, SMOKE_SHAPE = "8,4096,16,128,128", "1,128,1,16,16"
@@ -72,11 +74,20 @@ def verify_runs(batches, tqs, heads, dim, reps, inner, implementations):
         q, k, v = (jax.random.normal(key[i], shape, jnp.bfloat16) * 0.1 for i in (1, 2, 3))
         beta = jnp.full(shape[:3], 0.5, jnp.float32)
         if tq == 0:
+          step_impl = "xla" if impl == "xla-compact" else impl
           fn = jax.jit(
             lambda q, k, v, b, s: gated_delta_product_step(
-              q[:, 0], k[:, 0], v[:, 0], None, b[:, 0], None, s, implementation=impl
+              q[:, 0], k[:, 0], v[:, 0], None, b[:, 0], None, s, implementation=step_impl
             )
           )
+        elif impl == "xla-compact":  # verify, then the rollback to Tq - 1 tokens
+          lengths = jnp.full((B,), tq - 1, jnp.int32)
+
+          def fn(q, k, v, b, s, lengths=lengths):
+            _, record = gated_delta_product_verify(q, k, v, None, b, None, s, compact=True)
+            return select_state(record, lengths)
+
+          fn = jax.jit(fn)
         else:
           fn = jax.jit(
             lambda q, k, v, b, s: gated_delta_product_verify(
@@ -128,7 +139,7 @@ def main(argv=None):
     batches = [1] if args.smoke else [int(x) for x in args.batches.split(",")]
     tqs = [2] if args.smoke else [int(x) for x in args.tq.split(",")]
     dim, heads = (16, 1) if args.smoke else (128, 16)
-    impls = ["triton", "xla"] if gpu else ["xla"]
+    impls = ["triton", "xla", "xla-compact"] if gpu else ["xla", "xla-compact"]
     result["runs"] += verify_runs(batches, tqs, heads, dim, reps, inner, impls)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)

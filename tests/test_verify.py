@@ -58,3 +58,24 @@ def test_verify_and_select_state_reject_bad_arguments():
     select_state(states, jnp.array([1, 5]), jnp.zeros((2, 2, 16, 16)))
   with pytest.raises(ValueError, match="accepted_lengths"):
     select_state(states, jnp.array([1.0, 2.0]))
+
+
+def test_compact_verify_rebuilds_every_length():
+  inp = _inputs()
+  inp["g"] = inp["g"].at[1, 2, :].set(-jnp.inf)  # a reset in row 1: the state before is dropped
+
+  def run(inp):
+    o, record = gated_delta_product_verify(**inp, compact=True)
+    ref_o, states = gated_delta_product_verify(**inp, implementation="xla")
+    rebuilt = [select_state(record, jnp.full((3,), n, jnp.int32)) for n in range(TQ + 1)]
+    return o, ref_o, states, rebuilt
+
+  o, ref_o, states, rebuilt = jax.jit(run)(inp)
+  np.testing.assert_allclose(o, ref_o, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(rebuilt[0], inp["initial_state"], rtol=0, atol=0)
+  for n in range(1, TQ + 1):
+    np.testing.assert_allclose(rebuilt[n], states[:, n - 1], rtol=2e-5, atol=2e-5, err_msg=str(n))
+  with pytest.raises(ValueError, match="compact=True"):
+    jax.eval_shape(
+      lambda inp: gated_delta_product_verify(**inp, compact=True, implementation="triton"), inp
+    )
