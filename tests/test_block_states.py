@@ -143,3 +143,50 @@ def test_a_bad_token_spoils_the_states_from_its_block_on():
   for states in jax.jit(call)(inp):
     np.testing.assert_allclose(states[:, 0], clean, rtol=2e-5, atol=2e-5)  # before token 20
     assert np.isnan(states[0, 1:, 2:]).all() and np.isfinite(states[0, 1:, :2]).all()
+
+
+@pytest.mark.parametrize("form", ["blocks", "loop"])
+def test_walk_writing_block_states_lowers_for_h200(monkeypatch, form):
+  """chunk_state_output(save_every=...) through the Pallas Triton lowering for an H200: the
+  masked store of the state after every `save_every` chunks, in both forms of the walk."""
+  from pallas_kernels.triton.forward import chunk_state_output
+  from tests.test_fused_forward import _kernel_avals
+  from tests.triton_lowering import lower_for_h200
+
+  _, avals = _kernel_avals(2, 32, 128, 128, jnp.bfloat16, False, T=256)
+  kw = dict(key_blocks=2, chunk=32, scale=0.1, save_every=2, form=form)
+  modules = lower_for_h200(
+    monkeypatch, lambda *a: chunk_state_output.chunk_state_output(*a, **kw), *avals
+  )
+  assert len(modules) == 1 and "tt.func" in modules[0]
+  out = jax.eval_shape(lambda *a: chunk_state_output.chunk_state_output(*a, **kw), *avals)
+  assert out[2].shape == (1, 2, 4, 128, 128) and out[2].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("form", ["blocks", "loop"])
+def test_walk_writes_the_state_after_every_few_chunks(form):
+  """save_every=2 over 4 chunks: rows 0 and 1 are the states save_states keeps at the start of
+  chunk 2 and the final state (any w, u: the walk is defined for them)."""
+  from pallas_kernels.triton.forward import chunk_state_output
+
+  rng = np.random.default_rng(0)
+  arrays = [
+    rng.standard_normal(shape).astype(np.float32) * 0.2
+    for shape in ((1, 64, 2, 32), (1, 64, 2, 32), (1, 2, 128, 32), (1, 2, 128, 16))
+  ]
+  gamma = -np.tile(np.cumsum(np.full(16, 0.05)), 4)[None, None].repeat(2, 1).astype(np.float32)
+  h0 = rng.standard_normal((1, 2, 32, 16)).astype(np.float32)
+  kw = dict(key_blocks=2, chunk=16, scale=0.1, precision="ieee", form=form)
+
+  def run(*a):
+    _, final, h, _ = chunk_state_output.chunk_state_output(
+      *a, save_states=True, h_dtype=jnp.float32, **kw
+    )
+    _, final2, states = chunk_state_output.chunk_state_output(*a, save_every=2, **kw)
+    return final, h, final2, states
+
+  final, h, final2, states = jax.jit(run)(*arrays, gamma, h0)
+  assert states.shape == (1, 2, 2, 32, 16)
+  np.testing.assert_array_equal(final2, final)
+  np.testing.assert_allclose(states[:, :, 0], h[:, :, 2], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(states[:, :, 1], final, rtol=1e-6, atol=1e-6)

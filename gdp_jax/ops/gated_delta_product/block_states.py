@@ -157,8 +157,9 @@ def _xla(impl, q, k, v, g, beta, mask, h0, scale, chunk, every, cu_seqlens):
 
 
 def _triton(impl, q, k, v, g, beta, mask, h0, scale, chunk, every, cu_seqlens):
-  """The forward kernels of triton.py (chunk_fwd, then chunk_state_output asked to save its
-  per-chunk start states in float32), on cleaned inputs, the states sampled; no derivatives."""
+  """The forward kernels of triton.py (chunk_fwd, then chunk_state_output writing the state
+  after every `every` tokens from its walk; packed: every chunk's start state, sampled), on
+  cleaned inputs; no derivatives."""
   args = (q, k, v, g, beta, mask.astype(f32), h0)
   run = lambda *a: _triton_forward(impl, *a[:7], scale, chunk, every, a[7])
   return raise_if_differentiated(run, NO_DERIVATIVES)(*args, cu_seqlens)
@@ -207,25 +208,20 @@ def _triton_forward(impl, q, k, v, g, beta, mask, h0, scale, chunk, every, cu_se
     **table,
     **prec,
   )
-  walk = {} if lay is None else dict(table=varlen.sequence_chunks(lay), in_place=True)
-  o, final, h, _ = chunk_state_output.chunk_state_output(
-    q,
-    k,
-    w,
-    u,
-    gcum,
-    h0,
-    scale=scale,
-    launch=options.chunk_state_output,
-    save_states=True,
-    h_dtype=f32,
-    **walk,
-    **prec,
+  # plain rows: the walk writes the state after every `every` tokens itself; packed: every
+  # chunk's start state (save_states), sampled per sequence
+  walk = dict(save_every=every // bt) if lay is None else dict(save_states=True, h_dtype=f32)
+  if lay is not None:
+    walk.update(table=varlen.sequence_chunks(lay), in_place=True)
+  o, final, *saved = chunk_state_output.chunk_state_output(
+    q, k, w, u, gcum, h0, scale=scale, launch=options.chunk_state_output, **walk, **prec
   )
   unpad = lambda x: triton.unpad_key_blocks(x[..., :dim_v], r, dim_k // r, axis=-2)
-  o, final, h = o[..., :dim_v], unpad(final), unpad(h)
-  if lay is None:
-    states = _plain(h, final, every, bt, rows, marks)
+  o, final, h = o[..., :dim_v], unpad(final), unpad(saved[0])
+  if lay is None:  # h: [B, H, Tp // every, K, V], row j after (j + 1) every tokens
+    h = jnp.moveaxis(h[:, :, :rows], 2, 1)
+    token = jnp.broadcast_to((jnp.arange(rows, dtype=i32) + 1) * every - 1, h.shape[:2])
+    states = _mark(h, marks, token)
   else:
     states = _packed(jnp.moveaxis(h[0], 1, 0), final, lay, every, rows, marks)
   o, final = nonfinite.mark(o, final, marks)
