@@ -34,6 +34,9 @@
 #                   backward) against xla and timed beside the unpacked call and flash-linear-
 #                   attention (benchmarks/bench_varlen.py --impl mosaic_gpu), then the Householder
 #                   form with 64 packed sequences (benchmarks/bench_householder.py --packed 64)
+#   reproducible    bitwise reproducibility of "mosaic_gpu" and "triton" compiled: two runs, and a
+#                   row alone vs within a batch, outputs and gradients
+#                   (scripts/check_reproducible_gpu.py, docs/precision.md#reproducibility)
 #   all             tests matrix bench stages memory decode (several commands' worth)
 #
 # Compilation: every section uses jax's persistent compilation cache in .jax_cache/ in the
@@ -52,7 +55,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gdp_gpu_out}"
 PY="${PY:-python3}"
 SECTIONS_KNOWN="tests tests-forward tests-backward tests-decode matrix matrix-ieee matrix-dims"
-SECTIONS_KNOWN+=" bench stages memory decode compile compile-generate packed"
+SECTIONS_KNOWN+=" bench stages memory decode compile compile-generate packed reproducible"
 sections="${*:-all}"
 if [[ " $sections " == *" list "* ]]; then
   echo "$SECTIONS_KNOWN all"
@@ -201,5 +204,14 @@ fi
 if want compile; then
   "$PY" benchmarks/compile_profile.py --out "$OUT/compile_profile.json" ${COMPILE_ARGS:-} 2>&1 \
       | tee "$OUT/compile_profile.log" | tail -40
+fi
+if want reproducible; then
+  t0=$SECONDS
+  timeout --signal=INT --kill-after=30 "$SECTION_TIME_LIMIT" "$PY" \
+      scripts/check_reproducible_gpu.py --out "$OUT/reproducible.json" 2>&1 \
+      | tee "$OUT/reproducible.log" | grep -v "^E[0-9]" | tail -12
+  rc="${PIPESTATUS[0]}"
+  echo "section reproducible: exit $rc in $((SECONDS - t0)) s" | tee -a "$OUT/sections.txt"
+  [ "$rc" -eq 0 ] || status=1
 fi
 exit $status

@@ -395,3 +395,22 @@ def static_scale(scale, default):
   if isinstance(scale, float):
     return scale, None
   return 1.0, scale
+
+
+def check_state_every(state_every, chunk_size):
+  """None, or the block of `gated_delta_product(..., state_every=N)`: a positive multiple of
+  chunk_size (docs/operator.md#block-boundary-states)."""
+  if state_every is None:
+    return None
+  if isinstance(state_every, (bool, np.bool_)) or not isinstance(state_every, (int, np.integer)):
+    raise TypeError(
+      f"state_every must be None or an int (a positive multiple of chunk_size = {chunk_size}), "
+      f"got {state_every!r} ({type(state_every).__name__})"
+    )
+  if state_every <= 0 or state_every % chunk_size:
+    raise ValueError(
+      f"state_every must be a positive multiple of chunk_size = {chunk_size} (the chunked "
+      f"forms' chunk: states are taken at chunk boundaries; a smaller chunk_size allows "
+      f"finer blocks), got {state_every}"
+    )
+  return int(state_every)

@@ -12,13 +12,13 @@ offsets and an initial state per sequence, [N, HV, K, V].
 
 from __future__ import annotations
 
-from typing import cast
+from typing import cast, overload
 
 import jax
 import jax.numpy as jnp
 
 from gdp_jax.ops import registry
-from gdp_jax.ops.gated_delta_product import partitioning
+from gdp_jax.ops.gated_delta_product import block_states, partitioning
 from gdp_jax.ops.gated_delta_product.base import (
   RESET_LOG_DECAY,
   GatedDeltaProductImplementation,
@@ -36,6 +36,7 @@ from gdp_jax.ops.validation import (
   check_cu_seqlens_values,
   check_inputs,
   check_scale,
+  check_state_every,
   shape_of,
 )
 from pallas_kernels.common.backend import resolve_precision
@@ -70,6 +71,7 @@ def describe_runtime(device=None) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+@overload
 def gated_delta_product(
   q: jax.Array,
   k: jax.Array,
@@ -87,7 +89,51 @@ def gated_delta_product(
   backward: str = "pallas",
   options: KernelOptions | None = None,
   cu_seqlens: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+  state_every: None = None,
+) -> tuple[jax.Array, jax.Array | None]: ...
+
+
+@overload
+def gated_delta_product(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array | None = None,
+  beta: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  *,
+  scale: float | jax.Array | None = None,
+  initial_state: jax.Array | None = None,
+  output_final_state: bool = False,
+  chunk_size: int = 64,
+  implementation: str | None = None,
+  precision: str | None = None,
+  backward: str = "pallas",
+  options: KernelOptions | None = None,
+  cu_seqlens: jax.Array | None = None,
+  state_every: int,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]: ...
+
+
+def gated_delta_product(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array | None = None,
+  beta: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  *,
+  scale: float | jax.Array | None = None,
+  initial_state: jax.Array | None = None,
+  output_final_state: bool = False,
+  chunk_size: int = 64,
+  implementation: str | None = None,
+  precision: str | None = None,
+  backward: str = "pallas",
+  options: KernelOptions | None = None,
+  cu_seqlens: jax.Array | None = None,
+  state_every: int | None = None,
+) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
   """Block-masked gated delta product linear attention (docs/operator.md).
 
   Per batch row and value head a float32 state S [K, V] evolves as
@@ -132,10 +178,18 @@ def gated_delta_product(
       boundaries with the same N and T do not recompile. Concrete offsets are checked; invalid
       traced ones are undefined behaviour (they are repaired, `gdp_jax.varlen.sanitize`, so
       nothing reads out of bounds, but the result means nothing).
+    state_every: None, or N, a positive multiple of chunk_size: also return the state after
+      every N tokens (docs/operator.md#block-boundary-states): [B, T // N, HV, K, V] float32, row
+      j the state after tokens [0, (j + 1) N) (a ragged end of T % N tokens has no row: its
+      state is the final state). With cu_seqlens [1, T // N, HV, K, V]: each sequence's blocks
+      counted from its own start, sequence n's in rows [c[n], c[n + 1]) of
+      c = `gdp_jax.varlen.block_offsets(cu_seqlens, N)`, zeros after the last. Not on
+      "mosaic_gpu" (None and "pallas" pick "triton"); "triton" has no derivatives then (a
+      NotImplementedError), "reference" and "xla" differentiate the states.
 
   Returns:
     (o [B, T, HV, V] in q.dtype, final_state [B, HV, K, V] ([N, HV, K, V] with cu_seqlens)
-    float32 or None).
+    float32 or None), and the block states third when state_every is given.
 
   Derivatives: every implementation supports reverse mode (`jax.grad`, `jax.vjp`) in every
   input; "reference" and "xla" also forward mode and higher orders (JAX differentiates their
@@ -177,7 +231,8 @@ def gated_delta_product(
   output_final_state = check_bool("output_final_state", output_final_state)
   chunk_size = check_chunk_size(chunk_size)
   scale = check_scale(scale)
-  problem = Problem(q.dtype, dim_k, dim_v, r, cu_seqlens is not None)
+  state_every = check_state_every(state_every, chunk_size)
+  problem = Problem(q.dtype, dim_k, dim_v, r, cu_seqlens is not None, state_every is not None)
   impl = cast(GatedDeltaProductImplementation, REGISTRY.resolve(implementation, problem=problem))
   registry.check_backward(backward, impl)
   # None with explicit options keeps options.precision; else None follows jax's default.
@@ -200,7 +255,11 @@ def gated_delta_product(
   if not isinstance(scale, (int, float)):  # a traced or learned scale: o is linear in it
     array_scale, scale = scale, 1.0
   args = (q, k, v, g, beta, mask5, initial_state, float(scale), chunk_size)
-  if cu_seqlens is not None:
+  states = None
+  if state_every is not None:  # unpartitioned (docs/operator.md#block-boundary-states)
+    cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
+    o, final, states = block_states.run(impl, *args, state_every, cu)
+  elif cu_seqlens is not None:
     o, final = impl.varlen(*args, jnp.asarray(cu_seqlens))
   elif partitioning.partitions() and (impl.pallas or impl.name == "xla"):
     # Sharded inputs under jax.jit: the kernels run per device on their block of batch rows and
@@ -212,4 +271,5 @@ def gated_delta_product(
     o, final = run_padded(impl, *args)
   if array_scale is not None:
     o = o.astype(jnp.float32) * array_scale
-  return o.astype(q.dtype), (final if output_final_state else None)
+  outputs = (o.astype(q.dtype), final if output_final_state else None)
+  return outputs if states is None else (*outputs, states)

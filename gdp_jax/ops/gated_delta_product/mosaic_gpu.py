@@ -256,6 +256,8 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
         return f'{name} = {dim}; implementation="mosaic_gpu" takes {SUPPORTED_DIMS}; {use}'
     if problem.packed and not named:
       return "packed sequences run on the Triton kernels unless mosaic_gpu is named"
+    if problem.block_states:
+      return f'state_every: implementation="mosaic_gpu" does not return block states; {use}'
     return None
 
   def time_multiple(self, chunk_size, key_blocks):

@@ -36,10 +36,12 @@ import jax.numpy as jnp
 
 
 class Marks(NamedTuple):
-  """Where the outputs are non-finite. o: [B, T, H] bool; final: [B, H] bool."""
+  """Where the outputs are non-finite. o: [B, T, H] bool; final: [B, H] bool; state: [B, T, H]
+  bool, the state after token t (the block states of block_states.py; a bad q spoils o only)."""
 
   o: jax.Array
   final: jax.Array
+  state: jax.Array | None = None
 
 
 def _finite(x):
@@ -66,7 +68,7 @@ def _bad_rows(x, batch, t_len, heads, local=False):
   return jnp.broadcast_to(bad, (batch, t_len, heads))
 
 
-def clean(q, k, v, g, beta, mask, *, local=False, substeps=1):
+def clean(q, k, v, g, beta, mask, *, local=False, substeps=1, with_state=False):
   """(cleaned (q, k, v, g, beta, mask), Marks) for the operator's normalised inputs:
   q, k [B, T, Hk, K] (Hk = H, or a divisor of H: grouped value heads); v [B, T, H, V];
   g, beta [B, T, H]; mask [Bm, Tm, Hm, r, r] (or None). Marks are per value head.
@@ -75,7 +77,8 @@ def clean(q, k, v, g, beta, mask, *, local=False, substeps=1):
   gdp_jax/ops/gated_delta_product/partitioning.py), so the reductions may flatten them (a
   flattened sharded array would be gathered first).
   substeps: the Householder form's n_h (householder_delta_product): k, v and beta hold T n_h
-  sub-steps, n_h per token, and a bad sub-step spoils the state from its token on."""
+  sub-steps, n_h per token, and a bad sub-step spoils the state from its token on.
+  with_state: also fill `Marks.state` (else None: no residual more for the kernels' backward)."""
   batch, t_sub, heads = v.shape[:3]
   t_len = t_sub // substeps
   sub_rows = lambda x: _bad_rows(x, batch, t_sub, heads, local)
@@ -91,7 +94,7 @@ def clean(q, k, v, g, beta, mask, *, local=False, substeps=1):
   t = jax.lax.broadcasted_iota(jnp.int32, bad_state.shape, 1)
   first_bad = jnp.min(jnp.where(bad_state, t, t_len), axis=1)  # [B, H]; t_len: none
   spoiled = t >= first_bad[:, None, :]
-  marks = Marks(o=spoiled | bad_q, final=first_bad < t_len)
+  marks = Marks(spoiled | bad_q, first_bad < t_len, spoiled if with_state else None)
   zero = lambda x: jnp.where(_finite(x), x, jnp.zeros((), x.dtype))
   g = jnp.where(jnp.isnan(g) | (g == jnp.inf), jnp.zeros((), g.dtype), g)
   mask = None if mask is None else zero(mask)

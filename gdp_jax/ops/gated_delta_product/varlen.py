@@ -261,13 +261,14 @@ def token_boundaries(cu_seqlens, t_len: int):
   return seq, t == cu_seqlens[seq], t == cu_seqlens[seq + 1] - 1
 
 
-def clean(q, k, v, g, beta, mask, cu_seqlens):
+def clean(q, k, v, g, beta, mask, cu_seqlens, *, with_state=False):
   """`nonfinite.clean` per sequence: the cleaned inputs and marks in which a bad token spoils
   the outputs of its own sequence only (from that token on) and that sequence's final state.
 
   q, k: [1, T, Hk, K] (Hk = H or a divisor of H: grouped value heads); v, g, beta: [1, T, H, ...];
   mask [Bm, Tm, Hm, r, r]; cu_seqlens sanitised [N + 1].
-  Returns (cleaned inputs, nonfinite.Marks(o [1, T, H], final [N, H])).
+  Returns (cleaned inputs, nonfinite.Marks(o [1, T, H], final [N, H], state [1, T, H] with
+  with_state)).
   """
   batch, t_len, heads = v.shape[:3]
   cleaned, _ = nonfinite.clean(q, k, v, g, beta, mask)
@@ -280,4 +281,14 @@ def clean(q, k, v, g, beta, mask, cu_seqlens):
   spoiled = last_bad >= cu_seqlens[seq][None, :, None]
   end = jnp.maximum(cu_seqlens[1:] - 1, 0)
   final = jnp.where((cu_seqlens[1:] > cu_seqlens[:-1])[:, None], spoiled[0, end], False)
-  return cleaned, nonfinite.Marks(o=spoiled | bad(q), final=final)
+  return cleaned, nonfinite.Marks(spoiled | bad(q), final, spoiled if with_state else None)
+
+
+def block_offsets(cu_seqlens, every: int):
+  """int32 [N + 1]: where each packed sequence's block states start in the rows of
+  `gated_delta_product(..., state_every=every, cu_seqlens=cu_seqlens)`'s states
+  (docs/operator.md#block-boundary-states): the running sum of each sequence's whole blocks,
+  L_n // every, from 0. cu_seqlens [N + 1] may be traced."""
+  cu = jnp.asarray(cu_seqlens).astype(i32)
+  blocks = (cu[1:] - cu[:-1]) // every
+  return jnp.concatenate([jnp.zeros((1,), i32), jnp.cumsum(blocks).astype(i32)])
