@@ -46,6 +46,7 @@ from gdp_jax.ops.validation import (
   check_cu_seqlens_values,
   check_float,
   check_gate_values,
+  check_scale,
   check_shape,
 )
 from pallas_kernels.common.backend import resolve_precision
@@ -239,6 +240,7 @@ def householder_delta_product(
   resolve_precision(precision)  # a clear error for a bad value
   if chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
+  check_scale(scale)  # finite and > 0 (a TypeError / ValueError)
   if scale is None:
     scale = dim_k**-0.5
 
