@@ -205,13 +205,12 @@ def test_flops_per_token():
 
 
 def test_command_line_and_bad_configuration(tmp_path, capsys):
-  from gdp_jax.__main__ import main
+  from examples.byte_lm.__main__ import main
 
   out = str(tmp_path / "cli")
   assert (
     main(
       [
-        "train-lm",
         "--preset",
         "tiny",
         "--steps",
@@ -227,7 +226,7 @@ def test_command_line_and_bad_configuration(tmp_path, capsys):
   )
   text = capsys.readouterr().out
   assert "bits/byte" in text and "tokens/s" in text and "MFU" in text
-  assert main(["train-lm", "--compare", os.path.join(out, "metrics.json"), "--out", out]) == 0
+  assert main(["--compare", os.path.join(out, "metrics.json"), "--out", out]) == 0
   assert "gdp-r2" in capsys.readouterr().out
   with pytest.raises(ValueError, match="seq_len must be a multiple of 64"):
     tl.train_lm(tl.preset_config("tiny", seq_len=100))
@@ -300,13 +299,13 @@ def test_profile_train_step_smoke(tmp_path):
 def test_command_line_errors_are_one_line_with_status_2(argv, match, capsys):
   """Argument and data errors used to end in tracebacks: now one line on stderr, exit status 2
   (argparse's convention), nothing trained."""
-  from gdp_jax.__main__ import main
+  from examples.byte_lm.__main__ import main
 
-  assert main(["train-lm", "--no-progress", *argv]) == 2
+  assert main(["--no-progress", *argv]) == 2
   captured = capsys.readouterr()
   lines = captured.err.strip().splitlines()
   assert len(lines) == 1, captured.err
-  assert lines[0].startswith("python -m gdp_jax train-lm: error: ")
+  assert lines[0].startswith("python -m examples.byte_lm: error: ")
   assert match in lines[0]
   assert captured.out == ""
 
@@ -339,7 +338,7 @@ def test_resume_says_what_it_found(tmp_path, capsys):
   unreadable latest step (garbage data files, garbage _METADATA, an empty folder) is reported in
   one line and the step before is used; a checkpoint of another model is refused naming the
   settings that differ, on the command line in one line with status 2."""
-  from gdp_jax.__main__ import main
+  from examples.byte_lm.__main__ import main
 
   base = dict(eval_every=2, ckpt_every=2, plot=False, **QUIET)
   good = str(tmp_path / "good")
@@ -409,10 +408,10 @@ def test_resume_says_what_it_found(tmp_path, capsys):
     tl.TrainLMError, match=r"another model \(mask_mode 'static' there, 'ones' here"
   ):
     tl.train_lm(tl.preset_config("tiny", out=good, model="gdn", steps=6, resume=True, **base))
-  argv = ["train-lm", "--model", "gdn", "--steps", "6", "--out", good, "--resume", "--no-progress"]
+  argv = ["--model", "gdn", "--steps", "6", "--out", good, "--resume", "--no-progress"]
   assert main(argv) == 2
   err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and err[0].startswith("python -m gdp_jax train-lm: error: the checkpoint")
+  assert len(err) == 1 and err[0].startswith("python -m examples.byte_lm: error: the checkpoint")
   assert "num_blocks 2 there, 1 here" in err[0]
 
 

@@ -4,13 +4,22 @@
 import argparse
 import sys
 
-from examples.byte_lm import train_lm
+from examples import missing_extra
+
+PROG = "python -m examples.byte_lm"
 
 
 def main(argv=None) -> int:
-  """The command line: 0, or 2 after a one-line message for a bad option (argparse's way)."""
+  """The command line: 0, or 2 after a one-line message for a bad option or a missing extra
+  (argparse's way)."""
+  message = missing_extra(PROG)
+  if message:
+    print(message, file=sys.stderr)
+    return 2
+  from examples.byte_lm import train_lm
+
   parser = argparse.ArgumentParser(
-    prog="python -m examples.byte_lm",
+    prog=PROG,
     description=train_lm.__doc__.split("\n\n")[0],
     epilog="presets, corpus and FLOP count: docs/train_lm.md",
   )

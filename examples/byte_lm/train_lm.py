@@ -1,9 +1,10 @@
-"""`python -m gdp_jax train-lm`: a byte-level hybrid language model trained on the Python standard
-library's source, with learning curves, tokens per second and MFU.
+"""`python -m examples.byte_lm` (from the repository root): a byte-level hybrid language model
+trained on the Python standard library's source, with learning curves, tokens per second and
+MFU.
 
-    python -m gdp_jax train-lm --preset tiny --out runs/tiny            # a CPU, 1-2 minutes
-    python -m gdp_jax train-lm --preset h200 --model gdp-r2 --out runs/r2 --minutes 3
-    python -m gdp_jax train-lm --compare runs/*/metrics.json --out runs  # curves side by side
+    python -m examples.byte_lm --preset tiny --out runs/tiny            # a CPU, 1-2 minutes
+    python -m examples.byte_lm --preset h200 --model gdp-r2 --out runs/r2 --minutes 3
+    python -m examples.byte_lm --compare runs/*/metrics.json --out runs  # curves side by side
 
 From Python: `metrics = train_lm(preset_config("tiny", out="runs/tiny"))`.
 
@@ -100,7 +101,7 @@ MODELS: dict[str, dict[str, Any]] = {
 
 class TrainLMError(ValueError):
   """A bad option, corpus or checkpoint, in one line: the command line prints it as
-  `... train-lm: error: <message>` and exits with status 2 (argparse's convention)."""
+  `python -m examples.byte_lm: error: <message>` and exits with status 2 (argparse's convention)."""
 
 
 @dataclasses.dataclass
@@ -760,10 +761,10 @@ def _device_kind():
 
 
 def _command():
-  """The command as typed when run as `python -m gdp_jax train-lm`, else None."""
+  """The command as typed when run as `python -m examples.byte_lm`, else None."""
   from benchmarks.bench import command_line
 
-  return command_line() if "train-lm" in sys.argv else None
+  return command_line() if "examples.byte_lm" in getattr(sys, "orig_argv", []) else None
 
 
 def _metrics_path(out):

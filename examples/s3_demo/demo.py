@@ -1,6 +1,6 @@
-"""The main job, `make demo` (`python -m gdp_jax demo`, or `python -m examples.s3_demo` from the
-repository root): train small models on a permutation word problem,
-the block-masked gated delta product next to Gated DeltaNet and DeltaProduct, then generate.
+"""The main job, `make demo` (`python -m examples.s3_demo` from the repository root): train small
+models on a permutation word problem, the block-masked gated delta product next to Gated DeltaNet
+and DeltaProduct, then generate.
 
 The task (state tracking, the DeltaProduct paper's kind): the input is a sequence of random
 elements x_1..x_T of a permutation group (S3 by default: 6 tokens) and the target at every
