@@ -29,7 +29,8 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from gdp_jax.ops.partitioning import ShardSpec, VjpSpecs, per_shard_call
+from gdp_jax.ops.partitioning import ShardSpec, per_shard_call
+from gdp_jax.ops.partitioning_vjp import VjpSpecs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,16 +35,14 @@ import jax.numpy as jnp
 from gdp_jax.ops.autodiff import in_forward_mode
 from gdp_jax.ops.gated_delta_product import context_parallel, xla
 from gdp_jax.ops.gated_delta_product.base import run_padded
-from gdp_jax.ops.partitioning import (
-  ShardSpec,
-  every_axis_manual,
-  per_shard_call,
+from gdp_jax.ops.partitioning import ShardSpec, every_axis_manual, per_shard_call
+from gdp_jax.ops.partitioning_jvp import every_mode_call
+from gdp_jax.ops.partitioning_vjp import (
   pullback_residuals,
   saved_pullback,
   sequence_vjp,
   vjp_specs,
 )
-from gdp_jax.ops.partitioning_jvp import every_mode_call
 
 TOKENS = ("bth-", "bth-", "btv-", "btv", "btv")  # q, k, v, g, beta
 STATE = "bv--"
