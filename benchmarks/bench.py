@@ -64,7 +64,7 @@ import numpy as np
 try:
   import tqdm
 except ModuleNotFoundError:  # the `bench` extra: main() says what to install
-  tqdm = None  # type: ignore[assignment]
+  tqdm = None
 
 from gdp_jax.testing import SHAPES, random_inputs
 
