@@ -18,7 +18,7 @@ setup-jax-newest:
 # The main job: the S3 word-problem demo (examples/s3_demo; the `examples` extra, which the
 # set-up installs with the test extra).
 demo: setup
-	$(PY) -m gdp_jax demo
+	$(PY) -m examples.s3_demo
 
 # Lint, format check and types (settings in pyproject.toml); `make test` runs them first.
 lint: setup

@@ -17,7 +17,7 @@
 #   matrix-dims     gpu_matrix.py's default plan, in two parts: K = V = 96 and the K != V pairs,
 #                   every dtype and precision; a second run, from the cache, finishes what the
 #                   time limit left)
-#   bench           `python -m gdp_jax bench`: forward and forward + backward at the H200 shape,
+#   bench           `python -m benchmarks.bench`: forward and forward + backward at the H200 shape,
 #                   ours side by side with flash-linear-attention and jax-linear-attention
 #   stages          each forward and backward kernel timed alone (benchmarks/profile_stages.py)
 #   memory          peak GPU memory of one training step (benchmarks/memory_step.py)
@@ -165,7 +165,7 @@ if want matrix-dims; then
   run_matrix gpu_matrix_dims --dims "96,64:128,128:64,256:64,32:96"
 fi
 if want bench; then
-  "$PY" -m gdp_jax bench --shape 8,4096,16,128,128 --rs 1,2,4 --impls pallas,fla,jla,xla \
+  "$PY" -m benchmarks.bench --shape 8,4096,16,128,128 --rs 1,2,4 --impls pallas,fla,jla,xla \
       --modes fwd,fwdbwd --no-progress --out "$OUT/bench_operator.json" ${BENCH_ARGS:-} \
       2>&1 | tee "$OUT/bench_operator.log" | grep -v "^E[0-9]" | tail -40
 fi

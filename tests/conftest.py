@@ -124,6 +124,7 @@ SLOW = (
   "tests/test_fused_forward.py::test_operator_forward_and_gradients*",
   "tests/test_nonfinite.py::test_nonfinite_gradient_is_causal[triton*",
   "tests/test_nonfinite.py::test_reset_matches_reference[triton]",
+  "tests/test_nonfinite.py::test_reset_is_a_fresh_start[triton]",
   "tests/test_nonfinite.py::test_pallas_guard_under_jit*",
   "tests/test_implementations.py::TestTriton::test_transformations_compose",
   # (the interpreted Triton kernels' gradients keep their cheapest case, r = 1, in the fast tier)

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from examples.s3_demo import demo
+from examples.s3_demo.__main__ import main as demo_main
 from gdp_jax.__main__ import main
 from gdp_jax.models import HybridConfig, HybridLM, generate
 from tests.cases import assert_close
@@ -218,9 +219,8 @@ def test_permutation_task():
 def test_demo_command_runs(capsys):
   """Every part of the demo at toy sizes: two models (one layer each; the hybrid model with
   attention layers is trained in test_training_step_lowers_loss), the report and generation."""
-  rc = main(
+  rc = demo_main(
     [
-      "demo",
       "--steps",
       "2",
       "--seq-len",

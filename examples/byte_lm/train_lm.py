@@ -1,9 +1,10 @@
-"""`python -m gdp_jax train-lm`: a byte-level hybrid language model trained on the Python standard
-library's source, with learning curves, tokens per second and MFU.
+"""`python -m examples.byte_lm` (from the repository root): a byte-level hybrid language model
+trained on the Python standard library's source, with learning curves, tokens per second and
+MFU.
 
-    python -m gdp_jax train-lm --preset tiny --out runs/tiny            # a CPU, 1-2 minutes
-    python -m gdp_jax train-lm --preset h200 --model gdp-r2 --out runs/r2 --minutes 3
-    python -m gdp_jax train-lm --compare runs/*/metrics.json --out runs  # curves side by side
+    python -m examples.byte_lm --preset tiny --out runs/tiny            # a CPU, 1-2 minutes
+    python -m examples.byte_lm --preset h200 --model gdp-r2 --out runs/r2 --minutes 3
+    python -m examples.byte_lm --compare runs/*/metrics.json --out runs  # curves side by side
 
 From Python: `metrics = train_lm(preset_config("tiny", out="runs/tiny"))`.
 
@@ -100,7 +101,7 @@ MODELS: dict[str, dict[str, Any]] = {
 
 class TrainLMError(ValueError):
   """A bad option, corpus or checkpoint, in one line: the command line prints it as
-  `... train-lm: error: <message>` and exits with status 2 (argparse's convention)."""
+  `python -m examples.byte_lm: error: <message>` and exits with status 2 (argparse's convention)."""
 
 
 @dataclasses.dataclass
@@ -250,6 +251,9 @@ def preset_config(preset: str = "tiny", **overrides) -> TrainConfig:
 def model_config(cfg: TrainConfig):
   """The HybridConfig of a run (a TrainLMError if the model's own checks refuse it)."""
   import jax
+  from flax import nnx
+
+  from gdp_jax.models import HybridLM
 
   spec = MODELS[cfg.model]
   layers = "A" * len(cfg.layers) if spec["attention_only"] else cfg.layers
@@ -257,9 +261,12 @@ def model_config(cfg: TrainConfig):
   if attn_impl == "auto":
     attn_impl = "flash" if jax.default_backend() == "gpu" else "xla"
   try:
-    return _hybrid_config(cfg, spec, layers, attn_impl)
+    mc = _hybrid_config(cfg, spec, layers, attn_impl)
+    # the layers' own checks (a width the heads do not divide), traced only: nothing computed
+    nnx.eval_shape(lambda: HybridLM(mc, rngs=nnx.Rngs(0)))
   except ValueError as e:  # the model's own checks (widths, heads, layer pattern)
     raise TrainLMError(f"model settings: {e}") from None
+  return mc
 
 
 def _hybrid_config(cfg, spec, layers, attn_impl):
@@ -754,10 +761,10 @@ def _device_kind():
 
 
 def _command():
-  """The command as typed when run as `python -m gdp_jax train-lm`, else None."""
+  """The command as typed when run as `python -m examples.byte_lm`, else None."""
   from benchmarks.bench import command_line
 
-  return command_line() if "train-lm" in sys.argv else None
+  return command_line() if "examples.byte_lm" in getattr(sys, "orig_argv", []) else None
 
 
 def _metrics_path(out):
@@ -782,8 +789,8 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
   cfg = config
   cfg.validate()
   wall0 = time.perf_counter()
-  corpus = load_corpus(cfg.corpus_dir, cfg.val_percent)
   mc = model_config(cfg)
+  corpus = load_corpus(cfg.corpus_dir, cfg.val_percent)
   model = HybridLM(mc, rngs=nnx.Rngs(cfg.seed))
   graphdef, params = nnx.split(model)
   del model
@@ -1214,7 +1221,7 @@ def add_arguments(p):
     ("--batch-size", int, "sequences per step"),
     ("--seq-len", int, "tokens per sequence (a multiple of 64)"),
     ("--lr", float, "peak learning rate"),
-    ("--warmup-steps", int, "linear warm-up steps"),
+    ("--warmup-steps", int, "linear warm-up steps, at most half of --steps"),
     ("--eval-every", int, "steps between validations"),
     ("--eval-batches", int, "validation batches"),
     ("--log-every", int, "steps between progress updates"),
@@ -1314,5 +1321,16 @@ def _run(args) -> int:
     value = getattr(args, key)
     if value is not None:
       overrides[key] = value
-  train_lm(preset_config(args.preset, **overrides))
+  cfg = preset_config(args.preset, **overrides)
+  if args.ckpt_every is not None and args.ckpt_every < 1:
+    raise TrainLMError(
+      f"--ckpt-every must be >= 1 (steps between checkpoints; the last step is always saved), "
+      f"got {args.ckpt_every}"
+    )
+  if args.warmup_steps is not None and cfg.minutes is None and args.warmup_steps > cfg.steps // 2:
+    raise TrainLMError(
+      f"--warmup-steps {args.warmup_steps} is more than half the schedule ({cfg.steps} steps): "
+      f"warm-up takes at most half of it"
+    )
+  train_lm(cfg)
   return 0

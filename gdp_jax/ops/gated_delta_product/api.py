@@ -35,6 +35,7 @@ from gdp_jax.ops.validation import (
   check_cu_seqlens,
   check_cu_seqlens_values,
   check_inputs,
+  check_options,
   check_scale,
   check_state_every,
   shape_of,
@@ -149,7 +150,7 @@ def gated_delta_product(
     beta: [B, T, HV] write strength (required).
     mask: None (r = 1), [r, r], [HV, r, r] or per token [B, T, HV, r, r]; K % r == 0.
     scale: output scale, default K ** -0.5: a number, or a scalar array (traced ones included,
-      e.g. a learned scale under `jax.jit`; differentiable).
+      e.g. a learned scale under `jax.jit`; differentiable); finite and > 0.
     initial_state: [B, HV, K, V] ([N, HV, K, V] with cu_seqlens) or None (zeros).
     output_final_state: True to also return the final state [B, HV, K, V] float32 (a bool).
     chunk_size: tokens per chunk of the chunked forms, one of 16, 32, 64.
@@ -168,8 +169,8 @@ def gated_delta_product(
       HIGHEST precision (the ground truth) whatever this says. Overrides `options.precision`.
     backward: with a Pallas implementation: "pallas" (its kernels) or "xla" (the jnp backward of
       the chunked form behind the Pallas forward: a debugging switch).
-    options: with a Pallas implementation: a `pallas_kernels.common.options.KernelOptions`
-      (matmul precision and launch parameters); None picks them by heuristic.
+    options: None or a `pallas_kernels.common.options.KernelOptions` (matmul precision and
+      launch parameters of a Pallas implementation); None picks them by heuristic.
     cu_seqlens: None, or int32 [N + 1] offsets of N sequences packed back to back in one row
       (docs/varlen.md): B must be 1, sequence n holds tokens [cu_seqlens[n], cu_seqlens[n + 1]),
       offsets start at 0, end at T and never decrease (two equal offsets: an empty sequence,
@@ -189,7 +190,8 @@ def gated_delta_product(
 
   Returns:
     (o [B, T, HV, V] in q.dtype, final_state [B, HV, K, V] ([N, HV, K, V] with cu_seqlens)
-    float32 or None), and the block states third when state_every is given.
+    float32 or None), and the block states third when state_every is given. B = 0 gives empty
+    outputs.
 
   Derivatives: every implementation supports reverse mode (`jax.grad`, `jax.vjp`) in every
   input; "reference" and "xla" also forward mode and higher orders (JAX differentiates their
@@ -232,6 +234,7 @@ def gated_delta_product(
   chunk_size = check_chunk_size(chunk_size)
   scale = check_scale(scale)
   state_every = check_state_every(state_every, chunk_size)
+  check_options(options)
   problem = Problem(q.dtype, dim_k, dim_v, r, cu_seqlens is not None, state_every is not None)
   impl = cast(GatedDeltaProductImplementation, REGISTRY.resolve(implementation, problem=problem))
   registry.check_backward(backward, impl)
@@ -239,6 +242,12 @@ def gated_delta_product(
   kernel_precision: str | None = resolve_precision(precision)
   if precision is None and options is not None:
     kernel_precision = None
+  if batch == 0:  # an empty batch: empty outputs, as jnp's functions give
+    o = jnp.zeros((0, t_len, heads_v, dim_v), q.dtype)
+    final = jnp.zeros((0, heads_v, dim_k, dim_v), jnp.float32) if output_final_state else None
+    if state_every is None:
+      return o, final
+    return o, final, jnp.zeros((0, t_len // state_every, heads_v, dim_k, dim_v), jnp.float32)
   if impl.pallas:
     impl = impl.replace(options=options, backward=backward, precision=kernel_precision)
   if scale is None:

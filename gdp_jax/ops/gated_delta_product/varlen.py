@@ -1,23 +1,14 @@
 """Packed variable-length sequences (`cu_seqlens`): the chunk-aligned padded layout
 (docs/varlen.md).
 
-N sequences packed back to back in one row of T tokens: sequence n holds tokens
+N sequences packed back to back in one row of T tokens, sequence n holding tokens
 [cu_seqlens[n], cu_seqlens[n + 1]). The chunked forms need chunks that never straddle two
 sequences, so `layout` moves every sequence to start at a chunk boundary of a padded row of
-T_pad = C * NT tokens:
-
-  token t of sequence n  ->  padded position  C * chunk_start[n] + (t - cu_seqlens[n])
-
-with chunk_start[n] = sum_{m < n} ceil(L_m / C) (L_m the lengths) and NT = `max_chunks(T, N, C)`,
-a static bound on the number of chunks whatever the boundaries. The padding is zeros (`pack`): a
-token with k = 0, v = 0, beta = 0 and g = 0 is an identity transition (docs/chunked_form.md
-#padding), so inside a sequence the chunked form computes exactly what it computes unpacked.
-What crosses a chunk boundary is the state alone; the per-chunk tables say where it must be
-replaced by a sequence's initial state (`chunk_first`, `chunk_seq`) and after which chunk a
-sequence's final state is read (`chunk_last`, `last_chunk`).
-
-Everything here is traced: `cu_seqlens` may change under `jax.jit` without recompiling, as long
-as N and T stay the same (every shape depends on N, T and C only).
+C * NT tokens (NT = `max_chunks(T, N, C)`, a static bound), padded with identity tokens (zeros,
+`pack`). Only the state crosses a chunk boundary; the per-chunk tables say where a sequence's
+initial state replaces it (`chunk_first`, `chunk_seq`) and after which chunk a final state is
+read (`chunk_last`, `last_chunk`). Everything is traced: new boundaries with the same N and T do
+not recompile.
 """
 
 from __future__ import annotations

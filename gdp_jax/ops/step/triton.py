@@ -1,5 +1,6 @@
 """`implementation="triton"` of the recurrent step: the Pallas kernel
-(pallas_kernels/triton/inference/recurrent_step.py), no derivatives."""
+(pallas_kernels/triton/inference/recurrent_step.py), no derivatives
+(docs/inference.md#the-recurrent-step)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`implementation="xla"` of the recurrent step: the recurrence's own step in jnp."""
+"""`implementation="xla"` of the recurrent step: the recurrence's own step in jnp
+(docs/inference.md#the-recurrent-step)."""
 
 from __future__ import annotations
 

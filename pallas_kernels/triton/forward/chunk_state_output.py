@@ -1,23 +1,15 @@
-"""The state recurrence fused with the output (docs/kernels.md, "Fused forward kernels").
+"""The state recurrence fused with the output
+(docs/kernels.md#chunk_state_output-the-state-walk-and-the-output).
 
-One program per (V tile, batch, head) (per sequence when packed,
-pallas_kernels/common/packed.py) walks the chunks in order, with S (the state at the chunk's
-start) in registers as r row blocks [dk, BV] float32. For each chunk (docs/chunked_form.md):
-
-  v_new[(t,a)] = u[(t,a)] - sum_d w[(t,a), block d] S^(d)
-  o_t          = scale ( exp(gamma_t) q_t^T S
-                       + sum_a sum_{s<=t} exp(gamma_t - gamma_s) <q_t^(a), k_s^(a)> v_new[(s,a)] )
-  S^(d)        = exp(gamma_last) S^(d) + sum_t exp(gamma_last - gamma_t) k_t^(d) v_new[(t,d)]^T
-
-The per-chunk states h and v_new never leave the kernel unless save_states=True asks for them
-(what the backward reads). Rows of one block a are read straight from the refs viewed as
-[Tp, r, D], and key blocks as column blocks of the [Tp, K] refs, so no value is ever sliced
-(docs/pallas_triton.md).
-
-Packed sequences in place (`in_place=True`, docs/varlen.md#the-pallas-kernels): q and k are read
-from the packed row itself at each chunk's tokens with masked loads, and o is written there with
-masked stores (the rows past a sequence's end are the next sequence's: never written); w, u,
-gamma, h and v_new stay in the chunk-aligned layout.
+One program per (V tile, batch, head) (per sequence when packed, packed.py) walks the chunks in
+order with S, the state at the chunk's start, in registers as r row blocks [dk, BV] float32; per
+chunk it forms v_new = u - w S, the outputs and the next S
+(docs/chunked_form.md#the-state-update-and-the-output). The per-chunk states h and v_new leave
+the kernel only with save_states=True (what the backward reads). Rows of one key block are read
+from the refs viewed as [Tp, r, D] and key blocks as column blocks, so no loaded value is sliced
+(docs/pallas_triton.md). Packed sequences in place (`in_place=True`,
+docs/varlen.md#the-pallas-kernels): q and k are read from the packed row with masked loads and o
+written there with masked stores; w, u, gamma, h and v_new stay in the chunk-aligned layout.
 """
 
 from __future__ import annotations
