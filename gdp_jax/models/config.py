@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from gdp_jax.layers import ATTENTION_IMPLS, KEY_NORMS, MASK_MODES
+from gdp_jax.models.scan import layer_plan
 
 LAYER_KINDS = {
   "D": "gated delta product",
@@ -37,6 +38,11 @@ class HybridConfig:
     whole-sequence attention, see `layers.GroupedQueryAttention`'s attention_impl).
   mlp_ratio: SwiGLU hidden size = mlp_ratio * hidden_size (0: no MLP).
   implementation: for the operator and decode steps (None: Pallas on a GPU).
+  scan_layers: run the layers of one configuration under `jax.lax.scan` (the pattern's repeated
+    unit and runs of one letter, e.g. "DDDA" x 3: each distinct layer traced and compiled once;
+    docs/train_lm.md#compile-time); None (default): when two layers share a configuration.
+    The parameters and the caches are one entry per layer either way; the values the same up to
+    rounding.
   """
 
   vocab_size: int
@@ -64,6 +70,7 @@ class HybridConfig:
   tie_embeddings: bool = False
   implementation: str | None = None
   dtype: Any = None
+  scan_layers: bool | None = None
 
   def __post_init__(self):
     if not isinstance(self.layer_pattern, str) or not self.layer_pattern:
@@ -91,3 +98,12 @@ class HybridConfig:
       raise ValueError(f"attn_impl must be one of {ATTENTION_IMPLS}, got {self.attn_impl!r}")
     if not isinstance(self.mlp_ratio, int) or self.mlp_ratio < 0:
       raise ValueError(f"mlp_ratio must be a non-negative integer, got {self.mlp_ratio!r}")
+    if self.scan_layers not in (None, True, False):
+      raise ValueError(f"scan_layers must be None, True or False, got {self.scan_layers!r}")
+
+  @property
+  def scanned(self) -> bool:
+    """Whether `HybridLM` scans its layers (`scan_layers`, None: when two layers share one
+    configuration)."""
+    shares = layer_plan(self.layer_pattern).shares
+    return shares if self.scan_layers is None else bool(self.scan_layers) and shares

@@ -14,11 +14,14 @@ from gdp_jax.layers import (
   GatedRMSNorm,
   GroupedQueryAttention,
   KVCache,
+  _check_room,
   partitioning,
 )
 from gdp_jax.layers.partitioning import EMBED, VOCAB
 from gdp_jax.models.block import Block
 from gdp_jax.models.config import HybridConfig
+from gdp_jax.models.paged import PagedKVCache
+from gdp_jax.models.scan import layer_plan, same_programs, scan_blocks
 from gdp_jax.sharding import ShardingConfig
 
 f32 = jnp.float32
@@ -45,6 +48,16 @@ def _check_tokens(tokens, vocab_size, name="tokens"):
         f"[0, vocab_size = {vocab_size}) ({int(bad.sum())} such id(s))"
       )
   return tokens
+
+
+def _check_cache_room(cache, num_new):
+  """An attention layer's cache checked for `num_new` more tokens (concrete lengths), as the
+  layer's own `step_tokens` does."""
+  if isinstance(cache, KVCache):
+    _check_room(cache.lengths, num_new, cache.key.shape[1], "the cache's S slots")
+  elif isinstance(cache, PagedKVCache):
+    capacity = cache.block_tables.shape[1] * cache.key_pages.shape[1]
+    _check_room(cache.lengths, num_new, capacity, "the cache's pages (max_pages * page_size)")
 
 
 class HybridLM(nnx.Module):
@@ -85,6 +98,9 @@ class HybridLM(nnx.Module):
     )
     blocks = [Block(kind, c, rngs=rngs, sharding=sharding) for kind in c.layer_pattern]
     self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
+    # The layers' scan (docs/train_lm.md#compile-time): None runs them one by one.
+    plan = layer_plan(c.layer_pattern)
+    self.scan_plan = plan if c.scanned and same_programs(blocks, plan) else None
     self.final_norm = GatedRMSNorm(c.hidden_size, eps=c.norm_eps)
     if not c.tie_embeddings:
       head_init = partitioning.partitioned(nnx.initializers.lecun_normal(), (EMBED, VOCAB))
@@ -122,9 +138,23 @@ class HybridLM(nnx.Module):
 
   def from_embeddings(self, x, lengths=None, *, segment_ids=None):
     """The model after its embedding: x [B, T, D] (embedded tokens) -> logits [B, T, vocab]."""
-    for block in self.blocks:
-      x = block(x, lengths, segment_ids=segment_ids)
+
+    def layer(block, x, _):
+      return block(x, lengths, segment_ids=segment_ids), None
+
+    x, _ = self._layers(layer, x)
     return self._logits(x)
+
+  def _layers(self, fn, x, per_layer=None):
+    """x through the blocks, fn(block, x, per_layer[l]) -> (x, out_l) per layer: (x, outs),
+    scanned by `scan_plan` (docs/train_lm.md#compile-time) or one layer after another."""
+    if self.scan_plan is not None:
+      return scan_blocks(self.blocks, self.scan_plan, fn, x, per_layer)
+    outs = []
+    for block, inp in zip(self.blocks, per_layer or (None,) * len(self.blocks)):
+      x, out = fn(block, x, inp)
+      outs.append(out)
+    return x, tuple(outs)
 
   def prefill(
     self, tokens: jax.Array, lengths: jax.Array | None = None, cache_size: int | None = None
@@ -132,12 +162,12 @@ class HybridLM(nnx.Module):
     """The whole right-padded prompts [B, T] (sequence b holds lengths[b] tokens): the logits
     [B, T, vocab] and the cache after each sequence's tokens (attention caches of
     `cache_size` slots, default T)."""
-    x = self._embed(tokens)
-    caches = []
-    for block in self.blocks:
-      x, cache = block(x, lengths, return_cache=True, cache_size=cache_size)
-      caches.append(cache)
-    return self._logits(x), tuple(caches)
+
+    def layer(block, x, _):
+      return block(x, lengths, return_cache=True, cache_size=cache_size)
+
+    x, caches = self._layers(layer, self._embed(tokens))
+    return self._logits(x), caches
 
   def init_cache(self, batch_size: int, cache_size: int) -> tuple:
     """The empty cache (no tokens yet); attention layers get `cache_size` slots."""
@@ -154,12 +184,8 @@ class HybridLM(nnx.Module):
     """One token per sequence: token [B] int -> (logits [B, vocab] float32, new cache); `cache`
     from `init_cache` or `prefill`, one entry per layer."""
     self._check_cache_tuple(cache)
-    x = self._embed(token, "token")
-    new = []
-    for block, c in zip(self.blocks, cache):
-      x, c = block.step(x, c)
-      new.append(c)
-    return self._logits(x), tuple(new)
+    x, new = self._layers(lambda block, x, c: block.step(x, c), self._embed(token, "token"), cache)
+    return self._logits(x), new
 
   def step_tokens(self, tokens: jax.Array, cache: tuple) -> tuple[jax.Array, tuple]:
     """Tq new tokens per sequence after the cache (speculative verification, chunked prefill
@@ -174,12 +200,12 @@ class HybridLM(nnx.Module):
         f"sequence; `step` takes one token [B])"
       )
     self._check_cache_tuple(cache)
+    if self.scan_plan is not None:  # in the scan the caches' lengths are traced: checked here
+      for c in cache:
+        _check_cache_room(c, tokens.shape[1])
     x = self._embed(tokens)
-    new = []
-    for block, c in zip(self.blocks, cache):
-      x, c = block.step_tokens(x, c)
-      new.append(c)
-    return self._logits(x), tuple(new)
+    x, new = self._layers(lambda block, x, c: block.step_tokens(x, c), x, cache)
+    return self._logits(x), new
 
   def _check_cache_tuple(self, cache):
     if not isinstance(cache, (tuple, list)) or len(cache) != len(self.blocks):
