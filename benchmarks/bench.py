@@ -873,4 +873,7 @@ def main(argv=None, prog=None, out_required=False) -> int:
 
 
 if __name__ == "__main__":
+  from gdp_jax import compilation_cache
+
+  compilation_cache.enable()  # jax's persistent cache (docs/train_lm.md#compile-time)
   sys.exit(main())

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from examples.byte_lm import train_lm
+from gdp_jax import compilation_cache
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(
@@ -13,4 +14,6 @@ if __name__ == "__main__":
     epilog="presets, corpus and FLOP count: docs/train_lm.md",
   )
   train_lm.add_arguments(parser)
-  sys.exit(train_lm.run(parser.parse_args()))
+  args = parser.parse_args()
+  compilation_cache.enable(args.compilation_cache)  # docs/train_lm.md#compile-time
+  sys.exit(train_lm.run(args))
