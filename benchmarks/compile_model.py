@@ -2,7 +2,7 @@
 first call, each split into tracing (Python -> jaxpr), lowering (jaxpr -> StableHLO, where Pallas
 lowers its kernels) and XLA compilation, with the persistent compilation cache off.
 
-  python benchmarks/compile_model.py --preset h200 --cases gpu            # NVIDIA GPU, ~6 min
+  python benchmarks/compile_model.py --preset h200 --cases gpu --jobs 2   # an NVIDIA GPU, ~6 min
   python benchmarks/compile_model.py --preset tiny --cases cpu --out /tmp/compile
   python benchmarks/compile_model.py --preset tiny --cases train-gdp-r2-scan-L4,cpu
 
@@ -18,6 +18,7 @@ docs/train_lm.md#compile-time explains the figures.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -32,18 +33,19 @@ CASE = re.compile(
   r"(?:-(bf16|f32)-T(\d+))?$"
 )
 GROUPS = {
-  # one H200, preset h200: ~6 minutes cold (the unrolled gdp-r2 step alone ~3)
+  # one H200, preset h200, --jobs 2: about 6 minutes cold (the unrolled gdp-r2 case alone about
+  # 3.5, beside the others)
   "gpu": [
-    "train-gdp-r2-scan-L12",
     "train-gdp-r2-unrolled-L12",
+    "train-gdp-r2-scan-L12",
     "train-attention-scan-L12",
-    "train-attention-unrolled-L12",
     "train-gdp-r2-scan-L4",
     "train-gdp-r2-scan-L24",
     "generate-gdp-r2-scan-L12-bf16-T100",
     "generate-gdp-r2-scan-L12-f32-T100",
     "generate-gdp-r2-scan-L12-bf16-T2048",
     "generate-gdp-r2-scan-L12-f32-T2048",
+    "train-attention-unrolled-L12",
     "generate-gdp-r2-unrolled-L12-f32-T100",
   ],
   # a CPU, preset tiny ("DA" unit): what scanning changes, in a few minutes
@@ -211,6 +213,13 @@ def main(argv=None) -> int:
   p.add_argument("--new-tokens", type=int, default=32, help="generate: new tokens per prompt")
   p.add_argument("--step-reps", type=int, default=5, help="timed training steps (0: none)")
   p.add_argument("--timeout", type=float, default=900, help="seconds per case")
+  p.add_argument(
+    "--jobs",
+    type=int,
+    default=1,
+    help="cases run at once, each its own process (compiles are CPU-bound; 2 on a 16-core "
+    "host; step times then share the device)",
+  )
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:  # one case, in this fresh process: its record as one JSON line
@@ -234,6 +243,7 @@ def main(argv=None) -> int:
     device_kind=kind,
     backend=jax.default_backend(),
     preset=args.preset,
+    jobs=args.jobs,
     # as run from the repository, --out by its folder's name (no machine paths)
     command="python benchmarks/compile_model.py "
     + " ".join(os.path.basename(a) if a == args.out else a for a in (argv or sys.argv[1:])),
@@ -243,8 +253,11 @@ def main(argv=None) -> int:
   stem = os.path.join(out, f"{_slug(kind)}_{meta['date'][:10]}_compile_model")
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-  records: list[dict] = []
-  for case in cases:
+  if args.jobs > 1:  # processes side by side on one device: no preallocation
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  done: dict[str, dict] = {}
+
+  def one(case: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--preset", args.preset,
            "--gen-batch", str(args.gen_batch), "--new-tokens", str(args.new_tokens),
            "--step-reps", str(args.step_reps)]  # fmt: skip
@@ -258,12 +271,22 @@ def main(argv=None) -> int:
     except subprocess.TimeoutExpired:
       rec = dict(case=case, error=f"over --timeout {args.timeout:g} s")
     rec["process_s"] = round(time.perf_counter() - t0, 1)
-    records.append(rec)
+    return rec
+
+  def save(rec: dict) -> list[dict]:  # after every case: a run cut short keeps its cases
+    done[rec["case"]] = rec
+    records = [done[c] for c in cases if c in done]
     print(json.dumps(rec), flush=True)
-    with open(stem + ".json", "w") as f:  # after every case: a run cut short keeps its cases
+    with open(stem + ".json", "w") as f:
       json.dump(dict(meta, results=records), f, indent=1)
     with open(stem + ".md", "w") as f:
       f.write(markdown(meta, records))
+    return records
+
+  records: list[dict] = []
+  with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+    for future in concurrent.futures.as_completed([pool.submit(one, c) for c in cases]):
+      records = save(future.result())
   print(markdown(meta, records))
   print(f"wrote {stem}.json and .md")
   return 0
