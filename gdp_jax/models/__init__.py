@@ -6,9 +6,9 @@ attention layers) and `generate` for a batch of prompts of different lengths.
     logits = model(tokens)                                 # [B, T, vocab] float32
     new_tokens = generate(model, [[1, 2, 3], [4, 5]], 8)   # [B, 8] int32, greedy
 
-Modules: config (HybridConfig), block (one layer), model (HybridLM), paged (the paged KV
-cache, docs/inference.md#paged-kv-cache), generation (`generate`'s prefill and decode programs,
-docs/inference.md).
+Modules: config (HybridConfig), block (one layer), model (HybridLM), scan (layers of one
+configuration compiled once, docs/train_lm.md#compile-time), paged (the paged KV cache,
+docs/inference.md#paged-kv-cache), generation (`generate`'s programs, docs/inference.md).
 """
 
 from __future__ import annotations

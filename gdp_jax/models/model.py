@@ -72,6 +72,9 @@ class HybridLM(nnx.Module):
   `model.init_cache(batch_size, cache_size)`. The cache is a tuple with one entry per layer
   (`GatedDeltaProductCache` or `KVCache`; an attention layer's `KVCache` may be replaced by its
   paged form, `to_paged(cache, page_size)`, which `step` decodes with `paged_gqa_decode`).
+  With `config.scan_layers` (default: when two layers share a configuration) the layers run
+  under `jax.lax.scan` (`scan_plan`; docs/train_lm.md#compile-time); parameters and caches are
+  one entry per layer either way.
 
   Every parameter carries logical axis names (`nnx.with_partitioning`; heads, key/value heads
   and the MLP's hidden units split over "model" by `gdp_jax.layers.LOGICAL_AXIS_RULES`): under
