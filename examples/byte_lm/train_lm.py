@@ -834,8 +834,9 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
       cfg.clip_norm,
     )
 
+  scanned = ", layers scanned" if mc.scanned else ""  # docs/train_lm.md#compile-time
   log(
-    f"train-lm: model {name} ({mc.layer_pattern}), {count_params(params) / 1e6:.2f}M "
+    f"train-lm: model {name} ({mc.layer_pattern}{scanned}), {count_params(params) / 1e6:.2f}M "
     f"parameters, backend {jax.default_backend()} ({_device_kind()}); corpus "
     f"{corpus.info['train_files']} + {corpus.info['val_files']} files, "
     f"{corpus.info['train_tokens'] / 1e6:.2f}M + {corpus.info['val_tokens'] / 1e6:.2f}M tokens"
