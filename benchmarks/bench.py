@@ -880,4 +880,7 @@ def main(argv=None, prog="python -m benchmarks.bench", out_required=False) -> in
 
 
 if __name__ == "__main__":
+  from gdp_jax import compilation_cache
+
+  compilation_cache.enable()  # jax's persistent cache (docs/train_lm.md#compile-time)
   sys.exit(main())

@@ -17,6 +17,7 @@ def main(argv=None) -> int:
     print(message, file=sys.stderr)
     return 2
   from examples.byte_lm import train_lm
+  from gdp_jax import compilation_cache
 
   parser = argparse.ArgumentParser(
     prog=PROG,
@@ -24,7 +25,10 @@ def main(argv=None) -> int:
     epilog="presets, corpus and FLOP count: docs/train_lm.md",
   )
   train_lm.add_arguments(parser)
-  return train_lm.run(parser.parse_args(argv))
+  args = parser.parse_args(argv)
+  if argv is None:  # the command line; callers passing argv (tests) keep their own cache
+    compilation_cache.enable(args.compilation_cache)  # docs/train_lm.md#compile-time
+  return train_lm.run(args)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,8 @@ class TrainConfig:
   "attention" model uses "A" for all), num_heads, head_dim (K; V = K), attn_num_heads,
   attn_num_kv_heads, attn_head_dim, mlp_ratio, chunk_size, use_short_conv, dtype ("bf16": bf16
   compute, float32 parameters; "f32"), implementation (operator: None = Pallas on a supported
-  GPU, xla elsewhere), attn_impl ("auto" = "flash" on a GPU, "xla" elsewhere).
+  GPU, xla elsewhere), attn_impl ("auto" = "flash" on a GPU, "xla" elsewhere), scan_layers
+  (`HybridConfig.scan_layers`; None: scan when the pattern repeats, docs/train_lm.md).
   Run: steps (the schedule's length) or minutes (steps set from the timed step), stop_at (stop
   after this step, checkpointed, to continue with resume), batch_size, seq_len (a multiple of
   64), lr (peak), min_lr_ratio, warmup_steps, weight_decay, b1, b2, clip_norm, eval_every,
@@ -154,6 +155,7 @@ class TrainConfig:
   dtype: str = "bf16"
   implementation: str | None = None
   attn_impl: str = "auto"
+  scan_layers: bool | None = None
   peak_tflops: float = 989.0
   corpus_dir: str | None = None
   val_percent: float = 2.0
@@ -293,6 +295,7 @@ def _hybrid_config(cfg, spec, layers, attn_impl):
     mlp_ratio=cfg.mlp_ratio,
     implementation=cfg.implementation,
     dtype=jnp.bfloat16 if cfg.dtype == "bf16" else None,
+    scan_layers=cfg.scan_layers,
   )
 
 
@@ -608,9 +611,10 @@ def compiled_steps(donate: bool):
 # ----------------------------------------------------------------------------------------------
 
 
-# The HybridConfig fields that choose kernels, not parameters: a checkpoint resumes across them
-# (e.g. one written on a GPU with flash attention, resumed on a CPU).
-KERNEL_SETTINGS = ("implementation", "attn_impl")
+# The HybridConfig fields that choose kernels or programs, not parameters: a checkpoint resumes
+# across them (e.g. one written on a GPU with flash attention, resumed on a CPU; scanned layers
+# keep one parameter entry per layer, so a checkpoint of either form loads in the other).
+KERNEL_SETTINGS = ("implementation", "attn_impl", "scan_layers")
 
 
 def model_settings(mc) -> dict:
@@ -837,8 +841,9 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
       cfg.clip_norm,
     )
 
+  scanned = ", layers scanned" if mc.scanned else ""  # docs/train_lm.md#compile-time
   log(
-    f"train-lm: model {name} ({mc.layer_pattern}), {count_params(params) / 1e6:.2f}M "
+    f"train-lm: model {name} ({mc.layer_pattern}{scanned}), {count_params(params) / 1e6:.2f}M "
     f"parameters, backend {jax.default_backend()} ({_device_kind()}); corpus "
     f"{corpus.info['train_files']} + {corpus.info['val_files']} files, "
     f"{corpus.info['train_tokens'] / 1e6:.2f}M + {corpus.info['val_tokens'] / 1e6:.2f}M tokens"
@@ -1249,6 +1254,20 @@ def add_arguments(p):
     help="attention (auto: flash on a GPU, xla elsewhere)",
   )
   p.add_argument(
+    "--scan-layers",
+    default=None,
+    action=bool_flag,
+    help="layers of one configuration under jax.lax.scan, compiled once (default: when the "
+    "pattern repeats; docs/train_lm.md#compile-time)",
+  )
+  p.add_argument(
+    "--compilation-cache",
+    default=None,
+    metavar="DIR",
+    help="jax's persistent compilation cache (default $GDP_JAX_COMPILATION_CACHE or "
+    "~/.cache/gdp_jax/jax; 'off': none; docs/train_lm.md#compile-time)",
+  )
+  p.add_argument(
     "--peak-tflops",
     type=float,
     default=989.0,
@@ -1283,6 +1302,10 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
+  if getattr(args, "compilation_cache", None) is not None:  # (on by default: __main__.py)
+    from gdp_jax import compilation_cache
+
+    compilation_cache.enable(args.compilation_cache)
   if args.compare:
     for path in args.compare:
       if not os.path.isfile(path):
@@ -1298,6 +1321,7 @@ def _run(args) -> int:
     dtype=args.dtype,
     implementation=args.implementation,
     attn_impl=args.attn_impl,
+    scan_layers=getattr(args, "scan_layers", None),
     peak_tflops=args.peak_tflops,
     corpus_dir=args.corpus_dir,
     val_percent=args.val_percent,
