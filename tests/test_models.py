@@ -366,7 +366,10 @@ def test_scanned_layers_equal_unrolled():
   """ "DDADDA" (the unit "DDA" twice, in it "D" twice) under `jax.lax.scan` and layer by layer,
   the same parameters: gradients, prefill logits and caches, generate (its decode steps), and
   step_tokens' check of the caches' room."""
-  unrolled, scanned = tiny(layer_pattern="DDADDA", scan_layers=False), tiny(layer_pattern="DDADDA")
+  unrolled, scanned = (
+    tiny(layer_pattern="DDADDA", scan_layers=False),
+    tiny(layer_pattern="DDADDA", scan_layers=True),
+  )
   assert unrolled.scan_plan is None and scanned.scan_plan == (2, (("D", 2), ("A", 1)))
   assert _max_diff(nnx.state(unrolled), nnx.state(scanned)) == 0  # one layout of parameters
   tokens = tokens_of(50, T=9)
@@ -409,7 +412,10 @@ def test_scanned_program_does_not_grow_with_depth():
 
   assert dots("DA" * 4, None) == dots("DA" * 2, None) < dots("DA" * 2, False)
   assert dots("DA" * 4, False) > dots("DA" * 2, False)
-  unrolled, scanned = tiny(layer_pattern="DADA", scan_layers=False), tiny(layer_pattern="DADA")
+  unrolled, scanned = (
+    tiny(layer_pattern="DADA", scan_layers=False),
+    tiny(layer_pattern="DADA", scan_layers=True),
+  )
   assert_close(forward(scanned, tokens_of(51)), forward(unrolled, tokens_of(51)), 1e-5, "logits")
   with pytest.raises(ValueError, match="scan_layers must be None, True or False"):
     tiny(scan_layers="yes")

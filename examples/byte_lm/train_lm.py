@@ -113,7 +113,7 @@ class TrainConfig:
   attn_num_kv_heads, attn_head_dim, mlp_ratio, chunk_size, use_short_conv, dtype ("bf16": bf16
   compute, float32 parameters; "f32"), implementation (operator: None = Pallas on a supported
   GPU, xla elsewhere), attn_impl ("auto" = "flash" on a GPU, "xla" elsewhere), scan_layers
-  (`HybridConfig.scan_layers`; None: scan when the pattern repeats, docs/train_lm.md).
+  (`HybridConfig.scan_layers`; default unrolled, docs/train_lm.md#compile-time).
   Run: steps (the schedule's length) or minutes (steps set from the timed step), stop_at (stop
   after this step, checkpointed, to continue with resume), batch_size, seq_len (a multiple of
   64), lr (peak), min_lr_ratio, warmup_steps, weight_decay, b1, b2, clip_norm, eval_every,
@@ -155,7 +155,7 @@ class TrainConfig:
   dtype: str = "bf16"
   implementation: str | None = None
   attn_impl: str = "auto"
-  scan_layers: bool | None = None
+  scan_layers: bool | None = False
   peak_tflops: float = 989.0
   corpus_dir: str | None = None
   val_percent: float = 2.0
@@ -1255,10 +1255,10 @@ def add_arguments(p):
   )
   p.add_argument(
     "--scan-layers",
-    default=None,
+    default=False,
     action=bool_flag,
-    help="layers of one configuration under jax.lax.scan, compiled once (default: when the "
-    "pattern repeats; docs/train_lm.md#compile-time)",
+    help="layers of one configuration under jax.lax.scan, compiled once: a faster first compile, "
+    "slower steps on a GPU today (default off; docs/train_lm.md#compile-time)",
   )
   p.add_argument(
     "--compilation-cache",
@@ -1321,7 +1321,7 @@ def _run(args) -> int:
     dtype=args.dtype,
     implementation=args.implementation,
     attn_impl=args.attn_impl,
-    scan_layers=getattr(args, "scan_layers", None),
+    scan_layers=getattr(args, "scan_layers", False),
     peak_tflops=args.peak_tflops,
     corpus_dir=args.corpus_dir,
     val_percent=args.val_percent,
