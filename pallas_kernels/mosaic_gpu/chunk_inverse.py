@@ -79,6 +79,63 @@ def _product(a: jax.Array, b: jax.Array, bufs, dtype) -> jax.Array:
   return matmul_reg(a.astype(dtype), bufs[0], (N, N), stage=bufs[1] if len(bufs) > 1 else None)
 
 
+def earlier_rows(r: int, householder: bool = False) -> jax.Array:
+  """Where A0 may be nonzero, `[N, N]` bool: row `(a, t)`, column `(d, s)` with `t > s` (and in
+  the Householder form also `s = t, d < a`: a token's earlier sub-steps)."""
+  c = chunk_tokens(r)
+  sq = (N, N)
+  tok_r, tok_c = token_of(iota(sq, 0), c), token_of(iota(sq, 1), c)
+  earlier = tok_r > tok_c
+  if householder:
+    earlier = earlier | ((tok_r == tok_c) & (block_of(iota(sq, 0), c) > block_of(iota(sq, 1), c)))
+  return earlier
+
+
+def invert(a0: jax.Array, r: int, bufs, dtype, solve_s=None, householder: bool = False):
+  """`T0 = (I + A0)^-1` as float32 WGMMA-layout registers `[N, N]` from A0 (float32 registers,
+  zero outside `earlier_rows`), by the merges of the module docstring.
+
+  bufs: shared-memory `[N, N]` tiles of `dtype` for the merges' products (`_product`: one on a
+    GPU, two in the interpreter); free again on return.
+  solve_s: None, or `diag_solve.scratch()`: the 16-row groups solved exactly in float32 first
+    (compiled only), the merges from there.
+  """
+  c = chunk_tokens(r)
+  sq = (N, N)
+  tok_r, tok_c = token_of(iota(sq, 0), c), token_of(iota(sq, 1), c)
+  eye = (iota(sq, 0) == iota(sq, 1)).astype(F32)
+  if solve_s is not None:  # groups of 16 rows exactly in float32, then merges
+    x = diag_solve_mod.diag_block_inverse(a0, solve_s, r, within_token=householder)
+    size = 2 * diag_solve_mod.BLOCK_ROWS // r
+  elif householder:  # each token's own block: (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...
+    low = jnp.where(tok_r == tok_c, a0, 0.0)
+    x = eye - low
+    power = 2
+    while power < r:
+      low = _product(low, low, bufs, dtype)
+      x = _product(x, eye + low, bufs, dtype)
+      power *= 2
+    size = 2
+  else:  # token groups of 2: X = I - L exactly (X = I before)
+    x = None
+    size = 2
+  while size <= c:
+    half = size // 2
+    off = (
+      (lax.div(tok_r, size) == lax.div(tok_c, size))
+      & (lax.rem(tok_r, size) >= half)
+      & (lax.rem(tok_c, size) < half)
+    )
+    link = jnp.where(off, a0, 0.0)
+    if x is None:
+      x = eye - link
+    else:
+      lx = _product(link, x, bufs, dtype)
+      x = x - _product(x, lx, bufs, dtype)
+    size *= 2
+  return eye if x is None else x  # (None: one token per chunk, not reached: C >= 8)
+
+
 # Streaming multiprocessors of an H100 / H200: the chunks-per-program rule keeps every one busy.
 NUM_SMS = 132
 
@@ -194,11 +251,7 @@ def chunk_inverse(
 
     issue(0, 0)
     sq = (N, N)
-    tok_r, tok_c = token_of(iota(sq, 0), c), token_of(iota(sq, 1), c)
-    eye = (iota(sq, 0) == iota(sq, 1)).astype(F32)
-    earlier = tok_r > tok_c
-    if householder:  # and the earlier sub-steps of the same token
-      earlier = earlier | ((tok_r == tok_c) & (block_of(iota(sq, 0), c) > block_of(iota(sq, 1), c)))
+    earlier = earlier_rows(r, householder)
 
     @pl.loop(0, cpp)
     def _chunk(i):
@@ -225,37 +278,7 @@ def chunk_inverse(
         coef = coef * mask_matrix(m_s.at[slot], sq, c, r)
       a0 = jnp.where(earlier, gram * coef, 0.0)
 
-      if diag_solve:  # groups of 16 rows exactly in float32, then merges
-        x = diag_solve_mod.diag_block_inverse(a0, solve_s, r, within_token=householder)
-        size = 2 * diag_solve_mod.BLOCK_ROWS // r
-      elif householder:  # each token's own block: (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...
-        low = jnp.where(tok_r == tok_c, a0, 0.0)
-        x = eye - low
-        power = 2
-        while power < r:
-          low = _product(low, low, bufs, dtype)
-          x = _product(x, eye + low, bufs, dtype)
-          power *= 2
-        size = 2
-      else:  # token groups of 2: X = I - L exactly (X = I before)
-        x = None
-        size = 2
-      while size <= c:
-        half = size // 2
-        off = (
-          (lax.div(tok_r, size) == lax.div(tok_c, size))
-          & (lax.rem(tok_r, size) >= half)
-          & (lax.rem(tok_c, size) < half)
-        )
-        link = jnp.where(off, a0, 0.0)
-        if x is None:
-          x = eye - link
-        else:
-          lx = _product(link, x, bufs, dtype)
-          x = x - _product(x, lx, bufs, dtype)
-        size *= 2
-      if x is None:  # one token per chunk (not reached: C >= 8)
-        x = eye
+      x = invert(a0, r, bufs, dtype, solve_s if diag_solve else None, householder)
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # t_s[slot] of chunk i - 2 has left
       t_s.at[slot][...] = x.astype(dtype)
       plgpu.commit_smem()

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from pallas_kernels.common.gates import RESET_LOG_DECAY
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
 from pallas_kernels.mosaic_gpu.common import F32, ROWS_PER_CHUNK, SUPPORTED_DTYPES, chunk_tokens
+from pallas_kernels.mosaic_gpu.fused_forward import fused_walk
 from pallas_kernels.mosaic_gpu.walk_ws import state_walk_ws
 
 N = ROWS_PER_CHUNK
@@ -172,6 +173,7 @@ def forward(
   return_inverse: bool = False,
   store_states: bool = False,
   seq_table: jax.Array | None = None,
+  fused: bool = False,
   interpret=None,
 ):
   """`o [B, T, H, V]` (dtype of q) and the final state `[B, H, K, V]` float32 (or None); with
@@ -195,6 +197,16 @@ def forward(
     raise ValueError(f"store_states: T={t_len} and V={value_dim} must be whole chunks and tiles")
   h0_t = state_t(initial_state, vp)
   assert ops.v is not None  # prepare was given v
+  if fused:
+    if return_inverse or store_states or seq_table is not None:
+      raise ValueError("fused=True: no return_inverse, store_states or seq_table")
+    walk_args = (ops.gamma, ops.gamma_rows, ops.beta_rows, ops.mask_rows, ops.scale, h0_t)
+    o, s_t = fused_walk(
+      ops.q, ops.k, ops.v, *walk_args, block_v=BLOCK_V, output_final_state=output_final_state,
+      interpret=interpret,
+    )  # fmt: skip
+    final = None if s_t is None else jnp.swapaxes(s_t, 2, 3)[..., :value_dim]
+    return o[:, :t_len, :, :value_dim], final
   t0 = chunk_inverse(ops.k, ops.beta_rows, ops.mask_rows, interpret=interpret)
   o, s_t, *states = state_walk_ws(
     ops.q,
