@@ -59,7 +59,6 @@ def inverse(w, solve_s, stage_a, registers: int) -> None:
   docstring), then `prep_ready`."""
   plgpu.set_max_registers(registers, action="increase")
   sq = (N, N)
-  earlier = earlier_rows(w.r)
 
   def step(n, carry):
     slot = lax.rem(n, w.stages)
@@ -76,7 +75,7 @@ def inverse(w, solve_s, stage_a, registers: int) -> None:
     coef = bcast_rows(b_r, sq)
     if not w.masked_keys:  # r = 1: the mask is one number per token
       coef = coef * mask_matrix(w.m_s.at[slot], sq, w.c, w.r)
-    a0 = jnp.where(earlier, gram * coef, 0.0)
+    a0 = jnp.where(earlier_rows(w.r), gram * coef, 0.0)  # (formed here: no registers held)
     t0 = invert(a0, w.r, [t_s, *stage_a], w.dtype, solve_s)
     g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
     g_c = plgpu.load(w.g_cols.at[slot], layout=COLS)
