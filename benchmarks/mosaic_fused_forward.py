@@ -11,7 +11,8 @@ per warpgroup, the float32 diagonal solve off); check o and the final state agai
 5e-3 relative RMS) and against the two-kernel forward, at the r's mask shapes and with an initial
 state; time the fused forward, the two-kernel forward and `gated_delta_product` with its defaults
 (median ms of `--reps` runs of `--inner` back-to-back jitted calls, block_until_ready), all
-returning the final state. `--tiny` runs small shapes in the Mosaic GPU interpreter.
+returning the final state. Each process's output (with ptxas's report: MOSAIC_GPU_DUMP_PTXAS=1)
+goes to `OUT.rR.log`. `--tiny` runs small shapes in the Mosaic GPU interpreter.
 """
 
 from __future__ import annotations
@@ -47,13 +48,18 @@ from pallas_kernels.mosaic_gpu import fused_forward  # noqa: E402
 
 BAR = 5e-3
 # name: keyword arguments of fused_walk beyond the defaults
-VARIANTS = {
+VARIANTS = {  # the first two run by default
   "default": {},
   "regs_200_152_40_120": dict(registers=(200, 152, 40, 120)),
   "regs_232_120_40_120": dict(registers=(232, 120, 40, 120)),
   "no_diag_solve": dict(diag_solve=False),
 }
-CHECK_MASKS = {1: ("none", "token"), 2: ("shared", "token"), 4: ("head", "token")}
+# (mask, initial state) checked per r
+CHECK_MASKS = {
+  1: (("none", True), ("head", False)),
+  2: (("shared", False), ("token", True)),
+  4: (("head", True), ("token", False)),
+}
 
 
 def fused_fn(interpret, **variant):
@@ -114,6 +120,13 @@ def operator_fn(implementation=None):
   return jax.jit(run)
 
 
+def two_kernel_operator():
+  """implementation="mosaic_gpu" with the two-kernel forward (`fused=False`)."""
+  from gdp_jax.ops.gated_delta_product.api import REGISTRY
+
+  return REGISTRY.get("mosaic_gpu").replace(fused=False)
+
+
 def call(fn, inp):
   return fn(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["mask"], inp["initial_state"])
 
@@ -140,9 +153,7 @@ def run_r(r, shape, tiny, reps, inner, variants, record, save):
       if tiny and "diag_solve" not in variant:
         variant["diag_solve"] = False
       fn = fused_fn(interpret, **variant)
-      if not tiny:
-        fn.lower(*args).compile()
-      compiled[name] = fn
+      compiled[name] = (fn, fn if tiny else fn.lower(*args).compile())
       row.update(ok=True, seconds=round(time.perf_counter() - t0, 2))
     except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
       row.update(ok=False, error=summarise(e))
@@ -151,31 +162,31 @@ def run_r(r, shape, tiny, reps, inner, variants, record, save):
     return
   best = next(iter(compiled))
   # 2. check against xla and the two-kernel forward
-  for mask_kind in CHECK_MASKS[r]:
-    for state in (False, True):
-      row = case(phase="check", variant=best, mask=mask_kind, initial_state=state)
-      try:
-        chk = make_inputs(r, **shape, r=r, mask_kind=mask_kind, dtype=jnp.bfloat16, state=state)
-        o, final = call(compiled[best], chk)
-        want_o, want_final = call(operator_fn("xla"), chk)
-        two_o, two_final = call(two_kernel_fn(interpret), chk)
-        row.update(
-          rel_rms_o=rel_rms(o, want_o),
-          rel_rms_state=rel_rms(final, want_final),
-          vs_two_kernel_o=rel_rms(o, two_o),
-          vs_two_kernel_state=rel_rms(final, two_final),
-          two_kernel_rel_rms_o=rel_rms(two_o, want_o),
-        )
-        worst = max(row["rel_rms_o"], row["rel_rms_state"])
-        row["ok"] = bool(np.isfinite(worst) and worst <= BAR)
-      except Exception as e:  # noqa: BLE001
-        row.update(ok=False, error=summarise(e))
-      save()
+  for mask_kind, state in CHECK_MASKS[r]:
+    row = case(phase="check", variant=best, mask=mask_kind, initial_state=state)
+    try:
+      chk = make_inputs(r, **shape, r=r, mask_kind=mask_kind, dtype=jnp.bfloat16, state=state)
+      o, final = call(compiled[best][0], chk)
+      want_o, want_final = call(operator_fn("xla"), chk)
+      two_o, two_final = call(two_kernel_fn(interpret), chk)
+      row.update(
+        rel_rms_o=rel_rms(o, want_o),
+        rel_rms_state=rel_rms(final, want_final),
+        vs_two_kernel_o=rel_rms(o, two_o),
+        vs_two_kernel_state=rel_rms(final, two_final),
+        two_kernel_rel_rms_o=rel_rms(two_o, want_o),
+      )
+      worst = max(row["rel_rms_o"], row["rel_rms_state"])
+      row["ok"] = bool(np.isfinite(worst) and worst <= BAR)
+    except Exception as e:  # noqa: BLE001
+      row.update(ok=False, error=summarise(e))
+    save()
   # 3. time: every compiled variant, the two-kernel forward, the public operator
-  fns = {f"fused:{name}": fn for name, fn in compiled.items()}
+  fns = {f"fused:{name}": exe for name, (_, exe) in compiled.items()}
   fns["two_kernel"] = two_kernel_fn(interpret)
   if not tiny:
     fns["operator_default"] = operator_fn()
+    fns["operator_mosaic_two_kernel"] = operator_fn(two_kernel_operator())
   for name, fn in fns.items():
     row = case(phase="time", impl=name, mask="none" if r == 1 else "shared")
     try:
@@ -213,7 +224,8 @@ def main(argv=None):
   parser.add_argument("--rs", default="1,2,4")
   parser.add_argument("--reps", type=int, default=7)
   parser.add_argument("--inner", type=int, default=10)
-  parser.add_argument("--variants", default=",".join(VARIANTS), help="of " + ",".join(VARIANTS))
+  parser.add_argument("--variants", default=",".join(list(VARIANTS)[:2]), help=",".join(VARIANTS))
+  parser.add_argument("--timeout", type=float, default=190, help="seconds per r's process")
   parser.add_argument("--tiny", action="store_true", help="interpreter, small shapes (CPU)")
   parser.add_argument("--one", action="store_true", help="(internal) one r in this process")
   args = parser.parse_args(argv)
@@ -234,23 +246,24 @@ def main(argv=None):
     part = f"{args.out}.r{r}.json"
     cmd = [sys.executable, __file__, *argv, "--rs", str(r), "--one", "--out", part]
     t0 = time.perf_counter()
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    # ptxas's report (registers, spills) of every Mosaic kernel the process compiles, in its log
+    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
+    try:
+      run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+      code, out, err = run.returncode, run.stdout, run.stderr
+    except subprocess.TimeoutExpired as e:
+      code, out, err = "timeout", str(e.stdout or ""), str(e.stderr or "")
+    with open(f"{args.out}.r{r}.log", "w") as f:
+      f.write(out + "\n--- stderr ---\n" + err)
     try:
       with open(part) as f:
         record["cases"] += json.load(f)["cases"]
       os.remove(part)
     except Exception:  # noqa: BLE001
       pass
-    if run.returncode:
-      record["cases"].append(
-        dict(
-          r=r,
-          phase="process",
-          ok=False,
-          impl="",
-          error=f"exit {run.returncode}: {run.stderr[-3000:]}",
-        )
-      )
+    if code:
+      error = f"exit {code}: {err[-3000:]}"
+      record["cases"].append(dict(r=r, phase="process", ok=False, impl="", error=error))
     record.setdefault("process_seconds", {})[str(r)] = round(time.perf_counter() - t0, 1)
     save()
   print(table(record))
