@@ -174,6 +174,7 @@ def forward(
   store_states: bool = False,
   seq_table: jax.Array | None = None,
   fused: bool = False,
+  guard_marks: jax.Array | None = None,
   interpret=None,
 ):
   """`o [B, T, H, V]` (dtype of q) and the final state `[B, H, K, V]` float32 (or None); with
@@ -197,10 +198,15 @@ def forward(
     raise ValueError(f"store_states: T={t_len} and V={value_dim} must be whole chunks and tiles")
   h0_t = state_t(initial_state, vp)
   assert ops.v is not None  # prepare was given v
+  if guard_marks is not None and not fused:
+    raise ValueError("guard_marks: the fused forward only (fused=True)")
   if fused:
     if return_inverse or store_states or seq_table is not None:
       raise ValueError("fused=True: no return_inverse, store_states or seq_table")
     walk_args = (ops.gamma, ops.gamma_rows, ops.beta_rows, ops.mask_rows, ops.scale, h0_t)
+    if guard_marks is not None:  # [B, T, H] -> [B, H, Tp] float32, the padding unmarked
+      marks = jnp.swapaxes(pad_axes(guard_marks.astype(F32), ops.padded - t_len), 1, 2)
+      walk_args += (marks,)
     o, s_t = fused_walk(
       ops.q, ops.k, ops.v, *walk_args, block_v=BLOCK_V, output_final_state=output_final_state,
       interpret=interpret,

@@ -29,6 +29,7 @@ from pallas_kernels.mosaic_gpu.common import (
   F32,
   ROWS,
   ROWS_PER_CHUNK,
+  WGMMA,
   bcast_rows,
   compiler_params,
   gated,
@@ -48,15 +49,22 @@ REGISTERS = (208, 144, 24, 136)
 def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: bool) -> int:
   """Shared memory of `fused_walk`: the walk's (`walk_ws.smem_bytes`, its T0 ring now written by
   the inverse warpgroup) and the inverse's: compiled the float32 solve's buffers, interpreted one
-  staging tile for the merges' left operands."""
+  staging tile for the merges' left operands; and the guard's marks per token (at most 64)."""
   isz = jnp.dtype(dtype).itemsize
   extra = N * N * isz if staged else 2 * N * (N + diag_solve_mod.PAD) * 4
+  extra += stages * N * 4
   return walk_ws.smem_bytes(key_dim, block_v, r, dtype, stages, staged) + extra
 
 
+def _clean_tile(ref) -> None:
+  """The non-finite entries of a 16-bit tile in shared memory set to 0, in place (a select)."""
+  x = plgpu.load(ref, layout=WGMMA)
+  ref[...] = jnp.where(jnp.abs(x.astype(F32)) < jnp.inf, x, jnp.zeros_like(x))
+
+
 def inverse(w, solve_s, stage_a, registers: int) -> None:
-  """The inverse warpgroup: per stage Kb and Kw (in place), A0, T0 and Ag into `t_s` (module
-  docstring), then `prep_ready`."""
+  """The inverse warpgroup: per stage (with `w.clean` first the keys and values cleaned in place)
+  Kb and Kw (in place), A0, T0 and Ag into `t_s` (module docstring), then `prep_ready`."""
   plgpu.set_max_registers(registers, action="increase")
   sq = (N, N)
 
@@ -65,6 +73,10 @@ def inverse(w, solve_s, stage_a, registers: int) -> None:
     plgpu.barrier_wait(w.in_bar.at[slot])
     kb = w.kb_s.at[slot]
     t_s = w.t_s.at[slot]
+    if w.clean:  # the non-finite guard: no nan or inf reaches a product
+      _clean_tile(kb)
+      _clean_tile(w.vrep_s.at[slot])
+      plgpu.commit_smem()
     if w.masked_keys:
       key_stage(kb, w.kw_s.at[slot], w.m_s.at[slot], w.dk, w.r, w.dtype, True)
       plgpu.commit_smem()
@@ -98,6 +110,7 @@ def fused_walk(
   mask_rows: jax.Array,
   scale: jax.Array,
   initial_state_t: jax.Array | None = None,
+  marks: jax.Array | None = None,
   *,
   block_v: int = 64,
   output_final_state: bool = False,
@@ -108,6 +121,10 @@ def fused_walk(
 ):
   """The forward in one kernel: `(o [B, Tp, H, V], final state transposed [B, H, V, K] float32 or
   None)`. Arguments as `walk_ws.state_walk_ws` takes them, without T0 (formed in the kernel).
+
+  marks: None, or the non-finite guard in the kernel (docs/mosaic_gpu.md#the-fused-forward):
+    `[B, H, Tp]` float32, nonzero where the output must be nan (the state spoiled before or at
+    the token); k and v are cleaned as they land, and the outputs of a non-finite q are nan too.
 
   diag_solve: the 16-row groups solved in float32 (None: compiled yes, interpreted no: the
     interpreter runs no raw Mosaic GPU code).
@@ -133,7 +150,8 @@ def fused_walk(
   # q, gamma per token, mask rows, 4 gamma rows, beta rows; per block: k, v
   scratch = walk_ws.walk_scratch(
     stages=stages, c=c, key_dim=key_dim, bv=bv, r=r, dtype=dtype, masked_keys=masked_keys,
-    staged=staged, n_copies=8 + 2 * r, warpgroups=4, packed=False,
+    staged=staged, n_copies=8 + 2 * r + (marks is not None), warpgroups=4, packed=False,
+    marks=marks is not None,
   )  # fmt: skip
   inv_scratch = {}
   if diag_solve:
@@ -145,7 +163,7 @@ def fused_walk(
   if output_final_state:
     out_type.append(jax.ShapeDtypeStruct((batch, heads, value_dim, key_dim), F32))
   in_names = ["q_ref", "k_ref", "v_ref", "g_ref", "gr_ref", "beta_ref", "m_ref", "sc_ref"]
-  in_names += ["h0_ref"] * (initial_state_t is not None)
+  in_names += ["h0_ref"] * (initial_state_t is not None) + ["mk_ref"] * (marks is not None)
   names = in_names + ["o_ref"] + ["ht_ref"] * output_final_state
   absent = {n: None for n in ("t0_ref", "h0_ref", "tab_ref", "ht_ref", "states_ref", "vnew_ref")}
   chain_regs, output_regs, producer_regs, inverse_regs = registers
@@ -155,6 +173,7 @@ def fused_walk(
       {**absent, **dict(zip(names, refs))}, scratch_refs, nc=nc, group=group, bv=bv,
       m_shape=mask_rows.shape, stages=stages, r=r, c=c, dk=key_dim // r, key_dim=key_dim,
       dtype=dtype, householder=False, masked_keys=masked_keys, staged=staged, store_states=False,
+      clean=marks is not None,
     )  # fmt: skip
     pl.when(w.wg == 2)(lambda: walk_ws.producer(w, producer_regs))
     pl.when(w.wg == 0)(lambda: walk_ws.chain(w, chain_regs))
@@ -164,8 +183,7 @@ def fused_walk(
     walk_ws.finish(w)
 
   args = [q, k, v, gamma, gamma_rows, beta_rows, mask_rows, scale]
-  if initial_state_t is not None:
-    args.append(initial_state_t)
+  args += [x for x in (initial_state_t, marks) if x is not None]
   outs = plgpu.kernel(
     body,
     out_type=out_type,

@@ -125,11 +125,11 @@ def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: b
   return stages * per_stage + fixed
 
 
-def walk_scratch(
-  *, stages, c, key_dim, bv, r, dtype, masked_keys, staged, n_copies, warpgroups, packed
-) -> dict:
+def walk_scratch(*, stages, c, key_dim, bv, r, dtype, masked_keys, staged, n_copies, warpgroups,
+                 packed, marks=False) -> dict:  # fmt: skip
   """The shared memory of a warp-specialised walk (`state_walk_ws`, `fused_forward`): the ring of
-  `stages` input stages, the chain's published tiles, the output's tiles and the barriers."""
+  `stages` input stages, the chain's published tiles, the output's tiles and the barriers; with
+  `marks` a per-token row per stage (the non-finite guard's marks, `output`)."""
   vecs = plgpu.SMEM((stages, N), F32)
   scratch = dict(
     q_s=smem((stages, c, key_dim), dtype),
@@ -162,13 +162,16 @@ def walk_scratch(
     scratch["kw_s"] = smem((stages, N, key_dim), dtype)
   if staged:
     scratch["xt_s"] = smem((bv, N), dtype)
+  if marks:
+    scratch["mk_tok"] = plgpu.SMEM((stages, max(c, 32)), F32)
   return scratch
 
 
 def bind(refs: dict, scratch: dict, *, nc: int, group: int, bv: int, m_shape, **statics):
   """One program's view of a walk (`producer`, `chain`, `output` read it): the refs, the statics
   and the program's batch row (or sequence), head, key head, value columns and chunks."""
-  w = types.SimpleNamespace(**{"kw_s": None, "xt_s": None, **refs, **scratch}, **statics, bv=bv)
+  optional = dict(kw_s=None, xt_s=None, mk_tok=None, mk_ref=None, clean=False)
+  w = types.SimpleNamespace(**{**optional, **refs, **scratch, **statics}, bv=bv)
   w.b, w.h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   w.hk = lax.div(w.h, group)  # the key head of value head h
   w.wg = lax.axis_index("wg")
@@ -188,7 +191,8 @@ def bind(refs: dict, scratch: dict, *, nc: int, group: int, bv: int, m_shape, **
 
 def producer(w, registers: int = 40):
   """The producer warpgroup: streams a chunk's q, k, v (T0 unless `w.t0_ref` is None), gates,
-  beta and mask rows with TMA into the ring, refilling a stage once both consumers released it."""
+  beta, mask rows (and marks: `w.mk_ref`) with TMA into the ring, refilling a stage once both
+  consumers released it."""
   plgpu.set_max_registers(registers, action="decrease")
   c, b, hk, h = w.c, w.b, w.hk, w.h
 
@@ -201,6 +205,8 @@ def producer(w, registers: int = 40):
     if w.t0_ref is not None:
       plgpu.copy_gmem_to_smem(w.t0_ref.at[b, h, pl.ds(n * N, N)], w.t_s.at[slot], bar)
     plgpu.copy_gmem_to_smem(w.g_ref.at[b, h, rows], w.g_tok.at[slot].at[pl.ds(0, c)], bar)
+    if w.mk_ref is not None:
+      plgpu.copy_gmem_to_smem(w.mk_ref.at[b, h, rows], w.mk_tok.at[slot].at[pl.ds(0, c)], bar)
     plgpu.copy_gmem_to_smem(w.m_ref.at[w.mb, w.mh, mn], w.m_s.at[slot], bar)
     chunk_rows = pl.ds(n * N, N)
     for dst in (w.g_rows, w.g_cols, w.g_chain, w.g_last):
@@ -258,14 +264,17 @@ def chain(w, registers: int = 232):
     key_decay = jnp.exp(g_c)
     g_end = w.g_last[slot, N - 1]
     stage_s = w.st_pub.at[half] if staged else None
-    if not w.masked_keys:  # Kw = Kb: the loaded keys
-      if w.r == 1:  # the mask is one number per token: it scales the columns of S^T k^T
-        key_decay = key_decay * plgpu.load(w.m_s.at[slot].at[0], layout=COLS)
-      pw = matmul_reg(s_lo, w.kb_s.at[slot].T, wshape, stage=stage_s)
-      plgpu.barrier_wait(w.prep_ready.at[slot])
-    else:
-      plgpu.barrier_wait(w.prep_ready.at[slot])
-      pw = matmul_reg(s_lo, w.kw_s.at[slot].T, wshape, stage=stage_s)
+    # Kw = Kb, the keys as loaded (r = 1; Householder): S^T Kw^T need not wait for the stage,
+    # unless the keys are cleaned in it (`w.clean`, fused_forward.py)
+    early = not w.masked_keys and not w.clean
+    if w.r == 1 and not w.masked_keys:  # the mask is one number per token: it scales S^T k^T
+      key_decay = key_decay * plgpu.load(w.m_s.at[slot].at[0], layout=COLS)
+    kw = w.kw_s if w.masked_keys else w.kb_s
+    if early:
+      pw = matmul_reg(s_lo, kw.at[slot].T, wshape, stage=stage_s)
+    plgpu.barrier_wait(w.prep_ready.at[slot])
+    if not early:
+      pw = matmul_reg(s_lo, kw.at[slot].T, wshape, stage=stage_s)
     v_t = plgpu.load(w.vrep_s.at[slot].T, layout=WGMMA).astype(F32)
     x_t = (v_t - pw * bcast_cols(key_decay, wshape)).astype(dtype)
     vn_t = matmul_reg(x_t, w.t_s.at[slot].T, wshape, stage=w.xt_s)
@@ -336,6 +345,9 @@ def output(w, *, gates: bool, registers: int = 232):
     plgpu.barrier_wait(w.s_ready.at[half])
     o_t = matmul(w.st_pub.at[half], w.q_s.at[slot].T, oshape) * bcast_cols(jnp.exp(g_t), oshape)
     o_t = o_t + matmul(w.vn_pub.at[half], w.pq_s.T, oshape)
+    if w.mk_tok is not None:  # the guard: nan where marked, and where q was (o non-finite)
+      mk = bcast_cols(plgpu.load(w.mk_tok.at[slot].at[pl.ds(0, c)], layout=COLS), oshape)
+      o_t = jnp.where((jnp.abs(o_t) < jnp.inf) & (mk == 0.0), o_t, jnp.nan)
     plgpu.barrier_arrive(w.s_free.at[half])
     plgpu.barrier_arrive(w.in_free.at[slot])
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # o_s[half] of chunk n - 2 has left

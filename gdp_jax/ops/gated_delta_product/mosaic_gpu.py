@@ -71,7 +71,7 @@ def _params(static):
   return plgpu.InterpretGPUParams() if static.interpret else None
 
 
-def _forward(q, k, v, g, beta, mask, h0, packing, static, save):
+def _forward(q, k, v, g, beta, mask, h0, packing, static, save, guard_marks=None):
   """(o, final, stored): the forward kernels; with `save` (a differentiated call) `stored` is
   what the backward reads (the chunks' inverses, per-chunk states and new values). Without
   `save` and unpacked, one fused kernel (T0 formed in shared memory, never stored); with `save`
@@ -98,6 +98,7 @@ def _forward(q, k, v, g, beta, mask, h0, packing, static, save):
     store_states=save,
     seq_table=table,
     fused=static.fused and not save and packing is None,
+    guard_marks=guard_marks,
     interpret=_params(static),
   )
   return to_row(o), final, tuple(stored)
@@ -172,6 +173,16 @@ def _clean(q, k, v, g, beta, mask, packing):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _operator(q, k, v, g, beta, mask, h0, packing, static):
   marks = None
+  if static.guard and static.fused and packing is None:
+    # The guard inside the fused kernel: k and v cleaned there as they land, the outputs marked
+    # on the way out (those of a bad q too: its own token's); here only the marks from k, v, g,
+    # beta and the mask, and the small inputs cleaned (their cleaned k and v are never used).
+    no_q = jnp.zeros(q.shape[:3] + (1,), q.dtype)
+    (_, _, _, g, beta, mask), marks = _clean(no_q, k, v, g, beta, mask, None)
+    o, final, _ = _forward(
+      q, k, v, g, beta, mask, h0, packing, static, save=False, guard_marks=marks.o
+    )
+    return o, jnp.where(marks.final[..., None, None], jnp.array(jnp.nan, final.dtype), final)
   if static.guard:
     # without a gradient q stays as it is: a bad q spoils only its own token's output
     (_, k, v, g, beta, mask), marks = _clean(q, k, v, g, beta, mask, packing)
