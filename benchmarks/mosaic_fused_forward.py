@@ -1,18 +1,15 @@
-"""Check and time the fused Mosaic GPU forward (pallas_kernels/mosaic_gpu/fused_forward.py) on an
-sm_90 GPU, beside the two-kernel forward and the public operator (docs/mosaic_gpu.md).
+"""Check and time the fused Mosaic GPU forward (fused_forward.py, docs/mosaic_gpu.md) on sm_90.
 
   PYTHONPATH=. python benchmarks/mosaic_fused_forward.py --out fused.json
   PYTHONPATH=. python benchmarks/mosaic_fused_forward.py --tiny --out /tmp/tiny.json   # CPU smoke
 
-Per r in 1, 2, 4 (bf16, B=8, T=4096, H=16, K=V=128), each in its own process (a CUDA fault kills
-a process's context) and each case caught and recorded on its own, the JSON rewritten after every
-case: compile the fused kernel (its compile time; also the variants of `--variants`: setmaxnreg
-per warpgroup, the float32 diagonal solve off); check o and the final state against "xla" (bar
-5e-3 relative RMS) and against the two-kernel forward, at the r's mask shapes and with an initial
-state; time the fused forward, the two-kernel forward and `gated_delta_product` with its defaults
-(median ms of `--reps` runs of `--inner` back-to-back jitted calls, block_until_ready), all
-returning the final state. Each process's output (with ptxas's report: MOSAIC_GPU_DUMP_PTXAS=1)
-goes to `OUT.rR.log`. `--tiny` runs small shapes in the Mosaic GPU interpreter.
+Per r in 1, 2, 4 (bf16, B=8, T=4096, H=16, K=V=128), each r in its own process (a CUDA fault
+kills a process's context; its output, with ptxas's report, in `OUT.rR.log`), each case recorded
+on its own in the JSON: compile the fused kernel and its `--variants`; check o and the final state
+against "xla" (bar 5e-3 relative RMS) and the two-kernel forward, and the operator's non-finite
+guard on planted nan and inf; time the fused and two-kernel forwards and `gated_delta_product`
+(defaults; without the guard; with the two-kernel forward): median ms of `--reps` runs of
+`--inner` back-to-back jitted calls, all returning the final state. `--tiny`: the interpreter.
 """
 
 from __future__ import annotations
@@ -46,6 +43,7 @@ from benchmarks.mosaic_gpu_check import (  # noqa: E402
 from pallas_kernels.mosaic_gpu import forward as forward_mod  # noqa: E402
 from pallas_kernels.mosaic_gpu import fused_forward  # noqa: E402
 
+F32 = jnp.float32
 BAR = 5e-3
 # name: keyword arguments of fused_walk beyond the defaults
 VARIANTS = {  # the first two run by default
@@ -120,11 +118,33 @@ def operator_fn(implementation=None):
   return jax.jit(run)
 
 
-def two_kernel_operator():
-  """implementation="mosaic_gpu" with the two-kernel forward (`fused=False`)."""
+def mosaic_operator(**changes):
+  """implementation="mosaic_gpu" with `changes` (fused=False: the two-kernel forward;
+  nonfinite_guard=False: no guard)."""
   from gdp_jax.ops.gated_delta_product.api import REGISTRY
 
-  return REGISTRY.get("mosaic_gpu").replace(fused=False)
+  return REGISTRY.get("mosaic_gpu").replace(**changes)
+
+
+def guard_check(r, shape, row):
+  """The guard inside the fused kernel: a nan key, an inf query and a -inf value planted; the
+  operator's nan pattern and its other values against xla's."""
+  mask_kind = "none" if r == 1 else "token"
+  x = make_inputs(5, **shape, r=r, mask_kind=mask_kind, dtype=jnp.bfloat16, state=True)
+  t = shape["t_len"]
+  x["k"] = x["k"].at[0, t // 3, 0, 3].set(jnp.nan)
+  x["q"] = x["q"].at[1 % shape["batch"], t // 5, 1, 5].set(jnp.inf)
+  x["v"] = x["v"].at[0, t // 2, 1, 100 % shape["value_dim"]].set(-jnp.inf)
+  o, final = call(operator_fn("mosaic_gpu"), x)
+  want_o, want_final = call(operator_fn("xla"), x)
+  o, want_o = np.asarray(jnp.asarray(o, F32)), np.asarray(jnp.asarray(want_o, F32))
+  fine = ~np.isnan(want_o)
+  row.update(
+    same_nan=bool((np.isnan(o) == ~fine).all()),
+    same_final_nan=bool((np.isnan(np.asarray(final)) == np.isnan(np.asarray(want_final))).all()),
+    rel_rms_o_elsewhere=rel_rms(np.where(fine, o, 0.0), np.where(fine, want_o, 0.0)),
+  )
+  row["ok"] = row["same_nan"] and row["same_final_nan"] and row["rel_rms_o_elsewhere"] <= BAR
 
 
 def call(fn, inp):
@@ -181,12 +201,19 @@ def run_r(r, shape, tiny, reps, inner, variants, record, save):
     except Exception as e:  # noqa: BLE001
       row.update(ok=False, error=summarise(e))
     save()
+  row = case(phase="check", variant="guard", mask="planted nan/inf")
+  try:
+    guard_check(r, shape, row)
+  except Exception as e:  # noqa: BLE001
+    row.update(ok=False, error=summarise(e))
+  save()
   # 3. time: every compiled variant, the two-kernel forward, the public operator
   fns = {f"fused:{name}": exe for name, (_, exe) in compiled.items()}
   fns["two_kernel"] = two_kernel_fn(interpret)
   if not tiny:
     fns["operator_default"] = operator_fn()
-    fns["operator_mosaic_two_kernel"] = operator_fn(two_kernel_operator())
+    fns["operator_mosaic_two_kernel"] = operator_fn(mosaic_operator(fused=False))
+    fns["operator_no_guard"] = operator_fn(mosaic_operator(nonfinite_guard=False))
   for name, fn in fns.items():
     row = case(phase="time", impl=name, mask="none" if r == 1 else "shared")
     try:
