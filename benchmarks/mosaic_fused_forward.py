@@ -229,7 +229,10 @@ def table(record):
   for c in record["cases"]:
     what = c.get("variant") or c.get("impl")
     extra = ""
-    if c["phase"] == "check":
+    if c.get("variant") == "guard":
+      extra = f"nan where xla's: {c.get('same_nan')}, {c.get('same_final_nan')}"
+      extra += f"; o elsewhere {c.get('rel_rms_o_elsewhere', float('nan')):.2e}"
+    elif c["phase"] == "check":
       extra = (
         f"{c.get('mask')} h0={c.get('initial_state')} o={c.get('rel_rms_o', float('nan')):.2e}"
         f" S={c.get('rel_rms_state', float('nan')):.2e}"

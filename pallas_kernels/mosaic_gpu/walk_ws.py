@@ -331,7 +331,8 @@ def output(w, *, gates: bool, registers: int = 232):
                  dtype, mask_keys=w.masked_keys)  # fmt: skip
       plgpu.commit_smem()
       plgpu.barrier_arrive(w.prep_ready.at[slot])
-    else:
+    else:  # the stage's loads too (seen complete already: transitivity left to no one)
+      plgpu.barrier_wait(w.in_bar.at[slot])
       plgpu.barrier_wait(w.prep_ready.at[slot])
       g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
     # The intra-chunk scores, transposed: (Kb q^T ⊙ D)^T.
