@@ -48,8 +48,8 @@ BAR = 5e-3
 # name: keyword arguments of fused_walk beyond the defaults
 VARIANTS = {  # the first two run by default
   "default": {},
+  "regs_184_128_24_176": dict(registers=(184, 128, 24, 176)),  # more for the inverse
   "regs_200_152_40_120": dict(registers=(200, 152, 40, 120)),
-  "regs_232_120_40_120": dict(registers=(232, 120, 40, 120)),
   "no_diag_solve": dict(diag_solve=False),
 }
 # (mask, initial state) checked per r

@@ -29,7 +29,12 @@ F32 = jnp.float32
 
 
 @pytest.mark.parametrize(
-  "r,mask_kind", [(1, "none"), pytest.param(2, "token", marks=pytest.mark.slow), (4, "head")]
+  "r,mask_kind",
+  [
+    (1, "none"),
+    pytest.param(2, "token", marks=pytest.mark.slow),
+    pytest.param(4, "head", marks=pytest.mark.slow),
+  ],
 )
 def test_fused_forward_lowers_for_cuda_at_benchmark_shape(r, mask_kind):
   batch, t_len, heads, dim = 8, 4096, 16, 128
