@@ -203,10 +203,10 @@ def forward(
   if fused:
     if return_inverse or store_states or seq_table is not None:
       raise ValueError("fused=True: no return_inverse, store_states or seq_table")
-    walk_args = (ops.gamma, ops.gamma_rows, ops.beta_rows, ops.mask_rows, ops.scale, h0_t)
+    marks = None
     if guard_marks is not None:  # [B, T, H] -> [B, H, Tp] float32, the padding unmarked
       marks = jnp.swapaxes(pad_axes(guard_marks.astype(F32), ops.padded - t_len), 1, 2)
-      walk_args += (marks,)
+    walk_args = (ops.gamma, ops.gamma_rows, ops.beta_rows, ops.mask_rows, ops.scale, h0_t, marks)
     o, s_t = fused_walk(
       ops.q, ops.k, ops.v, *walk_args, block_v=BLOCK_V, output_final_state=output_final_state,
       interpret=interpret,
