@@ -33,6 +33,7 @@ from pallas_kernels.mosaic_gpu.common import (
   bcast_rows,
   compiler_params,
   gated,
+  iota,
   key_stage,
   mask_matrix,
   matmul,
@@ -88,7 +89,10 @@ def inverse(w, solve_s, stage_a, registers: int) -> None:
     if not w.masked_keys:  # r = 1: the mask is one number per token
       coef = coef * mask_matrix(w.m_s.at[slot], sq, w.c, w.r)
     a0 = jnp.where(earlier_rows(w.r), gram * coef, 0.0)  # (formed here: no registers held)
-    t0 = invert(a0, w.r, [t_s, *stage_a], w.dtype, solve_s)
+    if w.without_inverse:  # profiling only: the walk's time with an inverse that costs nothing
+      t0 = (iota(sq, 0) == iota(sq, 1)).astype(F32) + 0.0 * a0
+    else:
+      t0 = invert(a0, w.r, [t_s, *stage_a], w.dtype, solve_s)
     g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
     g_c = plgpu.load(w.g_cols.at[slot], layout=COLS)
     b_c = plgpu.load(w.b_cols.at[slot], layout=COLS)
@@ -117,6 +121,7 @@ def fused_walk(
   stages: int | None = None,
   diag_solve: bool | None = None,
   registers: tuple[int, int, int, int] = REGISTERS,
+  without_inverse: bool = False,
   interpret=None,
 ):
   """The forward in one kernel: `(o [B, Tp, H, V], final state transposed [B, H, V, K] float32 or
@@ -129,6 +134,8 @@ def fused_walk(
   diag_solve: the 16-row groups solved in float32 (None: compiled yes, interpreted no: the
     interpreter runs no raw Mosaic GPU code).
   registers: setmaxnreg of the chain, output, producer and inverse warpgroups.
+  without_inverse: profiling only (a wrong result): T0 = I instead of the inverse, so that the
+    time shows what the walk costs when the inverse warpgroup's solve and merges cost nothing.
   """
   dims = walk_ws.walk_dims(q, k, v, None, mask_rows, block_v)
   batch, padded, heads, key_dim, value_dim, r, c, nc, group = dims
@@ -173,7 +180,7 @@ def fused_walk(
       {**absent, **dict(zip(names, refs))}, scratch_refs, nc=nc, group=group, bv=bv,
       m_shape=mask_rows.shape, stages=stages, r=r, c=c, dk=key_dim // r, key_dim=key_dim,
       dtype=dtype, householder=False, masked_keys=masked_keys, staged=staged, store_states=False,
-      clean=marks is not None,
+      clean=marks is not None, without_inverse=without_inverse,
     )  # fmt: skip
     pl.when(w.wg == 2)(lambda: walk_ws.producer(w, producer_regs))
     pl.when(w.wg == 0)(lambda: walk_ws.chain(w, chain_regs))
