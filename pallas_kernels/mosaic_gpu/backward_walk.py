@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.mosaic_gpu.common import (
+  BACKWARD_R,
   COLS,
   F32,
   ROWS,
@@ -64,7 +65,7 @@ from pallas_kernels.mosaic_gpu.common import (
 )
 
 N = ROWS_PER_CHUNK
-SUPPORTED_R = (1, 2, 4)
+SUPPORTED_R = BACKWARD_R
 
 
 def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: bool) -> int:

@@ -42,10 +42,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.mosaic_gpu.common import (
+  BACKWARD_R,
   COLS,
   F32,
   ROWS,
   ROWS_PER_CHUNK,
+  SUPPORTED_DIMS,
   WGMMA,
   bcast_cols,
   bcast_rows,
@@ -64,8 +66,7 @@ from pallas_kernels.mosaic_gpu.common import (
 )
 
 N = ROWS_PER_CHUNK
-SUPPORTED_R = (1, 2, 4)
-SUPPORTED_DIMS = (64, 128)  # K and V
+SUPPORTED_R = BACKWARD_R
 VECTOR_ROWS = 6  # rows of the per-chunk vectors before the mask's r (see `chunk_grads`)
 
 

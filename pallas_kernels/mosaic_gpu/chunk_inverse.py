@@ -48,6 +48,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.common import device
 from pallas_kernels.mosaic_gpu import diag_solve as diag_solve_mod
 from pallas_kernels.mosaic_gpu.common import (
   F32,
@@ -136,10 +137,6 @@ def invert(a0: jax.Array, r: int, bufs, dtype, solve_s=None, householder: bool =
   return eye if x is None else x  # (None: one token per chunk, not reached: C >= 8)
 
 
-# Streaming multiprocessors of an H100 / H200: the chunks-per-program rule keeps every one busy.
-NUM_SMS = 132
-
-
 def default_chunks_per_program(batch: int, heads: int, chunks: int) -> int:
   """The most chunks per program (8, 4 or 2, dividing the chunk count) that still leave about
   1.5 programs per streaming multiprocessor (two fit on one), else 1.
@@ -148,7 +145,7 @@ def default_chunks_per_program(batch: int, heads: int, chunks: int) -> int:
   so more chunks per program hide more of the memory latency, as long as every SM has work.
   """
   for cpp in (8, 4, 2):
-    if chunks % cpp == 0 and batch * heads * (chunks // cpp) * 2 >= 3 * NUM_SMS:
+    if chunks % cpp == 0 and batch * heads * (chunks // cpp) * 2 >= 3 * device.sm_count():
       return cpp
   return 1
 
