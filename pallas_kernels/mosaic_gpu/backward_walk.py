@@ -32,14 +32,13 @@ The products over a chunk's tokens (`P^T do`, `do^T E q`) need `C >= 16` tokens 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.mosaic_gpu import ring
 from pallas_kernels.mosaic_gpu.common import (
   BACKWARD_R,
   COLS,
@@ -61,7 +60,6 @@ from pallas_kernels.mosaic_gpu.common import (
   ring_stages,
   smem,
   token_of,
-  when,
 )
 
 N = ROWS_PER_CHUNK
@@ -166,9 +164,7 @@ def state_grad_walk(
     dh_pub=smem((2, bv, key_dim), dtype),
     dvn_pub=smem((2, bv, N), dtype),
     sc_s=plgpu.SMEM((4,), F32),
-    in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
-    prep_ready=plgpu.Barrier(num_barriers=stages),
-    in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    **ring.barriers(stages, n_copies),
     sc_bar=plgpu.Barrier(num_arrivals=2 if packed else 1),
     tab_s=plgpu.SMEM((4,), jnp.int32),
     done=plgpu.Barrier(num_arrivals=3),
@@ -211,36 +207,21 @@ def state_grad_walk(
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
 
-      def issue(i, slot):
+      def fill(i, put):
         n = last - i  # the chunks last first
-        rows = pl.ds(n * c, c)
-        bar = in_bar.at[slot]
-        mn = n if m_n > 1 else 0
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(t0_ref.at[b, h, pl.ds(n * N, N)], t_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_tok.at[slot].at[pl.ds(0, c)], bar)
-        plgpu.copy_gmem_to_smem(m_ref.at[mb, mh, mn], m_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, cols_v], do_s.at[slot], bar)
-        chunk_rows = pl.ds(n * N, N)
+        rows, chunk_rows = pl.ds(n * c, c), pl.ds(n * N, N)
+        put(q_ref.at[b, rows, hk], q_s)
+        put(t0_ref.at[b, h, chunk_rows], t_s)
+        put(g_ref.at[b, h, rows], g_tok, pl.ds(0, c))
+        put(m_ref.at[mb, mh, n if m_n > 1 else 0], m_s)
+        put(do_ref.at[b, rows, h, cols_v], do_s)
         for dst in (g_rows, g_cols, g_chain):
-          plgpu.copy_gmem_to_smem(gr_ref.at[b, h, chunk_rows], dst.at[slot], bar)
-        plgpu.copy_gmem_to_smem(beta_ref.at[b, h, chunk_rows], b_cols.at[slot], bar)
+          put(gr_ref.at[b, h, chunk_rows], dst)
+        put(beta_ref.at[b, h, chunk_rows], b_cols)
         for a in range(r):  # tiles: C-row pieces stay 1024-byte aligned for every r
-          part = pl.ds(a * c, c)
-          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], kb_s.at[slot].at[part], bar)
+          put(k_ref.at[b, rows, hk], kb_s, pl.ds(a * c, c))
 
-      for i in range(stages):
-        when(i < count, functools.partial(issue, i, i))
-
-      @pl.loop(stages, count)
-      def _refill(i):
-        slot = lax.rem(i, stages)
-        plgpu.barrier_wait(in_free.at[slot])
-        issue(i, slot)
-
-      for j in range(stages):  # consume the last releases of every stage
-        i = count - stages + j
-        when(i >= 0, lambda i=i: plgpu.barrier_wait(in_free.at[i % stages]))
+      ring.produce(fill, stages=stages, count=count, loaded=in_bar, free=in_free)
 
     @pl.when(wg == 0)
     def _chain():

@@ -49,7 +49,6 @@ jax-linear-attention records).
 
 from __future__ import annotations
 
-import functools
 import types
 
 import jax
@@ -58,6 +57,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.mosaic_gpu import ring
 from pallas_kernels.mosaic_gpu.common import (
   COLS,
   F32,
@@ -149,9 +149,7 @@ def walk_scratch(*, stages, c, key_dim, bv, r, dtype, masked_keys, staged, n_cop
     pq_s=smem((c, N), dtype),
     o_s=smem((2, c, bv), dtype),
     sc_s=plgpu.SMEM((4,), F32),
-    in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
-    prep_ready=plgpu.Barrier(num_barriers=stages),
-    in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    **ring.barriers(stages, n_copies),
     s_ready=plgpu.Barrier(num_barriers=2),
     s_free=plgpu.Barrier(num_barriers=2),
     sc_bar=plgpu.Barrier(num_arrivals=2 if packed else 1),
@@ -196,44 +194,28 @@ def producer(w, registers: int = 40):
   plgpu.set_max_registers(registers, action="decrease")
   c, b, hk, h = w.c, w.b, w.hk, w.h
 
-  def issue(i, slot):
+  def fill(i, put):
     n = w.first + i  # the chunk of the i-th step
-    rows = pl.ds(n * c, c)
-    bar = w.in_bar.at[slot]
-    mn = n if w.m_n > 1 else 0
-    plgpu.copy_gmem_to_smem(w.q_ref.at[b, rows, hk], w.q_s.at[slot], bar)
+    rows, chunk_rows = pl.ds(n * c, c), pl.ds(n * N, N)
+    put(w.q_ref.at[b, rows, hk], w.q_s)
     if w.t0_ref is not None:
-      plgpu.copy_gmem_to_smem(w.t0_ref.at[b, h, pl.ds(n * N, N)], w.t_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(w.g_ref.at[b, h, rows], w.g_tok.at[slot].at[pl.ds(0, c)], bar)
+      put(w.t0_ref.at[b, h, chunk_rows], w.t_s)
+    put(w.g_ref.at[b, h, rows], w.g_tok, pl.ds(0, c))
     if w.mk_ref is not None:
-      plgpu.copy_gmem_to_smem(w.mk_ref.at[b, h, rows], w.mk_tok.at[slot].at[pl.ds(0, c)], bar)
-    plgpu.copy_gmem_to_smem(w.m_ref.at[w.mb, w.mh, mn], w.m_s.at[slot], bar)
-    chunk_rows = pl.ds(n * N, N)
+      put(w.mk_ref.at[b, h, rows], w.mk_tok, pl.ds(0, c))
+    put(w.m_ref.at[w.mb, w.mh, n if w.m_n > 1 else 0], w.m_s)
     for dst in (w.g_rows, w.g_cols, w.g_chain, w.g_last):
-      plgpu.copy_gmem_to_smem(w.gr_ref.at[b, h, chunk_rows], dst.at[slot], bar)
-    plgpu.copy_gmem_to_smem(w.beta_ref.at[b, h, chunk_rows], w.b_cols.at[slot], bar)
+      put(w.gr_ref.at[b, h, chunk_rows], dst)
+    put(w.beta_ref.at[b, h, chunk_rows], w.b_cols)
     for a in range(w.r):  # tiles: C-row pieces stay 1024-byte aligned for every r
-      part = pl.ds(a * c, c)
       if w.householder:
         k_src, v_src = w.k_ref.at[b, rows, a, hk], w.v_ref.at[b, rows, a, h, w.cols_v]
       else:
         k_src, v_src = w.k_ref.at[b, rows, hk], w.v_ref.at[b, rows, h, w.cols_v]
-      plgpu.copy_gmem_to_smem(k_src, w.kb_s.at[slot].at[part], bar)
-      plgpu.copy_gmem_to_smem(v_src, w.vrep_s.at[slot].at[part], bar)
+      put(k_src, w.kb_s, pl.ds(a * c, c))
+      put(v_src, w.vrep_s, pl.ds(a * c, c))
 
-  stages, count = w.stages, w.count
-  for i in range(stages):
-    when(i < count, functools.partial(issue, i, i))
-
-  @pl.loop(stages, count)
-  def _refill(i):
-    slot = lax.rem(i, stages)
-    plgpu.barrier_wait(w.in_free.at[slot])
-    issue(i, slot)
-
-  for j in range(stages):  # consume the last releases of every stage
-    i = count - stages + j
-    when(i >= 0, lambda i=i: plgpu.barrier_wait(w.in_free.at[i % stages]))
+  ring.produce(fill, stages=w.stages, count=w.count, loaded=w.in_bar, free=w.in_free)
 
 
 def chain(w, registers: int = 232):
