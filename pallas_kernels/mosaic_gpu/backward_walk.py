@@ -1,33 +1,13 @@
 """The reverse state walk of the backward: one warp-specialised program per (batch, head, value
-tile), the forward walk (`walk_ws.py`) mirrored (docs/mosaic_gpu.md#the-backward).
+tile), the forward walk (`walk_ws.py`) mirrored (docs/mosaic_gpu.md#the-reverse-walk has the math).
 
-Carries `dS^T [BV, K]` float32 in registers, the gradient of the state after the current chunk,
-from the last chunk to the first (it starts at d final_state). Per chunk, with the forward walk's
-notation (`walk_ws.py`: block-major rows `(a, t)`, `Kb`, `Kw`, `Ag = T0 ⊙ decay ⊙ beta`,
-`E = diag(exp(gamma))`):
-
-  dh^T      = dS^T                                                   (stored, per chunk)
-  dv_new^T  = scale do^T (q Kb^T ⊙ D) + (dS^T Kb^T) diag(exp(gamma_L - gamma))   [BV, N]
-  dX^T      = dv_new^T Ag                                                        [BV, N]
-  dS^T     <- exp(gamma_L) dS^T + do^T (scale E q) - (dX^T E) Kw                 [BV, K]
-
-and the dS^T left after the first chunk is d initial_state. dh (the gradient of the state at the
-end of each chunk) and dv_new (the whole gradient of v_new), both transposed, are what the
-chunk-parallel kernel (`chunk_grads.py`) takes beside the forward walk's stored states.
-
-Three warpgroups, as in the forward walk:
-- warpgroup 2, the producer: streams q, k, do, T0, gamma, beta and the mask rows of the chunks,
-  last first, with TMA into a ring of stages;
-- warpgroup 1, off the chain: per stage forms `Kb`, `Kw` (r > 1) and `Ag` in place, the
-  intra-chunk term `dv_local = scale (q Kb^T ⊙ D)^T do` into the stage, and `scale E q` in place
-  of q;
-- warpgroup 0, the chain: the three dependent products `dS^T Kb^T`, `dv_new^T Ag`,
-  `(dX^T E) Kw` (the last accumulated with `do^T (scale E q)` into the decayed `dS^T`), and the
-  stores of dh^T and dv_new^T.
-
-The products over a chunk's tokens (`P^T do`, `do^T E q`) need `C >= 16` tokens (wgmma's
-16-deep bf16 step): r in 1, 2, 4; their token tiles take a swizzle of at most `C` elements
-(`common.smem`).
+Carries `dS^T [BV, K]` float32 in registers from the last chunk to the first (from d
+final_state) and stores per chunk dh^T (the gradient of the state at the chunk's end) and
+dv_new^T, which the chunk-parallel kernel (`chunk_grads.py`) takes; the `dS^T` left at the end is
+d initial_state. Three warpgroups: the producer streams the chunks, last first, through the TMA
+ring (`ring.py`); warpgroup 1 prepares each stage off the chain (`Kb`, `Kw`, `Ag`, the
+intra-chunk term, `scale E q`); warpgroup 0 runs the chain's three dependent products. r in 1,
+2, 4: the products over a chunk's tokens need `C >= 16`.
 """
 
 from __future__ import annotations

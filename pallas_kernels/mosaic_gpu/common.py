@@ -1,5 +1,5 @@
-"""Helpers shared by the Mosaic GPU kernels: the chunk rule, shared-memory tiles, layouts and
-tensor-core products staged through shared memory.
+"""Helpers shared by the Mosaic GPU kernels (docs/mosaic_gpu.md): the chunk rule, shared-memory
+tiles, layouts and tensor-core products staged through shared memory.
 
 Rows of a chunk matrix are block-major: row `(a, t)` is `a * C + t` for key block `a` and token
 `t` of a chunk of `C` tokens, `N = C * r` rows in all (docs/chunked_form.md uses token-major rows;

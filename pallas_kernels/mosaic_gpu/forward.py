@@ -1,4 +1,5 @@
-"""The Mosaic GPU forward: input preparation (XLA) and the two kernels.
+"""The Mosaic GPU forward: input preparation (XLA) and the two kernels
+(docs/mosaic_gpu.md#the-forward-in-two-kernels).
 
 `forward(q, k, v, g, beta, mask, ...)` takes the operator's arguments (docs/operator.md, shapes
 `[B, T, H, ...]`) and returns `(o, final_state)`. It pads the time axis to whole chunks with no-op
