@@ -189,12 +189,13 @@ def state_grad_walk(
 
       def fill(i, put):
         n = last - i  # the chunks last first
-        rows, chunk_rows = pl.ds(n * c, c), pl.ds(n * N, N)
+        rows = pl.ds(n * c, c)
         put(q_ref.at[b, rows, hk], q_s)
-        put(t0_ref.at[b, h, chunk_rows], t_s)
+        put(t0_ref.at[b, h, pl.ds(n * N, N)], t_s)
         put(g_ref.at[b, h, rows], g_tok, pl.ds(0, c))
         put(m_ref.at[mb, mh, n if m_n > 1 else 0], m_s)
         put(do_ref.at[b, rows, h, cols_v], do_s)
+        chunk_rows = pl.ds(n * N, N)
         for dst in (g_rows, g_cols, g_chain):
           put(gr_ref.at[b, h, chunk_rows], dst)
         put(beta_ref.at[b, h, chunk_rows], b_cols)

@@ -161,14 +161,15 @@ def producer(w, registers: int = 40):
 
   def fill(i, put):
     n = w.first + i  # the chunk of the i-th step
-    rows, chunk_rows = pl.ds(n * c, c), pl.ds(n * N, N)
+    rows = pl.ds(n * c, c)
     put(w.q_ref.at[b, rows, hk], w.q_s)
     if w.t0_ref is not None:
-      put(w.t0_ref.at[b, h, chunk_rows], w.t_s)
+      put(w.t0_ref.at[b, h, pl.ds(n * N, N)], w.t_s)
     put(w.g_ref.at[b, h, rows], w.g_tok, pl.ds(0, c))
     if w.mk_ref is not None:
       put(w.mk_ref.at[b, h, rows], w.mk_tok, pl.ds(0, c))
     put(w.m_ref.at[w.mb, w.mh, n if w.m_n > 1 else 0], w.m_s)
+    chunk_rows = pl.ds(n * N, N)
     for dst in (w.g_rows, w.g_cols, w.g_chain, w.g_last):
       put(w.gr_ref.at[b, h, chunk_rows], dst)
     put(w.beta_ref.at[b, h, chunk_rows], w.b_cols)
