@@ -1,43 +1,14 @@
-"""The chunk-parallel kernel of the forward: the gate-free inverse T0 = (I + A0)^-1 per chunk.
+"""The chunk-parallel kernel of the forward: the gate-free inverse T0 = (I + A0)^-1 per chunk
+(docs/mosaic_gpu.md#the-chunk-inverse has the math).
 
-Per chunk of `C` tokens (`N = C r = 64` block-major rows `(a, t)`, see `common.py`):
-
-  A0[(a,t),(d,s)] = beta_t M_t[a,d] <k_t^(d), k_s^(d)>     for t > s, else 0
-  T0 = (I + A0)^-1
-
-(docs/chunked_form.md#one-inverse-for-w-and-u: the gated inverse is T0 times exp(gamma_t -
-gamma_s), applied by the walk). `I + A0` is a permuted unit lower-triangular matrix (triangular in
-token order, docs/chunked_form.md#the-chunk-matrix-a), so the block merge of
-docs/chunked_form.md#the-inverse-by-16-row-blocks works on token groups: start from X = I (the
-`r x r` block of a token with itself is zero) and for groups of 2, 4, ..., C tokens
-
-  X <- X - X (A0 restricted to (later half, earlier half) of each group) X
-
-which turns the block-diagonal inverse of the half groups into that of the whole groups. Every
-merge runs on the tensor cores in one pass over operands rounded to the input dtype, the left
-operand in registers. A two-term split of the operands inside 16-row groups (three products, near
-float32) changed the forward's error by nothing measurable on an H200 (relative RMS 4.0e-3
-either way against the jnp form at r = 1, 2, 4) and is gone (docs/mosaic_gpu.md#speed-on-an-h200).
-Compiled, the kernel solves the groups of 16 rows exactly in float32 on the CUDA cores first
-(`diag_solve.py`: four dependent merge products fewer at r = 1; benchmarks/results) and
-merges from there; the interpreter, which runs no raw Mosaic GPU code, merges from groups of 2.
-Each program walks several chunks, the next chunk's loads and the last chunk's store in flight.
-
-The Householder form (DeltaProduct, `householder_delta_product`: `r = n_h` sub-steps per token,
-each with its own key, value and beta; docs/mosaic_gpu.md#the-householder-form) takes the same
-rows with `k` `[B, Tp, n_h, Hk, K]`: row `(a, t)` is sub-step `a` of token `t`, and the sub-steps
-of a token follow each other, so
-
-  A0[(a,t),(d,s)] = beta_(a,t) <k_(a,t), k_(d,s)>     for s < t, or s = t and d < a
-
-and the block of a token with itself is strictly lower, not zero: the merges start from its
-inverse, `(I + L)^-1 = (I - L)(I + L^2)(I + L^4)...` (L nilpotent), formed on the tensor cores
-(compiled, the float32 solve of the 16-row blocks couples the sub-steps in order instead).
-
-The Gram tiles of all key blocks come from one product: `Krep Kb^T`, with `Krep` the chunk's keys
-repeated for each block `a` and `Kb` the same with every column outside block `a` zeroed, so
-`(Krep Kb^T)[(a,t),(d,s)] = <k_t^(d), k_s^(d)>`. No key block is ever sliced, so `K / r < 16`
-needs no padding.
+Per chunk of `C` tokens (`N = C r = 64` block-major rows `(a, t)`, `common.py`),
+`A0[(a,t),(d,s)] = beta_t M_t[a,d] <k_t^(d), k_s^(d)>` for t > s from one Gram product over all
+key blocks, and T0 by merging token groups of 2, 4, ..., C on the tensor cores; compiled, the
+groups of 16 rows are solved in float32 first (`diag_solve.py`). The gates enter in the walk
+(docs/chunked_form.md#one-inverse-for-w-and-u). k of rank 5 holds the Householder form's
+sub-steps, whose merges start from each token's block inverse
+(docs/mosaic_gpu.md#the-householder-form). Each program walks several chunks, the next chunk's
+loads and the last chunk's store in flight; `invert` serves the fused forward too.
 """
 
 from __future__ import annotations
@@ -78,6 +49,63 @@ def _product(a: jax.Array, b: jax.Array, bufs, dtype) -> jax.Array:
   bufs[0][...] = b.astype(dtype)
   plgpu.commit_smem()
   return matmul_reg(a.astype(dtype), bufs[0], (N, N), stage=bufs[1] if len(bufs) > 1 else None)
+
+
+def earlier_rows(r: int, householder: bool = False) -> jax.Array:
+  """Where A0 may be nonzero, `[N, N]` bool: row `(a, t)`, column `(d, s)` with `t > s` (and in
+  the Householder form also `s = t, d < a`: a token's earlier sub-steps)."""
+  c = chunk_tokens(r)
+  sq = (N, N)
+  tok_r, tok_c = token_of(iota(sq, 0), c), token_of(iota(sq, 1), c)
+  earlier = tok_r > tok_c
+  if householder:
+    earlier = earlier | ((tok_r == tok_c) & (block_of(iota(sq, 0), c) > block_of(iota(sq, 1), c)))
+  return earlier
+
+
+def invert(a0: jax.Array, r: int, bufs, dtype, solve_s=None, householder: bool = False):
+  """`T0 = (I + A0)^-1` as float32 WGMMA-layout registers `[N, N]` from A0 (float32 registers,
+  zero outside `earlier_rows`), by the merges of the module docstring.
+
+  bufs: shared-memory `[N, N]` tiles of `dtype` for the merges' products (`_product`: one on a
+    GPU, two in the interpreter); free again on return.
+  solve_s: None, or `diag_solve.scratch()`: the 16-row groups solved exactly in float32 first
+    (compiled only), the merges from there.
+  """
+  c = chunk_tokens(r)
+  sq = (N, N)
+  tok_r, tok_c = token_of(iota(sq, 0), c), token_of(iota(sq, 1), c)
+  eye = (iota(sq, 0) == iota(sq, 1)).astype(F32)
+  if solve_s is not None:  # groups of 16 rows exactly in float32, then merges
+    x = diag_solve_mod.diag_block_inverse(a0, solve_s, r, within_token=householder)
+    size = 2 * diag_solve_mod.BLOCK_ROWS // r
+  elif householder:  # each token's own block: (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...
+    low = jnp.where(tok_r == tok_c, a0, 0.0)
+    x = eye - low
+    power = 2
+    while power < r:
+      low = _product(low, low, bufs, dtype)
+      x = _product(x, eye + low, bufs, dtype)
+      power *= 2
+    size = 2
+  else:  # token groups of 2: X = I - L exactly (X = I before)
+    x = None
+    size = 2
+  while size <= c:
+    half = size // 2
+    off = (
+      (lax.div(tok_r, size) == lax.div(tok_c, size))
+      & (lax.rem(tok_r, size) >= half)
+      & (lax.rem(tok_c, size) < half)
+    )
+    link = jnp.where(off, a0, 0.0)
+    if x is None:
+      x = eye - link
+    else:
+      lx = _product(link, x, bufs, dtype)
+      x = x - _product(x, lx, bufs, dtype)
+    size *= 2
+  return eye if x is None else x  # (None: one token per chunk, not reached: C >= 8)
 
 
 def default_chunks_per_program(batch: int, heads: int, chunks: int) -> int:
@@ -191,11 +219,7 @@ def chunk_inverse(
 
     issue(0, 0)
     sq = (N, N)
-    tok_r, tok_c = token_of(iota(sq, 0), c), token_of(iota(sq, 1), c)
-    eye = (iota(sq, 0) == iota(sq, 1)).astype(F32)
-    earlier = tok_r > tok_c
-    if householder:  # and the earlier sub-steps of the same token
-      earlier = earlier | ((tok_r == tok_c) & (block_of(iota(sq, 0), c) > block_of(iota(sq, 1), c)))
+    earlier = earlier_rows(r, householder)
 
     @pl.loop(0, cpp)
     def _chunk(i):
@@ -222,37 +246,7 @@ def chunk_inverse(
         coef = coef * mask_matrix(m_s.at[slot], sq, c, r)
       a0 = jnp.where(earlier, gram * coef, 0.0)
 
-      if diag_solve:  # groups of 16 rows exactly in float32, then merges
-        x = diag_solve_mod.diag_block_inverse(a0, solve_s, r, within_token=householder)
-        size = 2 * diag_solve_mod.BLOCK_ROWS // r
-      elif householder:  # each token's own block: (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...
-        low = jnp.where(tok_r == tok_c, a0, 0.0)
-        x = eye - low
-        power = 2
-        while power < r:
-          low = _product(low, low, bufs, dtype)
-          x = _product(x, eye + low, bufs, dtype)
-          power *= 2
-        size = 2
-      else:  # token groups of 2: X = I - L exactly (X = I before)
-        x = None
-        size = 2
-      while size <= c:
-        half = size // 2
-        off = (
-          (lax.div(tok_r, size) == lax.div(tok_c, size))
-          & (lax.rem(tok_r, size) >= half)
-          & (lax.rem(tok_c, size) < half)
-        )
-        link = jnp.where(off, a0, 0.0)
-        if x is None:
-          x = eye - link
-        else:
-          lx = _product(link, x, bufs, dtype)
-          x = x - _product(x, lx, bufs, dtype)
-        size *= 2
-      if x is None:  # one token per chunk (not reached: C >= 8)
-        x = eye
+      x = invert(a0, r, bufs, dtype, solve_s if diag_solve else None, householder)
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # t_s[slot] of chunk i - 2 has left
       t_s.at[slot][...] = x.astype(dtype)
       plgpu.commit_smem()

@@ -1,5 +1,5 @@
-"""Helpers shared by the Mosaic GPU kernels: the chunk rule, shared-memory tiles, layouts and
-tensor-core products staged through shared memory.
+"""Helpers shared by the Mosaic GPU kernels (docs/mosaic_gpu.md): the chunk rule, shared-memory
+tiles, layouts and tensor-core products staged through shared memory.
 
 Rows of a chunk matrix are block-major: row `(a, t)` is `a * C + t` for key block `a` and token
 `t` of a chunk of `C` tokens, `N = C * r` rows in all (docs/chunked_form.md uses token-major rows;
@@ -185,6 +185,26 @@ def chunk_decay(g_rows: jax.Array, g_cols: jax.Array, tokens: int) -> jax.Array:
   return jnp.exp(jnp.where(later, bcast_rows(g_rows, sq) - bcast_cols(g_cols, sq), -jnp.inf))
 
 
+def key_stage(kb_ref, kw_ref, m_ref, block_width, r, dtype, mask_keys):
+  """For `mask_keys` (r > 1): the keys repeated per block (`kb_ref`) into Kb, in place, and the
+  masked keys Kw (`kw_ref`). Returns Kb in registers (16-bit), or None without `mask_keys`."""
+  if not mask_keys:
+    return None
+  tokens = ROWS_PER_CHUNK // r
+  kshape = kb_ref.shape
+  kfull = plgpu.load(kb_ref, layout=WGMMA).astype(F32)
+  kw_ref[...] = (kfull * mask_matrix(m_ref, kshape, block_width, r)).astype(dtype)
+  kb_lo = jnp.where(own_block(kshape, block_width, tokens), kfull, 0.0).astype(dtype)
+  kb_ref[...] = kb_lo
+  return kb_lo
+
+
+def gated(t0v: jax.Array, g_rows, g_cols, beta_cols, tokens: int) -> jax.Array:
+  """`Ag = T0 ⊙ Dec ⊙ beta_s`, float32 `[N, N]`, from T0 (float32 registers)."""
+  sq = (ROWS_PER_CHUNK, ROWS_PER_CHUNK)
+  return t0v * chunk_decay(g_rows, g_cols, tokens) * bcast_cols(beta_cols, sq)
+
+
 def gate_stage(
   kb_ref, kw_ref, t_ref, m_ref, g_rows, g_cols, beta_cols, block_width, r, dtype, mask_keys=None
 ):
@@ -192,20 +212,11 @@ def gate_stage(
   and the masked keys Kw (`kw_ref`), and T0 (`t_ref`) into `Ag = T0 ⊙ Dec ⊙ beta_s`. Returns Kb
   in registers (16-bit; None for r = 1, where the keys are Kb already, and with
   `mask_keys=False`: the Householder form's sub-step keys, Kb = Kw as loaded)."""
-  tokens = ROWS_PER_CHUNK // r
-  kb_lo = None
   if mask_keys is None:
     mask_keys = r > 1
-  if mask_keys:
-    kshape = kb_ref.shape
-    kfull = plgpu.load(kb_ref, layout=WGMMA).astype(F32)
-    kw_ref[...] = (kfull * mask_matrix(m_ref, kshape, block_width, r)).astype(dtype)
-    kb_lo = jnp.where(own_block(kshape, block_width, tokens), kfull, 0.0).astype(dtype)
-    kb_ref[...] = kb_lo
-  sq = (ROWS_PER_CHUNK, ROWS_PER_CHUNK)
+  kb_lo = key_stage(kb_ref, kw_ref, m_ref, block_width, r, dtype, mask_keys)
   t0v = plgpu.load(t_ref, layout=WGMMA).astype(F32)
-  decay = chunk_decay(g_rows, g_cols, tokens)
-  t_ref[...] = (t0v * decay * bcast_cols(beta_cols, sq)).astype(dtype)
+  t_ref[...] = gated(t0v, g_rows, g_cols, beta_cols, ROWS_PER_CHUNK // r).astype(dtype)
   return kb_lo
 
 

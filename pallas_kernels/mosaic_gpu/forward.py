@@ -1,4 +1,5 @@
-"""The Mosaic GPU forward: input preparation (XLA) and the two kernels.
+"""The Mosaic GPU forward: input preparation (XLA) and the two kernels
+(docs/mosaic_gpu.md#the-forward-in-two-kernels).
 
 `forward(q, k, v, g, beta, mask, ...)` takes the operator's arguments (docs/operator.md, shapes
 `[B, T, H, ...]`) and returns `(o, final_state)`. It pads the time axis to whole chunks with no-op
@@ -24,6 +25,7 @@ from pallas_kernels.mosaic_gpu.common import (
   SUPPORTED_DTYPES,
   chunk_tokens,
 )
+from pallas_kernels.mosaic_gpu.fused_forward import fused_walk
 from pallas_kernels.mosaic_gpu.walk_ws import state_walk_ws
 
 N = ROWS_PER_CHUNK
@@ -178,6 +180,8 @@ def forward(
   return_inverse: bool = False,
   store_states: bool = False,
   seq_table: jax.Array | None = None,
+  fused: bool = False,
+  guard_marks: jax.Array | None = None,
   interpret=None,
 ):
   """`o [B, T, H, V]` (dtype of q) and the final state `[B, H, K, V]` float32 (or None); with
@@ -201,6 +205,21 @@ def forward(
     raise ValueError(f"store_states: T={t_len} and V={value_dim} must be whole chunks and tiles")
   h0_t = state_t(initial_state, vp)
   assert ops.v is not None  # prepare was given v
+  if guard_marks is not None and not fused:
+    raise ValueError("guard_marks: the fused forward only (fused=True)")
+  if fused:
+    if return_inverse or store_states or seq_table is not None:
+      raise ValueError("fused=True: no return_inverse, store_states or seq_table")
+    marks = None
+    if guard_marks is not None:  # [B, T, H] -> [B, H, Tp] float32, the padding unmarked
+      marks = jnp.swapaxes(pad_axes(guard_marks.astype(F32), ops.padded - t_len), 1, 2)
+    walk_args = (ops.gamma, ops.gamma_rows, ops.beta_rows, ops.mask_rows, ops.scale, h0_t, marks)
+    o, s_t = fused_walk(
+      ops.q, ops.k, ops.v, *walk_args, block_v=BLOCK_V, output_final_state=output_final_state,
+      interpret=interpret,
+    )  # fmt: skip
+    final = None if s_t is None else jnp.swapaxes(s_t, 2, 3)[..., :value_dim]
+    return o[:, :t_len, :, :value_dim], final
   t0 = chunk_inverse(ops.k, ops.beta_rows, ops.mask_rows, interpret=interpret)
   o, s_t, *states = state_walk_ws(
     ops.q,

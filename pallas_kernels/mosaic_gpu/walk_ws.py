@@ -1,55 +1,20 @@
-"""The state walk and the output: one warp-specialised program per (batch, head, value tile).
+"""The state walk and the output of the Hopper forward: one warp-specialised program per (batch
+row, head, value tile) (docs/mosaic_gpu.md#the-walk has the math).
 
-Carries the float32 state transposed, `S^T [BV, K]`, in registers over the chunks. Per chunk of
-`C` tokens with block-major rows `(a, t)` (`N = C r = 64`, see `common.py`) and `gamma` the
-chunk-local cumulative log-decay (docs/chunked_form.md#gamma):
-
-  Ag[(a,t),(d,s)] = T0[(a,t),(d,s)] exp(gamma_t - gamma_s) beta_s   (t >= s; T0: chunk_inverse)
-  X^T    = Vrep^T - (S^T Kw^T) diag(exp(gamma))                        [BV, N]
-  v_new^T = X^T Ag^T                                                   [BV, N]
-  o^T    = scale ((S^T q^T) diag(exp(gamma)) + v_new^T (Kb q^T ⊙ D))   [BV, C], D causal incl.
-  S^T   <- exp(gamma_L) S^T + (v_new^T diag(exp(gamma_L - gamma))) Kb  [BV, K]
-
-with `Vrep` the value rows repeated per block, `Kw` the masked keys (row `(a,t)` is
-`[M_t[a,d] k_t^(d)]_d`) and `Kb` the block keys (row `(a,t)` is `k_t^(a)` in block `a`'s
-columns, zeros elsewhere), as in docs/chunked_form.md#the-chunk-matrix-a. Since
-`(I + A)^-1 = E T0 E^-1` (E = diag(exp(gamma)), docs/chunked_form.md#one-inverse-for-w-and-u),
-`v_new = u - w S0 = (T0 ⊙ decay) diag(beta) (Vrep - E Kw S0)`: w and u are never formed.
-
-The work of one chunk is split over three warpgroups so that only the state recurrence stays on
-the serial chain:
-
-- warpgroup 2, the producer: streams q, k, v, T0, gamma, beta and the mask rows with TMA into a
-  ring of `STAGES` shared-memory stages, refilling a stage once both consumers released it;
-- warpgroup 1, off the chain: per stage, turns the keys into the block keys `Kb` (in place) and
-  the masked keys `Kw` (for r > 1; at r = 1 the mask is one number per token, which the chain
-  applies to the columns of `S^T k^T`), and T0 into `Ag = T0 ⊙ decay ⊙ beta` (in place), and
-  signals warpgroup 0;
-  then forms `Kb q^T ⊙ D` and, once warpgroup 0 has published the chunk's `S^T` and `v_new^T`,
-  the output, which it stores;
-- warpgroup 0, the chain: keeps `S^T` in float32 registers and per chunk runs the three dependent
-  products `S^T Kw^T`, `X^T Ag^T`, `v_new^T Kb`, publishing `S^T` and `v_new^T` (16-bit, double
-  buffered) for warpgroup 1.
-
-The Householder form (`householder_delta_product` with `r = n_h` sub-steps per token;
-docs/mosaic_gpu.md#the-householder-form) takes k `[B, Tp, n_h, Hk, K]` and v `[B, Tp, n_h, H, V]`:
-row `(a, t)` holds sub-step `a` of token `t`, its own key and value, so `Kb = Kw` are the loaded
-keys and `Vrep` the loaded values (no block zeroing, no mask), with `chunk_inverse`'s T0 of the
-sub-steps; q, the gates and the output stay one row per token.
-
-w, u, v_new and the per-chunk states never reach HBM. The chain's left operands stay in registers
-and the state update accumulates into the decayed state (`common.matmul_reg`), so no product on
-the chain waits for a shared-memory store; in the Mosaic GPU interpreter, which runs neither, they
-are staged through one tile (`xt_s`) instead. The initial state is read and the final state
-written straight between registers and global memory (no 32 KB float32 staging tile), so the ring
-fits with a state at every supported K. Every warpgroup waits for the others before it exits (an
-early exit while another warpgroup still issued wgmmas faulted on sm_90 with jax 0.11.2, as
-jax-linear-attention records).
+The float32 state, transposed (`S^T [BV, K]`), stays in registers over the chunks. Three
+warpgroups: the producer (2) streams each chunk's q, k, v, T0, gates, beta and mask rows through
+the TMA ring (`ring.py`, docs/mosaic_gpu.md#the-ring); warpgroup 1, off the chain, forms the
+block and masked keys and the gated inverse `Ag` in place, then the output; the chain (0) runs
+three dependent products per chunk, its left operands in registers, and publishes `S^T` and
+`v_new^T` for the output. `producer`, `chain` and `output` serve the fused forward too
+(`fused_forward.py`). k and v of rank 5 are the Householder form's sub-steps, one per row
+(docs/mosaic_gpu.md#the-householder-form). Every warpgroup waits for the others before it exits
+(an early exit while another still issued wgmmas faulted on sm_90 with jax 0.11.2).
 """
 
 from __future__ import annotations
 
-import functools
+import types
 
 import jax
 import jax.experimental.pallas as pl
@@ -57,6 +22,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.mosaic_gpu import ring
 from pallas_kernels.mosaic_gpu.common import (
   COLS,
   F32,
@@ -85,7 +51,7 @@ N = ROWS_PER_CHUNK
 def walk_dims(q, k, v, t0, mask_rows, block_v):
   """The walk's argument checks; returns (B, T padded, H, K, V, r, C, chunks, group) with H the
   value heads and `group` value heads per key head (grouped value heads). k and v of rank 5 are
-  the Householder form's sub-steps (module docstring)."""
+  the Householder form's sub-steps (module docstring); t0 None: formed in the kernel."""
   k_shape, v_shape = k.shape, v.shape
   if k.ndim == 5:  # one sub-step's shapes
     if v.ndim != 5 or k.shape[2] != v.shape[2] or k.shape[2] != mask_rows.shape[-2]:
@@ -105,7 +71,7 @@ def walk_dims(q, k, v, t0, mask_rows, block_v):
   if value_dim % block_v:
     raise ValueError(f"v: V={value_dim} must be a multiple of block_v={block_v}")
   nc = padded // c
-  if t0.shape != (batch, heads, nc * N, N):
+  if t0 is not None and t0.shape != (batch, heads, nc * N, N):
     raise ValueError(f"t0: shape {t0.shape}, expected {(batch, heads, nc * N, N)}")
   return batch, padded, heads, key_dim, value_dim, r, c, nc, heads // key_heads
 
@@ -122,6 +88,231 @@ def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: b
   fixed = (2 * block_v * key_dim + 2 * block_v * N + c * N + 2 * c * block_v) * isz
   fixed += 16 + (block_v * N * isz if staged else 0)
   return stages * per_stage + fixed
+
+
+def walk_scratch(*, stages, c, key_dim, bv, r, dtype, masked_keys, staged, n_copies, warpgroups,
+                 packed, marks=False) -> dict:  # fmt: skip
+  """The shared memory of a warp-specialised walk (`state_walk_ws`, `fused_forward`): the ring of
+  `stages` input stages, the chain's published tiles, the output's tiles and the barriers; with
+  `marks` a per-token row per stage (the non-finite guard's marks, `output`)."""
+  vecs = plgpu.SMEM((stages, N), F32)
+  scratch = dict(
+    q_s=smem((stages, c, key_dim), dtype),
+    kb_s=smem((stages, N, key_dim), dtype),  # the keys repeated per block, then Kb (in place)
+    vrep_s=smem((stages, N, bv), dtype),
+    t_s=smem((stages, N, N), dtype),  # T0, then Ag (in place)
+    g_rows=vecs,
+    g_cols=vecs,
+    g_chain=vecs,  # warpgroup 0's copy: COLS view and the last entry
+    g_last=vecs,
+    b_cols=vecs,
+    # Rows of at least 128 bytes: a TMA destination must be 128-byte aligned (C = 16, 8).
+    g_tok=plgpu.SMEM((stages, max(c, 32)), F32),
+    m_s=plgpu.SMEM((stages, r, N), F32),
+    st_pub=smem((2, bv, key_dim), dtype),
+    vn_pub=smem((2, bv, N), dtype),
+    pq_s=smem((c, N), dtype),
+    o_s=smem((2, c, bv), dtype),
+    sc_s=plgpu.SMEM((4,), F32),
+    **ring.barriers(stages, n_copies),
+    s_ready=plgpu.Barrier(num_barriers=2),
+    s_free=plgpu.Barrier(num_barriers=2),
+    sc_bar=plgpu.Barrier(num_arrivals=2 if packed else 1),
+    tab_s=plgpu.SMEM((4,), jnp.int32),
+    done=plgpu.Barrier(num_arrivals=warpgroups),
+  )
+  if masked_keys:
+    scratch["kw_s"] = smem((stages, N, key_dim), dtype)
+  if staged:
+    scratch["xt_s"] = smem((bv, N), dtype)
+  if marks:
+    scratch["mk_tok"] = plgpu.SMEM((stages, max(c, 32)), F32)
+  return scratch
+
+
+def bind(refs: dict, scratch: dict, *, nc: int, group: int, bv: int, m_shape, **statics):
+  """One program's view of a walk (`producer`, `chain`, `output` read it): the refs, the statics
+  and the program's batch row (or sequence), head, key head, value columns and chunks."""
+  optional = dict(kw_s=None, xt_s=None, mk_tok=None, mk_ref=None, clean=False)
+  w = types.SimpleNamespace(**{**optional, **refs, **scratch, **statics}, bv=bv)
+  w.b, w.h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+  w.hk = lax.div(w.h, group)  # the key head of value head h
+  w.wg = lax.axis_index("wg")
+  w.seq = w.b  # the state's index: the batch row, or the sequence
+  w.first, w.count = 0, nc  # the chunks walked
+  if refs.get("tab_ref") is not None:  # the sequence's chunks, from its row of the table
+    w.first, w.count = read_seq_table(
+      refs["tab_ref"], refs["sc_ref"], w.tab_s, w.sc_s, w.sc_bar, w.seq, w.wg
+    )
+    w.b = 0
+  w.cols_v = pl.ds(iv * bv, bv)
+  w.mb = w.b if m_shape[0] > 1 else 0
+  w.mh = w.h if m_shape[1] > 1 else 0
+  w.m_n = m_shape[2]
+  return w
+
+
+def producer(w, registers: int = 40):
+  """The producer warpgroup: streams a chunk's q, k, v (T0 unless `w.t0_ref` is None), gates,
+  beta, mask rows (and marks: `w.mk_ref`) with TMA into the ring, refilling a stage once both
+  consumers released it."""
+  plgpu.set_max_registers(registers, action="decrease")
+  c, b, hk, h = w.c, w.b, w.hk, w.h
+
+  def fill(i, put):
+    n = w.first + i  # the chunk of the i-th step
+    rows = pl.ds(n * c, c)
+    put(w.q_ref.at[b, rows, hk], w.q_s)
+    if w.t0_ref is not None:
+      put(w.t0_ref.at[b, h, pl.ds(n * N, N)], w.t_s)
+    put(w.g_ref.at[b, h, rows], w.g_tok, pl.ds(0, c))
+    if w.mk_ref is not None:
+      put(w.mk_ref.at[b, h, rows], w.mk_tok, pl.ds(0, c))
+    put(w.m_ref.at[w.mb, w.mh, n if w.m_n > 1 else 0], w.m_s)
+    chunk_rows = pl.ds(n * N, N)
+    for dst in (w.g_rows, w.g_cols, w.g_chain, w.g_last):
+      put(w.gr_ref.at[b, h, chunk_rows], dst)
+    put(w.beta_ref.at[b, h, chunk_rows], w.b_cols)
+    for a in range(w.r):  # tiles: C-row pieces stay 1024-byte aligned for every r
+      if w.householder:
+        k_src, v_src = w.k_ref.at[b, rows, a, hk], w.v_ref.at[b, rows, a, h, w.cols_v]
+      else:
+        k_src, v_src = w.k_ref.at[b, rows, hk], w.v_ref.at[b, rows, h, w.cols_v]
+      put(k_src, w.kb_s, pl.ds(a * c, c))
+      put(v_src, w.vrep_s, pl.ds(a * c, c))
+
+  ring.produce(fill, stages=w.stages, count=w.count, loaded=w.in_bar, free=w.in_free)
+
+
+def chain(w, registers: int = 232):
+  """The chain warpgroup: `S^T` in float32 registers, three dependent products per chunk,
+  publishing `S^T` and `v_new^T` for the output warpgroup (module docstring)."""
+  plgpu.set_max_registers(registers, action="increase")
+  bv, key_dim, dtype, stages, staged = w.bv, w.key_dim, w.dtype, w.stages, w.staged
+  if w.h0_ref is not None:  # straight from global memory into the WGMMA layout
+    s0 = plgpu.load(w.h0_ref.at[w.seq, w.h, w.cols_v], layout=WGMMA, optimized=False)
+  else:
+    s0 = plgpu.layout_cast(jnp.zeros((bv, key_dim), F32), WGMMA)
+  wshape = (bv, N)
+
+  def step(n, s_t):
+    slot = lax.rem(n, stages)
+    half = lax.rem(n, 2)
+    plgpu.barrier_wait(w.in_bar.at[slot])
+
+    @pl.when(n >= 2)
+    def _():  # the output warpgroup is done with the tiles published two chunks ago
+      plgpu.barrier_wait(w.s_free.at[half])
+
+    if w.store_states:  # and their copies to global memory have read them
+      plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+    s_lo = s_t.astype(dtype)
+    w.st_pub.at[half][...] = s_lo
+    g_c = plgpu.load(w.g_chain.at[slot], layout=COLS)
+    key_decay = jnp.exp(g_c)
+    g_end = w.g_last[slot, N - 1]
+    stage_s = w.st_pub.at[half] if staged else None
+    # Kw = Kb, the keys as loaded (r = 1; Householder): S^T Kw^T need not wait for the stage,
+    # unless the keys are cleaned in it (`w.clean`, fused_forward.py)
+    early = not w.masked_keys and not w.clean
+    if w.r == 1 and not w.masked_keys:  # the mask is one number per token: it scales S^T k^T
+      key_decay = key_decay * plgpu.load(w.m_s.at[slot].at[0], layout=COLS)
+    kw = w.kw_s if w.masked_keys else w.kb_s
+    if early:
+      pw = matmul_reg(s_lo, kw.at[slot].T, wshape, stage=stage_s)
+    plgpu.barrier_wait(w.prep_ready.at[slot])
+    if not early:
+      pw = matmul_reg(s_lo, kw.at[slot].T, wshape, stage=stage_s)
+    v_t = plgpu.load(w.vrep_s.at[slot].T, layout=WGMMA).astype(F32)
+    x_t = (v_t - pw * bcast_cols(key_decay, wshape)).astype(dtype)
+    vn_t = matmul_reg(x_t, w.t_s.at[slot].T, wshape, stage=w.xt_s)
+    w.vn_pub.at[half][...] = vn_t.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(w.s_ready.at[half])
+    if w.store_states:
+      chunk = w.first + n
+      plgpu.copy_smem_to_gmem(w.st_pub.at[half], w.states_ref.at[w.b, w.h, chunk, w.cols_v])
+      plgpu.copy_smem_to_gmem(w.vn_pub.at[half], w.vnew_ref.at[w.b, w.h, chunk, w.cols_v])
+    vd_t = (vn_t * bcast_cols(jnp.exp(g_end - g_c), wshape)).astype(dtype)
+    s_new = matmul_reg(
+      vd_t, w.kb_s.at[slot], (bv, key_dim), init=jnp.exp(g_end) * s_t, stage=w.xt_s
+    )
+    plgpu.barrier_arrive(w.in_free.at[slot])
+    return s_new
+
+  s_t = lax.fori_loop(0, w.count, step, s0)
+  for j in range(2):  # consume the last releases of the published tiles
+    i = w.count - 2 + j
+    when(i >= 0, lambda i=i: plgpu.barrier_wait(w.s_free.at[i % 2]))
+  if w.ht_ref is not None:  # straight from registers to global memory
+    w.ht_ref.at[w.seq, w.h, w.cols_v][...] = s_t
+  if w.store_states:
+    plgpu.wait_smem_to_gmem(0)
+
+
+def output(w, *, gates: bool, registers: int = 232):
+  """The output warpgroup, off the chain. With `gates`, per stage first Kw, Kb (in place) and Ag
+  (in place from T0), then the chain may go (`prep_ready`); without, it waits for another
+  warpgroup to have done that (`fused_forward`). Then `Kb q^T ⊙ D` and, once the chain has
+  published the chunk's `S^T` and `v_new^T`, the output, which it stores."""
+  plgpu.set_max_registers(registers, action="increase")
+  if w.tab_ref is None:  # (packed: read with the table, in `bind`)
+    plgpu.copy_gmem_to_smem(w.sc_ref, w.sc_s, w.sc_bar)
+    plgpu.barrier_wait(w.sc_bar)
+  scale_v = w.sc_s[0]
+  c, dtype, stages = w.c, w.dtype, w.stages
+  pshape = (N, c)
+  causal_pq = token_of(iota(pshape, 0), c) <= iota(pshape, 1)
+  oshape = (w.bv, c)
+
+  def step(n, carry):
+    slot = lax.rem(n, stages)
+    half = lax.rem(n, 2)
+    rows = pl.ds((w.first + n) * c, c)
+    if gates:  # off the chain: Kw, Kb (in place) and Ag (in place), then the chain may go
+      plgpu.barrier_wait(w.in_bar.at[slot])
+      g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
+      g_c = plgpu.load(w.g_cols.at[slot], layout=COLS)
+      b_c = plgpu.load(w.b_cols.at[slot], layout=COLS)
+      kw = w.kw_s.at[slot] if w.masked_keys else None
+      gate_stage(w.kb_s.at[slot], kw, w.t_s.at[slot], w.m_s.at[slot], g_r, g_c, b_c, w.dk, w.r,
+                 dtype, mask_keys=w.masked_keys)  # fmt: skip
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(w.prep_ready.at[slot])
+    else:  # the stage's loads too (seen complete already: transitivity left to no one)
+      plgpu.barrier_wait(w.in_bar.at[slot])
+      plgpu.barrier_wait(w.prep_ready.at[slot])
+      g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
+    # The intra-chunk scores, transposed: (Kb q^T ⊙ D)^T.
+    g_t = plgpu.load(w.g_tok.at[slot].at[pl.ds(0, c)], layout=COLS)
+    pq = matmul(w.kb_s.at[slot], w.q_s.at[slot].T, pshape)
+    d_pq = jnp.exp(
+      jnp.where(causal_pq, bcast_cols(g_t, pshape) - bcast_rows(g_r, pshape), -jnp.inf)
+    )
+    w.pq_s.T[...] = (pq * d_pq).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(w.s_ready.at[half])
+    o_t = matmul(w.st_pub.at[half], w.q_s.at[slot].T, oshape) * bcast_cols(jnp.exp(g_t), oshape)
+    o_t = o_t + matmul(w.vn_pub.at[half], w.pq_s.T, oshape)
+    if w.mk_tok is not None:  # the guard: nan where marked, and where q was (o non-finite)
+      mk = bcast_cols(plgpu.load(w.mk_tok.at[slot].at[pl.ds(0, c)], layout=COLS), oshape)
+      o_t = jnp.where((jnp.abs(o_t) < jnp.inf) & (mk == 0.0), o_t, jnp.nan)
+    plgpu.barrier_arrive(w.s_free.at[half])
+    plgpu.barrier_arrive(w.in_free.at[slot])
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # o_s[half] of chunk n - 2 has left
+    w.o_s.at[half].T[...] = (o_t * scale_v).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(w.o_s.at[half], w.o_ref.at[w.b, rows, w.h, w.cols_v])
+    return carry
+
+  lax.fori_loop(0, w.count, step, None)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def finish(w):
+  """Every warpgroup waits for the others before it exits (module docstring)."""
+  plgpu.barrier_arrive(w.done)
+  plgpu.barrier_wait(w.done)
 
 
 def state_walk_ws(
@@ -177,53 +368,20 @@ def state_walk_ws(
   householder = k.ndim == 5
   masked_keys = r > 1 and not householder  # Kb and Kw formed from the keys
   dtype = k.dtype
-  m_b, m_h, m_n = mask_rows.shape[:3]
-  has_h0 = initial_state_t is not None
   staged = interpret is not None
   packed = seq_table is not None
   num_states = check_seq_table(seq_table, batch, initial_state_t, "initial_state_t")
   bv = block_v
-  dk = key_dim // r
   stages = ring_stages(
     f"state_walk_ws (K={key_dim}, block_v={bv}, r={r})",
     lambda n: smem_bytes(key_dim, bv, r, dtype, n, staged),
     stages,
   )
   # q, T0, gamma per token, mask rows, 4 gamma rows, beta rows; per block: k, v
-  n_copies = 9 + 2 * r
-
-  vecs = plgpu.SMEM((stages, N), F32)
-  scratch = dict(
-    q_s=smem((stages, c, key_dim), dtype),
-    kb_s=smem((stages, N, key_dim), dtype),  # the keys repeated per block, then Kb (in place)
-    vrep_s=smem((stages, N, bv), dtype),
-    t_s=smem((stages, N, N), dtype),  # T0, then Ag (in place)
-    g_rows=vecs,
-    g_cols=vecs,
-    g_chain=vecs,  # warpgroup 0's copy: COLS view and the last entry
-    g_last=vecs,
-    b_cols=vecs,
-    # Rows of at least 128 bytes: a TMA destination must be 128-byte aligned (C = 16, 8).
-    g_tok=plgpu.SMEM((stages, max(c, 32)), F32),
-    m_s=plgpu.SMEM((stages, r, N), F32),
-    st_pub=smem((2, bv, key_dim), dtype),
-    vn_pub=smem((2, bv, N), dtype),
-    pq_s=smem((c, N), dtype),
-    o_s=smem((2, c, bv), dtype),
-    sc_s=plgpu.SMEM((4,), F32),
-    in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
-    prep_ready=plgpu.Barrier(num_barriers=stages),
-    in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-    s_ready=plgpu.Barrier(num_barriers=2),
-    s_free=plgpu.Barrier(num_barriers=2),
-    sc_bar=plgpu.Barrier(num_arrivals=2 if packed else 1),
-    tab_s=plgpu.SMEM((4,), jnp.int32),
-    done=plgpu.Barrier(num_arrivals=3),
-  )
-  if masked_keys:
-    scratch["kw_s"] = smem((stages, N, key_dim), dtype)
-  if staged:
-    scratch["xt_s"] = smem((bv, N), dtype)
+  scratch = walk_scratch(
+    stages=stages, c=c, key_dim=key_dim, bv=bv, r=r, dtype=dtype, masked_keys=masked_keys,
+    staged=staged, n_copies=9 + 2 * r, warpgroups=3, packed=packed,
+  )  # fmt: skip
 
   out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), dtype)]
   if output_final_state:
@@ -231,186 +389,24 @@ def state_walk_ws(
   if store_states:
     out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, key_dim), dtype))
     out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, N), dtype))
+  in_names = ["q_ref", "k_ref", "v_ref", "t0_ref", "g_ref", "gr_ref", "beta_ref", "m_ref", "sc_ref"]
+  in_names += ["h0_ref"] * (initial_state_t is not None) + ["tab_ref"] * packed
+  out_names = ["o_ref"] + ["ht_ref"] * output_final_state
+  out_names += ["states_ref", "vnew_ref"] * store_states
+  names = in_names + out_names
+  absent = {n: None for n in ("h0_ref", "tab_ref", "ht_ref", "states_ref", "vnew_ref")}
 
-  def body(*refs, q_s, kb_s, vrep_s, t_s, g_rows, g_cols, g_chain, g_last, b_cols, g_tok, m_s,
-           st_pub, vn_pub, pq_s, o_s, sc_s, in_bar, prep_ready, in_free, s_ready, s_free, sc_bar,
-           done, tab_s, kw_s=None, xt_s=None):  # fmt: skip
-    refs = list(refs)
-    q_ref, k_ref, v_ref, t0_ref, g_ref = (refs.pop(0) for _ in range(5))
-    gr_ref, beta_ref, m_ref, sc_ref = (refs.pop(0) for _ in range(4))
-    h0_ref = refs.pop(0) if has_h0 else None
-    tab_ref = refs.pop(0) if packed else None
-    o_ref = refs.pop(0)
-    ht_ref = refs.pop(0) if output_final_state else None
-    states_ref, vnew_ref = (refs.pop(0), refs.pop(0)) if store_states else (None, None)
-    b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
-    hk = lax.div(h, group)  # the key head of value head h
-    wg = lax.axis_index("wg")
-    seq = b  # the state's index: the batch row, or the sequence
-    first, count = 0, nc  # the chunks walked
-    if packed:  # the sequence's chunks, from its row of the table
-      first, count = read_seq_table(tab_ref, sc_ref, tab_s, sc_s, sc_bar, seq, wg)
-      b = 0
-    cols_v = pl.ds(iv * bv, bv)
-    mb = b if m_b > 1 else 0
-    mh = h if m_h > 1 else 0
-
-    @pl.when(wg == 2)
-    def _producer():
-      plgpu.set_max_registers(40, action="decrease")
-
-      def issue(i, slot):
-        n = first + i  # the chunk of the i-th step
-        rows = pl.ds(n * c, c)
-        bar = in_bar.at[slot]
-        mn = n if m_n > 1 else 0
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(t0_ref.at[b, h, pl.ds(n * N, N)], t_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_tok.at[slot].at[pl.ds(0, c)], bar)
-        plgpu.copy_gmem_to_smem(m_ref.at[mb, mh, mn], m_s.at[slot], bar)
-        chunk_rows = pl.ds(n * N, N)
-        for dst in (g_rows, g_cols, g_chain, g_last):
-          plgpu.copy_gmem_to_smem(gr_ref.at[b, h, chunk_rows], dst.at[slot], bar)
-        plgpu.copy_gmem_to_smem(beta_ref.at[b, h, chunk_rows], b_cols.at[slot], bar)
-        for a in range(r):  # tiles: C-row pieces stay 1024-byte aligned for every r
-          part = pl.ds(a * c, c)
-          k_src = k_ref.at[b, rows, a, hk] if householder else k_ref.at[b, rows, hk]
-          v_src = v_ref.at[b, rows, a, h, cols_v] if householder else v_ref.at[b, rows, h, cols_v]
-          plgpu.copy_gmem_to_smem(k_src, kb_s.at[slot].at[part], bar)
-          plgpu.copy_gmem_to_smem(v_src, vrep_s.at[slot].at[part], bar)
-
-      for i in range(stages):
-        when(i < count, functools.partial(issue, i, i))
-
-      @pl.loop(stages, count)
-      def _refill(i):
-        slot = lax.rem(i, stages)
-        plgpu.barrier_wait(in_free.at[slot])
-        issue(i, slot)
-
-      for j in range(stages):  # consume the last releases of every stage
-        i = count - stages + j
-        when(i >= 0, lambda i=i: plgpu.barrier_wait(in_free.at[i % stages]))
-
-    @pl.when(wg == 0)
-    def _chain():
-      plgpu.set_max_registers(232, action="increase")
-      if has_h0:  # straight from global memory into the WGMMA layout
-        s0 = plgpu.load(h0_ref.at[seq, h, cols_v], layout=WGMMA, optimized=False)
-      else:
-        s0 = plgpu.layout_cast(jnp.zeros((bv, key_dim), F32), WGMMA)
-      wshape = (bv, N)
-
-      def step(n, s_t):
-        slot = lax.rem(n, stages)
-        half = lax.rem(n, 2)
-        plgpu.barrier_wait(in_bar.at[slot])
-
-        @pl.when(n >= 2)
-        def _():  # warpgroup 1 is done with the tiles published two chunks ago
-          plgpu.barrier_wait(s_free.at[half])
-
-        if store_states:  # and their copies to global memory have read them
-          plgpu.wait_smem_to_gmem(2, wait_read_only=True)
-        s_lo = s_t.astype(dtype)
-        st_pub.at[half][...] = s_lo
-        g_c = plgpu.load(g_chain.at[slot], layout=COLS)
-        key_decay = jnp.exp(g_c)
-        g_end = g_last[slot, N - 1]
-        stage_s = st_pub.at[half] if staged else None
-        if not masked_keys:  # Kw = Kb: the loaded keys
-          if r == 1:  # the mask is one number per token: it scales the columns of S^T k^T
-            key_decay = key_decay * plgpu.load(m_s.at[slot].at[0], layout=COLS)
-          pw = matmul_reg(s_lo, kb_s.at[slot].T, wshape, stage=stage_s)
-          plgpu.barrier_wait(prep_ready.at[slot])
-        else:
-          plgpu.barrier_wait(prep_ready.at[slot])
-          pw = matmul_reg(s_lo, kw_s.at[slot].T, wshape, stage=stage_s)
-        v_t = plgpu.load(vrep_s.at[slot].T, layout=WGMMA).astype(F32)
-        x_t = (v_t - pw * bcast_cols(key_decay, wshape)).astype(dtype)
-        vn_t = matmul_reg(x_t, t_s.at[slot].T, wshape, stage=xt_s)
-        vn_pub.at[half][...] = vn_t.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(s_ready.at[half])
-        if store_states:
-          plgpu.copy_smem_to_gmem(st_pub.at[half], states_ref.at[b, h, first + n, cols_v])
-          plgpu.copy_smem_to_gmem(vn_pub.at[half], vnew_ref.at[b, h, first + n, cols_v])
-        vd_t = (vn_t * bcast_cols(jnp.exp(g_end - g_c), wshape)).astype(dtype)
-        s_new = matmul_reg(
-          vd_t, kb_s.at[slot], (bv, key_dim), init=jnp.exp(g_end) * s_t, stage=xt_s
-        )
-        plgpu.barrier_arrive(in_free.at[slot])
-        return s_new
-
-      s_t = lax.fori_loop(0, count, step, s0)
-      for j in range(2):  # consume the last releases of the published tiles
-        i = count - 2 + j
-        when(i >= 0, lambda i=i: plgpu.barrier_wait(s_free.at[i % 2]))
-      if output_final_state:  # straight from registers to global memory
-        ht_ref.at[seq, h, cols_v][...] = s_t
-      if store_states:
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == 1)
-    def _output():
-      plgpu.set_max_registers(232, action="increase")
-      if not packed:  # (packed: read with the table, above)
-        plgpu.copy_gmem_to_smem(sc_ref, sc_s, sc_bar)
-        plgpu.barrier_wait(sc_bar)
-      scale_v = sc_s[0]
-      pshape = (N, c)
-      causal_pq = token_of(iota(pshape, 0), c) <= iota(pshape, 1)
-      oshape = (bv, c)
-
-      def step(n, carry):
-        slot = lax.rem(n, stages)
-        half = lax.rem(n, 2)
-        rows = pl.ds((first + n) * c, c)
-        plgpu.barrier_wait(in_bar.at[slot])
-        # Off the chain: Kw, Kb (in place) and Ag (in place), then warpgroup 0 may go.
-        g_r = plgpu.load(g_rows.at[slot], layout=ROWS)
-        g_c = plgpu.load(g_cols.at[slot], layout=COLS)
-        b_c = plgpu.load(b_cols.at[slot], layout=COLS)
-        kw = kw_s.at[slot] if masked_keys else None
-        gate_stage(
-          kb_s.at[slot],
-          kw,
-          t_s.at[slot],
-          m_s.at[slot],
-          g_r,
-          g_c,
-          b_c,
-          dk,
-          r,
-          dtype,
-          mask_keys=masked_keys,
-        )
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(prep_ready.at[slot])
-        # The intra-chunk scores, transposed: (Kb q^T ⊙ D)^T.
-        g_t = plgpu.load(g_tok.at[slot].at[pl.ds(0, c)], layout=COLS)
-        pq = matmul(kb_s.at[slot], q_s.at[slot].T, pshape)
-        d_pq = jnp.exp(
-          jnp.where(causal_pq, bcast_cols(g_t, pshape) - bcast_rows(g_r, pshape), -jnp.inf)
-        )
-        pq_s.T[...] = (pq * d_pq).astype(dtype)
-        plgpu.commit_smem()
-        plgpu.barrier_wait(s_ready.at[half])
-        o_t = matmul(st_pub.at[half], q_s.at[slot].T, oshape) * bcast_cols(jnp.exp(g_t), oshape)
-        o_t = o_t + matmul(vn_pub.at[half], pq_s.T, oshape)
-        plgpu.barrier_arrive(s_free.at[half])
-        plgpu.barrier_arrive(in_free.at[slot])
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # o_s[half] of chunk n - 2 has left
-        o_s.at[half].T[...] = (o_t * scale_v).astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s.at[half], o_ref.at[b, rows, h, cols_v])
-        return carry
-
-      lax.fori_loop(0, count, step, None)
-      plgpu.wait_smem_to_gmem(0)
-
-    plgpu.barrier_arrive(done)
-    plgpu.barrier_wait(done)
+  def body(*refs, **scratch_refs):
+    w = bind(
+      {**absent, **dict(zip(names, refs))}, scratch_refs, nc=nc, group=group, bv=bv,
+      m_shape=mask_rows.shape, stages=stages, r=r, c=c, dk=key_dim // r, key_dim=key_dim,
+      dtype=dtype, householder=householder, masked_keys=masked_keys, staged=staged,
+      store_states=store_states,
+    )  # fmt: skip
+    pl.when(w.wg == 2)(lambda: producer(w))
+    pl.when(w.wg == 0)(lambda: chain(w))
+    pl.when(w.wg == 1)(lambda: output(w, gates=True))
+    finish(w)
 
   args = [q, k, v, t0, gamma, gamma_rows, beta_rows, mask_rows, scale]
   if initial_state_t is not None:

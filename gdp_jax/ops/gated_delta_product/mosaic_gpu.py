@@ -1,16 +1,16 @@
 """`implementation="mosaic_gpu"`: the Mosaic GPU kernels for Hopper, forward and backward, as one
 operator with its own `jax.custom_vjp` (pallas_kernels/mosaic_gpu/, docs/mosaic_gpu.md).
 
-Forward: `pallas_kernels.mosaic_gpu.forward.forward` (the chunks' gate-free inverses, then the
-warp-specialised state walk with the output); differentiated, the walk also stores its per-chunk
-states and new values, and the backward is the reverse walk (backward_walk.py) and the
-chunk-parallel gradients (chunk_grads.py), summed per token here. What the kernels take: q, k, v
-in bfloat16 or float16, K and V in 64 and 128, r in 1, 2, 4, on compute capability 9.0 (`serves`,
-`unsupported`); other calls go to the next implementation of the registry (api.py). Packed
-sequences (cu_seqlens) are gathered into the chunk-aligned layout and walked one program per
-sequence (docs/mosaic_gpu.md#packed-sequences), when named: None and "pallas" keep the Triton
-kernels for them. Off a GPU the kernels run in jax's Mosaic GPU interpreter
-(docs/mosaic_gpu.md#testing-without-a-gpu).
+Forward: `pallas_kernels.mosaic_gpu.forward.forward`: without gradient one warp-specialised
+kernel (fused_forward.py); differentiated the chunks' gate-free inverses, then the state walk,
+which stores its per-chunk states and new values. The backward is the reverse walk
+(backward_walk.py) and the chunk-parallel gradients (chunk_grads.py), summed per token here.
+They take q, k, v in bfloat16 or float16, K and V in 64 and 128, r in 1, 2, 4, on compute
+capability 9.0 (`serves`, `unsupported`); other calls go to the next implementation of the
+registry (api.py). Packed sequences (cu_seqlens) are gathered into the chunk-aligned layout and
+walked one program per sequence (docs/mosaic_gpu.md#packed-sequences), when named: None and
+"pallas" keep the Triton kernels for them. Off a GPU the kernels run in jax's Mosaic GPU
+interpreter (docs/mosaic_gpu.md#testing-without-a-gpu).
 """
 
 from __future__ import annotations
@@ -69,15 +69,18 @@ class _Static(NamedTuple):
   scale: float
   guard: bool  # the non-finite guard (docs/precision.md#non-finite-inputs)
   interpret: bool
+  fused: bool = True  # the forward without gradient in one kernel (fused_forward.py)
 
 
 def _params(static):
   return plgpu.InterpretGPUParams() if static.interpret else None
 
 
-def _forward(q, k, v, g, beta, mask, h0, packing, static, save):
+def _forward(q, k, v, g, beta, mask, h0, packing, static, save, guard_marks=None):
   """(o, final, stored): the forward kernels; with `save` (a differentiated call) `stored` is
-  what the backward reads (the chunks' inverses, per-chunk states and new values)."""
+  what the backward reads (the chunks' inverses, per-chunk states and new values). Without
+  `save` and unpacked, one fused kernel (T0 formed in shared memory, never stored); with `save`
+  the two kernels, since the backward reads T0 (chunk_grads.py)."""
   to_layout, to_row, table = (lambda x: x), (lambda x: x), None
   if packing is not None:
     to_layout = functools.partial(varlen.pack, lay=packing.layout)
@@ -99,6 +102,8 @@ def _forward(q, k, v, g, beta, mask, h0, packing, static, save):
     return_inverse=save,
     store_states=save,
     seq_table=table,
+    fused=static.fused and not save and packing is None,
+    guard_marks=guard_marks,
     interpret=_params(static),
   )
   return to_row(o), final, tuple(stored)
@@ -173,6 +178,16 @@ def _clean(q, k, v, g, beta, mask, packing):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _operator(q, k, v, g, beta, mask, h0, packing, static):
   marks = None
+  if static.guard and static.fused and packing is None:
+    # The guard inside the fused kernel: k and v cleaned there as they land, the outputs marked
+    # on the way out (those of a bad q too: its own token's); here only the marks from k, v, g,
+    # beta and the mask, and the small inputs cleaned (their cleaned k and v are never used).
+    no_q = jnp.zeros(q.shape[:3] + (1,), q.dtype)
+    (_, _, _, g, beta, mask), marks = _clean(no_q, k, v, g, beta, mask, None)
+    o, final, _ = _forward(
+      q, k, v, g, beta, mask, h0, packing, static, save=False, guard_marks=marks.o
+    )
+    return o, jnp.where(marks.final[..., None, None], jnp.array(jnp.nan, final.dtype), final)
   if static.guard:
     # without a gradient q stays as it is: a bad q spoils only its own token's output
     (_, k, v, g, beta, mask), marks = _clean(q, k, v, g, beta, mask, packing)
@@ -218,6 +233,8 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
   nonfinite_guard: None keeps the options' (on by default, docs/precision.md#non-finite-inputs).
   backward: "pallas" (the Mosaic backward) or "xla" (the jnp backward behind the Mosaic forward:
     a debugging switch).
+  fused: the forward without gradient in one kernel (docs/mosaic_gpu.md#the-fused-forward);
+    False runs the two kernels a differentiated call runs.
   interpret: None follows pallas_kernels/common/backend.py (the Mosaic GPU interpreter off a
     GPU); False compiles the kernels for the GPU, True interprets them.
   """
@@ -235,6 +252,7 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
   nonfinite_guard: bool | None = None
   backward: str = "pallas"
   interpret: bool | None = None
+  fused: bool = True
 
   def serves(self, capability):
     return capability == COMPUTE_CAPABILITY
@@ -268,7 +286,7 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
     if guard is None:
       guard = True if self.options is None else self.options.nonfinite_guard
     interpret = self.interpret if self.interpret is not None else interpret_mode()
-    return _Static(float(scale), bool(guard), bool(interpret))
+    return _Static(float(scale), bool(guard), bool(interpret), bool(self.fused))
 
   def __call__(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
     return self._run(q, k, v, g, beta, mask, initial_state, scale, chunk_size, None)
