@@ -395,16 +395,22 @@ class DeltaMixer(nnx.Module):
     return self._output(o, x), GatedDeltaProductCache(conv, state)
 
   def step_tokens(
-    self, x: jax.Array, cache: GatedDeltaProductCache
+    self, x: jax.Array, cache: GatedDeltaProductCache, lengths: jax.Array | None = None
   ) -> tuple[jax.Array, GatedDeltaProductCache]:
     """Tq new tokens per sequence after the cache (speculative verification, chunked prefill
     from a cache): x [B, Tq, D] -> (y [B, Tq, D], the cache after the Tq tokens). The same as
     Tq calls of `step` (up to rounding): the short convolution runs over the Tq tokens from the
     cached inputs and the layer's operator (`operator_fn`) from the cached state
-    (docs/inference.md#several-new-tokens-per-step)."""
+    (docs/inference.md#several-new-tokens-per-step). lengths [B] int (may be traced): only the
+    first lengths[b] tokens are real (right padding, as in `__call__`): the cache is the one
+    after them."""
     _check_x(x, self.hidden_size, 3, "[B, Tq, D] (Tq new tokens per sequence)")
     self._check_step_cache(cache, x.shape[0])
-    x, (q, k, v), (g, beta), conv = self._step_inputs(x, cache, "step_tokens")
+    x, (q, k, v), (g, beta), conv = self._step_inputs(x, cache, "step_tokens", lengths)
+    if lengths is not None:
+      real = (jnp.arange(x.shape[1])[None, :] < lengths[:, None])[..., None]  # [B, Tq, 1]
+      g = jnp.where(real, g, 0.0)
+      beta = jnp.where(real[..., None] if beta.ndim == 4 else real, beta, 0.0)
     o, state = self._mix(
       x,
       q,
@@ -418,15 +424,17 @@ class DeltaMixer(nnx.Module):
     )
     return self._output(o, x), GatedDeltaProductCache(conv, state)
 
-  def _step_inputs(self, x, cache, conv_step):
+  def _step_inputs(self, x, cache, conv_step, lengths=None):
     """x in the layer's dtype, (q, k, v), (g, beta) and the new convolution state of a step from
-    a cache; conv_step names the short convolution's step: "step" (one token) or "step_tokens"."""
+    a cache; conv_step names the short convolution's step: "step" (one token) or "step_tokens"
+    (with `lengths`: the state after that many tokens)."""
     if self.dtype is not None:
       x = x.astype(self.dtype)
     pre = self._project_in(x)
     conv = None
     if self.use_short_conv:
-      qkv, conv = getattr(self.conv, conv_step)(pre, cache.conv)
+      extra = () if lengths is None else (lengths,)
+      qkv, conv = getattr(self.conv, conv_step)(pre, cache.conv, *extra)
       conv = conv.astype(cache.conv.dtype)
     else:
       qkv = jax.nn.silu(pre)

@@ -110,9 +110,9 @@ class Block(nnx.Module):
       y, cache = self.mixer.step(self.mixer_norm(x), cache)
     return self._mlp(x + y.astype(x.dtype)), cache
 
-  def step_tokens(self, x, cache):
+  def step_tokens(self, x, cache, lengths=None):
     if isinstance(cache, PagedKVCache):
-      y, cache = paged_attention_step_tokens(self.mixer, self.mixer_norm(x), cache)
+      y, cache = paged_attention_step_tokens(self.mixer, self.mixer_norm(x), cache, lengths)
     else:
-      y, cache = self.mixer.step_tokens(self.mixer_norm(x), cache)
+      y, cache = self.mixer.step_tokens(self.mixer_norm(x), cache, lengths)
     return self._mlp(x + y.astype(x.dtype)), cache

@@ -190,13 +190,17 @@ class HybridLM(nnx.Module):
     x, new = self._layers(lambda block, x, c: block.step(x, c), self._embed(token, "token"), cache)
     return self._logits(x), new
 
-  def step_tokens(self, tokens: jax.Array, cache: tuple) -> tuple[jax.Array, tuple]:
+  def step_tokens(
+    self, tokens: jax.Array, cache: tuple, lengths: jax.Array | None = None
+  ) -> tuple[jax.Array, tuple]:
     """Tq new tokens per sequence after the cache (speculative verification, chunked prefill
     from a cache): tokens [B, Tq] int -> (logits [B, Tq, vocab] float32, the cache after them).
     The same as Tq calls of `step` (up to rounding): each delta product layer runs its chunked
     operator from the cached state, each attention layer writes the Tq keys/values and decodes
     the [B, Tq] queries (`gqa_decode` / `paged_gqa_decode`). Attention caches must have room
-    for Tq more tokens (docs/inference.md#several-new-tokens-per-step)."""
+    for Tq more tokens (docs/inference.md#several-new-tokens-per-step). lengths [B] int (may be
+    traced): only the first lengths[b] tokens of each row are real (right padding; the logits
+    after them are meaningless): the cache is the one after them (docs/inference.md#prefix-caching)."""
     if not hasattr(tokens, "ndim") or tokens.ndim != 2:
       raise ValueError(
         f"tokens has shape {tuple(np.shape(tokens))}, expected [B, Tq] (Tq new tokens per "
@@ -207,7 +211,7 @@ class HybridLM(nnx.Module):
       for c in cache:
         _check_cache_room(c, tokens.shape[1])
     x = self._embed(tokens)
-    x, new = self._layers(lambda block, x, c: block.step_tokens(x, c), x, cache)
+    x, new = self._layers(lambda block, x, c: block.step_tokens(x, c, lengths), x, cache)
     return self._logits(x), new
 
   def _check_cache_tuple(self, cache):

@@ -1,0 +1,71 @@
+"""`generate(..., prefix_cache=PrefixCache(...))`: the tokens of a call without the cache, and a
+prompt sharing cached blocks with an earlier one computes only its own tokens
+(docs/inference.md#prefix-caching)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from gdp_jax.models import HybridConfig, HybridLM, PrefixCache, generate
+
+VOCAB = 17
+
+
+def tiny(seed=0):
+  config = HybridConfig(
+    vocab_size=VOCAB,
+    hidden_size=16,
+    layer_pattern="DHA",
+    num_heads=2,
+    head_dim=8,
+    attn_num_heads=2,
+    attn_num_kv_heads=1,
+    mlp_ratio=2,
+    chunk_size=16,
+    implementation="xla",
+  )
+  return HybridLM(config, rngs=nnx.Rngs(seed))
+
+
+def test_prefix_cache_same_tokens_fewer_computed():
+  model = tiny()
+  rng = np.random.default_rng(0)
+  shared = rng.integers(0, VOCAB, 32)
+  first = np.concatenate([shared, rng.integers(0, VOCAB, 8)])  # 40 tokens: 2 whole blocks
+  second = np.concatenate([shared, rng.integers(0, VOCAB, 9)])  # the same 2 blocks, then 9
+  cache = PrefixCache(block_tokens=16, max_entries=8)
+  for prompt, computed, reused in ((first, 40, 0), (second, 49, 32), (first, 57, 64)):
+    plain = generate(model, [prompt], 5, pad_to=16)
+    cached = generate(model, [prompt], 5, pad_to=16, prefix_cache=cache)
+    np.testing.assert_array_equal(np.asarray(cached), np.asarray(plain))
+    assert (cache.computed_tokens, cache.reused_tokens) == (computed, reused)
+  assert len(cache) == 2 and cache.hits == 2  # the two prompts share their whole blocks
+
+
+def test_prefix_cache_evicts_deepest_blocks_first():
+  cache = PrefixCache(block_tokens=2, max_entries=3)
+  keys = cache.keys(np.arange(7))
+  assert len(keys) == 3 and len(set(keys)) == 3
+  assert cache.keys(np.arange(4)) == keys[:2]  # a block's key hashes the whole prefix
+  assert cache.keys([9, 1, 2, 3])[1] != keys[1]
+  cache._entries.update({k: () for k in reversed(keys)})
+  cache._entries.popitem(last=False)  # what max_entries drops: the deepest block
+  assert cache.cached_blocks(np.arange(7)) == 2
+
+
+def test_prefix_cache_errors():
+  model = tiny()
+  with pytest.raises(ValueError, match="block_tokens"):
+    PrefixCache(block_tokens=0)
+  cache = PrefixCache(block_tokens=16)
+  with pytest.raises(ValueError, match="one prompt per call"):
+    generate(model, [[1, 2], [3, 4]], 2, prefix_cache=cache)
+  with pytest.raises(ValueError, match="prefill must be 'auto'"):
+    generate(model, [[1, 2]], 2, prefix_cache=cache, prefill="chunked")
+  with pytest.raises(TypeError, match="PrefixCache"):
+    generate(model, [[1, 2]], 2, prefix_cache={})  # type: ignore[arg-type]
+  cache.bind(model)
+  with pytest.raises(ValueError, match="another model"):
+    cache.bind(tiny(1))
