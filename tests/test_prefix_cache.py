@@ -13,11 +13,11 @@ from gdp_jax.models import HybridConfig, HybridLM, PrefixCache, generate
 VOCAB = 17
 
 
-def tiny(seed=0):
+def tiny(seed=0, pattern="DA"):
   config = HybridConfig(
     vocab_size=VOCAB,
     hidden_size=16,
-    layer_pattern="DHA",
+    layer_pattern=pattern,
     num_heads=2,
     head_dim=8,
     attn_num_heads=2,
@@ -29,16 +29,20 @@ def tiny(seed=0):
   return HybridLM(config, rngs=nnx.Rngs(seed))
 
 
-def test_prefix_cache_same_tokens_fewer_computed():
-  model = tiny()
+@pytest.mark.parametrize(
+  "pattern, page_size",
+  [("DA", None), pytest.param("DHA", 16, marks=pytest.mark.slow)],  # slow: 7 s
+)
+def test_prefix_cache_same_tokens_fewer_computed(pattern, page_size):
+  model = tiny(pattern=pattern)
   rng = np.random.default_rng(0)
   shared = rng.integers(0, VOCAB, 32)
   first = np.concatenate([shared, rng.integers(0, VOCAB, 8)])  # 40 tokens: 2 whole blocks
   second = np.concatenate([shared, rng.integers(0, VOCAB, 9)])  # the same 2 blocks, then 9
   cache = PrefixCache(block_tokens=16, max_entries=8)
   for prompt, computed, reused in ((first, 40, 0), (second, 49, 32), (first, 57, 64)):
-    plain = generate(model, [prompt], 5, pad_to=16)
-    cached = generate(model, [prompt], 5, pad_to=16, prefix_cache=cache)
+    plain = generate(model, [prompt], 5, pad_to=16, page_size=page_size)
+    cached = generate(model, [prompt], 5, pad_to=16, page_size=page_size, prefix_cache=cache)
     np.testing.assert_array_equal(np.asarray(cached), np.asarray(plain))
     assert (cache.computed_tokens, cache.reused_tokens) == (computed, reused)
   assert len(cache) == 2 and cache.hits == 2  # the two prompts share their whole blocks
