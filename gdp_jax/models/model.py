@@ -200,7 +200,8 @@ class HybridLM(nnx.Module):
     the [B, Tq] queries (`gqa_decode` / `paged_gqa_decode`). Attention caches must have room
     for Tq more tokens (docs/inference.md#several-new-tokens-per-step). lengths [B] int (may be
     traced): only the first lengths[b] tokens of each row are real (right padding; the logits
-    after them are meaningless): the cache is the one after them (docs/inference.md#prefix-caching)."""
+    after them are meaningless), the cache is the one after them
+    (docs/inference.md#prefix-caching)."""
     if not hasattr(tokens, "ndim") or tokens.ndim != 2:
       raise ValueError(
         f"tokens has shape {tuple(np.shape(tokens))}, expected [B, Tq] (Tq new tokens per "
