@@ -22,6 +22,7 @@ from gdp_jax.models.block import Block
 from gdp_jax.models.config import HybridConfig
 from gdp_jax.models.paged import PagedKVCache
 from gdp_jax.models.scan import layer_plan, same_programs, scan_blocks
+from gdp_jax.models.verify import block_verify, rollback_layer
 from gdp_jax.sharding import ShardingConfig
 
 f32 = jnp.float32
@@ -214,6 +215,29 @@ class HybridLM(nnx.Module):
     x = self._embed(tokens)
     x, new = self._layers(lambda block, x, c: block.step_tokens(x, c, lengths), x, cache)
     return self._logits(x), new
+
+  def verify_tokens(self, tokens: jax.Array, cache: tuple) -> tuple[jax.Array, tuple]:
+    """Tq <= 16 draft tokens per sequence after the cache, keeping what `rollback` needs:
+    tokens [B, Tq] int -> (logits [B, Tq, vocab] float32, records: one per layer). The logits
+    are `step_tokens`'s (up to rounding); `rollback(records, accepted)` is the cache after the
+    first accepted[b] tokens (docs/inference.md#rolling-back-a-model)."""
+    if not hasattr(tokens, "ndim") or tokens.ndim != 2:
+      raise ValueError(
+        f"tokens has shape {tuple(np.shape(tokens))}, expected [B, Tq] (Tq draft tokens per "
+        f"sequence)"
+      )
+    self._check_cache_tuple(cache)
+    for c in cache:
+      _check_cache_room(c, tokens.shape[1])
+    x, records = self._layers(block_verify, self._embed(tokens), cache)
+    return self._logits(x), records
+
+  def rollback(self, records: tuple, accepted: jax.Array) -> tuple:
+    """The cache after the first accepted[b] (in [0, Tq], int [B], may be traced) tokens of a
+    `verify_tokens` call, from its records: no recomputation (an attention layer's length
+    lowered, a delta layer's state and convolution inputs picked or rebuilt)."""
+    accepted = jnp.asarray(accepted, jnp.int32)
+    return tuple(rollback_layer(r, accepted) for r in records)
 
   def _check_cache_tuple(self, cache):
     if not isinstance(cache, (tuple, list)) or len(cache) != len(self.blocks):
