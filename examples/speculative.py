@@ -30,7 +30,7 @@ from gdp_jax.models import HybridConfig, HybridLM, generate
 @dataclasses.dataclass
 class Counts:
   """Model calls: prefills, target `verify_tokens` calls, rollbacks (no model call: a gather
-from the verify's records), draft steps."""
+  from the verify's records), draft steps."""
 
   target_prefill: int = 0
   target_verify: int = 0

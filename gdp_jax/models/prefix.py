@@ -183,4 +183,5 @@ class PrefixCache:
     self.hits += reused > 0
     if page_size is not None:
       cache = _paged_program(cache, page_size)
+    assert first is not None and decode_key is not None  # the last block is always computed
     return first, cache, decode_key
