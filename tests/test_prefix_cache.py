@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gdp_jax.models import HybridConfig, HybridLM, PrefixCache, generate
+from gdp_jax.models import HybridConfig, HybridLM, PrefixCache, generate, prefix
 
 VOCAB = 17
 
@@ -40,11 +40,14 @@ def test_prefix_cache_same_tokens_fewer_computed(pattern, page_size):
   first = np.concatenate([shared, rng.integers(0, VOCAB, 8)])  # 40 tokens: 2 whole blocks
   second = np.concatenate([shared, rng.integers(0, VOCAB, 9)])  # the same 2 blocks, then 9
   cache = PrefixCache(block_tokens=16, max_entries=8)
+  programs = []
   for prompt, computed, reused in ((first, 40, 0), (second, 49, 32), (first, 57, 64)):
     plain = generate(model, [prompt], 5, pad_to=16, page_size=page_size)
     cached = generate(model, [prompt], 5, pad_to=16, page_size=page_size, prefix_cache=cache)
     np.testing.assert_array_equal(np.asarray(cached), np.asarray(plain))
     assert (cache.computed_tokens, cache.reused_tokens) == (computed, reused)
+    programs.append((prefix._block_program._cache_size(), prefix._load_program._cache_size()))
+  assert programs[1] == programs[2]  # every block of every prompt: the programs compiled once
   assert len(cache) == 2 and cache.hits == 2  # the two prompts share their whole blocks
 
 
