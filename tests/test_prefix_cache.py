@@ -30,16 +30,16 @@ def tiny(seed=0, pattern="DA"):
 
 
 @pytest.mark.parametrize(
-  "pattern, page_size",
-  [("DA", None), pytest.param("DHA", 16, marks=pytest.mark.slow)],  # slow: 7 s
+  "pattern, page_size, per_call",
+  [("DA", None, 8), pytest.param("DHA", 16, None, marks=pytest.mark.slow)],  # slow: 7 s
 )
-def test_prefix_cache_same_tokens_fewer_computed(pattern, page_size):
+def test_prefix_cache_same_tokens_fewer_computed(pattern, page_size, per_call):
   model = tiny(pattern=pattern)
   rng = np.random.default_rng(0)
   shared = rng.integers(0, VOCAB, 32)
   first = np.concatenate([shared, rng.integers(0, VOCAB, 8)])  # 40 tokens: 2 whole blocks
   second = np.concatenate([shared, rng.integers(0, VOCAB, 9)])  # the same 2 blocks, then 9
-  cache = PrefixCache(block_tokens=16, max_entries=8)
+  cache = PrefixCache(block_tokens=16, max_entries=8, tokens_per_call=per_call)
   programs = []
   for prompt, computed, reused in ((first, 40, 0), (second, 49, 32), (first, 57, 64)):
     plain = generate(model, [prompt], 5, pad_to=16, page_size=page_size)
@@ -66,6 +66,8 @@ def test_prefix_cache_errors():
   model = tiny()
   with pytest.raises(ValueError, match="block_tokens"):
     PrefixCache(block_tokens=0)
+  with pytest.raises(ValueError, match="tokens_per_call"):
+    PrefixCache(tokens_per_call=1.5)  # type: ignore[arg-type]
   cache = PrefixCache(block_tokens=16)
   with pytest.raises(ValueError, match="one prompt per call"):
     generate(model, [[1, 2], [3, 4]], 2, prefix_cache=cache)

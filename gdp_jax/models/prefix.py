@@ -2,11 +2,11 @@
 `generate(..., prefix_cache=cache)` computes only the tokens after a prompt's longest cached
 prefix (docs/inference.md#prefix-caching).
 
-A prompt is read block by block (`block_tokens` tokens per `HybridLM.step_tokens` call from the
-cache; the last block right-padded, one compiled program for all of them). After each whole
-block the cache keeps, under a hash of the prompt up to that block's end, every layer's part: a
-delta layer's state and short-convolution inputs, an attention layer's keys and values of the
-block. A later prompt starts from the longest run of cached blocks.
+A prompt is read block by block (one compiled program for every block, the last one
+right-padded), each block in `HybridLM.step_tokens` calls of `tokens_per_call` tokens. After
+each whole block the cache keeps, under a hash of the prompt up to that block's end, every
+layer's part: a delta layer's state and short-convolution inputs, an attention layer's keys
+and values of the block. A later prompt starts from the longest run of cached blocks.
 """
 
 from __future__ import annotations
@@ -45,15 +45,21 @@ def _init_program(graphdef, state, cache_size):
   return nnx.merge(graphdef, state).init_cache(1, cache_size)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature"))
-def _block_program(graphdef, state, tokens, length, cache, key, temperature):
-  """One block after `cache`: tokens [1, N] whose first length[0] are real -> (the token after
-  them, sampled as generate's prefill does, the cache after them, the block's entry, the decode
-  loop's key)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "per_call"))
+def _block_program(graphdef, state, tokens, length, cache, key, temperature, per_call):
+  """One block after `cache`: tokens [1, N] whose first length[0] are real, read `per_call`
+  tokens per `step_tokens` -> (the token after them, sampled as generate's prefill does, the
+  cache after them, the block's entry, the decode loop's key)."""
   key, decode_key = jax.random.split(key)
   model = nnx.merge(graphdef, state)
-  logits, new = model.step_tokens(tokens, cache, length)
-  last = jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0]
+  new, logits = cache, []
+  for start in range(0, tokens.shape[1], per_call):
+    part = tokens[:, start : start + per_call]
+    real = jnp.clip(length - start, 0, part.shape[1])  # 0: a no-op but for stale slots
+    out, new = model.step_tokens(part, new, real)
+    logits.append(out)
+  last = jnp.take_along_axis(jnp.concatenate(logits, 1), (length - 1)[:, None, None], axis=1)
+  last = last[:, 0]
   size = tokens.shape[1]
 
   def part(before, after):
@@ -96,6 +102,9 @@ class PrefixCache:
     (L - 1) // N (its last token is always computed: its logits give the first new token).
   max_entries: the most blocks kept; the least recently used go first (a prompt's deepest
     blocks before its first ones, so that what stays is a usable prefix).
+  tokens_per_call: the new tokens of one `HybridLM.step_tokens` call within a block (default
+    min(64, block_tokens)): an attention layer reads them as Tq * G query rows of one tile of
+    the decode kernel (docs/inference.md#several-new-tokens-per-sequence), so keep it small.
 
   Counters (plain ints, never reset but by `clear`): `computed_tokens`, the prompt tokens run
   through the model; `reused_tokens`, those read from the cache; `hits`, calls that reused a
@@ -103,11 +112,18 @@ class PrefixCache:
   parameters call `clear()`.
   """
 
-  def __init__(self, block_tokens: int = 256, max_entries: int = 1024) -> None:
-    for name, value in (("block_tokens", block_tokens), ("max_entries", max_entries)):
+  def __init__(
+    self, block_tokens: int = 256, max_entries: int = 1024, tokens_per_call: int | None = None
+  ) -> None:
+    per_call = min(64, block_tokens) if tokens_per_call is None else tokens_per_call
+    for name, value in (
+      ("block_tokens", block_tokens),
+      ("max_entries", max_entries),
+      ("tokens_per_call", per_call),
+    ):
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    self.block_tokens, self.max_entries = block_tokens, max_entries
+    self.block_tokens, self.max_entries, self.tokens_per_call = block_tokens, max_entries, per_call
     self._entries: collections.OrderedDict[bytes, tuple] = collections.OrderedDict()
     self._model: Any = None
     self.computed_tokens = self.reused_tokens = self.hits = 0
@@ -170,7 +186,7 @@ class PrefixCache:
       length = np.array([len(block)], np.int32)
       padded = np.pad(block, (0, n - len(block)))[None]
       first, cache, entry, decode_key = _block_program(
-        graphdef, state, padded, length, cache, key, temperature
+        graphdef, state, padded, length, cache, key, temperature, self.tokens_per_call
       )
       if j < len(keys):
         self._entries[keys[j]] = entry
