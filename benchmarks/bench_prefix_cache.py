@@ -6,7 +6,7 @@
 
 prefix: a float32 `HybridLM` (vocab 256, width 512, "DDA"), prompts of a shared `--prefix`
 (1024) tokens and `--suffix` (64) own tokens, `--new` (16) new tokens each, `--block` (256)
-tokens per cache block. Each prompt runs once to compile; then, per fresh prompt, generate's
+tokens per cache block read `--per-call` (default 64) tokens per call. Each prompt runs once to compile; then, per fresh prompt, generate's
 wall time without the cache and with it (the prefix already cached): median seconds, the prompt
 tokens the cached call computed and whether the tokens agree.
 speculative: `examples/speculative.py`'s run (its calls and whether it equals greedy decoding).
@@ -43,7 +43,7 @@ def prefix_runs(args):
   rng = np.random.default_rng(0)
   shared = rng.integers(0, 256, args.prefix)
   prompt = lambda: np.concatenate([shared, rng.integers(0, 256, args.suffix)])
-  cache = PrefixCache(block_tokens=args.block)
+  cache = PrefixCache(block_tokens=args.block, tokens_per_call=args.per_call)
 
   def timed(p, **kw):
     t0 = time.perf_counter()
@@ -67,6 +67,7 @@ def prefix_runs(args):
   return dict(
     prompt_tokens=args.prefix + args.suffix,
     block_tokens=args.block,
+    tokens_per_call=cache.tokens_per_call,
     new_tokens=args.new,
     plain_s=statistics.median(plain_s),
     cached_s=statistics.median(cached_s),
@@ -82,6 +83,7 @@ def main(argv=None):
   parser.add_argument("--new", type=int, default=16)
   parser.add_argument("--block", type=int, default=256)
   parser.add_argument("--chunk", type=int, default=64)
+  parser.add_argument("--per-call", type=int, default=None, help="PrefixCache tokens_per_call")
   parser.add_argument("--reps", type=int, default=5)
   parser.add_argument("--smoke", action="store_true", help="tiny sizes (any machine)")
   parser.add_argument("--out", default=None)
