@@ -6,9 +6,10 @@
 
 prefix: a float32 `HybridLM` (vocab 256, width 512, "DDA"), prompts of a shared `--prefix`
 (1024) tokens and `--suffix` (64) own tokens, `--new` (16) new tokens each, `--block` (256)
-tokens per cache block read `--per-call` (default 64) tokens per call. Each prompt runs once to compile; then, per fresh prompt, generate's
-wall time without the cache and with it (the prefix already cached): median seconds, the prompt
-tokens the cached call computed and whether the tokens agree.
+tokens per cache block read `--per-call` (default 64) tokens per call. Each prompt runs once
+to compile; then, per fresh prompt, generate's wall time without the cache and with it (the
+prefix already cached): median seconds, the prompt tokens the cached call computed and whether
+the tokens agree.
 speculative: `examples/speculative.py`'s run (its calls and whether it equals greedy decoding).
 """
 
