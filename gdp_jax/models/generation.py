@@ -230,8 +230,9 @@ def generate(
       other keys).
     prefix_cache: a `PrefixCache` (one prompt per call): the prompt is read block by block from
       its longest prefix the cache holds, and its whole blocks are stored there
-      (docs/inference.md#prefix-caching); `prefill` must then be "auto". The tokens are those
-      of a call without it (up to floating-point ties).
+      (docs/inference.md#prefix-caching); `prefill` must then be "auto". Greedy tokens are
+      those of a call without it (up to floating-point ties); sampling draws its keys as
+      prefill="chunked" does.
 
   Returns:
     int32 [B, max_new_tokens]: the generated tokens of each prompt (all of them: there is no

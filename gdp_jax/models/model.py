@@ -70,6 +70,8 @@ class HybridLM(nnx.Module):
   `model.prefill(tokens, lengths, cache_size) -> (logits, cache)`;
   `model.step(token [B], cache) -> (logits [B, vocab], cache)`;
   `model.step_tokens(tokens [B, Tq], cache) -> (logits [B, Tq, vocab], cache)` (Tq steps at once);
+  `model.verify_tokens(tokens, cache) -> (logits, records)` and `model.rollback(records,
+  accepted) -> cache` (speculative decoding's verify and rollback);
   `model.init_cache(batch_size, cache_size)`. The cache is a tuple with one entry per layer
   (`GatedDeltaProductCache` or `KVCache`; an attention layer's `KVCache` may be replaced by its
   paged form, `to_paged(cache, page_size)`, which `step` decodes with `paged_gqa_decode`).
