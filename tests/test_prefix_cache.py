@@ -57,9 +57,11 @@ def test_prefix_cache_evicts_deepest_blocks_first():
   assert len(keys) == 3 and len(set(keys)) == 3
   assert cache.keys(np.arange(4)) == keys[:2]  # a block's key hashes the whole prefix
   assert cache.keys([9, 1, 2, 3])[1] != keys[1]
-  cache._entries.update({k: () for k in reversed(keys)})
-  cache._entries.popitem(last=False)  # what max_entries drops: the deepest block
-  assert cache.cached_blocks(np.arange(7)) == 2
+  # through generate (the programs of the test above): of a prompt's 2 blocks, the first stays
+  cache = PrefixCache(block_tokens=16, max_entries=1, tokens_per_call=8)
+  prompt = np.arange(40) % VOCAB
+  generate(tiny(), [prompt], 5, pad_to=16, prefix_cache=cache)
+  assert len(cache) == 1 and cache.cached_blocks(prompt) == 1
 
 
 def test_prefix_cache_errors():
