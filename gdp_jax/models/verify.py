@@ -41,6 +41,7 @@ class AttentionRecord(NamedTuple):
 
 def delta_verify(layer: Any, x: jax.Array, cache: GatedDeltaProductCache):
   """Tq tokens x [B, Tq, D] through a delta layer from `cache`: (y [B, Tq, D], DeltaRecord)."""
+  layer._check_step_cache(cache, x.shape[0])
   if layer.dtype is not None:
     x = x.astype(layer.dtype)
   pre = layer._project_in(x)
