@@ -40,6 +40,7 @@ def test_prefix_cache_same_tokens_fewer_computed(pattern, page_size, per_call):
   first = np.concatenate([shared, rng.integers(0, VOCAB, 8)])  # 40 tokens: 2 whole blocks
   second = np.concatenate([shared, rng.integers(0, VOCAB, 9)])  # the same 2 blocks, then 9
   cache = PrefixCache(block_tokens=16, max_entries=8, tokens_per_call=per_call)
+  whole = prefix._whole_program._cache_size()
   programs = []
   for prompt, computed, reused in ((first, 40, 0), (second, 49, 32), (first, 57, 64)):
     plain = generate(model, [prompt], 5, pad_to=16, page_size=page_size)
@@ -48,6 +49,9 @@ def test_prefix_cache_same_tokens_fewer_computed(pattern, page_size, per_call):
     assert (cache.computed_tokens, cache.reused_tokens) == (computed, reused)
     programs.append((prefix._block_program._cache_size(), prefix._load_program._cache_size()))
   assert programs[1] == programs[2]  # every block of every prompt: the programs compiled once
+  # the first prompt (nothing cached) in one prefill with state_every, but with a DeltaProduct
+  # layer (no state_every) block by block
+  assert (prefix._whole_program._cache_size() > whole) == (pattern == "DA")
   assert len(cache) == 2 and cache.hits == 2  # the two prompts share their whole blocks
 
 

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdp_jax.layers import KVCache
+from gdp_jax.layers import GatedDeltaProduct, KVCache, partitioning
+from gdp_jax.layers.delta_common import takes_keyword
 from gdp_jax.models.model import HybridLM
 from gdp_jax.models.paged import to_paged
 from gdp_jax.models.prefix import PrefixCache
@@ -413,6 +414,7 @@ def _prefix_call(
     cache_size=cache_size,
     temperature=float(temperature),
     page_size=page_size,
+    whole=_one_prefill(model, n),
   )
   decode_opts = DECODE_COMPILER_OPTIONS if decode_opts is None else decode_opts
   decode = _jitted_decode(_options_key(decode_opts))
@@ -420,3 +422,14 @@ def _prefix_call(
     steps=np.int32(max_new_tokens - 1), capacity=capacity, temperature=float(temperature)
   )
   return GenerateCall(cache.prefill, decode, prefill_args, decode_args, max_new_tokens)
+
+
+def _one_prefill(model, block_tokens):
+  """Whether a prompt with nothing cached can be read in one prefill with `state_every`: every
+  delta layer a `GatedDeltaProduct` whose operator takes it, blocks whole chunks, no mesh."""
+  ok = block_tokens % model.config.chunk_size == 0 and not partitioning.mesh_is_set()
+  for block in model.blocks:
+    mixer = block.mixer
+    if block.kind != "A":
+      ok &= isinstance(mixer, GatedDeltaProduct) and takes_keyword(mixer.operator_fn, "state_every")
+  return bool(ok)

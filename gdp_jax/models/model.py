@@ -163,17 +163,25 @@ class HybridLM(nnx.Module):
     return x, tuple(outs)
 
   def prefill(
-    self, tokens: jax.Array, lengths: jax.Array | None = None, cache_size: int | None = None
-  ) -> tuple[jax.Array, tuple]:
+    self,
+    tokens: jax.Array,
+    lengths: jax.Array | None = None,
+    cache_size: int | None = None,
+    state_every: int | None = None,
+  ) -> tuple:
     """The whole right-padded prompts [B, T] (sequence b holds lengths[b] tokens): the logits
     [B, T, vocab] and the cache after each sequence's tokens (attention caches of
-    `cache_size` slots, default T)."""
+    `cache_size` slots, default T). With `state_every` = N (gated delta product layers only)
+    also, per layer, the delta layer's caches after every N tokens (`DeltaMixer.__call__`'s
+    blocks; None for attention): (logits, cache, blocks) (docs/inference.md#prefix-caching)."""
 
     def layer(block, x, _):
-      return block(x, lengths, return_cache=True, cache_size=cache_size)
+      return block(x, lengths, return_cache=True, cache_size=cache_size, state_every=state_every)
 
     x, caches = self._layers(layer, self._embed(tokens))
-    return self._logits(x), caches
+    if state_every is None:
+      return self._logits(x), caches
+    return self._logits(x), tuple(c for c, _ in caches), tuple(b for _, b in caches)
 
   def init_cache(self, batch_size: int, cache_size: int) -> tuple:
     """The empty cache (no tokens yet); attention layers get `cache_size` slots."""

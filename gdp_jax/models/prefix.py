@@ -72,6 +72,32 @@ def _block_program(graphdef, state, tokens, length, cache, key, temperature, per
   return _pick(last, key, temperature), new, entry, decode_key
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_size", "temperature", "block"))
+def _whole_program(graphdef, state, tokens, length, key, cache_size, temperature, block):
+  """A prompt with nothing cached in one prefill (`state_every` = block): (the token after it,
+  the cache, its J = T // block entries stacked [J, ...], the decode loop's key)."""
+  key, decode_key = jax.random.split(key)
+  model = nnx.merge(graphdef, state)
+  logits, cache, blocks = model.prefill(tokens, length, cache_size, state_every=block)
+  last = jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0]
+  count = tokens.shape[1] // block
+
+  def entries(c, b):
+    if isinstance(c, KVCache):
+      rows = lambda a: jnp.moveaxis(
+        a[:, : count * block].reshape((1, count, block) + a.shape[2:]), 1, 0
+      )
+      return BlockRows(rows(c.key), rows(c.value))
+    return jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), b)  # [J, 1, ...]
+
+  return _pick(last, key, temperature), cache, tuple(map(entries, cache, blocks)), decode_key
+
+
+@jax.jit
+def _entry(entries, j):
+  return jax.tree.map(lambda a: a[j], entries)
+
+
 @jax.jit
 def _load_program(cache, entry, block):
   """`cache` with a cached block's entry put in: an attention layer's rows at block * N, a delta
@@ -171,17 +197,30 @@ class PrefixCache:
     cache_size: int,
     temperature: float,
     page_size: int | None,
+    whole: bool = False,
   ) -> tuple[jax.Array, tuple, jax.Array]:
     """One prompt `tokens` [L] through the model from its longest cached prefix, storing its new
     whole blocks: (the first new token [1], the cache after the prompt with `cache_size`
-    attention slots, paged with `page_size`, the decode loop's key). generate's prefill step."""
+    attention slots, paged with `page_size`, the decode loop's key). generate's prefill step.
+    whole: a prompt with nothing cached is read in one prefill (`HybridLM.prefill` with
+    `state_every`; every delta layer a gated delta product one, N a multiple of chunk_size)."""
     n, ids = self.block_tokens, np.asarray(tokens, np.int32).reshape(-1)
     keys, reused = self.keys(ids), self.cached_blocks(ids)
+    blocks = -(-len(ids) // n)
+    if whole and reused == 0:
+      tokens_b = np.pad(ids, (0, blocks * n - len(ids)))[None]
+      length = np.array([len(ids)], np.int32)
+      first, cache, stacked, decode_key = _whole_program(
+        graphdef, state, tokens_b, length, key, cache_size, temperature, n
+      )
+      for j, k in enumerate(keys):
+        self._entries[k] = _entry(stacked, np.int32(j))
+      return self._finish(ids, keys, reused, first, cache, decode_key, page_size)
     cache = _init_program(graphdef, state, cache_size)
     for j in range(reused):
       cache = _load_program(cache, self._entries[keys[j]], np.int32(j))
     first = decode_key = None
-    for j in range(reused, -(-len(ids) // n)):
+    for j in range(reused, blocks):
       block = ids[j * n : (j + 1) * n]
       length = np.array([len(block)], np.int32)
       padded = np.pad(block, (0, n - len(block)))[None]
@@ -190,6 +229,11 @@ class PrefixCache:
       )
       if j < len(keys):
         self._entries[keys[j]] = entry
+    return self._finish(ids, keys, reused, first, cache, decode_key, page_size)
+
+  def _finish(self, ids, keys, reused, first, cache, decode_key, page_size):
+    """The entries' order and count, the counters, the paged cache: prefill's end."""
+    n = self.block_tokens
     for k in reversed(keys):  # most recent: the first blocks (evicted last)
       self._entries.move_to_end(k)
     while len(self._entries) > self.max_entries:
