@@ -2,11 +2,11 @@
 `generate(..., prefix_cache=cache)` computes only the tokens after a prompt's longest cached
 prefix (docs/inference.md#prefix-caching).
 
-A prompt is read block by block (one compiled program for every block, the last one
-right-padded), each block in `HybridLM.step_tokens` calls of `tokens_per_call` tokens. After
-each whole block the cache keeps, under a hash of the prompt up to that block's end, every
-layer's part: a delta layer's state and short-convolution inputs, an attention layer's keys
-and values of the block. A later prompt starts from the longest run of cached blocks.
+After a cached prefix a prompt is read block by block (one compiled program for every block,
+the last one right-padded) in `HybridLM.step_tokens` calls of `tokens_per_call` tokens; with
+nothing cached, in one prefill with `state_every` where the layers allow. After each whole block
+the cache keeps, under a hash of the prompt up to that block's end, every layer's part: a delta
+layer's state and short-convolution inputs, an attention layer's keys and values of the block.
 """
 
 from __future__ import annotations
