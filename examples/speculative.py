@@ -1,15 +1,15 @@
 """Greedy speculative decoding with two `gdp_jax.models.HybridLM`s (docs/inference.md
 #verifying-draft-tokens): a draft proposes k tokens step by step, the target scores them in one
-`step_tokens` call, and the prefix both agree on is kept with the target's next token: plain
-greedy decoding's tokens, with fewer target calls.
+`HybridLM.verify_tokens` call, and the prefix both agree on is kept with the target's next
+token: plain greedy decoding's tokens, with fewer target calls.
 
     python examples/speculative.py                   # a CPU, under a minute
     python examples/speculative.py --new-tokens 64 --draft-tokens 6
 
 The draft is the target's first layers with its embedding, final norm and head (layer skip);
 the untrained target's later layers are scaled by `--late-scale` (small residual contributions)
-so that the pair agrees often. Only the public API of `gdp_jax.models` is used: a rejected draft
-is rolled back by recomputing the target's cache over the accepted tokens (caches are values).
+so that the pair agrees often. A rejected draft is rolled back by `HybridLM.rollback` from the
+verify call's records (docs/inference.md#rolling-back-a-model): no target call to recompute.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from gdp_jax.models import HybridConfig, HybridLM, generate
 
 @dataclasses.dataclass
 class Counts:
-  """Model calls: prefills, target `step_tokens` calls (verify and rollback), draft steps."""
+  """Model calls: prefills, target `verify_tokens` calls, rollbacks (no model call: a gather
+  from the verify's records), draft steps."""
 
   target_prefill: int = 0
   target_verify: int = 0
-  target_rollback: int = 0
+  rollbacks: int = 0
   draft_prefill: int = 0
   draft_steps: int = 0
   accepted: int = 0
@@ -41,7 +42,7 @@ class Counts:
 
   @property
   def target_calls(self) -> int:
-    return self.target_prefill + self.target_verify + self.target_rollback
+    return self.target_prefill + self.target_verify
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -59,9 +60,14 @@ def _step(graphdef, state, token, cache):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _step_tokens(graphdef, state, tokens, cache):
-  logits, cache = nnx.merge(graphdef, state).step_tokens(tokens, cache)
-  return jnp.argmax(logits, -1).astype(jnp.int32), cache
+def _verify(graphdef, state, tokens, cache):
+  logits, records = nnx.merge(graphdef, state).verify_tokens(tokens, cache)
+  return jnp.argmax(logits, -1).astype(jnp.int32), records
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _rollback(graphdef, state, records, accepted):
+  return nnx.merge(graphdef, state).rollback(records, accepted)
 
 
 def speculative_generate(
@@ -101,7 +107,7 @@ def speculative_generate(
       d_caches.append(d_cache)
     # the target scores cur, d_1..d_k at once: preds[:, i] is its token after d_i (cur at i = 0)
     tokens = jnp.stack([cur, *drafts], axis=1)
-    preds, verified = _step_tokens(t_graph, t_state, tokens, t_cache)
+    preds, records = _verify(t_graph, t_state, tokens, t_cache)
     counts.target_verify += 1
     agree = np.cumprod(np.asarray(preds[:, :k] == tokens[:, 1:]), axis=1)
     m = int(agree.sum(axis=1).min())  # draft tokens every row accepts
@@ -110,12 +116,13 @@ def speculative_generate(
     nxt = preds[:, m]
     out.extend(np.asarray(d) for d in drafts[:m])
     out.append(np.asarray(nxt))
+    # the target's cache after cur, d_1..d_m: from the verify's records, no model call
+    accepted = np.full((tokens.shape[0],), m + 1, np.int32)
+    t_cache = _rollback(t_graph, t_state, records, accepted)
     if m == k:
-      t_cache = verified
       d_cache, pending = d_caches[k - 1], [drafts[k - 1], nxt]
-    else:  # roll back: the target's cache over cur, d_1..d_m from the cache before the call
-      _, t_cache = _step_tokens(t_graph, t_state, tokens[:, : m + 1], t_cache)
-      counts.target_rollback += 1
+    else:
+      counts.rollbacks += 1
       d_cache, pending = d_caches[m], [nxt]
     cur = nxt
   return np.stack(out[:max_new_tokens], axis=1), counts

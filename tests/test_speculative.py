@@ -10,8 +10,9 @@ from examples import speculative
 
 @pytest.mark.slow  # compiles two models' prefill, step and step_tokens programs and generate's
 def test_speculative_equals_greedy_with_fewer_target_calls():
-  result = speculative.main(["--new-tokens", "16", "--draft-tokens", "4"])
+  result = speculative.main(["--new-tokens", "24", "--draft-tokens", "4"])
   assert result["equal_to_greedy"], result
   assert result["target_calls"] < result["plain_greedy_target_calls"], result
-  # a round that rejects a draft rolls back; one that accepts all does not
-  assert result["target_verify"] + 1 == result["target_calls"] - result["target_rollback"]
+  # one prefill, then one verify call per round: a rejected draft costs no target call
+  assert result["target_verify"] + 1 == result["target_calls"], result
+  assert result["rollbacks"] > 0, result  # the rollback was exercised

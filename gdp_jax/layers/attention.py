@@ -267,13 +267,17 @@ class GroupedQueryAttention(nnx.Module):
       },
     )
 
-  def step_tokens(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+  def step_tokens(
+    self, x: jax.Array, cache: KVCache, lengths: jax.Array | None = None
+  ) -> tuple[jax.Array, KVCache]:
     """Tq new tokens per sequence at positions cache.lengths[b] + i (speculative verification,
     chunked prefill from a cache): x [B, Tq, D] -> (y [B, Tq, D], cache). The Tq keys/values
     are written at slots lengths .. lengths + Tq - 1 and `gqa_decode` attends the [B, Tq, Hq, Dh]
     query, each token seeing the cache up to itself: the same as Tq calls of `step`. Tq larger
     than the cache's size S, or concrete lengths with lengths + Tq > S, are a ValueError; under
-    `jax.jit` tokens past S are dropped (as in `step`): size the cache for them."""
+    `jax.jit` tokens past S are dropped (as in `step`): size the cache for them. lengths [B]
+    int (may be traced): only the first lengths[b] tokens are real (right padding): all Tq are
+    written, the cache's lengths advance by lengths[b] (the later slots are stale)."""
     _check_x(x, self.hidden_size, 3, "[B, Tq, D] (Tq new tokens per sequence)")
     batch, t_len, _ = x.shape
     self._check_step_cache(cache, batch)
@@ -286,7 +290,7 @@ class GroupedQueryAttention(nnx.Module):
     rows = jnp.arange(batch)[:, None]
     key = cache.key.at[rows, pos].set(k.astype(cache.key.dtype), mode="drop")
     value = cache.value.at[rows, pos].set(v.astype(cache.value.dtype), mode="drop")
-    lengths = cache.lengths + t_len
-    o = gqa_decode(q, key, value, lengths, implementation=self.implementation)
+    ends = cache.lengths + t_len
+    o = gqa_decode(q, key, value, ends, implementation=self.implementation)
     y = self.o_proj(o.astype(x.dtype).reshape(batch, t_len, self.num_heads * self.head_dim))
-    return y, KVCache(key, value, lengths)
+    return y, KVCache(key, value, ends if lengths is None else cache.lengths + lengths)

@@ -269,7 +269,8 @@ class DeltaMixer(nnx.Module):
     segment_ids: jax.Array | None = None,
     cu_seqlens: jax.Array | None = None,
     return_cache: bool = False,
-  ) -> jax.Array | tuple[jax.Array, GatedDeltaProductCache]:
+    state_every: int | None = None,
+  ) -> jax.Array | tuple:
     """The whole sequence through the layer's operator (`operator_fn`).
 
     Args:
@@ -299,9 +300,12 @@ class DeltaMixer(nnx.Module):
         or `segment_ids`.
       return_cache: also return the `GatedDeltaProductCache` after lengths[b] tokens (after
         each document with cu_seqlens).
+      state_every: N (with return_cache; an operator_fn taking `state_every`): also the caches
+        after every N tokens, `GatedDeltaProductCache(conv [B, T // N, conv_size - 1, C],
+        state [B, T // N, HV, K, V])` (docs/inference.md#prefix-caching). Not with cu_seqlens.
 
     Returns:
-      y [B, T, D], or (y, cache) with `return_cache`.
+      y [B, T, D], or (y, cache) with `return_cache` ((y, cache, blocks) with `state_every`).
     """
     _check_x(x, self.hidden_size, 3, "[B, T, D]")
     batch, t_len, _ = x.shape
@@ -326,7 +330,10 @@ class DeltaMixer(nnx.Module):
       real = (jnp.arange(t_len)[None, :] < lengths[:, None])[..., None]  # [B, T, 1]
       g = jnp.where(real, g, 0.0)
       beta = jnp.where(real[..., None] if beta.ndim == 4 else real, beta, 0.0)
-    o, final = self._mix(
+    every = {} if state_every is None else {"state_every": state_every}
+    if every and (not return_cache or cu_seqlens is not None or isinstance(pre, tuple)):
+      raise ValueError("state_every needs return_cache, and no cu_seqlens nor a mesh")
+    o, final, *blocks = self._mix(
       x,
       q,
       k,
@@ -336,6 +343,7 @@ class DeltaMixer(nnx.Module):
       initial_state=None,
       output_final_state=return_cache,
       cu_seqlens=cu_seqlens,
+      **every,
     )
     y = self._output(o, x)
     if not return_cache:
@@ -347,7 +355,14 @@ class DeltaMixer(nnx.Module):
       else:
         state_after = lambda p: self.conv.state_after(p, lengths)
       conv = self._conv_state(pre, state_after)
-    return y, GatedDeltaProductCache(conv, final)
+    if state_every is None:
+      return y, GatedDeltaProductCache(conv, final)
+    windows = None  # the convolution's inputs before each block end: [B, T // N, size - 1, C]
+    if self.use_short_conv:
+      size, ends = self.conv_size - 1, (jnp.arange(t_len // state_every) + 1) * state_every
+      xp = jnp.pad(pre, ((0, 0), (size, 0), (0, 0)))
+      windows = xp[:, ends[:, None] + jnp.arange(size)[None, :]]
+    return y, GatedDeltaProductCache(conv, final), GatedDeltaProductCache(windows, blocks[0])
 
   def _check_cu_seqlens(self, cu_seqlens, lengths, segment_ids, batch, t_len):
     """Checked offsets (concrete ones: a ValueError unless valid), sanitised as int32."""
@@ -395,16 +410,22 @@ class DeltaMixer(nnx.Module):
     return self._output(o, x), GatedDeltaProductCache(conv, state)
 
   def step_tokens(
-    self, x: jax.Array, cache: GatedDeltaProductCache
+    self, x: jax.Array, cache: GatedDeltaProductCache, lengths: jax.Array | None = None
   ) -> tuple[jax.Array, GatedDeltaProductCache]:
     """Tq new tokens per sequence after the cache (speculative verification, chunked prefill
     from a cache): x [B, Tq, D] -> (y [B, Tq, D], the cache after the Tq tokens). The same as
     Tq calls of `step` (up to rounding): the short convolution runs over the Tq tokens from the
     cached inputs and the layer's operator (`operator_fn`) from the cached state
-    (docs/inference.md#several-new-tokens-per-step)."""
+    (docs/inference.md#several-new-tokens-per-step). lengths [B] int (may be traced): only the
+    first lengths[b] tokens are real (right padding, as in `__call__`): the cache is the one
+    after them."""
     _check_x(x, self.hidden_size, 3, "[B, Tq, D] (Tq new tokens per sequence)")
     self._check_step_cache(cache, x.shape[0])
-    x, (q, k, v), (g, beta), conv = self._step_inputs(x, cache, "step_tokens")
+    x, (q, k, v), (g, beta), conv = self._step_inputs(x, cache, "step_tokens", lengths)
+    if lengths is not None:
+      real = (jnp.arange(x.shape[1])[None, :] < lengths[:, None])[..., None]  # [B, Tq, 1]
+      g = jnp.where(real, g, 0.0)
+      beta = jnp.where(real[..., None] if beta.ndim == 4 else real, beta, 0.0)
     o, state = self._mix(
       x,
       q,
@@ -418,15 +439,17 @@ class DeltaMixer(nnx.Module):
     )
     return self._output(o, x), GatedDeltaProductCache(conv, state)
 
-  def _step_inputs(self, x, cache, conv_step):
+  def _step_inputs(self, x, cache, conv_step, lengths=None):
     """x in the layer's dtype, (q, k, v), (g, beta) and the new convolution state of a step from
-    a cache; conv_step names the short convolution's step: "step" (one token) or "step_tokens"."""
+    a cache; conv_step names the short convolution's step: "step" (one token) or "step_tokens"
+    (with `lengths`: the state after that many tokens)."""
     if self.dtype is not None:
       x = x.astype(self.dtype)
     pre = self._project_in(x)
     conv = None
     if self.use_short_conv:
-      qkv, conv = getattr(self.conv, conv_step)(pre, cache.conv)
+      extra = () if lengths is None else (lengths,)
+      qkv, conv = getattr(self.conv, conv_step)(pre, cache.conv, *extra)
       conv = conv.astype(cache.conv.dtype)
     else:
       qkv = jax.nn.silu(pre)

@@ -277,9 +277,9 @@ class GatedDeltaProduct(DeltaMixer):
     q, k = self._qk_norm(q).astype(q.dtype), self._qk_norm(k).astype(k.dtype)
     return q, k, v.reshape(q.shape[:-2] + (self.num_v_heads, self.value_dim))
 
-  def _mix(self, x, q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens):
+  def _mix(self, x, q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, **every):
     mask = self._mask(x)
-    packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    packed = dict(every) if cu_seqlens is None else {"cu_seqlens": cu_seqlens, **every}
     return self.operator_fn(
       q,
       k,

@@ -70,11 +70,14 @@ class ShortConv(nnx.Module):
     y = jnp.sum(window * self.weight[...].astype(x.dtype)[None], axis=1)
     return jax.nn.silu(y), window[:, 1:]
 
-  def step_tokens(self, x, state):
+  def step_tokens(self, x, state, lengths=None):
     """Tq tokens per sequence after the step state: x [B, Tq, C], state [B, size-1, C] ->
-    (y [B, Tq, C], the state after the Tq tokens)."""
+    (y [B, Tq, C], the state after the Tq tokens, or after the first lengths[b] of them)."""
     t_len = x.shape[1]
     window = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, size-1+Tq, C]
     w = self.weight[...].astype(x.dtype)
     y = sum(window[:, i : i + t_len] * w[i] for i in range(self.size))
-    return jax.nn.silu(y), window[:, t_len:]
+    if lengths is None:
+      return jax.nn.silu(y), window[:, t_len:]
+    idx = lengths[:, None] + jnp.arange(self.size - 1)[None, :]  # window index of the last inputs
+    return jax.nn.silu(y), jnp.take_along_axis(window, idx[:, :, None], axis=1)

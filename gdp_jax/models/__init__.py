@@ -8,7 +8,8 @@ attention layers) and `generate` for a batch of prompts of different lengths.
 
 Modules: config (HybridConfig), block (one layer), model (HybridLM), scan (layers of one
 configuration compiled once, docs/train_lm.md#compile-time), paged (the paged KV cache,
-docs/inference.md#paged-kv-cache), generation (`generate`'s programs, docs/inference.md).
+docs/inference.md#paged-kv-cache), generation (`generate`'s programs, docs/inference.md), prefix
+(`PrefixCache`, docs/inference.md#prefix-caching).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from gdp_jax.models.paged import (
   paged_attention_step_tokens,
   to_paged,
 )
+from gdp_jax.models.prefix import PrefixCache
 
 # generate's jitted programs and helpers (read by tests and benchmarks as gdp_jax.models._prefill)
 _prefill, _decode = _generation._prefill, _generation._decode
@@ -54,6 +56,7 @@ __all__ = [
   "HybridLM",
   "KVCache",
   "PagedKVCache",
+  "PrefixCache",
   "SwiGLU",
   "generate",
   "generate_call",

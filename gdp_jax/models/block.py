@@ -94,13 +94,28 @@ class Block(nnx.Module):
   def _mlp(self, x):
     return x + self.mlp(self.mlp_norm(x)) if self.use_mlp else x
 
-  def __call__(self, x, lengths=None, *, segment_ids=None, return_cache=False, cache_size=None):
-    kw = dict(cache_size=cache_size) if self.kind == "A" and return_cache else {}
+  def __call__(
+    self,
+    x,
+    lengths=None,
+    *,
+    segment_ids=None,
+    return_cache=False,
+    cache_size=None,
+    state_every=None,
+  ):
+    """x [B, T, D] -> x, or (x, cache) with return_cache, or (x, (cache, blocks)) with
+    state_every (a delta layer's caches every state_every tokens; None for attention)."""
+    kw: dict = dict(cache_size=cache_size) if self.kind == "A" and return_cache else {}
     if segment_ids is not None:
       kw["segment_ids"] = segment_ids
+    if state_every is not None and self.kind != "A":
+      kw["state_every"] = state_every
     out = self.mixer(self.mixer_norm(x), lengths, return_cache=return_cache, **kw)
-    y, cache = out if return_cache else (out, None)
+    y, cache = out[:2] if return_cache else (out, None)
     x = self._mlp(x + y.astype(x.dtype))
+    if state_every is not None:
+      return x, (cache, out[2] if len(out) > 2 else None)
     return (x, cache) if return_cache else x
 
   def step(self, x, cache):
@@ -110,9 +125,9 @@ class Block(nnx.Module):
       y, cache = self.mixer.step(self.mixer_norm(x), cache)
     return self._mlp(x + y.astype(x.dtype)), cache
 
-  def step_tokens(self, x, cache):
+  def step_tokens(self, x, cache, lengths=None):
     if isinstance(cache, PagedKVCache):
-      y, cache = paged_attention_step_tokens(self.mixer, self.mixer_norm(x), cache)
+      y, cache = paged_attention_step_tokens(self.mixer, self.mixer_norm(x), cache, lengths)
     else:
-      y, cache = self.mixer.step_tokens(self.mixer_norm(x), cache)
+      y, cache = self.mixer.step_tokens(self.mixer_norm(x), cache, lengths)
     return self._mlp(x + y.astype(x.dtype)), cache

@@ -20,9 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdp_jax.layers import KVCache
+from gdp_jax.layers import GatedDeltaProduct, KVCache, partitioning
+from gdp_jax.layers.delta_common import takes_keyword
 from gdp_jax.models.model import HybridLM
 from gdp_jax.models.paged import to_paged
+from gdp_jax.models.prefix import PrefixCache
 
 
 def _round_up(n, m):
@@ -200,6 +202,7 @@ def generate(
   page_size: int | None = None,
   compiler_options: tuple[dict | None, dict | None] | None = None,
   prefill: str = "auto",
+  prefix_cache: PrefixCache | None = None,
 ) -> jax.Array:
   """Continue a batch of prompts of different lengths.
 
@@ -226,6 +229,11 @@ def generate(
       "steps" when the prompts padded to `pad_to` are at most `STEP_PREFILL_TOKENS` (64) tokens.
       The tokens are the same either way (greedy, up to floating-point ties; sampling draws
       other keys).
+    prefix_cache: a `PrefixCache` (one prompt per call): the prompt is read block by block from
+      its longest prefix the cache holds, and its whole blocks are stored there
+      (docs/inference.md#prefix-caching); `prefill` must then be "auto". Greedy tokens are
+      those of a call without it (up to floating-point ties); sampling draws its keys as
+      prefill="chunked" does.
 
   Returns:
     int32 [B, max_new_tokens]: the generated tokens of each prompt (all of them: there is no
@@ -246,6 +254,7 @@ def generate(
     page_size=page_size,
     compiler_options=compiler_options,
     prefill=prefill,
+    prefix_cache=prefix_cache,
   ).run()
 
 
@@ -261,6 +270,7 @@ def generate_call(
   page_size: int | None = None,
   compiler_options: tuple[dict | None, dict | None] | None = None,
   prefill: str = "auto",
+  prefix_cache: PrefixCache | None = None,
 ) -> GenerateCall:
   """`generate`'s arguments checked and padded into its two jitted programs and their
   arguments, not run (`GenerateCall.run()` runs them; benchmarks/compile_profile.py times each
@@ -323,6 +333,21 @@ def generate_call(
     )
   if prefill not in PREFILL_MODES:
     raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+  if prefix_cache is not None:
+    return _prefix_call(
+      model,
+      tokens,
+      lengths,
+      prefix_cache,
+      key,
+      capacity,
+      pad_to,
+      page_size,
+      prefill,
+      temperature,
+      decode_opts=(compiler_options or (None, None))[1],
+      max_new_tokens=max_new_tokens,
+    )
   if prefill == "auto":
     prefill = "steps" if t_pad <= STEP_PREFILL_TOKENS else "chunked"
   prefill_opts, decode_opts = compiler_options or (None, None)
@@ -348,3 +373,63 @@ def generate_call(
     steps=np.int32(max_new_tokens - 1), capacity=capacity, temperature=float(temperature)
   )
   return GenerateCall(prefill_program, decode, prompt_args, decode_args, max_new_tokens)
+
+
+def _prefix_call(
+  model,
+  tokens,
+  lengths,
+  cache,
+  key,
+  capacity,
+  pad_to,
+  page_size,
+  prefill,
+  temperature,
+  *,
+  decode_opts,
+  max_new_tokens,
+):
+  """`generate_call` with a `PrefixCache`: its block-by-block prefill, then the decode loop."""
+  if not isinstance(cache, PrefixCache):
+    raise TypeError(f"prefix_cache must be a PrefixCache or None, got {type(cache).__name__}")
+  if tokens.shape[0] != 1:
+    raise ValueError(
+      f"prefix_cache takes one prompt per call, got {tokens.shape[0]} prompts (call generate "
+      f"once per prompt)"
+    )
+  if prefill != "auto":
+    raise ValueError(f"prefill must be 'auto' with prefix_cache (its own prefill), got {prefill!r}")
+  cache.bind(model)
+  n = cache.block_tokens
+  cache_size = _round_up(-(-int(lengths[0]) // n) * n, pad_to) + capacity
+  if page_size is not None:
+    cache_size = _round_up(cache_size, page_size)
+  graphdef, state = nnx.split(model)
+  prefill_args = dict(
+    graphdef=graphdef,
+    state=state,
+    tokens=np.asarray(tokens[0, : int(lengths[0])], np.int32),
+    key=key,
+    cache_size=cache_size,
+    temperature=float(temperature),
+    page_size=page_size,
+    whole=_one_prefill(model, n),
+  )
+  decode_opts = DECODE_COMPILER_OPTIONS if decode_opts is None else decode_opts
+  decode = _jitted_decode(_options_key(decode_opts))
+  decode_args = dict(
+    steps=np.int32(max_new_tokens - 1), capacity=capacity, temperature=float(temperature)
+  )
+  return GenerateCall(cache.prefill, decode, prefill_args, decode_args, max_new_tokens)
+
+
+def _one_prefill(model, block_tokens):
+  """Whether a prompt with nothing cached can be read in one prefill with `state_every`: every
+  delta layer a `GatedDeltaProduct` whose operator takes it, blocks whole chunks, no mesh."""
+  ok = block_tokens % model.config.chunk_size == 0 and not partitioning.mesh_is_set()
+  for block in model.blocks:
+    mixer = block.mixer
+    if block.kind != "A":
+      ok &= isinstance(mixer, GatedDeltaProduct) and takes_keyword(mixer.operator_fn, "state_every")
+  return bool(ok)

@@ -22,6 +22,7 @@ from gdp_jax.models.block import Block
 from gdp_jax.models.config import HybridConfig
 from gdp_jax.models.paged import PagedKVCache
 from gdp_jax.models.scan import layer_plan, same_programs, scan_blocks
+from gdp_jax.models.verify import block_verify, rollback_layer
 from gdp_jax.sharding import ShardingConfig
 
 f32 = jnp.float32
@@ -69,6 +70,8 @@ class HybridLM(nnx.Module):
   `model.prefill(tokens, lengths, cache_size) -> (logits, cache)`;
   `model.step(token [B], cache) -> (logits [B, vocab], cache)`;
   `model.step_tokens(tokens [B, Tq], cache) -> (logits [B, Tq, vocab], cache)` (Tq steps at once);
+  `model.verify_tokens(tokens, cache) -> (logits, records)` and `model.rollback(records,
+  accepted) -> cache` (speculative decoding's verify and rollback);
   `model.init_cache(batch_size, cache_size)`. The cache is a tuple with one entry per layer
   (`GatedDeltaProductCache` or `KVCache`; an attention layer's `KVCache` may be replaced by its
   paged form, `to_paged(cache, page_size)`, which `step` decodes with `paged_gqa_decode`).
@@ -160,17 +163,25 @@ class HybridLM(nnx.Module):
     return x, tuple(outs)
 
   def prefill(
-    self, tokens: jax.Array, lengths: jax.Array | None = None, cache_size: int | None = None
-  ) -> tuple[jax.Array, tuple]:
+    self,
+    tokens: jax.Array,
+    lengths: jax.Array | None = None,
+    cache_size: int | None = None,
+    state_every: int | None = None,
+  ) -> tuple:
     """The whole right-padded prompts [B, T] (sequence b holds lengths[b] tokens): the logits
     [B, T, vocab] and the cache after each sequence's tokens (attention caches of
-    `cache_size` slots, default T)."""
+    `cache_size` slots, default T). With `state_every` = N (gated delta product layers only)
+    also, per layer, the delta layer's caches after every N tokens (`DeltaMixer.__call__`'s
+    blocks; None for attention): (logits, cache, blocks) (docs/inference.md#prefix-caching)."""
 
     def layer(block, x, _):
-      return block(x, lengths, return_cache=True, cache_size=cache_size)
+      return block(x, lengths, return_cache=True, cache_size=cache_size, state_every=state_every)
 
     x, caches = self._layers(layer, self._embed(tokens))
-    return self._logits(x), caches
+    if state_every is None:
+      return self._logits(x), caches
+    return self._logits(x), tuple(c for c, _ in caches), tuple(b for _, b in caches)
 
   def init_cache(self, batch_size: int, cache_size: int) -> tuple:
     """The empty cache (no tokens yet); attention layers get `cache_size` slots."""
@@ -190,13 +201,18 @@ class HybridLM(nnx.Module):
     x, new = self._layers(lambda block, x, c: block.step(x, c), self._embed(token, "token"), cache)
     return self._logits(x), new
 
-  def step_tokens(self, tokens: jax.Array, cache: tuple) -> tuple[jax.Array, tuple]:
+  def step_tokens(
+    self, tokens: jax.Array, cache: tuple, lengths: jax.Array | None = None
+  ) -> tuple[jax.Array, tuple]:
     """Tq new tokens per sequence after the cache (speculative verification, chunked prefill
     from a cache): tokens [B, Tq] int -> (logits [B, Tq, vocab] float32, the cache after them).
     The same as Tq calls of `step` (up to rounding): each delta product layer runs its chunked
     operator from the cached state, each attention layer writes the Tq keys/values and decodes
     the [B, Tq] queries (`gqa_decode` / `paged_gqa_decode`). Attention caches must have room
-    for Tq more tokens (docs/inference.md#several-new-tokens-per-step)."""
+    for Tq more tokens (docs/inference.md#several-new-tokens-per-step). lengths [B] int (may be
+    traced): only the first lengths[b] tokens of each row are real (right padding; the logits
+    after them are meaningless), the cache is the one after them
+    (docs/inference.md#prefix-caching)."""
     if not hasattr(tokens, "ndim") or tokens.ndim != 2:
       raise ValueError(
         f"tokens has shape {tuple(np.shape(tokens))}, expected [B, Tq] (Tq new tokens per "
@@ -207,8 +223,31 @@ class HybridLM(nnx.Module):
       for c in cache:
         _check_cache_room(c, tokens.shape[1])
     x = self._embed(tokens)
-    x, new = self._layers(lambda block, x, c: block.step_tokens(x, c), x, cache)
+    x, new = self._layers(lambda block, x, c: block.step_tokens(x, c, lengths), x, cache)
     return self._logits(x), new
+
+  def verify_tokens(self, tokens: jax.Array, cache: tuple) -> tuple[jax.Array, tuple]:
+    """Tq <= 16 draft tokens per sequence after the cache, keeping what `rollback` needs:
+    tokens [B, Tq] int -> (logits [B, Tq, vocab] float32, records: one per layer). The logits
+    are `step_tokens`'s (up to rounding); `rollback(records, accepted)` is the cache after the
+    first accepted[b] tokens (docs/inference.md#rolling-back-a-model)."""
+    if not hasattr(tokens, "ndim") or tokens.ndim != 2:
+      raise ValueError(
+        f"tokens has shape {tuple(np.shape(tokens))}, expected [B, Tq] (Tq draft tokens per "
+        f"sequence)"
+      )
+    self._check_cache_tuple(cache)
+    for c in cache:
+      _check_cache_room(c, tokens.shape[1])
+    x, records = self._layers(block_verify, self._embed(tokens), cache)
+    return self._logits(x), records
+
+  def rollback(self, records: tuple, accepted: jax.Array) -> tuple:
+    """The cache after the first accepted[b] (in [0, Tq], int [B], may be traced) tokens of a
+    `verify_tokens` call, from its records: no recomputation (an attention layer's length
+    lowered, a delta layer's state and convolution inputs picked or rebuilt)."""
+    accepted = jnp.asarray(accepted, jnp.int32)
+    return tuple(rollback_layer(r, accepted) for r in records)
 
   def _check_cache_tuple(self, cache):
     if not isinstance(cache, (tuple, list)) or len(cache) != len(self.blocks):

@@ -73,13 +73,14 @@ def paged_attention_step(
 
 
 def paged_attention_step_tokens(
-  layer: GroupedQueryAttention, x: jax.Array, cache: PagedKVCache
+  layer: GroupedQueryAttention, x: jax.Array, cache: PagedKVCache, lengths: jax.Array | None = None
 ) -> tuple[jax.Array, PagedKVCache]:
   """`layer.step_tokens` with a `PagedKVCache`: Tq new tokens per sequence at positions
   cache.lengths[b] + i, written into their pages, then `paged_gqa_decode` with the
   [B, Tq, Hq, Dh] query (x [B, Tq, D] -> (y [B, Tq, D], cache)); the same as Tq calls of
   `paged_attention_step`. Tq beyond the capacity (max_pages * page_size), or concrete lengths
-  with lengths + Tq beyond it, are a ValueError; under `jax.jit` tokens past it are dropped."""
+  with lengths + Tq beyond it, are a ValueError; under `jax.jit` tokens past it are dropped.
+  `lengths` [B]: only the first lengths[b] tokens are real (as `layer.step_tokens`)."""
   if not hasattr(x, "ndim") or x.ndim != 3 or x.shape[-1] != layer.hidden_size:
     raise ValueError(
       f"x has shape {tuple(np.shape(x))}, expected [B, Tq, D] (Tq new tokens per sequence) "
@@ -109,9 +110,10 @@ def paged_attention_step_tokens(
   slot = pos % page_size
   key_pages = cache.key_pages.at[page, slot].set(k.astype(cache.key_pages.dtype), mode="drop")
   value_pages = cache.value_pages.at[page, slot].set(v.astype(cache.value_pages.dtype), mode="drop")
-  lengths = cache.lengths + t_len
+  ends = cache.lengths + t_len
   o = paged_gqa_decode(
-    q, key_pages, value_pages, cache.block_tables, lengths, implementation=layer.implementation
+    q, key_pages, value_pages, cache.block_tables, ends, implementation=layer.implementation
   )
   y = layer.o_proj(o.astype(x.dtype).reshape(batch, t_len, layer.num_heads * layer.head_dim))
-  return y, PagedKVCache(key_pages, value_pages, cache.block_tables, lengths)
+  new_lengths = ends if lengths is None else cache.lengths + lengths
+  return y, PagedKVCache(key_pages, value_pages, cache.block_tables, new_lengths)
