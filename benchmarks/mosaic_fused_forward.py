@@ -259,7 +259,7 @@ def main(argv=None):
   parser.add_argument("--reps", type=int, default=7)
   parser.add_argument("--inner", type=int, default=10)
   parser.add_argument(
-    "--variants", default="default,profile_without_inverse", help=",".join(VARIANTS)
+    "--variants", default="default,profile_without_inverse,no_diag_solve", help=",".join(VARIANTS)
   )
   parser.add_argument("--timeout", type=float, default=190, help="seconds per r's process")
   parser.add_argument("--tiny", action="store_true", help="interpreter, small shapes (CPU)")

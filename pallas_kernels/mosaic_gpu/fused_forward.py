@@ -38,6 +38,7 @@ from pallas_kernels.mosaic_gpu.common import (
   mask_matrix,
   matmul,
   ring_stages,
+  set_registers,
   smem,
 )
 
@@ -66,7 +67,7 @@ def _clean_tile(ref) -> None:
 def inverse(w, solve_s, stage_a, registers: int) -> None:
   """The inverse warpgroup: per stage (with `w.clean` first the keys and values cleaned in place)
   Kb and Kw (in place), A0, T0 and Ag into `t_s` (module docstring), then `prep_ready`."""
-  plgpu.set_max_registers(registers, action="increase")
+  set_registers(registers, w.warpgroups)
   sq = (N, N)
 
   def step(n, carry):
@@ -180,7 +181,7 @@ def fused_walk(
       {**absent, **dict(zip(names, refs))}, scratch_refs, nc=nc, group=group, bv=bv,
       m_shape=mask_rows.shape, stages=stages, r=r, c=c, dk=key_dim // r, key_dim=key_dim,
       dtype=dtype, householder=False, masked_keys=masked_keys, staged=staged, store_states=False,
-      clean=marks is not None, without_inverse=without_inverse,
+      clean=marks is not None, without_inverse=without_inverse, warpgroups=4,
     )  # fmt: skip
     pl.when(w.wg == 2)(lambda: walk_ws.producer(w, producer_regs))
     pl.when(w.wg == 0)(lambda: walk_ws.chain(w, chain_regs))

@@ -75,6 +75,7 @@ from pallas_kernels.mosaic_gpu.common import (
   matmul_reg,
   read_seq_table,
   ring_stages,
+  set_registers,
   smem,
   token_of,
   when,
@@ -193,7 +194,7 @@ def producer(w, registers: int = 40):
   """The producer warpgroup: streams a chunk's q, k, v (T0 unless `w.t0_ref` is None), gates,
   beta, mask rows (and marks: `w.mk_ref`) with TMA into the ring, refilling a stage once both
   consumers released it."""
-  plgpu.set_max_registers(registers, action="decrease")
+  set_registers(registers, w.warpgroups)
   c, b, hk, h = w.c, w.b, w.hk, w.h
 
   def issue(i, slot):
@@ -239,7 +240,7 @@ def producer(w, registers: int = 40):
 def chain(w, registers: int = 232):
   """The chain warpgroup: `S^T` in float32 registers, three dependent products per chunk,
   publishing `S^T` and `v_new^T` for the output warpgroup (module docstring)."""
-  plgpu.set_max_registers(registers, action="increase")
+  set_registers(registers, w.warpgroups)
   bv, key_dim, dtype, stages, staged = w.bv, w.key_dim, w.dtype, w.stages, w.staged
   if w.h0_ref is not None:  # straight from global memory into the WGMMA layout
     s0 = plgpu.load(w.h0_ref.at[w.seq, w.h, w.cols_v], layout=WGMMA, optimized=False)
@@ -307,7 +308,7 @@ def output(w, *, gates: bool, registers: int = 232):
   (in place from T0), then the chain may go (`prep_ready`); without, it waits for another
   warpgroup to have done that (`fused_forward`). Then `Kb q^T ⊙ D` and, once the chain has
   published the chunk's `S^T` and `v_new^T`, the output, which it stores."""
-  plgpu.set_max_registers(registers, action="increase")
+  set_registers(registers, w.warpgroups)
   if w.tab_ref is None:  # (packed: read with the table, in `bind`)
     plgpu.copy_gmem_to_smem(w.sc_ref, w.sc_s, w.sc_bar)
     plgpu.barrier_wait(w.sc_bar)
@@ -453,7 +454,7 @@ def state_walk_ws(
       {**absent, **dict(zip(names, refs))}, scratch_refs, nc=nc, group=group, bv=bv,
       m_shape=mask_rows.shape, stages=stages, r=r, c=c, dk=key_dim // r, key_dim=key_dim,
       dtype=dtype, householder=householder, masked_keys=masked_keys, staged=staged,
-      store_states=store_states,
+      store_states=store_states, warpgroups=3,
     )  # fmt: skip
     pl.when(w.wg == 2)(lambda: producer(w))
     pl.when(w.wg == 0)(lambda: chain(w))
