@@ -51,6 +51,8 @@ VARIANTS = {
   "regs_184_128_24_176": dict(registers=(184, 128, 24, 176)),  # more for the inverse
   "regs_200_152_40_120": dict(registers=(200, 152, 40, 120)),
   "no_diag_solve": dict(diag_solve=False),
+  # the output warpgroup forms the odd chunks' inverses
+  "split_inverse": dict(split_inverse=True, registers=(176, 160, 24, 152)),
   # profiling only (its output is wrong: not checked): the walk with an inverse that costs nothing
   "profile_without_inverse": dict(without_inverse=True),
 }
@@ -259,7 +261,9 @@ def main(argv=None):
   parser.add_argument("--reps", type=int, default=7)
   parser.add_argument("--inner", type=int, default=10)
   parser.add_argument(
-    "--variants", default="default,profile_without_inverse,no_diag_solve", help=",".join(VARIANTS)
+    "--variants",
+    default="default,split_inverse,profile_without_inverse,no_diag_solve",
+    help=",".join(VARIANTS),
   )
   parser.add_argument("--timeout", type=float, default=190, help="seconds per r's process")
   parser.add_argument("--tiny", action="store_true", help="interpreter, small shapes (CPU)")

@@ -303,11 +303,12 @@ def chain(w, registers: int = 232):
     plgpu.wait_smem_to_gmem(0)
 
 
-def output(w, *, gates: bool, registers: int = 232):
+def output(w, *, gates: bool, registers: int = 232, ahead=None):
   """The output warpgroup, off the chain. With `gates`, per stage first Kw, Kb (in place) and Ag
   (in place from T0), then the chain may go (`prep_ready`); without, it waits for another
   warpgroup to have done that (`fused_forward`). Then `Kb q^T ⊙ D` and, once the chain has
-  published the chunk's `S^T` and `v_new^T`, the output, which it stores."""
+  published the chunk's `S^T` and `v_new^T`, the output, which it stores. ahead: None, or run
+  first in step `n` (it then waits for the stages' loads: `fused_forward.ahead_of_output`)."""
   set_registers(registers, w.warpgroups)
   if w.tab_ref is None:  # (packed: read with the table, in `bind`)
     plgpu.copy_gmem_to_smem(w.sc_ref, w.sc_s, w.sc_bar)
@@ -322,6 +323,8 @@ def output(w, *, gates: bool, registers: int = 232):
     slot = lax.rem(n, stages)
     half = lax.rem(n, 2)
     rows = pl.ds((w.first + n) * c, c)
+    if ahead is not None:
+      ahead(n)
     if gates:  # off the chain: Kw, Kb (in place) and Ag (in place), then the chain may go
       plgpu.barrier_wait(w.in_bar.at[slot])
       g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
@@ -333,7 +336,8 @@ def output(w, *, gates: bool, registers: int = 232):
       plgpu.commit_smem()
       plgpu.barrier_arrive(w.prep_ready.at[slot])
     else:  # the stage's loads too (seen complete already: transitivity left to no one)
-      plgpu.barrier_wait(w.in_bar.at[slot])
+      if ahead is None:
+        plgpu.barrier_wait(w.in_bar.at[slot])
       plgpu.barrier_wait(w.prep_ready.at[slot])
       g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
     # The intra-chunk scores, transposed: (Kb q^T ⊙ D)^T.
