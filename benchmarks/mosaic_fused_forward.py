@@ -218,7 +218,8 @@ def run_r(r, shape, tiny, reps, inner, variants, record, save):
   fns["two_kernel"] = two_kernel_fn(interpret)
   if not tiny:
     fns["operator_default"] = operator_fn()
-    fns["operator_mosaic_two_kernel"] = operator_fn(mosaic_operator(fused=False))
+    fns["operator_fused"] = operator_fn(mosaic_operator(fused=True))
+    fns["operator_two_kernel"] = operator_fn(mosaic_operator(fused=False))
     fns["operator_no_guard"] = operator_fn(mosaic_operator(nonfinite_guard=False))
   for name, fn in fns.items():
     row = case(phase="time", impl=name, mask="none" if r == 1 else "shared")
