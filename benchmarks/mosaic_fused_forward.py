@@ -188,10 +188,17 @@ def run_r(r, shape, tiny, reps, inner, variants, record, save):
   if best is None:
     return
   # 2. check against xla and the two-kernel forward
-  for mask_kind, state in CHECK_MASKS[r]:
+  # and once K = V = 64 (three ring stages), an odd T and grouped value heads
+  small = dict(shape, key_dim=64, value_dim=64, t_len=shape["t_len"] - 23)
+  checks = [(m, st, shape, None) for m, st in CHECK_MASKS[r]]
+  checks.append(("head", True, small, shape["heads"] // 2))
+  for mask_kind, state, shp, key_heads in checks:
     row = case(phase="check", variant=best, mask=mask_kind, initial_state=state)
+    row.update(key_dim=shp["key_dim"], t_len=shp["t_len"], key_heads=key_heads)
     try:
-      chk = make_inputs(r, **shape, r=r, mask_kind=mask_kind, dtype=jnp.bfloat16, state=state)
+      chk = make_inputs(
+        r, **shp, r=r, mask_kind=mask_kind, dtype=jnp.bfloat16, state=state, key_heads=key_heads
+      )
       o, final = call(compiled[best][0], chk)
       want_o, want_final = call(operator_fn("xla"), chk)
       two_o, two_final = call(two_kernel_fn(interpret), chk)
