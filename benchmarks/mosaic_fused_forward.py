@@ -230,9 +230,17 @@ def run_r(r, shape, tiny, reps, inner, variants, record, save):
     fns["operator_two_kernel"] = operator_fn(mosaic_operator(fused=False))
     fns["operator_no_guard"] = operator_fn(mosaic_operator(nonfinite_guard=False))
   fns.update({f"fused:{name}": exe for name, (_, exe) in compiled.items() if name != best})
+  ref = None
   for name, fn in fns.items():
     row = case(phase="time", impl=name, mask="none" if r == 1 else "shared")
     try:
+      if name.startswith("fused:"):  # its output beside the checked variant's
+        out = jax.block_until_ready(fn(*args))
+        if name == f"fused:{best}":
+          ref = out
+        elif ref is not None:
+          row["vs_checked_o"] = rel_rms(out[0], ref[0])
+          row["vs_checked_state"] = rel_rms(out[1], ref[1])
       row["ms"], row["all_ms"] = time_fn(fn, args, reps, inner)
       row["ok"] = True
     except Exception as e:  # noqa: BLE001
@@ -256,6 +264,8 @@ def table(record):
       )
     elif c["phase"] == "time":
       extra = f"{c.get('ms', float('nan')):.3f} ms"
+      if "vs_checked_o" in c:
+        extra += f" (o vs checked {c['vs_checked_o']:.1e})"
     elif c["phase"] == "compile":
       extra = f"{c.get('seconds', '')} s"
     err = "" if c.get("ok") else " ERROR " + c.get("error", "").splitlines()[0][:150]
