@@ -11,6 +11,8 @@ and the masked keys Kw (in place, r > 1), the gate-free chunk matrix
 the merges, staged through the stage's own T0 tile), and `Ag = T0 ⊙ Dec ⊙ beta_s` straight into
 the stage, then releases the stage to the chain (docs/mosaic_gpu.md#the-fused-forward). While the
 chain walks chunk i, this warpgroup forms chunk i+1's; T0, w and u never reach global memory.
+With the non-finite guard (`marks`) it first cleans the stage's k and v in place, and the output
+warpgroup writes nan where marked; `split_inverse` shares the inverses with the output warpgroup.
 """
 
 from __future__ import annotations
