@@ -6,14 +6,19 @@ PY := .venv/bin/python
 GPU_PY ?= python3
 SECTIONS ?= all
 
-.PHONY: setup demo lint test test-fast gpu-check
+.PHONY: setup setup-jax-newest demo lint test test-fast test-jax-newest gpu-check
 setup:
 	@./scripts/setup_env.sh
+
+# .venv-jax-newest: the newest jax pyproject.toml takes (.venv has the oldest; the range and the
+# names that differ: pallas_kernels/common/compat.py).
+setup-jax-newest:
+	@./scripts/setup_env.sh --jax-newest
 
 # The main job: the S3 word-problem demo (examples/s3_demo; the `examples` extra, which the
 # set-up installs with the test extra).
 demo: setup
-	$(PY) -m gdp_jax demo
+	$(PY) -m examples.s3_demo
 
 # Lint, format check and types (settings in pyproject.toml); `make test` runs them first.
 lint: setup
@@ -30,6 +35,12 @@ test: lint
 
 test-fast: setup
 	$(PY) -m pytest -q $(XDIST) -m "not slow" tests
+
+# The other end of the jax range (CI runs both): the Mosaic GPU lowering and interpreter tests and
+# the range's own checks, on the newest jax.
+NEWEST_TESTS := tests/test_mosaic_gpu.py tests/test_mosaic_gpu_impl.py tests/test_device.py
+test-jax-newest: setup-jax-newest
+	.venv-jax-newest/bin/python -m pytest -q $(XDIST) $(NEWEST_TESTS)
 
 gpu-check:
 	PY="$(GPU_PY)" ./scripts/gpu_check.sh $(SECTIONS)

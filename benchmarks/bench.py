@@ -1,9 +1,10 @@
-"""`python -m gdp_jax bench`: time `gated_delta_product` forward and forward + backward, side by
-side with other implementations, and report milliseconds, TFLOP/s and GB/s.
+"""`python -m benchmarks.bench` (from the repository root): time `gated_delta_product` forward
+and forward + backward, side by side with other implementations, and report milliseconds,
+TFLOP/s and GB/s.
 
-  python -m gdp_jax bench                      # the H200 shape on a GPU, a small one on CPU
-  python -m gdp_jax bench --tiny               # a smoke run (seconds, any machine)
-  python -m gdp_jax bench --shape 8,4096,16,128,128 --rs 1,2,4 --dtype bf16 \
+  python -m benchmarks.bench                   # the H200 shape on a GPU, a small one on CPU
+  python -m benchmarks.bench --tiny            # a smoke run (seconds, any machine)
+  python -m benchmarks.bench --shape 8,4096,16,128,128 --rs 1,2,4 --dtype bf16 \
       --impls pallas,xla,fla,jla --out bench.json
 
 Several devices (`--devices N`): ours timed on one device and sharded over N devices
@@ -14,7 +15,7 @@ devices (set up before jax starts; the figures then say nothing about speed). TF
 count the whole problem (all devices together); the forward output is compared with the
 one-device output of the same implementation (and with xla's when xla runs).
 
-  python -m gdp_jax bench --devices 8 --shape 8,4096,16,128,128 --rs 1 --impls pallas
+  python -m benchmarks.bench --devices 8 --shape 8,4096,16,128,128 --rs 1 --impls pallas
 
 Implementations (`--impls`, comma separated; default `auto`):
   pallas     ours, the Pallas kernels the device prefers (compiled on GPU; interpreted on CPU,
@@ -59,7 +60,11 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tqdm
+
+try:
+  import tqdm
+except ModuleNotFoundError:  # the `bench` extra: main() says what to install
+  tqdm = None
 
 from gdp_jax.testing import SHAPES, random_inputs
 
@@ -552,16 +557,13 @@ def portable_traceback(text: str) -> str:
 
 
 def command_line():
-  """The command as typed: `python -m gdp_jax bench ...` rather than the path of __main__.py."""
+  """The command as typed: `python -m benchmarks.bench ...` rather than the path of bench.py."""
   argv = list(sys.argv)
   # Output files by name: an absolute path names a machine, not the repository.
   argv[1:] = [os.path.basename(a) if os.path.isabs(a) else a for a in argv[1:]]
-  if (
-    argv
-    and os.path.basename(argv[0]) == "__main__.py"
-    and os.path.basename(os.path.dirname(os.path.abspath(argv[0]))) == "gdp_jax"
-  ):
-    return " ".join(["python -m gdp_jax"] + argv[1:])
+  typed = list(getattr(sys, "orig_argv", []))
+  if "-m" in typed[1:-1]:  # python -m <module>: sys.argv[0] is the module's file
+    return " ".join(["python", "-m", typed[typed.index("-m", 1) + 1]] + argv[1:])
   if argv and os.path.isabs(argv[0]):  # a script by its full path: relative to the repository
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if os.path.abspath(argv[0]).startswith(root + os.sep):
@@ -700,7 +702,7 @@ def run(args) -> int:
   dev = jax.devices()[0]
   results = dict(
     schema=SCHEMA,
-    tool="python -m gdp_jax bench",
+    tool="python -m benchmarks.bench",
     command=command_line(),
     date=time.strftime("%Y-%m-%d %H:%M:%S"),
     device=str(dev),
@@ -862,7 +864,12 @@ def run(args) -> int:
   return 0
 
 
-def main(argv=None, prog=None, out_required=False) -> int:
+def main(argv=None, prog="python -m benchmarks.bench", out_required=False) -> int:
+  if tqdm is None:
+    print(
+      f"{prog} needs 'tqdm', from the `bench` extra: pip install -e \".[bench]\"", file=sys.stderr
+    )
+    return 2
   p = argparse.ArgumentParser(
     prog=prog,
     description=__doc__.split("\n\n")[0],
@@ -873,4 +880,7 @@ def main(argv=None, prog=None, out_required=False) -> int:
 
 
 if __name__ == "__main__":
+  from gdp_jax import compilation_cache
+
+  compilation_cache.enable()  # jax's persistent cache (docs/train_lm.md#compile-time)
   sys.exit(main())

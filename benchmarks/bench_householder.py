@@ -232,7 +232,7 @@ def main(argv=None):
     shape=dict(zip("BTHKV", shape)),
     dtype="bfloat16",
     expected="r1_*: the r = 1 operator (pallas) over the T*n_h sub-steps, inputs prepared",
-    runs=[],  # not "cases": that key marks `python -m gdp_jax bench` files
+    runs=[],  # not "cases": that key marks `python -m benchmarks.bench` files
   )
   if args.packed:
     lengths = packed_lengths(B, T, args.packed)

@@ -3,7 +3,7 @@
   python benchmarks/bench_operator.py --out results.json            # the H200 shapes
   python benchmarks/bench_operator.py --tiny --out /tmp/tiny.json   # a smoke run on CPU
 
-A thin caller of `benchmarks.bench` (the same as `python -m gdp_jax bench`, with `--out` required):
+A thin caller of `benchmarks.bench` (`python -m benchmarks.bench`, with `--out` required):
 flags --out --shape --rs --dtype --modes --impls --reps --inner --tiny, plus --plot, --no-plot,
 --reference-max-gb, --no-progress. Implementations: ours ("pallas", "xla", "reference"), and when
 importable, flash-linear-attention 0.6.0's `chunk_gated_delta_rule` ("fla") and

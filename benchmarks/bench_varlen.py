@@ -49,7 +49,7 @@ Every case runs inside a time budget (`--time-limit`, default 220 s from the sta
 would start after it is recorded as not run. The JSON (`--out`) is rewritten after every case,
 so a run cut short keeps what it measured: date, jax version, GPU (device_kind), the command
 (relative to the repository), `correctness` and `speed` records, `ratios` and `goals` (no
-"cases" key: that marks `python -m gdp_jax bench` files). `--smoke` uses tiny shapes (a CPU run
+"cases" key: that marks `python -m benchmarks.bench` files). `--smoke` uses tiny shapes (a CPU run
 in interpret mode: tests/test_bench.py).
 """
 

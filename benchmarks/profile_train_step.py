@@ -3,7 +3,7 @@
   python benchmarks/profile_train_step.py --out step.json [--model gdp-r2] [--preset h200]
   python benchmarks/profile_train_step.py --out smoke.json --smoke   # tiny preset, few reps
 
-For one preset and model kind of `python -m gdp_jax train-lm` (bf16 compute, everything under
+For one preset and model kind of `python -m examples.byte_lm` (bf16 compute, everything under
 `jax.jit`, medians of repeated timed loops, `benchmarks.bench.time_jax`):
 
 1. `step`: the full training step, the jitted step train-lm itself runs (`compiled_steps`), on

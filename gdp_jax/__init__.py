@@ -14,17 +14,19 @@ import importlib
 from gdp_jax.ops.gated_delta_product.api import describe_runtime, gated_delta_product
 from gdp_jax.ops.gqa_decode.api import gqa_decode, paged_gqa_decode
 from gdp_jax.ops.householder.api import householder_delta_product, householder_delta_product_step
-from gdp_jax.ops.step.api import gated_delta_product_step
+from gdp_jax.ops.step.api import gated_delta_product_step, gated_delta_product_verify, select_state
 from gdp_jax.ops.validation import value_checks
 
 __all__ = [
   "describe_runtime",
   "gated_delta_product",
   "gated_delta_product_step",
+  "gated_delta_product_verify",
   "gqa_decode",
   "householder_delta_product",
   "householder_delta_product_step",
   "paged_gqa_decode",
+  "select_state",
   "value_checks",
 ]
 __version__ = "0.3.0"
@@ -36,6 +38,7 @@ _SUBMODULES = (
   "sharding",
   "varlen",
   "ops",
+  "qwen3_5",
 )
 
 

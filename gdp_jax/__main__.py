@@ -1,88 +1,24 @@
-"""Command line: `python -m gdp_jax check` (the operator against the reference), and thin entry
-points into the lab kept outside the package in a checkout: `demo` (the main job,
-examples/s3_demo), `train-lm` (examples/byte_lm) and `bench` (benchmarks/bench.py). Those three
-need the checkout and an extra (`pip install -e ".[examples]"` or `".[bench]"`); without them the
-command says what to install."""
+"""The package's command line: `python -m gdp_jax check` (the operator forward and backward
+against the recurrent reference) and `python -m gdp_jax info` (versions, the device and the
+implementation each op picks there; docs/implementations.md#choosing-an-implementation).
+
+It runs only what the package holds. The lab lives in a checkout and runs from there by its own
+entry points (README.md): `python -m examples.s3_demo` (`make demo`), `python -m examples.byte_lm`
+(docs/train_lm.md) and `python -m benchmarks.bench`.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import pathlib
 import sys
 import time
 
 from gdp_jax.ops.gated_delta_product.api import IMPLEMENTATIONS
 
-# The packages each extra brings that the lab modules import (matplotlib stays optional: the
-# plots are skipped with a message without it).
-EXTRA_PACKAGES = {"examples": ("optax", "orbax.checkpoint", "tqdm"), "bench": ("tqdm",)}
-
-# command: (module in the checkout, the extra it needs, help, epilog)
-LAB_COMMANDS = {
-  "demo": (
-    "examples.s3_demo.demo",
-    "examples",
-    "train small hybrid LMs on the S3 word problem (block mask, Gated DeltaNet, "
-    "DeltaProduct), then generate",
-    None,
-  ),
-  "bench": (
-    "benchmarks.bench",
-    "bench",
-    "time the operator forward and forward + backward across implementations: "
-    "table (ms, TFLOP/s, GB/s), JSON and PNG",
-    None,
-  ),
-  "train-lm": (
-    "examples.byte_lm.train_lm",
-    "examples",
-    "train a byte-level hybrid LM on the Python standard library: learning curves, tokens/s, "
-    "MFU (JSON + PNG)",
-    "presets, corpus and FLOP count: docs/train_lm.md",
-  ),
-}
-
-
-def _checkout_root() -> pathlib.Path | None:
-  """The repository holding this package when it runs from a checkout (it has examples/)."""
-  root = pathlib.Path(__file__).resolve().parents[1]
-  return root if (root / "examples").is_dir() and (root / "benchmarks").is_dir() else None
-
-
-def load_lab_module(command: str):
-  """The module behind `command`, or a message saying what is missing (the checkout or an extra)."""
-  module_name, extra, _, _ = LAB_COMMANDS[command]
-  root = _checkout_root()
-  if root is None:
-    return None, (
-      f"`python -m gdp_jax {command}` runs {module_name.replace('.', '/')}.py, which lives in the "
-      "gdp-jax repository, not in the installed package: clone it and run the command there "
-      f'(pip install -e ".[{extra}]")'
-    )
-  if str(root) not in sys.path:
-    sys.path.insert(0, str(root))
-
-  def missing(name):
-    return None, (
-      f"`python -m gdp_jax {command}` needs {name!r}, from the `{extra}` extra: "
-      f'pip install -e ".[{extra}]" (or pip install "gdp-jax[{extra}]")'
-    )
-
-  for package in EXTRA_PACKAGES[extra]:  # imported lazily by the module: check them up front
-    try:
-      found = importlib.util.find_spec(package) is not None
-    except ModuleNotFoundError:  # a parent package is missing
-      found = False
-    if not found:
-      return missing(package)
-  try:
-    return importlib.import_module(module_name), None
-  except ModuleNotFoundError as e:
-    if e.name and e.name.split(".")[0] in ("examples", "benchmarks", "gdp_jax", "pallas_kernels"):
-      raise
-    return missing(e.name)
+LAB = (
+  "the lab runs from a checkout of the repository: python -m examples.s3_demo (make demo), "
+  "python -m examples.byte_lm (a byte-level LM) and python -m benchmarks.bench"
+)
 
 
 def check(args) -> int:
@@ -126,45 +62,39 @@ def check(args) -> int:
   return 0 if ok else 1
 
 
-def _missing(message):
-  def report(args) -> int:
-    print(message, file=sys.stderr)
-    return 2
+def info(args) -> int:
+  """Versions, the default device and the implementation `None` picks there for each op."""
+  import jax
 
-  return report
+  import gdp_jax
+  from gdp_jax.ops.gated_delta_product.api import REGISTRY, describe_runtime
+  from gdp_jax.ops.gqa_decode.api import REGISTRY as DECODE_REGISTRY
+  from gdp_jax.ops.step.api import REGISTRY as STEP_REGISTRY
+
+  print(f"gdp-jax {gdp_jax.__version__}, jax {jax.__version__}")
+  print(describe_runtime())
+  for name, registry in (
+    ("gated_delta_product", REGISTRY),
+    ("gated_delta_product_step", STEP_REGISTRY),
+    ("gqa_decode", DECODE_REGISTRY),
+  ):
+    print(f"{name}: implementation=None runs {registry.resolve(None).name!r}")
+  return 0
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m gdp_jax")
+  parser = argparse.ArgumentParser(prog="python -m gdp_jax", epilog=LAB)
   sub = parser.add_subparsers(dest="command", required=True)
-  commands = [*sys.argv[1:2]] if argv is None else [*argv[:1]]
-  for name, (_, _, help_text, epilog) in LAB_COMMANDS.items():
-    # Only the command that runs is imported (its extras); `--help` at the top lists them all.
-    module, message = load_lab_module(name) if name in commands else (None, None)
-    if module is not None:
-      p = sub.add_parser(
-        name, help=help_text, description=module.__doc__.split("\n\n")[0], epilog=epilog
-      )
-      module.add_arguments(p)
-      p.set_defaults(func=module.run)
-    else:
-      p = sub.add_parser(name, help=help_text, epilog=epilog)
-      p.set_defaults(func=_missing(message or ""), lab_missing=True)
-    if name == "demo":
-      p = sub.add_parser(
-        "check",
-        help="run the operator forward and backward under jax.jit and "
-        "check both against the recurrent reference",
-      )
-      p.add_argument(
-        "--implementation",
-        default=None,
-        choices=list(IMPLEMENTATIONS),
-      )
-      p.set_defaults(func=check)
-  args, rest = parser.parse_known_args(argv)
-  if rest and not getattr(args, "lab_missing", False):  # the missing command's flags are moot
-    parser.error(f"unrecognized arguments: {' '.join(rest)}")
+  p = sub.add_parser(
+    "check",
+    help="run the operator forward and backward under jax.jit and check both against the "
+    "recurrent reference",
+  )
+  p.add_argument("--implementation", default=None, choices=list(IMPLEMENTATIONS))
+  p.set_defaults(func=check)
+  p = sub.add_parser("info", help="versions, the device and the implementation each op picks")
+  p.set_defaults(func=info)
+  args = parser.parse_args(argv)
   return args.func(args)
 
 

@@ -1,42 +1,20 @@
-"""Several devices: the operator, its one-token step and the layers under `jax.shard_map`.
+"""Several devices: the operator, its step and the layers under `jax.shard_map` (docs/sharding.md).
 
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     sharding = ShardingConfig(mesh, batch="data", heads="model")
     o, final = sharded_gated_delta_product(q, k, v, g, beta, mask, sharding=sharding,
                                            output_final_state=True)
 
-A `ShardingConfig` names a `jax.sharding.Mesh` and the mesh axes (one name, a tuple of names, or
-None) that split the batch, the heads and the sequence. Batch and heads are independent
-problems: every device runs the single-device operator (any implementation, the Pallas kernels
-included) on its own block of rows and heads, with no communication at all. The sequence axis
-is context parallelism: each device holds a contiguous piece of the tokens and the pieces are
-chained through their states (docs/sharding.md):
-
-  1. the operator on the piece from a zero state, with the values widened by K zero columns and
-     the state by the K x K identity: the first V columns give the piece's outputs and final
-     state from zero (o0, F), the last K columns its transition P (the product of the tokens'
-     exp(g) (I - beta (k k^T) . (M x 1)) factors) and, per token, scale q_t^T P_t (one widened
-     call; with the Pallas kernels two calls of the ordinary width);
-  2. an all-gather of the small (P, F) pairs over the sequence axis, then on every device the
-     chain S_in(0) = initial state, S_in(j + 1) = P_j S_in(j) + F_j in float32;
-  3. the outputs corrected by the incoming state: o_t = o0_t + (scale q_t^T P_t) S_in.
-
-Gradients come from JAX's autodiff of this composition (the operator's own backward, the
-transpose of the all-gather, the transposed transitions of the chain). q, k, v, g, beta and the
-per-token mask never leave their device; the only collectives are the all-gather of
-[B/nb, H/nh, K, K + V] float32 per device, an all-reduce of the final state's shard and, in the
-backward pass, sums of the gradients of what is replicated (a shared mask, the initial state
-along the sequence).
-
-The recurrent step (`sharded_gated_delta_product_step`) splits batch and heads only (one token
-has no sequence to split). The Flax layer and the hybrid model take a `sharding=` argument.
+A `ShardingConfig` (sharding_config.py) names a mesh and the axes that split the batch, the heads
+and the sequence. Batch and heads are independent problems: every device runs the single-device
+operator on its own block, with no communication. The sequence is context parallel: each device
+runs its piece from a zero state with its transition, the pieces are chained through an
+all-gather of the small (transition, final state) pairs, and the outputs are corrected by the
+incoming state (docs/sharding.md#context-parallel-the-sequence-in-n-pieces). The recurrent step
+splits batch and heads only; the Flax layer and the hybrid model take a `sharding=` argument.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,140 +27,16 @@ from gdp_jax.ops.gated_delta_product.api import REGISTRY
 from gdp_jax.ops.gated_delta_product.base import Problem
 from gdp_jax.ops.step import api as _step
 from gdp_jax.ops.step.api import REGISTRY as STEP_REGISTRY
+from gdp_jax.sharding_config import ROLES, ShardingConfig
 
 f32 = jnp.float32
-ROLES = ("batch", "heads", "sequence")
-
-# The mesh axes of each dimension of each named array ("b" batch, "t" sequence, "h" heads, "-"
-# not split), by name and rank. Size-1 broadcast axes of the masks are never split.
-_LAYOUTS = {
-  ("q", 4): "bth-",
-  ("k", 4): "bth-",
-  ("v", 4): "bth-",
-  ("g", 3): "bth",
-  ("beta", 3): "bth",
-  ("mask", 2): "--",
-  ("mask", 3): "h--",
-  ("mask", 5): "bth--",
-  ("initial_state", 4): "bh--",
-  ("state", 4): "bh--",
-  ("o", 4): "bth-",
-  # the one-token step
-  ("q", 3): "bh-",
-  ("k", 3): "bh-",
-  ("v", 3): "bh-",
-  ("g", 2): "bh",
-  ("beta", 2): "bh",
-  ("mask", 4): "bh--",
-  # model inputs: tokens [B, T], activations [B, T, D]
-  ("tokens", 2): "bt",
-  ("tokens", 1): "b",
-  ("x", 3): "bt-",
-}
-_ROLE_OF = {"b": "batch", "t": "sequence", "h": "heads"}
-
-
-def _as_axes(role, value, mesh):
-  """A role's axes as a tuple of mesh axis names (empty for None)."""
-  if value is None:
-    return ()
-  names = (value,) if isinstance(value, str) else value
-  if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
-    raise TypeError(
-      f"ShardingConfig.{role} must be a mesh axis name, a tuple of names or None, got {value!r}"
-    )
-  for n in names:
-    if n not in mesh.axis_names:
-      raise ValueError(
-        f"ShardingConfig.{role} names mesh axis {n!r}, but the mesh has axes "
-        f"{tuple(mesh.axis_names)}"
-      )
-  return names
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardingConfig:
-  """Which mesh axes split the batch, the heads and the sequence.
-
-  Args:
-    mesh: a `jax.sharding.Mesh` (Auto or Explicit axes; with Explicit axes the inputs are
-      resharded to the layout below, which is a no-op when they already have it).
-    batch, heads, sequence: a mesh axis name, a tuple of names (split over their product) or
-      None (not split). An axis may serve one role only. Mesh axes that no role names hold
-      replicas (each computes the same thing).
-
-  Layout of the operator's arrays: q, k, v, o split as [batch, sequence, heads, -]; g, beta as
-  [batch, sequence, heads]; the state as [batch, heads, -, -]; a mask [r, r] is replicated,
-  [H, r, r] split over heads, [B, T, H, r, r] like g.
-  """
-
-  mesh: Any
-  batch: Any = None
-  heads: Any = None
-  sequence: Any = None
-
-  def __post_init__(self):
-    if not isinstance(self.mesh, jax.sharding.Mesh):
-      raise TypeError(
-        f"ShardingConfig.mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}"
-      )
-    seen = {}
-    for role in ROLES:
-      for name in _as_axes(role, getattr(self, role), self.mesh):
-        if name in seen:
-          raise ValueError(
-            f"mesh axis {name!r} is named by both ShardingConfig.{seen[name]} and "
-            f"ShardingConfig.{role}; an axis may split one dimension only"
-          )
-        seen[name] = role
-
-  def axes(self, role: str) -> tuple[str, ...]:
-    """The mesh axes of `role` ("batch", "heads" or "sequence") as a tuple (empty: not split)."""
-    if role not in ROLES:
-      raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    return _as_axes(role, getattr(self, role), self.mesh)
-
-  def size(self, role: str) -> int:
-    """Number of pieces `role` is split into (the product of its mesh axes' sizes)."""
-    return math.prod(self.mesh.shape[n] for n in self.axes(role))
-
-  def _entry(self, role):
-    axes = self.axes(role)
-    if not axes:
-      return None
-    return axes[0] if len(axes) == 1 else axes
-
-  def spec(self, layout: str) -> PartitionSpec:
-    """A PartitionSpec from a layout string: one letter per dimension, "b" batch, "t" sequence,
-    "h" heads, "-" not split (e.g. "bth-" for q)."""
-    bad = set(layout) - set("bth-")
-    if bad:
-      raise ValueError(f"layout {layout!r} has letters {sorted(bad)}; use b, t, h and -")
-    return PartitionSpec(*(None if c == "-" else self._entry(_ROLE_OF[c]) for c in layout))
-
-  def spec_for(self, name: str, ndim: int) -> PartitionSpec:
-    """The PartitionSpec of an argument of the operator or the step by name and rank (q, k, v,
-    g, beta, mask, initial_state, state, o), or of model inputs (tokens [B, T], x [B, T, D])."""
-    layout = _LAYOUTS.get((name, ndim))
-    if layout is None:
-      known = sorted({n for n, _ in _LAYOUTS})
-      raise ValueError(
-        f"no layout for an array named {name!r} of rank {ndim}; known names: {known}"
-      )
-    return self.spec(layout)
-
-  def named_sharding(self, name: str, ndim: int) -> NamedSharding:
-    """`NamedSharding(mesh, spec_for(name, ndim))`."""
-    return NamedSharding(self.mesh, self.spec_for(name, ndim))
-
-  def put(self, **arrays):
-    """`jax.device_put` each named array (see `spec_for`) to its layout; None stays None.
-    Returns a dict with the same keys."""
-    return {
-      n: None if x is None else jax.device_put(x, self.named_sharding(n, jnp.ndim(x)))
-      for n, x in arrays.items()
-    }
-
+__all__ = [
+  "ROLES",
+  "ShardingConfig",
+  "piece_summary",
+  "sharded_gated_delta_product",
+  "sharded_gated_delta_product_step",
+]
 
 # ----------------------------------------------------------------------------------------------
 # Helpers

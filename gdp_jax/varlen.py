@@ -3,6 +3,7 @@ chunk-aligned padded layout, from gdp_jax/ops/gated_delta_product/varlen.py."""
 
 from gdp_jax.ops.gated_delta_product.varlen import (
   Layout,
+  block_offsets,
   chunk_initial_states,
   chunk_tokens,
   clean,
@@ -19,6 +20,7 @@ from gdp_jax.ops.gated_delta_product.varlen import (
 
 __all__ = [
   "Layout",
+  "block_offsets",
   "chunk_initial_states",
   "chunk_tokens",
   "clean",

@@ -17,7 +17,7 @@
 #   matrix-dims     gpu_matrix.py's default plan, in two parts: K = V = 96 and the K != V pairs,
 #                   every dtype and precision; a second run, from the cache, finishes what the
 #                   time limit left)
-#   bench           `python -m gdp_jax bench`: forward and forward + backward at the H200 shape,
+#   bench           `python -m benchmarks.bench`: forward and forward + backward at the H200 shape,
 #                   ours side by side with flash-linear-attention and jax-linear-attention
 #   stages          each forward and backward kernel timed alone (benchmarks/profile_stages.py)
 #   memory          peak GPU memory of one training step (benchmarks/memory_step.py)
@@ -34,6 +34,9 @@
 #                   backward) against xla and timed beside the unpacked call and flash-linear-
 #                   attention (benchmarks/bench_varlen.py --impl mosaic_gpu), then the Householder
 #                   form with 64 packed sequences (benchmarks/bench_householder.py --packed 64)
+#   reproducible    bitwise reproducibility of "mosaic_gpu" and "triton" compiled: two runs, and a
+#                   row alone vs within a batch, outputs and gradients
+#                   (scripts/check_reproducible_gpu.py, docs/precision.md#reproducibility)
 #   all             tests matrix bench stages memory decode (several commands' worth)
 #
 # Compilation: every section uses jax's persistent compilation cache in .jax_cache/ in the
@@ -52,7 +55,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gdp_gpu_out}"
 PY="${PY:-python3}"
 SECTIONS_KNOWN="tests tests-forward tests-backward tests-decode matrix matrix-ieee matrix-dims"
-SECTIONS_KNOWN+=" bench stages memory decode compile compile-generate packed"
+SECTIONS_KNOWN+=" bench stages memory decode compile compile-generate packed reproducible"
 sections="${*:-all}"
 if [[ " $sections " == *" list "* ]]; then
   echo "$SECTIONS_KNOWN all"
@@ -162,7 +165,7 @@ if want matrix-dims; then
   run_matrix gpu_matrix_dims --dims "96,64:128,128:64,256:64,32:96"
 fi
 if want bench; then
-  "$PY" -m gdp_jax bench --shape 8,4096,16,128,128 --rs 1,2,4 --impls pallas,fla,jla,xla \
+  "$PY" -m benchmarks.bench --shape 8,4096,16,128,128 --rs 1,2,4 --impls pallas,fla,jla,xla \
       --modes fwd,fwdbwd --no-progress --out "$OUT/bench_operator.json" ${BENCH_ARGS:-} \
       2>&1 | tee "$OUT/bench_operator.log" | grep -v "^E[0-9]" | tail -40
 fi
@@ -201,5 +204,14 @@ fi
 if want compile; then
   "$PY" benchmarks/compile_profile.py --out "$OUT/compile_profile.json" ${COMPILE_ARGS:-} 2>&1 \
       | tee "$OUT/compile_profile.log" | tail -40
+fi
+if want reproducible; then
+  t0=$SECONDS
+  timeout --signal=INT --kill-after=30 "$SECTION_TIME_LIMIT" "$PY" \
+      scripts/check_reproducible_gpu.py --out "$OUT/reproducible.json" 2>&1 \
+      | tee "$OUT/reproducible.log" | grep -v "^E[0-9]" | tail -12
+  rc="${PIPESTATUS[0]}"
+  echo "section reproducible: exit $rc in $((SECONDS - t0)) s" | tee -a "$OUT/sections.txt"
+  [ "$rc" -eq 0 ] || status=1
 fi
 exit $status

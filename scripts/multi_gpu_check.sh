@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Several GPUs (gdp_jax.sharding): the sharding checks on the real devices with the compiled
-# Pallas kernels, and `python -m gdp_jax bench --devices N` at the H200 shape.
+# Pallas kernels, and `python -m benchmarks.bench --devices N` at the H200 shape.
 #
 #   scripts/multi_gpu_check.sh [checks] [partition] [bench] [all]   (default: all)
 #
@@ -47,7 +47,7 @@ if want partition; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want bench; then
-  "$PY" -m gdp_jax bench --devices "$N" --shape 8,4096,16,128,128 --rs 1,2,4 --impls pallas \
+  "$PY" -m benchmarks.bench --devices "$N" --shape 8,4096,16,128,128 --rs 1,2,4 --impls pallas \
       --modes fwd,fwdbwd --no-progress --out "$OUT/bench_devices.json" ${BENCH_ARGS:-} \
       2>&1 | tee "$OUT/bench_devices.log" | grep -v "^E[0-9]" | tail -30
 fi

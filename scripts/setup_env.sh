@@ -1,10 +1,25 @@
 #!/usr/bin/env bash
-# Create .venv with a Python >= 3.12 and install the project (with its test extras).
+# Create .venv with a Python >= 3.12 and install the project (with its test extras) on the oldest
+# jax pyproject.toml takes. `--jax-newest`: .venv-jax-newest instead, with the newest jax it takes
+# and only what the tests need (`make test-jax-newest`; pallas_kernels/common/compat.py).
 # Re-runs are cheap: it reinstalls only when pyproject.toml changed since the last install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=.venv
+# The jax range: "jax>=OLDEST,<=NEWEST" in pyproject.toml.
+RANGE="$(grep -oE '"jax>=[0-9.]+,<=[0-9.]+"' pyproject.toml | tr -d '"')"
+OLDEST="${RANGE#jax>=}"; OLDEST="${OLDEST%%,*}"
+NEWEST="${RANGE##*<=}"
+if [ -z "$RANGE" ] || [ -z "$OLDEST" ] || [ -z "$NEWEST" ]; then
+  echo "error: pyproject.toml has no \"jax>=OLDEST,<=NEWEST\" dependency" >&2
+  exit 1
+fi
+
+case "${1:-}" in
+  "") VENV=.venv; INSTALL=(-e ".[test]" "jax==$OLDEST") ;;
+  --jax-newest) VENV=.venv-jax-newest; INSTALL=(-e . "jax==$NEWEST" pytest pytest-xdist) ;;
+  *) echo "usage: $0 [--jax-newest]" >&2; exit 2 ;;
+esac
 STAMP="$VENV/.installed-$(sha1sum pyproject.toml | cut -c1-12)"
 
 if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ]; then
@@ -49,7 +64,7 @@ if [ ! -x "$VENV/bin/python" ] || ! is_ok "$VENV/bin/python"; then
 fi
 
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+"$VENV/bin/python" -m pip install -q "${INSTALL[@]}"
 rm -f "$VENV"/.installed-*
 touch "$STAMP"
-echo "installed gdp-jax into $VENV"
+echo "installed gdp-jax into $VENV (jax $("$VENV/bin/python" -c 'import jax; print(jax.__version__)'))"

@@ -12,7 +12,7 @@
 #              its timed step; compilation and evaluation not counted)
 #   --models   a subset, e.g. --models "gdn gdp-r2" (one command may be time-limited: run the
 #              models in several calls with the same OUT; the comparison covers all of them)
-#   FLAGS      passed on to `python -m gdp_jax train-lm` (e.g. --batch-size 16, --peak-tflops)
+#   FLAGS      passed on to `python -m examples.byte_lm` (e.g. --batch-size 16, --peak-tflops)
 # Checkpoints are off (a 117M model's checkpoint is 1.4 GB); CKPT=1 keeps them in
 # OUT/<model>/checkpoints. PY=python3 the interpreter; PRESET=tiny runs the same on a CPU in
 # a few minutes (a smoke test of the script).
@@ -52,7 +52,7 @@ status=0
 for model in $models; do
   echo "== $model"
   mkdir -p "$OUT/$model"
-  "$PY" -m gdp_jax train-lm --preset "$PRESET" --model "$model" --out "$OUT/$model" \
+  "$PY" -m examples.byte_lm --preset "$PRESET" --model "$model" --out "$OUT/$model" \
       ${budget[@]+"${budget[@]}"} "${ckpt[@]}" ${extra[@]+"${extra[@]}"} 2>&1 \
       | tee "$OUT/$model/train.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -60,6 +60,6 @@ done
 shopt -s nullglob
 runs=("$OUT"/*/metrics.json)
 if [ ${#runs[@]} -gt 0 ]; then
-  "$PY" -m gdp_jax train-lm --compare "${runs[@]}" --out "$OUT" | tee "$OUT/compare.txt"
+  "$PY" -m examples.byte_lm --compare "${runs[@]}" --out "$OUT" | tee "$OUT/compare.txt"
 fi
 exit $status

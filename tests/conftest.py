@@ -124,6 +124,7 @@ SLOW = (
   "tests/test_fused_forward.py::test_operator_forward_and_gradients*",
   "tests/test_nonfinite.py::test_nonfinite_gradient_is_causal[triton*",
   "tests/test_nonfinite.py::test_reset_matches_reference[triton]",
+  "tests/test_nonfinite.py::test_reset_is_a_fresh_start[triton]",
   "tests/test_nonfinite.py::test_pallas_guard_under_jit*",
   "tests/test_implementations.py::TestTriton::test_transformations_compose",
   # (the interpreted Triton kernels' gradients keep their cheapest case, r = 1, in the fast tier)
@@ -166,6 +167,8 @@ SLOW = (
 # its patterns (the same check at other shapes, dtypes and mask kinds; every implementation a
 # test takes where the cases name them) and the slow tier the rest. Patterns as in `SLOW`.
 FAST_CASES = (
+  "tests/test_block_states.py::test_packed_states_count_from_each_sequence_start[triton]",
+  "tests/test_block_states.py::test_states_are_the_prefixes_final_states[xla]",
   "tests/test_decode.py::test_kernel_splits_and_blocks[bfloat16-32-4]",
   "tests/test_decode.py::test_kernel_splits_and_blocks[float32-16-3]",
   "tests/test_decode.py::test_problem_examples[*-bfloat16-xla]",
@@ -207,6 +210,7 @@ FAST_CASES = (
   "tests/test_pallas_backward.py::test_backward_lowers_to_triton[2-head-64-64-float32]",
   "tests/test_pallas_forward.py::test_forward_lowers_to_triton[2-head-128-128-bfloat16]",
   "tests/test_pallas_forward.py::test_forward_lowers_to_triton[8-shared-32-24-bfloat16]",
+  "tests/test_reproducible.py::test_bitwise_across_runs_and_batch_composition[triton]",
   "tests/test_step.py::test_steps_match_operator[token-2-*",
   "tests/test_varlen.py::test_jnp_backward_of_packed_form[token]",
   "tests/test_varlen.py::test_packed_equals_separate[xla-2-token-1-2]",

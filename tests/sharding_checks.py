@@ -13,8 +13,8 @@ Groups: operator_a, operator_b (the sharded operator, forward, final state and e
 gradient, plus the compiled program's collectives), pallas (one case on the Pallas kernels),
 step (the one-token step), model (the Flax layer with the sequence split, and a training step of
 the hybrid model on a 2 x 4 data x model mesh), api (ShardingConfig, placement, Explicit meshes,
-errors), bench (`python -m gdp_jax bench --devices 4`; the forward on simulated devices, forward and
-backward with --real). Each check prints one JSON line
+errors), bench (`python -m benchmarks.bench --devices 4`; the forward on simulated devices,
+forward and backward with --real). Each check prints one JSON line
 {"group", "name", "ok", "detail", "seconds"}; the exit status is 0 when every check passed.
 """
 
@@ -533,7 +533,7 @@ def group_bench(impl):
     assert max(diffs.values()) < 2e-2, diffs  # bf16 outputs against one device
     return f"bench --devices {n}: one device, {bh}, cp{n} all timed; |o - xla| {diffs}"
 
-  record("bench", f"{impl} python -m gdp_jax bench --devices {n}", bench_devices)
+  record("bench", f"{impl} python -m benchmarks.bench --devices {n}", bench_devices)
 
 
 GROUPS = ("operator_a", "operator_b", "pallas", "step", "model", "api", "bench")

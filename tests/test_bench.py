@@ -1,4 +1,5 @@
-"""`python -m gdp_jax bench` on CPU at a tiny shape: it runs, and its JSON has what it promises."""
+"""`python -m benchmarks.bench` on CPU at a tiny shape: it runs, and its JSON has what it
+promises."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pathlib
 import pytest
 
 from benchmarks import bench
-from gdp_jax.__main__ import main as cli_main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -45,9 +45,7 @@ OK_FIELDS = ("ms", "all_ms", "flops", "bytes", "tflops", "gbps")
 
 def test_bench_command_tiny(tmp_path, capsys):
   out = tmp_path / "bench.json"
-  rc = cli_main(
-    ["bench", "--tiny", "--impls", "xla,reference,fla,jla", "--rs", "1,2", "--out", str(out)]
-  )
+  rc = bench.main(["--tiny", "--impls", "xla,reference,fla,jla", "--rs", "1,2", "--out", str(out)])
   assert rc == 0
   printed = capsys.readouterr().out
   assert "TFLOP/s" in printed and "GB/s" in printed and "ms" in printed
@@ -195,7 +193,7 @@ def test_bench_varlen_smoke(tmp_path):
   res = json.loads(out.read_text())
   for field in ("schema", "date", "jax_version", "device_kind", "command", "goals", "ratios"):
     assert field in res, field
-  assert "cases" not in res  # that key marks `python -m gdp_jax bench` files
+  assert "cases" not in res  # that key marks `python -m benchmarks.bench` files
   assert res["command"].startswith("python benchmarks/bench_varlen.py --smoke")
   assert str(tmp_path) not in res["command"] and "--out varlen.json" in res["command"]
   [case] = res["correctness"]

@@ -20,6 +20,7 @@ from gdp_jax import gated_delta_product
 from gdp_jax.ops.gated_delta_product import triton as gdp_triton
 from gdp_jax.ops.gated_delta_product import xla
 from gdp_jax.ops.validation import normalize_mask
+from pallas_kernels.common import compat
 from pallas_kernels.common.options import Launch
 from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output
 from tests.cases import (
@@ -243,8 +244,7 @@ def _pallas_outputs(fn, *args):
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
       if eqn.primitive.name == "pallas_call":
-        name = eqn.params.get("name", eqn.params.get("name_and_src_info"))  # jax 0.12 / 0.11
-        name = getattr(name, "name", name)
+        name = compat.pallas_call_name(eqn)
         found.setdefault(name, []).append([v.aval for v in eqn.outvars])
       else:
         for sub in _sub_jaxprs(eqn.params):

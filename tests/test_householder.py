@@ -24,6 +24,7 @@ from flax import nnx
 from gdp_jax import gated_delta_product, householder_delta_product, householder_delta_product_step
 from gdp_jax.layers import GroupedQueryAttention, HouseholderDeltaProduct
 from gdp_jax.models import HybridConfig, HybridLM
+from pallas_kernels.common import compat
 from tests.cases import GRAD_TOLERANCE, assert_close, loss_and_grads, outputs_and_grads, tol
 
 F32, GRAD_F32 = tol(jnp.float32), GRAD_TOLERANCE[jnp.float32]
@@ -150,10 +151,10 @@ def _jaxpr_parts(fn, *args):
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
       if eqn.primitive.name == "pallas_call":
-        name = eqn.params.get("name", eqn.params.get("name_and_src_info"))  # jax 0.12 / 0.11
+        name = compat.pallas_call_name(eqn)
         operands = tuple(v.aval for v in eqn.invars)
         grid = str(eqn.params["grid_mapping"])
-        kernels.append((str(getattr(name, "name", name)), operands, str(eqn.params["jaxpr"]), grid))
+        kernels.append((name, operands, str(eqn.params["jaxpr"]), grid))
         continue
       others.extend(v.aval for v in eqn.outvars)
       for value in eqn.params.values():

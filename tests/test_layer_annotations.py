@@ -11,7 +11,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from gdp_jax.layers import LOGICAL_AXIS_RULES
-from gdp_jax.layers.delta_mixer import _head_major, _writes_first
+from gdp_jax.layers.delta_common import head_major as _head_major
+from gdp_jax.layers.delta_common import writes_first as _writes_first
 from gdp_jax.layers.partitioning import partitioned
 from gdp_jax.models import HybridConfig, HybridLM
 

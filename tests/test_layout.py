@@ -190,3 +190,40 @@ def test_listed_reads_the_marked_table_only():
   text = f'| `"elsewhere"` |\n{BEGIN}\n| name | what |\n| --- | --- |\n| `"xla"` | jnp |\n{END}\n'
   assert _listed(text) == ["xla"]
   assert _listed("no table") is None
+
+
+# ---- file sizes and module docstrings ------------------------------------------------------------
+#
+# No package file over 500 lines; a module docstring of at most 15 lines saying what the module is
+# for (history goes to CHANGELOG.md and docs/, timings to benchmarks/results/).
+MAX_LINES, MAX_DOCSTRING_LINES = 500, 15
+
+
+def _docstring_lines(text: str) -> int:
+  body = ast.parse(text).body
+  first = body[0] if body else None
+  if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+    if isinstance(first.value.value, str):
+      return first.end_lineno - first.lineno + 1
+  return 0
+
+
+def _too_long(paths) -> list[str]:
+  bad = []
+  for path in paths:
+    name = path.relative_to(ROOT).as_posix()
+    text = path.read_text()
+    if len(text.splitlines()) > MAX_LINES:
+      bad.append(f"{name}: {len(text.splitlines())} lines")
+    if _docstring_lines(text) > MAX_DOCSTRING_LINES:
+      bad.append(f"{name}: a {_docstring_lines(text)}-line module docstring")
+  return bad
+
+
+def test_package_files_are_short_and_say_what_they_are_for():
+  paths = sorted([*(ROOT / "gdp_jax").rglob("*.py"), *(ROOT / "pallas_kernels").rglob("*.py")])
+  assert len(paths) > 50, paths
+  assert _too_long(paths) == []
+  # the check can fail
+  assert _docstring_lines('"""one\n\ntwo"""\nx = 1\n') == 3
+  assert _docstring_lines("x = 1\n") == 0

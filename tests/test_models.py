@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from examples.s3_demo import demo
+from examples.s3_demo.__main__ import main as demo_main
 from gdp_jax.__main__ import main
 from gdp_jax.models import HybridConfig, HybridLM, generate
 from tests.cases import assert_close
@@ -218,9 +219,8 @@ def test_permutation_task():
 def test_demo_command_runs(capsys):
   """Every part of the demo at toy sizes: two models (one layer each; the hybrid model with
   attention layers is trained in test_training_step_lowers_loss), the report and generation."""
-  rc = main(
+  rc = demo_main(
     [
-      "demo",
       "--steps",
       "2",
       "--seq-len",
@@ -351,3 +351,71 @@ def test_step_tokens_errors(model):
   paged = tuple(to_paged(c, 16) if hasattr(c, "lengths") else c for c in full)
   with pytest.raises(ValueError, match=r"cache too small: .* the cache's pages"):
     step_tokens(tokens_of(42), paged)
+
+
+# ---- layers scanned (scan_layers) ----------------------------------------------------------------
+
+
+def _max_diff(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.slow  # about 40 s on 2 CPU cores: eight programs compiled
+def test_scanned_layers_equal_unrolled():
+  """ "DDADDA" (the unit "DDA" twice, in it "D" twice) under `jax.lax.scan` and layer by layer,
+  the same parameters: gradients, prefill logits and caches, generate (its decode steps), and
+  step_tokens' check of the caches' room."""
+  unrolled, scanned = (
+    tiny(layer_pattern="DDADDA", scan_layers=False),
+    tiny(layer_pattern="DDADDA", scan_layers=True),
+  )
+  assert unrolled.scan_plan is None and scanned.scan_plan == (2, (("D", 2), ("A", 1)))
+  assert _max_diff(nnx.state(unrolled), nnx.state(scanned)) == 0  # one layout of parameters
+  tokens = tokens_of(50, T=9)
+
+  def loss(m):
+    return jnp.mean(m(tokens) ** 2)
+
+  grads = [nnx.state(nnx.jit(nnx.grad(loss))(m), nnx.Param) for m in (unrolled, scanned)]
+  assert _max_diff(*grads) < 1e-5 and max(np.abs(g).max() for g in jax.tree.leaves(grads[0])) > 0
+  lengths = jnp.array([4, 9], jnp.int32)
+  prefill = nnx.jit(lambda m, t, n: m.prefill(t, n, cache_size=16))
+  out = [prefill(m, tokens, lengths) for m in (unrolled, scanned)]
+  assert len(out[1][1]) == 6 and _max_diff(*out) < 1e-5  # logits and the per-layer caches
+  with pytest.raises(ValueError, match="cache too small"):  # checked before the scan
+    jax.eval_shape(lambda t: scanned.step_tokens(t, out[1][1]), tokens[:, :8])
+  prompts = [[1, 2, 3], [4]]
+  np.testing.assert_array_equal(
+    generate(unrolled, prompts, 4, pad_to=16), generate(scanned, prompts, 4, pad_to=16)
+  )
+
+
+def _count(jaxpr, name):
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == name
+    for value in eqn.params.values():  # the sub-programs: scan bodies, pjit, custom_vjp
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(item, "jaxpr", item)
+        if hasattr(sub, "eqns"):
+          n += _count(sub, name)
+  return n
+
+
+def test_scanned_program_does_not_grow_with_depth():
+  # each distinct layer traced once: twice the layers, the same matmuls in the program
+  def dots(pattern, scan):
+    graphdef, state = nnx.split(tiny(layer_pattern=pattern, scan_layers=scan))
+    jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens_of(0)))(state)
+    return _count(jaxpr.jaxpr, "dot_general")
+
+  assert dots("DA" * 4, None) == dots("DA" * 2, None) < dots("DA" * 2, False)
+  assert dots("DA" * 4, False) > dots("DA" * 2, False)
+  unrolled, scanned = (
+    tiny(layer_pattern="DADA", scan_layers=False),
+    tiny(layer_pattern="DADA", scan_layers=True),
+  )
+  assert_close(forward(scanned, tokens_of(51)), forward(unrolled, tokens_of(51)), 1e-5, "logits")
+  with pytest.raises(ValueError, match="scan_layers must be None, True or False"):
+    tiny(scan_layers="yes")

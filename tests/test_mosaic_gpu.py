@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 import gdp_jax
+from pallas_kernels.common import compat
 from pallas_kernels.mosaic_gpu import backward_walk, chunk_grads, common
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
 from pallas_kernels.mosaic_gpu.forward import block_rows, forward, householder_forward, mask_rows
@@ -202,8 +203,6 @@ def _case_name(case):
 
 def _run_interpreted_cases():
   """Runs every interpreted case here (in the subprocess); returns {name: measures}."""
-  from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-
   out = {}
   for r, mask_kind in INVERSE_CASES:
     batch, heads, key_dim = 1, 2, 64
@@ -234,7 +233,7 @@ def _run_interpreted_cases():
     row = dict(
       o=_rel_rms(o.astype(F32), want_o), shape_ok=o.shape == v.shape and o.dtype == q.dtype
     )
-    row["races"] = bool(get_races().races_found)
+    row["races"] = bool(compat.interpreter_races().races_found)
     if state:
       row["state"] = _rel_rms(final, want_final)
     if mask is not None and r > 1:  # what a wrong mask orientation scores
@@ -254,8 +253,6 @@ def _householder_case(n_h, t_len):
   """The Householder form's kernels (`householder_forward`) against its recurrence, and against
   the recurrence with each token's sub-steps in reverse order (what a kernel that ignored their
   order would match)."""
-  from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-
   batch, heads, dim = 1, 2, 64
   q, _, _, g, _, _, h0 = _inputs(30 + n_h, batch, t_len, heads, dim, dim, 1, "none")
   _, k, v, _, beta, _, _ = _inputs(40 + n_h, batch, t_len * n_h, heads, dim, dim, 1, "none")
@@ -263,7 +260,7 @@ def _householder_case(n_h, t_len):
   params = plgpu.InterpretGPUParams(detect_races=True)
   run = functools.partial(householder_forward, scale=0.3, output_final_state=True, interpret=params)
   o, final = jax.jit(run)(q, k, v, g, beta, initial_state=h0)
-  races = bool(get_races().races_found)
+  races = bool(compat.interpreter_races().races_found)
 
   @jax.jit
   def recurrence(k, v, beta):

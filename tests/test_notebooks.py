@@ -27,7 +27,7 @@ KERNEL = "gdp-jax-tests"
 
 def test_there_are_notebooks():
   names = [p.stem for p in PATHS]
-  assert names == ["01_quickstart", "02_train_layer", "03_inference", "04_benchmarks"]
+  assert names == ["01_quickstart", "02_train_layer", "03_inference", "04_benchmarks", "05_qwen3_5"]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])

@@ -182,6 +182,12 @@ def _good():
       "output_final_state must be True or False, got 'no' (str)",
     ),
     (dict(output_final_state=1), TypeError, "output_final_state must be True or False"),
+    (
+      dict(options={"precision": "ieee"}, implementation="xla"),
+      TypeError,
+      "options must be None or a pallas_kernels.common.options.KernelOptions",
+    ),
+    (dict(options="fast", implementation="triton"), TypeError, "got 'fast' (str)"),
   ],
 )
 def test_bad_inputs_raise(change, error, words):
@@ -190,6 +196,17 @@ def test_bad_inputs_raise(change, error, words):
   with pytest.raises(error) as info:
     gated_delta_product(**inputs)
   assert words in str(info.value)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla", "pallas"])
+def test_an_empty_batch_gives_empty_outputs(implementation):
+  """B = 0 (as jnp's functions take it): o [0, T, HV, V] and a final state [0, HV, K, V]."""
+  z = jnp.zeros
+  args = (z((0, 8, 2, 16)), z((0, 8, 2, 16)), z((0, 8, 4, 8)), z((0, 8, 4)), z((0, 8, 4)))
+  o, f = jax.eval_shape(
+    lambda: gated_delta_product(*args, output_final_state=True, implementation=implementation)
+  )
+  assert (o.shape, o.dtype, f.shape) == ((0, 8, 4, 8), jnp.float32, (0, 4, 16, 8))
 
 
 def test_bad_implementation_and_chunk_size():

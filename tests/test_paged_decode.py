@@ -372,9 +372,20 @@ def test_bad_inputs_raise(change, error, words):
 
 
 def test_unused_entries_may_hold_anything():
-  inputs = _good()
-  inputs["block_tables"] = jnp.asarray([[0, 1, -7, 10**9], [2, 3, 4, 5]], jnp.int32)
-  paged_gqa_decode(**inputs)  # lengths [20, 50]: row 0 uses two entries only
+  """Lengths [20, 50]: row 0 uses two entries only; -7 and 10**9 in the other two are no error
+  and change nothing (the same numbers as the row's own pages there, and the reference's)."""
+  arrays, dense_k, dense_v = make_paged(15, [20, 50], stale=np.nan)
+  table = np.asarray(arrays["block_tables"])
+  tidy, garbage = table.copy(), table.copy()
+  tidy[0, 2:] = table[0, :2]
+  garbage[0, 2:] = [-7, 10**9]
+  outs = [
+    np.asarray(paged_gqa_decode(**{**arrays, "block_tables": jnp.asarray(t, jnp.int32)}))
+    for t in (garbage, tidy)
+  ]
+  assert np.all(np.isfinite(outs[0]))
+  np.testing.assert_array_equal(outs[0], outs[1])
+  assert_close(outs[0], reference(arrays, dense_k, dense_v), TOL[jnp.float32], "garbage entries")
 
 
 def test_dense_tq_policy_errors():

@@ -26,7 +26,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
-from gdp_jax.ops.partitioning import _fold, _folded, _unfolded, vjp_specs
+from gdp_jax.ops.partitioning_vjp import _fold, _folded, _unfolded, vjp_specs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "partitioning_checks.py")

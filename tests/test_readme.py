@@ -1,6 +1,7 @@
 """README.md holds its promises: every ```python block runs on its own (a fresh interpreter: its
 imports and inputs included), and the commands of its ```bash blocks name make targets, scripts,
-files and `python -m gdp_jax` commands that exist.
+files and `python -m` commands that exist, and its "Two commands" are two: `make demo` (the main
+job, `python -m examples.s3_demo`) and `make test`.
 
 The blocks run on the CPU with 8 simulated devices (the sharding example needs them; the others
 ignore them), as a user without a GPU would run them.
@@ -73,15 +74,29 @@ def test_bash_commands_name_what_exists():
   targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
   from gdp_jax.__main__ import main
 
-  lines = list(_bash_lines())
+  lines = list(_bash_lines()) + re.findall(r"`([^`]*python -m [^`]*)`", README)
   assert lines
   for line in lines:
     for target in re.findall(r"\bmake ([\w-]+)", line):
       assert target in targets, f"README runs `make {target}`, the Makefile has {targets}"
     for path in re.findall(r"(?:^|\s)((?:scripts|benchmarks)/[\w./-]+)", line):
       assert (ROOT / path).exists(), f"README names {path}, which does not exist"
-    for command in re.findall(r"python -m gdp_jax ([\w-]+)", line):
-      with pytest.raises(SystemExit) as info:
-        main([command, "--help"])
-      assert info.value.code == 0, f"`python -m gdp_jax {command}` is no command"
+    for commands in re.findall(r"python -m gdp_jax ([\w|-]+)", line):
+      for command in commands.split("|"):
+        with pytest.raises(SystemExit) as info:
+          main([command, "--help"])
+        assert info.value.code == 0, f"`python -m gdp_jax {command}` is no command"
+    for module in re.findall(r"python -m ((?:examples|benchmarks)[\w.]*)", line):
+      path = ROOT / module.replace(".", "/")
+      assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), module
     assert "/root/" not in line and "/work/" not in line, f"a machine path in {line!r}"
+
+
+def test_two_commands_are_two():
+  section = README.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+  block = re.findall(r"^```bash\n(.*?)^```", section, re.S | re.M)[0]
+  commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+  assert commands == ["make demo", "make test"], commands
+  makefile = (ROOT / "Makefile").read_text()
+  demo = re.search(r"^demo:.*\n\t(.*)", makefile, re.M)
+  assert demo and demo.group(1) == "$(PY) -m examples.s3_demo", makefile

@@ -21,6 +21,7 @@ from gdp_jax.ops.gated_delta_product.base import Problem
 from gdp_jax.ops.gqa_decode.api import REGISTRY as DECODE_REGISTRY
 from gdp_jax.ops.step.api import REGISTRY as STEP_REGISTRY
 from pallas_kernels.common import options
+from pallas_kernels.common.device import DeviceInfo
 from tests.cases import assert_close, general_backends, make_inputs, tol
 
 REGISTRIES = {
@@ -217,14 +218,14 @@ def test_kernel_options_are_validated_and_used():
 
 
 def test_heuristic_respects_a_smaller_gpu():
-  small = options.DeviceInfo(
+  small = DeviceInfo(
     platform="gpu",
     name="NVIDIA L4",
     compute_capability=(8, 9),
     sm_count=58,
     shared_memory_per_block=99 * 1024,
   )
-  big = options.DeviceInfo(platform="gpu", name="NVIDIA H200", compute_capability=(9, 0))
+  big = DeviceInfo(platform="gpu", name="NVIDIA H200", compute_capability=(9, 0))
   kw = dict(r=1, dim_k=128, dim_v=128, dtype=jnp.bfloat16)
   picked = {
     d.name: options.heuristic_options(**kw, device=d).chunk_state_output for d in (small, big)

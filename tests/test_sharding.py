@@ -9,7 +9,7 @@ r = 1, 2, 4, masks [r, r], [H, r, r], [B, T, H, r, r], with and without an initi
 batch / head parallel and the sequence split into 2, 4 and 8 pieces; the compiled programs move
 no q, k or v between devices; one case on the Pallas kernels (interpreted); the one-token step;
 the Flax layer with the sequence split; a training step of the hybrid model on a 2 x 4 (data x
-model) mesh; `python -m gdp_jax bench --devices 4` (forward).
+model) mesh; `python -m benchmarks.bench --devices 4` (forward).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import pytest
 
 from pallas_kernels.common import options
 from pallas_kernels.common import shared_memory as sm
+from pallas_kernels.common.device import SHARED_MEMORY_PER_BLOCK, DeviceInfo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -40,14 +41,14 @@ DEVICES = {
   "NVIDIA B200": ((10, 0), 227 * KB),
   "NVIDIA GeForce RTX 5090": ((12, 0), 99 * KB),
 }
-H200 = options.DeviceInfo(
+H200 = DeviceInfo(
   platform="gpu", name="NVIDIA H200", compute_capability=(9, 0), shared_memory_per_block=227 * KB
 )
 
 
 def _device(name):
   capability, smem = DEVICES[name]
-  return options.DeviceInfo(
+  return DeviceInfo(
     platform="gpu", name=name, compute_capability=capability, shared_memory_per_block=smem
   )
 
@@ -76,9 +77,9 @@ H200_TOO_LARGE_IEEE_ONLY: set[tuple] = set()
 
 
 def test_device_table_matches_device_info():
-  # options.device_info reads the limit from the compute capability
+  # device_info reads the limit from the compute capability
   for capability, smem in DEVICES.values():
-    assert options._SHARED_MEMORY[capability] == smem
+    assert SHARED_MEMORY_PER_BLOCK[capability] == smem
 
 
 def test_matrix_is_the_gpu_matrix():

@@ -205,13 +205,12 @@ def test_flops_per_token():
 
 
 def test_command_line_and_bad_configuration(tmp_path, capsys):
-  from gdp_jax.__main__ import main
+  from examples.byte_lm.__main__ import main
 
   out = str(tmp_path / "cli")
   assert (
     main(
       [
-        "train-lm",
         "--preset",
         "tiny",
         "--steps",
@@ -227,7 +226,7 @@ def test_command_line_and_bad_configuration(tmp_path, capsys):
   )
   text = capsys.readouterr().out
   assert "bits/byte" in text and "tokens/s" in text and "MFU" in text
-  assert main(["train-lm", "--compare", os.path.join(out, "metrics.json"), "--out", out]) == 0
+  assert main(["--compare", os.path.join(out, "metrics.json"), "--out", out]) == 0
   assert "gdp-r2" in capsys.readouterr().out
   with pytest.raises(ValueError, match="seq_len must be a multiple of 64"):
     tl.train_lm(tl.preset_config("tiny", seq_len=100))
@@ -282,13 +281,17 @@ def test_profile_train_step_smoke(tmp_path):
     (["--steps", "0"], "steps must be a positive integer, got 0"),
     (["--steps", "-3"], "steps must be a positive integer, got -3"),
     (["--eval-every", "0"], "eval_every must be a positive integer, got 0"),
-    (["--ckpt-every", "-1"], "ckpt_every must be a non-negative integer, got -1"),
+    (["--ckpt-every", "-1"], "--ckpt-every must be >= 1 (steps between checkpoints"),
+    (["--ckpt-every", "0"], "--ckpt-every must be >= 1 (steps between checkpoints"),
+    (["--steps", "10", "--warmup-steps", "6"], "--warmup-steps 6 is more than half the schedule"),
     (["--warmup-steps", "-1"], "warmup_steps must be a non-negative integer"),
     (["--seed", "-1"], "seed must be a non-negative integer"),
     (["--lr", "0"], "lr must be a positive number, got 0.0"),
     (["--seq-len", "100"], "seq_len must be a multiple of 64"),
     (["--layers", "DXA"], "model settings: layer_pattern = 'DXA' has unknown letters"),
     (["--hidden-size", "0"], "model settings: hidden_size must be a positive integer"),
+    (["--hidden-size", "7"], "model settings: hidden_size = 7 is not divisible by num_heads = 2"),
+    (["--hidden-size", "30"], "model settings: head_dim must be even for RoPE, got 15"),
     (["--resume"], "resume and stop_at need an out folder"),
     (["--compare", "/nonexistent/metrics.json"], "--compare: no file"),
   ],
@@ -296,13 +299,13 @@ def test_profile_train_step_smoke(tmp_path):
 def test_command_line_errors_are_one_line_with_status_2(argv, match, capsys):
   """Argument and data errors used to end in tracebacks: now one line on stderr, exit status 2
   (argparse's convention), nothing trained."""
-  from gdp_jax.__main__ import main
+  from examples.byte_lm.__main__ import main
 
-  assert main(["train-lm", "--no-progress", *argv]) == 2
+  assert main(["--no-progress", *argv]) == 2
   captured = capsys.readouterr()
   lines = captured.err.strip().splitlines()
   assert len(lines) == 1, captured.err
-  assert lines[0].startswith("python -m gdp_jax train-lm: error: ")
+  assert lines[0].startswith("python -m examples.byte_lm: error: ")
   assert match in lines[0]
   assert captured.out == ""
 
@@ -335,7 +338,7 @@ def test_resume_says_what_it_found(tmp_path, capsys):
   unreadable latest step (garbage data files, garbage _METADATA, an empty folder) is reported in
   one line and the step before is used; a checkpoint of another model is refused naming the
   settings that differ, on the command line in one line with status 2."""
-  from gdp_jax.__main__ import main
+  from examples.byte_lm.__main__ import main
 
   base = dict(eval_every=2, ckpt_every=2, plot=False, **QUIET)
   good = str(tmp_path / "good")
@@ -405,10 +408,10 @@ def test_resume_says_what_it_found(tmp_path, capsys):
     tl.TrainLMError, match=r"another model \(mask_mode 'static' there, 'ones' here"
   ):
     tl.train_lm(tl.preset_config("tiny", out=good, model="gdn", steps=6, resume=True, **base))
-  argv = ["train-lm", "--model", "gdn", "--steps", "6", "--out", good, "--resume", "--no-progress"]
+  argv = ["--model", "gdn", "--steps", "6", "--out", good, "--resume", "--no-progress"]
   assert main(argv) == 2
   err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and err[0].startswith("python -m gdp_jax train-lm: error: the checkpoint")
+  assert len(err) == 1 and err[0].startswith("python -m examples.byte_lm: error: the checkpoint")
   assert "num_blocks 2 there, 1 here" in err[0]
 
 

@@ -1,5 +1,6 @@
-"""The operator's value contract (docs/operator.md#values): g <= 0 and beta in [0, 2], checked
-when concrete, and under `jax.jit` inside `gdp_jax.value_checks()` with checkify."""
+"""The operator's value contract (docs/operator.md#values): g <= 0, beta in [0, 2] and a finite
+scale > 0, checked when concrete, and under `jax.jit` inside `gdp_jax.value_checks()` with
+checkify."""
 
 from __future__ import annotations
 
@@ -61,18 +62,46 @@ def test_edges_and_non_finite_values_are_accepted():
   assert np.all(np.isfinite(np.asarray(o[0, :4, 0]))), "a reset and the edges are valid values"
 
 
+@pytest.mark.parametrize("scale", [float("nan"), -1.0, 0.0, float("inf"), np.float32(-0.5)])
+def test_scale_must_be_finite_and_positive(scale):
+  """A nan scale would make every output nan, a negative one flip their signs: a ValueError in
+  every function that takes a scale (traced only: nothing compiles)."""
+  q, k, v, g, beta = _inputs()
+  match, array = "scale must be finite and > 0", jnp.asarray(scale)  # a concrete array
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(lambda: gated_delta_product(q, k, v, g, beta, scale=scale))
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(lambda: gated_delta_product(q, k, v, g, beta, scale=array))
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(
+      lambda: gated_delta_product_step(q[:, 0], k[:, 0], v[:, 0], None, beta[:, 0], scale=scale)
+    )
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(
+      lambda: householder_delta_product(
+        q, k, v, None, beta, num_householder=1, scale=scale, implementation="reference"
+      )
+    )
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(lambda: gdp_jax.gqa_decode(q[:, 0], k, v, jnp.full((B,), T), scale=scale))
+
+
 def test_traced_values_checked_only_inside_value_checks():
   q, k, v, g, beta = _inputs()
   bad_g = g.at[0, 3, 1].set(1.0)
 
-  def f(g):
-    return gated_delta_product(q, k, v, g, beta, implementation="xla")[0]
+  def f(g, scale):
+    return gated_delta_product(q, k, v, g, beta, scale=scale, implementation="xla")[0]
 
-  jax.jit(f)(bad_g)  # traced, unchecked by default: documented
+  half, negative = jnp.float32(0.5), jnp.float32(-1.0)
+  jax.jit(f)(bad_g, negative)  # traced, unchecked by default: documented
   with gdp_jax.value_checks():
     checked = jax.jit(checkify.checkify(f))
-    err, _ = checked(g)
+    err, _ = checked(g, half)
     err.throw()  # good values: no error
-    err, _ = checked(bad_g)
+    err, _ = checked(bad_g, half)
+    err_scale, _ = checked(g, negative)
   with pytest.raises(Exception, match=r"g holds finite values outside \[-inf, 0\]"):
     err.throw()
+  with pytest.raises(Exception, match="scale must be finite and > 0"):
+    err_scale.throw()

@@ -8,7 +8,6 @@ so a kernel is still done only once it has compiled on the GPU (docs/pallas_trit
 from __future__ import annotations
 
 import jax
-import pytest
 
 
 def lower_for_h200(monkeypatch, fn, *avals, clear=()):
@@ -17,13 +16,12 @@ def lower_for_h200(monkeypatch, fn, *avals, clear=()):
   `clear`: jitted kernel wrappers whose trace caches must not keep (or reuse) an interpret-mode
   trace.
   """
-  try:
-    from jax._src.pallas.triton import gpu_info
-    from jax._src.pallas.triton import lowering as triton_lowering
-    from jax._src.pallas.triton import pallas_call_registration as registration
-  except ImportError as e:  # private modules: another jax may lay them out differently
-    pytest.skip(f"Pallas Triton lowering internals not importable here: {e}")
-  from pallas_kernels.common import backend
+  from pallas_kernels.common import backend, compat
+
+  # private modules: pallas_kernels/common/compat.py imports them for every supported jax
+  internals = compat.triton_lowering_internals()
+  gpu_info, triton_lowering = internals.gpu_info, internals.lowering
+  registration = internals.registration
 
   monkeypatch.setattr(backend, "interpret_mode", lambda: False)
   if jax.default_backend() != "gpu":

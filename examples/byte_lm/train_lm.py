@@ -1,9 +1,10 @@
-"""`python -m gdp_jax train-lm`: a byte-level hybrid language model trained on the Python standard
-library's source, with learning curves, tokens per second and MFU.
+"""`python -m examples.byte_lm` (from the repository root): a byte-level hybrid language model
+trained on the Python standard library's source, with learning curves, tokens per second and
+MFU.
 
-    python -m gdp_jax train-lm --preset tiny --out runs/tiny            # a CPU, 1-2 minutes
-    python -m gdp_jax train-lm --preset h200 --model gdp-r2 --out runs/r2 --minutes 3
-    python -m gdp_jax train-lm --compare runs/*/metrics.json --out runs  # curves side by side
+    python -m examples.byte_lm --preset tiny --out runs/tiny            # a CPU, 1-2 minutes
+    python -m examples.byte_lm --preset h200 --model gdp-r2 --out runs/r2 --minutes 3
+    python -m examples.byte_lm --compare runs/*/metrics.json --out runs  # curves side by side
 
 From Python: `metrics = train_lm(preset_config("tiny", out="runs/tiny"))`.
 
@@ -100,7 +101,7 @@ MODELS: dict[str, dict[str, Any]] = {
 
 class TrainLMError(ValueError):
   """A bad option, corpus or checkpoint, in one line: the command line prints it as
-  `... train-lm: error: <message>` and exits with status 2 (argparse's convention)."""
+  `python -m examples.byte_lm: error: <message>` and exits with status 2 (argparse's convention)."""
 
 
 @dataclasses.dataclass
@@ -111,7 +112,8 @@ class TrainConfig:
   "attention" model uses "A" for all), num_heads, head_dim (K; V = K), attn_num_heads,
   attn_num_kv_heads, attn_head_dim, mlp_ratio, chunk_size, use_short_conv, dtype ("bf16": bf16
   compute, float32 parameters; "f32"), implementation (operator: None = Pallas on a supported
-  GPU, xla elsewhere), attn_impl ("auto" = "flash" on a GPU, "xla" elsewhere).
+  GPU, xla elsewhere), attn_impl ("auto" = "flash" on a GPU, "xla" elsewhere), scan_layers
+  (`HybridConfig.scan_layers`; default unrolled, docs/train_lm.md#compile-time).
   Run: steps (the schedule's length) or minutes (steps set from the timed step), stop_at (stop
   after this step, checkpointed, to continue with resume), batch_size, seq_len (a multiple of
   64), lr (peak), min_lr_ratio, warmup_steps, weight_decay, b1, b2, clip_norm, eval_every,
@@ -153,6 +155,7 @@ class TrainConfig:
   dtype: str = "bf16"
   implementation: str | None = None
   attn_impl: str = "auto"
+  scan_layers: bool | None = False
   peak_tflops: float = 989.0
   corpus_dir: str | None = None
   val_percent: float = 2.0
@@ -250,6 +253,9 @@ def preset_config(preset: str = "tiny", **overrides) -> TrainConfig:
 def model_config(cfg: TrainConfig):
   """The HybridConfig of a run (a TrainLMError if the model's own checks refuse it)."""
   import jax
+  from flax import nnx
+
+  from gdp_jax.models import HybridLM
 
   spec = MODELS[cfg.model]
   layers = "A" * len(cfg.layers) if spec["attention_only"] else cfg.layers
@@ -257,9 +263,12 @@ def model_config(cfg: TrainConfig):
   if attn_impl == "auto":
     attn_impl = "flash" if jax.default_backend() == "gpu" else "xla"
   try:
-    return _hybrid_config(cfg, spec, layers, attn_impl)
+    mc = _hybrid_config(cfg, spec, layers, attn_impl)
+    # the layers' own checks (a width the heads do not divide), traced only: nothing computed
+    nnx.eval_shape(lambda: HybridLM(mc, rngs=nnx.Rngs(0)))
   except ValueError as e:  # the model's own checks (widths, heads, layer pattern)
     raise TrainLMError(f"model settings: {e}") from None
+  return mc
 
 
 def _hybrid_config(cfg, spec, layers, attn_impl):
@@ -286,6 +295,7 @@ def _hybrid_config(cfg, spec, layers, attn_impl):
     mlp_ratio=cfg.mlp_ratio,
     implementation=cfg.implementation,
     dtype=jnp.bfloat16 if cfg.dtype == "bf16" else None,
+    scan_layers=cfg.scan_layers,
   )
 
 
@@ -601,9 +611,10 @@ def compiled_steps(donate: bool):
 # ----------------------------------------------------------------------------------------------
 
 
-# The HybridConfig fields that choose kernels, not parameters: a checkpoint resumes across them
-# (e.g. one written on a GPU with flash attention, resumed on a CPU).
-KERNEL_SETTINGS = ("implementation", "attn_impl")
+# The HybridConfig fields that choose kernels or programs, not parameters: a checkpoint resumes
+# across them (e.g. one written on a GPU with flash attention, resumed on a CPU; scanned layers
+# keep one parameter entry per layer, so a checkpoint of either form loads in the other).
+KERNEL_SETTINGS = ("implementation", "attn_impl", "scan_layers")
 
 
 def model_settings(mc) -> dict:
@@ -754,10 +765,10 @@ def _device_kind():
 
 
 def _command():
-  """The command as typed when run as `python -m gdp_jax train-lm`, else None."""
+  """The command as typed when run as `python -m examples.byte_lm`, else None."""
   from benchmarks.bench import command_line
 
-  return command_line() if "train-lm" in sys.argv else None
+  return command_line() if "examples.byte_lm" in getattr(sys, "orig_argv", []) else None
 
 
 def _metrics_path(out):
@@ -782,8 +793,8 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
   cfg = config
   cfg.validate()
   wall0 = time.perf_counter()
-  corpus = load_corpus(cfg.corpus_dir, cfg.val_percent)
   mc = model_config(cfg)
+  corpus = load_corpus(cfg.corpus_dir, cfg.val_percent)
   model = HybridLM(mc, rngs=nnx.Rngs(cfg.seed))
   graphdef, params = nnx.split(model)
   del model
@@ -830,8 +841,9 @@ def train_lm(config: TrainConfig | None = None, **overrides) -> dict:
       cfg.clip_norm,
     )
 
+  scanned = ", layers scanned" if mc.scanned else ""  # docs/train_lm.md#compile-time
   log(
-    f"train-lm: model {name} ({mc.layer_pattern}), {count_params(params) / 1e6:.2f}M "
+    f"train-lm: model {name} ({mc.layer_pattern}{scanned}), {count_params(params) / 1e6:.2f}M "
     f"parameters, backend {jax.default_backend()} ({_device_kind()}); corpus "
     f"{corpus.info['train_files']} + {corpus.info['val_files']} files, "
     f"{corpus.info['train_tokens'] / 1e6:.2f}M + {corpus.info['val_tokens'] / 1e6:.2f}M tokens"
@@ -1214,7 +1226,7 @@ def add_arguments(p):
     ("--batch-size", int, "sequences per step"),
     ("--seq-len", int, "tokens per sequence (a multiple of 64)"),
     ("--lr", float, "peak learning rate"),
-    ("--warmup-steps", int, "linear warm-up steps"),
+    ("--warmup-steps", int, "linear warm-up steps, at most half of --steps"),
     ("--eval-every", int, "steps between validations"),
     ("--eval-batches", int, "validation batches"),
     ("--log-every", int, "steps between progress updates"),
@@ -1240,6 +1252,20 @@ def add_arguments(p):
     default="auto",
     choices=["auto", "xla", "flash"],
     help="attention (auto: flash on a GPU, xla elsewhere)",
+  )
+  p.add_argument(
+    "--scan-layers",
+    default=False,
+    action=bool_flag,
+    help="layers of one configuration under jax.lax.scan, compiled once: a faster first compile, "
+    "slower steps on a GPU today (default off; docs/train_lm.md#compile-time)",
+  )
+  p.add_argument(
+    "--compilation-cache",
+    default=None,
+    metavar="DIR",
+    help="jax's persistent compilation cache (default $GDP_JAX_COMPILATION_CACHE or "
+    "~/.cache/gdp_jax/jax; 'off': none; docs/train_lm.md#compile-time)",
   )
   p.add_argument(
     "--peak-tflops",
@@ -1276,6 +1302,10 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
+  if getattr(args, "compilation_cache", None) is not None:  # (on by default: __main__.py)
+    from gdp_jax import compilation_cache
+
+    compilation_cache.enable(args.compilation_cache)
   if args.compare:
     for path in args.compare:
       if not os.path.isfile(path):
@@ -1291,6 +1321,7 @@ def _run(args) -> int:
     dtype=args.dtype,
     implementation=args.implementation,
     attn_impl=args.attn_impl,
+    scan_layers=getattr(args, "scan_layers", False),
     peak_tflops=args.peak_tflops,
     corpus_dir=args.corpus_dir,
     val_percent=args.val_percent,
@@ -1314,5 +1345,16 @@ def _run(args) -> int:
     value = getattr(args, key)
     if value is not None:
       overrides[key] = value
-  train_lm(preset_config(args.preset, **overrides))
+  cfg = preset_config(args.preset, **overrides)
+  if args.ckpt_every is not None and args.ckpt_every < 1:
+    raise TrainLMError(
+      f"--ckpt-every must be >= 1 (steps between checkpoints; the last step is always saved), "
+      f"got {args.ckpt_every}"
+    )
+  if args.warmup_steps is not None and cfg.minutes is None and args.warmup_steps > cfg.steps // 2:
+    raise TrainLMError(
+      f"--warmup-steps {args.warmup_steps} is more than half the schedule ({cfg.steps} steps): "
+      f"warm-up takes at most half of it"
+    )
+  train_lm(cfg)
   return 0

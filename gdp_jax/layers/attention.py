@@ -1,4 +1,4 @@
-"""Grouped-query attention with RoPE (`GroupedQueryAttention`) and its KV cache."""
+"""Grouped-query attention with RoPE (`GroupedQueryAttention`) and its KV cache (docs/layers.md)."""
 
 from __future__ import annotations
 

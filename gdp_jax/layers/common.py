@@ -1,5 +1,5 @@
 """What the layers share: the mode names, the packed-document reset, l2norm, input checks,
-the Linear projection and the gated RMSNorm."""
+the Linear projection and the gated RMSNorm (docs/layers.md)."""
 
 from __future__ import annotations
 

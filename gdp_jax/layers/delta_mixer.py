@@ -1,13 +1,11 @@
-"""What the two delta-rule token mixers share (`GatedDeltaProduct` in delta_product.py, the block
-mask; `HouseholderDeltaProduct` in householder.py, DeltaProduct): the Gated DeltaNet skeleton
-around the sequence operator, the decode cache, and the operator callables (docs/layers.md)."""
+"""The skeleton the two delta-rule token mixers share (`GatedDeltaProduct` in delta_product.py,
+the block mask; `HouseholderDeltaProduct` in householder.py, DeltaProduct): Gated DeltaNet's
+projections, short convolution, gates and output norm around the sequence operator, and the
+decode steps (docs/layers.md). The callables' types, the cache and the checks: delta_common.py."""
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,102 +25,21 @@ from gdp_jax.layers.common import (
   f32,
   segment_starts,
 )
+from gdp_jax.layers.delta_common import (
+  GatedDeltaProductCache,
+  OperatorFn,
+  StepFn,
+  check_sizes,
+  dot_as,
+  head_major,
+  name_of,
+  takes_keyword,
+  writes_first,
+)
 from gdp_jax.layers.partitioning import EMBED, HEADS
 from gdp_jax.layers.short_conv import ShortConv
 from gdp_jax.ops.gated_delta_product import varlen
-from gdp_jax.ops.gated_delta_product.api import REGISTRY
-from gdp_jax.ops.step.api import REGISTRY as STEP_REGISTRY
-from gdp_jax.ops.validation import CHUNK_SIZES, check_cu_seqlens, check_cu_seqlens_values
-
-# What a layer calls: the whole-sequence operator, (q, k, v, g, beta[, mask], *, initial_state,
-# output_final_state[, cu_seqlens], ...) -> (o, final_state or None), and the one-token step,
-# (q, k, v, g, beta[, mask], state, ...) -> (o, new_state) (docs/layers.md#operator-callables).
-OperatorFn = Callable[..., tuple[jax.Array, jax.Array | None]]
-StepFn = Callable[..., tuple[jax.Array, jax.Array]]
-
-
-class GatedDeltaProductCache(NamedTuple):
-  """Decode cache of one delta layer (`GatedDeltaProduct` or `HouseholderDeltaProduct`).
-
-  conv: [B, conv_size - 1, channels] the last inputs of the short convolution (q | k | v
-    channels: H*K + n*H*K + n*HV*V with n = 1 for the block mask, num_householder for
-    DeltaProduct), or None without the convolution.
-  state: [B, HV, K, V] float32 recurrent state (HV = num_v_heads).
-  """
-
-  conv: Any
-  state: jax.Array
-
-
-def check_operator_config(chunk_size, implementation):
-  """A ValueError unless `chunk_size` and `implementation` are ones the operator accepts."""
-  if chunk_size not in CHUNK_SIZES:
-    raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
-  if implementation is not None:
-    REGISTRY.resolve(implementation)  # a clear error if unknown
-
-
-def step_implementation(implementation):
-  """The one-token step's implementation for a layer's `implementation` ("reference" and
-  "mosaic_gpu" have no step of their own: "xla")."""
-  if implementation in (None, *STEP_REGISTRY.accepted()):
-    return implementation
-  return "xla"
-
-
-def check_sizes(hidden_size, num_heads, head_dim, num_v_heads):
-  """Positive integer sizes, num_v_heads (None: num_heads) a multiple of num_heads; returns it."""
-  _check_positive_int("hidden_size", hidden_size)
-  _check_positive_int("num_heads", num_heads)
-  _check_positive_int("head_dim", head_dim)
-  num_v_heads = num_heads if num_v_heads is None else num_v_heads
-  _check_positive_int("num_v_heads", num_v_heads)
-  if num_v_heads % num_heads != 0:
-    raise ValueError(
-      f"num_v_heads = {num_v_heads} must be a multiple of num_heads = {num_heads} (value "
-      f"head i reads query/key head i // (num_v_heads // num_heads))"
-    )
-  return num_v_heads
-
-
-def _takes_keyword(fn, name):
-  """True if `fn` (a function or functools.partial) accepts the keyword argument `name`."""
-  try:
-    params = inspect.signature(fn).parameters
-  except (TypeError, ValueError):  # no signature to read: let the call decide
-    return True
-  return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def _head_major(a, writes, heads, width):
-  """a [..., writes * heads * width] (columns [writes, heads, width], the parameters' order) as
-  [..., heads * writes * width]: each head's `writes` slices side by side, so that a contiguous
-  split of the columns is one of heads (docs/sharding.md#annotated-parameters). The identity for
-  writes = 1."""
-  lead = a.shape[:-1]
-  if writes == 1:
-    return a
-  return a.reshape(lead + (writes, heads, width)).swapaxes(-3, -2).reshape(lead + (-1,))
-
-
-def _writes_first(a, writes, heads, width):
-  """The inverse of `_head_major`, unflattened: a [..., heads * writes * width] as
-  [..., writes, heads, width] (a itself for writes = 1)."""
-  lead = a.shape[:-1]
-  if writes == 1:
-    return a
-  return a.reshape(lead + (heads, writes, width)).swapaxes(-3, -2)
-
-
-def _dot(x, kernel, proj):
-  """x @ kernel in the dtype `proj` (a `Linear`) computes in, as `Linear` does."""
-  dtype = x.dtype if proj.dtype is None else proj.dtype
-  return jnp.dot(x.astype(dtype), kernel.astype(dtype), precision=proj.precision)
-
-
-def _name_of(fn):
-  fn = getattr(fn, "func", fn)  # functools.partial
-  return getattr(fn, "__name__", type(fn).__name__)
+from gdp_jax.ops.validation import check_cu_seqlens, check_cu_seqlens_values
 
 
 class DeltaMixer(nnx.Module):
@@ -277,8 +194,8 @@ class DeltaMixer(nnx.Module):
     if partitioning.mesh_is_set() and self.writes > 1:  # head by head: `_convolved_qkv`
       heads = self.num_v_heads
       layout = (self.writes, heads, 1)
-      b = _dot(x, _head_major(self.b_proj.kernel[...], *layout), self.b_proj)
-      b = _writes_first(b, *layout)[..., 0]
+      b = dot_as(x, head_major(self.b_proj.kernel[...], *layout), self.b_proj)
+      b = writes_first(b, *layout)[..., 0]
     else:
       b = self.b_proj(x)
     beta = jax.nn.sigmoid(b.astype(f32))
@@ -301,24 +218,24 @@ class DeltaMixer(nnx.Module):
 
     Under a mesh of several devices (`partitioning.mesh_is_set`) q, k and v are three matmuls
     whose kernels' columns (and the convolution's channels) are taken head by head
-    (`_head_major`): each output then splits along heads as the operator's inputs do, where
+    (`head_major`): each output then splits along heads as the operator's inputs do, where
     the one matmul of `_project_in`, whose q | k | v columns no head split follows, would make
     XLA move the activations between devices (docs/sharding.md#annotated-parameters)."""
     if partitioning.mesh_is_set():
       projs, parts = (self.q_proj, self.k_proj, self.v_proj), self._part_slices()
       heads = self._part_heads()
       pre = tuple(
-        _dot(x, _head_major(p.kernel[...], *h), self.q_proj) for p, h in zip(projs, heads)
+        dot_as(x, head_major(p.kernel[...], *h), self.q_proj) for p, h in zip(projs, heads)
       )
       if self.use_short_conv:
         weight = self.conv.weight[...]
         qkv = [
-          self.conv(p, conv_segments, _head_major(weight[:, c], *h))
+          self.conv(p, conv_segments, head_major(weight[:, c], *h))
           for p, c, h in zip(pre, parts, heads)
         ]
       else:
         qkv = [jax.nn.silu(p) for p in pre]
-      return pre, self._shape_qkv(*(_writes_first(a, *h) for a, h in zip(qkv, heads)))
+      return pre, self._shape_qkv(*(writes_first(a, *h) for a, h in zip(qkv, heads)))
     pre = self._project_in(x)
     qkv = self.conv(pre, conv_segments) if self.use_short_conv else jax.nn.silu(pre)
     return pre, self._split_qkv(qkv)
@@ -330,7 +247,7 @@ class DeltaMixer(nnx.Module):
       return state_after(pre)
     states = []
     for p, h in zip(pre, self._part_heads()):
-      s = _writes_first(state_after(p), *h)
+      s = writes_first(state_after(p), *h)
       states.append(s.reshape(s.shape[: p.ndim - 1] + (-1,)))
     return jnp.concatenate(states, axis=-1)
 
@@ -443,9 +360,9 @@ class DeltaMixer(nnx.Module):
         f"with cu_seqlens the batch size must be 1 (documents packed in one row), got x of "
         f"shape [B, T, D] with B = {batch}"
       )
-    if not _takes_keyword(self.operator_fn, "cu_seqlens"):
+    if not takes_keyword(self.operator_fn, "cu_seqlens"):
       raise ValueError(
-        f"cu_seqlens is not supported by this layer's operator_fn ({_name_of(self.operator_fn)} "
+        f"cu_seqlens is not supported by this layer's operator_fn ({name_of(self.operator_fn)} "
         f"takes no cu_seqlens; with sharding use segment_ids)"
       )
     cu_seqlens, _ = check_cu_seqlens(cu_seqlens)

@@ -22,8 +22,7 @@ from gdp_jax.layers.common import (
   f32,
   l2norm,
 )
-from gdp_jax.layers.delta_mixer import (
-  DeltaMixer,
+from gdp_jax.layers.delta_common import (
   GatedDeltaProductCache,
   OperatorFn,
   StepFn,
@@ -31,6 +30,7 @@ from gdp_jax.layers.delta_mixer import (
   check_sizes,
   step_implementation,
 )
+from gdp_jax.layers.delta_mixer import DeltaMixer
 from gdp_jax.layers.masks import block_mask
 from gdp_jax.layers.partitioning import EMBED, HEADS
 from gdp_jax.ops.gated_delta_product.api import gated_delta_product

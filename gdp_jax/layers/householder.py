@@ -8,14 +8,14 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from gdp_jax.layers.common import ValuePartial, _check_positive_int, f32, l2norm
-from gdp_jax.layers.delta_mixer import (
-  DeltaMixer,
+from gdp_jax.layers.delta_common import (
   OperatorFn,
   StepFn,
   check_operator_config,
   check_sizes,
   step_implementation,
 )
+from gdp_jax.layers.delta_mixer import DeltaMixer
 from gdp_jax.ops.householder.api import householder_delta_product, householder_delta_product_step
 
 __all__ = ["HouseholderDeltaProduct"]

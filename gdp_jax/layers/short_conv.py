@@ -1,4 +1,5 @@
-"""The causal short convolution before the gated delta product layer's projections."""
+"""The causal short convolution before the gated delta product layer's projections
+(docs/layers.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Clear errors for derivatives an implementation does not have (its kernels' custom_vjp gives
-reverse mode only; the inference kernels none)."""
+reverse mode only; the inference kernels none) (docs/operator.md)."""
 
 from __future__ import annotations
 

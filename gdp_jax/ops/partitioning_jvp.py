@@ -1,22 +1,14 @@
 """A per-shard call with every derivative: forward mode, reverse mode, higher orders
 (docs/sharding.md#under-plain-jaxjit).
 
-custom_partitioning has no autodiff rule, and a `jax.custom_vjp` around per-shard calls (the
-Pallas path, gdp_jax/ops/gated_delta_product/partitioning.py) serves reverse mode only: under
-`jax.jvp` JAX stages a `custom_lin` that fails when the program is lowered, after the wrapper
-has run. `every_mode_call(specs, *primals)` is a `jax.custom_jvp` instead:
-
-- its primal is the per-shard forward (`specs.forward`'s function without the residuals);
-- its jvp runs the saving forward (outputs and the residuals of the function's pullback, one
-  per-shard call) and gives the tangents by `tangent_p`, a primitive that is linear in the
-  tangents: its lowering is a per-shard call of the function's jvp on each device's block
-  (forward mode), its transpose the per-shard backward from the saved residuals (reverse
-  mode: `jax.grad` linearises the jvp and transposes it), its batching rule the unpartitioned
-  jvp under `jax.vmap`, and its own jvp the unpartitioned jvp's (second order: `jax.hessian`,
-  `grad` of `grad`).
-
-The primitive's value does not depend on the residuals (it is the jvp at the primals); they
-are its operands only so that its transpose can read them.
+A `jax.custom_vjp` around per-shard calls serves reverse mode only (under `jax.jvp` JAX stages a
+`custom_lin` that fails when lowered). `every_mode_call(specs, *primals)` is a `jax.custom_jvp`
+instead: its primal is the per-shard forward; its jvp runs the saving forward and gives the
+tangents by `tangent_p`, a primitive linear in the tangents whose lowering is a per-shard call of
+the function's jvp (forward mode), whose transpose is the per-shard backward from the saved
+residuals (reverse mode), whose batching rule is the unpartitioned jvp under `jax.vmap`, and
+whose own jvp is the unpartitioned jvp's (second order). The residuals are its operands only so
+that its transpose can read them.
 """
 
 from __future__ import annotations
@@ -29,7 +21,8 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from gdp_jax.ops.partitioning import ShardSpec, VjpSpecs, per_shard_call
+from gdp_jax.ops.partitioning import ShardSpec, per_shard_call
+from gdp_jax.ops.partitioning_vjp import VjpSpecs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import jax
 
 from gdp_jax.ops.base import Implementation
 from pallas_kernels.common import backend
-from pallas_kernels.common.device import compute_capability
+from pallas_kernels.common.device import compute_capability, describe_capability
 
 # Oldest compute capability the Pallas kernels support: bf16 tensor-core dots (Ampere and later).
 MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -56,7 +56,7 @@ def pallas_supported(device=None) -> bool:
 
 def _check_gpu(name: str, device) -> None:
   if device.platform == "gpu" and not pallas_supported(device):
-    have = getattr(device, "compute_capability", "unknown")
+    have = describe_capability(device)
     need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
     raise ValueError(
       f"implementation={name!r} needs an NVIDIA GPU of compute capability >= {need} "

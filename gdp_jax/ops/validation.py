@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from pallas_kernels.common.options import KernelOptions
+
 CHUNK_SIZES = (16, 32, 64)
 
 # The value contract (docs/operator.md#values): the log-decay g <= 0 and the write strength beta in
@@ -113,7 +115,11 @@ def check_chunk_size(chunk_size):
 
 
 def check_scale(scale):
-  """None, a real number (-> float) or a scalar float array, traced ones included (-> float32)."""
+  """None, a real number (-> float) or a scalar float array, traced ones included (-> float32).
+
+  The scale must be finite and > 0 (nan makes every output nan, a negative one flips their
+  sign): a number or a concrete array is checked here, a traced one inside `value_checks()`.
+  """
   if scale is None:
     return None
   if isinstance(scale, (bool, np.bool_)) or isinstance(scale, (str, bytes)):
@@ -121,6 +127,7 @@ def check_scale(scale):
       f"scale must be a number or a scalar float array, got {scale!r} ({type(scale).__name__})"
     )
   if isinstance(scale, numbers.Real):
+    _check_scale_value(float(scale))
     return float(scale)
   dtype = getattr(scale, "dtype", None)
   if dtype is None or not (
@@ -134,7 +141,29 @@ def check_scale(scale):
     raise ValueError(
       f"scale must be a scalar (one output scale for every head), got shape {shape_of(scale)}"
     )
+  if not isinstance(scale, jax.core.Tracer):
+    _check_scale_value(float(np.asarray(jax.device_get(scale), np.float32)))
+  elif _CHECK_TRACED.get():
+    value = jnp.asarray(scale, jnp.float32)
+    checkify.check(jnp.isfinite(value) & (value > 0), "scale must be finite and > 0")
   return jnp.asarray(scale, jnp.float32)
+
+
+def _check_scale_value(value: float):
+  if not (np.isfinite(value) and value > 0):
+    raise ValueError(
+      f"scale must be finite and > 0 (the output scale, default K ** -0.5), got {value:g}"
+    )
+
+
+def check_options(options):
+  """None or a `pallas_kernels.common.options.KernelOptions` (a dict or a string is a
+  TypeError on every implementation, not ignored)."""
+  if options is not None and not isinstance(options, KernelOptions):
+    raise TypeError(
+      f"options must be None or a pallas_kernels.common.options.KernelOptions (the Pallas "
+      f"kernels' precision and launch parameters), got {options!r} ({type(options).__name__})"
+    )
 
 
 def check_int32_values(name, x):
@@ -395,3 +424,22 @@ def static_scale(scale, default):
   if isinstance(scale, float):
     return scale, None
   return 1.0, scale
+
+
+def check_state_every(state_every, chunk_size):
+  """None, or the block of `gated_delta_product(..., state_every=N)`: a positive multiple of
+  chunk_size (docs/operator.md#block-boundary-states)."""
+  if state_every is None:
+    return None
+  if isinstance(state_every, (bool, np.bool_)) or not isinstance(state_every, (int, np.integer)):
+    raise TypeError(
+      f"state_every must be None or an int (a positive multiple of chunk_size = {chunk_size}), "
+      f"got {state_every!r} ({type(state_every).__name__})"
+    )
+  if state_every <= 0 or state_every % chunk_size:
+    raise ValueError(
+      f"state_every must be a positive multiple of chunk_size = {chunk_size} (the chunked "
+      f"forms' chunk: states are taken at chunk boundaries; a smaller chunk_size allows "
+      f"finer blocks), got {state_every}"
+    )
+  return int(state_every)

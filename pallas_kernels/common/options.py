@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from absl import logging
 
 from pallas_kernels.common import backend, shared_memory, tuning
+from pallas_kernels.common.device import DeviceInfo, device_info
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,58 +48,6 @@ def pieces(launch: Launch, block_cols: int, dim_v: int) -> tuple[int, int]:
 def _tuned(kernel: str) -> Launch:
   """The launch of `kernel` measured on an H200 (the defaults on every GPU)."""
   return Launch(**tuning.launch(kernel))
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceInfo:
-  """What the launch heuristics need to know about the GPU (or the CPU, in interpret mode)."""
-
-  platform: str = "cpu"
-  name: str = "cpu"
-  compute_capability: tuple[int, int] | None = None
-  sm_count: int = 132
-  shared_memory_per_block: int = 227 * 1024
-
-
-# Opt-in shared memory per thread block by compute capability (bytes), from NVIDIA's CUDA
-# programming guide (table of technical specifications per compute capability).
-_SHARED_MEMORY = {
-  (7, 0): 96 * 1024,
-  (7, 5): 64 * 1024,
-  (8, 0): 163 * 1024,
-  (8, 6): 99 * 1024,
-  (8, 7): 163 * 1024,
-  (8, 9): 99 * 1024,
-  (9, 0): 227 * 1024,
-  (10, 0): 227 * 1024,
-  (10, 3): 227 * 1024,
-  (12, 0): 99 * 1024,
-}
-
-
-def _parse_capability(text) -> tuple[int, int] | None:
-  try:
-    major, minor = str(text).split(".")[:2]
-    return int(major), int(minor)
-  except (TypeError, ValueError):
-    return None
-
-
-@functools.cache
-def device_info(device=None) -> DeviceInfo:
-  """DeviceInfo of `device` (default: the first device of the default backend)."""
-  device = jax.devices()[0] if device is None else device
-  if device.platform != "gpu":
-    return DeviceInfo(platform=device.platform, name=str(device.device_kind))
-  capability = _parse_capability(getattr(device, "compute_capability", None))
-  smem = _SHARED_MEMORY.get(capability, 99 * 1024) if capability else 99 * 1024
-  return DeviceInfo(
-    platform="gpu",
-    name=str(device.device_kind),
-    compute_capability=capability,
-    sm_count=int(getattr(device, "core_count", 0) or 132),
-    shared_memory_per_block=smem,
-  )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,32 +1,16 @@
-"""The state walks over packed sequences (docs/varlen.md#the-pallas-kernels): chunk_state_output,
-chunk_h and bwd_dhu with a per-sequence table; and the masked row loads and stores of the kernels
-that read the packed row in place (chunk_fwd, chunk_state_output).
+"""The state walks over packed sequences (chunk_state_output, chunk_h and bwd_dhu with a
+per-sequence table) and the masked row loads and stores of the kernels that read the packed row
+in place (docs/varlen.md#the-pallas-kernels).
 
-The packed row (B = 1) holds N sequences in the chunk-aligned layout (`gdp_jax.varlen.layout`):
-sequence n owns the chunks [chunk_start[n], chunk_start[n] + num_chunks[n]), and the NT - used
-chunks after the last sequence's (used = chunk_start[N - 1] + num_chunks[N - 1]) hold padding
-only. The walks' grid is (V tile, sequence n, head): program n walks sequence n's chunks from its
-own initial state (or, backward, from its own final-state gradient), so N sequences give N times
-the programs of one row, each walking 1 / N of the chunks, as the batch does unpacked.
-
-The unused chunks: later per-chunk kernels read their h, v_new, dh and dv_new, so they must be
-written. There are fewer of them than sequences (NT - used <= N (C - 1) / C < N,
-`varlen.max_chunks`), so program n also runs the one step of chunk used + n (when it exists) from
-a zero state and drops the state it leaves: what a walk over padding from a zero state writes.
-
-The table is int32 [2, N] (rows chunk_start and num_chunks) or [4, N] (`varlen.sequence_chunks`:
-also each sequence's first token token_start[n] = cu_seqlens[n] and its end
-token_end[n] = cu_seqlens[n + 1] in the packed row), read whole by every program (the Triton
-lowering has no scalar prefetch).
-
-In place (`sequence_span`, `sequence_rows`, `load_rows`, `store_rows`, `ChunkRows`): a kernel
-may read its token arrays straight from the packed row [1, T, ...] instead of the chunk-aligned
-copy. Chunk c of
-sequence n is then its tokens token_start[n] + C (c - chunk_start[n]) + [0, C), of which the first
-min(C, token_end[n] - start) are the sequence's: the others (the next sequence's tokens, or past
-the row's end) are masked, read as zeros (the chunk-aligned layout's padding: zero tokens are
-identity transitions, docs/chunked_form.md#padding) and never written. An unused chunk holds no
-token: every row is masked.
+The packed row (B = 1) holds N sequences in the chunk-aligned layout: sequence n owns chunks
+[chunk_start[n], chunk_start[n] + num_chunks[n]). The walks' grid is (V tile, sequence, head):
+program n walks sequence n's chunks from its own initial state (backward: its own final-state
+gradient), and also runs the one step of the unused chunk `used + n` (when it exists) from a zero
+state, so that later kernels read written padding chunks. The table is int32 [2, N] (chunk_start,
+num_chunks) or [4, N] (also token_start, token_end), read whole by every program. In place
+(`sequence_span`, `sequence_rows`, `load_rows`, `store_rows`, `ChunkRows`), chunk c of sequence n
+is read from the packed row [1, T, ...] with the rows past the sequence's end masked: read as
+zeros (identity tokens) and never written.
 """
 
 from __future__ import annotations

@@ -1,40 +1,16 @@
-"""Shared memory per thread block of each Pallas kernel, estimated on the CPU from its tiles.
+"""Shared memory per thread block of each Pallas kernel, estimated on the CPU from its tiles
+(docs/implementations.md#supported-gpus).
 
 A Triton kernel that needs more shared memory than the GPU grants one thread block does not
-compile ("out of resource: shared memory, Required: ..., Hardware limit: ..."). The launch
-heuristic (`options.heuristic_options`) uses this estimate to shrink pipeline stages and V tiles
-until every kernel of the operator fits the device (`DeviceInfo.shared_memory_per_block`).
-
-Where Triton puts a kernel's shared memory (its software pipeliner and its allocation analysis;
-the estimate follows them):
-
-1. Pipelined loads. In a loop with a dot (the chunk loop of the sequential kernels, the cache
-   loop of the decode kernel), with `num_stages = s > 1`, every load whose value reaches a dot
-   operand (directly or through elementwise work) becomes an asynchronous copy into a ring of
-   `s - 1` buffers of its tile, alive for the whole loop. On Hopper (warpgroup MMA: a multiple of
-   4 warps and 64 or more rows) a tile the tensor cores read straight from shared memory gets one
-   buffer more.
-2. Dot operands. Dot operands pass through shared memory: warpgroup MMA reads its B operand (and
-   A, unless it sits in registers) from there; mma.sync and the FMA dot of IEEE float32 operands
-   go through it to lay the operand out for the threads. A tile made in registers (a cast, a
-   scaled key block, the carried state) is written there before its dot, and a tile that feeds
-   several dots stays there across them.
-3. Scratch. A layout conversion (an accumulator re-laid for elementwise work or for a store) or a
-   reduction uses a scratch buffer for one operation; the allocator lays buffers whose lifetimes
-   do not overlap on the same bytes, so the estimate counts the larger of the staged operands
-   and the conversion scratch, not their sum.
-
-The tiles are counted in the bytes of the dots' operand dtype (the input dtype: 2 for bfloat16 /
-float16, 4 for float32; float32 at "tf32x3" splits each operand into two TF32 halves, twice the
-bytes), per kernel in `_TILES` below (the kernels and their tiles: docs/kernels.md).
-
-This is an estimate, not Triton's allocator. It was checked against Triton 3.9 compiling the
-kernels' lowered Triton IR for sm_90 and sm_80 (tests/test_shared_memory.py keeps those
-figures): it is never below them there. Another Triton version allocates differently (the one
-inside jaxlib on an H200 asked 311 KB for the float32 IEEE backward at K = V = 128, r = 1, where
-Triton 3.9 allocates 240 KB), so `estimate_bytes` adds a safety margin: `MARGIN` times the tiles
-plus `SLACK` bytes (barriers, small reductions). A kernel that still fails to compile on some GPU
-is a case to add to the tests' table and to the margin.
+compile; the launch heuristic (`options.heuristic_options`) uses this estimate to shrink pipeline
+stages and V tiles until every kernel fits the device. The estimate follows where Triton puts a
+kernel's shared memory: pipelined loads that reach a dot (a ring of `num_stages - 1` buffers of
+their tile, one more for Hopper's warpgroup MMA), dot operands staged through shared memory, and
+layout-conversion scratch (the larger of it and the staged operands: the allocator reuses the
+bytes). Tiles count in the dots' operand dtype (twice for float32 at "tf32x3"), per kernel in
+`_TILES` (docs/kernels.md). It is a model, not Triton's allocator: `estimate_bytes` adds a safety
+margin (`MARGIN` times the tiles plus `SLACK` bytes), checked never below Triton's own figures
+for sm_90 and sm_80 (tests/test_shared_memory.py).
 """
 
 from __future__ import annotations

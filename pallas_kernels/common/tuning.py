@@ -1,7 +1,7 @@
 """The measured tables: launch parameters and thresholds that sweeps on one device kind chose,
 read from `pallas_kernels/<backend>/tuning/<kind>.json` (each entry with its command, date and
 result file in benchmarks/results/). The heuristics read them here; no measured number lives in
-the code."""
+the code (docs/kernels.md)."""
 
 from __future__ import annotations
 

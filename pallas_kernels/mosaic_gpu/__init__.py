@@ -1,11 +1,10 @@
-"""Pallas Mosaic GPU kernels (Hopper, sm_90) of the chunked gated delta product forward.
+"""Pallas Mosaic GPU kernels (Hopper, sm_90) of the chunked gated delta product
+(docs/mosaic_gpu.md).
 
-Arrays in, arrays out: no autodiff, no layers, nothing from `gdp_jax`. Two kernels
-(docs/chunked_form.md has the math):
-
-- `chunk_inverse.chunk_inverse`: per chunk, the gate-free T0 = (I + A0)^-1 in bf16/fp16;
-- `walk_ws.state_walk_ws`: per (batch, head, value tile), the float32 state walk and the output,
-  warp-specialised, applying the gates to T0 inside the walk;
-
-`forward.forward` prepares the inputs (padding, gamma, mask rows) and runs both.
+Arrays in, arrays out: no autodiff, no layers, nothing from `gdp_jax`. The forward:
+`chunk_inverse` (T0 per chunk, its 16-row groups solved by `diag_solve`) and `walk_ws` (the
+warp-specialised state walk and output), prepared and run by `forward`; without gradient,
+`fused_forward` (both in one kernel). The backward: `backward_walk` (the reverse state walk) and
+`chunk_grads` (every input gradient per chunk). `ring` is the walks' TMA ring, `common` the
+helpers they share.
 """

@@ -1,38 +1,16 @@
 """The reverse state walk of the backward: one warp-specialised program per (batch, head, value
-tile), the forward walk (`walk_ws.py`) mirrored (docs/mosaic_gpu.md#the-backward).
+tile), the forward walk (`walk_ws.py`) mirrored (docs/mosaic_gpu.md#the-reverse-walk has the math).
 
-Carries `dS^T [BV, K]` float32 in registers, the gradient of the state after the current chunk,
-from the last chunk to the first (it starts at d final_state). Per chunk, with the forward walk's
-notation (`walk_ws.py`: block-major rows `(a, t)`, `Kb`, `Kw`, `Ag = T0 ⊙ decay ⊙ beta`,
-`E = diag(exp(gamma))`):
-
-  dh^T      = dS^T                                                   (stored, per chunk)
-  dv_new^T  = scale do^T (q Kb^T ⊙ D) + (dS^T Kb^T) diag(exp(gamma_L - gamma))   [BV, N]
-  dX^T      = dv_new^T Ag                                                        [BV, N]
-  dS^T     <- exp(gamma_L) dS^T + do^T (scale E q) - (dX^T E) Kw                 [BV, K]
-
-and the dS^T left after the first chunk is d initial_state. dh (the gradient of the state at the
-end of each chunk) and dv_new (the whole gradient of v_new), both transposed, are what the
-chunk-parallel kernel (`chunk_grads.py`) takes beside the forward walk's stored states.
-
-Three warpgroups, as in the forward walk:
-- warpgroup 2, the producer: streams q, k, do, T0, gamma, beta and the mask rows of the chunks,
-  last first, with TMA into a ring of stages;
-- warpgroup 1, off the chain: per stage forms `Kb`, `Kw` (r > 1) and `Ag` in place, the
-  intra-chunk term `dv_local = scale (q Kb^T ⊙ D)^T do` into the stage, and `scale E q` in place
-  of q;
-- warpgroup 0, the chain: the three dependent products `dS^T Kb^T`, `dv_new^T Ag`,
-  `(dX^T E) Kw` (the last accumulated with `do^T (scale E q)` into the decayed `dS^T`), and the
-  stores of dh^T and dv_new^T.
-
-The products over a chunk's tokens (`P^T do`, `do^T E q`) need `C >= 16` tokens (wgmma's
-16-deep bf16 step): r in 1, 2, 4; their token tiles take a swizzle of at most `C` elements
-(`common.smem`).
+Carries `dS^T [BV, K]` float32 in registers from the last chunk to the first (from d
+final_state) and stores per chunk dh^T (the gradient of the state at the chunk's end) and
+dv_new^T, which the chunk-parallel kernel (`chunk_grads.py`) takes; the `dS^T` left at the end is
+d initial_state. Three warpgroups: the producer streams the chunks, last first, through the TMA
+ring (`ring.py`); warpgroup 1 prepares each stage off the chain (`Kb`, `Kw`, `Ag`, the
+intra-chunk term, `scale E q`); warpgroup 0 runs the chain's three dependent products. r in 1,
+2, 4: the products over a chunk's tokens need `C >= 16`.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.experimental.pallas as pl
@@ -40,7 +18,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.mosaic_gpu import ring
 from pallas_kernels.mosaic_gpu.common import (
+  BACKWARD_R,
   COLS,
   F32,
   ROWS,
@@ -60,11 +40,10 @@ from pallas_kernels.mosaic_gpu.common import (
   ring_stages,
   smem,
   token_of,
-  when,
 )
 
 N = ROWS_PER_CHUNK
-SUPPORTED_R = (1, 2, 4)
+SUPPORTED_R = BACKWARD_R
 
 
 def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: bool) -> int:
@@ -165,9 +144,7 @@ def state_grad_walk(
     dh_pub=smem((2, bv, key_dim), dtype),
     dvn_pub=smem((2, bv, N), dtype),
     sc_s=plgpu.SMEM((4,), F32),
-    in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
-    prep_ready=plgpu.Barrier(num_barriers=stages),
-    in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    **ring.barriers(stages, n_copies),
     sc_bar=plgpu.Barrier(num_arrivals=2 if packed else 1),
     tab_s=plgpu.SMEM((4,), jnp.int32),
     done=plgpu.Barrier(num_arrivals=3),
@@ -210,36 +187,22 @@ def state_grad_walk(
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
 
-      def issue(i, slot):
+      def fill(i, put):
         n = last - i  # the chunks last first
         rows = pl.ds(n * c, c)
-        bar = in_bar.at[slot]
-        mn = n if m_n > 1 else 0
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(t0_ref.at[b, h, pl.ds(n * N, N)], t_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_tok.at[slot].at[pl.ds(0, c)], bar)
-        plgpu.copy_gmem_to_smem(m_ref.at[mb, mh, mn], m_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, cols_v], do_s.at[slot], bar)
+        put(q_ref.at[b, rows, hk], q_s)
+        put(t0_ref.at[b, h, pl.ds(n * N, N)], t_s)
+        put(g_ref.at[b, h, rows], g_tok, pl.ds(0, c))
+        put(m_ref.at[mb, mh, n if m_n > 1 else 0], m_s)
+        put(do_ref.at[b, rows, h, cols_v], do_s)
         chunk_rows = pl.ds(n * N, N)
         for dst in (g_rows, g_cols, g_chain):
-          plgpu.copy_gmem_to_smem(gr_ref.at[b, h, chunk_rows], dst.at[slot], bar)
-        plgpu.copy_gmem_to_smem(beta_ref.at[b, h, chunk_rows], b_cols.at[slot], bar)
+          put(gr_ref.at[b, h, chunk_rows], dst)
+        put(beta_ref.at[b, h, chunk_rows], b_cols)
         for a in range(r):  # tiles: C-row pieces stay 1024-byte aligned for every r
-          part = pl.ds(a * c, c)
-          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], kb_s.at[slot].at[part], bar)
+          put(k_ref.at[b, rows, hk], kb_s, pl.ds(a * c, c))
 
-      for i in range(stages):
-        when(i < count, functools.partial(issue, i, i))
-
-      @pl.loop(stages, count)
-      def _refill(i):
-        slot = lax.rem(i, stages)
-        plgpu.barrier_wait(in_free.at[slot])
-        issue(i, slot)
-
-      for j in range(stages):  # consume the last releases of every stage
-        i = count - stages + j
-        when(i >= 0, lambda i=i: plgpu.barrier_wait(in_free.at[i % stages]))
+      ring.produce(fill, stages=stages, count=count, loaded=in_bar, free=in_free)
 
     @pl.when(wg == 0)
     def _chain():

@@ -1,36 +1,12 @@
 """The chunk-parallel kernel of the backward: every input gradient of one chunk, given the states
 the forward walk stored and the state gradients the reverse walk stored
-(docs/mosaic_gpu.md#the-backward).
+(docs/mosaic_gpu.md#the-chunk-parallel-gradients has the math).
 
-Per chunk, with the walks' notation (`walk_ws.py`, `backward_walk.py`: block-major rows
-`(a, t)`, `N = C r = 64`; `Kb` the block keys, `Kw` the masked keys, `Dec` the gated decay
-`exp(gamma_t - gamma_s)` (t >= s), `Ag = T0 ⊙ Dec ⊙ beta_s`, `E = diag(exp(gamma))`), the forward
-was
-
-  X = Vrep - E Kw S,  v_new = Ag X,  o = scale (E q S + (q Kb^T ⊙ D) v_new),
-  S' = exp(gamma_L) S + Kb^T diag(exp(gamma_L - gamma)) v_new,  T0 = (I + A0)^-1,
-  A0 = diag(beta) (Kw Kb^T ⊙ L)   (L: strictly earlier tokens)
-
-and given `do`, `dS'` (dh) and the whole gradient of v_new (`dv_new`, the reverse walk's) the
-kernel forms, all products on the tensor cores:
-
-  dX = Ag^T dv_new,  dv_t = sum_a dX[(a,t)]
-  dAg = dv_new X^T,  dT0 = dAg ⊙ Dec ⊙ beta_s,  dA0 = -(T0^T dT0 T0^T) ⊙ L
-  G = diag(beta) dA0
-  dKb = G^T Kw + scale (do v_new^T ⊙ D)^T q + diag(exp(gamma_L - gamma)) v_new dS'^T
-  dKw = G Kb - E dX S^T
-  dq = scale E do S^T + scale (do v_new^T ⊙ D) Kb
-  dk_t^(d) = dKb[(d,t)]^(d) + sum_a M_t[a,d] dKw[(a,t)]^(d),  dM_t[a,d] = <dKw[(a,t)]^(d), k_t^(d)>
-
-and the per-row parts of the gates' and beta's gradients (what the gates multiply: `Dec` in Ag,
-`D` in the scores, `E` in X and in the output, `exp(gamma_L)` and `exp(gamma_L - gamma)` in the
-state update; beta in A0's rows and Ag's columns), which the caller sums per token and turns into
-dg by a reverse cumulative sum (docs/chunked_form.md#the-backward).
-
-Products whose result has a chunk's C tokens as rows (dq, dk, dv at r > 1, where C < 64 rows is
-below wgmma's M) are formed transposed, with the token sums over key blocks as products with the
-0/1 matrix `R[(a,t), s] = [t == s]`. One program per (batch, head, chunk), one warpgroup, every
-operand loaded once with TMA.
+One program per (batch, head, chunk), one warpgroup, every operand loaded once with TMA and all
+products on the tensor cores: dq, dk (from the block keys' and the masked keys' gradients), dv,
+the mask's gradient and the per-row parts of the gates' and beta's gradients, which the caller
+sums per token (docs/chunked_form.md#the-backward). Products with a chunk's C tokens as rows are
+formed transposed, the token sums over key blocks as products with a 0/1 matrix.
 """
 
 from __future__ import annotations
@@ -42,10 +18,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.mosaic_gpu.common import (
+  BACKWARD_R,
   COLS,
   F32,
   ROWS,
   ROWS_PER_CHUNK,
+  SUPPORTED_DIMS,
   WGMMA,
   bcast_cols,
   bcast_rows,
@@ -64,8 +42,7 @@ from pallas_kernels.mosaic_gpu.common import (
 )
 
 N = ROWS_PER_CHUNK
-SUPPORTED_R = (1, 2, 4)
-SUPPORTED_DIMS = (64, 128)  # K and V
+SUPPORTED_R = BACKWARD_R
 VECTOR_ROWS = 6  # rows of the per-chunk vectors before the mask's r (see `chunk_grads`)
 
 

@@ -1,43 +1,14 @@
-"""The chunk-parallel kernel of the forward: the gate-free inverse T0 = (I + A0)^-1 per chunk.
+"""The chunk-parallel kernel of the forward: the gate-free inverse T0 = (I + A0)^-1 per chunk
+(docs/mosaic_gpu.md#the-chunk-inverse has the math).
 
-Per chunk of `C` tokens (`N = C r = 64` block-major rows `(a, t)`, see `common.py`):
-
-  A0[(a,t),(d,s)] = beta_t M_t[a,d] <k_t^(d), k_s^(d)>     for t > s, else 0
-  T0 = (I + A0)^-1
-
-(docs/chunked_form.md#one-inverse-for-w-and-u: the gated inverse is T0 times exp(gamma_t -
-gamma_s), applied by the walk). `I + A0` is a permuted unit lower-triangular matrix (triangular in
-token order, docs/chunked_form.md#the-chunk-matrix-a), so the block merge of
-docs/chunked_form.md#the-inverse-by-16-row-blocks works on token groups: start from X = I (the
-`r x r` block of a token with itself is zero) and for groups of 2, 4, ..., C tokens
-
-  X <- X - X (A0 restricted to (later half, earlier half) of each group) X
-
-which turns the block-diagonal inverse of the half groups into that of the whole groups. Every
-merge runs on the tensor cores in one pass over operands rounded to the input dtype, the left
-operand in registers. A two-term split of the operands inside 16-row groups (three products, near
-float32) changed the forward's error by nothing measurable on an H200 (relative RMS 4.0e-3
-either way against the jnp form at r = 1, 2, 4) and is gone (docs/mosaic_gpu.md#speed-on-an-h200).
-Compiled, the kernel solves the groups of 16 rows exactly in float32 on the CUDA cores first
-(`diag_solve.py`: four dependent merge products fewer at r = 1; benchmarks/results) and
-merges from there; the interpreter, which runs no raw Mosaic GPU code, merges from groups of 2.
-Each program walks several chunks, the next chunk's loads and the last chunk's store in flight.
-
-The Householder form (DeltaProduct, `householder_delta_product`: `r = n_h` sub-steps per token,
-each with its own key, value and beta; docs/mosaic_gpu.md#the-householder-form) takes the same
-rows with `k` `[B, Tp, n_h, Hk, K]`: row `(a, t)` is sub-step `a` of token `t`, and the sub-steps
-of a token follow each other, so
-
-  A0[(a,t),(d,s)] = beta_(a,t) <k_(a,t), k_(d,s)>     for s < t, or s = t and d < a
-
-and the block of a token with itself is strictly lower, not zero: the merges start from its
-inverse, `(I + L)^-1 = (I - L)(I + L^2)(I + L^4)...` (L nilpotent), formed on the tensor cores
-(compiled, the float32 solve of the 16-row blocks couples the sub-steps in order instead).
-
-The Gram tiles of all key blocks come from one product: `Krep Kb^T`, with `Krep` the chunk's keys
-repeated for each block `a` and `Kb` the same with every column outside block `a` zeroed, so
-`(Krep Kb^T)[(a,t),(d,s)] = <k_t^(d), k_s^(d)>`. No key block is ever sliced, so `K / r < 16`
-needs no padding.
+Per chunk of `C` tokens (`N = C r = 64` block-major rows `(a, t)`, `common.py`),
+`A0[(a,t),(d,s)] = beta_t M_t[a,d] <k_t^(d), k_s^(d)>` for t > s from one Gram product over all
+key blocks, and T0 by merging token groups of 2, 4, ..., C on the tensor cores; compiled, the
+groups of 16 rows are solved in float32 first (`diag_solve.py`). The gates enter in the walk
+(docs/chunked_form.md#one-inverse-for-w-and-u). k of rank 5 holds the Householder form's
+sub-steps, whose merges start from each token's block inverse
+(docs/mosaic_gpu.md#the-householder-form). Each program walks several chunks, the next chunk's
+loads and the last chunk's store in flight; `invert` serves the fused forward too.
 """
 
 from __future__ import annotations
@@ -48,6 +19,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.common import device
 from pallas_kernels.mosaic_gpu import diag_solve as diag_solve_mod
 from pallas_kernels.mosaic_gpu.common import (
   F32,
@@ -136,10 +108,6 @@ def invert(a0: jax.Array, r: int, bufs, dtype, solve_s=None, householder: bool =
   return eye if x is None else x  # (None: one token per chunk, not reached: C >= 8)
 
 
-# Streaming multiprocessors of an H100 / H200: the chunks-per-program rule keeps every one busy.
-NUM_SMS = 132
-
-
 def default_chunks_per_program(batch: int, heads: int, chunks: int) -> int:
   """The most chunks per program (8, 4 or 2, dividing the chunk count) that still leave about
   1.5 programs per streaming multiprocessor (two fit on one), else 1.
@@ -148,7 +116,7 @@ def default_chunks_per_program(batch: int, heads: int, chunks: int) -> int:
   so more chunks per program hide more of the memory latency, as long as every SM has work.
   """
   for cpp in (8, 4, 2):
-    if chunks % cpp == 0 and batch * heads * (chunks // cpp) * 2 >= 3 * NUM_SMS:
+    if chunks % cpp == 0 and batch * heads * (chunks // cpp) * 2 >= 3 * device.sm_count():
       return cpp
   return 1
 

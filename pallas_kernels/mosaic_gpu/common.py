@@ -1,5 +1,5 @@
-"""Helpers shared by the Mosaic GPU kernels: the chunk rule, shared-memory tiles, layouts and
-tensor-core products staged through shared memory.
+"""Helpers shared by the Mosaic GPU kernels (docs/mosaic_gpu.md): the chunk rule, shared-memory
+tiles, layouts and tensor-core products staged through shared memory.
 
 Rows of a chunk matrix are block-major: row `(a, t)` is `a * C + t` for key block `a` and token
 `t` of a chunk of `C` tokens, `N = C * r` rows in all (docs/chunked_form.md uses token-major rows;
@@ -15,11 +15,15 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.common import device
+
 F32 = jnp.float32
 ROWS_PER_CHUNK = 64  # N: rows of every chunk matrix, one wgmma M tile
-SUPPORTED_R = (1, 2, 4, 8)
+SUPPORTED_R = (1, 2, 4, 8)  # the forward's r
+BACKWARD_R = (1, 2, 4)  # the backward's r
+SUPPORTED_DIMS = (64, 128)  # K and V
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-SMEM_LIMIT = 227 * 1024  # the H200's shared memory per block
+SMEM_LIMIT = device.SHARED_MEMORY_PER_BLOCK[device.HOPPER]  # the GPUs the kernels compile for
 
 WGMMA = plgpu.Layout.WGMMA
 ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile

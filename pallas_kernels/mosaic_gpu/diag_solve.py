@@ -1,26 +1,11 @@
-"""The 16-row diagonal blocks of `T0 = (I + A0)^-1`, solved in float32 on the CUDA cores.
+"""The 16-row diagonal blocks of `T0 = (I + A0)^-1`, solved in float32 on the CUDA cores
+(docs/mosaic_gpu.md#the-float32-solve-of-the-16-row-groups has the math).
 
-`chunk_inverse` builds T0 by merging token groups on the tensor cores; every merge is one more
-dependent product on the kernel's serial chain. This solve replaces the merges of groups up to
-16 rows (`G = 16 / r` tokens, rows `(a, t)` for every key block `a` and token `t` of the group)
-with forward substitution: thread `j` of the warpgroup's first `N = 64` threads solves column
-`j = (a0, t0)` of its group's block,
-
-  x[(a, t)] = 0 for t < t0,   x[(a, t0)] = [a = a0],
-  x[(a, t)] = - sum_{(d, s): t0 <= s < t} A0[(a,t),(d,s)] x[(d, s)]    (t > t0),
-
-right-looking: once `x[(d, s)]` is final it is added into every later row of the group, so the
-dependent chain is one fused multiply-add per row, and rows of one token never couple (A0 is zero
-between them: docs/chunked_form.md#the-chunk-matrix-a). In the Householder form (`within_token`,
-docs/mosaic_gpu.md#the-householder-form) a token's rows are its sub-steps in order, and row `(a, t)`
-also takes the token's earlier sub-steps `(d, t)`, `d < a`: the solve walks the rows in sub-step
-order `(t, a)` and adds each finished one into the later sub-steps of its own token too. All threads
-of a group read the same entries of A0 (broadcast loads); the float32 buffers have padded rows so
-that the WGMMA layout's stores of eight rows land in different banks.
-
-Pallas has no per-thread code, so this is raw Mosaic GPU (`plgpu.inline_mgpu`), which the Mosaic
-GPU interpreter does not run: interpreted, `chunk_inverse` merges the small groups on the tensor
-cores instead (the same matrix, rounded differently), and the GPU check
+Replaces `chunk_inverse`'s tensor-core merges of the groups up to 16 rows with forward
+substitution, a thread per column, right-looking (one fused multiply-add per row on the dependent
+chain); `within_token` also couples a token's sub-steps (the Householder form). Raw Mosaic GPU
+(`plgpu.inline_mgpu`: Pallas has no per-thread code), which the Mosaic GPU interpreter does not
+run: interpreted, `chunk_inverse` merges the small groups instead, and the GPU check
 (benchmarks/mosaic_gpu_check.py) tests this solve compiled against the jnp implementation.
 """
 

@@ -1,4 +1,5 @@
-"""The Mosaic GPU forward: input preparation (XLA) and the two kernels.
+"""The Mosaic GPU forward: input preparation (XLA) and the two kernels
+(docs/mosaic_gpu.md#the-forward-in-two-kernels).
 
 `forward(q, k, v, g, beta, mask, ...)` takes the operator's arguments (docs/operator.md, shapes
 `[B, T, H, ...]`) and returns `(o, final_state)`. It pads the time axis to whole chunks with no-op
@@ -17,7 +18,13 @@ import jax.numpy as jnp
 
 from pallas_kernels.common.gates import RESET_LOG_DECAY
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
-from pallas_kernels.mosaic_gpu.common import F32, ROWS_PER_CHUNK, SUPPORTED_DTYPES, chunk_tokens
+from pallas_kernels.mosaic_gpu.common import (
+  F32,
+  ROWS_PER_CHUNK,
+  SUPPORTED_DIMS,
+  SUPPORTED_DTYPES,
+  chunk_tokens,
+)
 from pallas_kernels.mosaic_gpu.fused_forward import fused_walk
 from pallas_kernels.mosaic_gpu.walk_ws import state_walk_ws
 
@@ -75,7 +82,7 @@ def check_inputs(q, k, v, g, beta, mask, initial_state) -> int:
   chunk_tokens(r)
   if mask is not None and mask.shape not in ((r, r), (heads, r, r), (batch, t_len, heads, r, r)):
     raise ValueError(f"mask: shape {mask.shape}, expected [r, r], [H, r, r] or [B, T, H, r, r]")
-  if key_dim % r or key_dim not in (64, 128):
+  if key_dim % r or key_dim not in SUPPORTED_DIMS:
     raise ValueError(f"q, k: K={key_dim} must be 64 or 128 and a multiple of r={r}")
   if initial_state is not None and initial_state.shape != (batch, heads, key_dim, v.shape[-1]):
     raise ValueError(f"initial_state: shape {initial_state.shape}, expected [B, H, K, V]")
@@ -268,7 +275,7 @@ def householder_forward(
     raise ValueError(f"k, v: shapes {k.shape}, {v.shape}, expected [B, T n_h, H, .], T = {t_len}")
   if q.dtype != k.dtype or q.dtype != v.dtype or jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
     raise TypeError(f"q, k, v: dtypes {q.dtype}, {k.dtype}, {v.dtype}: one of bfloat16, float16")
-  if key_dim not in (64, 128):
+  if key_dim not in SUPPORTED_DIMS:
     raise ValueError(f"q, k: K={key_dim} must be 64 or 128")
   padded = -(-t_len // c) * c
   pt = padded - t_len

@@ -1,55 +1,19 @@
-"""The state walk and the output: one warp-specialised program per (batch, head, value tile).
+"""The state walk and the output of the Hopper forward: one warp-specialised program per (batch
+row, head, value tile) (docs/mosaic_gpu.md#the-walk has the math).
 
-Carries the float32 state transposed, `S^T [BV, K]`, in registers over the chunks. Per chunk of
-`C` tokens with block-major rows `(a, t)` (`N = C r = 64`, see `common.py`) and `gamma` the
-chunk-local cumulative log-decay (docs/chunked_form.md#gamma):
-
-  Ag[(a,t),(d,s)] = T0[(a,t),(d,s)] exp(gamma_t - gamma_s) beta_s   (t >= s; T0: chunk_inverse)
-  X^T    = Vrep^T - (S^T Kw^T) diag(exp(gamma))                        [BV, N]
-  v_new^T = X^T Ag^T                                                   [BV, N]
-  o^T    = scale ((S^T q^T) diag(exp(gamma)) + v_new^T (Kb q^T ⊙ D))   [BV, C], D causal incl.
-  S^T   <- exp(gamma_L) S^T + (v_new^T diag(exp(gamma_L - gamma))) Kb  [BV, K]
-
-with `Vrep` the value rows repeated per block, `Kw` the masked keys (row `(a,t)` is
-`[M_t[a,d] k_t^(d)]_d`) and `Kb` the block keys (row `(a,t)` is `k_t^(a)` in block `a`'s
-columns, zeros elsewhere), as in docs/chunked_form.md#the-chunk-matrix-a. Since
-`(I + A)^-1 = E T0 E^-1` (E = diag(exp(gamma)), docs/chunked_form.md#one-inverse-for-w-and-u),
-`v_new = u - w S0 = (T0 ⊙ decay) diag(beta) (Vrep - E Kw S0)`: w and u are never formed.
-
-The work of one chunk is split over three warpgroups so that only the state recurrence stays on
-the serial chain:
-
-- warpgroup 2, the producer: streams q, k, v, T0, gamma, beta and the mask rows with TMA into a
-  ring of `STAGES` shared-memory stages, refilling a stage once both consumers released it;
-- warpgroup 1, off the chain: per stage, turns the keys into the block keys `Kb` (in place) and
-  the masked keys `Kw` (for r > 1; at r = 1 the mask is one number per token, which the chain
-  applies to the columns of `S^T k^T`), and T0 into `Ag = T0 ⊙ decay ⊙ beta` (in place), and
-  signals warpgroup 0;
-  then forms `Kb q^T ⊙ D` and, once warpgroup 0 has published the chunk's `S^T` and `v_new^T`,
-  the output, which it stores;
-- warpgroup 0, the chain: keeps `S^T` in float32 registers and per chunk runs the three dependent
-  products `S^T Kw^T`, `X^T Ag^T`, `v_new^T Kb`, publishing `S^T` and `v_new^T` (16-bit, double
-  buffered) for warpgroup 1.
-
-The Householder form (`householder_delta_product` with `r = n_h` sub-steps per token;
-docs/mosaic_gpu.md#the-householder-form) takes k `[B, Tp, n_h, Hk, K]` and v `[B, Tp, n_h, H, V]`:
-row `(a, t)` holds sub-step `a` of token `t`, its own key and value, so `Kb = Kw` are the loaded
-keys and `Vrep` the loaded values (no block zeroing, no mask), with `chunk_inverse`'s T0 of the
-sub-steps; q, the gates and the output stay one row per token.
-
-w, u, v_new and the per-chunk states never reach HBM. The chain's left operands stay in registers
-and the state update accumulates into the decayed state (`common.matmul_reg`), so no product on
-the chain waits for a shared-memory store; in the Mosaic GPU interpreter, which runs neither, they
-are staged through one tile (`xt_s`) instead. The initial state is read and the final state
-written straight between registers and global memory (no 32 KB float32 staging tile), so the ring
-fits with a state at every supported K. Every warpgroup waits for the others before it exits (an
-early exit while another warpgroup still issued wgmmas faulted on sm_90 with jax 0.11.2, as
-jax-linear-attention records).
+The float32 state, transposed (`S^T [BV, K]`), stays in registers over the chunks. Three
+warpgroups: the producer (2) streams each chunk's q, k, v, T0, gates, beta and mask rows through
+the TMA ring (`ring.py`, docs/mosaic_gpu.md#the-ring); warpgroup 1, off the chain, forms the
+block and masked keys and the gated inverse `Ag` in place, then the output; the chain (0) runs
+three dependent products per chunk, its left operands in registers, and publishes `S^T` and
+`v_new^T` for the output. `producer`, `chain` and `output` serve the fused forward too
+(`fused_forward.py`). k and v of rank 5 are the Householder form's sub-steps, one per row
+(docs/mosaic_gpu.md#the-householder-form). Every warpgroup waits for the others before it exits
+(an early exit while another still issued wgmmas faulted on sm_90 with jax 0.11.2).
 """
 
 from __future__ import annotations
 
-import functools
 import types
 
 import jax
@@ -58,6 +22,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.mosaic_gpu import ring
 from pallas_kernels.mosaic_gpu.common import (
   COLS,
   F32,
@@ -150,9 +115,7 @@ def walk_scratch(*, stages, c, key_dim, bv, r, dtype, masked_keys, staged, n_cop
     pq_s=smem((c, N), dtype),
     o_s=smem((2, c, bv), dtype),
     sc_s=plgpu.SMEM((4,), F32),
-    in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
-    prep_ready=plgpu.Barrier(num_barriers=stages),
-    in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    **ring.barriers(stages, n_copies),
     s_ready=plgpu.Barrier(num_barriers=2),
     s_free=plgpu.Barrier(num_barriers=2),
     sc_bar=plgpu.Barrier(num_arrivals=2 if packed else 1),
@@ -197,44 +160,29 @@ def producer(w, registers: int = 40):
   set_registers(registers, w.warpgroups)
   c, b, hk, h = w.c, w.b, w.hk, w.h
 
-  def issue(i, slot):
+  def fill(i, put):
     n = w.first + i  # the chunk of the i-th step
     rows = pl.ds(n * c, c)
-    bar = w.in_bar.at[slot]
-    mn = n if w.m_n > 1 else 0
-    plgpu.copy_gmem_to_smem(w.q_ref.at[b, rows, hk], w.q_s.at[slot], bar)
+    put(w.q_ref.at[b, rows, hk], w.q_s)
     if w.t0_ref is not None:
-      plgpu.copy_gmem_to_smem(w.t0_ref.at[b, h, pl.ds(n * N, N)], w.t_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(w.g_ref.at[b, h, rows], w.g_tok.at[slot].at[pl.ds(0, c)], bar)
+      put(w.t0_ref.at[b, h, pl.ds(n * N, N)], w.t_s)
+    put(w.g_ref.at[b, h, rows], w.g_tok, pl.ds(0, c))
     if w.mk_ref is not None:
-      plgpu.copy_gmem_to_smem(w.mk_ref.at[b, h, rows], w.mk_tok.at[slot].at[pl.ds(0, c)], bar)
-    plgpu.copy_gmem_to_smem(w.m_ref.at[w.mb, w.mh, mn], w.m_s.at[slot], bar)
+      put(w.mk_ref.at[b, h, rows], w.mk_tok, pl.ds(0, c))
+    put(w.m_ref.at[w.mb, w.mh, n if w.m_n > 1 else 0], w.m_s)
     chunk_rows = pl.ds(n * N, N)
     for dst in (w.g_rows, w.g_cols, w.g_chain, w.g_last):
-      plgpu.copy_gmem_to_smem(w.gr_ref.at[b, h, chunk_rows], dst.at[slot], bar)
-    plgpu.copy_gmem_to_smem(w.beta_ref.at[b, h, chunk_rows], w.b_cols.at[slot], bar)
+      put(w.gr_ref.at[b, h, chunk_rows], dst)
+    put(w.beta_ref.at[b, h, chunk_rows], w.b_cols)
     for a in range(w.r):  # tiles: C-row pieces stay 1024-byte aligned for every r
-      part = pl.ds(a * c, c)
       if w.householder:
         k_src, v_src = w.k_ref.at[b, rows, a, hk], w.v_ref.at[b, rows, a, h, w.cols_v]
       else:
         k_src, v_src = w.k_ref.at[b, rows, hk], w.v_ref.at[b, rows, h, w.cols_v]
-      plgpu.copy_gmem_to_smem(k_src, w.kb_s.at[slot].at[part], bar)
-      plgpu.copy_gmem_to_smem(v_src, w.vrep_s.at[slot].at[part], bar)
+      put(k_src, w.kb_s, pl.ds(a * c, c))
+      put(v_src, w.vrep_s, pl.ds(a * c, c))
 
-  stages, count = w.stages, w.count
-  for i in range(stages):
-    when(i < count, functools.partial(issue, i, i))
-
-  @pl.loop(stages, count)
-  def _refill(i):
-    slot = lax.rem(i, stages)
-    plgpu.barrier_wait(w.in_free.at[slot])
-    issue(i, slot)
-
-  for j in range(stages):  # consume the last releases of every stage
-    i = count - stages + j
-    when(i >= 0, lambda i=i: plgpu.barrier_wait(w.in_free.at[i % stages]))
+  ring.produce(fill, stages=w.stages, count=w.count, loaded=w.in_bar, free=w.in_free)
 
 
 def chain(w, registers: int = 232):

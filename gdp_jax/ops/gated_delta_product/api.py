@@ -12,13 +12,13 @@ offsets and an initial state per sequence, [N, HV, K, V].
 
 from __future__ import annotations
 
-from typing import cast
+from typing import cast, overload
 
 import jax
 import jax.numpy as jnp
 
 from gdp_jax.ops import registry
-from gdp_jax.ops.gated_delta_product import partitioning
+from gdp_jax.ops.gated_delta_product import block_states, partitioning
 from gdp_jax.ops.gated_delta_product.base import (
   RESET_LOG_DECAY,
   GatedDeltaProductImplementation,
@@ -35,10 +35,13 @@ from gdp_jax.ops.validation import (
   check_cu_seqlens,
   check_cu_seqlens_values,
   check_inputs,
+  check_options,
   check_scale,
+  check_state_every,
   shape_of,
 )
 from pallas_kernels.common.backend import resolve_precision
+from pallas_kernels.common.device import describe_capability
 from pallas_kernels.common.options import KernelOptions
 
 # In order of preference: None and "pallas" take the first that serves the device and the call.
@@ -58,8 +61,7 @@ def describe_runtime(device=None) -> str:
   """One line naming the device and the implementation `None` picks there (for notebooks/logs)."""
   device = registry.default_device() if device is None else device
   if device.platform == "gpu":
-    capability = getattr(device, "compute_capability", "?")
-    where = f"{device.device_kind} (compute capability {capability})"
+    where = f"{device.device_kind} (compute capability {describe_capability(device)})"
   else:
     where = f"{device.platform.upper()} ({device.device_kind})"
   return f"{where}: implementation=None runs {REGISTRY.resolve(None, device).name!r}"
@@ -68,6 +70,50 @@ def describe_runtime(device=None) -> str:
 # ----------------------------------------------------------------------------------------------
 # The operator
 # ----------------------------------------------------------------------------------------------
+
+
+@overload
+def gated_delta_product(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array | None = None,
+  beta: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  *,
+  scale: float | jax.Array | None = None,
+  initial_state: jax.Array | None = None,
+  output_final_state: bool = False,
+  chunk_size: int = 64,
+  implementation: str | None = None,
+  precision: str | None = None,
+  backward: str = "pallas",
+  options: KernelOptions | None = None,
+  cu_seqlens: jax.Array | None = None,
+  state_every: None = None,
+) -> tuple[jax.Array, jax.Array | None]: ...
+
+
+@overload
+def gated_delta_product(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array | None = None,
+  beta: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  *,
+  scale: float | jax.Array | None = None,
+  initial_state: jax.Array | None = None,
+  output_final_state: bool = False,
+  chunk_size: int = 64,
+  implementation: str | None = None,
+  precision: str | None = None,
+  backward: str = "pallas",
+  options: KernelOptions | None = None,
+  cu_seqlens: jax.Array | None = None,
+  state_every: int,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]: ...
 
 
 def gated_delta_product(
@@ -87,7 +133,8 @@ def gated_delta_product(
   backward: str = "pallas",
   options: KernelOptions | None = None,
   cu_seqlens: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+  state_every: int | None = None,
+) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
   """Block-masked gated delta product linear attention (docs/operator.md).
 
   Per batch row and value head a float32 state S [K, V] evolves as
@@ -103,7 +150,7 @@ def gated_delta_product(
     beta: [B, T, HV] write strength (required).
     mask: None (r = 1), [r, r], [HV, r, r] or per token [B, T, HV, r, r]; K % r == 0.
     scale: output scale, default K ** -0.5: a number, or a scalar array (traced ones included,
-      e.g. a learned scale under `jax.jit`; differentiable).
+      e.g. a learned scale under `jax.jit`; differentiable); finite and > 0.
     initial_state: [B, HV, K, V] ([N, HV, K, V] with cu_seqlens) or None (zeros).
     output_final_state: True to also return the final state [B, HV, K, V] float32 (a bool).
     chunk_size: tokens per chunk of the chunked forms, one of 16, 32, 64.
@@ -122,8 +169,8 @@ def gated_delta_product(
       HIGHEST precision (the ground truth) whatever this says. Overrides `options.precision`.
     backward: with a Pallas implementation: "pallas" (its kernels) or "xla" (the jnp backward of
       the chunked form behind the Pallas forward: a debugging switch).
-    options: with a Pallas implementation: a `pallas_kernels.common.options.KernelOptions`
-      (matmul precision and launch parameters); None picks them by heuristic.
+    options: None or a `pallas_kernels.common.options.KernelOptions` (matmul precision and
+      launch parameters of a Pallas implementation); None picks them by heuristic.
     cu_seqlens: None, or int32 [N + 1] offsets of N sequences packed back to back in one row
       (docs/varlen.md): B must be 1, sequence n holds tokens [cu_seqlens[n], cu_seqlens[n + 1]),
       offsets start at 0, end at T and never decrease (two equal offsets: an empty sequence,
@@ -132,10 +179,19 @@ def gated_delta_product(
       boundaries with the same N and T do not recompile. Concrete offsets are checked; invalid
       traced ones are undefined behaviour (they are repaired, `gdp_jax.varlen.sanitize`, so
       nothing reads out of bounds, but the result means nothing).
+    state_every: None, or N, a positive multiple of chunk_size: also return the state after
+      every N tokens (docs/operator.md#block-boundary-states): [B, T // N, HV, K, V] float32, row
+      j the state after tokens [0, (j + 1) N) (a ragged end of T % N tokens has no row: its
+      state is the final state). With cu_seqlens [1, T // N, HV, K, V]: each sequence's blocks
+      counted from its own start, sequence n's in rows [c[n], c[n + 1]) of
+      c = `gdp_jax.varlen.block_offsets(cu_seqlens, N)`, zeros after the last. Not on
+      "mosaic_gpu" (None and "pallas" pick "triton"); "triton" has no derivatives then (a
+      NotImplementedError), "reference" and "xla" differentiate the states.
 
   Returns:
     (o [B, T, HV, V] in q.dtype, final_state [B, HV, K, V] ([N, HV, K, V] with cu_seqlens)
-    float32 or None).
+    float32 or None), and the block states third when state_every is given. B = 0 gives empty
+    outputs.
 
   Derivatives: every implementation supports reverse mode (`jax.grad`, `jax.vjp`) in every
   input; "reference" and "xla" also forward mode and higher orders (JAX differentiates their
@@ -177,13 +233,21 @@ def gated_delta_product(
   output_final_state = check_bool("output_final_state", output_final_state)
   chunk_size = check_chunk_size(chunk_size)
   scale = check_scale(scale)
-  problem = Problem(q.dtype, dim_k, dim_v, r, cu_seqlens is not None)
+  state_every = check_state_every(state_every, chunk_size)
+  check_options(options)
+  problem = Problem(q.dtype, dim_k, dim_v, r, cu_seqlens is not None, state_every is not None)
   impl = cast(GatedDeltaProductImplementation, REGISTRY.resolve(implementation, problem=problem))
   registry.check_backward(backward, impl)
   # None with explicit options keeps options.precision; else None follows jax's default.
   kernel_precision: str | None = resolve_precision(precision)
   if precision is None and options is not None:
     kernel_precision = None
+  if batch == 0:  # an empty batch: empty outputs, as jnp's functions give
+    o = jnp.zeros((0, t_len, heads_v, dim_v), q.dtype)
+    final = jnp.zeros((0, heads_v, dim_k, dim_v), jnp.float32) if output_final_state else None
+    if state_every is None:
+      return o, final
+    return o, final, jnp.zeros((0, t_len // state_every, heads_v, dim_k, dim_v), jnp.float32)
   if impl.pallas:
     impl = impl.replace(options=options, backward=backward, precision=kernel_precision)
   if scale is None:
@@ -200,7 +264,11 @@ def gated_delta_product(
   if not isinstance(scale, (int, float)):  # a traced or learned scale: o is linear in it
     array_scale, scale = scale, 1.0
   args = (q, k, v, g, beta, mask5, initial_state, float(scale), chunk_size)
-  if cu_seqlens is not None:
+  states = None
+  if state_every is not None:  # unpartitioned (docs/operator.md#block-boundary-states)
+    cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
+    o, final, states = block_states.run(impl, *args, state_every, cu)
+  elif cu_seqlens is not None:
     o, final = impl.varlen(*args, jnp.asarray(cu_seqlens))
   elif partitioning.partitions() and (impl.pallas or impl.name == "xla"):
     # Sharded inputs under jax.jit: the kernels run per device on their block of batch rows and
@@ -212,4 +280,5 @@ def gated_delta_product(
     o, final = run_padded(impl, *args)
   if array_scale is not None:
     o = o.astype(jnp.float32) * array_scale
-  return o.astype(q.dtype), (final if output_final_state else None)
+  outputs = (o.astype(q.dtype), final if output_final_state else None)
+  return outputs if states is None else (*outputs, states)

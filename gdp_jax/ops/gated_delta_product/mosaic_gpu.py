@@ -28,18 +28,23 @@ from gdp_jax.ops.gated_delta_product import nonfinite, varlen, xla_backward
 from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation, Problem
 from gdp_jax.ops.heads import sum_key_heads
 from pallas_kernels.common.backend import interpret_mode
+from pallas_kernels.common.device import HOPPER
 from pallas_kernels.common.options import KernelOptions
 from pallas_kernels.mosaic_gpu import backward_walk, chunk_grads
 from pallas_kernels.mosaic_gpu import forward as mosaic_forward
-from pallas_kernels.mosaic_gpu.common import SUPPORTED_DTYPES, chunk_tokens
+from pallas_kernels.mosaic_gpu.common import (
+  BACKWARD_R,
+  SUPPORTED_DIMS,
+  SUPPORTED_DTYPES,
+  chunk_tokens,
+)
 
-SUPPORTED_KEY_BLOCKS = chunk_grads.SUPPORTED_R  # the backward's r (the forward takes r = 8 too)
-SUPPORTED_DIMS = chunk_grads.SUPPORTED_DIMS  # K and V
+SUPPORTED_KEY_BLOCKS = BACKWARD_R  # the forward takes r = 8 too
 # r of the fused forward without gradient by default: on an H200 it took 0.56 / 1.07 / 2.07 ms at
 # r = 1 / 2 / 4, against about 0.72 / 1.20 / 1.85 ms for the operator's two kernels with the guard
 # outside in earlier runs (benchmarks/mosaic_fused_forward.py times the two side by side)
 FUSED_KEY_BLOCKS = (1, 2)
-COMPUTE_CAPABILITY = (9, 0)  # what the compiled kernels target (wgmma, TMA)
+COMPUTE_CAPABILITY = HOPPER  # what the compiled kernels target (wgmma, TMA)
 NO_HIGHER_DERIVATIVES = (
   "gated_delta_product with implementation='mosaic_gpu' supports reverse-mode first derivatives "
   "only (jax.grad, jax.vjp, jax.value_and_grad: its backward is a custom_vjp of Pallas "
@@ -273,6 +278,8 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
         return f'{name} = {dim}; implementation="mosaic_gpu" takes {SUPPORTED_DIMS}; {use}'
     if problem.packed and not named:
       return "packed sequences run on the Triton kernels unless mosaic_gpu is named"
+    if problem.block_states:
+      return f'state_every: implementation="mosaic_gpu" does not return block states; {use}'
     return None
 
   def time_multiple(self, chunk_size, key_blocks):

@@ -1,29 +1,13 @@
-"""Non-finite inputs stay causal: a `nan` or `inf` at token t changes nothing before t
-(docs/precision.md#non-finite-inputs).
+"""Non-finite inputs stay causal: a `nan` or `inf` at token t changes nothing before t, outputs
+or gradients (docs/precision.md#non-finite-inputs).
 
-The chunked form mixes the tokens of a chunk in its matrix products, where `0 * nan = nan` would
-carry a bad value at token t to the earlier tokens of its chunk (forward) and, through the
-cotangents, to the gradients of the earlier tokens (backward). The "reference" and "xla"
-implementations therefore run on cleaned inputs and mark the affected outputs afterwards, with
-selects only (`jnp.where`), never multiplications by a zero mask:
-
-1. `clean`: every non-finite entry of q, k, v, beta and the mask becomes 0, a `nan` or `+inf` log
-   decay g becomes 0 (`g = -inf` is a legitimate reset and is kept; the implementations handle it
-   exactly). The computation then sees finite values only.
-2. `mark`: per batch row and head, the state is non-finite from the first token whose k, v, g,
-   beta or mask is bad, as in the recurrence, so the outputs from that token on and the final
-   state are set to `nan`; a bad q spoils only its own token's output.
-
-Before the first bad token the result is the clean computation's, exactly; from it on the result
-is `nan`, where the recurrence gives `nan` or `inf`. The gradient of a loss on the outputs before
-the first bad token is the clean computation's gradient: the select sends a zero cotangent to the
-marked outputs, and the cleaned inputs make every product in the backward finite.
-
-The jnp backward of the chunked form (xla_backward.py) applies `mark_cotangents` (the vjp of
-`mark`) and `clean_gradients` (the vjp of `clean`). "pallas" runs its kernels the same way
-(gdp_jax/ops/gated_delta_product/triton.py, `_gdp_guarded`): steps 1 and 2 around one run of the
-kernels, and in its backward `mark_cotangents` before the kernels' backward; the gradients of the
-bad entries come out 0 there without `clean_gradients`: every output they reach is marked.
+The chunked form mixes the tokens of a chunk in its products, where `0 * nan = nan` would carry
+a bad value to the earlier tokens of its chunk. So the implementations run on cleaned inputs and
+mark the affected outputs afterwards, with selects only: `clean` (non-finite entries become 0; a
+`nan` or `+inf` g becomes 0, `g = -inf` stays a reset) and `mark` (per batch row and head, the
+outputs from the first bad token on and the final state become `nan`; a bad q spoils its own
+token only). Their vjps, `mark_cotangents` and `clean_gradients`, serve the jnp backward
+(xla_backward.py); the Pallas implementations wrap their kernels in the same two steps.
 """
 
 from __future__ import annotations
@@ -36,10 +20,12 @@ import jax.numpy as jnp
 
 
 class Marks(NamedTuple):
-  """Where the outputs are non-finite. o: [B, T, H] bool; final: [B, H] bool."""
+  """Where the outputs are non-finite. o: [B, T, H] bool; final: [B, H] bool; state: [B, T, H]
+  bool, the state after token t (the block states of block_states.py; a bad q spoils o only)."""
 
   o: jax.Array
   final: jax.Array
+  state: jax.Array | None = None
 
 
 def _finite(x):
@@ -66,7 +52,7 @@ def _bad_rows(x, batch, t_len, heads, local=False):
   return jnp.broadcast_to(bad, (batch, t_len, heads))
 
 
-def clean(q, k, v, g, beta, mask, *, local=False, substeps=1):
+def clean(q, k, v, g, beta, mask, *, local=False, substeps=1, with_state=False):
   """(cleaned (q, k, v, g, beta, mask), Marks) for the operator's normalised inputs:
   q, k [B, T, Hk, K] (Hk = H, or a divisor of H: grouped value heads); v [B, T, H, V];
   g, beta [B, T, H]; mask [Bm, Tm, Hm, r, r] (or None). Marks are per value head.
@@ -75,7 +61,8 @@ def clean(q, k, v, g, beta, mask, *, local=False, substeps=1):
   gdp_jax/ops/gated_delta_product/partitioning.py), so the reductions may flatten them (a
   flattened sharded array would be gathered first).
   substeps: the Householder form's n_h (householder_delta_product): k, v and beta hold T n_h
-  sub-steps, n_h per token, and a bad sub-step spoils the state from its token on."""
+  sub-steps, n_h per token, and a bad sub-step spoils the state from its token on.
+  with_state: also fill `Marks.state` (else None: no residual more for the kernels' backward)."""
   batch, t_sub, heads = v.shape[:3]
   t_len = t_sub // substeps
   sub_rows = lambda x: _bad_rows(x, batch, t_sub, heads, local)
@@ -91,7 +78,7 @@ def clean(q, k, v, g, beta, mask, *, local=False, substeps=1):
   t = jax.lax.broadcasted_iota(jnp.int32, bad_state.shape, 1)
   first_bad = jnp.min(jnp.where(bad_state, t, t_len), axis=1)  # [B, H]; t_len: none
   spoiled = t >= first_bad[:, None, :]
-  marks = Marks(o=spoiled | bad_q, final=first_bad < t_len)
+  marks = Marks(spoiled | bad_q, first_bad < t_len, spoiled if with_state else None)
   zero = lambda x: jnp.where(_finite(x), x, jnp.zeros((), x.dtype))
   g = jnp.where(jnp.isnan(g) | (g == jnp.inf), jnp.zeros((), g.dtype), g)
   mask = None if mask is None else zero(mask)

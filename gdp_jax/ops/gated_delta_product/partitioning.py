@@ -1,26 +1,15 @@
-"""The operator's Pallas implementations partitioned under plain `jax.jit`
+"""The operator's Pallas implementations (and "xla") partitioned under plain `jax.jit`
 (docs/sharding.md#under-plain-jaxjit).
 
-`partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)` calls an
-implementation (`run`, the normalised inputs of api.py, T not yet padded: each device pads its
-own block or piece to whole chunks, `padded_run`) so that inputs sharded over the batch
-and the heads run the kernels per device on their block, with no all-gather, and inputs
-sharded over the sequence run context parallel: the forward and the
-backward are each a per-shard call (gdp_jax/ops/partitioning.py) inside one `jax.custom_vjp`
-(custom_partitioning has no autodiff rule of its own). The forward's per-shard call returns o,
-the final state and the residuals of the implementation's pullback (for the kernels: the padded
-inputs, gamma and the chunk inverses), the backward's takes them back (`vjp_specs`). An
-implementation whose residuals `vjp_specs` cannot label, and any T that is not a multiple of
-the chunk, gets a backward that runs the forward again on the device's block
-(`_recomputing_specs`).
-
-Labels (gdp_jax/ops/partitioning.py): q, k [B, T, H, K] "bth-"; v, o [B, T, HV, V] "btv-";
-g, beta [B, T, HV] "btv"; the state [B, HV, K, V] "bv--"; the mask [Bm, Tm, Hm, r, r] "btv--"
-with "1" for its size-1 broadcast dimensions. K, V and r are never split. A split sequence runs
-context parallel (`_context_parallel`, docs/sharding.md#under-plain-jaxjit): each device its
-piece, the pieces chained through an all-gather of their small float32 transition states;
-differentiated, see `_Forward`. A scale that is an array (a traced or learned scale) is applied
-outside: the call runs with scale 1 and o is multiplied afterwards (o is linear in the scale).
+`partitioned(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size)` runs an
+implementation on each device's block of batch rows and heads (each device padding its own
+block), with no all-gather, or context parallel when the sequence is split: the forward and the
+backward are each a per-shard call (gdp_jax/ops/partitioning.py) inside one `jax.custom_vjp`, the
+forward saving the residuals of the implementation's pullback per device (`vjp_specs`,
+partitioning_vjp.py). An implementation whose residuals cannot be labelled gets a backward that
+runs the forward again on the device's block. Labels: q, k "bth-"; v, o "btv-"; g, beta "btv";
+the state "bv--"; the mask "btv--" (with "1" for broadcast dimensions). An array scale is
+applied outside (o is linear in it).
 """
 
 from __future__ import annotations
@@ -35,16 +24,14 @@ import jax.numpy as jnp
 from gdp_jax.ops.autodiff import in_forward_mode
 from gdp_jax.ops.gated_delta_product import context_parallel, xla
 from gdp_jax.ops.gated_delta_product.base import run_padded
-from gdp_jax.ops.partitioning import (
-  ShardSpec,
-  every_axis_manual,
-  per_shard_call,
+from gdp_jax.ops.partitioning import ShardSpec, every_axis_manual, per_shard_call
+from gdp_jax.ops.partitioning_jvp import every_mode_call
+from gdp_jax.ops.partitioning_vjp import (
   pullback_residuals,
   saved_pullback,
   sequence_vjp,
   vjp_specs,
 )
-from gdp_jax.ops.partitioning_jvp import every_mode_call
 
 TOKENS = ("bth-", "bth-", "btv-", "btv", "btv")  # q, k, v, g, beta
 STATE = "bv--"

@@ -1,23 +1,14 @@
 """Packed variable-length sequences (`cu_seqlens`): the chunk-aligned padded layout
 (docs/varlen.md).
 
-N sequences packed back to back in one row of T tokens: sequence n holds tokens
+N sequences packed back to back in one row of T tokens, sequence n holding tokens
 [cu_seqlens[n], cu_seqlens[n + 1]). The chunked forms need chunks that never straddle two
 sequences, so `layout` moves every sequence to start at a chunk boundary of a padded row of
-T_pad = C * NT tokens:
-
-  token t of sequence n  ->  padded position  C * chunk_start[n] + (t - cu_seqlens[n])
-
-with chunk_start[n] = sum_{m < n} ceil(L_m / C) (L_m the lengths) and NT = `max_chunks(T, N, C)`,
-a static bound on the number of chunks whatever the boundaries. The padding is zeros (`pack`): a
-token with k = 0, v = 0, beta = 0 and g = 0 is an identity transition (docs/chunked_form.md
-#padding), so inside a sequence the chunked form computes exactly what it computes unpacked.
-What crosses a chunk boundary is the state alone; the per-chunk tables say where it must be
-replaced by a sequence's initial state (`chunk_first`, `chunk_seq`) and after which chunk a
-sequence's final state is read (`chunk_last`, `last_chunk`).
-
-Everything here is traced: `cu_seqlens` may change under `jax.jit` without recompiling, as long
-as N and T stay the same (every shape depends on N, T and C only).
+C * NT tokens (NT = `max_chunks(T, N, C)`, a static bound), padded with identity tokens (zeros,
+`pack`). Only the state crosses a chunk boundary; the per-chunk tables say where a sequence's
+initial state replaces it (`chunk_first`, `chunk_seq`) and after which chunk a final state is
+read (`chunk_last`, `last_chunk`). Everything is traced: new boundaries with the same N and T do
+not recompile.
 """
 
 from __future__ import annotations
@@ -261,13 +252,14 @@ def token_boundaries(cu_seqlens, t_len: int):
   return seq, t == cu_seqlens[seq], t == cu_seqlens[seq + 1] - 1
 
 
-def clean(q, k, v, g, beta, mask, cu_seqlens):
+def clean(q, k, v, g, beta, mask, cu_seqlens, *, with_state=False):
   """`nonfinite.clean` per sequence: the cleaned inputs and marks in which a bad token spoils
   the outputs of its own sequence only (from that token on) and that sequence's final state.
 
   q, k: [1, T, Hk, K] (Hk = H or a divisor of H: grouped value heads); v, g, beta: [1, T, H, ...];
   mask [Bm, Tm, Hm, r, r]; cu_seqlens sanitised [N + 1].
-  Returns (cleaned inputs, nonfinite.Marks(o [1, T, H], final [N, H])).
+  Returns (cleaned inputs, nonfinite.Marks(o [1, T, H], final [N, H], state [1, T, H] with
+  with_state)).
   """
   batch, t_len, heads = v.shape[:3]
   cleaned, _ = nonfinite.clean(q, k, v, g, beta, mask)
@@ -280,4 +272,14 @@ def clean(q, k, v, g, beta, mask, cu_seqlens):
   spoiled = last_bad >= cu_seqlens[seq][None, :, None]
   end = jnp.maximum(cu_seqlens[1:] - 1, 0)
   final = jnp.where((cu_seqlens[1:] > cu_seqlens[:-1])[:, None], spoiled[0, end], False)
-  return cleaned, nonfinite.Marks(o=spoiled | bad(q), final=final)
+  return cleaned, nonfinite.Marks(spoiled | bad(q), final, spoiled if with_state else None)
+
+
+def block_offsets(cu_seqlens, every: int):
+  """int32 [N + 1]: where each packed sequence's block states start in the rows of
+  `gated_delta_product(..., state_every=every, cu_seqlens=cu_seqlens)`'s states
+  (docs/operator.md#block-boundary-states): the running sum of each sequence's whole blocks,
+  L_n // every, from 0. cu_seqlens [N + 1] may be traced."""
+  cu = jnp.asarray(cu_seqlens).astype(i32)
+  blocks = (cu[1:] - cu[:-1]) // every
+  return jnp.concatenate([jnp.zeros((1,), i32), jnp.cumsum(blocks).astype(i32)])

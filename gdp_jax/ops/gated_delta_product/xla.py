@@ -1,29 +1,16 @@
 """The chunked (WY) form (docs/chunked_form.md) in plain jnp: the `"xla"` implementation.
 
-Each stage here is the jnp counterpart of one Pallas kernel in `pallas_kernels/`, in the same array
-layout, so the kernels are tested stage by stage against these functions:
+Each stage is the jnp counterpart of one Pallas kernel in `pallas_kernels/`, in the same array
+layout, so the kernels are tested stage by stage against these functions: q, k [B, Tp, H, K]
+(time-major, T padded to whole chunks), v [B, Tp, H, V], beta and gcum [B, H, Tp] float32
+(head-major), the mask [Bm, Tm, Hm, r, r] (broadcast), A, Ai [B, H, Tp*r, N] (one N x N block
+per chunk, N = chunk * r, rows (t, a) token-major), w [B, H, Tp*r, K], u, v_new [B, H, Tp*r, V],
+h [B, H, NT, K, V] float32, o [B, Tp, H, V]. Everything is float32 at HIGHEST precision: the
+ground truth, also on a GPU. Padding tokens (beta = 0, g = 0) are exact no-ops.
 
-  q, k       [B, Tp, H, K]   the caller's time-major layout, T padded to a multiple of the chunk
-  v          [B, Tp, H, V]
-  beta, gcum [B, H, Tp]      float32, head-major (small; kernels read them as rows)
-  mask       [Bm, Tm, Hm, r, r] with Bm in {1, B}, Tm in {1, Tp}, Hm in {1, H} (broadcast)
-  A, Ai      [B, H, Tp*r, N]  one N x N block per chunk, N = chunk * r, rows (t, a) token-major
-  w          [B, H, Tp*r, K]  rows (t, a) token-major, as [B, H, Tp, r, K] flattened
-  u, v_new   [B, H, Tp*r, V]
-  h          [B, H, NT, K, V] float32 state at the start of each state chunk
-  o          [B, Tp, H, V]
-
-Everything is computed in float32 with HIGHEST matmul precision: this is ground truth, also on GPU.
-Padding tokens carry beta = 0 and g = 0, which makes them exact no-ops
-(docs/chunked_form.md#padding).
-
-The whole forward (`gated_delta_product_xla`) takes grouped value heads (v, g, beta, the mask and
-the state with HV heads, q and k with H, HV % H == 0) and repeats q and k across each group before
-the stages, which all see one head count. Packed sequences (`gated_delta_product_xla_varlen`,
-docs/varlen.md) run the same stages on the chunk-aligned padded layout of
-gdp_jax/ops/gated_delta_product/varlen.py; only the state recurrence changes (`chunk_state_varlen`:
-the state entering a sequence's first chunk is that sequence's initial state, and each sequence's
-final state is read after its last chunk).
+`gated_delta_product_xla` takes grouped value heads (q and k repeated across each group);
+`gated_delta_product_xla_varlen` runs the same stages on the packed layout of varlen.py
+(docs/varlen.md), with the state recurrence `chunk_state_varlen`.
 """
 
 from __future__ import annotations

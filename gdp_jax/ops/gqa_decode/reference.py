@@ -1,5 +1,5 @@
 """`implementation="reference"` of paged grouped-query decode: the definition, position by
-position (float32)."""
+position (float32) (docs/inference.md#paged-kv-cache)."""
 
 from __future__ import annotations
 

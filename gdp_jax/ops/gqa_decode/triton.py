@@ -1,5 +1,5 @@
 """`implementation="triton"` of grouped-query decode, dense and paged: the Pallas kernels
-(pallas_kernels/triton/inference/), no derivatives."""
+(pallas_kernels/triton/inference/), no derivatives (docs/inference.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`implementation="xla"` of grouped-query decode, dense and paged: jnp, float32 at HIGHEST."""
+"""`implementation="xla"` of grouped-query decode, dense and paged: jnp, float32 at HIGHEST
+(docs/inference.md)."""
 
 from __future__ import annotations
 

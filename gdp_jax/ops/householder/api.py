@@ -1,28 +1,16 @@
-"""The Householder form of the gated delta product: DeltaProduct (Siems et al. 2025).
+"""`householder_delta_product` and its step: DeltaProduct (Siems et al. 2025), the Householder
+form of the gated delta product (docs/operator.md, docs/layers.md).
 
-Each token applies `n_h` rank-1 (generalised Householder) delta steps to the state, each with its
-own key, value and write strength; the token's log-decay is applied once, before its first step,
-and the output is read after its last step. Per batch row and head, for token t with sub-steps
-j = 0 .. n_h - 1 (sub-step index i = t * n_h + j):
+Each token applies `n_h` rank-1 delta steps to the state, each with its own key, value and write
+strength: its log-decay once before the first, its output read after the last, so its transition
+is a product of n_h factors (I - beta_i k_i k_i^T), which can rotate the state. The layout is
+flash-linear-attention's `chunk_gated_delta_product`: q [B, T, H, K], k [B, T*n_h, H, K],
+v [B, T*n_h, H, V], beta [B, T*n_h, H], g [B, T, H].
 
-    S <- exp(g_t) S                                      (before j = 0 only)
-    S <- S + beta_i k_i (v_i - k_i^T S)^T                (j = 0 .. n_h - 1, in order)
-    o_t = scale q_t^T S                                  (after j = n_h - 1)
-
-so each token's transition is the product of n_h factors (I - beta_i k_i k_i^T): with unit keys
-and beta in (0, 2) a product of reflections, which can rotate the state (docs/operator.md).
-
-This is the layout of flash-linear-attention's `chunk_gated_delta_product`: q [B, T, H, K],
-k [B, T*n_h, H, K], v [B, T*n_h, H, V], beta [B, T*n_h, H], g [B, T, H]. The chunked
-implementations run the r = 1 operator `gated_delta_product` over the T*n_h sub-steps (g on each
-token's first sub-step, q on its last, zeros elsewhere) and keep the outputs of the last
-sub-steps, so they use the same Pallas kernels forward and backward. "reference" is a plain
-recurrence of its own over the sub-steps, independent of the operator.
-
-Packed sequences (`cu_seqlens [N + 1]` over the T tokens of q, batch 1; docs/varlen.md): "xla"
-runs the operator's packed form over the T*n_h sub-steps with the offsets `cu_seqlens * n_h`;
-"reference" resets its scan to each sequence's initial state at the sequence's first token and
-records its final state after its last.
+The chunked implementations run the r = 1 operator `gated_delta_product` over the T*n_h
+sub-steps (g on each token's first sub-step, q on its last) and keep the last sub-steps'
+outputs; "reference" is a recurrence of its own. Packed sequences (`cu_seqlens`, docs/varlen.md)
+run the operator's packed form over the sub-steps.
 """
 
 from __future__ import annotations
@@ -46,6 +34,7 @@ from gdp_jax.ops.validation import (
   check_cu_seqlens_values,
   check_float,
   check_gate_values,
+  check_scale,
   check_shape,
 )
 from pallas_kernels.common.backend import resolve_precision
@@ -239,6 +228,7 @@ def householder_delta_product(
   resolve_precision(precision)  # a clear error for a bad value
   if chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
+  check_scale(scale)  # finite and > 0 (a TypeError / ValueError)
   if scale is None:
     scale = dim_k**-0.5
 

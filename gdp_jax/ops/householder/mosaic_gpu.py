@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from gdp_jax.ops.autodiff import in_forward_mode
 from gdp_jax.ops.gated_delta_product import nonfinite
 from pallas_kernels.common.backend import interpret_mode
-from pallas_kernels.mosaic_gpu.common import SUPPORTED_DTYPES
+from pallas_kernels.mosaic_gpu.common import SUPPORTED_DIMS, SUPPORTED_DTYPES
 from pallas_kernels.mosaic_gpu.forward import householder_forward
 
 SUPPORTED_NUM_HOUSEHOLDER = (2, 4)
@@ -34,7 +34,7 @@ def supported(q, k, v, n_h: int, chunk_size: int) -> bool:
     and chunk_size == SUB_STEPS_PER_CHUNK
     and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
     and q.dtype == k.dtype == v.dtype
-    and q.shape[-1] in (64, 128)
+    and q.shape[-1] in SUPPORTED_DIMS
     and q.shape[2] == v.shape[2]
     and jax.device_count() == 1
   )

@@ -1,5 +1,5 @@
 """`implementation="reference"` of the Householder form: a plain recurrence over the sub-steps,
-independent of the operator (gdp_jax/ops/householder/api.py has the math)."""
+independent of the operator (the math: householder_delta_product's docstring; docs/operator.md)."""
 
 from __future__ import annotations
 

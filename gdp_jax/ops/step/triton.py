@@ -1,5 +1,6 @@
 """`implementation="triton"` of the recurrent step: the Pallas kernel
-(pallas_kernels/triton/inference/recurrent_step.py), no derivatives."""
+(pallas_kernels/triton/inference/recurrent_step.py), no derivatives
+(docs/inference.md#the-recurrent-step)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,15 @@ class TritonStep(Implementation):
     return gated_delta_product_step_triton(
       q, k, v, g, beta, mask, state, scale, in_place=self.in_place
     )
+
+  def verify(self, q, k, v, g, beta, mask, state, scale):
+    """Tq tokens (q [B, Tq, HV, K], mask [Bm, Tm, Hm, r, r]): the kernel once per token, each
+    state kept (a new buffer each: not in place) -> (o [B, Tq, HV, V], states [B, Tq, HV, K, V])."""
+    outs, states = [], []
+    for t in range(q.shape[1]):
+      token = (x[:, t] for x in (q, k, v, g, beta))
+      m = mask[:, t if mask.shape[1] > 1 else 0]
+      o, state = gated_delta_product_step_triton(*token, m, state, scale, in_place=False)
+      outs.append(o)
+      states.append(state)
+    return jnp.stack(outs, axis=1), jnp.stack(states, axis=1)

@@ -1,21 +1,12 @@
-"""Backward stage 3 (docs/chunked_form.md#the-backward): dq, dk, dw and the per-token dgamma
-from o and the state updates, one program per (key column block j, chunk, batch, head); chunks
-are independent given h, dh.
+"""Backward stage 3 (docs/chunked_form.md#stage-3-dq-dk-dw-dgamma; docs/kernels.md#bwd_dqkwg):
+dq, dk, dw and the per-token dgamma from o and the state updates, one program per (key column
+block, chunk, batch, head); chunks are independent given h and dh.
 
-For each key block a (dh[c]: gradient of the state at the END of chunk c):
-  ds_a     = scale D (do v_new_a^T)                        D[t,s] = exp(gamma_t - gamma_s), s <= t
-  dq^(a)   = ds_a k^(a) + scale exp(gamma) do h[c]^(a)T
-  dk^(a)   = ds_a^T q^(a) + exp(gamma_L - gamma) v_new_a dh[c]^(a)T
-  dw       = -dv_new h[c]^T        (column block a)
-  dgamma_t = rowsum - colsum of ds_a * (q^(a) k^(a)T) + <q, dq_inter> - <k, dk_state>,
-             and the last token also gets exp(gamma_L) <h, dh> + sum_t <k_t, dk_state_t>.
-
-Few tiles live at once (registers): a program takes one block of BK key columns (inside key
-block a) and walks V in pieces of BV, accumulating ds_a [BT, BT] and its columns of dq_inter,
-dk_state [BT, BK] and dw [N, BK] in float32. Every dgamma term above is a sum over key columns,
-so each program writes its columns' part and the caller sums the parts (ds_a is recomputed by
-the dk / BK programs of a key block: one [BT, V] x [V, BT] product each).
-jnp counterpart: `gdp_jax.ops.gated_delta_product.xla_backward.chunk_bwd_dqkwg`.
+A program takes one block of BK key columns (inside key block a) and walks V in pieces of BV,
+accumulating ds_a [BT, BT] and its columns of dq, dk and dw in float32, so few tiles live at
+once. Every dgamma term is a sum over key columns: each program writes its columns' part and the
+caller sums the parts. jnp counterpart:
+`gdp_jax.ops.gated_delta_product.xla_backward_stages.chunk_bwd_dqkwg`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
-"""Backward stage 4 (docs/chunked_form.md#the-backward): the WY backward, through w = Ai W~,
-u = Ai U~, Ai = (I + Ag)^-1 and Ag = beta (Kw Kb^T) D (the gated chunk KKT, chunk_fwd.py), per
-chunk.
+"""Backward stage 4 (docs/chunked_form.md#stage-4-the-wy-backward; docs/kernels.md#bwd_wy): the
+WY backward through w = Ai W~, u = Ai U~, Ai = (I + Ag)^-1 and the gated chunk KKT Ag, per
+chunk: dk, dv, dbeta, the per-token dmask and dgamma. dAg is formed as
+-Ai^T (dw W~^T + du U~^T) Ai^T, which needs neither w nor u.
 
-With dW~ = Ai^T dw, dU~ = Ai^T du, dAg = -(dW~ w^T + dU~ u^T) on token-strictly-lower entries,
-G = dAg D (D = exp(gamma_t - gamma_s), t > s) and KK = Kw Kb^T:
-  dKw = beta G Kb + beta exp(gamma) dW~,     dKb = (beta G)^T Kw
-  dbeta (per row) = rowsum(G KK) + exp(gamma) <dW~, Kw>,   plus <dU~, v> per token
-  dgamma (per row) = rowsum(Z) - colsum(Z) + <dW~, W~>,     Z = beta G KK
-  dv = beta sum_a dU~[(t,a)]
-and dKw, dKb map back to dk and the per-token dmask through the block structure of the keys
-(rows.py). dAg is formed as -Ai^T (dw W~^T + du U~^T) Ai^T, which needs neither w nor u.
-
-Few tiles live at once (registers): V and K are walked in pieces (launch.block_v, block_k).
-The V pieces give dv and add du U~^T to X = dw W~^T + du U~^T; a first pass over the K pieces
-adds dw W~^T to X and forms KK = Kw Kb^T and <dW~, Kw>; a second pass, once G is known, forms
-each K piece of dKw (dW~ recomputed: one [N, N] x [N, BK] product), dKb, dk and dmask.
-jnp counterpart: `gdp_jax.ops.gated_delta_product.xla_backward.wy_bwd` (which returns dmask already
-reduced).
+V and K are walked in pieces (launch.block_v, block_k) so that few tiles live at once: the V
+pieces give dv and du U~^T; a first pass over the K pieces forms dw W~^T, KK = Kw Kb^T and
+<dW~, Kw>; a second, once G = dAg D is known, each K piece of dk and dmask. jnp counterpart:
+`gdp_jax.ops.gated_delta_product.xla_backward_stages.wy_bwd` (which returns dmask reduced).
 """
 
 from __future__ import annotations

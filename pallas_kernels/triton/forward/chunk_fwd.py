@@ -1,31 +1,16 @@
-"""The fused intra-chunk forward (docs/kernels.md, "Fused forward kernels"): one program per
-(chunk, batch, head) does the chunk-local cumsum of g, the chunk KKT, its unit lower-triangular
-inverse and the w/u products, keeping A and its inverse in registers.
+"""The fused intra-chunk forward (docs/kernels.md#chunk_fwd-everything-inside-one-chunk): one
+program per (chunk, batch, head) does the chunk-local cumsum of g, the chunk KKT, its unit
+lower-triangular inverse and the w/u products, keeping A and its inverse in registers.
 
-Rows of the chunk matrices are in (t, a) order (pallas_kernels/common/rows.py): N = BT * r rows,
-cut in blocks of 16 rows, each covering 16 / r tokens. With gamma the chunk-local cumsum of g
-(docs/chunked_form.md):
-
-  A_ij = beta_i M (Kw_i Kb_j^T) exp(gamma_i - gamma_j), token-strictly causal   [16, 16] blocks
-  X_ii = (I + A_ii)^-1                  forward substitution on a register tile
-  X_ij = -X_ii sum_{j <= k < i} A_ik X_kj                        block merge (i > j)
-  w_i  = sum_{j <= i} X_ij (exp(gamma_j) beta_j Kw_j),   u_i = sum_{j <= i} X_ij (beta_j v_j)
-
-X = (I + A)^-1 is the gated inverse of gated A; w = X (exp(gamma) W~) is exp(gamma) times the
-ungated inverse applied to W~, and no exp of a positive argument is ever formed. Row blocks of k,
-v, g, beta and the mask are loaded from their refs with `pl.ds` (a loaded value cannot be sliced
-in the Triton lowering, docs/pallas_triton.md). Row block i needs the rows of X above it, so X
-stays alive; the A blocks of one row block live only while it is done. The merge and the products
-are 16 x 16 block products only (X kept as its lower-triangular blocks), all unrolled
-(`_blocks_kernel`); from LOOP_ROWS rows (r = 8) the row blocks run in a `fori_loop` instead, X one
-[N, N] tile and each step's merge one product with it (`_loop_kernel`: a Triton module of one row
-block's size; docs/performance.md#compile-time).
-
-Packed sequences in place (`table=`, docs/varlen.md#the-pallas-kernels): k, v, g and beta are the
-packed row [1, T, ...] itself; program c reads its chunk's tokens at the offset of a per-chunk
-table (`varlen.chunk_tokens`) with masked loads (pallas_kernels/common/packed.py `ChunkRows`), the
-rows past its sequence's end read as zeros: the chunk-aligned layout's padding, so gamma, w, u and
-Ai, written in that layout, are exactly those of the padded copy.
+Rows of the chunk matrices are in (t, a) order (rows.py), cut in blocks of 16 rows. The inverse
+is forward substitution on each diagonal block and block merges below it
+(docs/chunked_form.md#the-inverse-by-16-row-blocks); w carries exp(gamma), so no exp of a
+positive argument is formed. Row blocks are loaded from their refs with `pl.ds`
+(docs/pallas_triton.md). Up to LOOP_ROWS rows the blocks are unrolled (`_blocks_kernel`); from
+there (r = 8) they run in a `fori_loop` (`_loop_kernel`; docs/performance.md#compile-time).
+Packed sequences in place (`table=`, docs/varlen.md#the-pallas-kernels): the chunk's tokens are
+read from the packed row with masked loads (packed.py `ChunkRows`), the rows past its sequence's
+end as zeros, so the results are exactly those of the chunk-aligned copy.
 """
 
 from __future__ import annotations

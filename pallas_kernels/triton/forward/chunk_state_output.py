@@ -1,23 +1,15 @@
-"""The state recurrence fused with the output (docs/kernels.md, "Fused forward kernels").
+"""The state recurrence fused with the output
+(docs/kernels.md#chunk_state_output-the-state-walk-and-the-output).
 
-One program per (V tile, batch, head) (per sequence when packed,
-pallas_kernels/common/packed.py) walks the chunks in order, with S (the state at the chunk's
-start) in registers as r row blocks [dk, BV] float32. For each chunk (docs/chunked_form.md):
-
-  v_new[(t,a)] = u[(t,a)] - sum_d w[(t,a), block d] S^(d)
-  o_t          = scale ( exp(gamma_t) q_t^T S
-                       + sum_a sum_{s<=t} exp(gamma_t - gamma_s) <q_t^(a), k_s^(a)> v_new[(s,a)] )
-  S^(d)        = exp(gamma_last) S^(d) + sum_t exp(gamma_last - gamma_t) k_t^(d) v_new[(t,d)]^T
-
-The per-chunk states h and v_new never leave the kernel unless save_states=True asks for them
-(what the backward reads). Rows of one block a are read straight from the refs viewed as
-[Tp, r, D], and key blocks as column blocks of the [Tp, K] refs, so no value is ever sliced
-(docs/pallas_triton.md).
-
-Packed sequences in place (`in_place=True`, docs/varlen.md#the-pallas-kernels): q and k are read
-from the packed row itself at each chunk's tokens with masked loads, and o is written there with
-masked stores (the rows past a sequence's end are the next sequence's: never written); w, u,
-gamma, h and v_new stay in the chunk-aligned layout.
+One program per (V tile, batch, head) (per sequence when packed, packed.py) walks the chunks in
+order with S, the state at the chunk's start, in registers as r row blocks [dk, BV] float32; per
+chunk it forms v_new = u - w S, the outputs and the next S
+(docs/chunked_form.md#the-state-update-and-the-output). The per-chunk states h and v_new leave
+the kernel only with save_states=True (what the backward reads). Rows of one key block are read
+from the refs viewed as [Tp, r, D] and key blocks as column blocks, so no loaded value is sliced
+(docs/pallas_triton.md). Packed sequences in place (`in_place=True`,
+docs/varlen.md#the-pallas-kernels): q and k are read from the packed row with masked loads and o
+written there with masked stores; w, u, gamma, h and v_new stay in the chunk-aligned layout.
 """
 
 from __future__ import annotations
@@ -27,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import backend, options, packed, rows, specs
 
@@ -52,6 +45,7 @@ def _kernel(
   in_place=False,
   looped=False,
   table_ref=None,
+  every=None,
 ):
   dim_k = k_ref.shape[-1]
   dk = dim_k // r
@@ -59,7 +53,7 @@ def _kernel(
   dot = functools.partial(backend.dot, precision=precision)
   if looped:
     refs = (q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *state_refs)
-    kw = dict(r=r, chunk=chunk, num_chunks=num_chunks, scale=scale, dot=dot)
+    kw = dict(r=r, chunk=chunk, num_chunks=num_chunks, scale=scale, dot=dot, every=every)
     return _loop_kernel(*refs, **kw, in_place=in_place, table_ref=table_ref)
   tok = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
   cols = lambda d: pl.ds(d * dk, dk)
@@ -71,7 +65,7 @@ def _kernel(
   def body(c, state):
     t0 = pl.multiple_of(c * chunk, chunk)
     tt = pl.ds(t0, chunk)  # the chunk in the chunk-aligned layout (w, u, gamma, v_new)
-    if state_refs:
+    if state_refs and not every:
       for d in range(r):
         state_refs[0][c, cols(d), :] = state[d].astype(state_refs[0].dtype)
     g = g_ref[tt]
@@ -98,7 +92,7 @@ def _kernel(
         term = dot(w_ref[tt, a, cols(d)], s_op[d])
         pred = term if pred is None else pred + term
       vn = (u_ref[tt, a, :].astype(f32) - pred).astype(dtype)
-      if state_refs:
+      if state_refs and not every:
         state_refs[1][tt, a, :] = vn.astype(state_refs[1].dtype)
       p = dot(q[a], k[a], trans_b=True) * decay
       o = o + dot(p.astype(dtype), vn)
@@ -111,6 +105,8 @@ def _kernel(
     for d in range(r):
       k_dec = (k[d].astype(f32) * k_decay).astype(dtype)
       out.append(jnp.exp(g_last) * state[d] + dot(k_dec, v_new[d], trans_a=True))
+      if every:
+        _store_every(state_refs[0], c, every, out[d], (cols(d), slice(None)))
     return tuple(out)
 
   state = tuple(h0_ref[cols(d), :].astype(f32) for d in range(r))
@@ -123,7 +119,7 @@ def _kernel(
 
 
 def _loop_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *state_refs, r,
-                 chunk, num_chunks, scale, dot, in_place, table_ref):  # fmt: skip
+                 chunk, num_chunks, scale, dot, in_place, table_ref, every=None):  # fmt: skip
   """The kernel's loop form (`options.key_block_loop`): S one [K, BV] tile, the row blocks a in a
   loop; block a's scores are `(q ⊙ [block a's columns]) k^T` and its update
   `(k ⊙ [block a's columns])^T v_new[(., a)]`."""
@@ -134,7 +130,7 @@ def _loop_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *s
 
   def body(c, state):
     tt = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-    if state_refs:
+    if state_refs and not every:
       state_refs[0][c, :, :] = state.astype(state_refs[0].dtype)
     g = g_ref[tt]
     g_last, k_decay = rows.chunk_end_decay(g)
@@ -152,7 +148,7 @@ def _loop_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *s
     def row_block(a, carry):
       o, update = carry
       vn = (u_ref[tt, a, :].astype(f32) - dot(w_ref[tt, a, :], s_op)).astype(dtype)
-      if state_refs:
+      if state_refs and not every:
         state_refs[1][tt, a, :] = vn.astype(state_refs[1].dtype)
       p = dot(rows.key_block_columns(q, a, r), k, trans_b=True) * decay
       k_a = rows.key_block_columns(k_dec, a, r)
@@ -163,7 +159,10 @@ def _loop_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *s
       packed.store_rows(o_ref, start, scale * o, valid)
     else:
       o_ref[tt, :] = (scale * o).astype(o_ref.dtype)
-    return jnp.exp(g_last) * state + update
+    new = jnp.exp(g_last) * state + update
+    if every:
+      _store_every(state_refs[0], c, every, new, (slice(None), slice(None)))
+    return new
 
   state = h0_ref[...].astype(f32)
   if table_ref is None:
@@ -171,6 +170,16 @@ def _loop_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, o_ref, final_ref, *s
   else:
     state = packed.walk(table_ref, body, state, num_chunks)
   final_ref[...] = state
+
+
+def _store_every(ref, c, every, value, cols):
+  """ref[(c + 1) // every - 1, *cols] = value after chunks c = every - 1, 2 every - 1, ...: the
+  state after every `every` chunks (a masked store: no branch in the walk)."""
+  done = c + 1  # chunks walked; c >= 0, so lax.div and lax.rem (truncating) are exact here
+  every = jnp.asarray(every, done.dtype)
+  row = jnp.maximum(jax.lax.div(done, every) - 1, 0)
+  keep = jnp.full(value.shape, jax.lax.rem(done, every) == 0)
+  pltriton.store(ref.at[(row, *cols)], value.astype(ref.dtype), mask=keep)
 
 
 def chunk_state_output(
@@ -191,6 +200,7 @@ def chunk_state_output(
   table=None,
   in_place=False,
   form="auto",
+  save_every=None,
 ):
   """The state recurrence and the output in one walk over the chunks.
 
@@ -219,7 +229,17 @@ def chunk_state_output(
   (pallas_kernels/common/packed.py).
 
   form: `options.LOOP_FORMS` (the row blocks unrolled or in a loop; "auto" by r).
+
+  save_every: None, or E chunks: also return the state after every E chunks, [B, H, NT // E, K,
+  V] float32 (row j after chunks [0, (j + 1) E)): the block states of
+  gdp_jax/ops/gated_delta_product/block_states.py, written from the walk. Not with save_states
+  or a table.
   """
+  if save_every is not None and (save_states or table is not None or save_every < 1):
+    raise ValueError(
+      f"save_every must be a positive number of chunks, without save_states or a table; got "
+      f"save_every={save_every!r}, save_states={save_states}, table {table is not None}"
+    )
   if q.ndim != 4 or q.shape != k.shape:
     raise ValueError(f"q and k must both be [B, Tp, H, K], got q {q.shape}, k {k.shape}")
   bsz, t_len, key_heads, dim_k = k.shape
@@ -279,6 +299,11 @@ def chunk_state_output(
       jax.ShapeDtypeStruct((bsz, heads, nt, dim_k, dim_v), h_dtype),
       jax.ShapeDtypeStruct((bsz, heads, t_len, r, dim_v), k.dtype),
     ]
+  if save_every is not None:
+    out_specs.append(specs.chunk_states(max(nt // save_every, 1), dim_k, bv))
+    out_shape.append(
+      jax.ShapeDtypeStruct((bsz, heads, max(nt // save_every, 1), dim_k, dim_v), f32)
+    )
   looped = options.key_block_loop(form, r)
   kernel = functools.partial(
     _kernel,
@@ -289,6 +314,7 @@ def chunk_state_output(
     precision=precision,
     in_place=in_place,
     looped=looped,
+    every=save_every,
   )
   in_specs = [
     specs.seq_tokens(t_tokens, dim_k, group=heads // key_heads),
@@ -317,4 +343,7 @@ def chunk_state_output(
   if save_states:
     o, final, h, v_new = out
     return o, final, h, v_new.reshape(bsz, heads, t_len * r, dim_v)
+  if save_every is not None:
+    o, final, states = out
+    return o, final, states[:, :, : nt // save_every]
   return tuple(out)

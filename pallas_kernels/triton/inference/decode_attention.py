@@ -1,39 +1,16 @@
-"""Grouped-query decode attention over a KV cache, flash-decoding style (docs/inference.md).
+"""Grouped-query decode attention over a KV cache, flash-decoding style (docs/inference.md;
+docs/kernels.md#decode_attention). Arrays in, arrays out (gdp_jax/ops/gqa_decode/api.py checks).
 
-Arrays in, arrays out (no autodiff, no argument checks: gdp_jax/ops/gqa_decode/api.py does those).
+    query [B, Hq, D] or [B, Tq, Hq, D], caches [B, S, Hkv, D], lengths [B] -> float32, query's shape
 
-    query [B, Hq, D] or [B, Tq, Hq, D]    key_cache, value_cache [B, S, Hkv, D]    lengths [B]
-    -> float32, the query's shape
-
-Grid (B, Hkv, num_splits). Program (b, h, j) takes the Tq * G query rows of cache head h
-(G = Hq / Hkv query heads for each of the Tq new tokens) as one [RP, DP] tile, so every cache
-byte is read once, by one program, and walks its share of the valid positions of sequence b in
-blocks of `block_s` rows, keeping an online softmax (running max m, running sum l, unnormalised
-output acc). The valid range [0, L) with L = clamp(lengths[b], 0, S) is cut into `num_splits`
-equal pieces (rounded up to whole blocks), so the work follows the real lengths, not S: loop
-bounds come from L inside the kernel (traced `fori_loop` bounds), the grid is static, and a new
-set of lengths never recompiles. A small jnp epilogue combines the splits' partial softmaxes.
-
-Multi-token queries (Tq > 1: speculative verification, chunked prefill): new token t sits at
-position L - Tq + t and sees the slots j <= L - Tq + t, a per-row causal limit on the scores.
-A token at a negative position (L < Tq) sees nothing and gets a zero row.
-
-The cache is read in its native [B, S, Hkv, D] layout through BlockSpecs that squeeze b and h:
-each program sees an [S, D] view with row stride Hkv * D and loads [block_s, DP] tiles straight
-from it (no transpose, no copy). Rows at or beyond the split's end are masked in the load
-(`other=0`), so stale slots (even inf or the dtype's max) never reach registers; their scores
-are also set to -inf before the softmax. The paged kernel (paged_decode_attention.py) shares the
-online softmax below (`split_attention`) and differs only in how it finds a block's rows.
-
-Numerics: float32 throughout. For a bfloat16 cache the products run on the tensor cores as two
-bf16 dots each (the float32 query and the float32 weights are split into a bf16 high part and a
-bf16 low part, and the bf16 cache values are exact): about 16 mantissa bits, near float32,
-at tensor-core speed (full float32 FMA dots would make this memory-bound kernel compute-bound
-at G = 16 rows). Other cache dtypes are converted to float32 and use IEEE float32 dots.
-
-Triton-lowering constraints honoured (docs/pallas_triton.md): every loaded/stored tile has
-power-of-two dims >= 16 (the query rows and D are padded with masks), dots are 2-D, no slicing of
-loaded values.
+Grid (B, Hkv, num_splits): program (b, h, j) takes the Tq * G query rows of cache head h as one
+tile (every cache byte read once) and walks its share of the valid positions [0, L) in blocks of
+`block_s` rows with an online softmax; loop bounds come from the traced length, so new lengths
+never recompile, and a jnp epilogue combines the splits (`split_attention` is shared with the
+paged kernel). New token t of Tq sees the slots j <= L - Tq + t. Rows past the end are masked
+in the load and their scores set to -inf, so stale slots never reach registers. A bfloat16
+cache's products run as two bf16 dots each (a high and a low part of the float32 operand: about
+16 mantissa bits at tensor-core speed); other dtypes use float32 dots (docs/precision.md).
 """
 
 from __future__ import annotations
@@ -45,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import backend, options
+from pallas_kernels.common import backend, device, options
 
 f32 = jnp.float32
 
@@ -62,7 +39,7 @@ def default_num_splits(
 ):
   """Splits of the cache positions per (sequence, cache head): about `programs_per_sm` programs
   per SM of the device in all, each split at least `min_blocks_per_split` blocks of S long."""
-  sm_count = options.device_info().sm_count if sm_count is None else sm_count
+  sm_count = device.sm_count() if sm_count is None else sm_count
   pairs = max(batch * kv_heads, 1)
   want = pl.cdiv(defaults.programs_per_sm * sm_count, pairs)
   most = max(1, seq_len // (defaults.min_blocks_per_split * block_s))

@@ -1,27 +1,15 @@
 """Grouped-query decode attention over a paged KV cache (docs/inference.md#paged-kv-cache).
-
 Arrays in, arrays out (no autodiff, no argument checks: gdp_jax/ops/gqa_decode/api.py does those).
 
-    query [B, Hq, D] or [B, Tq, Hq, D]
-    key_pages, value_pages [num_pages, page_size, Hkv, D]   (page_size a power of two >= 16)
-    block_tables [B, max_pages] int32   lengths [B] int32
-    -> float32, the query's shape
+    query [B, Hq, D] or [B, Tq, Hq, D], pages [num_pages, page_size, Hkv, D] (page_size a power
+    of two >= 16), block_tables [B, max_pages] int32, lengths [B] int32 -> float32, query's shape
 
-Sequence b's position p lives in page block_tables[b, p // page_size], slot p % page_size
-(vLLM's layout with the heads inside the page). The kernel is the flash-decoding kernel of
-decode_attention.py (grid (B, Hkv, num_splits), one online softmax per split over the valid
-positions, `split_attention`), with another way of finding a block's rows: the Triton lowering
-has no scalar prefetch, so index maps cannot read the table. Each program gets the table row of
-its sequence and the whole page arrays (h squeezed: an [num_pages, page_size, D] view), and for a
-block of `block_s` positions it
-  1. gathers the block's page ids from the table, one per row (rows of one page read the same
-     entry: an L1 hit), masked to the valid rows and clamped to [0, num_pages) (memory safety for
-     a bad table; the public function checks concrete tables);
-  2. gathers the [block_s, DP] key and value tiles with row pointers page_id * page stride +
-     slot * row stride + column: each row is D contiguous elements, as in the dense cache.
-Rows at or beyond the split's end are masked in every load, so stale slots and unused table
-entries are never read. The capacity is max_pages * page_size; lengths beyond it are clamped.
-block_s and page_size are independent powers of two: a block may cover several pages or a part
+Position p of sequence b lives in page block_tables[b, p // page_size], slot p % page_size
+(vLLM's layout). The kernel is decode_attention.py's (`split_attention`) with another way of
+finding a block's rows, since the Triton lowering has no scalar prefetch: each program gathers
+its block's page ids from its table row (masked to the valid rows, clamped to [0, num_pages))
+and then the key and value rows by pointer. Rows past the split's end are masked in every load,
+so stale slots and unused table entries are never read; a block may span several pages or part
 of one.
 """
 

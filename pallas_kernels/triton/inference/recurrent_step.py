@@ -1,24 +1,15 @@
 """One recurrent token of the block-masked gated delta product (docs/operator.md,
-docs/inference.md).
+docs/inference.md#the-recurrent-step, docs/kernels.md#recurrent_step). Arrays in, arrays out (no
+autodiff, no argument checks: gdp_jax/ops/step/api.py does those).
 
-Arrays in, arrays out (no autodiff, no argument checks: gdp_jax/ops/step/api.py does those).
+    q, k [B, H, K]   v [B, H, V]   g, beta [B, H]   mask [Bm, Hm, r, r]   state [B, H, K, V] f32
+    ->   o [B, H, V] (out_dtype), new state [B, H, K, V] float32
 
-    q, k [B, H, K]   v [B, H, V]   g, beta [B, H]   mask [Bm, Hm, r, r] (Bm in {1, B}, Hm in {1, H})
-    state [B, H, K, V] float32   ->   o [B, H, V] (out_dtype), new state [B, H, K, V] float32
-
-Per (b, h), with dk = K / r and blk(i) = i // dk the key block of state row i:
-    S' = exp(g) S
-    proj_d = sum_{i in block d} k_i S'_i                        [V] for each key block d
-    u_a = beta (v - sum_d M[a, d] proj_d)                       [V] for each key block a
-    S_new_i = S'_i + k_i u_{blk(i)}
-    o = scale q^T S_new
-Every operation is independent across the value columns, so the grid is (B, H, V / block_v):
-program (b, h, j) reads the [K, block_v] column tile of the state once, updates it in registers
-and writes it once (in place when `in_place`: the state buffer is aliased to the new state),
-and writes its own block_v entries of o. No dots (r can be 1, 2, ... and dots need dims >= 16):
-the block structure is handled with row masks (`where(blk == d)`) and column reductions, all on
-one 2-D tile (docs/pallas_triton.md: no slicing of loaded values).
-The mask entries are scalar loads. One tile per program (docs/performance.md#variants-removed).
+Every operation is independent across value columns, so the grid is (B, H, V / block_v):
+program (b, h, j) reads the [K, block_v] column tile of the state once, applies the decay, the
+block projections, the errors u_a and the update in registers, and writes it once (in place when
+`in_place`) with its block_v entries of o. No dots (r may be small): the block structure is
+handled with row masks and column reductions on one 2-D tile (docs/pallas_triton.md).
 """
 
 from __future__ import annotations
