@@ -1,18 +1,16 @@
 """The Hopper forward as one warp-specialised kernel per (batch row, head, value tile).
 
 The walk of `walk_ws.py` (its producer, chain and output warpgroups, the same functions) with a
-fourth warpgroup in place of `chunk_inverse`'s launch: per ring stage it forms the block keys Kb
-and the masked keys Kw (in place, r > 1), the gate-free chunk matrix
+fourth warpgroup in place of `chunk_inverse`'s launch: per ring stage it forms Kb and Kw (in
+place, r > 1), the gate-free chunk matrix
 
   A0[(a,t),(d,s)] = beta_t (Kw Kb^T)[(a,t),(d,s)] = beta_t M_t[a,d] <k_t^(d), k_s^(d)>   (t > s)
 
 (at r = 1 the mask, one number per token, scales the rows), `T0 = (I + A0)^-1` by
-`chunk_inverse.invert` (compiled: the 16-row groups solved in float32, `diag_solve.py`; then
-the merges, staged through the stage's own T0 tile), and `Ag = T0 ⊙ Dec ⊙ beta_s` straight into
-the stage, then releases the stage to the chain (docs/mosaic_gpu.md#the-fused-forward). While the
-chain walks chunk i, this warpgroup forms chunk i+1's; T0, w and u never reach global memory.
-With the non-finite guard (`marks`) it first cleans the stage's k and v in place, and the output
-warpgroup writes nan where marked; `split_inverse` shares the inverses with the output warpgroup.
+`chunk_inverse.invert` and `Ag = T0 ⊙ Dec ⊙ beta_s` straight into the stage, then releases it to
+the chain, so T0, w and u never reach global memory. With the non-finite guard (`marks`) it first
+cleans the stage's k and v in place and the output warpgroup writes nan where marked; with
+`split_inverse` the output warpgroup forms half the inverses (docs/mosaic_gpu.md#the-fused-forward).
 """
 
 from __future__ import annotations
