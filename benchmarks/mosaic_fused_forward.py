@@ -51,6 +51,8 @@ VARIANTS = {
   "regs_184_128_24_176": dict(registers=(184, 128, 24, 176)),  # more for the inverse
   "regs_200_152_40_120": dict(registers=(200, 152, 40, 120)),
   "no_diag_solve": dict(diag_solve=False),
+  # the output warpgroup forms the odd chunks' inverses
+  "split_inverse": dict(split_inverse=True, registers=(176, 160, 24, 152)),
   # profiling only (its output is wrong: not checked): the walk with an inverse that costs nothing
   "profile_without_inverse": dict(without_inverse=True),
 }
@@ -186,10 +188,17 @@ def run_r(r, shape, tiny, reps, inner, variants, record, save):
   if best is None:
     return
   # 2. check against xla and the two-kernel forward
-  for mask_kind, state in CHECK_MASKS[r]:
+  # and once K = V = 64 (three ring stages), an odd T and grouped value heads
+  small = dict(shape, key_dim=64, value_dim=64, t_len=shape["t_len"] - 23)
+  checks = [(m, st, shape, None) for m, st in CHECK_MASKS[r]]
+  checks.append(("head", True, small, shape["heads"] // 2))
+  for mask_kind, state, shp, key_heads in checks:
     row = case(phase="check", variant=best, mask=mask_kind, initial_state=state)
+    row.update(key_dim=shp["key_dim"], t_len=shp["t_len"], key_heads=key_heads)
     try:
-      chk = make_inputs(r, **shape, r=r, mask_kind=mask_kind, dtype=jnp.bfloat16, state=state)
+      chk = make_inputs(
+        r, **shp, r=r, mask_kind=mask_kind, dtype=jnp.bfloat16, state=state, key_heads=key_heads
+      )
       o, final = call(compiled[best][0], chk)
       want_o, want_final = call(operator_fn("xla"), chk)
       two_o, two_final = call(two_kernel_fn(interpret), chk)
@@ -212,15 +221,26 @@ def run_r(r, shape, tiny, reps, inner, variants, record, save):
     row.update(ok=False, error=summarise(e))
   save()
   # 3. time: every compiled variant, the two-kernel forward, the public operator
-  fns = {f"fused:{name}": exe for name, (_, exe) in compiled.items()}
-  fns["two_kernel"] = two_kernel_fn(interpret)
+  # the checked variant, the two kernels and the operator first; the other variants last (a fault
+  # or hang there, never checked, costs only what follows it)
+  fns = {f"fused:{best}": compiled[best][1], "two_kernel": two_kernel_fn(interpret)}
   if not tiny:
     fns["operator_default"] = operator_fn()
-    fns["operator_mosaic_two_kernel"] = operator_fn(mosaic_operator(fused=False))
+    fns["operator_fused"] = operator_fn(mosaic_operator(fused=True))
+    fns["operator_two_kernel"] = operator_fn(mosaic_operator(fused=False))
     fns["operator_no_guard"] = operator_fn(mosaic_operator(nonfinite_guard=False))
+  fns.update({f"fused:{name}": exe for name, (_, exe) in compiled.items() if name != best})
+  ref = None
   for name, fn in fns.items():
     row = case(phase="time", impl=name, mask="none" if r == 1 else "shared")
     try:
+      if name.startswith("fused:"):  # its output beside the checked variant's
+        out = jax.block_until_ready(fn(*args))
+        if name == f"fused:{best}":
+          ref = out
+        elif ref is not None:
+          row["vs_checked_o"] = rel_rms(out[0], ref[0])
+          row["vs_checked_state"] = rel_rms(out[1], ref[1])
       row["ms"], row["all_ms"] = time_fn(fn, args, reps, inner)
       row["ok"] = True
     except Exception as e:  # noqa: BLE001
@@ -244,6 +264,8 @@ def table(record):
       )
     elif c["phase"] == "time":
       extra = f"{c.get('ms', float('nan')):.3f} ms"
+      if "vs_checked_o" in c:
+        extra += f" (o vs checked {c['vs_checked_o']:.1e})"
     elif c["phase"] == "compile":
       extra = f"{c.get('seconds', '')} s"
     err = "" if c.get("ok") else " ERROR " + c.get("error", "").splitlines()[0][:150]
@@ -259,7 +281,9 @@ def main(argv=None):
   parser.add_argument("--reps", type=int, default=7)
   parser.add_argument("--inner", type=int, default=10)
   parser.add_argument(
-    "--variants", default="default,profile_without_inverse", help=",".join(VARIANTS)
+    "--variants",
+    default="default,split_inverse,profile_without_inverse,no_diag_solve",
+    help=",".join(VARIANTS),
   )
   parser.add_argument("--timeout", type=float, default=190, help="seconds per r's process")
   parser.add_argument("--tiny", action="store_true", help="interpreter, small shapes (CPU)")

@@ -86,10 +86,15 @@ def _name(case):
   return "-".join(str(x) for x in case)
 
 
-def _run_case(case):
-  """The fused forward against xla and against the two-kernel forward, in the interpreter."""
+def _run_case(case, split=False):
+  """The fused forward against xla and against the two-kernel forward, in the interpreter;
+  `split`: the inverses shared by two warpgroups (`split_inverse`)."""
   from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
+  from pallas_kernels.mosaic_gpu import forward as forward_mod
+
+  if split:
+    forward_mod.fused_walk = functools.partial(fused_forward.fused_walk, split_inverse=True)
   r, mask_kind, t_len, dtype, state = case
   q, k, v, g, beta, mask, h0 = _inputs(7 + r, 1, t_len, 2, 64, 64, r, mask_kind, jnp.dtype(dtype))
   h0 = h0 if state else None
@@ -183,6 +188,14 @@ def test_fused_forward_interpreted_cases(interpreted_slow, case):
   _check(interpreted_slow[_name(case)])
 
 
+SPLIT_CASE = (4, "head", 33, "bfloat16", True)  # three chunks: one left to each warpgroup, and one
+
+
+@pytest.mark.slow
+def test_the_inverses_split_over_two_warpgroups(interpreted_slow):
+  _check(interpreted_slow["split"])
+
+
 @pytest.mark.slow
 def test_the_guard_inside_the_fused_kernel_matches_xla(interpreted_slow):
   row = interpreted_slow["guard"]
@@ -195,4 +208,5 @@ if __name__ == "__main__" and "--interpreted" in sys.argv:
   result = {_name(case): _run_case(case) for case in cases}
   if sys.argv[-1] == "slow":
     result["guard"] = _guard_case()
+    result["split"] = _run_case(SPLIT_CASE, split=True)
   print("RESULT " + json.dumps(result))

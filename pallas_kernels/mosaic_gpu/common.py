@@ -246,6 +246,15 @@ def check_smem(name: str, nbytes: int) -> None:
     raise ValueError(f"{name} needs {nbytes} bytes of shared memory, above the {SMEM_LIMIT} limit")
 
 
+def set_registers(n: int, warpgroups: int) -> None:
+  """setmaxnreg to `n` registers per thread in a kernel of `warpgroups` warpgroups: a decrease
+  below the count every thread starts with (64K registers shared out, in steps of 8), an increase
+  above it (an increase to fewer is an illegal instruction on sm_90), nothing at it."""
+  start = 65536 // (128 * warpgroups) // 8 * 8
+  if n != start:
+    plgpu.set_max_registers(n, action="increase" if n > start else "decrease")
+
+
 def compiler_params() -> plgpu.CompilerParams:
   return plgpu.CompilerParams(approx_math=True)
 

@@ -1,16 +1,16 @@
 """The Hopper forward as one warp-specialised kernel per (batch row, head, value tile).
 
 The walk of `walk_ws.py` (its producer, chain and output warpgroups, the same functions) with a
-fourth warpgroup in place of `chunk_inverse`'s launch: per ring stage it forms the block keys Kb
-and the masked keys Kw (in place, r > 1), the gate-free chunk matrix
+fourth warpgroup in place of `chunk_inverse`'s launch: per ring stage it forms Kb and Kw (in
+place, r > 1), the gate-free chunk matrix
 
   A0[(a,t),(d,s)] = beta_t (Kw Kb^T)[(a,t),(d,s)] = beta_t M_t[a,d] <k_t^(d), k_s^(d)>   (t > s)
 
 (at r = 1 the mask, one number per token, scales the rows), `T0 = (I + A0)^-1` by
-`chunk_inverse.invert` (compiled: the 16-row groups solved in float32, `diag_solve.py`; then
-the merges, staged through the stage's own T0 tile), and `Ag = T0 ⊙ Dec ⊙ beta_s` straight into
-the stage, then releases the stage to the chain (docs/mosaic_gpu.md#the-fused-forward). While the
-chain walks chunk i, this warpgroup forms chunk i+1's; T0, w and u never reach global memory.
+`chunk_inverse.invert` and `Ag = T0 ⊙ Dec ⊙ beta_s` straight into the stage, then releases it to
+the chain, so T0, w and u never reach global memory. With the non-finite guard (`marks`) it first
+cleans the stage's k and v in place and the output warpgroup writes nan where marked; with
+`split_inverse` the output warpgroup forms half the inverses (docs/mosaic_gpu.md#the-fused-forward).
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ from pallas_kernels.mosaic_gpu.common import (
   mask_matrix,
   matmul,
   ring_stages,
+  set_registers,
   smem,
+  when,
 )
 
 N = ROWS_PER_CHUNK
@@ -63,45 +65,71 @@ def _clean_tile(ref) -> None:
   ref[...] = jnp.where(jnp.abs(x.astype(F32)) < jnp.inf, x, jnp.zeros_like(x))
 
 
-def inverse(w, solve_s, stage_a, registers: int) -> None:
-  """The inverse warpgroup: per stage (with `w.clean` first the keys and values cleaned in place)
-  Kb and Kw (in place), A0, T0 and Ag into `t_s` (module docstring), then `prep_ready`."""
-  plgpu.set_max_registers(registers, action="increase")
+def inverse_step(w, n, solve_s, stage_a) -> None:
+  """Stage `n`'s inverse, its loads waited for: (with `w.clean` first the keys and values cleaned
+  in place) Kb and Kw (in place), A0, T0 and Ag into `t_s` (module docstring), then
+  `prep_ready`. solve_s: None (merges only) or the float32 solve's buffers."""
   sq = (N, N)
-
-  def step(n, carry):
-    slot = lax.rem(n, w.stages)
-    plgpu.barrier_wait(w.in_bar.at[slot])
-    kb = w.kb_s.at[slot]
-    t_s = w.t_s.at[slot]
-    if w.clean:  # the non-finite guard: no nan or inf reaches a product
-      _clean_tile(kb)
-      _clean_tile(w.vrep_s.at[slot])
-      plgpu.commit_smem()
-    if w.masked_keys:
-      key_stage(kb, w.kw_s.at[slot], w.m_s.at[slot], w.dk, w.r, w.dtype, True)
-      plgpu.commit_smem()
-      gram = matmul(w.kw_s.at[slot], kb.T, sq)  # [(a,t),(d,s)] = M_t[a,d] <k_t^(d), k_s^(d)>
-    else:
-      gram = matmul(kb, kb.T, sq)
-    b_r = plgpu.load(w.b_cols.at[slot], layout=ROWS)
-    coef = bcast_rows(b_r, sq)
-    if not w.masked_keys:  # r = 1: the mask is one number per token
-      coef = coef * mask_matrix(w.m_s.at[slot], sq, w.c, w.r)
-    a0 = jnp.where(earlier_rows(w.r), gram * coef, 0.0)  # (formed here: no registers held)
-    if w.without_inverse:  # profiling only: the walk's time with an inverse that costs nothing
-      t0 = (iota(sq, 0) == iota(sq, 1)).astype(F32) + 0.0 * a0
-    else:
-      t0 = invert(a0, w.r, [t_s, *stage_a], w.dtype, solve_s)
-    g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
-    g_c = plgpu.load(w.g_cols.at[slot], layout=COLS)
-    b_c = plgpu.load(w.b_cols.at[slot], layout=COLS)
-    t_s[...] = gated(t0, g_r, g_c, b_c, w.c).astype(w.dtype)
+  slot = lax.rem(n, w.stages)
+  kb = w.kb_s.at[slot]
+  t_s = w.t_s.at[slot]
+  if w.clean:  # the non-finite guard: no nan or inf reaches a product
+    _clean_tile(kb)
+    _clean_tile(w.vrep_s.at[slot])
     plgpu.commit_smem()
-    plgpu.barrier_arrive(w.prep_ready.at[slot])
+  if w.masked_keys:
+    key_stage(kb, w.kw_s.at[slot], w.m_s.at[slot], w.dk, w.r, w.dtype, True)
+    plgpu.commit_smem()
+    gram = matmul(w.kw_s.at[slot], kb.T, sq)  # [(a,t),(d,s)] = M_t[a,d] <k_t^(d), k_s^(d)>
+  else:
+    gram = matmul(kb, kb.T, sq)
+  b_r = plgpu.load(w.b_cols.at[slot], layout=ROWS)
+  coef = bcast_rows(b_r, sq)
+  if not w.masked_keys:  # r = 1: the mask is one number per token
+    coef = coef * mask_matrix(w.m_s.at[slot], sq, w.c, w.r)
+  a0 = jnp.where(earlier_rows(w.r), gram * coef, 0.0)  # (formed here: no registers held)
+  if w.without_inverse:  # profiling only: the walk's time with an inverse that costs nothing
+    t0 = (iota(sq, 0) == iota(sq, 1)).astype(F32) + 0.0 * a0
+  else:
+    t0 = invert(a0, w.r, [t_s, *stage_a], w.dtype, solve_s)
+  g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
+  g_c = plgpu.load(w.g_cols.at[slot], layout=COLS)
+  b_c = plgpu.load(w.b_cols.at[slot], layout=COLS)
+  t_s[...] = gated(t0, g_r, g_c, b_c, w.c).astype(w.dtype)
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(w.prep_ready.at[slot])
+
+
+def inverse(w, solve_s, stage_a, registers: int, every: int = 1) -> None:
+  """The inverse warpgroup: `inverse_step` for every stage, or (`every=2`, two ring stages) for
+  the even chunks, the output warpgroup taking the odd ones (`ahead_of_output`)."""
+  set_registers(registers, w.warpgroups)
+
+  def step(j, carry):
+    n = j * every
+    plgpu.barrier_wait(w.in_bar.at[lax.rem(n, w.stages)])
+    inverse_step(w, n, solve_s, stage_a)
     return carry
 
-  lax.fori_loop(0, w.count, step, None)
+  lax.fori_loop(0, (w.count + every - 1) // every, step, None)
+
+
+def ahead_of_output(w, stage_a):
+  """With the inverse split (`split_inverse`): the output warpgroup's step `n` first waits for
+  stage n + 1's loads (and at n = 0 for stage 0's) and forms the inverse of the odd ones (by the
+  merges alone: the float32 solve's buffers are the inverse warpgroup's), then writes chunk n's
+  output, so the two warpgroups share the inverses while the chain walks."""
+
+  def ahead(n):
+    when(n == 0, lambda: plgpu.barrier_wait(w.in_bar.at[0]))
+    nxt = n + 1
+
+    @pl.when(nxt < w.count)
+    def _():
+      plgpu.barrier_wait(w.in_bar.at[lax.rem(nxt, w.stages)])
+      pl.when(lax.rem(nxt, 2) == 1)(lambda: inverse_step(w, nxt, None, stage_a))
+
+  return ahead
 
 
 def fused_walk(
@@ -122,6 +150,7 @@ def fused_walk(
   diag_solve: bool | None = None,
   registers: tuple[int, int, int, int] = REGISTERS,
   without_inverse: bool = False,
+  split_inverse: bool = False,
   interpret=None,
 ):
   """The forward in one kernel: `(o [B, Tp, H, V], final state transposed [B, H, V, K] float32 or
@@ -134,6 +163,8 @@ def fused_walk(
   diag_solve: the 16-row groups solved in float32 (None: compiled yes, interpreted no: the
     interpreter runs no raw Mosaic GPU code).
   registers: setmaxnreg of the chain, output, producer and inverse warpgroups.
+  split_inverse: the output warpgroup forms the odd chunks' inverses (by the merges alone), the
+    inverse warpgroup the even ones (two ring stages), to balance the two.
   without_inverse: profiling only (a wrong result): T0 = I instead of the inverse, so that the
     time shows what the walk costs when the inverse warpgroup's solve and merges cost nothing.
   """
@@ -152,7 +183,7 @@ def fused_walk(
   stages = ring_stages(
     f"fused_walk (K={key_dim}, block_v={bv}, r={r})",
     lambda n: smem_bytes(key_dim, bv, r, dtype, n, staged),
-    stages,
+    2 if split_inverse else stages,
   )
   # q, gamma per token, mask rows, 4 gamma rows, beta rows; per block: k, v
   scratch = walk_ws.walk_scratch(
@@ -165,6 +196,8 @@ def fused_walk(
     inv_scratch["solve_s"] = diag_solve_mod.scratch()
   if staged:
     inv_scratch["stage_a"] = smem((N, N), dtype)
+    if split_inverse:  # the output warpgroup's
+      inv_scratch["stage_b"] = smem((N, N), dtype)
 
   out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), dtype)]
   if output_final_state:
@@ -175,18 +208,20 @@ def fused_walk(
   absent = {n: None for n in ("t0_ref", "h0_ref", "tab_ref", "ht_ref", "states_ref", "vnew_ref")}
   chain_regs, output_regs, producer_regs, inverse_regs = registers
 
-  def body(*refs, solve_s=None, stage_a=None, **scratch_refs):
+  def body(*refs, solve_s=None, stage_a=None, stage_b=None, **scratch_refs):
     w = walk_ws.bind(
       {**absent, **dict(zip(names, refs))}, scratch_refs, nc=nc, group=group, bv=bv,
       m_shape=mask_rows.shape, stages=stages, r=r, c=c, dk=key_dim // r, key_dim=key_dim,
       dtype=dtype, householder=False, masked_keys=masked_keys, staged=staged, store_states=False,
-      clean=marks is not None, without_inverse=without_inverse,
+      clean=marks is not None, without_inverse=without_inverse, warpgroups=4,
     )  # fmt: skip
     pl.when(w.wg == 2)(lambda: walk_ws.producer(w, producer_regs))
     pl.when(w.wg == 0)(lambda: walk_ws.chain(w, chain_regs))
-    pl.when(w.wg == 1)(lambda: walk_ws.output(w, gates=False, registers=output_regs))
+    ahead = ahead_of_output(w, [] if stage_b is None else [stage_b]) if split_inverse else None
+    pl.when(w.wg == 1)(lambda: walk_ws.output(w, gates=False, registers=output_regs, ahead=ahead))
     stage = [] if stage_a is None else [stage_a]
-    pl.when(w.wg == 3)(lambda: inverse(w, solve_s, stage, inverse_regs))
+    every = 2 if split_inverse else 1
+    pl.when(w.wg == 3)(lambda: inverse(w, solve_s, stage, inverse_regs, every))
     walk_ws.finish(w)
 
   args = [q, k, v, gamma, gamma_rows, beta_rows, mask_rows, scale]

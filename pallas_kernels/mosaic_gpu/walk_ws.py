@@ -40,6 +40,7 @@ from pallas_kernels.mosaic_gpu.common import (
   matmul_reg,
   read_seq_table,
   ring_stages,
+  set_registers,
   smem,
   token_of,
   when,
@@ -156,7 +157,7 @@ def producer(w, registers: int = 40):
   """The producer warpgroup: streams a chunk's q, k, v (T0 unless `w.t0_ref` is None), gates,
   beta, mask rows (and marks: `w.mk_ref`) with TMA into the ring, refilling a stage once both
   consumers released it."""
-  plgpu.set_max_registers(registers, action="decrease")
+  set_registers(registers, w.warpgroups)
   c, b, hk, h = w.c, w.b, w.hk, w.h
 
   def fill(i, put):
@@ -187,7 +188,7 @@ def producer(w, registers: int = 40):
 def chain(w, registers: int = 232):
   """The chain warpgroup: `S^T` in float32 registers, three dependent products per chunk,
   publishing `S^T` and `v_new^T` for the output warpgroup (module docstring)."""
-  plgpu.set_max_registers(registers, action="increase")
+  set_registers(registers, w.warpgroups)
   bv, key_dim, dtype, stages, staged = w.bv, w.key_dim, w.dtype, w.stages, w.staged
   if w.h0_ref is not None:  # straight from global memory into the WGMMA layout
     s0 = plgpu.load(w.h0_ref.at[w.seq, w.h, w.cols_v], layout=WGMMA, optimized=False)
@@ -250,12 +251,13 @@ def chain(w, registers: int = 232):
     plgpu.wait_smem_to_gmem(0)
 
 
-def output(w, *, gates: bool, registers: int = 232):
+def output(w, *, gates: bool, registers: int = 232, ahead=None):
   """The output warpgroup, off the chain. With `gates`, per stage first Kw, Kb (in place) and Ag
   (in place from T0), then the chain may go (`prep_ready`); without, it waits for another
   warpgroup to have done that (`fused_forward`). Then `Kb q^T ⊙ D` and, once the chain has
-  published the chunk's `S^T` and `v_new^T`, the output, which it stores."""
-  plgpu.set_max_registers(registers, action="increase")
+  published the chunk's `S^T` and `v_new^T`, the output, which it stores. ahead: None, or run
+  first in step `n` (it then waits for the stages' loads: `fused_forward.ahead_of_output`)."""
+  set_registers(registers, w.warpgroups)
   if w.tab_ref is None:  # (packed: read with the table, in `bind`)
     plgpu.copy_gmem_to_smem(w.sc_ref, w.sc_s, w.sc_bar)
     plgpu.barrier_wait(w.sc_bar)
@@ -269,6 +271,8 @@ def output(w, *, gates: bool, registers: int = 232):
     slot = lax.rem(n, stages)
     half = lax.rem(n, 2)
     rows = pl.ds((w.first + n) * c, c)
+    if ahead is not None:
+      ahead(n)
     if gates:  # off the chain: Kw, Kb (in place) and Ag (in place), then the chain may go
       plgpu.barrier_wait(w.in_bar.at[slot])
       g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
@@ -280,7 +284,8 @@ def output(w, *, gates: bool, registers: int = 232):
       plgpu.commit_smem()
       plgpu.barrier_arrive(w.prep_ready.at[slot])
     else:  # the stage's loads too (seen complete already: transitivity left to no one)
-      plgpu.barrier_wait(w.in_bar.at[slot])
+      if ahead is None:
+        plgpu.barrier_wait(w.in_bar.at[slot])
       plgpu.barrier_wait(w.prep_ready.at[slot])
       g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
     # The intra-chunk scores, transposed: (Kb q^T ⊙ D)^T.
@@ -401,7 +406,7 @@ def state_walk_ws(
       {**absent, **dict(zip(names, refs))}, scratch_refs, nc=nc, group=group, bv=bv,
       m_shape=mask_rows.shape, stages=stages, r=r, c=c, dk=key_dim // r, key_dim=key_dim,
       dtype=dtype, householder=householder, masked_keys=masked_keys, staged=staged,
-      store_states=store_states,
+      store_states=store_states, warpgroups=3,
     )  # fmt: skip
     pl.when(w.wg == 2)(lambda: producer(w))
     pl.when(w.wg == 0)(lambda: chain(w))

@@ -40,6 +40,10 @@ from pallas_kernels.mosaic_gpu.common import (
 )
 
 SUPPORTED_KEY_BLOCKS = BACKWARD_R  # the forward takes r = 8 too
+# r of the fused forward without gradient by default: on an H200 it took 0.56 / 1.07 / 2.07 ms at
+# r = 1 / 2 / 4, against about 0.72 / 1.20 / 1.85 ms for the operator's two kernels with the guard
+# outside in earlier runs (benchmarks/mosaic_fused_forward.py times the two side by side)
+FUSED_KEY_BLOCKS = (1, 2)
 COMPUTE_CAPABILITY = HOPPER  # what the compiled kernels target (wgmma, TMA)
 NO_HIGHER_DERIVATIVES = (
   "gated_delta_product with implementation='mosaic_gpu' supports reverse-mode first derivatives "
@@ -233,8 +237,8 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
   nonfinite_guard: None keeps the options' (on by default, docs/precision.md#non-finite-inputs).
   backward: "pallas" (the Mosaic backward) or "xla" (the jnp backward behind the Mosaic forward:
     a debugging switch).
-  fused: the forward without gradient in one kernel (docs/mosaic_gpu.md#the-fused-forward);
-    False runs the two kernels a differentiated call runs.
+  fused: the forward without gradient in one kernel (docs/mosaic_gpu.md#the-fused-forward), or
+    False: the two kernels a differentiated call runs. None: fused for r in `FUSED_KEY_BLOCKS`.
   interpret: None follows pallas_kernels/common/backend.py (the Mosaic GPU interpreter off a
     GPU); False compiles the kernels for the GPU, True interprets them.
   """
@@ -252,7 +256,7 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
   nonfinite_guard: bool | None = None
   backward: str = "pallas"
   interpret: bool | None = None
-  fused: bool = True
+  fused: bool | None = None
 
   def serves(self, capability):
     return capability == COMPUTE_CAPABILITY
@@ -288,6 +292,9 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
     interpret = self.interpret if self.interpret is not None else interpret_mode()
     return _Static(float(scale), bool(guard), bool(interpret), bool(self.fused))
 
+  def _fused(self, key_blocks: int) -> bool:
+    return key_blocks in FUSED_KEY_BLOCKS if self.fused is None else self.fused
+
   def __call__(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
     return self._run(q, k, v, g, beta, mask, initial_state, scale, chunk_size, None)
 
@@ -305,4 +312,5 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
       lay = varlen.layout(cu_seqlens, q.shape[1], chunk_tokens(mask.shape[-1]))
       packing = _Packing(lay, varlen.sequence_chunks(lay).T)
     mask = mask.astype(jnp.float32)
-    return _operator(q, k, v, g, beta, mask, initial_state, packing, self._static(scale))
+    static = self._static(scale)._replace(fused=self._fused(mask.shape[-1]))
+    return _operator(q, k, v, g, beta, mask, initial_state, packing, static)
