@@ -106,18 +106,25 @@ def two_kernel_fn(interpret):
 
 
 def operator_fn(implementation=None):
-  def run(q, k, v, g, beta, mask, initial_state):
+  """The public operator, jitted; `implementation` a name, None, or a configured Mosaic GPU
+  implementation (`mosaic_operator`), registered under its name while the call is traced."""
+  from gdp_jax.ops.gated_delta_product.api import REGISTRY
+
+  def call(q, k, v, g, beta, mask, initial_state, name):
     return gdp_jax.gated_delta_product(
-      q,
-      k,
-      v,
-      g,
-      beta,
-      mask,
-      initial_state=initial_state,
-      output_final_state=True,
-      implementation=implementation,
-    )
+      q, k, v, g, beta, mask, initial_state=initial_state, output_final_state=True,
+      implementation=name,
+    )  # fmt: skip
+
+  def run(*args):
+    if implementation is None or isinstance(implementation, str):
+      return call(*args, implementation)
+    original = REGISTRY.get(implementation.name)
+    REGISTRY.register(implementation)
+    try:
+      return call(*args, implementation.name)
+    finally:
+      REGISTRY.register(original)
 
   return jax.jit(run)
 

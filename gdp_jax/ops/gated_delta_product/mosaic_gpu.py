@@ -40,10 +40,10 @@ from pallas_kernels.mosaic_gpu.common import (
 )
 
 SUPPORTED_KEY_BLOCKS = BACKWARD_R  # the forward takes r = 8 too
-# r of the fused forward without gradient by default: on an H200 it took 0.56 / 1.07 / 2.07 ms at
-# r = 1 / 2 / 4, against about 0.72 / 1.20 / 1.85 ms for the operator's two kernels with the guard
-# outside in earlier runs (benchmarks/mosaic_fused_forward.py times the two side by side)
-FUSED_KEY_BLOCKS = (1, 2)
+# r of the fused forward without gradient by default: none, since the two kernels measured
+# faster on an H200 (benchmarks/results/h200_2026-12-03_mosaic_fused_forward_side_by_side.json,
+# docs/mosaic_gpu.md#the-fused-forward); fused=True asks for it.
+FUSED_KEY_BLOCKS: tuple[int, ...] = ()
 COMPUTE_CAPABILITY = HOPPER  # what the compiled kernels target (wgmma, TMA)
 NO_HIGHER_DERIVATIVES = (
   "gated_delta_product with implementation='mosaic_gpu' supports reverse-mode first derivatives "
