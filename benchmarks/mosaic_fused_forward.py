@@ -167,7 +167,7 @@ def run_r(r, shape, tiny, reps, inner, variants, record, save):
 
   def case(**fields):
     row = dict(r=r, **fields)
-    record["cases"].append(row)
+    record["runs"].append(row)
     return row
 
   # 1. compile each variant
@@ -257,7 +257,7 @@ def run_r(r, shape, tiny, reps, inner, variants, record, save):
 
 def table(record):
   lines = []
-  for c in record["cases"]:
+  for c in record["runs"]:
     what = c.get("variant") or c.get("impl")
     extra = ""
     if c.get("variant") == "guard":
@@ -298,7 +298,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   rs = [int(x) for x in args.rs.split(",")]
   shape = TINY if args.tiny else BENCH
-  record = dict(environment=environment(["benchmarks/mosaic_fused_forward.py", *argv]), cases=[])
+  record = dict(environment=environment(["benchmarks/mosaic_fused_forward.py", *argv]), runs=[])
   record.update(shape=shape, reps=args.reps, inner=args.inner)
 
   def save():
@@ -324,13 +324,13 @@ def main(argv=None):
       f.write(out + "\n--- stderr ---\n" + err)
     try:
       with open(part) as f:
-        record["cases"] += json.load(f)["cases"]
+        record["runs"] += json.load(f)["runs"]
       os.remove(part)
     except Exception:  # noqa: BLE001
       pass
     if code:
       error = f"exit {code}: {err[-3000:]}"
-      record["cases"].append(dict(r=r, phase="process", ok=False, impl="", error=error))
+      record["runs"].append(dict(r=r, phase="process", ok=False, impl="", error=error))
     record.setdefault("process_seconds", {})[str(r)] = round(time.perf_counter() - t0, 1)
     save()
   print(table(record))
