@@ -200,10 +200,11 @@ def _run_interpreted():
 
   out = {}
   grads = {}
+  steps = {}
   for impl in ("mosaic_gpu", "xla"):
     # jitted: one program instead of one per eager operation
-    value_and_grad = jax.value_and_grad(functools.partial(loss, impl), range(7), has_aux=True)
-    (_, (o, final)), d = jax.jit(value_and_grad)(*x.values())
+    steps[impl] = jax.jit(jax.value_and_grad(functools.partial(loss, impl), range(7), has_aux=True))
+    (_, (o, final)), d = steps[impl](*x.values())
     grads[impl] = dict(zip(names, d))
     out[impl] = (o, final)
   (o, final), (o_ref, final_ref) = out["mosaic_gpu"], out["xla"]
@@ -224,6 +225,27 @@ def _run_interpreted():
   row["nan_before"] = bool(jnp.isnan(o_bad[:, :9]).any())
   row["nan_after"] = bool(jnp.isnan(o_bad[:, 9:, 1]).all())
   row["o_before_bad"] = _rel_rms(o_bad[:, :9], o_ref.astype(F32)[:, :9])
+  # the guard in the kernels' loads, differentiated: an inf in q (token 12), nans in k (token 9,
+  # key head 1) and -inf in v (token 30, head 2); outputs nan at the same places as xla's, and
+  # every gradient of a finite input as xla's (whose gradient of a non-finite entry is 0)
+  bad = dict(x)
+  bad["q"] = x["q"].at[:, 12, 0, 3].set(jnp.inf)
+  bad["k"] = x["k"].at[:, 9, 1, :2].set(jnp.nan)
+  bad["v"] = x["v"].at[:, 30, 2].set(-jnp.inf)
+  runs = {impl: steps[impl](*bad.values()) for impl in steps}
+  (_, (o_m, final_m)), d_m = runs["mosaic_gpu"]
+  (_, (o_x, final_x)), d_x = runs["xla"]
+  row["bad_nan_equal"] = bool(
+    jnp.array_equal(jnp.isnan(o_m), jnp.isnan(o_x))
+    and jnp.array_equal(jnp.isnan(final_m), jnp.isnan(final_x))
+    and jnp.isnan(o_x).any()
+    and not jnp.isnan(o_x[:, :9]).any()
+  )
+  for name, xm, dm, dx in zip(names, bad.values(), d_m, d_x):
+    keep = jnp.isfinite(xm)
+    dm, dx = (jnp.where(keep, d, 0).astype(F32) for d in (dm, dx))
+    row["bad_finite_d" + name] = bool(jnp.isfinite(dm).all())
+    row["bad_d" + name] = _rel_rms(dm, dx)
   # what a wrong mask orientation scores: the comparison can fail
   wrong = dict(x, mask=jnp.swapaxes(x["mask"], -1, -2))
   o_wrong = jax.jit(lambda *a: loss("xla", *a)[1][0])(*wrong.values())
@@ -305,6 +327,15 @@ def test_a_nan_spoils_nothing_before_it(interpreted):
   row = interpreted
   assert not row["nan_before"] and row["nan_after"], row
   assert row["o_before_bad"] < 1e-2, row
+
+
+def test_nonfinite_inputs_differentiated_match_xla(interpreted):
+  # the non-finite guard in the kernels' loads (docs/mosaic_gpu.md#the-guard-in-the-loads): no
+  # cleaned copies of q, k, v, the same nan outputs and gradients as xla's
+  row = interpreted
+  assert row["bad_nan_equal"], row
+  for name in ("q", "k", "v", "g", "beta", "mask", "initial_state"):
+    assert row["bad_finite_d" + name] and row["bad_d" + name] < 3e-2, (name, row)
 
 
 def test_gradients_interpreted_match_xla(interpreted):

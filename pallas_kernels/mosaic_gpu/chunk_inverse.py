@@ -30,6 +30,7 @@ from pallas_kernels.mosaic_gpu.common import (
   block_of,
   check_smem,
   chunk_tokens,
+  clean_tile,
   compiler_params,
   iota,
   mask_matrix,
@@ -128,6 +129,7 @@ def chunk_inverse(
   *,
   chunks_per_program: int | None = None,
   diag_solve: bool | None = None,
+  clean: bool = False,
   interpret=None,
 ):
   """T0 per chunk, `[B, H, NC * N, N]` in `k.dtype` (chunk `c` is rows `c*N .. c*N + N - 1`).
@@ -145,6 +147,8 @@ def chunk_inverse(
     diag_solve: solve the 16-row diagonal blocks in float32 (`diag_solve.py`) and merge only
       larger groups on the tensor cores, or merge from 2-token groups up (False). None: the
       solve compiled, the merges in the interpreter (which runs no raw Mosaic GPU code).
+    clean: the non-finite guard in the loads: each chunk's keys cleaned in place as they land
+      (`common.clean_tile`), so no nan or inf reaches a product.
     interpret: None on a GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
   """
   householder = k.ndim == 5
@@ -232,6 +236,9 @@ def chunk_inverse(
         issue(i + 1, 1 - slot)
 
       keys = krep_s.at[slot]
+      if clean:
+        clean_tile(keys)
+        plgpu.commit_smem()
       if r == 1 or householder:
         gram = matmul(keys, keys.T, sq)
       else:

@@ -205,6 +205,14 @@ def gated(t0v: jax.Array, g_rows, g_cols, beta_cols, tokens: int) -> jax.Array:
   return t0v * chunk_decay(g_rows, g_cols, tokens) * bcast_cols(beta_cols, sq)
 
 
+def clean_tile(ref) -> None:
+  """The non-finite guard in a kernel's loads (docs/mosaic_gpu.md#the-guard-in-the-loads): the
+  nan and inf entries of a 16-bit tile in shared memory set to 0, in place (a select). A tile of
+  fewer than 64 rows (a chunk's q at r > 1) is passed transposed."""
+  x = plgpu.load(ref, layout=WGMMA)
+  ref[...] = jnp.where(jnp.abs(x.astype(F32)) < jnp.inf, x, jnp.zeros_like(x))
+
+
 def gate_stage(
   kb_ref, kw_ref, t_ref, m_ref, g_rows, g_cols, beta_cols, block_width, r, dtype, mask_keys=None
 ):

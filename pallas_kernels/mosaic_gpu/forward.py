@@ -193,6 +193,9 @@ def forward(
   seq_table: None, or packed sequences in the chunk-aligned padded layout (B = 1, docs/varlen.md):
     int32 `[N, 4]` (first chunk, chunk count, 0, 0) per sequence (`state_walk_ws`); the initial and
     final states are then `[N, H, K, V]`.
+  guard_marks: None, or the non-finite guard in the kernels' loads (unpacked rows;
+    docs/mosaic_gpu.md#the-guard-in-the-loads): `[B, T, H]` bool, the tokens whose output is to be
+    nan (nonfinite.py's `Marks.o`); the kernels clean k and v as they land.
   interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
     The interpreter runs the walk's three warpgroups as threads of XLA's CPU client: on a machine
     with fewer than 3 cores set NPROC (for example NPROC=8) before jax starts, or they starve.
@@ -205,14 +208,14 @@ def forward(
     raise ValueError(f"store_states: T={t_len} and V={value_dim} must be whole chunks and tiles")
   h0_t = state_t(initial_state, vp)
   assert ops.v is not None  # prepare was given v
-  if guard_marks is not None and not fused:
-    raise ValueError("guard_marks: the fused forward only (fused=True)")
+  if guard_marks is not None and seq_table is not None:
+    raise ValueError("guard_marks: unpacked rows only (packed rows are cleaned by the caller)")
+  marks = None
+  if guard_marks is not None:  # [B, T, H] -> [B, H, Tp] float32, the padding unmarked
+    marks = jnp.swapaxes(pad_axes(guard_marks.astype(F32), ops.padded - t_len), 1, 2)
   if fused:
     if return_inverse or store_states or seq_table is not None:
       raise ValueError("fused=True: no return_inverse, store_states or seq_table")
-    marks = None
-    if guard_marks is not None:  # [B, T, H] -> [B, H, Tp] float32, the padding unmarked
-      marks = jnp.swapaxes(pad_axes(guard_marks.astype(F32), ops.padded - t_len), 1, 2)
     walk_args = (ops.gamma, ops.gamma_rows, ops.beta_rows, ops.mask_rows, ops.scale, h0_t, marks)
     o, s_t = fused_walk(
       ops.q, ops.k, ops.v, *walk_args, block_v=BLOCK_V, output_final_state=output_final_state,
@@ -220,7 +223,8 @@ def forward(
     )  # fmt: skip
     final = None if s_t is None else jnp.swapaxes(s_t, 2, 3)[..., :value_dim]
     return o[:, :t_len, :, :value_dim], final
-  t0 = chunk_inverse(ops.k, ops.beta_rows, ops.mask_rows, interpret=interpret)
+  clean = marks is not None
+  t0 = chunk_inverse(ops.k, ops.beta_rows, ops.mask_rows, clean=clean, interpret=interpret)
   o, s_t, *states = state_walk_ws(
     ops.q,
     ops.k,
@@ -236,6 +240,7 @@ def forward(
     output_final_state=output_final_state,
     store_states=store_states,
     seq_table=seq_table,
+    marks=marks,
     interpret=interpret,
   )
   o = o[:, :t_len, :, :value_dim]

@@ -29,8 +29,8 @@ from pallas_kernels.mosaic_gpu.common import (
   F32,
   ROWS,
   ROWS_PER_CHUNK,
-  WGMMA,
   bcast_rows,
+  clean_tile,
   compiler_params,
   gated,
   iota,
@@ -59,12 +59,6 @@ def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: b
   return walk_ws.smem_bytes(key_dim, block_v, r, dtype, stages, staged) + extra
 
 
-def _clean_tile(ref) -> None:
-  """The non-finite entries of a 16-bit tile in shared memory set to 0, in place (a select)."""
-  x = plgpu.load(ref, layout=WGMMA)
-  ref[...] = jnp.where(jnp.abs(x.astype(F32)) < jnp.inf, x, jnp.zeros_like(x))
-
-
 def inverse_step(w, n, solve_s, stage_a) -> None:
   """Stage `n`'s inverse, its loads waited for: (with `w.clean` first the keys and values cleaned
   in place) Kb and Kw (in place), A0, T0 and Ag into `t_s` (module docstring), then
@@ -74,8 +68,8 @@ def inverse_step(w, n, solve_s, stage_a) -> None:
   kb = w.kb_s.at[slot]
   t_s = w.t_s.at[slot]
   if w.clean:  # the non-finite guard: no nan or inf reaches a product
-    _clean_tile(kb)
-    _clean_tile(w.vrep_s.at[slot])
+    clean_tile(kb)
+    clean_tile(w.vrep_s.at[slot])
     plgpu.commit_smem()
   if w.masked_keys:
     key_stage(kb, w.kw_s.at[slot], w.m_s.at[slot], w.dk, w.r, w.dtype, True)

@@ -33,6 +33,7 @@ from pallas_kernels.mosaic_gpu.common import (
   bcast_rows,
   check_seq_table,
   chunk_tokens,
+  clean_tile,
   compiler_params,
   gate_stage,
   iota,
@@ -275,6 +276,10 @@ def output(w, *, gates: bool, registers: int = 232, ahead=None):
       ahead(n)
     if gates:  # off the chain: Kw, Kb (in place) and Ag (in place), then the chain may go
       plgpu.barrier_wait(w.in_bar.at[slot])
+      if w.clean:  # the non-finite guard in the loads: no nan or inf reaches a product
+        clean_tile(w.kb_s.at[slot])
+        clean_tile(w.vrep_s.at[slot])
+        plgpu.commit_smem()
       g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
       g_c = plgpu.load(w.g_cols.at[slot], layout=COLS)
       b_c = plgpu.load(w.b_cols.at[slot], layout=COLS)
@@ -337,6 +342,7 @@ def state_walk_ws(
   store_states: bool = False,
   stages: int | None = None,
   seq_table: jax.Array | None = None,
+  marks: jax.Array | None = None,
   interpret=None,
 ):
   """The state walk and the output, per (batch, head, value tile) (module docstring).
@@ -362,6 +368,9 @@ def state_walk_ws(
       grid's first axis is then the sequence: program (n, h, v) walks sequence n's chunks from
       its initial state (`initial_state_t [N, H, V, K]`) and writes its final state
       (`[N, H, V, K]`); chunks of no sequence are not walked (their output rows stay unwritten).
+    marks: None, or the non-finite guard in the loads (docs/mosaic_gpu.md#the-guard-in-the-loads):
+      `[B, H, Tp]` float32, 1 where a token's output is to be nan (nonfinite.py's marks); k and v
+      are cleaned in place as they land, and the output is nan where marked or non-finite.
     interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()`.
 
   Returns:
@@ -385,8 +394,11 @@ def state_walk_ws(
   # q, T0, gamma per token, mask rows, 4 gamma rows, beta rows; per block: k, v
   scratch = walk_scratch(
     stages=stages, c=c, key_dim=key_dim, bv=bv, r=r, dtype=dtype, masked_keys=masked_keys,
-    staged=staged, n_copies=9 + 2 * r, warpgroups=3, packed=packed,
+    staged=staged, n_copies=9 + 2 * r + (marks is not None), warpgroups=3, packed=packed,
+    marks=marks is not None,
   )  # fmt: skip
+  if marks is not None and (packed or marks.shape != (batch, heads, padded)):
+    raise ValueError(f"marks: shape {marks.shape}, expected {(batch, heads, padded)}, unpacked")
 
   out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), dtype)]
   if output_final_state:
@@ -396,17 +408,18 @@ def state_walk_ws(
     out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, N), dtype))
   in_names = ["q_ref", "k_ref", "v_ref", "t0_ref", "g_ref", "gr_ref", "beta_ref", "m_ref", "sc_ref"]
   in_names += ["h0_ref"] * (initial_state_t is not None) + ["tab_ref"] * packed
+  in_names += ["mk_ref"] * (marks is not None)
   out_names = ["o_ref"] + ["ht_ref"] * output_final_state
   out_names += ["states_ref", "vnew_ref"] * store_states
   names = in_names + out_names
-  absent = {n: None for n in ("h0_ref", "tab_ref", "ht_ref", "states_ref", "vnew_ref")}
+  absent = {n: None for n in ("h0_ref", "tab_ref", "mk_ref", "ht_ref", "states_ref", "vnew_ref")}
 
   def body(*refs, **scratch_refs):
     w = bind(
       {**absent, **dict(zip(names, refs))}, scratch_refs, nc=nc, group=group, bv=bv,
       m_shape=mask_rows.shape, stages=stages, r=r, c=c, dk=key_dim // r, key_dim=key_dim,
       dtype=dtype, householder=householder, masked_keys=masked_keys, staged=staged,
-      store_states=store_states, warpgroups=3,
+      store_states=store_states, warpgroups=3, clean=marks is not None,
     )  # fmt: skip
     pl.when(w.wg == 2)(lambda: producer(w))
     pl.when(w.wg == 0)(lambda: chain(w))
@@ -418,6 +431,8 @@ def state_walk_ws(
     args.append(initial_state_t)
   if seq_table is not None:
     args.append(seq_table)
+  if marks is not None:
+    args.append(marks)
   outs = plgpu.kernel(
     body,
     out_type=out_type,

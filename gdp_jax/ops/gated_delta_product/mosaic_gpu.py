@@ -113,9 +113,10 @@ def _forward(q, k, v, g, beta, mask, h0, packing, static, save, guard_marks=None
   return to_row(o), final, tuple(stored)
 
 
-def _backward(q, k, v, g, beta, mask, h0, packing, stored, static, do, dfinal):
+def _backward(q, k, v, g, beta, mask, h0, packing, stored, static, do, dfinal, clean):
   """The gradients of every input from the forward's stored walk (docs/mosaic_gpu.md
-  #the-backward): the reverse walk, the chunk-parallel gradients, their per-token sums."""
+  #the-backward): the reverse walk, the chunk-parallel gradients, their per-token sums. clean:
+  the kernels clean q, k and v as they land (docs/mosaic_gpu.md#the-guard-in-the-loads)."""
   t0, states_t, vnew_t = stored
   to_row, table, token_mask = (lambda x: x), None, mask
   if packing is not None:
@@ -142,11 +143,13 @@ def _backward(q, k, v, g, beta, mask, h0, packing, stored, static, do, dfinal):
     jnp.swapaxes(dfinal.astype(jnp.float32), 2, 3),
     block_v=mosaic_forward.BLOCK_V,
     seq_table=table,
+    clean=clean,
     interpret=params,
   )
   dq, dk, dv, vec = chunk_grads.chunk_grads(
-    ops.q, ops.k, ops.v, do, t0, states_t, vnew_t, dh_t, dvnew_t, *walk_args, interpret=params
-  )
+    ops.q, ops.k, ops.v, do, t0, states_t, vnew_t, dh_t, dvnew_t, *walk_args, clean=clean,
+    interpret=params,
+  )  # fmt: skip
   # the per-row vectors to tokens: row (a, t) of chunk n is entry [n, a, t]
   per_row = lambda i: vec[:, :, :, i].reshape(batch, heads, nc, r, c)
   dgamma = jnp.sum(per_row(0) + per_row(1), axis=3) + vec[:, :, :, 4, :c]
@@ -179,35 +182,51 @@ def _clean(q, k, v, g, beta, mask, packing):
   return varlen.clean(q, k, v, g, beta, mask, packing.layout.cu_seqlens)
 
 
+def _marks(q, k, v, g, beta, mask):
+  """The guard in the kernels' loads (unpacked rows, docs/mosaic_gpu.md#the-guard-in-the-loads):
+  the marks and the cleaned g, beta and mask (small); q, k and v stay as they are, the kernels
+  clean them as they land. q None: its marks are left to the kernel (a non-finite output)."""
+  if q is None:
+    q = jnp.zeros(k.shape[:3] + (1,), k.dtype)
+  (_, _, _, g, beta, mask), marks = nonfinite.clean(q, k, v, g, beta, mask, local=True)
+  return (g, beta, mask), marks
+
+
+def _mark_final(final, marks):
+  return jnp.where(marks.final[..., None, None], jnp.array(jnp.nan, final.dtype), final)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _operator(q, k, v, g, beta, mask, h0, packing, static):
-  marks = None
-  if static.guard and static.fused and packing is None:
-    # The guard inside the fused kernel: k and v cleaned there as they land, the outputs marked
-    # on the way out (those of a bad q too: its own token's); here only the marks from k, v, g,
-    # beta and the mask, and the small inputs cleaned (their cleaned k and v are never used).
-    no_q = jnp.zeros(q.shape[:3] + (1,), q.dtype)
-    (_, _, _, g, beta, mask), marks = _clean(no_q, k, v, g, beta, mask, None)
+  if static.guard and packing is None:
+    # a bad q spoils only its own token's output, which the kernel writes as nan (non-finite)
+    (g, beta, mask), marks = _marks(None, k, v, g, beta, mask)
     o, final, _ = _forward(
       q, k, v, g, beta, mask, h0, packing, static, save=False, guard_marks=marks.o
     )
-    return o, jnp.where(marks.final[..., None, None], jnp.array(jnp.nan, final.dtype), final)
-  if static.guard:
-    # without a gradient q stays as it is: a bad q spoils only its own token's output
+    return o, _mark_final(final, marks)
+  marks = None
+  if static.guard:  # packed: per sequence, on cleaned copies
     (_, k, v, g, beta, mask), marks = _clean(q, k, v, g, beta, mask, packing)
   o, final, _ = _forward(q, k, v, g, beta, mask, h0, packing, static, save=False)
   return (o, final) if marks is None else nonfinite.mark(o, final, marks)
 
 
 def _operator_fwd(q, k, v, g, beta, mask, h0, packing, static):
-  marks = None
-  if static.guard:
+  marks, guard_marks = None, None
+  if static.guard and packing is None:  # q's marks too: a marked output's cotangent is zero
+    (g, beta, mask), marks = _marks(q, k, v, g, beta, mask)
+    guard_marks = marks.o
+  elif static.guard:
     (q, k, v, g, beta, mask), marks = _clean(q, k, v, g, beta, mask, packing)
   forward = raise_if_differentiated(
-    lambda *a: _forward(*a, packing, static, save=True), NO_HIGHER_DERIVATIVES
+    lambda *a: _forward(*a, packing, static, save=True, guard_marks=guard_marks),
+    NO_HIGHER_DERIVATIVES,
   )
   o, final, stored = forward(q, k, v, g, beta, mask, h0)
-  if marks is not None:
+  if guard_marks is not None:
+    final = _mark_final(final, marks)
+  elif marks is not None:
     o, final = nonfinite.mark(o, final, marks)
   return (o, final), (q, k, v, g, beta, mask, h0, packing, stored, marks)
 
@@ -217,8 +236,9 @@ def _operator_bwd(static, residuals, cotangents):
   do, dfinal = cotangents
   if marks is not None:  # a marked output's cotangent never reaches the kernels
     do, dfinal = nonfinite.mark_cotangents(do, dfinal, marks)
+  clean = marks is not None and packing is None
   backward = raise_if_differentiated(
-    lambda *a: _backward(*a, packing, stored, static, do, dfinal), NO_HIGHER_DERIVATIVES
+    lambda *a: _backward(*a, packing, stored, static, do, dfinal, clean), NO_HIGHER_DERIVATIVES
   )
   grads = backward(*inputs)
   return (*(d.astype(x.dtype) for d, x in zip(grads, inputs)), None)
