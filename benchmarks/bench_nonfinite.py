@@ -6,8 +6,9 @@
 `gated_delta_product(..., implementation="pallas")` at B, T, H, K, V = 8, 4096, 16, 128, 128
 (`--shape`), bfloat16, r = 1, forward (o) and forward + backward (the gradient of sum(o * do) in
 q, k, v, g and beta), each
-  guarded:   as shipped (the inputs cleaned with selects, the kernels once, the spoiled outputs
-             marked with selects),
+  guarded:   as shipped (the Triton kernels: the inputs cleaned with selects, the kernels once,
+             the spoiled outputs marked; the Hopper kernels: the reductions that find the marks,
+             the cleaning inside the kernels' loads, docs/mosaic_gpu.md#the-guard-in-the-loads),
   unguarded: the kernels alone (`options=...replace(nonfinite_guard=False)`),
   nan in k:  guarded, with one nan in k (the same program: it should cost what "guarded" costs),
 the median ms per call over `--reps` loops of `--inner` calls (`benchmarks.bench.time_jax`), the
