@@ -179,11 +179,16 @@ def test_kernel_splits_and_blocks(block_s, num_splits, cache_dtype):
 
 
 def test_default_num_splits():
-  # Few (b, h) pairs: many splits, but at least MIN_BLOCKS_PER_SPLIT blocks each.
-  assert decode_attention.default_num_splits(32, 8, 32768) >= 4
-  assert decode_attention.default_num_splits(1, 1, 10) == 1
-  ns = decode_attention.default_num_splits(8, 8, 8192, 64)
-  assert 1 <= ns <= 8192 // (decode_attention.DEFAULTS.min_blocks_per_split * 64)
+  """The model's choices on an H200 (132 SMs): B = 8, Hkv = 8, S = 8192 fills one wave of two
+  programs per SM (4 splits); B = 32 needs none; one short sequence one split; a long one many,
+  each at least `min_blocks_per_split` blocks."""
+  ns = lambda B, Hkv, S: decode_attention.default_num_splits(B, Hkv, S, 64, sm_count=132)
+  assert ns(8, 8, 8192) == 4
+  assert ns(32, 8, 8192) == ns(32, 8, 32768) == 1
+  assert ns(1, 1, 10) == 1
+  assert ns(1, 8, 131072) == 32  # 256 programs of 64 blocks each
+  most = 8192 // (decode_attention.DEFAULTS.min_blocks_per_split * 64)
+  assert ns(1, 1, 8192) == most
 
 
 # ---- lengths: traced, no recompilation, edges -----------------------------------------------
