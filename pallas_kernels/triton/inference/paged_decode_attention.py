@@ -5,12 +5,12 @@ Arrays in, arrays out (no autodiff, no argument checks: gdp_jax/ops/gqa_decode/a
     of two >= 16), block_tables [B, max_pages] int32, lengths [B] int32 -> float32, query's shape
 
 Position p of sequence b lives in page block_tables[b, p // page_size], slot p % page_size
-(vLLM's layout). The kernel is decode_attention.py's (`split_attention`, the splits combined in
-the launch by decode_splits.py) with another way of finding a block's rows, since the Triton lowering has no scalar prefetch: each program gathers
-its block's page ids from its table row (masked to the valid rows, clamped to [0, num_pages))
-and then the key and value rows by pointer. Rows past the split's end are masked in every load,
-so stale slots and unused table entries are never read; a block may span several pages or part
-of one.
+(vLLM's layout). The kernel is decode_attention.py's (`split_attention`; the splits combine in
+the launch, decode_splits.py) with another way of finding a block's rows, since the Triton
+lowering has no scalar prefetch: each program gathers its block's page ids from its table row
+(masked to the valid rows, clamped to [0, num_pages)) and then the key and value rows by
+pointer. Rows past the split's end are masked in every load, so stale slots and unused table
+entries are never read; a block may span several pages or part of one.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from pallas_kernels.triton.inference import decode_splits
 DEFAULTS = options.PagedDecodeOptions()
 
 
-def _kernel(
+def attend(
   len_ref,
   tab_ref,
   q_ref,
   k_ref,
   v_ref,
-  *refs,
+  *,
   capacity,
   num_pages,
   max_pages,
@@ -43,10 +43,9 @@ def _kernel(
   shape,
   **kw,
 ):
-  # Refs: len_ref [] int32; tab_ref [max_pages] int32 (row b); q_ref [R, D];
-  # k_ref, v_ref [num_pages, page_size, D] (head h squeezed); refs: the outputs (and the
-  # counters' input), decode_splits.split_refs.
-  o_ref, scratch = decode_splits.split_refs(refs, kw["num_splits"])
+  """Program (b, h, j)'s partial (acc [RP, DP], m [RP], l [RP]) over the pages. Refs: len_ref []
+  int32; tab_ref [max_pages] int32 (row b); q_ref [R, D]; k_ref, v_ref [num_pages, page_size, D]
+  (head h squeezed)."""
   dim, dp, block_s = shape["dim"], shape["dp"], kw["block_s"]
   length = jnp.minimum(jnp.maximum(len_ref[()], 0), capacity)
   shift = page_size.bit_length() - 1  # page_size is a power of two
@@ -69,7 +68,13 @@ def _kernel(
     col = jnp.minimum(cols, dim - 1) if dp != dim else cols  # in range even where masked
     return pltriton.load(ref.at[page, slot, col], mask=mask, other=0)
 
-  acc, m, l = dense.split_attention(q_ref, length, locate, load, **shape, **kw)
+  return dense.split_attention(q_ref, length, locate, load, **shape, **kw)
+
+
+def _kernel(len_ref, tab_ref, q_ref, k_ref, v_ref, *refs, shape, **kw):
+  # refs: the outputs (and the counters' input), decode_splits.split_refs.
+  o_ref, scratch = decode_splits.split_refs(refs, kw["num_splits"])
+  acc, m, l = attend(len_ref, tab_ref, q_ref, k_ref, v_ref, shape=shape, **kw)
   decode_splits.finish(o_ref, scratch, acc, m, l, shape=shape, num_splits=kw["num_splits"])
 
 
