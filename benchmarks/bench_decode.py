@@ -5,19 +5,23 @@
   python benchmarks/bench_decode.py --quick --out results.json    # the same cases, smaller sweeps
   python benchmarks/bench_decode.py --smoke --out /tmp/smoke.json  # tiny shapes, a CPU smoke run
 
-Grouped-query decode, bf16 cache, Hq=32, Hkv=8, D=128, at B=32, S=32768 and B=8, S=8192, with
-every length S and every length S/2, dense and paged side by side:
-  pallas     our dense kernel (`gqa_decode`)
+Grouped-query decode, bf16 cache, Hq=32, Hkv=8, D=128, at B=32, S=32768, B=8, S=8192 and B=32,
+S=8192 (`--sizes`), with every length S and every length S/2, dense and paged side by side:
+  pallas     our dense kernel (`gqa_decode`: one launch, the splits combined inside)
+  previous   the previous dense design (benchmarks/decode_previous.py: partials, a jnp combine,
+             about 16 programs per SM), for the side-by-side table `current_vs_previous`
   xla        our jnp dense version
   jax_gqa    `jax.experimental.pallas.ops.gpu.decode_attention.gqa` (dense)
   paged      our paged kernel (`paged_gqa_decode`): the same cache cut into pages of
              `--page-size` positions, shuffled over the page pool (random block tables)
+  paged_previous  the previous paged design (benchmarks/decode_previous.py)
   paged_xla  our jnp paged version (gathers the pages)
   jax_paged  `jax.experimental.pallas.ops.gpu.paged_attention.paged_attention` (its own layout,
              [Hkv, num_pages, page_size, D], same pages and tables)
 in milliseconds and TB/s of cache read (bytes = the K and V bytes the lengths cover), each
 checked against the jnp dense output. Then sweeps of the kernels' launch parameters: the dense
-kernel (DecodeOptions: block_s, num_warps, num_stages, num_splits) and the paged kernel
+kernel (DecodeOptions: block_s, num_warps, num_stages; num_splits 1 ... 32 around the model's
+choice) and the paged kernel
 (PagedDecodeOptions: block_s = cache rows per inner iteration, i.e. block_s / page_size pages,
 num_warps, num_stages, num_splits) at both shapes.
 Recurrent step, B=64 and B=8 (`--step-batches`), H=16, K=V=128, float32 state, r in {1, 2}: TB/s
@@ -49,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks import decode_previous  # noqa: E402
 from gdp_jax import gated_delta_product_step, gqa_decode, paged_gqa_decode  # noqa: E402
 from pallas_kernels.common import backend  # noqa: E402
 from pallas_kernels.triton.inference import decode_attention as da  # noqa: E402
@@ -56,7 +61,9 @@ from pallas_kernels.triton.inference import paged_decode_attention as pda  # noq
 from pallas_kernels.triton.inference import recurrent_step as rs  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
-PAGED_IMPLS = ("paged", "paged_xla", "jax_paged")
+PAGED_IMPLS = ("paged", "paged_previous", "paged_xla", "jax_paged")
+# (current, previous) design pairs compared in `current_vs_previous`
+GENERATIONS = (("pallas", "previous"), ("paged", "paged_previous"))
 
 
 def median_ms(run, carry, args, reps):
@@ -141,6 +148,10 @@ def decode_fn(impl, D, smoke, knobs=None):
     if knobs:
       return lambda q, kc, vc, n: da.gqa_decode(q, kc, vc, n, scale=D**-0.5, **knobs)
     return lambda q, kc, vc, n: gqa_decode(q, kc, vc, n, implementation="pallas")
+  if impl == "previous":
+    return lambda q, kc, vc, n: decode_previous.gqa_decode(q, kc, vc, n, scale=D**-0.5)
+  if impl == "paged_previous":
+    return lambda q, kp, vp, t, n: decode_previous.paged_gqa_decode(q, kp, vp, t, n, scale=D**-0.5)
   if impl == "xla":
     return lambda q, kc, vc, n: gqa_decode(q, kc, vc, n, implementation="xla")
   if impl == "paged":
@@ -266,6 +277,10 @@ def decode_section(results, save, shapes, dtype, impls, reps, inner, smoke, page
               num_warps=da.DEFAULTS.num_warps,
               num_stages=da.DEFAULTS.num_stages,
             )
+          if impl in ("previous", "paged_previous"):
+            defaults = da.DEFAULTS if impl == "previous" else pda.DEFAULTS
+            block_s = da.default_block_s(dtype, S, defaults)
+            case["num_splits"] = decode_previous.num_splits(B, Hkv, S, block_s, defaults)
           if impl == "paged":
             case["num_splits"] = da.default_num_splits(B, Hkv, S, defaults=pda.DEFAULTS)
             case["defaults"] = dict(
@@ -295,6 +310,30 @@ def ratios(results, B, S, impls):
       ratio = by[impl, "half"]["ms"] / by[impl, "full"]["ms"]
       results["half_over_full"].append(dict(impl=impl, B=B, S=S, ratio=ratio))
       print(f"  {impl:9s} B={B} S={S}: time(lengths S/2) / time(lengths S) = {ratio:.2f}")
+  for current, previous in GENERATIONS:
+    for frac in ("full", "half"):
+      if (current, frac) in by and (previous, frac) in by:
+        now, before = by[current, frac], by[previous, frac]
+        row = dict(
+          current=current,
+          previous=previous,
+          B=B,
+          S=S,
+          lengths=frac,
+          TBps=now["TBps"],
+          previous_TBps=before["TBps"],
+          ms=now["ms"],
+          previous_ms=before["ms"],
+          speedup=before["ms"] / now["ms"],
+          num_splits=now.get("num_splits"),
+          previous_num_splits=before.get("num_splits"),
+        )
+        results["current_vs_previous"].append(row)
+        print(
+          f"  {current:6s} B={B} S={S} L={frac}: {now['TBps']:.3f} TB/s "
+          f"(splits {row['num_splits']}) vs previous {before['TBps']:.3f} TB/s "
+          f"(splits {row['previous_num_splits']}): {row['speedup']:.3f}x"
+        )
   for paged, dense in (("paged", "pallas"), ("paged_xla", "xla"), ("jax_paged", "jax_gqa")):
     for frac in ("full", "half"):
       if (paged, frac) in by and (dense, frac) in by:
@@ -349,15 +388,17 @@ def decode_sweep(results, save, shape, dtype, configs, reps, inner, kind, page_s
 
 
 def decode_configs(quick, B, S, Hkv, defaults):
-  """Launch configurations to sweep: (block_s, warps, stages) grid, then num_splits around the
-  default."""
+  """Launch configurations to sweep: (block_s, warps, stages) grid, then num_splits from 1 to 32
+  (each split at least `min_blocks_per_split` blocks) beside the model's choice."""
   if quick:
     grid = [(bs, w, 3) for bs in (32, 64, 128) for w in (4, 8)]
   else:
     grid = [(bs, w, st) for bs in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
   configs = [dict(block_s=bs, num_warps=w, num_stages=st) for bs, w, st in grid]
   ns = da.default_num_splits(B, Hkv, S, defaults.block_s, defaults=defaults)
-  splits = {max(1, ns // 2), ns * 2} if quick else {max(1, ns // 4), max(1, ns // 2), ns * 2}
+  most = max(1, S // (defaults.min_blocks_per_split * defaults.block_s))
+  splits = {1, 2, 4, 8, 16, 32} if quick else {1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32}
+  splits = {n for n in splits if n <= most}
   configs += [
     dict(
       block_s=defaults.block_s,
@@ -551,7 +592,14 @@ def main(argv=None):
   p.add_argument("--inner", type=int, default=None, help="calls per run (default 50, quick 20)")
   p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
   p.add_argument("--page-size", type=int, default=16, help="positions per page (paged cases)")
-  p.add_argument("--impls", default="pallas,xla,jax_gqa,paged,paged_xla,jax_paged")
+  p.add_argument(
+    "--impls", default="pallas,previous,xla,jax_gqa,paged,paged_previous,paged_xla,jax_paged"
+  )
+  p.add_argument(
+    "--sizes",
+    default="32:32768,8:8192,32:8192",
+    help="decode cases as B:S pairs (the sweeps run at each)",
+  )
   p.add_argument(
     "--step-impls",
     default="copy,xla,pallas,pallas_copy,auto",
@@ -581,7 +629,7 @@ def main(argv=None):
     paged_cfgs = dense_cfgs
   else:
     heads = (32, 8, 128)
-    sizes = [(32, 32768), (8, 8192)]
+    sizes = [tuple(int(x) for x in pair.split(":")) for pair in args.sizes.split(",")]
     sweep_sizes = sizes
     step_shapes = [(int(b), 16, 128, 128) for b in args.step_batches.split(",")]
     dense_cfgs = lambda B, S: decode_configs(args.quick, B, S, heads[1], da.DEFAULTS)
@@ -613,6 +661,7 @@ def main(argv=None):
     goals=dict(
       decode_TBps_at_B32_S32768=4.3,
       decode_TBps_at_B8_S8192=3.5,
+      decode_B32_no_slower_than_previous=True,
       paged_over_dense_time=1.1,
       step_TBps_at_B64_H16_K128_V128=3.0,
       step_B8_over_copy_time=2.0,
@@ -620,6 +669,7 @@ def main(argv=None):
     decode=[],
     half_over_full=[],
     paged_over_dense=[],
+    current_vs_previous=[],
     decode_sweep=[],
     step=[],
     seconds={},

@@ -8,7 +8,7 @@
 #                   plus the large shapes marked gpu), in TEST_JOBS pytest processes (pytest-xdist)
 #   tests-forward   tests/test_pallas_forward.py only   } the same tests as `tests`, in three
 #   tests-backward  tests/test_pallas_backward.py only  } parts, for a slower machine
-#   tests-decode    tests/test_decode.py, tests/test_step.py only
+#   tests-decode    tests/test_decode.py, tests/test_paged_decode.py, tests/test_step.py only
 #   matrix          scripts/gpu_matrix.py over the matrix: dtype {bf16, f16, f32 (TF32,
 #                   the default precision)} x K = V in {16, 32, 64, 128, 256} x r in {1, 2, 4, 8}
 #                   x mask shape, forward and gradients against "xla", compile times, in
@@ -153,7 +153,7 @@ if want tests-backward; then
   run_pytest tests-backward tests/test_pallas_backward.py
 fi
 if want tests-decode; then
-  run_pytest tests-decode tests/test_decode.py tests/test_step.py
+  run_pytest tests-decode tests/test_decode.py tests/test_paged_decode.py tests/test_step.py
 fi
 if want matrix; then
   run_matrix gpu_matrix --dims "$MATRIX_DIMS" --precisions tf32

@@ -168,22 +168,32 @@ def test_stale_slots_get_zero_weight(cache_dtype, stale, implementation):
 @pytest.mark.parametrize("block_s,num_splits", [(16, 1), (16, 3), (32, 4), (16, 8)])
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
 def test_kernel_splits_and_blocks(block_s, num_splits, cache_dtype):
-  """Several blocks per split, several splits, empty splits, D not a power of two."""
+  """Several blocks per split, several splits combined in the launch, empty splits, D not a
+  power of two; lengths full, odd, 1 and 0, traced under jax.jit."""
   q, kc, vc, lengths, ref = make_case(
-    11, B=3, S=100, Hkv=2, G=2, D=24, dtype=cache_dtype, lengths=[100, 37, 3]
+    11, B=4, S=100, Hkv=2, G=2, D=24, dtype=cache_dtype, lengths=[100, 37, 1, 0]
   )
-  out = decode_attention.gqa_decode(
-    q, kc, vc, lengths, scale=24**-0.5, block_s=block_s, num_splits=num_splits
+  run = jax.jit(
+    lambda n: decode_attention.gqa_decode(
+      q, kc, vc, n, scale=24**-0.5, block_s=block_s, num_splits=num_splits
+    )
   )
+  out = run(lengths)
+  assert np.all(np.asarray(out[3]) == 0.0), "lengths 0: zeros"
   assert_close(out, ref, CACHE_TOL[cache_dtype], f"block_s={block_s} splits={num_splits}")
 
 
 def test_default_num_splits():
-  # Few (b, h) pairs: many splits, but at least MIN_BLOCKS_PER_SPLIT blocks each.
-  assert decode_attention.default_num_splits(32, 8, 32768) >= 4
-  assert decode_attention.default_num_splits(1, 1, 10) == 1
-  ns = decode_attention.default_num_splits(8, 8, 8192, 64)
-  assert 1 <= ns <= 8192 // (decode_attention.DEFAULTS.min_blocks_per_split * 64)
+  """The model's choices on an H200 (132 SMs): B = 8, Hkv = 8, S = 8192 fills one wave of two
+  programs per SM (4 splits); B = 32 needs none; one short sequence one split; a long one many,
+  each at least `min_blocks_per_split` blocks."""
+  ns = lambda B, Hkv, S: decode_attention.default_num_splits(B, Hkv, S, 64, sm_count=132)
+  assert ns(8, 8, 8192) == 4
+  assert ns(32, 8, 8192) == ns(32, 8, 32768) == 1
+  assert ns(1, 1, 10) == 1
+  assert ns(1, 8, 131072) == 32  # 256 programs of 64 blocks each
+  most = 8192 // (decode_attention.DEFAULTS.min_blocks_per_split * 64)
+  assert ns(1, 1, 8192) == most
 
 
 # ---- lengths: traced, no recompilation, edges -----------------------------------------------
@@ -346,7 +356,8 @@ def test_large_on_gpu(cache_dtype):
 @pytest.mark.parametrize(
   "B,S,Hq,Hkv,D,cache_dtype",
   [
-    (32, 32768, 32, 8, 128, jnp.bfloat16),  # the benchmark shape
+    (32, 32768, 32, 8, 128, jnp.bfloat16),  # the benchmark shape: one split
+    (8, 8192, 32, 8, 128, jnp.bfloat16),  # four splits, combined in the launch
     (2, 1000, 32, 8, 128, jnp.float32),
     (3, 100, 4, 2, 24, jnp.bfloat16),  # G and D padded and masked
     (1, 3, 2, 1, 2, jnp.float32),  # the statement's first example
@@ -365,5 +376,10 @@ def test_kernel_lowers_to_triton(monkeypatch, B, S, Hq, Hkv, D, cache_dtype):
   )
   text = modules[0]
   assert "scf.for" in text and "tt.dot" in text
+  # Several splits: one counter per (sequence, head), counted after a barrier of the threads.
+  block_s = decode_attention.default_block_s(cache_dtype, S)
+  several = decode_attention.default_num_splits(B, Hkv, S, block_s) > 1
+  assert text.count("tt.atomic_rmw add, acq_rel, gpu") == several
+  assert text.count("gpu.barrier") == several
   # Two bf16 dots per product for a bf16 cache (query and weights split in high/low parts).
   assert text.count("tt.dot") == (4 if cache_dtype == jnp.bfloat16 else 2)

@@ -464,8 +464,9 @@ def test_dense_kernel_multi_token_lowers_to_triton(monkeypatch):
 
 
 def test_bench_decode_smoke(tmp_path):
-  """`benchmarks/bench_decode.py --smoke` runs the paged cases and writes its JSON (what the GPU
-  run records: date, jax version, GPU name, command); every case agrees with the jnp output."""
+  """`benchmarks/bench_decode.py --smoke` runs the paged cases, the current design beside the
+  previous one, and writes its JSON (what the GPU run records: date, jax version, GPU name,
+  command); every case agrees with the jnp output."""
   import importlib.util
   import json
   import pathlib
@@ -476,14 +477,15 @@ def test_bench_decode_smoke(tmp_path):
   spec.loader.exec_module(bench_decode)
   out = tmp_path / "decode.json"
   args = ["--smoke", "--out", str(out), "--reps", "1", "--inner", "1"]
-  args += ["--sections", "decode,paged_sweep", "--impls", "paged,jax_paged"]
+  args += ["--sections", "decode,paged_sweep", "--impls", "paged,paged_previous,jax_paged"]
   assert bench_decode.main(args) == 0
   results = json.loads(out.read_text())
   for field in ("date", "jax_version", "gpu_name", "command", "goals"):
     assert field in results, field
   assert "--smoke" in results["command"]
   cases = results["decode"] + results["decode_sweep"]
-  assert {c["impl"] for c in cases} >= {"paged"}
+  assert {c["impl"] for c in cases} >= {"paged", "paged_previous"}
+  assert results["current_vs_previous"], "the current and the previous design side by side"
   for case in cases:
     if case["impl"] == "jax_paged" and not results["jax_peers"]["paged_attention"]:
       continue

@@ -66,6 +66,13 @@ def pallas_call(kernel, *, num_warps=4, num_stages=2, **kwargs):
   return run
 
 
+def barrier():
+  """Inside a kernel: a barrier of the program's threads (their memory operations before it are
+  done for all of them after it). Nothing in interpret mode, where a program is one thread."""
+  if not interpret_mode():
+    pltriton.debug_barrier()
+
+
 def _varying_axes(x):
   """(mesh axes x varies over inside shard_map, the type that records them) for either jax API:
   `aval.manual_axis_type.varying`, or `aval.vma` in older jax (type None)."""

@@ -261,13 +261,18 @@ _PAGED = tuning.launch("paged_decode")
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
   """Launch parameters of the grouped-query decode kernel (pallas_kernels/triton/inference).
-  programs_per_sm: enough programs for a few waves and a short tail."""
+
+  resident_per_sm and wave_overhead_blocks are the split count's model
+  (decode_splits.default_num_splits), not measurements: the tuned launch (64 rows, 3 stages) takes
+  78 KB of shared memory per program (Triton for sm_90), so two run at once on an SM of 227 KB.
+  """
 
   block_s: int = _DECODE["block_s"]
   num_warps: int = _DECODE["num_warps"]
   num_stages: int = _DECODE["num_stages"]
-  programs_per_sm: int = _DECODE["programs_per_sm"]
   min_blocks_per_split: int = _DECODE["min_blocks_per_split"]
+  resident_per_sm: int = 2
+  wave_overhead_blocks: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,8 +299,9 @@ class PagedDecodeOptions:
   block_s: int = _PAGED["block_s"]
   num_warps: int = _PAGED["num_warps"]
   num_stages: int = _PAGED["num_stages"]
-  programs_per_sm: int = _PAGED["programs_per_sm"]
   min_blocks_per_split: int = _PAGED["min_blocks_per_split"]
+  resident_per_sm: int = 2
+  wave_overhead_blocks: int = 2
 
 
 # The kernels that walk a chunk's r key blocks (chunk_h, chunk_state_output, bwd_dhu: the state

@@ -1,16 +1,16 @@
-"""Grouped-query decode attention over a KV cache, flash-decoding style (docs/inference.md;
-docs/kernels.md#decode_attention). Arrays in, arrays out (gdp_jax/ops/gqa_decode/api.py checks).
+"""Grouped-query decode attention over a KV cache, flash-decoding style in one launch
+(docs/inference.md; docs/kernels.md#decode_attention). Arrays in, arrays out
+(gdp_jax/ops/gqa_decode/api.py checks).
 
     query [B, Hq, D] or [B, Tq, Hq, D], caches [B, S, Hkv, D], lengths [B] -> float32, query's shape
 
 Grid (B, Hkv, num_splits): program (b, h, j) takes the Tq * G query rows of cache head h as one
 tile (every cache byte read once) and walks its share of the valid positions [0, L) in blocks of
-`block_s` rows with an online softmax; loop bounds come from the traced length, so new lengths
-never recompile, and a jnp epilogue combines the splits (`split_attention` is shared with the
-paged kernel). New token t of Tq sees the slots j <= L - Tq + t. Rows past the end are masked
-in the load and their scores set to -inf, so stale slots never reach registers. A bfloat16
-cache's products run as two bf16 dots each (a high and a low part of the float32 operand: about
-16 mantissa bits at tensor-core speed); other dtypes use float32 dots (docs/precision.md).
+`block_s` rows with an online softmax (`split_attention`, shared with the paged kernel); loop
+bounds come from the traced length, so new lengths never recompile. The splits combine inside
+the launch (decode_splits.py). New token t of Tq sees the slots j <= L - Tq + t; rows past the
+end are masked in the load. A bfloat16 cache's products run as two bf16 dots each (high and low
+parts of the float32 operand); other dtypes use float32 dots (docs/precision.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import backend, device, options
+from pallas_kernels.common import backend, options
+from pallas_kernels.triton.inference import decode_splits
 
 f32 = jnp.float32
 
@@ -37,13 +38,11 @@ BLOCK_S_4BYTE = 32
 def default_num_splits(
   batch, kv_heads, seq_len, block_s=DEFAULTS.block_s, sm_count=None, defaults=DEFAULTS
 ):
-  """Splits of the cache positions per (sequence, cache head): about `programs_per_sm` programs
-  per SM of the device in all, each split at least `min_blocks_per_split` blocks of S long."""
-  sm_count = device.sm_count() if sm_count is None else sm_count
-  pairs = max(batch * kv_heads, 1)
-  want = pl.cdiv(defaults.programs_per_sm * sm_count, pairs)
-  most = max(1, seq_len // (defaults.min_blocks_per_split * block_s))
-  return int(max(1, min(want, most)))
+  """Splits of the cache positions per (sequence, cache head): decode_splits.default_num_splits
+  with the launch's defaults."""
+  return decode_splits.default_num_splits(
+    batch, kv_heads, seq_len, block_s, defaults=defaults, sm_count=sm_count
+  )
 
 
 def default_block_s(dtype, capacity, defaults=DEFAULTS):
@@ -149,28 +148,10 @@ def split_attention(
   return jax.lax.fori_loop(0, n_blocks, body, init)
 
 
-def store_partials(o_ref, m_ref, l_ref, acc, m, l, *, rows, dim, rp, dp):
-  """Write one split's (acc [R, D], m [R], l [R]), masking the padded rows and columns."""
-  zero = pl.program_id(2) * 0
-  if rp != rows or dp != dim:
-    r_idx = jax.lax.broadcasted_iota(jnp.int32, (rp, dp), 0)
-    d_idx = jax.lax.broadcasted_iota(jnp.int32, (rp, dp), 1)
-    mask = (r_idx < rows) & (d_idx < dim)
-    pltriton.store(o_ref.at[pl.ds(zero, rp), pl.ds(zero, dp)], acc, mask=mask)
-  else:
-    o_ref[...] = acc
-  if rp != rows:
-    row_ok = jax.lax.broadcasted_iota(jnp.int32, (rp,), 0) < rows
-    pltriton.store(m_ref.at[pl.ds(zero, rp)], m, mask=row_ok)
-    pltriton.store(l_ref.at[pl.ds(zero, rp)], l, mask=row_ok)
-  else:
-    m_ref[...] = m
-    l_ref[...] = l
-
-
-def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, seq_len, shape, **kw):
-  # Refs: len_ref [] int32; q_ref [R, D]; k_ref, v_ref [S, D] (b and h squeezed: the native
-  # layout, row stride Hkv * D); outputs o_ref [R, D], m_ref, l_ref [R] of split j.
+def attend(len_ref, q_ref, k_ref, v_ref, *, seq_len, shape, **kw):
+  """Program (b, h, j)'s partial (acc [RP, DP], m [RP], l [RP]) over the dense cache.
+  Refs: len_ref [] int32; q_ref [R, D]; k_ref, v_ref [S, D] (b and h squeezed: the native
+  layout, row stride Hkv * D)."""
   dim, dp, block_s = shape["dim"], shape["dp"], kw["block_s"]
   length = jnp.minimum(jnp.maximum(len_ref[()], 0), seq_len)
   zero = pl.program_id(2) * 0
@@ -186,22 +167,14 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, seq_len, shape
     ref = k_ref if which == "k" else v_ref
     return pltriton.load(ref.at[pl.ds(pos, block_s), pl.ds(zero, dp)], mask=tile_mask, other=0)
 
-  acc, m, l = split_attention(q_ref, length, locate, load, **shape, **kw)
-  store_partials(o_ref, m_ref, l_ref, acc, m, l, rows=shape["rows"], dim=dim, rp=shape["rp"], dp=dp)
+  return split_attention(q_ref, length, locate, load, **shape, **kw)
 
 
-def combine_splits(acc, m, l):
-  """Merge per-split partial softmaxes: acc [..., NS, R, D], m and l [..., NS, R] -> [..., R, D].
-
-  Empty splits (m = -inf, l = 0, acc = 0) get weight 0; rows with no valid slot at all
-  (length 0) come out as exact zeros.
-  """
-  m_max = jnp.max(m, axis=-2)
-  m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-  w = jnp.exp(m - m_safe[..., None, :])  # exp(-inf) = 0
-  total = jnp.sum(w * l, axis=-2)
-  out = jnp.sum(w[..., None] * acc, axis=-3)
-  return out / jnp.where(total > 0, total, 1.0)[..., None]
+def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, seq_len, shape, **kw):
+  # refs: the outputs (and the counters' input), decode_splits.split_refs.
+  o_ref, scratch = decode_splits.split_refs(refs, kw["num_splits"])
+  acc, m, l = attend(len_ref, q_ref, k_ref, v_ref, seq_len=seq_len, shape=shape, **kw)
+  decode_splits.finish(o_ref, scratch, acc, m, l, shape=shape, num_splits=kw["num_splits"])
 
 
 def query_rows(query, kv_heads):
@@ -231,21 +204,6 @@ def kernel_shape(rows, group, tq, dim):
     rp=max(16, pl.next_power_of_2(rows)),
     dp=max(16, pl.next_power_of_2(dim)),
   )
-
-
-def partial_specs(batch, kv_heads, num_splits, rows, dim):
-  """out_specs and out_shape of the per-split partials (acc, m, l)."""
-  specs = [
-    pl.BlockSpec((None, None, None, rows, dim), lambda b, h, j: (b, h, j, 0, 0)),
-    pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
-    pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
-  ]
-  shapes = [
-    jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows, dim), f32),
-    jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows), f32),
-    jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows), f32),
-  ]
-  return specs, shapes
 
 
 @functools.partial(
@@ -279,31 +237,37 @@ def gqa_decode(
   if num_splits is None:
     num_splits = default_num_splits(batch, kv_heads, seq_len, block_s)
 
+  shape = kernel_shape(rows, group, tq, dim)
   kernel = functools.partial(
     _kernel,
     seq_len=seq_len,
-    shape=kernel_shape(rows, group, tq, dim),
+    shape=shape,
     block_s=block_s,
     num_splits=num_splits,
     scale=float(scale),
     split_bf16=key_cache.dtype == jnp.bfloat16,
   )
   cache_spec = pl.BlockSpec((None, seq_len, None, dim), lambda b, h, j: (b, 0, h, 0))
-  out_specs, out_shape = partial_specs(batch, kv_heads, num_splits, rows, dim)
-  acc, m, l = backend.pallas_call(
+  in_specs = [
+    pl.BlockSpec((None,), lambda b, h, j: (b,)),  # lengths
+    pl.BlockSpec((None, None, rows, dim), lambda b, h, j: (b, h, 0, 0)),  # query rows of h
+    cache_spec,  # keys
+    cache_spec,  # values
+  ]
+  inputs = [lengths.astype(jnp.int32), q_rows, key_cache, value_cache]
+  in_specs, inputs, aliases = decode_splits.with_counters(
+    in_specs, inputs, batch, kv_heads, num_splits
+  )
+  out_specs, out_shape = decode_splits.launch_outputs(batch, kv_heads, num_splits, shape)
+  out = backend.pallas_call(
     kernel,
     num_warps=num_warps,
     num_stages=num_stages,
     grid=(batch, kv_heads, num_splits),
-    in_specs=[
-      pl.BlockSpec((None,), lambda b, h, j: (b,)),  # lengths
-      pl.BlockSpec((None, None, rows, dim), lambda b, h, j: (b, h, 0, 0)),  # query rows of h
-      cache_spec,  # keys
-      cache_spec,  # values
-    ],
+    in_specs=in_specs,
     out_specs=out_specs,
     out_shape=out_shape,
+    input_output_aliases=aliases,
     name="gqa_decode",
-  )(lengths.astype(jnp.int32), q_rows, key_cache, value_cache)
-  out = combine_splits(acc, m, l)  # [B, Hkv, R, D]
+  )(*inputs)[0]  # [B, Hkv, R, D]
   return output_from_rows(out, query.shape, kv_heads, tq, group)

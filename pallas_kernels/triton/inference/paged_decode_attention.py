@@ -5,12 +5,12 @@ Arrays in, arrays out (no autodiff, no argument checks: gdp_jax/ops/gqa_decode/a
     of two >= 16), block_tables [B, max_pages] int32, lengths [B] int32 -> float32, query's shape
 
 Position p of sequence b lives in page block_tables[b, p // page_size], slot p % page_size
-(vLLM's layout). The kernel is decode_attention.py's (`split_attention`) with another way of
-finding a block's rows, since the Triton lowering has no scalar prefetch: each program gathers
-its block's page ids from its table row (masked to the valid rows, clamped to [0, num_pages))
-and then the key and value rows by pointer. Rows past the split's end are masked in every load,
-so stale slots and unused table entries are never read; a block may span several pages or part
-of one.
+(vLLM's layout). The kernel is decode_attention.py's (`split_attention`; the splits combine in
+the launch, decode_splits.py) with another way of finding a block's rows, since the Triton
+lowering has no scalar prefetch: each program gathers its block's page ids from its table row
+(masked to the valid rows, clamped to [0, num_pages)) and then the key and value rows by
+pointer. Rows past the split's end are masked in every load, so stale slots and unused table
+entries are never read; a block may span several pages or part of one.
 """
 
 from __future__ import annotations
@@ -24,19 +24,17 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import backend, options
 from pallas_kernels.triton.inference import decode_attention as dense
+from pallas_kernels.triton.inference import decode_splits
 
 DEFAULTS = options.PagedDecodeOptions()
 
 
-def _kernel(
+def attend(
   len_ref,
   tab_ref,
   q_ref,
   k_ref,
   v_ref,
-  o_ref,
-  m_ref,
-  l_ref,
   *,
   capacity,
   num_pages,
@@ -45,9 +43,9 @@ def _kernel(
   shape,
   **kw,
 ):
-  # Refs: len_ref [] int32; tab_ref [max_pages] int32 (row b); q_ref [R, D];
-  # k_ref, v_ref [num_pages, page_size, D] (head h squeezed); outputs o_ref [R, D], m_ref,
-  # l_ref [R] of split j.
+  """Program (b, h, j)'s partial (acc [RP, DP], m [RP], l [RP]) over the pages. Refs: len_ref []
+  int32; tab_ref [max_pages] int32 (row b); q_ref [R, D]; k_ref, v_ref [num_pages, page_size, D]
+  (head h squeezed)."""
   dim, dp, block_s = shape["dim"], shape["dp"], kw["block_s"]
   length = jnp.minimum(jnp.maximum(len_ref[()], 0), capacity)
   shift = page_size.bit_length() - 1  # page_size is a power of two
@@ -70,10 +68,14 @@ def _kernel(
     col = jnp.minimum(cols, dim - 1) if dp != dim else cols  # in range even where masked
     return pltriton.load(ref.at[page, slot, col], mask=mask, other=0)
 
-  acc, m, l = dense.split_attention(q_ref, length, locate, load, **shape, **kw)
-  dense.store_partials(
-    o_ref, m_ref, l_ref, acc, m, l, rows=shape["rows"], dim=dim, rp=shape["rp"], dp=dp
-  )
+  return dense.split_attention(q_ref, length, locate, load, **shape, **kw)
+
+
+def _kernel(len_ref, tab_ref, q_ref, k_ref, v_ref, *refs, shape, **kw):
+  # refs: the outputs (and the counters' input), decode_splits.split_refs.
+  o_ref, scratch = decode_splits.split_refs(refs, kw["num_splits"])
+  acc, m, l = attend(len_ref, tab_ref, q_ref, k_ref, v_ref, shape=shape, **kw)
+  decode_splits.finish(o_ref, scratch, acc, m, l, shape=shape, num_splits=kw["num_splits"])
 
 
 @functools.partial(
@@ -112,35 +114,47 @@ def paged_gqa_decode(
   if num_splits is None:
     num_splits = dense.default_num_splits(batch, kv_heads, capacity, block_s, defaults=DEFAULTS)
 
+  shape = dense.kernel_shape(rows, group, tq, dim)
   kernel = functools.partial(
     _kernel,
     capacity=capacity,
     num_pages=num_pages,
     max_pages=max_pages,
     page_size=page_size,
-    shape=dense.kernel_shape(rows, group, tq, dim),
+    shape=shape,
     block_s=block_s,
     num_splits=num_splits,
     scale=float(scale),
     split_bf16=key_pages.dtype == jnp.bfloat16,
   )
   pages_spec = pl.BlockSpec((num_pages, page_size, None, dim), lambda b, h, j: (0, 0, h, 0))
-  out_specs, out_shape = dense.partial_specs(batch, kv_heads, num_splits, rows, dim)
-  acc, m, l = backend.pallas_call(
+  in_specs = [
+    pl.BlockSpec((None,), lambda b, h, j: (b,)),  # lengths
+    pl.BlockSpec((None, max_pages), lambda b, h, j: (b, 0)),  # the table row of sequence b
+    pl.BlockSpec((None, None, rows, dim), lambda b, h, j: (b, h, 0, 0)),  # query rows of h
+    pages_spec,  # key pages, head h
+    pages_spec,  # value pages, head h
+  ]
+  inputs = [
+    lengths.astype(jnp.int32),
+    block_tables.astype(jnp.int32),
+    q_rows,
+    key_pages,
+    value_pages,
+  ]
+  in_specs, inputs, aliases = decode_splits.with_counters(
+    in_specs, inputs, batch, kv_heads, num_splits
+  )
+  out_specs, out_shape = decode_splits.launch_outputs(batch, kv_heads, num_splits, shape)
+  out = backend.pallas_call(
     kernel,
     num_warps=num_warps,
     num_stages=num_stages,
     grid=(batch, kv_heads, num_splits),
-    in_specs=[
-      pl.BlockSpec((None,), lambda b, h, j: (b,)),  # lengths
-      pl.BlockSpec((None, max_pages), lambda b, h, j: (b, 0)),  # the table row of sequence b
-      pl.BlockSpec((None, None, rows, dim), lambda b, h, j: (b, h, 0, 0)),  # query rows of h
-      pages_spec,  # key pages, head h
-      pages_spec,  # value pages, head h
-    ],
+    in_specs=in_specs,
     out_specs=out_specs,
     out_shape=out_shape,
+    input_output_aliases=aliases,
     name="paged_gqa_decode",
-  )(lengths.astype(jnp.int32), block_tables.astype(jnp.int32), q_rows, key_pages, value_pages)
-  out = dense.combine_splits(acc, m, l)  # [B, Hkv, R, D]
+  )(*inputs)[0]  # [B, Hkv, R, D]
   return dense.output_from_rows(out, query.shape, kv_heads, tq, group)
