@@ -44,7 +44,10 @@ class GatedDeltaNet(GatedDeltaProduct):
   def __init__(self, *args, **kwargs) -> None:
     super().__init__(*args, **kwargs)
     self.o_norm = TransformersGatedRMSNorm(
-      self.value_dim, eps=self.o_norm.eps, param_dtype=kwargs.get("param_dtype", f32), axis_name=None
+      self.value_dim,
+      eps=self.o_norm.eps,
+      param_dtype=kwargs.get("param_dtype", f32),
+      axis_name=None,
     )
     implementation = kwargs.get("implementation")
     self.float32_core = REGISTRY.resolve(implementation).name in FLOAT32_CORES

@@ -9,8 +9,8 @@ a SwiGLU MLP, with zero-centred RMSNorms ((1 + w) x / rms(x)). The Gated DeltaNe
 heads: exactly transformers' block (docs/layers.md#qwen35s-gated-deltanet-block), running
 `gated_delta_product` over a sequence and `gated_delta_product_step` per token. The attention
 block (output gate, per-head q/k RMSNorm, partial RoPE, grouped-query heads) runs causal
-`jax.nn.dot_product_attention` over a sequence and `gqa_decode` per token. Parameter names
-follow transformers' (loader.py maps them one to one).
+attention over a sequence and `gqa_decode` per token. In bf16 every block rounds where
+transformers' does (docs/qwen3_5.md#bf16). Parameter names follow transformers'.
 """
 
 from __future__ import annotations
