@@ -6,8 +6,9 @@ Needs torch, transformers (with `models/qwen3_5`), safetensors and numpy, not gd
 
 Writes into --out: the model's config.json and model.safetensors (float32, as transformers'
 `save_pretrained` writes them), and golden.npz: input_ids [2, T], transformers' float32 logits
-[2, T, vocab], a greedy continuation [2, 32] (transformers' `generate`), its smallest top-1 margin
-and the versions, also in golden.json. The weights are drawn at a scale that makes the logits
+[2, T, vocab], its bf16 logits (the model loaded in bf16 on the CPU, `logits_bf16`), a greedy
+continuation [2, 32] (transformers' `generate`), its smallest top-1 margin and the versions,
+also in golden.json. The weights are drawn at a scale that makes the logits
 spread (transformers' own initialisation gives near-uniform logits, too weak a test).
 """
 
@@ -93,6 +94,9 @@ def main() -> None:
     )[:, ids.shape[1] :]
     full = torch.cat([torch.from_numpy(ids), new], dim=1)
     path_logits = model(full).logits.float().numpy()[:, ids.shape[1] - 1 : -1]
+  bf16 = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+  with torch.no_grad():
+    logits_bf16 = bf16(torch.from_numpy(ids)).logits.float().numpy()
   top2 = np.sort(path_logits, axis=-1)[..., -2:]
   margin = float(np.min(top2[..., 1] - top2[..., 0]))
   meta = dict(
@@ -106,6 +110,7 @@ def main() -> None:
     out / "golden.npz",
     input_ids=ids.astype(np.int32),
     logits=logits.astype(np.float32),
+    logits_bf16=logits_bf16.astype(np.float32),
     greedy=new.numpy().astype(np.int32),
   )
   (out / "golden.json").write_text(json.dumps(meta, indent=1) + "\n")

@@ -805,3 +805,19 @@ def test_attention_step_tokens_cache_too_small():
   cache = layer.init_cache(2, 8)._replace(lengths=jnp.array([2, 6], jnp.int32))
   with pytest.raises(ValueError, match=r"cache too small: sequence 1 holds 6 tokens, and Tq = 3"):
     layer.step_tokens(x, cache)
+
+
+def test_rounding_helpers_survive_excess_precision():
+  """A bf16 sum read in float32 within one jitted function: XLA may compute it in float32 and
+  hand on the unrounded value (x + y then .astype(float32) differs here); `as_f32` reads the bf16
+  value (docs/layers.md#rounding). `rounded` rounds as bf16 does; both identities in float32."""
+  from gdp_jax.layers.common import as_f32, round_to, rounded
+
+  x = jax.random.normal(jax.random.key(0), (1000,)).astype(jnp.bfloat16)
+  y = (0.01 * jax.random.normal(jax.random.key(1), (1000,))).astype(jnp.bfloat16)
+  want = np.asarray(x + y).astype(np.float32) * np.float32(1.5)  # eager: a bf16 array
+  np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, y: as_f32(x + y) * 1.5)(x, y)), want)
+  x32, y32 = x.astype(jnp.float32), y.astype(jnp.float32)
+  got = jax.jit(lambda x, y: rounded(x + y, jnp.bfloat16))(x32, y32)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(x + y))
+  assert round_to(x32, jnp.float32) is x32 and as_f32(x32) is x32

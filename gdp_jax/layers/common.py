@@ -1,5 +1,6 @@
 """What the layers share: the mode names, the packed-document reset, l2norm, input checks,
-the Linear projection and the gated RMSNorm (docs/layers.md)."""
+the Linear projection, the gated RMSNorm and the rounding helpers of bf16 activations
+(docs/layers.md#rounding)."""
 
 from __future__ import annotations
 
@@ -47,9 +48,31 @@ class ValuePartial(functools.partial):
       return id(self)
 
 
+def round_to(x, dtype):
+  """x (float32) rounded to the precision of `dtype` (e.g. bfloat16), still float32; x itself
+  when `dtype` is float32. An explicit rounding XLA keeps: a float32 -> bf16 -> float32 pair of
+  casts it may drop (excess precision), handing the float32 value on unrounded."""
+  info = jnp.finfo(dtype)
+  if info.bits >= 32:
+    return x
+  return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def rounded(x, dtype):
+  """x (float32) rounded to `dtype` and cast to it: what a framework that rounds every op's
+  result to its dtype (torch) holds, also where XLA would keep the float32 value."""
+  return round_to(x, dtype).astype(dtype)
+
+
+def as_f32(x):
+  """x as float32 holding exactly x's values: where x (bf16) was computed in float32, XLA may
+  otherwise hand a float32 consumer the unrounded value (a cast pair dropped)."""
+  return round_to(x.astype(f32), x.dtype)
+
+
 def l2norm(x, axis=-1, eps=1e-6):
   """x / sqrt(sum x^2 + eps) along `axis`, computed in float32 (as flash-linear-attention)."""
-  x = x.astype(f32)
+  x = as_f32(x)
   return x * jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + eps)
 
 
@@ -176,12 +199,12 @@ class GatedRMSNorm(nnx.Module):
     self.weight = partitioning.param(jnp.ones((num_features,), param_dtype), (axis_name,))
 
   def __call__(self, x, gate=None):
-    y = x.astype(f32)
+    y = as_f32(x)
     y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.eps)
     y = y * self.weight[...].astype(f32)
     if gate is not None:
-      y = y * jax.nn.silu(gate.astype(f32))
-    return y.astype(x.dtype)
+      y = y * jax.nn.silu(as_f32(gate))
+    return rounded(y, x.dtype)
 
 
 def _check_room(lengths, num_new, capacity, what):

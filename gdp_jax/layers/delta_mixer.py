@@ -22,6 +22,7 @@ from gdp_jax.layers.common import (
   _check_positive_int,
   _check_segment_ids,
   _check_x,
+  as_f32,
   f32,
   segment_starts,
 )
@@ -189,7 +190,7 @@ class DeltaMixer(nnx.Module):
   def _gates(self, x):
     """g (log-decay) float32 [..., HV] and beta float32 [..., writes * HV] ([..., writes, HV]
     under a mesh)."""
-    a = self.a_proj(x).astype(f32) + self.dt_bias[...].astype(f32)
+    a = as_f32(self.a_proj(x)) + self.dt_bias[...].astype(f32)
     g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(a)
     if partitioning.mesh_is_set() and self.writes > 1:  # head by head: `_convolved_qkv`
       heads = self.num_v_heads
@@ -198,7 +199,7 @@ class DeltaMixer(nnx.Module):
       b = writes_first(b, *layout)[..., 0]
     else:
       b = self.b_proj(x)
-    beta = jax.nn.sigmoid(b.astype(f32))
+    beta = jax.nn.sigmoid(as_f32(b))
     if self.allow_neg_eigval:
       beta = 2.0 * beta
     return g, beta

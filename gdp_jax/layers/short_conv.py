@@ -10,11 +10,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gdp_jax.layers import partitioning
-from gdp_jax.layers.common import f32
+from gdp_jax.layers.common import as_f32, f32, round_to, rounded
+
+
+def _silu_of_sum(y, dtype):
+  """SiLU of the convolution's float32 sum y, each rounded to `dtype` as a convolution and an
+  activation of that dtype round their results (torch's, causal-conv1d's)."""
+  return rounded(jax.nn.silu(round_to(y, dtype)), dtype)
 
 
 class ShortConv(nnx.Module):
   """Causal depthwise convolution over time (kernel `size`) followed by SiLU.
+
+  In x's dtype with float32 sums: the convolution's output is rounded to x's dtype, then SiLU's
+  (docs/layers.md#rounding); the weight is cast to x's dtype first.
 
   Whole sequence: x [B, T, C] -> [B, T, C] (zeros before the first token); with segment_ids
   [B, T], inputs of other documents count as zeros too (no leak across packed documents).
@@ -34,9 +43,9 @@ class ShortConv(nnx.Module):
   def __call__(self, x, segment_ids=None, weight=None):
     """x [B, T, C'] -> [B, T, C']; `weight` [size, C'] the kernel of x's channels when x holds
     some of them (e.g. q of the delta layers' q | k | v), default the whole kernel."""
-    w = (self.weight[...] if weight is None else weight).astype(x.dtype)
+    w = as_f32((self.weight[...] if weight is None else weight).astype(x.dtype))
     t_len = x.shape[1]
-    xp = jnp.pad(x, ((0, 0), (self.size - 1, 0), (0, 0)))
+    xp = jnp.pad(as_f32(x), ((0, 0), (self.size - 1, 0), (0, 0)))
     if segment_ids is None:
       y = sum(xp[:, i : i + t_len] * w[i] for i in range(self.size))
     else:
@@ -46,7 +55,7 @@ class ShortConv(nnx.Module):
         jnp.where((sp[:, i : i + t_len] == segment_ids)[..., None], xp[:, i : i + t_len], 0) * w[i]
         for i in range(self.size)
       )
-    return jax.nn.silu(y)
+    return _silu_of_sum(y, x.dtype)
 
   def state_after_packed(self, x, cu_seqlens):
     """The step state after each of the N documents packed in x [1, T, C] (cu_seqlens [N + 1],
@@ -67,17 +76,17 @@ class ShortConv(nnx.Module):
 
   def step(self, x, state):
     window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1)  # [B, size, C]
-    y = jnp.sum(window * self.weight[...].astype(x.dtype)[None], axis=1)
-    return jax.nn.silu(y), window[:, 1:]
+    y = jnp.sum(as_f32(window) * as_f32(self.weight[...].astype(x.dtype))[None], axis=1)
+    return _silu_of_sum(y, x.dtype), window[:, 1:]
 
   def step_tokens(self, x, state, lengths=None):
     """Tq tokens per sequence after the step state: x [B, Tq, C], state [B, size-1, C] ->
     (y [B, Tq, C], the state after the Tq tokens, or after the first lengths[b] of them)."""
     t_len = x.shape[1]
     window = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, size-1+Tq, C]
-    w = self.weight[...].astype(x.dtype)
-    y = sum(window[:, i : i + t_len] * w[i] for i in range(self.size))
+    w, wf = as_f32(self.weight[...].astype(x.dtype)), as_f32(window)
+    y = _silu_of_sum(sum(wf[:, i : i + t_len] * w[i] for i in range(self.size)), x.dtype)
     if lengths is None:
-      return jax.nn.silu(y), window[:, t_len:]
+      return y, window[:, t_len:]
     idx = lengths[:, None] + jnp.arange(self.size - 1)[None, :]  # window index of the last inputs
-    return jax.nn.silu(y), jnp.take_along_axis(window, idx[:, :, None], axis=1)
+    return y, jnp.take_along_axis(window, idx[:, :, None], axis=1)

@@ -9,8 +9,8 @@ a SwiGLU MLP, with zero-centred RMSNorms ((1 + w) x / rms(x)). The Gated DeltaNe
 heads: exactly transformers' block (docs/layers.md#qwen35s-gated-deltanet-block), running
 `gated_delta_product` over a sequence and `gated_delta_product_step` per token. The attention
 block (output gate, per-head q/k RMSNorm, partial RoPE, grouped-query heads) runs causal
-`jax.nn.dot_product_attention` over a sequence and `gqa_decode` per token. Parameter names
-follow transformers' (loader.py maps them one to one).
+attention over a sequence and `gqa_decode` per token. In bf16 every block rounds where
+transformers' does (docs/qwen3_5.md#bf16). Parameter names follow transformers'.
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ import numpy as np
 from flax import nnx
 from jax.typing import DTypeLike
 
-from gdp_jax.layers import GatedDeltaProduct, GatedDeltaProductCache, KVCache, Linear, apply_rope
+from gdp_jax.layers import GatedDeltaProductCache, KVCache, Linear
+from gdp_jax.layers.common import as_f32, round_to, rounded
 from gdp_jax.ops.gqa_decode.api import gqa_decode
 from gdp_jax.qwen3_5.config import Qwen3_5Config
+from gdp_jax.qwen3_5.delta_net import GatedDeltaNet
 
 f32 = jnp.float32
 DECODE_IMPLEMENTATIONS = ("xla", "triton", "pallas")  # gqa_decode's; others: its default
@@ -37,9 +39,44 @@ class ZeroCenteredRMSNorm(nnx.Module):
     self.weight = nnx.Param(jnp.zeros((num_features,), param_dtype))
 
   def __call__(self, x):
-    y = x.astype(f32)
+    y = as_f32(x)
     y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.eps)
-    return (y * (1.0 + self.weight[...].astype(f32))).astype(x.dtype)
+    return rounded(y * (1.0 + self.weight[...].astype(f32)), x.dtype)
+
+
+def add(x, y):
+  """The residual sum x + y in x's dtype (rounded once, as transformers' bf16 sum)."""
+  return rounded(as_f32(x) + as_f32(y), x.dtype)
+
+
+def rope(x, positions, theta):
+  """Rotary embedding (rotate-half) of x [..., T?, H, D] as transformers computes it: cos and
+  sin rounded to x's dtype, then x cos and rotate_half(x) sin and their sum each rounded."""
+  dim, dtype = x.shape[-1], x.dtype
+  freqs = theta ** (-jnp.arange(0, dim // 2, dtype=f32) * 2.0 / dim)  # as layers.apply_rope
+  angles = positions.astype(f32)[..., None] * freqs  # [..., D/2]
+  cos, sin = (round_to(f(angles), dtype)[..., None, :] for f in (jnp.cos, jnp.sin))
+  x1, x2 = jnp.split(as_f32(x), 2, axis=-1)
+  r = lambda v: round_to(v, dtype)
+  out = [r(r(x1 * cos) - r(x2 * sin)), r(r(x2 * cos) + r(x1 * sin))]
+  return rounded(jnp.concatenate(out, axis=-1), dtype)
+
+
+def causal_attention(q, k, v):
+  """Causal softmax attention, q [B, T, H, Dh], k, v [B, T, Hkv, Dh] -> [B, T, H, Dh]. In bf16
+  as flash attention (torch's SDPA) computes it: float32 scores and softmax, the unnormalised
+  probabilities rounded to bf16 for P V, divided by their float32 sum after."""
+  if q.dtype == f32:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  batch, t_len, heads, dim = q.shape
+  groups = heads // k.shape[2]
+  qg = q.reshape(batch, t_len, k.shape[2], groups, dim)
+  s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=f32) * dim**-0.5
+  s = jnp.where(jnp.tril(jnp.ones((t_len, t_len), bool)), s, -jnp.inf)
+  p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+  o = jnp.einsum("bkgts,bskd->btkgd", p.astype(q.dtype), v, preferred_element_type=f32)
+  o = o / jnp.moveaxis(jnp.sum(p, axis=-1), 3, 1)[..., None]
+  return rounded(o, q.dtype).reshape(q.shape)
 
 
 def _linear(i, o, param_dtype, rngs):
@@ -47,7 +84,7 @@ def _linear(i, o, param_dtype, rngs):
 
 
 class SwiGLU(nnx.Module):
-  """down(silu(gate(x)) * up(x))."""
+  """down(silu(gate(x)) * up(x)); silu and the product each rounded to x's dtype."""
 
   def __init__(self, hidden_size: int, intermediate_size: int, *, param_dtype, rngs):
     self.gate_proj = _linear(hidden_size, intermediate_size, param_dtype, rngs)
@@ -55,7 +92,8 @@ class SwiGLU(nnx.Module):
     self.down_proj = _linear(intermediate_size, hidden_size, param_dtype, rngs)
 
   def __call__(self, x):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    gate = round_to(jax.nn.silu(as_f32(self.gate_proj(x))), x.dtype)
+    return self.down_proj(rounded(gate * as_f32(self.up_proj(x)), x.dtype))
 
 
 class GatedAttention(nnx.Module):
@@ -86,7 +124,7 @@ class GatedAttention(nnx.Module):
     r = self.rotary_dim
     if r == 0:
       return x
-    return jnp.concatenate([apply_rope(x[..., :r], positions, self.rope_theta), x[..., r:]], -1)
+    return jnp.concatenate([rope(x[..., :r], positions, self.rope_theta), x[..., r:]], -1)
 
   def _qkv(self, x, positions):
     """q [..., H, Dh], k, v [..., Hkv, Dh] (q, k normalised and rotated), gate [..., H * Dh]."""
@@ -99,8 +137,9 @@ class GatedAttention(nnx.Module):
     return self._rope(q, positions), self._rope(k, positions), v, gate
 
   def _out(self, o, gate):
-    o = o.reshape(gate.shape).astype(gate.dtype)
-    return self.o_proj(o * jax.nn.sigmoid(gate))
+    dtype = gate.dtype
+    o = as_f32(o.reshape(gate.shape).astype(dtype))
+    return self.o_proj(rounded(o * round_to(jax.nn.sigmoid(as_f32(gate)), dtype), dtype))
 
   def init_cache(self, batch_size: int, cache_size: int, dtype: DTypeLike = f32) -> KVCache:
     shape = (batch_size, cache_size, self.num_kv_heads, self.head_dim)
@@ -112,8 +151,7 @@ class GatedAttention(nnx.Module):
     lengths[b] tokens of row b)."""
     batch, t_len, _ = x.shape
     q, k, v, gate = self._qkv(x, jnp.arange(t_len))
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    y = self._out(o, gate)
+    y = self._out(causal_attention(q, k, v), gate)
     if not return_cache:
       return y
     cache_size = t_len if cache_size is None else cache_size
@@ -141,7 +179,7 @@ class DecoderLayer(nnx.Module):
     c = config
     self.layer_type = layer_type
     if layer_type == "linear_attention":
-      self.linear_attn = GatedDeltaProduct(
+      self.linear_attn = GatedDeltaNet(
         c.hidden_size,
         c.linear_num_key_heads,
         c.linear_key_head_dim,
@@ -172,18 +210,18 @@ class DecoderLayer(nnx.Module):
     return self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
 
   def _mlp(self, x):
-    return x + self.mlp(self.post_attention_layernorm(x))
+    return add(x, self.mlp(self.post_attention_layernorm(x)))
 
   def __call__(self, x, lengths=None, *, return_cache=False, cache_size=None):
     kw = dict(cache_size=cache_size) if self.layer_type == "full_attention" else {}
     out = self.mixer(self.input_layernorm(x), lengths, return_cache=return_cache, **kw)
     y, cache = out if return_cache else (out, None)
-    x = self._mlp(x + y.astype(x.dtype))
+    x = self._mlp(add(x, y))
     return (x, cache) if return_cache else x
 
   def step(self, x, cache):
     y, cache = self.mixer.step(self.input_layernorm(x), cache)
-    return self._mlp(x + y.astype(x.dtype)), cache
+    return self._mlp(add(x, y)), cache
 
 
 def check_tokens(tokens, vocab_size, name="tokens"):
@@ -245,8 +283,8 @@ class Qwen3_5LM(nnx.Module):
   def _logits(self, x):
     x = self.norm(x)
     if self.config.tie_word_embeddings:
-      return (x @ self.embed_tokens.embedding[...].astype(x.dtype).T).astype(f32)
-    return self.lm_head(x).astype(f32)
+      return as_f32(x @ self.embed_tokens.embedding[...].astype(x.dtype).T)
+    return as_f32(self.lm_head(x))
 
   def __call__(self, tokens: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
     x = self._embed(tokens)
