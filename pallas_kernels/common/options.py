@@ -293,14 +293,17 @@ class PagedDecodeOptions:
   """Launch parameters of the paged grouped-query decode kernel (pallas_kernels/triton/inference).
 
   block_s: cache rows per inner iteration, gathered through the block table (a block may span
-  several pages, or a part of one); the other fields as in DecodeOptions.
+  several pages, or a part of one); the other fields as in DecodeOptions. resident_per_sm is
+  higher than the dense kernel's: the paged gathers want more programs in flight (on an H200 the
+  paged kernel was slower with the dense kernel's split counts at B = 8 and 32,
+  benchmarks/results/h200_2026-12-03_decode_one_launch.json).
   """
 
   block_s: int = _PAGED["block_s"]
   num_warps: int = _PAGED["num_warps"]
   num_stages: int = _PAGED["num_stages"]
   min_blocks_per_split: int = _PAGED["min_blocks_per_split"]
-  resident_per_sm: int = 2
+  resident_per_sm: int = 16
   wave_overhead_blocks: int = 2
 
 
