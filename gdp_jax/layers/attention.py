@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -52,7 +53,13 @@ def apply_rope(x, positions, theta):
 
 def _flash_attention(q, k, v, segment_ids):
   """Causal attention through JAX's Pallas flash attention kernel (forward and backward), with
-  segment ids; q [B, T, Hq, Dh], k, v [B, T, Hkv, Dh] -> [B, T, Hq, Dh]."""
+  segment ids; q [B, T, Hq, Dh], k, v [B, T, Hkv, Dh] -> [B, T, Hq, Dh]. Jitted: the layers of a
+  model share one lowered and compiled kernel per shape (docs/train_lm.md#compile-time)."""
+  return _flash_attention_once(q, k, v, segment_ids, registry.interpreted())
+
+
+@functools.partial(jax.jit, static_argnums=(4,))
+def _flash_attention_once(q, k, v, segment_ids, interpret):
   import warnings
 
   with warnings.catch_warnings():  # jax 0.12 points to the separate tokamax package
@@ -85,7 +92,7 @@ def _flash_attention(q, k, v, segment_ids):
     sm_scale=head_dim**-0.5,
     causal=True,
     block_sizes=blocks,
-    interpret=registry.interpreted(),
+    interpret=interpret,
   )
 
 

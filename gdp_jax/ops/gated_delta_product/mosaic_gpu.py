@@ -172,6 +172,13 @@ def _backward(q, k, v, g, beta, mask, h0, packing, stored, static, do, dfinal):
   )
 
 
+# Each kernel traced, lowered and compiled once per distinct call: a model's layers call these
+# with equal shapes and settings, and jax lowers equal jitted calls of one program once (each
+# Mosaic GPU lowering is a distinct kernel to XLA; docs/train_lm.md#compile-time).
+_forward_once = jax.jit(_forward, static_argnums=(8, 9))
+_backward_once = jax.jit(_backward, static_argnums=(9,))
+
+
 def _clean(q, k, v, g, beta, mask, packing):
   """The non-finite guard's cleaned inputs and marks (nonfinite.py), per sequence when packed."""
   if packing is None:
@@ -188,14 +195,14 @@ def _operator(q, k, v, g, beta, mask, h0, packing, static):
     # beta and the mask, and the small inputs cleaned (their cleaned k and v are never used).
     no_q = jnp.zeros(q.shape[:3] + (1,), q.dtype)
     (_, _, _, g, beta, mask), marks = _clean(no_q, k, v, g, beta, mask, None)
-    o, final, _ = _forward(
-      q, k, v, g, beta, mask, h0, packing, static, save=False, guard_marks=marks.o
+    o, final, _ = _forward_once(
+      q, k, v, g, beta, mask, h0, packing, static, False, guard_marks=marks.o
     )
     return o, jnp.where(marks.final[..., None, None], jnp.array(jnp.nan, final.dtype), final)
   if static.guard:
     # without a gradient q stays as it is: a bad q spoils only its own token's output
     (_, k, v, g, beta, mask), marks = _clean(q, k, v, g, beta, mask, packing)
-  o, final, _ = _forward(q, k, v, g, beta, mask, h0, packing, static, save=False)
+  o, final, _ = _forward_once(q, k, v, g, beta, mask, h0, packing, static, False)
   return (o, final) if marks is None else nonfinite.mark(o, final, marks)
 
 
@@ -204,7 +211,7 @@ def _operator_fwd(q, k, v, g, beta, mask, h0, packing, static):
   if static.guard:
     (q, k, v, g, beta, mask), marks = _clean(q, k, v, g, beta, mask, packing)
   forward = raise_if_differentiated(
-    lambda *a: _forward(*a, packing, static, save=True), NO_HIGHER_DERIVATIVES
+    lambda *a: _forward_once(*a, packing, static, True), NO_HIGHER_DERIVATIVES
   )
   o, final, stored = forward(q, k, v, g, beta, mask, h0)
   if marks is not None:
@@ -218,7 +225,7 @@ def _operator_bwd(static, residuals, cotangents):
   if marks is not None:  # a marked output's cotangent never reaches the kernels
     do, dfinal = nonfinite.mark_cotangents(do, dfinal, marks)
   backward = raise_if_differentiated(
-    lambda *a: _backward(*a, packing, stored, static, do, dfinal), NO_HIGHER_DERIVATIVES
+    lambda *a: _backward_once(*a, packing, stored, static, do, dfinal), NO_HIGHER_DERIVATIVES
   )
   grads = backward(*inputs)
   return (*(d.astype(x.dtype) for d, x in zip(grads, inputs)), None)
