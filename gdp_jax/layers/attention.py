@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -28,6 +27,7 @@ from gdp_jax.layers.partitioning import EMBED, HEADS, KV_HEADS
 from gdp_jax.ops import registry
 from gdp_jax.ops.gqa_decode.api import REGISTRY as DECODE_REGISTRY
 from gdp_jax.ops.gqa_decode.api import gqa_decode
+from gdp_jax.ops.once import jitted_kernels
 
 
 class KVCache(NamedTuple):
@@ -53,13 +53,12 @@ def apply_rope(x, positions, theta):
 
 def _flash_attention(q, k, v, segment_ids):
   """Causal attention through JAX's Pallas flash attention kernel (forward and backward), with
-  segment ids; q [B, T, Hq, Dh], k, v [B, T, Hkv, Dh] -> [B, T, Hq, Dh]. Jitted: the layers of a
-  model share one lowered and compiled kernel per shape (docs/train_lm.md#compile-time)."""
-  return _flash_attention_once(q, k, v, segment_ids, registry.interpreted())
+  segment ids; q [B, T, Hq, Dh], k, v [B, T, Hkv, Dh] -> [B, T, Hq, Dh]. The layers of a model
+  share one lowering of its kernels (`jitted_kernels`)."""
+  return _flash_attention_once(q, k, v, segment_ids)
 
 
-@functools.partial(jax.jit, static_argnums=(4,))
-def _flash_attention_once(q, k, v, segment_ids, interpret):
+def _flash_attention_kernels(q, k, v, segment_ids):
   import warnings
 
   with warnings.catch_warnings():  # jax 0.12 points to the separate tokamax package
@@ -92,8 +91,11 @@ def _flash_attention_once(q, k, v, segment_ids, interpret):
     sm_scale=head_dim**-0.5,
     causal=True,
     block_sizes=blocks,
-    interpret=interpret,
+    interpret=registry.interpreted(),
   )
+
+
+_flash_attention_once = jitted_kernels(_flash_attention_kernels)
 
 
 class GroupedQueryAttention(nnx.Module):

@@ -27,6 +27,7 @@ from gdp_jax.ops.autodiff import raise_if_differentiated, raise_if_forward_mode
 from gdp_jax.ops.gated_delta_product import nonfinite, varlen, xla_backward
 from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation, Problem
 from gdp_jax.ops.heads import sum_key_heads
+from gdp_jax.ops.once import jitted_kernels
 from pallas_kernels.common.backend import interpret_mode
 from pallas_kernels.common.device import HOPPER
 from pallas_kernels.common.options import KernelOptions
@@ -172,11 +173,9 @@ def _backward(q, k, v, g, beta, mask, h0, packing, stored, static, do, dfinal):
   )
 
 
-# Each kernel traced, lowered and compiled once per distinct call: a model's layers call these
-# with equal shapes and settings, and jax lowers equal jitted calls of one program once (each
-# Mosaic GPU lowering is a distinct kernel to XLA; docs/train_lm.md#compile-time).
-_forward_once = jax.jit(_forward, static_argnums=(8, 9))
-_backward_once = jax.jit(_backward, static_argnums=(9,))
+# One lowering of each kernel per distinct call (a model's layers: docs/train_lm.md#compile-time)
+_forward_once = jitted_kernels(_forward, static_argnums=(8, 9))
+_backward_once = jitted_kernels(_backward, static_argnums=(9,))
 
 
 def _clean(q, k, v, g, beta, mask, packing):
