@@ -29,13 +29,12 @@ SAVED = frozenset({"dot_general"})
 KERNELS = frozenset({"pallas_call", "mpmd_map"})
 
 
-def _runs_kernel(params) -> bool:
+def _runs_kernel(params: dict) -> bool:
+  """Whether a jaxpr among an equation's parameters (a call's body) runs a Pallas kernel."""
   for value in params.values():
     for item in value if isinstance(value, (tuple, list)) else (value,):
-      jaxpr = getattr(item, "jaxpr", item)
-      if hasattr(jaxpr, "eqns") and any(
-        e.primitive.name in KERNELS or _runs_kernel(e.params) for e in jaxpr.eqns
-      ):
+      eqns: Any = getattr(getattr(item, "jaxpr", item), "eqns", None)
+      if eqns and any(e.primitive.name in KERNELS or _runs_kernel(e.params) for e in eqns):
         return True
   return False
 
