@@ -296,13 +296,15 @@ def main(argv=None) -> int:
     preset=args.preset,
     jobs=args.jobs,
     lower_only=args.lower_only,
+    # --lower-only: the GPU lowered for, on this machine (nothing compiled or run on it)
+    gpu="NVIDIA H200 (lowered for)" if args.lower_only else kind,
     # as run from the repository, --out by its folder's name (no machine paths)
     command="python benchmarks/compile_model.py "
     + " ".join(os.path.basename(a) if a == args.out else a for a in (argv or sys.argv[1:])),
   )
   out = args.out or os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results")
   os.makedirs(out, exist_ok=True)
-  stem = f"{_slug(kind)}_{meta['date'][:10]}_compile_model" + "_lowered" * args.lower_only
+  stem = f"{_slug(kind)}_{meta['date'][:10]}_compile_model" + "_lowered_for_h200" * args.lower_only
   stem = os.path.join(out, stem)
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
