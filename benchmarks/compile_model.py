@@ -1,16 +1,15 @@
-"""The first compile of train-lm's model: the training step, the evaluation step and `generate`'s
-first call, each split into tracing (Python -> jaxpr), lowering (jaxpr -> StableHLO, where Pallas
-lowers its kernels) and XLA compilation, with the persistent compilation cache off.
+"""The first compile of train-lm's training step, evaluation step and `generate`, split into
+tracing, lowering (where Pallas lowers its kernels) and XLA compilation, the persistent cache off.
 
-  python benchmarks/compile_model.py --preset h200 --cases gpu --jobs 2   # an NVIDIA GPU, ~6 min
+  python benchmarks/compile_model.py --preset h200 --cases gpu --jobs 2   # an NVIDIA GPU
   python benchmarks/compile_model.py --preset tiny --cases cpu --out /tmp/compile
-  python benchmarks/compile_model.py --preset tiny --cases train-gdp-r2-scan-L4,cpu
+  python benchmarks/compile_model.py --lower-only --cases train-gdp-r2-unrolled-L12  # any CPU
 
 A case is `train-<model>-<scan|unrolled>-L<layers>` (the training step, then the evaluation step,
 in one process as in train-lm) or `generate-<model>-<scan|unrolled>-L<layers>-<bf16|f32>-T<prompt>`
 (`generate`'s programs for --gen-batch prompts of T tokens and --new-tokens new ones); models as
-train-lm's --model, layers a multiple of the preset's repeated unit ("DDDA" for h200; "A" for
-attention). Each case runs in a fresh process (no in-process cache of another case). Writes
+train-lm's --model, layers a multiple of the preset's repeated unit ("DDDA" for h200). Each case
+runs in a fresh process; --lower-only lowers for an H200 without compiling, on any machine. Writes
 <device>_<date>_compile_model.json and .md into --out (default $OUT, else benchmarks/results/).
 docs/train_lm.md#compile-time explains the figures.
 """
@@ -33,20 +32,28 @@ CASE = re.compile(
   r"(?:-(bf16|f32)-T(\d+))?$"
 )
 GROUPS = {
-  # one H200, preset h200, --jobs 2: about 6 minutes cold (the unrolled gdp-r2 case alone about
-  # 3.5, beside the others)
+  # one H200, preset h200, --jobs 2: every first compile (the 24-layer cases apart, for memory)
   "gpu": [
     "train-gdp-r2-unrolled-L12",
     "train-gdp-r2-scan-L12",
-    "train-attention-scan-L12",
+    "train-gdp-r2-unrolled-L24",
+    "train-gdp-r2-unrolled-L4",
     "train-gdp-r2-scan-L4",
-    "train-gdp-r2-scan-L24",
-    "generate-gdp-r2-scan-L12-bf16-T100",
-    "generate-gdp-r2-scan-L12-f32-T100",
-    "generate-gdp-r2-scan-L12-bf16-T2048",
-    "generate-gdp-r2-scan-L12-f32-T2048",
     "train-attention-unrolled-L12",
+    "train-attention-scan-L12",
+    "train-gdp-r2-scan-L24",
+    "generate-gdp-r2-unrolled-L12-bf16-T100",
     "generate-gdp-r2-unrolled-L12-f32-T100",
+    "generate-gdp-r2-unrolled-L12-bf16-T2048",
+    "generate-gdp-r2-unrolled-L12-f32-T2048",
+    "generate-gdp-r2-scan-L12-bf16-T2048",
+  ],
+  # one H200, --jobs 1: the 12-layer training steps timed alone
+  "steps": [
+    "train-gdp-r2-unrolled-L12",
+    "train-gdp-r2-scan-L12",
+    "train-attention-unrolled-L12",
+    "train-attention-scan-L12",
   ],
   # a CPU, preset tiny ("DA" unit): what scanning changes, in a few minutes
   "cpu": [
@@ -71,24 +78,51 @@ def _pattern(preset_layers: str, model: str, layers: int) -> str:
   return unit * (layers // len(unit))
 
 
+LOWER_ONLY = False  # --lower-only: lowered for an H200 (`_as_h200`), not compiled
+
+
+def _as_h200() -> None:
+  """Trace and lower as on an H200 from any machine (tests/triton_lowering.py's way): the
+  kernels compiled for the GPU (not interpreted), the registry choosing for compute capability
+  9.0, Triton's lowering given the H200's description."""
+  from types import SimpleNamespace
+
+  from gdp_jax.ops import registry
+  from gdp_jax.ops.gated_delta_product.api import REGISTRY
+  from pallas_kernels.common import backend, compat
+
+  backend.interpret_mode = lambda: False
+  h200 = SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
+  registry.default_device = lambda: h200
+  internals = compat.triton_lowering_internals()
+  info = internals.gpu_info.get_gpu_info_from_version(internals.gpu_info.GpuVersion.H200)
+  internals.registration.gpu_info_lib.get_gpu_info = lambda: info
+  REGISTRY.register(REGISTRY.get("mosaic_gpu").replace(interpret=False))
+
+
 def _stages(jitted, args, kwargs=None) -> tuple[dict, object, object]:
-  """Trace, lower and compile of `jitted` (seconds), the traced and the compiled."""
+  """Trace, lower and compile of `jitted` (seconds), the traced and the compiled (None with
+  --lower-only)."""
   t0 = time.perf_counter()
   traced = jitted.trace(*args, **(kwargs or {}))
   t1 = time.perf_counter()
-  lowered = traced.lower()
+  lowered = traced.lower(lowering_platforms=("cuda",)) if LOWER_ONLY else traced.lower()
   t2 = time.perf_counter()
-  compiled = lowered.compile()
+  compiled = None if LOWER_ONLY else lowered.compile()
   t3 = time.perf_counter()
   from benchmarks.compile_profile import _count_pallas_calls
 
+  text = lowered.as_text()
   record = dict(
     trace_s=round(t1 - t0, 3),
     lower_s=round(t2 - t1, 3),
     compile_s=round(t3 - t2, 3),
     total_s=round(t3 - t0, 3),
     pallas_kernels=_count_pallas_calls(traced.jaxpr.jaxpr),
-    stablehlo_lines=lowered.as_text().count("\n"),
+    stablehlo_lines=text.count("\n"),
+    # kernel calls in the lowered program: one per distinct kernel when layers share them
+    mosaic_gpu_calls=text.count("custom_call @mosaic_gpu"),
+    triton_calls=text.count("custom_call @__gpu$xla.gpu.triton"),
   )
   return record, traced, compiled
 
@@ -109,6 +143,8 @@ def run_case(name: str, preset: str, gen_batch: int, new_tokens: int, reps: int)
   from gdp_jax import compilation_cache
 
   compilation_cache.disable()
+  if LOWER_ONLY:
+    _as_h200()
   import jax
   import numpy as np
   from flax import nnx
@@ -120,6 +156,8 @@ def run_case(name: str, preset: str, gen_batch: int, new_tokens: int, reps: int)
   cfg = tl.preset_config(preset, model=model, dtype=dtype or "bf16")
   cfg.layers = _pattern(cfg.layers, model, int(layers))
   cfg.scan_layers = scan == "scan"
+  if LOWER_ONLY:
+    cfg.attn_impl = "flash"  # what "auto" picks on a GPU
   mc = tl.model_config(cfg)
   lm = models.HybridLM(mc, rngs=nnx.Rngs(0))
   record = dict(
@@ -138,7 +176,7 @@ def run_case(name: str, preset: str, gen_batch: int, new_tokens: int, reps: int)
     train = jax.jit(tl._train_step, static_argnums=(0, 1))
     dynamic = (hp.schedule_array(), params, opt_state, *batch)
     record["train"], _, compiled = _stages(train, (graphdef, hp.static(), *dynamic))
-    if reps:
+    if reps and compiled is not None:
       record["train"]["step_ms"] = _median_ms(lambda: compiled(*dynamic), reps)
     evaluate = jax.jit(tl._loss_sums, static_argnums=(0,))
     record["eval"], _, _ = _stages(evaluate, (graphdef, params, *batch))
@@ -175,6 +213,10 @@ def _row(rec: dict, part: str) -> str:
   if not p:
     return ""
   extra = f", step {p['step_ms']:.1f} ms" if "step_ms" in p else ""
+  calls = [p.get(k, 0) for k in ("mosaic_gpu_calls", "triton_calls")]
+  for program in p.get("programs", {}).values():  # generate's: prefill and decode
+    calls = [n + program.get(k, 0) for n, k in zip(calls, ("mosaic_gpu_calls", "triton_calls"))]
+  extra += f"; kernel calls {calls[0]} Mosaic GPU, {calls[1]} Triton"
   return (
     f"{p['total_s']:.1f} s ({p['trace_s']:.1f} + {p['lower_s']:.1f} + {p['compile_s']:.1f}{extra})"
   )
@@ -185,7 +227,8 @@ def markdown(meta: dict, records: list[dict]) -> str:
     f"# First compile of train-lm's model ({meta['device_kind']}, preset {meta['preset']})",
     "",
     f"{meta['date']}, jax {meta['jax_version']}, persistent compilation cache off. Command: "
-    f"`{meta['command']}`. Each cell: total (trace + lower + XLA compile), seconds.",
+    f"`{meta['command']}`. Each cell: total (trace + lower + XLA compile), seconds"
+    + (" (lowered for an H200, not compiled)." if meta.get("lower_only") else "."),
     "",
     "| case | layers | scanned | parameters | training step | evaluation step | generate |",
     "| --- | --- | --- | --- | --- | --- | --- |",
@@ -220,8 +263,16 @@ def main(argv=None) -> int:
     help="cases run at once, each its own process (compiles are CPU-bound; 2 on a 16-core "
     "host; step times then share the device)",
   )
+  p.add_argument(
+    "--lower-only",
+    action="store_true",
+    help="lower for an H200 without compiling (any machine, a CPU too): lowering times and "
+    "the kernel calls of each program",
+  )
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
+  global LOWER_ONLY
+  LOWER_ONLY = args.lower_only
   if args.child:  # one case, in this fresh process: its record as one JSON line
     try:
       rec = run_case(args.child, args.preset, args.gen_batch, args.new_tokens, args.step_reps)
@@ -244,13 +295,17 @@ def main(argv=None) -> int:
     backend=jax.default_backend(),
     preset=args.preset,
     jobs=args.jobs,
+    lower_only=args.lower_only,
+    # --lower-only: the GPU lowered for, on this machine (nothing compiled or run on it)
+    gpu="NVIDIA H200 (lowered for)" if args.lower_only else kind,
     # as run from the repository, --out by its folder's name (no machine paths)
     command="python benchmarks/compile_model.py "
     + " ".join(os.path.basename(a) if a == args.out else a for a in (argv or sys.argv[1:])),
   )
   out = args.out or os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results")
   os.makedirs(out, exist_ok=True)
-  stem = os.path.join(out, f"{_slug(kind)}_{meta['date'][:10]}_compile_model")
+  stem = f"{_slug(kind)}_{meta['date'][:10]}_compile_model" + "_lowered_for_h200" * args.lower_only
+  stem = os.path.join(out, stem)
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
   if args.jobs > 1:  # processes side by side on one device: no preallocation
@@ -260,7 +315,7 @@ def main(argv=None) -> int:
   def one(case: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--preset", args.preset,
            "--gen-batch", str(args.gen_batch), "--new-tokens", str(args.new_tokens),
-           "--step-reps", str(args.step_reps)]  # fmt: skip
+           "--step-reps", str(args.step_reps)] + ["--lower-only"] * args.lower_only  # fmt: skip
     t0 = time.perf_counter()
     try:
       proc = subprocess.run(

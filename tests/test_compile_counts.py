@@ -85,6 +85,27 @@ def test_each_kernel_once_in_forward_and_backward(guard, varlen):
   assert kernels_in(2, guard, grad=True, varlen=varlen) == FORWARD_BACKWARD_KERNELS
 
 
+def test_layers_of_one_shape_share_one_lowering_of_each_kernel(monkeypatch):
+  """Two operator calls of one shape (a model's layers), forward and backward, lowered for an
+  H200: each of the nine kernels goes through the Triton lowering once (jitted_kernels), not
+  once per call (docs/train_lm.md#compile-time)."""
+  from tests.triton_lowering import lower_for_h200
+
+  inputs, kw = operator_inputs(2)
+  avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs)
+
+  def two_layers(inp):
+    def loss(inp):
+      o, _ = gated_delta_product(**inp, **kw)
+      o2, final = gated_delta_product(**dict(inp, v=o.astype(inp["v"].dtype)), **kw)
+      return jnp.sum(o2.astype(jnp.float32)) + jnp.sum(final)
+
+    return jax.grad(loss)(inp)
+
+  modules = lower_for_h200(monkeypatch, two_layers, avals)
+  assert len(modules) == FORWARD_BACKWARD_KERNELS, len(modules)
+
+
 def test_the_counter_sees_kernels_in_nested_jaxprs():
   """The count reaches into cond branches and nested jits (where a second copy would hide)."""
   inputs, kw = operator_inputs(1)

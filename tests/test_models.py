@@ -17,6 +17,7 @@ from examples.s3_demo import demo
 from examples.s3_demo.__main__ import main as demo_main
 from gdp_jax.__main__ import main
 from gdp_jax.models import HybridConfig, HybridLM, generate
+from gdp_jax.models.scan import layer_plan
 from tests.cases import assert_close
 
 VOCAB = 13
@@ -419,3 +420,31 @@ def test_scanned_program_does_not_grow_with_depth():
   assert_close(forward(scanned, tokens_of(51)), forward(unrolled, tokens_of(51)), 1e-5, "logits")
   with pytest.raises(ValueError, match="scan_layers must be None, True or False"):
     tiny(scan_layers="yes")
+
+
+def _scans(jaxpr):
+  """The scan equations of a jaxpr and of the jaxprs nested in it, outermost first."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      yield eqn
+    for value in eqn.params.values():
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(item, "jaxpr", item)
+        if hasattr(sub, "eqns"):
+          yield from _scans(sub)
+
+
+def test_one_scan_level_and_a_backward_that_keeps_the_kernels_outputs():
+  """The layers' scans (docs/train_lm.md#compile-time): never nested ("DDADDA": one scan of two
+  units; "DDA", one unit: its run "DD" scanned alone, with the unrolled logits); and under a
+  gradient the backward's scan of "DD" runs the operator's backward kernels only (its forward's
+  outputs kept, not recomputed: `models.scan.saveable`)."""
+  assert layer_plan("DDADDA").scans() == (((0, 1, 2), (3, 4, 5)),)
+  unrolled, scanned = (tiny(layer_pattern="DDA", scan_layers=s) for s in (False, True))
+  assert scanned.scan_plan.scans() == (((0,), (1,)), ((2,),))
+  assert_close(forward(scanned, tokens_of(52)), forward(unrolled, tokens_of(52)), 1e-5, "logits")
+  graphdef, state = nnx.split(tiny(layer_pattern="DD", scan_layers=True, implementation="pallas"))
+  loss = lambda s: jnp.sum(nnx.merge(graphdef, s)(tokens_of(0, T=16)))
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(state).jaxpr
+  layers = [e.params["jaxpr"].jaxpr for e in _scans(jaxpr) if e.params["length"] == 2]
+  assert [_count(body, "pallas_call") for body in layers] == [2, 7]  # forward, backward

@@ -99,7 +99,7 @@ def test_lowers_for_cuda_at_benchmark_shape(monkeypatch, r, dim):
   # the public function with implementation="mosaic_gpu", its kernels lowered for the GPU (not
   # the interpreter) from this CPU: without gradient the forward's two kernels (the fused
   # forward is opt-in: docs/mosaic_gpu.md#the-fused-forward) and nothing else; a training step
-  # runs the same two kernels and the backward's two
+  # runs the same two kernels and the backward's two, lowered once for its two layers
   monkeypatch.setattr(REGISTRY, "_table", dict(REGISTRY._table))
   REGISTRY.register(REGISTRY.get("mosaic_gpu").replace(interpret=False))
   batch, t_len, heads = 8, 4096, 16
@@ -112,7 +112,10 @@ def test_lowers_for_cuda_at_benchmark_shape(monkeypatch, r, dim):
     )
 
   def value_and_grad(*args):
-    loss = lambda *a: sum(jnp.sum(x.astype(F32)) for x in run(*a))
+    def loss(q, k, v, *rest):  # two layers of one shape: their kernels lowered once
+      o, final = run(q, k, v, *rest)
+      return sum(jnp.sum(x.astype(F32)) for x in (*run(q, k, o, *rest), final))
+
     return jax.value_and_grad(loss, range(len(args)))(*args)
 
   mask = spec((heads, r, r), F32)

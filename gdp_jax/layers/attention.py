@@ -27,6 +27,7 @@ from gdp_jax.layers.partitioning import EMBED, HEADS, KV_HEADS
 from gdp_jax.ops import registry
 from gdp_jax.ops.gqa_decode.api import REGISTRY as DECODE_REGISTRY
 from gdp_jax.ops.gqa_decode.api import gqa_decode
+from gdp_jax.ops.once import jitted_kernels
 
 
 class KVCache(NamedTuple):
@@ -52,7 +53,12 @@ def apply_rope(x, positions, theta):
 
 def _flash_attention(q, k, v, segment_ids):
   """Causal attention through JAX's Pallas flash attention kernel (forward and backward), with
-  segment ids; q [B, T, Hq, Dh], k, v [B, T, Hkv, Dh] -> [B, T, Hq, Dh]."""
+  segment ids; q [B, T, Hq, Dh], k, v [B, T, Hkv, Dh] -> [B, T, Hq, Dh]. The layers of a model
+  share one lowering of its kernels (`jitted_kernels`)."""
+  return _flash_attention_once(q, k, v, segment_ids)
+
+
+def _flash_attention_kernels(q, k, v, segment_ids):
   import warnings
 
   with warnings.catch_warnings():  # jax 0.12 points to the separate tokamax package
@@ -87,6 +93,9 @@ def _flash_attention(q, k, v, segment_ids):
     block_sizes=blocks,
     interpret=registry.interpreted(),
   )
+
+
+_flash_attention_once = jitted_kernels(_flash_attention_kernels)
 
 
 class GroupedQueryAttention(nnx.Module):

@@ -2,10 +2,13 @@
 their parameters stacked at call time (docs/train_lm.md#compile-time).
 
 A layer pattern is a unit repeated R times ("DDDADDDADDDA" = "DDDA" x 3) and the unit runs of
-one letter ("DDDA" = "D" x 3 + "A"): an outer scan over the R units, in it one inner scan per
-run, so each distinct layer is traced, lowered and compiled once whatever the depth. The
-parameters stay one entry per layer (checkpoints, sharding annotations and `model.blocks[i]` as
-unrolled); a call stacks them (one copy of the parameters per call, its gradient a slice).
+one letter ("DDDA" = "D" x 3 + "A"). With R > 1 one scan runs the R units, the unit's layers one
+after another in its body; with R = 1 each run of several layers is a scan of its own. Scans are
+never nested (a nested scan's residuals are copied again into the outer scan's), and a scan's
+body is checkpointed so that only matmul and kernel outputs cross from the forward to the
+backward (`SAVED`): the rest is recomputed in the backward's body. The parameters stay one entry
+per layer (checkpoints, sharding annotations and `model.blocks[i]` as unrolled); a call stacks
+them (one copy of the parameters per call, its gradient a slice).
 """
 
 from __future__ import annotations
@@ -16,6 +19,30 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+# What a scanned layer keeps for its backward: the outputs of matmuls and of Pallas kernels
+# (the operator's and attention's saved states, inverses, log-sum-exps), and of any call that
+# runs a kernel (the operator's forward under its custom_jvp). Norms, activations, gates and
+# masks are recomputed from them in the backward (elementwise work XLA fuses), where stacking
+# them per layer would write and read several times the activations' bytes.
+SAVED = frozenset({"dot_general"})
+KERNELS = frozenset({"pallas_call", "mpmd_map"})
+
+
+def _runs_kernel(params: dict) -> bool:
+  """Whether a jaxpr among an equation's parameters (a call's body) runs a Pallas kernel."""
+  for value in params.values():
+    for item in value if isinstance(value, (tuple, list)) else (value,):
+      eqns: Any = getattr(getattr(item, "jaxpr", item), "eqns", None)
+      if eqns and any(e.primitive.name in KERNELS or _runs_kernel(e.params) for e in eqns):
+        return True
+  return False
+
+
+def saveable(primitive, *_, **params) -> bool:
+  """The scanned body's checkpoint policy (`SAVED`, `KERNELS` and the calls that run one)."""
+  name = primitive.name
+  return name in SAVED or name in KERNELS or (name != "jit" and _runs_kernel(params))
 
 
 class LayerPlan(NamedTuple):
@@ -28,6 +55,15 @@ class LayerPlan(NamedTuple):
   def shares(self) -> bool:
     """Whether two layers have one configuration (scanning compiles fewer layers)."""
     return self.repeats > 1 or any(n > 1 for _, n in self.runs)
+
+  def scans(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The layers in order as scans: per scan its rows (iterations), per row its layers. With
+    R > 1 one scan of R rows, the unit's layers; else one scan per run, one layer per row."""
+    unit = sum(n for _, n in self.runs)
+    if self.repeats > 1:
+      return (tuple(tuple(r * unit + i for i in range(unit)) for r in range(self.repeats)),)
+    starts = [sum(n for _, n in self.runs[:j]) for j in range(len(self.runs))]
+    return tuple(tuple((s + i,) for i in range(n)) for s, (_, n) in zip(starts, self.runs))
 
 
 def layer_plan(pattern: str) -> LayerPlan:
@@ -46,25 +82,14 @@ def _stack(trees):
   return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
-def _first(tree):
-  return jax.tree.map(lambda a: a[0], tree)
-
-
-def _expand(tree):
-  return jax.tree.map(lambda a: a[None], tree)
-
-
 def same_programs(blocks: Sequence[nnx.Module], plan: LayerPlan) -> bool:
-  """Whether the layers that `plan` runs in one scan have one graph definition."""
-  unit = len(blocks) // plan.repeats
-  start = 0
-  for _, count in plan.runs:
-    first = nnx.graphdef(blocks[start])
-    for r in range(plan.repeats):
-      for i in range(count):
-        if nnx.graphdef(blocks[r * unit + start + i]) != first:
-          return False
-    start += count
+  """Whether the layers that `plan` runs at one place of a scan's body have one graph
+  definition."""
+  for rows in plan.scans():
+    for place in zip(*rows):
+      first = nnx.graphdef(blocks[place[0]])
+      if any(nnx.graphdef(blocks[i]) != first for i in place[1:]):
+        return False
   return True
 
 
@@ -77,48 +102,32 @@ def scan_blocks(
 ) -> tuple[jax.Array, tuple]:
   """`x` through `blocks` in order, `fn(block, x, per_layer[l]) -> (x, out_l)` per layer, scanned
   by `plan`: (x, (out_0, ..., out_{L-1})), the same as the loop over the layers. The per-layer
-  inputs and outputs (decode caches) of one run must share their structure."""
-  num = len(blocks)
-  inputs = tuple(per_layer) if per_layer is not None else (None,) * num
-  unit = num // plan.repeats
-  graphdefs, states, layer_inputs, layers = [], [], [], []
-  start = 0
-  for _, count in plan.runs:
-    rows = [[r * unit + start + i for i in range(count)] for r in range(plan.repeats)]
-    graphdefs.append(nnx.graphdef(blocks[start]))
-    states.append(_stack([_stack([nnx.state(blocks[i]) for i in row]) for row in rows]))
-    layer_inputs.append(_stack([_stack([inputs[i] for i in row]) for row in rows]))
-    layers.append(rows)
-    start += count
+  inputs and outputs (decode caches) of the layers at one place of a scan's body must share
+  their structure."""
+  inputs = tuple(per_layer) if per_layer is not None else (None,) * len(blocks)
+  result: list[Any] = [None] * len(blocks)
+  for rows in plan.scans():
+    graphdefs = [nnx.graphdef(blocks[i]) for i in rows[0]]
 
-  def one_layer(graphdef):
-    def body(x, state_and_input):
-      state, inp = state_and_input
-      return fn(nnx.merge(graphdef, state), x, inp)
+    def body(x, xs, graphdefs=graphdefs):
+      outs = []
+      for graphdef, state, inp in zip(graphdefs, *xs):
+        x, out = fn(nnx.merge(graphdef, state), x, inp)
+        outs.append(out)
+      return x, tuple(outs)
 
-    return body
-
-  def one_unit(x, xs):
-    outs = []
-    for graphdef, state, inp in zip(graphdefs, *xs):
-      body = one_layer(graphdef)
-      if jax.tree.leaves(state)[0].shape[0] == 1:  # a run of one layer: no loop
-        x, out = body(x, _first((state, inp)))
-        out = _expand(out)
-      else:
-        x, out = jax.lax.scan(body, x, (state, inp))
-      outs.append(out)
-    return x, tuple(outs)
-
-  xs = (tuple(states), tuple(layer_inputs))
-  if plan.repeats == 1:
-    x, outs = one_unit(x, _first(xs))
-    outs = _expand(outs)
-  else:
-    x, outs = jax.lax.scan(one_unit, x, xs)
-  result: list[Any] = [None] * num
-  for rows, out in zip(layers, outs):
-    for r, row in enumerate(rows):
-      for i, layer in enumerate(row):
-        result[layer] = jax.tree.map(lambda a, r=r, i=i: a[r, i], out)
+    if len(rows) == 1:  # a run of one layer: no loop
+      x, outs = body(x, ([nnx.state(blocks[i]) for i in rows[0]], [inputs[i] for i in rows[0]]))
+      for i, out in zip(rows[0], outs):
+        result[i] = out
+      continue
+    xs = tuple(
+      tuple(_stack([pick(i) for i in place]) for place in zip(*rows))
+      for pick in (lambda i: nnx.state(blocks[i]), lambda i: inputs[i])
+    )
+    body = jax.checkpoint(body, policy=saveable, prevent_cse=False)
+    x, outs = jax.lax.scan(body, x, xs)
+    for place, out in zip(zip(*rows), outs):
+      for r, i in enumerate(place):
+        result[i] = jax.tree.map(lambda a, r=r: a[r], out)
   return x, tuple(result)

@@ -27,6 +27,7 @@ from gdp_jax.ops.autodiff import raise_if_differentiated, raise_if_forward_mode
 from gdp_jax.ops.gated_delta_product import nonfinite, varlen, xla_backward
 from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation, Problem
 from gdp_jax.ops.heads import sum_key_heads
+from gdp_jax.ops.once import jitted_kernels
 from pallas_kernels.common.backend import interpret_mode
 from pallas_kernels.common.device import HOPPER
 from pallas_kernels.common.options import KernelOptions
@@ -182,6 +183,11 @@ def _clean(q, k, v, g, beta, mask, packing):
   return varlen.clean(q, k, v, g, beta, mask, packing.layout.cu_seqlens)
 
 
+# One lowering of each kernel per distinct call (a model's layers: docs/train_lm.md#compile-time)
+_forward_once = jitted_kernels(_forward, static_argnums=(8, 9))
+_backward_once = jitted_kernels(_backward, static_argnums=(9, 12))
+
+
 def _marks(q, k, v, g, beta, mask):
   """The guard in the kernels' loads (unpacked rows, docs/mosaic_gpu.md#the-guard-in-the-loads):
   the marks and the cleaned g, beta and mask (small); q, k and v stay as they are, the kernels
@@ -201,14 +207,14 @@ def _operator(q, k, v, g, beta, mask, h0, packing, static):
   if static.guard and packing is None:
     # a bad q spoils only its own token's output, which the kernel writes as nan (non-finite)
     (g, beta, mask), marks = _marks(None, k, v, g, beta, mask)
-    o, final, _ = _forward(
-      q, k, v, g, beta, mask, h0, packing, static, save=False, guard_marks=marks.o
+    o, final, _ = _forward_once(
+      q, k, v, g, beta, mask, h0, packing, static, False, guard_marks=marks.o
     )
     return o, _mark_final(final, marks)
   marks = None
   if static.guard:  # packed: per sequence, on cleaned copies
     (_, k, v, g, beta, mask), marks = _clean(q, k, v, g, beta, mask, packing)
-  o, final, _ = _forward(q, k, v, g, beta, mask, h0, packing, static, save=False)
+  o, final, _ = _forward_once(q, k, v, g, beta, mask, h0, packing, static, False)
   return (o, final) if marks is None else nonfinite.mark(o, final, marks)
 
 
@@ -220,7 +226,7 @@ def _operator_fwd(q, k, v, g, beta, mask, h0, packing, static):
   elif static.guard:
     (q, k, v, g, beta, mask), marks = _clean(q, k, v, g, beta, mask, packing)
   forward = raise_if_differentiated(
-    lambda *a: _forward(*a, packing, static, save=True, guard_marks=guard_marks),
+    lambda *a: _forward_once(*a, packing, static, True, guard_marks=guard_marks),
     NO_HIGHER_DERIVATIVES,
   )
   o, final, stored = forward(q, k, v, g, beta, mask, h0)
@@ -238,7 +244,8 @@ def _operator_bwd(static, residuals, cotangents):
     do, dfinal = nonfinite.mark_cotangents(do, dfinal, marks)
   clean = marks is not None and packing is None
   backward = raise_if_differentiated(
-    lambda *a: _backward(*a, packing, stored, static, do, dfinal, clean), NO_HIGHER_DERIVATIVES
+    lambda *a: _backward_once(*a, packing, stored, static, do, dfinal, clean),
+    NO_HIGHER_DERIVATIVES,
   )
   grads = backward(*inputs)
   return (*(d.astype(x.dtype) for d, x in zip(grads, inputs)), None)

@@ -27,6 +27,7 @@ from gdp_jax.ops.gated_delta_product import nonfinite, varlen, xla_backward
 from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation
 from gdp_jax.ops.gated_delta_product.xla_backward import reduce_dmask
 from gdp_jax.ops.heads import sum_key_heads
+from gdp_jax.ops.once import jitted_kernels
 from pallas_kernels.common import cumsum
 from pallas_kernels.common import options as kernel_options
 from pallas_kernels.common.options import MAX_CHUNK_ROWS, KernelOptions
@@ -117,7 +118,7 @@ def _fused_forward(q, k, v, g, beta, mask, h0, scale, bt, opts, save_ai, chunk_k
   return o, final, (gcum, out[3] if save_ai else None)
 
 
-def _forward(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai):
+def _forward_kernels(q, k, v, g, beta, mask, h0, packing, scale, bt, opts, save_ai):
   """The forward kernels on feature-padded inputs. Returns (o, final, (gcum, ai)); ai is None
   without save_ai (a call without gradient). q and k may have fewer (key) heads than v (grouped
   value heads). packing: None, or packed sequences (`_Packing`): the inputs are then the packed
@@ -181,7 +182,7 @@ def _gdp_core_bwd(scale, bt, opts, residuals, cotangents):
   return (*map(unpack, (dq, dk, dv, dg, dbeta)), dmask, dh0, None)
 
 
-def _backward(scale, bt, opts, residuals, cotangents, table=None):
+def _backward_kernels(scale, bt, opts, residuals, cotangents, table=None):
   """The backward kernels. residuals: the inputs and what the forward saved, `(gcum, ai)`;
   table: the packed sequences' walk table (the residuals then in the chunk-aligned layout)."""
   q, k, v, g, beta, mask, h0, (gcum, ai) = residuals
@@ -264,6 +265,9 @@ def _backward(scale, bt, opts, residuals, cotangents, table=None):
   )
 
 
+# one lowering of each kernel per distinct call (a model's layers: docs/train_lm.md#compile-time)
+_forward = jitted_kernels(_forward_kernels, static_argnums=(8, 9, 10, 11))
+_backward = jitted_kernels(_backward_kernels, static_argnums=(0, 1, 2))
 _gdp_core.defvjp(_gdp_core_fwd, _gdp_core_bwd)
 
 
