@@ -228,9 +228,9 @@ def _run_interpreted():
   row["nan_before"] = bool(jnp.isnan(o_bad[:, :9]).any())
   row["nan_after"] = bool(jnp.isnan(o_bad[:, 9:, 1]).all())
   row["o_before_bad"] = _rel_rms(o_bad[:, :9], o_ref.astype(F32)[:, :9])
-  # the guard in the kernels' loads, differentiated: an inf in q (token 12), nans in k (token 9,
-  # key head 1) and -inf in v (token 30, head 2); outputs nan at the same places as xla's, and
-  # every gradient of a finite input as xla's (whose gradient of a non-finite entry is 0)
+  # the guard, differentiated: an inf in q (token 12), nans in k (token 9, key head 1) and -inf
+  # in v (token 30, head 2); outputs nan at the same places as xla's, and every gradient of a
+  # finite input as xla's (whose gradient of a non-finite entry is 0)
   bad = dict(x)
   bad["q"] = x["q"].at[:, 12, 0, 3].set(jnp.inf)
   bad["k"] = x["k"].at[:, 9, 1, :2].set(jnp.nan)
@@ -243,6 +243,16 @@ def _run_interpreted():
     and jnp.array_equal(jnp.isnan(final_m), jnp.isnan(final_x))
     and jnp.isnan(o_x).any()
     and not jnp.isnan(o_x[:, :9]).any()
+  )
+  # without gradient (the guard in the kernels' loads): the same nan places and values as xla's
+  o_f, final_f = jax.jit(lambda *a: loss("mosaic_gpu", *a)[1])(*bad.values())
+  row["bad_fwd_nan_equal"] = bool(
+    jnp.array_equal(jnp.isnan(o_f), jnp.isnan(o_x))
+    and jnp.array_equal(jnp.isnan(final_f), jnp.isnan(final_x))
+  )
+  fine = ~jnp.isnan(o_x)
+  row["bad_fwd_o"] = _rel_rms(
+    jnp.where(fine, o_f, 0).astype(F32), jnp.where(fine, o_x, 0).astype(F32)
   )
   for name, xm, dm, dx in zip(names, bad.values(), d_m, d_x):
     keep = jnp.isfinite(xm)
@@ -333,10 +343,11 @@ def test_a_nan_spoils_nothing_before_it(interpreted):
 
 
 def test_nonfinite_inputs_differentiated_match_xla(interpreted):
-  # the non-finite guard in the kernels' loads (docs/mosaic_gpu.md#the-guard-in-the-loads): no
-  # cleaned copies of q, k, v, the same nan outputs and gradients as xla's
+  # the non-finite guard differentiated (docs/mosaic_gpu.md#the-guard-in-the-loads): the same
+  # nan outputs and gradients as xla's
   row = interpreted
-  assert row["bad_nan_equal"], row
+  assert row["bad_nan_equal"] and row["bad_fwd_nan_equal"], row
+  assert row["bad_fwd_o"] < 1e-2, row
   for name in ("q", "k", "v", "g", "beta", "mask", "initial_state"):
     assert row["bad_finite_d" + name] and row["bad_d" + name] < 3e-2, (name, row)
 

@@ -30,7 +30,6 @@ from pallas_kernels.mosaic_gpu.common import (
   bcast_rows,
   check_seq_table,
   chunk_tokens,
-  clean_tile,
   compiler_params,
   gate_stage,
   iota,
@@ -74,7 +73,6 @@ def state_grad_walk(
   block_v: int = 64,
   stages: int | None = None,
   seq_table: jax.Array | None = None,
-  clean: bool = False,
   interpret=None,
 ):
   """The reverse walk (module docstring).
@@ -89,8 +87,6 @@ def state_grad_walk(
       walk's table (`walk_ws.state_walk_ws`): program (n, h, v) walks sequence n's chunks, last
       first, from its `dfinal_t [N, H, V, K]` and writes its `d initial_state^T`; chunks of no
       sequence are not walked (their dh^T and dv_new^T stay unwritten).
-    clean: the non-finite guard in the loads (docs/mosaic_gpu.md#the-guard-in-the-loads): each
-      chunk's q and k cleaned in place as they land (do is the caller's, its marked rows zero).
 
   Returns:
     `dh^T [B, H, NC, V, K]` (q's dtype; the gradient of the state at the end of each chunk,
@@ -267,10 +263,6 @@ def state_grad_walk(
       def step(i, carry):
         slot = lax.rem(i, stages)
         plgpu.barrier_wait(in_bar.at[slot])
-        if clean:  # no nan or inf reaches a product
-          clean_tile(kb_s.at[slot])
-          clean_tile(q_s.at[slot].T)
-          plgpu.commit_smem()
         g_r = plgpu.load(g_rows.at[slot], layout=ROWS)
         g_c = plgpu.load(g_cols.at[slot], layout=COLS)
         b_c = plgpu.load(b_cols.at[slot], layout=COLS)

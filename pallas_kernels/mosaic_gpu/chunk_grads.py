@@ -30,7 +30,6 @@ from pallas_kernels.mosaic_gpu.common import (
   check_smem,
   chunk_decay,
   chunk_tokens,
-  clean_tile,
   compiler_params,
   iota,
   mask_matrix,
@@ -80,7 +79,6 @@ def chunk_grads(
   mask_rows: jax.Array,
   scale: jax.Array,
   *,
-  clean: bool = False,
   interpret=None,
 ):
   """The chunk-parallel gradients (module docstring).
@@ -93,8 +91,6 @@ def chunk_grads(
       `[B, H, NC, V, N]`, v_new and its gradient transposed (block-major columns).
     gamma, gamma_rows, beta_rows, mask_rows, scale: as the forward walk takes them
       (`walk_ws.state_walk_ws`).
-    clean: the non-finite guard in the loads (docs/mosaic_gpu.md#the-guard-in-the-loads): the
-      chunk's q, k and v cleaned as they land (do is the caller's, its marked rows zero).
 
   Returns:
     `dq, dk [B, Tp, H, K]` (per value head, in q's dtype), `dv [B, Tp, H, V]` and the per-chunk
@@ -252,10 +248,6 @@ def chunk_grads(
 
     # The keys: Kw and Kb (r = 1: the mask is one number per row).
     kfull = plgpu.load(krep_s, layout=WGMMA).astype(F32)
-    if clean:  # no nan or inf reaches a product (r = 1: the products read the keys' tile)
-      kfull = jnp.where(jnp.abs(kfull) < jnp.inf, kfull, 0.0)
-      if r == 1:
-        krep_s[...] = kfull.astype(dtype)
     own = own_block(kshape, dk, c)
     if r == 1:
       m_rows = rows_vec(m_s.at[0])
@@ -276,10 +268,7 @@ def chunk_grads(
     # X = Vrep - E Kw S, in place of Vrep.
     plgpu.barrier_wait(bar_states)
     ks = matmul(kw_s, st_s.T, xshape)
-    v32 = plgpu.load(vrep_s, layout=WGMMA).astype(F32)
-    if clean:
-      v32 = jnp.where(jnp.abs(v32) < jnp.inf, v32, 0.0)
-    x = v32 - ks * bcast_rows(jnp.exp(g_r), xshape)
+    x = plgpu.load(vrep_s, layout=WGMMA).astype(F32) - ks * bcast_rows(jnp.exp(g_r), xshape)
     vrep_s[...] = x.astype(dtype)
     # dX^T = dv_new^T Ag; dv = sum over blocks of dX.
     dxt = matmul(dvnt_s, nn_s, (value_dim, N))
@@ -315,9 +304,6 @@ def chunk_grads(
 
     # The intra-chunk scores, transposed: P^T = Kb q^T ⊙ D^T, and their gradient.
     plgpu.barrier_wait(bar_scores)
-    if clean:
-      clean_tile(q_s.T)
-      plgpu.commit_smem()
     scale_v = sc_s[0]
     pshape = (N, c)
     g_t = cols_vec(g_tok.at[pl.ds(0, c)])

@@ -114,10 +114,9 @@ def _forward(q, k, v, g, beta, mask, h0, packing, static, save, guard_marks=None
   return to_row(o), final, tuple(stored)
 
 
-def _backward(q, k, v, g, beta, mask, h0, packing, stored, static, do, dfinal, clean):
+def _backward(q, k, v, g, beta, mask, h0, packing, stored, static, do, dfinal):
   """The gradients of every input from the forward's stored walk (docs/mosaic_gpu.md
-  #the-backward): the reverse walk, the chunk-parallel gradients, their per-token sums. clean:
-  the kernels clean q, k and v as they land (docs/mosaic_gpu.md#the-guard-in-the-loads)."""
+  #the-backward): the reverse walk, the chunk-parallel gradients, their per-token sums."""
   t0, states_t, vnew_t = stored
   to_row, table, token_mask = (lambda x: x), None, mask
   if packing is not None:
@@ -144,13 +143,11 @@ def _backward(q, k, v, g, beta, mask, h0, packing, stored, static, do, dfinal, c
     jnp.swapaxes(dfinal.astype(jnp.float32), 2, 3),
     block_v=mosaic_forward.BLOCK_V,
     seq_table=table,
-    clean=clean,
     interpret=params,
   )
   dq, dk, dv, vec = chunk_grads.chunk_grads(
-    ops.q, ops.k, ops.v, do, t0, states_t, vnew_t, dh_t, dvnew_t, *walk_args, clean=clean,
-    interpret=params,
-  )  # fmt: skip
+    ops.q, ops.k, ops.v, do, t0, states_t, vnew_t, dh_t, dvnew_t, *walk_args, interpret=params
+  )
   # the per-row vectors to tokens: row (a, t) of chunk n is entry [n, a, t]
   per_row = lambda i: vec[:, :, :, i].reshape(batch, heads, nc, r, c)
   dgamma = jnp.sum(per_row(0) + per_row(1), axis=3) + vec[:, :, :, 4, :c]
@@ -185,16 +182,16 @@ def _clean(q, k, v, g, beta, mask, packing):
 
 # One lowering of each kernel per distinct call (a model's layers: docs/train_lm.md#compile-time)
 _forward_once = jitted_kernels(_forward, static_argnums=(8, 9))
-_backward_once = jitted_kernels(_backward, static_argnums=(9, 12))
+_backward_once = jitted_kernels(_backward, static_argnums=(9,))
 
 
-def _marks(q, k, v, g, beta, mask):
-  """The guard in the kernels' loads (unpacked rows, docs/mosaic_gpu.md#the-guard-in-the-loads):
-  the marks and the cleaned g, beta and mask (small); q, k and v stay as they are, the kernels
-  clean them as they land. q None: its marks are left to the kernel (a non-finite output)."""
-  if q is None:
-    q = jnp.zeros(k.shape[:3] + (1,), k.dtype)
-  (_, _, _, g, beta, mask), marks = nonfinite.clean(q, k, v, g, beta, mask, local=True)
+def _marks(k, v, g, beta, mask):
+  """The guard in the kernels' loads (a call without gradient on unpacked rows,
+  docs/mosaic_gpu.md#the-guard-in-the-loads): the marks and the cleaned g, beta and mask (small);
+  k and v stay as they are, the kernels clean them as they land; q's marks are left to the
+  kernel (a non-finite output)."""
+  no_q = jnp.zeros(k.shape[:3] + (1,), k.dtype)
+  (_, _, _, g, beta, mask), marks = nonfinite.clean(no_q, k, v, g, beta, mask, local=True)
   return (g, beta, mask), marks
 
 
@@ -206,7 +203,7 @@ def _mark_final(final, marks):
 def _operator(q, k, v, g, beta, mask, h0, packing, static):
   if static.guard and packing is None:
     # a bad q spoils only its own token's output, which the kernel writes as nan (non-finite)
-    (g, beta, mask), marks = _marks(None, k, v, g, beta, mask)
+    (g, beta, mask), marks = _marks(k, v, g, beta, mask)
     o, final, _ = _forward_once(
       q, k, v, g, beta, mask, h0, packing, static, False, guard_marks=marks.o
     )
@@ -219,20 +216,17 @@ def _operator(q, k, v, g, beta, mask, h0, packing, static):
 
 
 def _operator_fwd(q, k, v, g, beta, mask, h0, packing, static):
-  marks, guard_marks = None, None
-  if static.guard and packing is None:  # q's marks too: a marked output's cotangent is zero
-    (g, beta, mask), marks = _marks(q, k, v, g, beta, mask)
-    guard_marks = marks.o
-  elif static.guard:
+  # Differentiated, the guard keeps cleaned copies (the backward's kernels read them): with the
+  # cleaning inside all four kernels the training step measured slower on an H200
+  # (docs/mosaic_gpu.md#the-guard-in-the-loads).
+  marks = None
+  if static.guard:
     (q, k, v, g, beta, mask), marks = _clean(q, k, v, g, beta, mask, packing)
   forward = raise_if_differentiated(
-    lambda *a: _forward_once(*a, packing, static, True, guard_marks=guard_marks),
-    NO_HIGHER_DERIVATIVES,
+    lambda *a: _forward_once(*a, packing, static, True), NO_HIGHER_DERIVATIVES
   )
   o, final, stored = forward(q, k, v, g, beta, mask, h0)
-  if guard_marks is not None:
-    final = _mark_final(final, marks)
-  elif marks is not None:
+  if marks is not None:
     o, final = nonfinite.mark(o, final, marks)
   return (o, final), (q, k, v, g, beta, mask, h0, packing, stored, marks)
 
@@ -242,10 +236,8 @@ def _operator_bwd(static, residuals, cotangents):
   do, dfinal = cotangents
   if marks is not None:  # a marked output's cotangent never reaches the kernels
     do, dfinal = nonfinite.mark_cotangents(do, dfinal, marks)
-  clean = marks is not None and packing is None
   backward = raise_if_differentiated(
-    lambda *a: _backward_once(*a, packing, stored, static, do, dfinal, clean),
-    NO_HIGHER_DERIVATIVES,
+    lambda *a: _backward_once(*a, packing, stored, static, do, dfinal), NO_HIGHER_DERIVATIVES
   )
   grads = backward(*inputs)
   return (*(d.astype(x.dtype) for d, x in zip(grads, inputs)), None)
