@@ -14,6 +14,7 @@ from gdp_jax.ops import registry
 from gdp_jax.ops.gqa_decode.api import REGISTRY
 from pallas_kernels.triton.inference import decode_attention
 from tests.cases import assert_close
+from tests.one_program import case_id, one_program
 from tests.triton_lowering import lower_for_h200
 
 IMPLS = ["xla", "pallas"]
@@ -95,18 +96,28 @@ EXAMPLES = [
 ]
 
 
-@pytest.mark.parametrize("implementation", IMPLS)
-@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("index", range(len(EXAMPLES)))
-def test_problem_examples(index, cache_dtype, implementation):
+def _example(index, cache_dtype, implementation):
   ex = EXAMPLES[index]
   query = jnp.asarray(ex["query"], jnp.float32)
   kc = jnp.asarray(ex["key_cache"], cache_dtype)  # small integers: exact in bfloat16
   vc = jnp.asarray(ex["value_cache"], cache_dtype)
   lengths = jnp.asarray(ex["lengths"], jnp.int32)
-  f = jax.jit(lambda q, k, v, n: gqa_decode(q, k, v, n, implementation=implementation))
-  out = f(query, kc, vc, lengths)
-  assert out.dtype == jnp.float32 and out.shape == query.shape
+  return lambda *a: gqa_decode(*a, implementation=implementation), (query, kc, vc, lengths)
+
+
+# Each parametrized test's cases are computed by one jitted program (tests/one_program.py).
+@pytest.fixture(scope="module")
+def examples(request):
+  return one_program(request, "test_problem_examples", _example)
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("index", range(len(EXAMPLES)))
+def test_problem_examples(examples, request, index, cache_dtype, implementation):
+  ex = EXAMPLES[index]
+  out = examples[case_id(request)]
+  assert out.dtype == jnp.float32 and out.shape == np.shape(ex["query"])
   atol = 2e-6 if cache_dtype == jnp.float32 else 2e-5
   # The statement prints 6 decimals (5 for some entries): allow that rounding.
   np.testing.assert_allclose(np.asarray(out), np.asarray(ex["out"]), rtol=0, atol=5e-6 + atol)
@@ -134,14 +145,42 @@ def make_case(seed, B=3, S=40, Hkv=2, G=4, D=32, dtype=jnp.float32, lengths=None
   return (jnp.asarray(q), jnp.asarray(kc, dtype), jnp.asarray(vc, dtype), jnp.asarray(lengths), ref)
 
 
+def _decode_case(implementation, *args, **kw):
+  """(fn, args) of `one_program`: gqa_decode on make_case(*args, **kw)'s inputs."""
+  return lambda *a: gqa_decode(*a, implementation=implementation), make_case(*args, **kw)[:4]
+
+
+@pytest.fixture(scope="module")
+def random_cases(request):
+  return one_program(
+    request,
+    "test_random_against_numpy",
+    lambda G, cache_dtype, implementation: _decode_case(implementation, G, G=G, dtype=cache_dtype),
+  )
+
+
 @pytest.mark.parametrize("implementation", IMPLS)
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("G", [1, 2, 4, 8])
-def test_random_against_numpy(G, cache_dtype, implementation):
-  q, kc, vc, lengths, ref = make_case(G, G=G, dtype=cache_dtype)
-  out = gqa_decode(q, kc, vc, lengths, implementation=implementation)
+def test_random_against_numpy(random_cases, request, G, cache_dtype, implementation):
+  *_, ref = make_case(G, G=G, dtype=cache_dtype)
+  out = random_cases[case_id(request)]
   assert out.dtype == jnp.float32
   assert_close(out, ref, CACHE_TOL[cache_dtype], f"G={G} {cache_dtype.__name__}")
+
+
+def _stale_case(cache_dtype, stale):
+  return make_case(7, B=3, S=24, G=2, D=16, dtype=cache_dtype, lengths=[5, 1, 23], stale=stale)
+
+
+@pytest.fixture(scope="module")
+def stale_cases(request):
+  def case(cache_dtype, stale, implementation):
+    return lambda *a: gqa_decode(*a, implementation=implementation), _stale_case(
+      cache_dtype, stale
+    )[:4]
+
+  return one_program(request, "test_stale_slots_get_zero_weight", case)
 
 
 @pytest.mark.parametrize("implementation", IMPLS)
@@ -155,26 +194,35 @@ def test_random_against_numpy(G, cache_dtype, implementation):
     (jnp.bfloat16, np.nan),
   ],
 )
-def test_stale_slots_get_zero_weight(cache_dtype, stale, implementation):
+def test_stale_slots_get_zero_weight(stale_cases, request, cache_dtype, stale, implementation):
   # The statement promises finite stale values; even inf and NaN must not leak.
-  q, kc, vc, lengths, ref = make_case(
-    7, B=3, S=24, G=2, D=16, dtype=cache_dtype, lengths=[5, 1, 23], stale=stale
-  )
-  out = gqa_decode(q, kc, vc, lengths, implementation=implementation)
+  *_, ref = _stale_case(cache_dtype, stale)
+  out = stale_cases[case_id(request)]
   assert np.all(np.isfinite(np.asarray(out)))
   assert_close(out, ref, CACHE_TOL[cache_dtype], f"stale={stale}")
 
 
+def _splits_case(cache_dtype):
+  return make_case(11, B=3, S=100, Hkv=2, G=2, D=24, dtype=cache_dtype, lengths=[100, 37, 3])
+
+
+@pytest.fixture(scope="module")
+def split_cases(request):
+  def case(block_s, num_splits, cache_dtype):
+    kernel = lambda *a: decode_attention.gqa_decode(
+      *a, scale=24**-0.5, block_s=block_s, num_splits=num_splits
+    )
+    return kernel, _splits_case(cache_dtype)[:4]
+
+  return one_program(request, "test_kernel_splits_and_blocks", case)
+
+
 @pytest.mark.parametrize("block_s,num_splits", [(16, 1), (16, 3), (32, 4), (16, 8)])
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_splits_and_blocks(block_s, num_splits, cache_dtype):
+def test_kernel_splits_and_blocks(split_cases, request, block_s, num_splits, cache_dtype):
   """Several blocks per split, several splits, empty splits, D not a power of two."""
-  q, kc, vc, lengths, ref = make_case(
-    11, B=3, S=100, Hkv=2, G=2, D=24, dtype=cache_dtype, lengths=[100, 37, 3]
-  )
-  out = decode_attention.gqa_decode(
-    q, kc, vc, lengths, scale=24**-0.5, block_s=block_s, num_splits=num_splits
-  )
+  *_, ref = _splits_case(cache_dtype)
+  out = split_cases[case_id(request)]
   assert_close(out, ref, CACHE_TOL[cache_dtype], f"block_s={block_s} splits={num_splits}")
 
 
