@@ -1,7 +1,7 @@
 """The fused Mosaic GPU forward (pallas_kernels/mosaic_gpu/fused_forward.py) on a CPU.
 
 Lowered for cuda at the benchmark shape (one kernel, its shared memory within the H200's), and run
-in the Mosaic GPU interpreter at small shapes against "xla" and the two-kernel forward
+in the Mosaic GPU interpreter at small shapes against the reference and the two-kernel forward
 (`chunk_inverse` then `state_walk_ws`), in a subprocess with NPROC=8: the interpreter runs the four
 warpgroups as threads of XLA's CPU pool (docs/mosaic_gpu.md#testing-without-a-gpu). One case runs
 in the fast tier, the rest in the slow one. Compiled on an H200: benchmarks/mosaic_fused_forward.py.
@@ -23,7 +23,7 @@ import pytest
 
 from pallas_kernels.mosaic_gpu import common, fused_forward
 from pallas_kernels.mosaic_gpu.forward import forward
-from tests.test_mosaic_gpu import _inputs, _rel_rms, _xla
+from tests.test_mosaic_gpu import _inputs, _reference, _rel_rms
 
 F32 = jnp.float32
 
@@ -81,7 +81,7 @@ SLOW_CASES = [
   (1, "none", 150, "bfloat16", False),
 ]
 # the inverses split over two warpgroups: three chunks, one left to each warpgroup, and one;
-# the inputs of a slow case, whose two-kernel forward and xla results it shares
+# the inputs of a slow case, whose two-kernel forward and reference results it shares
 SPLIT_CASE = (4, "head", 33, "float16", True)
 
 
@@ -91,7 +91,8 @@ def _name(case):
 
 def _references(case):
   """A case's inputs and what the fused forward is held to: the two-kernel forward (interpreted)
-  and "xla", and "xla" with the mask transposed (what a wrong mask orientation scores)."""
+  and the reference (the operator's recurrence), and the reference with the mask transposed (what
+  a wrong mask orientation scores)."""
   r, mask_kind, t_len, dtype, state = case
   q, k, v, g, beta, mask, h0 = _inputs(7 + r, 1, t_len, 2, 64, 64, r, mask_kind, jnp.dtype(dtype))
   h0 = h0 if state else None
@@ -101,12 +102,12 @@ def _references(case):
   two = jax.jit(run)(q, k, v, g, beta, mask, initial_state=h0)
   wrong = None
   if mask is not None and r > 1:
-    wrong = _xla(q, k, v, g, beta, jnp.swapaxes(mask, -1, -2), h0, scale=0.3)[0]
-  return inputs, two, _xla(q, k, v, g, beta, mask, h0, scale=0.3), wrong
+    wrong = _reference(q, k, v, g, beta, jnp.swapaxes(mask, -1, -2), h0, scale=0.3)[0]
+  return inputs, two, _reference(q, k, v, g, beta, mask, h0, scale=0.3), wrong
 
 
 def _run_case(case, references, split=False):
-  """The fused forward against xla and against the two-kernel forward, in the interpreter;
+  """The fused forward against the reference and the two-kernel forward, in the interpreter;
   `split`: the inverses shared by two warpgroups (`split_inverse`)."""
   from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
@@ -195,7 +196,7 @@ def _check(row):
     assert row["o_wrong"] > 2e-2, row
 
 
-def test_fused_forward_interpreted_matches_xla_and_two_kernels(interpreted):
+def test_fused_forward_interpreted_matches_the_reference_and_two_kernels(interpreted):
   _check(interpreted[_name(FAST_CASE)])
 
 
