@@ -9,7 +9,7 @@ subprocess with 8 simulated CPU devices:
 On a 2 x 4 ("data", "model") mesh: the parameters of a `HybridLM` with every kind of layer are
 placed by `nnx.get_partition_spec` under `nnx.logical_axis_rules(LOGICAL_AXIS_RULES)` and the
 tokens over "data"; one jitted step (loss, gradients, an SGD update) on the Pallas kernels gives
-the loss and the updated parameters of the same step on one device (the jnp form there); the
+the loss and the updated parameters of the same step on one device (the recurrence there); the
 parameters keep their sharding; the compiled step gathers no sequence activation (no
 all-gather, all-to-all or collective-permute of an array with the batch x sequence tokens); and
 a model created under the mesh and the rules has its parameters sharded as they are annotated
@@ -105,10 +105,10 @@ def split_model(implementation):
   return nnx.split(HybridLM(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
 
 
-# One device runs the jnp form ("xla"): the sharded kernels are held to it directly (one program
-# on one device fewer to compile than the kernels' own; the kernels equal the jnp form on one
-# device in the operator's tests).
-ONE_DEVICE = "xla"
+# One device runs the operator's recurrence ("reference"; the layers' steps the jnp step): the
+# sharded kernels are held to it directly (the cheapest program to compile on one device; the
+# kernels equal the reference on one device in the operator's tests).
+ONE_DEVICE = "reference"
 
 
 def training_step(implementation):

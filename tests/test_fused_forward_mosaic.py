@@ -1,7 +1,7 @@
 """The fused Mosaic GPU forward (pallas_kernels/mosaic_gpu/fused_forward.py) on a CPU.
 
 Lowered for cuda at the benchmark shape (one kernel, its shared memory within the H200's), and run
-in the Mosaic GPU interpreter at small shapes against "xla" and the two-kernel forward
+in the Mosaic GPU interpreter at small shapes against the reference and the two-kernel forward
 (`chunk_inverse` then `state_walk_ws`), in a subprocess with NPROC=8: the interpreter runs the four
 warpgroups as threads of XLA's CPU pool (docs/mosaic_gpu.md#testing-without-a-gpu). One case runs
 in the fast tier, the rest in the slow one. Compiled on an H200: benchmarks/mosaic_fused_forward.py.
@@ -23,7 +23,7 @@ import pytest
 
 from pallas_kernels.mosaic_gpu import common, fused_forward
 from pallas_kernels.mosaic_gpu.forward import forward
-from tests.test_mosaic_gpu import _inputs, _rel_rms, _xla
+from tests.test_mosaic_gpu import _inputs, _reference, _rel_rms
 
 F32 = jnp.float32
 
@@ -80,14 +80,34 @@ SLOW_CASES = [
   (2, "shared", 64, "bfloat16", False),
   (1, "none", 150, "bfloat16", False),
 ]
+# the inverses split over two warpgroups: three chunks, one left to each warpgroup, and one;
+# the inputs of a slow case, whose two-kernel forward and reference results it shares
+SPLIT_CASE = (4, "head", 33, "float16", True)
 
 
 def _name(case):
   return "-".join(str(x) for x in case)
 
 
-def _run_case(case, split=False):
-  """The fused forward against xla and against the two-kernel forward, in the interpreter;
+def _references(case):
+  """A case's inputs and what the fused forward is held to: the two-kernel forward (interpreted)
+  and the reference (the operator's recurrence), and the reference with the mask transposed (what
+  a wrong mask orientation scores)."""
+  r, mask_kind, t_len, dtype, state = case
+  q, k, v, g, beta, mask, h0 = _inputs(7 + r, 1, t_len, 2, 64, 64, r, mask_kind, jnp.dtype(dtype))
+  h0 = h0 if state else None
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  run = functools.partial(forward, scale=0.3, output_final_state=state, interpret=params)
+  inputs = (q, k, v, g, beta, mask, h0)
+  two = jax.jit(run)(q, k, v, g, beta, mask, initial_state=h0)
+  wrong = None
+  if mask is not None and r > 1:
+    wrong = _reference(q, k, v, g, beta, jnp.swapaxes(mask, -1, -2), h0, scale=0.3)[0]
+  return inputs, two, _reference(q, k, v, g, beta, mask, h0, scale=0.3), wrong
+
+
+def _run_case(case, references, split=False):
+  """The fused forward against the reference and the two-kernel forward, in the interpreter;
   `split`: the inverses shared by two warpgroups (`split_inverse`)."""
   from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
@@ -95,26 +115,23 @@ def _run_case(case, split=False):
 
   if split:
     forward_mod.fused_walk = functools.partial(fused_forward.fused_walk, split_inverse=True)
-  r, mask_kind, t_len, dtype, state = case
-  q, k, v, g, beta, mask, h0 = _inputs(7 + r, 1, t_len, 2, 64, 64, r, mask_kind, jnp.dtype(dtype))
-  h0 = h0 if state else None
+  state = case[-1]
+  (q, k, v, g, beta, mask, h0), (o2, final2), (want_o, want_final), wrong_o = references
   params = plgpu.InterpretGPUParams(detect_races=True)
-  run = functools.partial(forward, scale=0.3, output_final_state=state, interpret=params)
-  o, final = jax.jit(functools.partial(run, fused=True))(q, k, v, g, beta, mask, initial_state=h0)
-  races = bool(get_races().races_found)
-  o2, final2 = jax.jit(run)(q, k, v, g, beta, mask, initial_state=h0)
-  want_o, want_final = _xla(q, k, v, g, beta, mask, h0, scale=0.3)
+  run = functools.partial(
+    forward, scale=0.3, output_final_state=state, interpret=params, fused=True
+  )
+  o, final = jax.jit(run)(q, k, v, g, beta, mask, initial_state=h0)
   row = dict(
     o=_rel_rms(o.astype(F32), want_o),
     o_two=_rel_rms(o.astype(F32), o2.astype(F32)),
     shape_ok=o.shape == v.shape and o.dtype == q.dtype,
-    races=races,
+    races=bool(get_races().races_found),
   )
   if state:
     row["state"] = _rel_rms(final, want_final)
     row["state_two"] = _rel_rms(final, final2)
-  if mask is not None and r > 1:  # what a wrong mask orientation scores
-    wrong_o, _ = _xla(q, k, v, g, beta, jnp.swapaxes(mask, -1, -2), h0, scale=0.3)
+  if wrong_o is not None:
     row["o_wrong"] = _rel_rms(o.astype(F32), wrong_o)
   return row
 
@@ -160,13 +177,14 @@ def _interpreted(tier: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def interpreted_fast():
-  return _interpreted("fast")
-
-
-@pytest.fixture(scope="module")
-def interpreted_slow():
-  return _interpreted("slow")
+def interpreted(request):
+  """The interpreted cases, in one subprocess: the fast tier's case alone when no slow test of
+  this file runs (make test-fast), every case otherwise."""
+  slow = any(
+    item.module is request.module and item.get_closest_marker("slow")
+    for item in request.session.items
+  )
+  return _interpreted("all" if slow else "fast")
 
 
 def _check(row):
@@ -178,35 +196,33 @@ def _check(row):
     assert row["o_wrong"] > 2e-2, row
 
 
-def test_fused_forward_interpreted_matches_xla_and_two_kernels(interpreted_fast):
-  _check(interpreted_fast[_name(FAST_CASE)])
+def test_fused_forward_interpreted_matches_the_reference_and_two_kernels(interpreted):
+  _check(interpreted[_name(FAST_CASE)])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW_CASES, ids=_name)
-def test_fused_forward_interpreted_cases(interpreted_slow, case):
-  _check(interpreted_slow[_name(case)])
-
-
-SPLIT_CASE = (4, "head", 33, "bfloat16", True)  # three chunks: one left to each warpgroup, and one
+def test_fused_forward_interpreted_cases(interpreted, case):
+  _check(interpreted[_name(case)])
 
 
 @pytest.mark.slow
-def test_the_inverses_split_over_two_warpgroups(interpreted_slow):
-  _check(interpreted_slow["split"])
+def test_the_inverses_split_over_two_warpgroups(interpreted):
+  _check(interpreted["split"])
 
 
 @pytest.mark.slow
-def test_the_guard_inside_the_fused_kernel_matches_xla(interpreted_slow):
-  row = interpreted_slow["guard"]
+def test_the_guard_inside_the_fused_kernel_matches_xla(interpreted):
+  row = interpreted["guard"]
   assert row["some_nan"] and row["same_nan"] and row["same_final_nan"], row
   assert row["o"] < 1e-2, row
 
 
 if __name__ == "__main__" and "--interpreted" in sys.argv:
-  cases = [FAST_CASE] if sys.argv[-1] == "fast" else SLOW_CASES
-  result = {_name(case): _run_case(case) for case in cases}
-  if sys.argv[-1] == "slow":
+  cases = [FAST_CASE] + (SLOW_CASES if sys.argv[-1] == "all" else [])
+  references = {case: _references(case) for case in cases}
+  result = {_name(case): _run_case(case, references[case]) for case in cases}
+  if sys.argv[-1] == "all":
     result["guard"] = _guard_case()
-    result["split"] = _run_case(SPLIT_CASE, split=True)
+    result["split"] = _run_case(SPLIT_CASE, references[SPLIT_CASE], split=True)
   print("RESULT " + json.dumps(result))

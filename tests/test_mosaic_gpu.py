@@ -5,7 +5,8 @@ GPU: benchmarks/mosaic_gpu_check.py):
 - lowering: every kernel lowers for the cuda platform at the benchmark shape (B=8, T=4096, H=16,
   K=V=128, bf16), which also checks the kernels' shared memory against the H200's 227 KB;
 - interpretation: the kernels run in jax's Mosaic GPU interpreter (shared memory, barriers, TMA
-  and wgmma simulated on the CPU) at small shapes, against the operator's "xla" implementation.
+  and wgmma simulated on the CPU) at small shapes, against the operator's recurrence
+  ("reference": of the operator's forms the cheapest to compile).
 All kernels are written in the interpreter-friendly form (operands of every product staged in
 shared memory, fresh accumulators), so nothing is left to the GPU alone for correctness except
 what the hardware adds: ptxas, register allocation, real asynchrony and timing.
@@ -65,7 +66,7 @@ def _inputs(seed, batch, t_len, heads, key_dim, value_dim, r, mask_kind, dtype=j
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
-def _xla(q, k, v, g, beta, mask, h0, scale=None):
+def _reference(q, k, v, g, beta, mask, h0, scale=None):
   up = functools.partial(jnp.asarray, dtype=F32)
   return gdp_jax.gated_delta_product(
     up(q),
@@ -77,7 +78,7 @@ def _xla(q, k, v, g, beta, mask, h0, scale=None):
     scale=scale,
     initial_state=h0,
     output_final_state=True,
-    implementation="xla",
+    implementation="reference",
   )
 
 
@@ -229,7 +230,7 @@ def _run_interpreted_cases():
     # jitted: one program instead of one per eager operation around the kernels
     run = functools.partial(forward, scale=0.3, output_final_state=state, interpret=params)
     o, final = jax.jit(run)(q, k, v, g, beta, mask, initial_state=h0)
-    want_o, want_final = _xla(q, k, v, g, beta, mask, h0, scale=0.3)
+    want_o, want_final = _reference(q, k, v, g, beta, mask, h0, scale=0.3)
     row = dict(
       o=_rel_rms(o.astype(F32), want_o), shape_ok=o.shape == v.shape and o.dtype == q.dtype
     )
@@ -237,7 +238,7 @@ def _run_interpreted_cases():
     if state:
       row["state"] = _rel_rms(final, want_final)
     if mask is not None and r > 1:  # what a wrong mask orientation scores
-      wrong_o, _ = _xla(q, k, v, g, beta, jnp.swapaxes(mask, -1, -2), h0, scale=0.3)
+      wrong_o, _ = _reference(q, k, v, g, beta, jnp.swapaxes(mask, -1, -2), h0, scale=0.3)
       row["o_wrong"] = _rel_rms(o.astype(F32), wrong_o)
     out[_case_name(case)] = row
   for n_h, t_len in HOUSEHOLDER_CASES:
@@ -297,7 +298,7 @@ def test_chunk_inverse_interpreted(interpreted, r, mask_kind):
 
 
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=_case_name)
-def test_forward_interpreted_matches_xla(interpreted, case):
+def test_forward_interpreted_matches_the_reference(interpreted, case):
   row = interpreted[_case_name(case)]
   assert row["shape_ok"], row
   assert not row["races"], row

@@ -1,7 +1,8 @@
 """`implementation="mosaic_gpu"` of `gated_delta_product` (gdp_jax/ops/gated_delta_product/
 mosaic_gpu.py) on a CPU: its place in the registry, the clear errors for inputs it
 cannot take, the lowering for cuda at the benchmark shape through the public function, and its
-forward and gradients in the Mosaic GPU interpreter against "xla".
+forward and gradients in the Mosaic GPU interpreter against the reference (the operator's
+recurrence: the cheapest program to compile; "xla" agrees with it in tests/test_implementations.py).
 
 The interpreted case runs in a subprocess with NPROC=8, as in tests/test_mosaic_gpu.py (the
 interpreter's warpgroup threads and XLA's CPU pool share one pool sized by the core count).
@@ -175,7 +176,7 @@ def _rel_rms(got, want):
 
 
 def _run_interpreted():
-  """Forward and gradients of "mosaic_gpu" against "xla" at a tiny shape, four value heads
+  """Forward and gradients of "mosaic_gpu" against the reference at a tiny shape, four value heads
   sharing two key heads (grouped value heads), V = 64 (whole value tiles: the backward's reverse
   walk runs on the forward walk's stored states); returns measures."""
   from pallas_kernels.mosaic_gpu import backward_walk
@@ -204,13 +205,13 @@ def _run_interpreted():
   out = {}
   grads = {}
   steps = {}
-  for impl in ("mosaic_gpu", "xla"):
+  for impl in ("mosaic_gpu", "reference"):
     # jitted: one program instead of one per eager operation
     steps[impl] = jax.jit(jax.value_and_grad(functools.partial(loss, impl), range(7), has_aux=True))
     (_, (o, final)), d = steps[impl](*x.values())
     grads[impl] = dict(zip(names, d))
     out[impl] = (o, final)
-  (o, final), (o_ref, final_ref) = out["mosaic_gpu"], out["xla"]
+  (o, final), (o_ref, final_ref) = out["mosaic_gpu"], out["reference"]
   row = dict(
     reverse_walks=len(walks),
     o=_rel_rms(o.astype(F32), o_ref.astype(F32)),
@@ -219,7 +220,7 @@ def _run_interpreted():
   )
   for name in names:
     row["d" + name] = _rel_rms(
-      grads["mosaic_gpu"][name].astype(F32), grads["xla"][name].astype(F32)
+      grads["mosaic_gpu"][name].astype(F32), grads["reference"][name].astype(F32)
     )
   # the non-finite guard: a nan in v at token 9 spoils nothing before it (without the guard the
   # chunk's products carry it to every token of its chunk)
@@ -229,22 +230,22 @@ def _run_interpreted():
   row["nan_after"] = bool(jnp.isnan(o_bad[:, 9:, 1]).all())
   row["o_before_bad"] = _rel_rms(o_bad[:, :9], o_ref.astype(F32)[:, :9])
   # the guard, differentiated: an inf in q (token 12), nans in k (token 9, key head 1) and -inf
-  # in v (token 30, head 2); outputs nan at the same places as xla's, and every gradient of a
-  # finite input as xla's (whose gradient of a non-finite entry is 0)
+  # in v (token 30, head 2); outputs nan at the same places as the reference's, and every
+  # gradient of a finite input as the reference's (whose gradient of a non-finite entry is 0)
   bad = dict(x)
   bad["q"] = x["q"].at[:, 12, 0, 3].set(jnp.inf)
   bad["k"] = x["k"].at[:, 9, 1, :2].set(jnp.nan)
   bad["v"] = x["v"].at[:, 30, 2].set(-jnp.inf)
   runs = {impl: steps[impl](*bad.values()) for impl in steps}
   (_, (o_m, final_m)), d_m = runs["mosaic_gpu"]
-  (_, (o_x, final_x)), d_x = runs["xla"]
+  (_, (o_x, final_x)), d_x = runs["reference"]
   row["bad_nan_equal"] = bool(
     jnp.array_equal(jnp.isnan(o_m), jnp.isnan(o_x))
     and jnp.array_equal(jnp.isnan(final_m), jnp.isnan(final_x))
     and jnp.isnan(o_x).any()
     and not jnp.isnan(o_x[:, :9]).any()
   )
-  # without gradient (the guard in the kernels' loads): the same nan places and values as xla's
+  # without gradient (the guard in the kernels' loads): the same nan places and values
   o_f, final_f = jax.jit(lambda *a: loss("mosaic_gpu", *a)[1])(*bad.values())
   row["bad_fwd_nan_equal"] = bool(
     jnp.array_equal(jnp.isnan(o_f), jnp.isnan(o_x))
@@ -261,7 +262,7 @@ def _run_interpreted():
     row["bad_d" + name] = _rel_rms(dm, dx)
   # what a wrong mask orientation scores: the comparison can fail
   wrong = dict(x, mask=jnp.swapaxes(x["mask"], -1, -2))
-  o_wrong = jax.jit(lambda *a: loss("xla", *a)[1][0])(*wrong.values())
+  o_wrong = jax.jit(lambda *a: loss("reference", *a)[1][0])(*wrong.values())
   row["o_wrong"] = _rel_rms(o.astype(F32), o_wrong.astype(F32))
   row.update(_packed_interpreted())
   row["reverse_walks_with_packed"] = len(walks)
@@ -269,10 +270,11 @@ def _run_interpreted():
 
 
 def _packed_interpreted():
-  """Packed sequences (the walks one program per sequence) against "xla": lengths 5, 0, 40, 1,
-  30 at r = 2 (chunks of 32 tokens; an empty sequence, one of one token, one of two chunks), a
-  per-token mask, an initial state per sequence; without gradient with a nan in one sequence,
-  which spoils that sequence from its token on and nothing else; every gradient without it."""
+  """Packed sequences (the walks one program per sequence) against the reference: lengths 5, 0,
+  40, 1, 30 at r = 2 (chunks of 32 tokens; an empty sequence, one of one token, one of two
+  chunks), a per-token mask, an initial state per sequence; without gradient with a nan in one
+  sequence, which spoils that sequence from its token on and nothing else; every gradient
+  without it."""
   lengths = (5, 0, 40, 1, 30)
   cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
   x = _inputs(8, t_len=sum(lengths), heads=2, key_heads=2, value_dim=64)
@@ -290,9 +292,10 @@ def _packed_interpreted():
     o, final = call(implementation, kw)
     return jnp.sum(o.astype(F32) * jnp.cos(o.astype(F32))) + jnp.sum(final**2)
 
-  grads = {i: jax.jit(jax.grad(functools.partial(loss, i)))(clean) for i in ("mosaic_gpu", "xla")}
+  implementations = ("mosaic_gpu", "reference")
+  grads = {i: jax.jit(jax.grad(functools.partial(loss, i)))(clean) for i in implementations}
   run = lambda implementation: jax.jit(functools.partial(call, implementation))(x)
-  (o, final), (o_ref, final_ref) = run("mosaic_gpu"), run("xla")
+  (o, final), (o_ref, final_ref) = run("mosaic_gpu"), run("reference")
   fine = np.ones(o.shape[1:3], bool)
   fine[20:45, 1] = False
   o, o_ref = np.asarray(o[0].astype(F32)), np.asarray(o_ref[0].astype(F32))
@@ -304,7 +307,7 @@ def _packed_interpreted():
     packed_empty_keeps_its_state=bool(jnp.array_equal(final[1], x["initial_state"][1])),
     **{
       f"packed_d{name}": _rel_rms(grads["mosaic_gpu"][name].astype(F32), ref.astype(F32))
-      for name, ref in grads["xla"].items()
+      for name, ref in grads["reference"].items()
     },
   )
 
@@ -314,20 +317,20 @@ def interpreted():
   return run_interpreted_subprocess(__file__, timeout=300)
 
 
-def test_forward_interpreted_matches_xla(interpreted):
+def test_forward_interpreted_matches_the_reference(interpreted):
   row = interpreted
   assert row["shape_ok"], row
   assert row["o"] < 1e-2 and row["final"] < 1e-2, row
   assert row["o_wrong"] > 2e-2, row
 
 
-def test_packed_forward_interpreted_matches_xla(interpreted):
+def test_packed_forward_interpreted_matches_the_reference(interpreted):
   row = interpreted
   assert row["packed_o"] < 1e-2 and row["packed_final"] < 1e-2, row
   assert row["packed_nan"] and row["packed_empty_keeps_its_state"], row
 
 
-def test_packed_gradients_interpreted_match_xla(interpreted):
+def test_packed_gradients_interpreted_match_the_reference(interpreted):
   # the Mosaic backward on packed sequences: the reverse walk one program per sequence, the
   # chunk-parallel gradients over the chunk-aligned layout, every gradient back to the packed row
   row = interpreted
@@ -342,9 +345,9 @@ def test_a_nan_spoils_nothing_before_it(interpreted):
   assert row["o_before_bad"] < 1e-2, row
 
 
-def test_nonfinite_inputs_differentiated_match_xla(interpreted):
-  # the non-finite guard differentiated (docs/mosaic_gpu.md#the-guard-in-the-loads): the same
-  # nan outputs and gradients as xla's
+def test_nonfinite_inputs_match_the_reference(interpreted):
+  # the non-finite guard with and without gradient (docs/mosaic_gpu.md#the-guard-in-the-loads):
+  # the same nan outputs and gradients as the reference's
   row = interpreted
   assert row["bad_nan_equal"] and row["bad_fwd_nan_equal"], row
   assert row["bad_fwd_o"] < 1e-2, row
@@ -352,7 +355,7 @@ def test_nonfinite_inputs_differentiated_match_xla(interpreted):
     assert row["bad_finite_d" + name] and row["bad_d" + name] < 3e-2, (name, row)
 
 
-def test_gradients_interpreted_match_xla(interpreted):
+def test_gradients_interpreted_match_the_reference(interpreted):
   # the Mosaic reverse walk and chunk-parallel gradients on the forward walk's stored states,
   # bf16 inputs
   row = interpreted

@@ -20,6 +20,7 @@ from gdp_jax.ops import registry
 from gdp_jax.ops.gqa_decode.api import PAGED_REGISTRY, REGISTRY
 from pallas_kernels.triton.inference import decode_attention, paged_decode_attention
 from tests.cases import assert_close
+from tests.one_program import case_id, one_program
 from tests.triton_lowering import lower_for_h200
 
 PAGED_IMPLS = list(PAGED_REGISTRY.names())
@@ -125,11 +126,28 @@ def reference(arrays, dense_k, dense_v, scale=None):
 LENGTHS = [40, 0, 1, 32, 17, 100]
 
 
+def _paged(implementation, arrays):
+  """(fn, args) of `one_program` (tests/one_program.py): paged_gqa_decode on `arrays`."""
+  names = tuple(arrays)
+  call = lambda *a: paged_gqa_decode(**dict(zip(names, a)), implementation=implementation)
+  return call, tuple(arrays.values())
+
+
+# Each parametrized test's cases below are computed by one jitted program.
+@pytest.fixture(scope="module")
+def paged_cases(request):
+  return one_program(
+    request,
+    "test_paged_equals_dense",
+    lambda implementation, dtype: _paged(implementation, make_paged(0, LENGTHS, dtype=dtype)[0]),
+  )
+
+
 @pytest.mark.parametrize("implementation", PAGED_IMPLS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_paged_equals_dense(implementation, dtype):
+def test_paged_equals_dense(paged_cases, request, implementation, dtype):
   arrays, dense_k, dense_v = make_paged(0, LENGTHS, dtype=dtype)
-  out = paged_gqa_decode(**arrays, implementation=implementation)
+  out = paged_cases[case_id(request)]
   assert out.dtype == jnp.float32 and out.shape == arrays["query"].shape
   assert np.all(np.asarray(out[1]) == 0.0), "lengths 0: zeros"
   assert_close(out, reference(arrays, dense_k, dense_v), TOL[dtype], implementation)
@@ -147,19 +165,32 @@ def test_paged_equals_dense(implementation, dtype):
   assert_close(out, dense, TOL[dtype], f"{implementation} vs dense")
 
 
+def _blocks_case(page_size, max_pages):
+  return make_paged(1, [96, 33, 3, 0], page_size=page_size, max_pages=max_pages, G=3, D=24)
+
+
+@pytest.fixture(scope="module")
+def block_cases(request):
+  def case(page_size, max_pages, block_s, num_splits):
+    kernel = lambda *a: paged_decode_attention.paged_gqa_decode(
+      *a, scale=24**-0.5, block_s=block_s, num_splits=num_splits
+    )
+    return kernel, tuple(_blocks_case(page_size, max_pages)[0].values())
+
+  return one_program(request, "test_kernel_blocks_across_and_inside_pages", case)
+
+
 @pytest.mark.parametrize(
   "page_size,max_pages,block_s,num_splits",
   [(16, 6, 16, 3), (16, 6, 64, 1), (32, 3, 16, 4), (64, 2, 32, 2)],
 )
-def test_kernel_blocks_across_and_inside_pages(page_size, max_pages, block_s, num_splits):
+def test_kernel_blocks_across_and_inside_pages(
+  block_cases, request, page_size, max_pages, block_s, num_splits
+):
   """A block of rows spans several pages (block_s > page_size) or a part of one, several
   splits, empty splits, D not a power of two, G = 3 query heads padded."""
-  arrays, dense_k, dense_v = make_paged(
-    1, [96, 33, 3, 0], page_size=page_size, max_pages=max_pages, G=3, D=24
-  )
-  out = paged_decode_attention.paged_gqa_decode(
-    *arrays.values(), scale=24**-0.5, block_s=block_s, num_splits=num_splits
-  )
+  arrays, dense_k, dense_v = _blocks_case(page_size, max_pages)
+  out = block_cases[case_id(request)]
   assert_close(out, reference(arrays, dense_k, dense_v), TOL[jnp.float32], "kernel")
 
 
@@ -179,11 +210,24 @@ def test_shared_and_reused_pages(implementation):
 # ---- multi-token queries -----------------------------------------------------------------------
 
 
+def _multi_token_case(dtype):
+  return make_paged(3, [40, 0, 3, 32, 17, 100], Tq=3, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def multi_token_cases(request):
+  return one_program(
+    request,
+    "test_paged_multi_token",
+    lambda implementation, dtype: _paged(implementation, _multi_token_case(dtype)[0]),
+  )
+
+
 @pytest.mark.parametrize("implementation", PAGED_IMPLS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_paged_multi_token(implementation, dtype):
-  arrays, dense_k, dense_v = make_paged(3, [40, 0, 3, 32, 17, 100], Tq=3, dtype=dtype)
-  out = paged_gqa_decode(**arrays, implementation=implementation)
+def test_paged_multi_token(multi_token_cases, request, implementation, dtype):
+  arrays, dense_k, dense_v = _multi_token_case(dtype)
+  out = multi_token_cases[case_id(request)]
   assert out.shape == arrays["query"].shape
   assert np.all(np.asarray(out[1]) == 0.0)
   assert_close(out, reference(arrays, dense_k, dense_v), TOL[dtype], implementation)
@@ -201,22 +245,40 @@ def dense_case(seed, lengths, Tq, S=40, Hkv=2, G=2, D=16, stale=np.nan):
   return q, jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(lengths, jnp.int32), ref
 
 
+@pytest.fixture(scope="module")
+def dense_cases(request):
+  def case(implementation, Tq):
+    call = lambda *a: gqa_decode(*a, implementation=implementation)
+    return call, dense_case(4, [40, 0, 5, 23, 60], Tq)[:4]
+
+  return one_program(request, "test_dense_multi_token", case)
+
+
 @pytest.mark.parametrize("implementation", DENSE_IMPLS)
 @pytest.mark.parametrize("Tq", [2, 5])
-def test_dense_multi_token(implementation, Tq):
+def test_dense_multi_token(dense_cases, request, implementation, Tq):
   q, kc, vc, lengths, ref = dense_case(4, [40, 0, 5, 23, 60], Tq)
-  out = gqa_decode(q, kc, vc, lengths, implementation=implementation)
+  out = dense_cases[case_id(request)]
   assert out.shape == q.shape and out.dtype == jnp.float32
   assert_close(out, ref, 5e-5, f"Tq={Tq}")
 
 
+@pytest.fixture(scope="module")
+def dense_split_cases(request):
+  def case(block_s, num_splits):
+    kernel = lambda *a: decode_attention.gqa_decode(
+      *a, scale=24**-0.5, block_s=block_s, num_splits=num_splits
+    )
+    return kernel, dense_case(5, [40, 18, 7], 6, G=3, D=24)[:4]
+
+  return one_program(request, "test_dense_kernel_multi_token_splits", case)
+
+
 @pytest.mark.parametrize("block_s,num_splits", [(16, 1), (16, 3), (32, 2)])
-def test_dense_kernel_multi_token_splits(block_s, num_splits):
+def test_dense_kernel_multi_token_splits(dense_split_cases, request, block_s, num_splits):
   """Rows whose causal limit ends inside a block, or before a whole split."""
-  q, kc, vc, lengths, ref = dense_case(5, [40, 18, 7], 6, G=3, D=24)
-  out = decode_attention.gqa_decode(
-    q, kc, vc, lengths, scale=24**-0.5, block_s=block_s, num_splits=num_splits
-  )
+  *_, ref = dense_case(5, [40, 18, 7], 6, G=3, D=24)
+  out = dense_split_cases[case_id(request)]
   assert_close(out, ref, 5e-5, "kernel")
 
 

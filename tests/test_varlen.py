@@ -1,10 +1,13 @@
 """Packed variable-length sequences (`cu_seqlens`, docs/varlen.md): the chunk-aligned layout,
-packed equals separate (outputs, final states and the gradient of every input) in "reference"
-and "xla" (separate: each sequence in its own row of a batch) and against the float64 recurrence
-(each sequence on its own), one compilation for new boundaries, non-finite
+packed "reference" and "xla" equal to the reference run separately (outputs, final states and the
+gradient of every input; separate: each sequence in its own row of a batch) and against the
+float64 recurrence (each sequence on its own), one compilation for new boundaries, non-finite
 inputs kept inside their sequence, the jnp backward of the packed chunked form, "pallas" (in the
-interpreter) equal to "xla" and its state walks with the per-chunk table through the Triton
-lowering, the argument checks, and the Flax layer's packed call."""
+interpreter) equal to the packed reference and its state walks with the per-chunk table through
+the Triton lowering, the argument checks, and the Flax layer's packed call.
+
+The other side of a comparison is the reference (the operator's recurrence: of its forms the
+cheapest to compile), which test_implementations.py holds "xla" and "pallas" to."""
 
 from __future__ import annotations
 
@@ -181,7 +184,7 @@ def test_packed_equals_separate(implementation, r, mask_kind, H, HV):
   packed = lambda **kw: run_packed(implementation, kw, cu)
   (o, final), grads = outputs_and_grads(packed, inputs)
   assert o.shape == inputs["v"].shape and final.shape == inputs["initial_state"].shape
-  separate = lambda **kw: run_separate(implementation, kw, cu)
+  separate = lambda **kw: run_separate("reference", kw, cu)
   (o_sep, final_sep), grads_sep = outputs_and_grads(separate, inputs)
   assert_close(o, o_sep, tol(jnp.float32), "o")
   assert_close(final, final_sep, tol(jnp.float32), "final states")
@@ -226,7 +229,7 @@ def test_one_compilation_for_new_boundaries():
   for lengths in (LENGTHS, (20, 0, 0, 10, 15)):
     cu = cu_of(lengths)
     o, final = packed(jnp.asarray(cu), inputs)
-    o_sep, final_sep = jax.jit(lambda kw, cu=cu: run_separate("xla", kw, cu))(inputs)
+    o_sep, final_sep = jax.jit(lambda kw, cu=cu: run_separate("reference", kw, cu))(inputs)
     assert_close(o, o_sep, tol(jnp.float32), f"o for {lengths}")
     assert_close(final, final_sep, tol(jnp.float32), f"final for {lengths}")
   assert len(traces) == 1
@@ -317,7 +320,7 @@ def test_default_implementation_with_cu_seqlens(monkeypatch):
     lambda self, *a, **kw: calls.append((self.function, impl := original(self, *a, **kw))) or impl,
   )
   # traced only (resolved while traced; the packed kernels run in
-  # test_pallas_packed_equals_xla_packed)
+  # test_pallas_packed_equals_the_reference)
   o, final = jax.eval_shape(
     lambda inputs, cu: gated_delta_product(**inputs, cu_seqlens=cu, output_final_state=True),
     inputs,
@@ -347,11 +350,11 @@ PALLAS_CASES = [
 
 
 @pytest.mark.parametrize("r,mask_kind,H,HV,chunk,backward,lengths", PALLAS_CASES)
-def test_pallas_packed_equals_xla_packed(r, mask_kind, H, HV, chunk, backward, lengths):
-  """implementation="pallas" with cu_seqlens (interpreted) equals "xla": outputs, final states
-  and the gradient of every input (initial_state included, with a final-state cotangent), over
-  lengths 0, 1, the chunk and off the chunk grid (the layout at the kernels' BT = 16 while the
-  xla form packs at chunk_size)."""
+def test_pallas_packed_equals_the_reference(r, mask_kind, H, HV, chunk, backward, lengths):
+  """implementation="pallas" with cu_seqlens (interpreted) equals the packed reference: outputs,
+  final states and the gradient of every input (initial_state included, with a final-state
+  cotangent), over lengths 0, 1, the chunk and off the chunk grid (the layout at the kernels'
+  BT = 16 whatever chunk_size says)."""
   from pallas_kernels.common.options import DEFAULT
 
   inputs = packed_inputs(11, lengths, H=H, HV=HV, r=r, mask_kind=mask_kind)
@@ -362,19 +365,19 @@ def test_pallas_packed_equals_xla_packed(r, mask_kind, H, HV, chunk, backward, l
     **kw, **extra, cu_seqlens=cu, output_final_state=True, chunk_size=chunk, implementation="pallas"
   )
   o, final = jax.jit(pallas)(inputs)  # the forward without gradient: the fused kernels
-  # "xla": outputs and gradients from one program (tests/cases.py outputs_and_grads)
-  (o_xla, final_xla), grads_xla = outputs_and_grads(
-    lambda **kw: run_packed("xla", kw, cu, chunk), inputs
+  # the reference: outputs and gradients from one program (tests/cases.py outputs_and_grads)
+  (o_ref, final_ref), grads_ref = outputs_and_grads(
+    lambda **kw: run_packed("reference", kw, cu, chunk), inputs
   )
-  assert o.shape == o_xla.shape and final.shape == final_xla.shape
-  assert_close(o, o_xla, tol(jnp.float32), "o")
-  assert_close(final, final_xla, tol(jnp.float32), "final states")
+  assert o.shape == o_ref.shape and final.shape == final_ref.shape
+  assert_close(o, o_ref, tol(jnp.float32), "o")
+  assert_close(final, final_ref, tol(jnp.float32), "final states")
   for n in empty:
     np.testing.assert_array_equal(final[n], inputs["initial_state"][n])
   grads = grads_of(pallas, inputs)
   for name, d in grads.items():
     assert d.shape == inputs[name].shape, name
-    assert_close(d, grads_xla[name], tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
+    assert_close(d, grads_ref[name], tol(jnp.float32, GRAD_TOLERANCE), f"d{name}")
   # an empty sequence's initial state: its gradient is its final state's cotangent
   _, dfinal = cotangents(0, inputs["v"].shape, inputs["initial_state"].shape)
   for n in empty:
