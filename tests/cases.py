@@ -86,11 +86,10 @@ def present_arrays(inputs):
   return names, [jax.ShapeDtypeStruct(inputs[n].shape, inputs[n].dtype) for n in names]
 
 
-def loss_and_grads(fn, inputs, seed=0):
-  """Gradient of <o, do> + <final, dfinal> with respect to every array input of `fn`.
-
-  The gradient runs as one jitted program: run eagerly, every operation of the forward and the
-  backward compiles on its own, which on a CPU takes several times longer than the one compile."""
+def grads_program(fn, inputs, seed=0):
+  """(grads, args): grads(*args) is {name: gradient of <o, do> + <final, dfinal>} for every array
+  input of `fn` (traceable: `loss_and_grads` jits it; tests/one_program.py runs several as one
+  program)."""
   names, _ = present_arrays(inputs)
   B, T, _, K = inputs["q"].shape
   H, V = inputs["v"].shape[2:]  # the value heads (grouped value heads: q, k may have fewer)
@@ -102,8 +101,17 @@ def loss_and_grads(fn, inputs, seed=0):
     o, final = fn(**kw)
     return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * dfinal)
 
-  grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))
-  return dict(zip(names, grad(*[inputs[n] for n in names])))
+  grad = jax.grad(loss, argnums=tuple(range(len(names))))
+  return (lambda *arrays: dict(zip(names, grad(*arrays)))), [inputs[n] for n in names]
+
+
+def loss_and_grads(fn, inputs, seed=0):
+  """Gradient of <o, do> + <final, dfinal> with respect to every array input of `fn`.
+
+  The gradient runs as one jitted program: run eagerly, every operation of the forward and the
+  backward compiles on its own, which on a CPU takes several times longer than the one compile."""
+  grads, args = grads_program(fn, inputs, seed)
+  return jax.jit(grads)(*args)
 
 
 def outputs_and_grads(fn, inputs, names=OPERATOR_ARRAYS, seed=0):

@@ -21,6 +21,7 @@ forward and backward with --real). Each check prints one JSON line
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -285,20 +286,22 @@ def group_model(impl):
   from gdp_jax.layers import GatedDeltaProduct
   from gdp_jax.models import HybridConfig, HybridLM
 
+  # One device runs the operator's recurrence ("reference"; the layers' steps the jnp step): the
+  # cheapest program to compile, which the sharded layers and model are held to.
   def layer_sequence_split():
     cfg = make_config({"sequence": 2, "batch": 2, "heads": 2})
-    make = lambda sharding: GatedDeltaProduct(
+    make = lambda sharding, implementation: GatedDeltaProduct(
       32,
       4,
       8,
       num_blocks=2,
       mask_mode="token",
       chunk_size=16,
-      implementation=impl,
+      implementation=implementation,
       sharding=sharding,
       rngs=nnx.Rngs(0),
     )
-    one, split = make(None), make(cfg)
+    one, split = make(None, "reference"), make(cfg, impl)
     x = jax.random.normal(jax.random.key(1), (2, 32, 32), jnp.float32)
     xs = cfg.put(x=x)["x"]
     run = nnx.jit(lambda m, x: m(x, return_cache=True))
@@ -350,7 +353,8 @@ def group_model(impl):
 
       return train_step, params
 
-    step1, params1 = train_step_for(HybridLM(config, rngs=nnx.Rngs(0)))
+    one_device = dataclasses.replace(config, implementation="reference")
+    step1, params1 = train_step_for(HybridLM(one_device, rngs=nnx.Rngs(0)))
     step8, params8 = train_step_for(HybridLM(config, rngs=nnx.Rngs(0), sharding=cfg))
     loss1, grads1, new1 = step1(params1, tx.init(params1), tokens)
     loss8, grads8, new8 = step8(params8, tx.init(params8), cfg.put(tokens=tokens)["tokens"])

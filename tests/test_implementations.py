@@ -21,10 +21,13 @@ from tests.cases import (
   GRAD_TOLERANCE,
   assert_close,
   general_backends,
+  grads_program,
   loss_and_grads,
   make_inputs,
+  present_arrays,
   tol,
 )
+from tests.one_program import case_id, one_program
 
 CHUNKED = [n for n in general_backends("gated_delta_product") if n != "reference"]
 
@@ -71,6 +74,29 @@ def reference():
   return get
 
 
+def forward_inputs(r, mask_kind, T):
+  return make_inputs(3, B=2, T=T, H=2, K=32, V=16, r=r, mask_kind=mask_kind)
+
+
+def half_inputs(dtype):
+  return make_inputs(4, B=1, T=40, H=2, K=32, V=32, r=2, mask_kind="head", dtype=dtype)
+
+
+def gradient_inputs(r, mask_kind, T, with_state):
+  return make_inputs(11, B=2, T=T, H=2, K=32, V=16, r=r, mask_kind=mask_kind, with_state=with_state)
+
+
+def half_gradient_inputs(dtype):
+  return make_inputs(12, B=1, T=40, H=2, K=32, V=32, r=2, mask_kind="head", dtype=dtype)
+
+
+def forward_program(implementation, chunk, inputs):
+  """(fn, args) of tests/one_program.py: the operator with its final state on `inputs`."""
+  names, _ = present_arrays(inputs)
+  fn = lambda *a: run(implementation, chunk, **dict(inputs, **dict(zip(names, a))))
+  return fn, [inputs[n] for n in names]
+
+
 def check_two_halves_thread_the_state(implementation):
   # Two halves of 20 tokens (the cut inside a chunk): one compile serves both.
   inputs = make_inputs(8, T=40, r=2, mask_kind="token")
@@ -92,26 +118,68 @@ class ChunkedImplementationTests:
 
   implementation: str
 
+  # Each parametrized test's cases of a class are computed by one jitted program
+  # (tests/one_program.py): one compile instead of one per case.
+  @pytest.fixture(scope="class")
+  @classmethod
+  def forwards(cls, request):
+    return one_program(
+      request,
+      "test_forward_matches_reference",
+      lambda r, mask_kind, T, chunk: forward_program(
+        cls.implementation, chunk, forward_inputs(r, mask_kind, T)
+      ),
+    )
+
+  @pytest.fixture(scope="class")
+  @classmethod
+  def half_forwards(cls, request):
+    return one_program(
+      request,
+      "test_forward_half_precision",
+      lambda dtype: forward_program(cls.implementation, 32, half_inputs(dtype)),
+    )
+
+  @pytest.fixture(scope="class")
+  @classmethod
+  def gradients(cls, request):
+    run_16 = functools.partial(run, cls.implementation, 16)
+    return one_program(
+      request,
+      "test_gradients_match_reference",
+      lambda r, mask_kind, T, with_state: grads_program(
+        run_16, gradient_inputs(r, mask_kind, T, with_state)
+      ),
+    )
+
+  @pytest.fixture(scope="class")
+  @classmethod
+  def half_gradients(cls, request):
+    run_16 = functools.partial(run, cls.implementation, 16)
+    return one_program(
+      request,
+      "test_gradients_half_precision",
+      lambda dtype: grads_program(run_16, half_gradient_inputs(dtype)),
+    )
+
   def test_two_halves_thread_the_state(self):
     check_two_halves_thread_the_state(self.implementation)
 
   @pytest.mark.parametrize("r,mask_kind,T,chunk", FORWARD_CASES)
-  def test_forward_matches_reference(self, reference, r, mask_kind, T, chunk):
-    implementation = self.implementation
-    inputs = make_inputs(3, B=2, T=T, H=2, K=32, V=16, r=r, mask_kind=mask_kind)
+  def test_forward_matches_reference(self, reference, forwards, request, r, mask_kind, T, chunk):
+    inputs = forward_inputs(r, mask_kind, T)
     o_ref, f_ref = reference(("forward", r, mask_kind, T), lambda: run("reference", **inputs))
-    o, f = run(implementation, chunk, **inputs)
+    o, f = forwards[case_id(request)]
     assert o.dtype == jnp.float32 and f.dtype == jnp.float32
     assert o.shape == o_ref.shape and f.shape == f_ref.shape
     assert_close(o, o_ref, tol(jnp.float32), "o")
     assert_close(f, f_ref, tol(jnp.float32), "final state")
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-  def test_forward_half_precision(self, reference, dtype):
-    implementation = self.implementation
-    inputs = make_inputs(4, B=1, T=40, H=2, K=32, V=32, r=2, mask_kind="head", dtype=dtype)
+  def test_forward_half_precision(self, reference, half_forwards, request, dtype):
+    inputs = half_inputs(dtype)
     o_ref, f_ref = reference(("half", dtype), lambda: run("reference", **inputs))
-    o, f = run(implementation, 32, **inputs)
+    o, f = half_forwards[case_id(request)]
     assert o.dtype == dtype and f.dtype == jnp.float32
     assert_close(o, o_ref, tol(dtype), "o")
     assert_close(f, f_ref, tol(dtype), "final state")
@@ -126,16 +194,15 @@ class ChunkedImplementationTests:
     assert_close(o, o32, tol(dtype), "o vs float32")
 
   @pytest.mark.parametrize("r,mask_kind,T,with_state", GRADIENT_CASES)
-  def test_gradients_match_reference(self, reference, r, mask_kind, T, with_state):
-    implementation = self.implementation
-    inputs = make_inputs(
-      11, B=2, T=T, H=2, K=32, V=16, r=r, mask_kind=mask_kind, with_state=with_state
-    )
+  def test_gradients_match_reference(
+    self, reference, gradients, request, r, mask_kind, T, with_state
+  ):
+    inputs = gradient_inputs(r, mask_kind, T, with_state)
     g_ref = reference(
       ("gradients", r, mask_kind, T, with_state),
       lambda: loss_and_grads(functools.partial(run, "reference"), inputs),
     )
-    g_got = loss_and_grads(functools.partial(run, implementation, 16), inputs)
+    g_got = gradients[case_id(request)]
     assert set(g_got) == set(g_ref)
     for name in g_ref:
       assert g_got[name].shape == inputs[name].shape, name
@@ -143,13 +210,12 @@ class ChunkedImplementationTests:
       assert_close(g_got[name], g_ref[name], GRAD_TOLERANCE[jnp.float32], f"d{name}")
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-  def test_gradients_half_precision(self, reference, dtype):
-    implementation = self.implementation
-    inputs = make_inputs(12, B=1, T=40, H=2, K=32, V=32, r=2, mask_kind="head", dtype=dtype)
+  def test_gradients_half_precision(self, reference, half_gradients, request, dtype):
+    inputs = half_gradient_inputs(dtype)
     g_ref = reference(
       ("half gradients", dtype), lambda: loss_and_grads(functools.partial(run, "reference"), inputs)
     )
-    g_got = loss_and_grads(functools.partial(run, implementation, 16), inputs)
+    g_got = half_gradients[case_id(request)]
     for name in g_ref:
       assert g_got[name].dtype == inputs[name].dtype, name
       assert_close(g_got[name], g_ref[name], GRAD_TOLERANCE[dtype], f"d{name}")
@@ -193,8 +259,8 @@ class TestXla(ChunkedImplementationTests):
   # The jnp form's gradients in half precision: bfloat16 only (float16 takes the same jnp path
   # with another dtype; its forward runs in float16 in test_forward_half_precision).
   @pytest.mark.parametrize("dtype", [jnp.bfloat16])
-  def test_gradients_half_precision(self, reference, dtype):
-    super().test_gradients_half_precision(reference, dtype)
+  def test_gradients_half_precision(self, reference, half_gradients, request, dtype):
+    super().test_gradients_half_precision(reference, half_gradients, request, dtype)
 
 
 class TestTriton(ChunkedImplementationTests):

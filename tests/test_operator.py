@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from gdp_jax import gated_delta_product
-from tests.cases import assert_close, make_inputs, np_gated_delta_rule, tol
+from tests.cases import assert_close, make_inputs, np_gated_delta_rule, present_arrays, tol
+from tests.one_program import case_id, one_program
 
 
 @functools.partial(jax.jit, static_argnames=("implementation", "chunk_size"))
@@ -26,14 +27,36 @@ def run(implementation, chunk_size=64, **inputs):
 # ---- independent checks (numpy recurrences written in the tests) ------------------------------
 
 
+def _ones_mask_inputs(r):
+  inputs = make_inputs(4, T=19, r=r, mask_kind=None)
+  inputs["k"] = inputs["k"] / np.sqrt(r)  # one unit-norm key (blocks were normalised)
+  inputs["mask"] = jnp.ones((r, r)) if r > 1 else None
+  return inputs
+
+
+def _program(implementation, inputs, chunk_size):
+  """(fn, args) of tests/one_program.py: the operator with its final state on `inputs`."""
+  names, _ = present_arrays(inputs)
+  fn = lambda *a: run(implementation, chunk_size, **dict(inputs, **dict(zip(names, a))))
+  return fn, [inputs[n] for n in names]
+
+
+# The cases of a parametrized test below run as one jitted program (tests/one_program.py).
+@pytest.fixture(scope="module")
+def ones_mask_cases(request):
+  return one_program(
+    request,
+    "test_all_ones_mask_is_gated_delta_rule",
+    lambda implementation, r: _program(implementation, _ones_mask_inputs(r), 16),
+  )
+
+
 @pytest.mark.parametrize("implementation", ["reference", "xla"])
 @pytest.mark.parametrize("r", [1, 2, 4])
-def test_all_ones_mask_is_gated_delta_rule(implementation, r):
-  inputs = make_inputs(4, T=19, r=r, mask_kind=None)
-  k = inputs["k"] / np.sqrt(r)  # one unit-norm key (blocks were normalised)
-  inputs["k"] = k
-  inputs["mask"] = jnp.ones((r, r)) if r > 1 else None
-  o, f = run(implementation, chunk_size=16, **inputs)
+def test_all_ones_mask_is_gated_delta_rule(ones_mask_cases, request, implementation, r):
+  inputs = _ones_mask_inputs(r)
+  k = inputs["k"]
+  o, f = ones_mask_cases[case_id(request)]
   K = k.shape[-1]
   o_np, f_np = np_gated_delta_rule(
     inputs["q"], k, inputs["v"], inputs["g"], inputs["beta"], K**-0.5, inputs["initial_state"]
@@ -99,14 +122,34 @@ def test_default_scale_and_explicit_scale():
 # exactly two chunks, two and a token), each mask shape twice; the mask shape does not change how
 # T is padded and cut (the forward of every implementation and mask shape at other lengths:
 # test_implementations.py::test_forward_matches_reference).
+def _lengths_inputs(T, mask_kind):
+  return make_inputs(9, B=1, T=T, H=2, K=16, V=8, r=2, mask_kind=mask_kind)
+
+
+@pytest.fixture(scope="module")
+def lengths_cases(request):
+  """Each case's reference and "xla" results, every case in one jitted program
+  (tests/one_program.py)."""
+
+  def case(T, mask_kind):
+    inputs = _lengths_inputs(T, mask_kind)
+    names, _ = present_arrays(inputs)
+
+    def both(*arrays):
+      kw = dict(inputs, **dict(zip(names, arrays)))
+      return run("reference", **kw), run("xla", chunk_size=32, **kw)
+
+    return both, [inputs[n] for n in names]
+
+  return one_program(request, "test_lengths_and_mask_shapes", case)
+
+
 @pytest.mark.parametrize(
   "T,mask_kind",
   [(1, "token"), (5, "shared"), (16, "head"), (33, "token"), (64, "shared"), (65, "head")],
 )
-def test_lengths_and_mask_shapes(T, mask_kind):
-  inputs = make_inputs(9, B=1, T=T, H=2, K=16, V=8, r=2, mask_kind=mask_kind)
-  o_ref, f_ref = run("reference", **inputs)
-  o, f = run("xla", chunk_size=32, **inputs)
+def test_lengths_and_mask_shapes(lengths_cases, request, T, mask_kind):
+  (o_ref, f_ref), (o, f) = lengths_cases[case_id(request)]
   assert o.shape == (1, T, 2, 8)
   assert_close(o, o_ref, tol(jnp.float32), "o")
   assert_close(f, f_ref, tol(jnp.float32), "final")

@@ -16,6 +16,7 @@ from gdp_jax.ops.gated_delta_product import reference, xla
 from gdp_jax.ops.gated_delta_product import xla_backward as xb
 from gdp_jax.ops.validation import normalize_mask
 from tests.cases import GRAD_TOLERANCE, assert_close, cotangents, make_inputs, tol
+from tests.one_program import case_id, one_program
 
 TOL = tol(jnp.float32)  # 2e-5 relative (max-norm): the stages agree to ~1e-6
 B, H, K, V = 2, 2, 16, 8
@@ -62,6 +63,19 @@ def _jit(fn, s):
   static = {n: s[n] for n in STATIC}
   arrays = {n: x for n, x in s.items() if n not in STATIC}
   return jax.jit(lambda a: fn({**static, **a}))(arrays)
+
+
+def _program(fn, s, parts=False):
+  """(fn, args) of tests/one_program.py for fn(s): s's arrays traced, its STATIC entries fixed;
+  `parts`: s updated with what the forward computes (`_forward_parts`) inside the program."""
+  static = {n: s[n] for n in STATIC}
+  arrays = {n: x for n, x in s.items() if n not in STATIC}
+
+  def run(a):
+    s = {**static, **a}
+    return fn({**s, **_forward_parts(s)} if parts else s)
+
+  return run, [arrays]
 
 
 def _forward_parts(s):
@@ -129,16 +143,31 @@ def _dv_local_ref(s):
   return vjp(s["do"])[0]
 
 
-@pytest.mark.parametrize("r,mask_kind,with_state,chunk", STAGE_CASES)
-def test_dv_local(r, mask_kind, with_state, chunk):
-  s = _setup(1, r, mask_kind, with_state, chunk)
-  got, ref = _jit(
-    lambda s: (
-      xb.chunk_bwd_dv_local(s["q"], s["k"], s["gcum"], s["do"], s["scale"], s["chunk"], s["r"]),
-      _dv_local_ref(s),
+def _dv_local_case(s):
+  got = xb.chunk_bwd_dv_local(s["q"], s["k"], s["gcum"], s["do"], s["scale"], s["chunk"], s["r"])
+  return got, _dv_local_ref(s)
+
+
+# The cases of each parametrized test below are computed by one jitted program
+# (tests/one_program.py), the forward's parts included.
+def _stage_cases(request, test_name, seed, case):
+  return one_program(
+    request,
+    test_name,
+    lambda r, mask_kind, with_state, chunk: _program(
+      case, _setup(seed, r, mask_kind, with_state, chunk, parts=False), parts=True
     ),
-    s,
   )
+
+
+@pytest.fixture(scope="module")
+def dv_local_cases(request):
+  return _stage_cases(request, "test_dv_local", 1, _dv_local_case)
+
+
+@pytest.mark.parametrize("r,mask_kind,with_state,chunk", STAGE_CASES)
+def test_dv_local(dv_local_cases, request, r, mask_kind, with_state, chunk):
+  got, ref = dv_local_cases[case_id(request)]
   _check(got, ref, "dv_local")
 
 
@@ -184,10 +213,15 @@ def _dhu_case(s):
   return got, (dh_ref, dh0_ref, du_ref)
 
 
+@pytest.fixture(scope="module")
+def dhu_cases(request):
+  return _stage_cases(request, "test_dhu", 2, _dhu_case)
+
+
 @pytest.mark.parametrize("r,mask_kind,with_state,chunk", STAGE_CASES)
-def test_dhu(r, mask_kind, with_state, chunk):
-  s = _setup(2, r, mask_kind, with_state, chunk)
-  (dh, dh0, dv_new), (dh_ref, dh0_ref, du_ref) = _jit(_dhu_case, s)
+def test_dhu(dhu_cases, request, r, mask_kind, with_state, chunk):
+  s = _setup(2, r, mask_kind, with_state, chunk, parts=False)
+  (dh, dh0, dv_new), (dh_ref, dh0_ref, du_ref) = dhu_cases[case_id(request)]
   assert dh.shape == (B, H, T // chunk, K, V)
   np.testing.assert_array_equal(np.asarray(dh[:, :, -1]), np.asarray(s["dfinal"]))
   _check(dh, dh_ref, "dh")
@@ -234,10 +268,14 @@ def _dqkwg_case(s):
   return got, refs
 
 
+@pytest.fixture(scope="module")
+def dqkwg_cases(request):
+  return _stage_cases(request, "test_dqkwg", 4, _dqkwg_case)
+
+
 @pytest.mark.parametrize("r,mask_kind,with_state,chunk", STAGE_CASES)
-def test_dqkwg(r, mask_kind, with_state, chunk):
-  s = _setup(4, r, mask_kind, with_state, chunk)
-  got, refs = _jit(_dqkwg_case, s)
+def test_dqkwg(dqkwg_cases, request, r, mask_kind, with_state, chunk):
+  got, refs = dqkwg_cases[case_id(request)]
   for name, x, ref in zip(
     ("dq", "dk (o and state part)", "dw", "dgcum (o and state part)"), got, refs
   ):
@@ -261,14 +299,29 @@ def _wy_case(s):
   return xb.wy_bwd(*args), xb.wy_bwd(*args, w=s["w"], u=s["u"]), refs
 
 
-@pytest.mark.parametrize("r,mask_kind,with_state,chunk", WY_CASES)
-def test_wy_bwd(r, mask_kind, with_state, chunk):
-  s = _setup(5, r, mask_kind, with_state, chunk)
+def _wy_setup(r, mask_kind, with_state, chunk):
+  s = _setup(5, r, mask_kind, with_state, chunk, parts=False)
+  parts, args = _program(_forward_parts, s)
+  shapes = jax.eval_shape(parts, *args)
   rng = np.random.default_rng(55)
-  s["dw"] = jnp.asarray(rng.standard_normal(s["w"].shape), jnp.float32)
-  s["du"] = jnp.asarray(rng.standard_normal(s["u"].shape), jnp.float32)
-  got, got_wu, refs = _jit(_wy_case, s)
-  assert got[3].shape == s["mask"].shape
+  s["dw"] = jnp.asarray(rng.standard_normal(shapes["w"].shape), jnp.float32)
+  s["du"] = jnp.asarray(rng.standard_normal(shapes["u"].shape), jnp.float32)
+  return s
+
+
+@pytest.fixture(scope="module")
+def wy_cases(request):
+  return one_program(
+    request,
+    "test_wy_bwd",
+    lambda **case: _program(_wy_case, _wy_setup(**case), parts=True),
+  )
+
+
+@pytest.mark.parametrize("r,mask_kind,with_state,chunk", WY_CASES)
+def test_wy_bwd(wy_cases, request, r, mask_kind, with_state, chunk):
+  got, got_wu, refs = wy_cases[case_id(request)]
+  assert got[3].shape == _setup(5, r, mask_kind, with_state, chunk, parts=False)["mask"].shape
   for name, x, x_wu, ref in zip(("dk", "dv", "dbeta", "dmask", "dgcum"), got, got_wu, refs):
     _check(x, ref, f"wy {name}")
     _check(x_wu, ref, f"wy {name} (w, u given)")
@@ -319,11 +372,19 @@ def _full_case(s, residual_ai=False):
   return got, refs
 
 
-@pytest.mark.parametrize("r,mask_kind,with_state,chunk", CASES)
-def test_full_backward(r, mask_kind, with_state, chunk):
-  s = _setup(10 + r, r, mask_kind, with_state, chunk, parts=False)
+@pytest.fixture(scope="module")
+def full_cases(request):
   # half the cases take the forward's Ai as residual, the others recompute it
-  got, refs = _jit(functools.partial(_full_case, residual_ai=with_state), s)
+  def case(r, mask_kind, with_state, chunk):
+    s = _setup(10 + r, r, mask_kind, with_state, chunk, parts=False)
+    return _program(functools.partial(_full_case, residual_ai=with_state), s)
+
+  return one_program(request, "test_full_backward", case)
+
+
+@pytest.mark.parametrize("r,mask_kind,with_state,chunk", CASES)
+def test_full_backward(full_cases, request, r, mask_kind, with_state, chunk):
+  got, refs = full_cases[case_id(request)]
   for name, x, ref in zip(NAMES, got, refs):
     assert x.dtype == ref.dtype, name
     _check(x, ref, name)
