@@ -45,6 +45,9 @@ SUPPORTED_KEY_BLOCKS = BACKWARD_R  # the forward takes r = 8 too
 # faster on an H200 (benchmarks/results/h200_2026-12-03_mosaic_fused_forward_side_by_side.json,
 # docs/mosaic_gpu.md#the-fused-forward); fused=True asks for it.
 FUSED_KEY_BLOCKS: tuple[int, ...] = ()
+# r of the guard inside the kernels' loads without gradient (docs/mosaic_gpu.md
+# #the-guard-in-the-loads); other r clean copies first, as a differentiated call does.
+LOAD_GUARD_KEY_BLOCKS: tuple[int, ...] = (1,)
 COMPUTE_CAPABILITY = HOPPER  # what the compiled kernels target (wgmma, TMA)
 NO_HIGHER_DERIVATIVES = (
   "gated_delta_product with implementation='mosaic_gpu' supports reverse-mode first derivatives "
@@ -75,6 +78,7 @@ class _Static(NamedTuple):
   guard: bool  # the non-finite guard (docs/precision.md#non-finite-inputs)
   interpret: bool
   fused: bool = True  # the forward without gradient in one kernel (fused_forward.py)
+  guard_in_loads: bool = True  # without gradient, the guard inside the kernels' loads
 
 
 def _params(static):
@@ -201,7 +205,7 @@ def _mark_final(final, marks):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _operator(q, k, v, g, beta, mask, h0, packing, static):
-  if static.guard and packing is None:
+  if static.guard and static.guard_in_loads and packing is None:
     # a bad q spoils only its own token's output, which the kernel writes as nan (non-finite)
     (g, beta, mask), marks = _marks(k, v, g, beta, mask)
     o, final, _ = _forward_once(
@@ -331,5 +335,8 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
       lay = varlen.layout(cu_seqlens, q.shape[1], chunk_tokens(mask.shape[-1]))
       packing = _Packing(lay, varlen.sequence_chunks(lay).T)
     mask = mask.astype(jnp.float32)
-    static = self._static(scale)._replace(fused=self._fused(mask.shape[-1]))
+    r = mask.shape[-1]
+    static = self._static(scale)._replace(
+      fused=self._fused(r), guard_in_loads=r in LOAD_GUARD_KEY_BLOCKS
+    )
     return _operator(q, k, v, g, beta, mask, initial_state, packing, static)
