@@ -199,10 +199,6 @@ def _marks(k, v, g, beta, mask):
   return (g, beta, mask), marks
 
 
-def _mark_final(final, marks):
-  return jnp.where(marks.final[..., None, None], jnp.array(jnp.nan, final.dtype), final)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _operator(q, k, v, g, beta, mask, h0, packing, static):
   if static.guard and static.guard_in_loads and packing is None:
@@ -211,7 +207,7 @@ def _operator(q, k, v, g, beta, mask, h0, packing, static):
     o, final, _ = _forward_once(
       q, k, v, g, beta, mask, h0, packing, static, False, guard_marks=marks.o
     )
-    return o, _mark_final(final, marks)
+    return o, nonfinite.mark_final(final, marks)
   marks = None
   if static.guard:  # packed: per sequence, on cleaned copies
     (_, k, v, g, beta, mask), marks = _clean(q, k, v, g, beta, mask, packing)

@@ -88,8 +88,12 @@ def clean(q, k, v, g, beta, mask, *, local=False, substeps=1, with_state=False):
 def mark(o, final, marks):
   """o [B, T, H, V] and final [B, H, K, V] with the marked entries set to nan."""
   o = jnp.where(marks.o[..., None], jnp.array(jnp.nan, o.dtype), o)
-  final = jnp.where(marks.final[..., None, None], jnp.array(jnp.nan, final.dtype), final)
-  return o, final
+  return o, mark_final(final, marks)
+
+
+def mark_final(final, marks):
+  """final [B, H, K, V] set to nan where marked (for a kernel that marks o itself)."""
+  return jnp.where(marks.final[..., None, None], jnp.array(jnp.nan, final.dtype), final)
 
 
 def mark_cotangents(do, dfinal, marks):
