@@ -282,6 +282,40 @@ def test_dense_kernel_multi_token_splits(dense_split_cases, request, block_s, nu
   assert_close(out, ref, 5e-5, "kernel")
 
 
+def test_launch_fits_shared_memory():
+  """The kernels' shared memory on sm_90 (`shared_memory_bytes`, checked against two compiles:
+  78,336 bytes for a bf16 cache at D = 128, 4 query rows, block_s 64, 3 stages; 279,040 for 64
+  new tokens of 2 query heads over a float32 cache at D = 256, block_s 32, beyond the H200's
+  232,448) and the launches `fit_launch` plans for them."""
+  assert decode_attention.shared_memory_bytes(16, 128, 64, 3, 2) == 78_336
+  assert decode_attention.shared_memory_bytes(128, 256, 32, 3, 4) == 279_040
+  limit = 232_448
+  assert decode_attention.fit_launch(1, 4, 128, 2, 64, 3, limit) == (1, 64, 3)
+  assert decode_attention.fit_launch(64, 2, 256, 4, 32, 3, limit) == (32, 32, 3)
+  tokens, block_s, stages = decode_attention.fit_launch(1, 64, 512, 4, 32, 3, limit)
+  assert tokens == 1 and (block_s, stages) != (32, 3)
+  assert decode_attention.shared_memory_bytes(64, 512, block_s, stages, 4) <= limit
+
+
+def _pieces_case(paged):
+  """64 new tokens of 2 query heads at D = 256 over a float32 cache: two launches of 32 tokens
+  (`fit_launch`); a length below 64 leaves the first tokens seeing nothing."""
+  lengths = [80, 70, 40]
+  if paged:
+    arrays, dense_k, dense_v = make_paged(8, lengths, max_pages=5, Hkv=1, D=256, Tq=64)
+    out = paged_decode_attention.paged_gqa_decode(**arrays, scale=0.05)
+    return out, reference(arrays, dense_k, dense_v, scale=0.05)
+  q, kc, vc, lengths, ref = dense_case(8, lengths, 64, S=80, Hkv=1, D=256)
+  out = decode_attention.gqa_decode(q, kc, vc, lengths, scale=256**-0.5)
+  return out, ref
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_many_new_tokens_run_in_pieces(paged):
+  out, ref = _pieces_case(paged)
+  assert_close(out, ref, 5e-5, "pieces")
+
+
 @pytest.mark.parametrize("implementation", DENSE_IMPLS)
 def test_one_token_forms_agree(implementation):
   """[B, Hq, D] and [B, 1, Hq, D] give the same numbers (today's behaviour kept)."""

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import backend, options
+from pallas_kernels.common import backend, device, options
 from pallas_kernels.triton.inference import decode_splits
 
 f32 = jnp.float32
@@ -206,6 +206,47 @@ def kernel_shape(rows, group, tq, dim):
   )
 
 
+def shared_memory_bytes(rp, dp, block_s, num_stages, itemsize):
+  """Shared memory of one program (what the Triton lowering allocates on sm_90): the pipelined
+  key and value tiles (num_stages - 1 buffers each), the float32 query tile as a dot operand
+  (or its two bf16 halves), the probabilities' tile and a few barriers."""
+  return 2 * (num_stages - 1) * block_s * dp * itemsize + rp * dp * 4 + rp * block_s * 4 + 512
+
+
+def fit_launch(tq, group, dim, itemsize, block_s, num_stages, limit=None):
+  """(query tokens per launch, block_s, num_stages) whose programs fit `limit` bytes of shared
+  memory (default: the device's; docs/inference.md#several-new-tokens-per-step): many new tokens
+  (a chunked prefill from a cache) run as several launches over pieces of the tokens; a tile
+  too large even for one token takes fewer stages, then fewer rows per block."""
+  limit = device.shared_memory_per_block() if limit is None else limit
+  dp = max(16, pl.next_power_of_2(dim))
+  rp = lambda tokens: max(16, pl.next_power_of_2(tokens * group))
+  fits = lambda tokens: shared_memory_bytes(rp(tokens), dp, block_s, num_stages, itemsize) <= limit
+  while not fits(1) and (num_stages > 2 or block_s > 16):
+    num_stages, block_s = (
+      (num_stages - 1, block_s) if num_stages > 2 else (num_stages, block_s // 2)
+    )
+  tokens = tq
+  while tokens > 1 and not fits(tokens):
+    tokens = (tokens + 1) // 2
+  return tokens, block_s, num_stages
+
+
+def by_token_pieces(decode, query, lengths, tokens, capacity):
+  """decode(query piece, lengths) over pieces of at most `tokens` of the query's Tq new tokens:
+  piece [t0, t1) sees what its tokens see in the whole call (slots < L - Tq + 1 + t, L clamped
+  to [0, capacity]), which is the whole call's rule with lengths L - (Tq - t1) and Tq = t1 - t0."""
+  if query.ndim == 3 or query.shape[1] <= tokens:
+    return decode(query, lengths)
+  tq = query.shape[1]
+  lengths = jnp.clip(lengths, 0, capacity)
+  outs = [
+    decode(query[:, t0 : min(t0 + tokens, tq)], lengths - (tq - min(t0 + tokens, tq)))
+    for t0 in range(0, tq, tokens)
+  ]
+  return jnp.concatenate(outs, axis=1)
+
+
 @functools.partial(
   jax.jit, static_argnames=("scale", "block_s", "num_splits", "num_warps", "num_stages")
 )
@@ -229,13 +270,35 @@ def gqa_decode(
   """
   batch = query.shape[0]
   _, seq_len, kv_heads, dim = key_cache.shape
-  q_rows, tq, group = query_rows(query, kv_heads)
-  rows = tq * group
   if block_s is None:
     block_s = default_block_s(key_cache.dtype, seq_len)
   check_block_s(block_s)
+  tq, group = (1 if query.ndim == 3 else query.shape[1]), query.shape[-2] // kv_heads
+  tokens, block_s, num_stages = fit_launch(
+    tq, group, dim, key_cache.dtype.itemsize, block_s, num_stages
+  )
   if num_splits is None:
     num_splits = default_num_splits(batch, kv_heads, seq_len, block_s)
+  launch = functools.partial(
+    _launch,
+    key_cache=key_cache,
+    value_cache=value_cache,
+    scale=scale,
+    block_s=block_s,
+    num_splits=num_splits,
+    num_warps=num_warps,
+    num_stages=num_stages,
+  )
+  return by_token_pieces(launch, query, lengths, tokens, seq_len)
+
+
+def _launch(
+  query, lengths, *, key_cache, value_cache, scale, block_s, num_splits, num_warps, num_stages
+):
+  batch = query.shape[0]
+  _, seq_len, kv_heads, dim = key_cache.shape
+  q_rows, tq, group = query_rows(query, kv_heads)
+  rows = tq * group
 
   shape = kernel_shape(rows, group, tq, dim)
   kernel = functools.partial(

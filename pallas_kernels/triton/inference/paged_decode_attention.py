@@ -102,17 +102,51 @@ def paged_gqa_decode(
   """
   batch = query.shape[0]
   num_pages, page_size, kv_heads, dim = key_pages.shape
-  max_pages = block_tables.shape[1]
-  capacity = max_pages * page_size
-  q_rows, tq, group = dense.query_rows(query, kv_heads)
-  rows = tq * group
+  capacity = block_tables.shape[1] * page_size
   if page_size < 16 or page_size & (page_size - 1):
     raise ValueError(f"page_size must be a power of two >= 16, got {page_size}")
   if block_s is None:
     block_s = dense.default_block_s(key_pages.dtype, capacity, DEFAULTS)
   dense.check_block_s(block_s)
+  tq, group = (1 if query.ndim == 3 else query.shape[1]), query.shape[-2] // kv_heads
+  tokens, block_s, num_stages = dense.fit_launch(
+    tq, group, dim, key_pages.dtype.itemsize, block_s, num_stages
+  )
   if num_splits is None:
     num_splits = dense.default_num_splits(batch, kv_heads, capacity, block_s, defaults=DEFAULTS)
+  launch = functools.partial(
+    _launch,
+    key_pages=key_pages,
+    value_pages=value_pages,
+    block_tables=block_tables,
+    scale=scale,
+    block_s=block_s,
+    num_splits=num_splits,
+    num_warps=num_warps,
+    num_stages=num_stages,
+  )
+  return dense.by_token_pieces(launch, query, lengths, tokens, capacity)
+
+
+def _launch(
+  query,
+  lengths,
+  *,
+  key_pages,
+  value_pages,
+  block_tables,
+  scale,
+  block_s,
+  num_splits,
+  num_warps,
+  num_stages,
+):
+  batch = query.shape[0]
+  num_pages, page_size, kv_heads, dim = key_pages.shape
+  max_pages = block_tables.shape[1]
+  capacity = max_pages * page_size
+  q_rows, tq, group = dense.query_rows(query, kv_heads)
+  rows = tq * group
 
   shape = dense.kernel_shape(rows, group, tq, dim)
   kernel = functools.partial(
