@@ -10,8 +10,8 @@ states: the forward of `gated_delta_product` (o and the final state) at B, T, H,
   states' overhead over the forward without them.
 verify: `gated_delta_product_verify` over Tq tokens (`--tq`: 1, 2, 4, 8) against one
   `gated_delta_product_step` call, B in `--batches` (8, 64), H = 16, K = V = 128, a float32 state,
-  each implementation ("triton", "xla"), and "xla-compact": compact=True and `select_state` to
-  Tq - 1 tokens (verify and rollback).
+  each implementation ("triton", "xla"), and "xla-compact" / "triton-compact": compact=True and
+  `select_state` to Tq - 1 tokens (verify and rollback; the verify alone as ms_verify_alone).
 Median ms per call over `--reps` loops of `--inner` calls (`benchmarks.bench.time_jax`); the JSON
 ("runs") holds the date, the jax version, the GPU name and the command.
 """
@@ -73,21 +73,27 @@ def verify_runs(batches, tqs, heads, dim, reps, inner, implementations):
         shape = (B, max(tq, 1), heads, dim)
         q, k, v = (jax.random.normal(key[i], shape, jnp.bfloat16) * 0.1 for i in (1, 2, 3))
         beta = jnp.full(shape[:3], 0.5, jnp.float32)
+        compact = impl.endswith("-compact")
+        base = impl.removesuffix("-compact")
+        only_verify = None
         if tq == 0:
-          step_impl = "xla" if impl == "xla-compact" else impl
+          step_impl = base
           fn = jax.jit(
             lambda q, k, v, b, s: gated_delta_product_step(
               q[:, 0], k[:, 0], v[:, 0], None, b[:, 0], None, s, implementation=step_impl
             )
           )
-        elif impl == "xla-compact":  # verify, then the rollback to Tq - 1 tokens
+        elif compact:  # verify, then the rollback to Tq - 1 tokens (and the verify alone)
           lengths = jnp.full((B,), tq - 1, jnp.int32)
+          verify = lambda q, k, v, b, s: gated_delta_product_verify(
+            q, k, v, None, b, None, s, compact=True, implementation=base
+          )
 
-          def fn(q, k, v, b, s, lengths=lengths):
-            _, record = gated_delta_product_verify(q, k, v, None, b, None, s, compact=True)
-            return select_state(record, lengths)
+          def fn(q, k, v, b, s, lengths=lengths, verify=verify):
+            return select_state(verify(q, k, v, b, s)[1], lengths)
 
           fn = jax.jit(fn)
+          only_verify = jax.jit(verify)
         else:
           fn = jax.jit(
             lambda q, k, v, b, s: gated_delta_product_verify(
@@ -96,6 +102,10 @@ def verify_runs(batches, tqs, heads, dim, reps, inner, implementations):
           )
         ms, all_ms = time_jax(fn, (q, k, v, beta, state), reps, inner)
         run = dict(section="verify", implementation=impl, B=B, tq=tq, ms=round(ms, 4))
+        if only_verify is not None:
+          run["ms_verify_alone"] = round(
+            time_jax(only_verify, (q, k, v, beta, state), reps, inner)[0], 4
+          )
         run.update(all_ms=[round(x, 4) for x in all_ms])
         print(json.dumps(run), flush=True)
         runs.append(run)
@@ -139,7 +149,7 @@ def main(argv=None):
     batches = [1] if args.smoke else [int(x) for x in args.batches.split(",")]
     tqs = [2] if args.smoke else [int(x) for x in args.tq.split(",")]
     dim, heads = (16, 1) if args.smoke else (128, 16)
-    impls = ["triton", "xla", "xla-compact"] if gpu else ["xla", "xla-compact"]
+    impls = ["triton", "xla", "xla-compact", "triton-compact"] if gpu else ["xla", "xla-compact"]
     result["runs"] += verify_runs(batches, tqs, heads, dim, reps, inner, impls)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)

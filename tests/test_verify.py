@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from gdp_jax import gated_delta_product_step, gated_delta_product_verify, select_state
+from pallas_kernels.triton.inference import recurrent_verify
 from tests.cases import make_inputs
+from tests.triton_lowering import lower_for_h200
 
 TQ = 5
 
@@ -60,12 +62,14 @@ def test_verify_and_select_state_reject_bad_arguments():
     select_state(states, jnp.array([1.0, 2.0]))
 
 
-def test_compact_verify_rebuilds_every_length():
+@pytest.mark.parametrize("implementation", [None, "triton"])
+def test_compact_verify_rebuilds_every_length(implementation):
+  # None: the one-chunk jnp form; "triton": the tokens one by one in one kernel
   inp = _inputs()
   inp["g"] = inp["g"].at[1, 2, :].set(-jnp.inf)  # a reset in row 1: the state before is dropped
 
   def run(inp):
-    o, record = gated_delta_product_verify(**inp, compact=True)
+    o, record = gated_delta_product_verify(**inp, compact=True, implementation=implementation)
     ref_o, states = gated_delta_product_verify(**inp, implementation="xla")
     rebuilt = [select_state(record, jnp.full((3,), n, jnp.int32)) for n in range(TQ + 1)]
     return o, ref_o, states, rebuilt
@@ -75,7 +79,29 @@ def test_compact_verify_rebuilds_every_length():
   np.testing.assert_allclose(rebuilt[0], inp["initial_state"], rtol=0, atol=0)
   for n in range(1, TQ + 1):
     np.testing.assert_allclose(rebuilt[n], states[:, n - 1], rtol=2e-5, atol=2e-5, err_msg=str(n))
-  with pytest.raises(ValueError, match="compact=True"):
-    jax.eval_shape(
-      lambda inp: gated_delta_product_verify(**inp, compact=True, implementation="triton"), inp
-    )
+
+
+@pytest.mark.parametrize(
+  "B,H,Tq,K,V,r,mask_shape,dtype",
+  [
+    (64, 16, 4, 128, 128, 1, (1, 1, 1, 1, 1), jnp.bfloat16),  # the benchmark shape
+    (8, 4, 3, 128, 64, 2, (8, 4, 3, 2, 2), jnp.float32),  # a mask per token
+    (2, 2, 5, 24, 40, 3, (1, 2, 1, 3, 3), jnp.float32),  # K and V padded and masked
+  ],
+)
+def test_verify_kernel_lowers_to_triton(monkeypatch, B, H, Tq, K, V, r, mask_shape, dtype):
+  spec = jax.ShapeDtypeStruct
+  modules = lower_for_h200(
+    monkeypatch,
+    lambda *a: recurrent_verify.recurrent_verify(*a, scale=0.1),
+    spec((B, H, Tq, K), dtype),
+    spec((B, H, Tq, K), dtype),
+    spec((B, H, Tq, V), dtype),
+    spec((B, H, Tq), jnp.float32),
+    spec((B, H, Tq), jnp.float32),
+    spec(mask_shape, jnp.float32),
+    spec((B, H, K, V), jnp.float32),
+    clear=(recurrent_verify.recurrent_verify,),
+  )
+  assert "tt.reduce" in modules[0] and "tt.dot" not in modules[0]
+  assert modules[0].count("tt.store") >= Tq * (1 + r)  # each token's o and values, no state

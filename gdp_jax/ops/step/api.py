@@ -146,10 +146,11 @@ def gated_delta_product_verify(
       initial_state: [B, HV, K, V] or None (zeros). 1 <= Tq <= MAX_VERIFY_TOKENS.
     scale, implementation, precision: as `gated_delta_product_step` ("triton" runs its kernel
       once per token, "xla" the recurrence's step in one unrolled loop).
-    compact: False keeps every token's state; True runs the Tq tokens as one chunk of the
-      chunked form (jnp: implementation None or "xla"; the state read once) and keeps a
+    compact: False keeps every token's state; True reads the state once and keeps a
       `CompactStates` record instead, Tq (K + r V + 2) numbers per head, from which
-      `select_state` rebuilds any length's state with one more read of the state.
+      `select_state` rebuilds any length's state with one more read of the state: "xla" (and
+      None) runs the Tq tokens as one chunk of the chunked form, "triton" one by one in one
+      kernel that writes no state (recurrent_verify.py).
 
   Returns:
     (o [B, Tq, HV, V] in q.dtype, states [B, Tq, HV, K, V] float32: the state after each token,
@@ -169,12 +170,11 @@ def gated_delta_product_verify(
   q, k, v, beta, mask5 = (jnp.asarray(x) for x in (q, k, v, beta, mask5))
   q, k = (expand_key_heads(x, heads) for x in (q, k))
   compact = check_bool("compact", compact)
-  if compact and implementation not in (None, "xla"):
-    raise ValueError(
-      f"compact=True runs the chunked jnp form: implementation must be None or 'xla', got "
-      f"{implementation!r}"
-    )
-  if compact or (implementation is None and batch * heads * dim_k * dim_v > PALLAS_STEP_MAX_STATE):
+  if compact and implementation is None:
+    implementation = "xla"
+  if (
+    not compact and implementation is None and batch * heads * dim_k * dim_v > PALLAS_STEP_MAX_STATE
+  ):
     implementation = "xla"
   impl = REGISTRY.resolve(implementation)
   resolve_precision(precision)
@@ -184,7 +184,10 @@ def gated_delta_product_verify(
   state = jnp.asarray(initial_state).astype(jnp.float32)
   static, dynamic = static_scale(scale, dim_k**-0.5)
   if compact:
-    return verify_compact(q, k, v, g, beta, mask5, state, static if dynamic is None else dynamic)
+    kernel = impl.name == "triton"
+    return verify_compact(
+      q, k, v, g, beta, mask5, state, static if dynamic is None else dynamic, kernel=kernel
+    )
   verify = cast(Any, impl).verify  # XlaStep.verify, TritonStep.verify
   return verify(q, k, v, g, beta, mask5, state, static if dynamic is None else dynamic)
 

@@ -16,7 +16,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gdp_jax.ops.autodiff import no_gradients_message, raise_if_differentiated
 from gdp_jax.ops.gated_delta_product import nonfinite, xla
+from pallas_kernels.triton.inference import recurrent_verify
 
 CHUNK = 16  # the chunk of the one-chunk form: the most new tokens a verify call takes
 f32 = jnp.float32
@@ -36,32 +38,60 @@ class CompactStates(NamedTuple):
   bad: jax.Array  # [B, HV, Tq] bool: the state after this token is not finite
 
 
-def verify_compact(q, k, v, g, beta, mask, state, scale):
+def verify_compact(q, k, v, g, beta, mask, state, scale, kernel=False):
   """q, k [B, Tq, HV, K]; v [B, Tq, HV, V]; g, beta [B, Tq, HV]; mask [Bm, Tm, Hm, r, r];
-  state [B, HV, K, V] f32 -> (o [B, Tq, HV, V] in q's dtype, CompactStates)."""
+  state [B, HV, K, V] f32 -> (o [B, Tq, HV, V] in q's dtype, CompactStates). kernel: the
+  tokens one by one in the Triton kernel (recurrent_verify.py) instead of the one-chunk form."""
   t_q, r = q.shape[1], mask.shape[-1]
   (q, k, v, g, beta, mask), marks = nonfinite.clean(q, k, v, g, beta, mask, with_state=True)
+  bsz, _, heads, dim_k = k.shape
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, CHUNK - t_q)] + [(0, 0)] * (x.ndim - 2))
+  gamma, seg = xla.gate_cumsum(xla.to_head_major(pad(g)), CHUNK)
+  if kernel:
+    o, v_new = _kernel_tokens(q, k, v, g, beta, mask, state, scale)
+  else:
+    o, v_new = _one_chunk(q, k, v, g, beta, mask, state, scale, gamma, seg)
+  o = jnp.where(marks.o[..., None], jnp.nan, o)
+  record = CompactStates(
+    initial_state=state.astype(f32),
+    k=jnp.moveaxis(k.astype(f32), 1, 2).reshape(bsz, heads, t_q, r, dim_k // r),
+    v_new=v_new,
+    gamma=gamma[..., :t_q],
+    seg=seg[..., :t_q],
+    bad=jnp.moveaxis(marks.state, 1, 2),
+  )
+  return o.astype(q.dtype), record
+
+
+def _one_chunk(q, k, v, g, beta, mask, state, scale, gamma, seg):
+  """The tokens as one chunk of the chunked form (jnp): (o [B, Tq, HV, V], v_new
+  [B, HV, Tq, r, V])."""
+  t_q, r = q.shape[1], mask.shape[-1]
   pad = lambda x: jnp.pad(x, [(0, 0), (0, CHUNK - t_q)] + [(0, 0)] * (x.ndim - 2))
   mask = mask if mask.shape[1] == 1 else pad(mask)
   q, k, v, g, beta = map(pad, (q, k, v, g, beta))  # no-op tokens after the last
-  gamma, seg = xla.gate_cumsum(xla.to_head_major(g), CHUNK)
   beta_hm = xla.to_head_major(beta)
   ai = xla.solve_tril(xla.chunk_kkt(k, beta_hm, mask, gamma, CHUNK, seg), CHUNK * r)
   w, u = xla.recompute_w_u(k, v, beta_hm, mask, gamma, ai, CHUNK, seg)
   h = state.astype(f32)[:, :, None]  # [B, HV, 1, K, V]: the one chunk's start state
   v_new = u - xla.einsum_f32("zyik,zykv->zyiv", w, state.astype(f32))
   o = xla.chunk_output(q, k, v_new, h, gamma, scale, CHUNK, seg)[:, :t_q]
-  o = jnp.where(marks.o[..., None], jnp.nan, o)
-  bsz, _, heads, dim_k = k.shape
-  record = CompactStates(
-    initial_state=state.astype(f32),
-    k=xla.head_major_chunks(k, CHUNK)[:, :, 0, :t_q].reshape(bsz, heads, t_q, r, dim_k // r),
-    v_new=v_new.reshape(bsz, heads, CHUNK, r, -1)[:, :, :t_q],
-    gamma=gamma[..., :t_q],
-    seg=seg[..., :t_q],
-    bad=jnp.moveaxis(marks.state, 1, 2),
+  bsz, heads = v_new.shape[:2]
+  return o, v_new.reshape(bsz, heads, CHUNK, r, -1)[:, :, :t_q]
+
+
+def _kernel_tokens(q, k, v, g, beta, mask, state, scale):
+  """The tokens one by one in the Triton kernel: (o [B, Tq, HV, V] float32, v_new
+  [B, HV, Tq, r, V]: the values u_t^(a) each token's key blocks add)."""
+  head_major = lambda x: jnp.moveaxis(x, 1, 2)
+  static = not isinstance(scale, jax.Array)
+  kernel = raise_if_differentiated(
+    lambda *a: recurrent_verify.recurrent_verify(*a, scale=scale if static else 1.0),
+    no_gradients_message("gated_delta_product_verify"),
   )
-  return o.astype(q.dtype), record
+  o, u = kernel(*map(head_major, (q, k, v, g, beta, mask)), state)
+  o = head_major(o)
+  return (o if static else o * scale), u
 
 
 def rebuild(record: CompactStates, lengths):

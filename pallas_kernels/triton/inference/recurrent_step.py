@@ -29,29 +29,30 @@ f32 = jnp.float32
 DEFAULTS = options.StepOptions()
 
 
-def _update(s, q, k, v, decay, beta, m, rows, *, dim_k, kp, block_v, r, scale):
+def update_tile(s, q, k, v, decay, beta, m, rows, *, dim_k, kp, block_v, r, scale):
   """The one-token update of one [KP, BV] state tile (module docstring): returns (new tile,
-  o [BV] float32). q, k [KP], v [BV] float32; decay, beta scalars; m(a, d) the mask entry;
-  rows [KP, BV] the row index."""
+  o [BV] float32, [u_a [BV] for each key block a]: the values each block writes). q, k [KP],
+  v [BV] float32; decay, beta scalars; m(a, d) the mask entry; rows [KP, BV] the row index."""
   s = decay * s.astype(f32)  # S' = exp(g) S
   ks = k[:, None] * s  # k_i S'_i
   if r == 1:
-    pred = m(0, 0) * jnp.sum(ks, axis=0)  # [BV]
-    u_rows = jnp.broadcast_to((beta * (v - pred))[None, :], (kp, block_v))
+    us = [beta * (v - m(0, 0) * jnp.sum(ks, axis=0))]  # [BV]
+    u_rows = jnp.broadcast_to(us[0][None, :], (kp, block_v))
   else:
     dk = dim_k // r
     blk = jax.lax.div(rows, jnp.int32(dk))  # key block of each row
     proj = [jnp.sum(jnp.where(blk == d, ks, 0.0), axis=0) for d in range(r)]
-    u_rows = None
+    us, u_rows = [], None
     for a in range(r):
       pred = m(a, 0) * proj[0]
       for d in range(1, r):
         pred = pred + m(a, d) * proj[d]
-      u_a = jnp.broadcast_to((beta * (v - pred))[None, :], (kp, block_v))
+      us.append(beta * (v - pred))
+      u_a = jnp.broadcast_to(us[a][None, :], (kp, block_v))
       u_rows = u_a if u_rows is None else jnp.where(blk == a, u_a, u_rows)
   new = s + k[:, None] * u_rows  # block a writes its rows
   o = scale * jnp.sum(q[:, None] * new, axis=0)  # [BV]
-  return new, o
+  return new, o, us
 
 
 def _kernel(
@@ -114,7 +115,7 @@ def _kernel(
   else:
     s = tile[...]
   m = lambda a, d: mask_ref[a, d].astype(f32)  # loaded where used
-  new, o = _update(
+  new, o, _ = update_tile(
     s, q, k, v, decay, beta, m, rows, dim_k=dim_k, kp=kp, block_v=block_v, r=r, scale=scale
   )
 
