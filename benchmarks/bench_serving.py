@@ -5,9 +5,10 @@ docs/inference.md#verifying-draft-tokens).
   python benchmarks/bench_serving.py --smoke --out /tmp/serving.json   # a tiny run, any machine
 
 states: the forward of `gated_delta_product` (o and the final state) at B, T, H, K, V =
-  8, 4096, 16, 128, 128 (`--shape`), bfloat16, r = 1, `implementation="triton"` and `"pallas"`
-  (what None picks), without and with `state_every=N` for N in `--every` (256, 1024): the
-  states' overhead over the forward without them.
+  8, 4096, 16, 128, 128 (`--shape`), bfloat16, r = 1, `implementation="triton"`, `"pallas"`
+  (what None picks) and `"mosaic_gpu"` (its walk writing them), without and with
+  `state_every=N` for N in `--every` (256, 1024): the states' overhead over the forward without
+  them.
 verify: `gated_delta_product_verify` over Tq tokens (`--tq`: 1, 2, 4, 8) against one
   `gated_delta_product_step` call, B in `--batches` (8, 64), H = 16, K = V = 128, a float32 state,
   each implementation ("triton", "xla"), and "xla-compact" / "triton-compact": compact=True and
@@ -143,7 +144,7 @@ def main(argv=None):
   )
   sections = args.sections.split(",")
   if "states" in sections:
-    impls = ["triton", "pallas"] if gpu else ["xla"]
+    impls = ["triton", "pallas", "mosaic_gpu"] if gpu else ["xla"]
     result["runs"] += states_runs(shape, dtype, everies, impls, reps, inner)
   if "verify" in sections:
     batches = [1] if args.smoke else [int(x) for x in args.batches.split(",")]

@@ -121,15 +121,20 @@ def test_state_every_must_be_a_positive_multiple_of_the_chunk(every, error):
     jax.eval_shape(lambda inp: gated_delta_product(**inp, chunk_size=CHUNK, state_every=every), inp)
 
 
-def test_mosaic_gpu_routes_block_states_to_triton():
+def test_block_states_route_on_hopper():
+  # None and "pallas" keep the Triton kernels for block states; "mosaic_gpu" named takes them
+  # on plain rows every multiple of its chunk (64 tokens at r = 1, 32 at r = 2), else says why
   h200 = SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
   plain = Problem(jnp.bfloat16, 128, 128, 1, False)
-  states = plain._replace(block_states=True)
+  states = plain._replace(state_every=256)
   assert REGISTRY.resolve(None, h200, plain).name == "mosaic_gpu"
   for implementation in (None, "pallas"):
     assert REGISTRY.resolve(implementation, h200, states).name == "triton"
-  with pytest.raises(ValueError, match="block states"):
-    REGISTRY.resolve("mosaic_gpu", h200, states)
+  assert REGISTRY.resolve("mosaic_gpu", h200, states).name == "mosaic_gpu"
+  assert REGISTRY.resolve("mosaic_gpu", h200, states._replace(key_blocks=2, state_every=32))
+  for bad in (states._replace(state_every=32), states._replace(packed=True)):
+    with pytest.raises(ValueError, match="block states on unpacked rows, every multiple"):
+      REGISTRY.resolve("mosaic_gpu", h200, bad)
 
 
 def test_a_bad_token_spoils_the_states_from_its_block_on():

@@ -132,6 +132,30 @@ def test_lowers_for_cuda_at_benchmark_shape(monkeypatch, r, dim):
     assert function is value_and_grad or not triton, triton
 
 
+@pytest.mark.parametrize("r", [1, 2])
+def test_block_states_lower_for_cuda(monkeypatch, r):
+  # state_every at the benchmark shape: the forward's two kernels, the walk writing the block
+  # states, and nothing else (no Triton kernel); the guard in the loads at r = 1
+  monkeypatch.setattr(REGISTRY, "_table", dict(REGISTRY._table))
+  REGISTRY.register(REGISTRY.get("mosaic_gpu").replace(interpret=False))
+  batch, t_len, heads, dim = 8, 4096, 16, 128
+  spec = jax.ShapeDtypeStruct
+  act, gate = spec((batch, t_len, heads, dim), jnp.bfloat16), spec((batch, t_len, heads), F32)
+
+  def run(q, k, v, g, beta):
+    mask = jnp.tril(jnp.ones((r, r)))
+    return gated_delta_product(
+      q, k, v, g, beta, mask, state_every=256, chunk_size=64 // r, implementation="mosaic_gpu"
+    )
+
+  traced = jax.jit(run).trace(act, act, act, gate, gate)
+  assert traced.out_info[2].shape == (batch, t_len // 256, heads, dim, dim)
+  lines = traced.lower(lowering_platforms=("cuda",)).as_text().splitlines()
+  mosaic = [line for line in lines if "custom_call" in line and "mosaic_gpu" in line]
+  assert len(mosaic) == 2, len(mosaic)
+  assert not any("custom_call" in line and "triton" in line for line in lines)
+
+
 def test_packed_forward_lowers_for_cuda(monkeypatch):
   # packed sequences (64 of them in one row of 32k tokens): without gradient the Mosaic forward's
   # two kernels, its walk one program per sequence; differentiated, the backward's two more (the
@@ -270,6 +294,37 @@ def _run_interpreted():
   row["o_wrong"] = _rel_rms(o.astype(F32), o_wrong.astype(F32))
   row.update(_packed_interpreted())
   row["reverse_walks_with_packed"] = len(walks)
+  row.update(_block_states_interpreted(mosaic_impl))
+  return row
+
+
+def _block_states_interpreted(mosaic_impl):
+  """Block states (state_every = 64 at r = 2: every two of the kernels' 32-token chunks, T = 130
+  padded to 160) against the reference's, with a nan in v at token 100 (head 1): the state
+  after token 127 of head 1 and its outputs from token 100 on are nan, nothing else; the guard
+  on cleaned copies (r = 2's default) and in the kernels' loads."""
+  x = _inputs(11, t_len=130, heads=2, key_heads=1, value_dim=64)
+  x["v"] = x["v"].at[0, 100, 1].set(jnp.nan)
+  call = lambda impl: gated_delta_product(
+    **x, scale=0.3, chunk_size=32, state_every=64, output_final_state=True, implementation=impl
+  )
+  o_ref, _, states_ref = jax.jit(lambda: call("reference"))()
+  row = {}
+  for label, in_loads in (("copies", ()), ("loads", (2,))):
+    mosaic_impl.LOAD_GUARD_KEY_BLOCKS = in_loads
+    o, _, states = jax.jit(lambda: call("mosaic_gpu"))()
+    bad = np.zeros(states.shape, bool)
+    bad[0, 1, 1] = True  # row 1 (after token 127), head 1
+    states, want = np.asarray(states), np.asarray(states_ref)
+    row[f"blocks_{label}_shape"] = states.shape == want.shape == (1, 2, 2, 64, 64)
+    row[f"blocks_{label}_nan"] = bool(
+      np.array_equal(np.isnan(states), bad) and np.array_equal(np.isnan(want), bad)
+    )
+    row[f"blocks_{label}"] = _rel_rms(states[~bad], want[~bad])
+    fine = ~np.isnan(np.asarray(o_ref.astype(F32)))
+    row[f"blocks_{label}_o"] = _rel_rms(
+      np.asarray(o.astype(F32))[fine], np.asarray(o_ref.astype(F32))[fine]
+    )
   return row
 
 
@@ -358,6 +413,15 @@ def test_nonfinite_inputs_match_the_reference(interpreted):
     assert row[f"bad_{label}_nan_equal"] and row[f"bad_{label}_o"] < 1e-2, (label, row)
   for name in ("q", "k", "v", "g", "beta", "mask", "initial_state"):
     assert row["bad_finite_d" + name] and row["bad_d" + name] < 3e-2, (name, row)
+
+
+def test_block_states_interpreted_match_the_reference(interpreted):
+  # the forward walk writing the state after every two chunks (docs/operator.md
+  # #block-boundary-states), the guard on copies and in the loads
+  row = interpreted
+  for label in ("copies", "loads"):
+    assert row[f"blocks_{label}_shape"] and row[f"blocks_{label}_nan"], (label, row)
+    assert row[f"blocks_{label}"] < 1e-2 and row[f"blocks_{label}_o"] < 1e-2, (label, row)
 
 
 def test_gradients_interpreted_match_the_reference(interpreted):

@@ -182,6 +182,7 @@ def forward(
   seq_table: jax.Array | None = None,
   fused: bool = False,
   guard_marks: jax.Array | None = None,
+  state_every_chunks: int | None = None,
   interpret=None,
 ):
   """`o [B, T, H, V]` (dtype of q) and the final state `[B, H, K, V]` float32 (or None); with
@@ -196,6 +197,8 @@ def forward(
   guard_marks: None, or the non-finite guard in the kernels' loads (unpacked rows;
     docs/mosaic_gpu.md#the-guard-in-the-loads): `[B, T, H]` bool, the tokens whose output is to be
     nan (nonfinite.py's `Marks.o`); the kernels clean k and v as they land.
+  state_every_chunks: None, or e: last, the float32 state after every e chunks `[B, H, NC // e,
+    K, V]` (unpacked rows; `state_walk_ws`).
   interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
     The interpreter runs the walk's three warpgroups as threads of XLA's CPU client: on a machine
     with fewer than 3 cores set NPROC (for example NPROC=8) before jax starts, or they starve.
@@ -214,8 +217,8 @@ def forward(
   if guard_marks is not None:  # [B, T, H] -> [B, H, Tp] float32, the padding unmarked
     marks = jnp.swapaxes(pad_axes(guard_marks.astype(F32), ops.padded - t_len), 1, 2)
   if fused:
-    if return_inverse or store_states or seq_table is not None:
-      raise ValueError("fused=True: no return_inverse, store_states or seq_table")
+    if return_inverse or store_states or seq_table is not None or state_every_chunks:
+      raise ValueError("fused=True: no return_inverse, store_states, seq_table or block states")
     walk_args = (ops.gamma, ops.gamma_rows, ops.beta_rows, ops.mask_rows, ops.scale, h0_t, marks)
     o, s_t = fused_walk(
       ops.q, ops.k, ops.v, *walk_args, block_v=BLOCK_V, output_final_state=output_final_state,
@@ -241,12 +244,15 @@ def forward(
     store_states=store_states,
     seq_table=seq_table,
     marks=marks,
+    state_every_chunks=state_every_chunks,
     interpret=interpret,
   )
   o = o[:, :t_len, :, :value_dim]
   final = None
   if s_t is not None:
     final = jnp.swapaxes(s_t, 2, 3)[..., :value_dim]
+  if state_every_chunks is not None:  # the block states, back to [B, H, J, K, V]
+    states[-1] = jnp.swapaxes(states[-1], -1, -2)[..., :value_dim]
   extra = ((t0,) if return_inverse else ()) + tuple(states)
   return (o, final, *extra) if extra else (o, final)
 

@@ -135,7 +135,7 @@ def walk_scratch(*, stages, c, key_dim, bv, r, dtype, masked_keys, staged, n_cop
 def bind(refs: dict, scratch: dict, *, nc: int, group: int, bv: int, m_shape, **statics):
   """One program's view of a walk (`producer`, `chain`, `output` read it): the refs, the statics
   and the program's batch row (or sequence), head, key head, value columns and chunks."""
-  optional = dict(kw_s=None, xt_s=None, mk_tok=None, mk_ref=None, clean=False)
+  optional = dict(kw_s=None, xt_s=None, mk_tok=None, mk_ref=None, clean=False, blk_ref=None)
   w = types.SimpleNamespace(**{**optional, **refs, **scratch, **statics}, bv=bv)
   w.b, w.h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   w.hk = lax.div(w.h, group)  # the key head of value head h
@@ -240,6 +240,13 @@ def chain(w, registers: int = 232):
       vd_t, w.kb_s.at[slot], (bv, key_dim), init=jnp.exp(g_end) * s_t, stage=w.xt_s
     )
     plgpu.barrier_arrive(w.in_free.at[slot])
+    if w.blk_ref is not None:  # block states: the state after every `w.every`-th chunk
+      ends = w.first + n + 1
+
+      @pl.when(lax.rem(ends, w.every) == 0)
+      def _():  # straight from registers to global memory
+        w.blk_ref.at[w.b, w.h, lax.div(ends, w.every) - 1, w.cols_v][...] = s_new
+
     return s_new
 
   s_t = lax.fori_loop(0, w.count, step, s0)
@@ -343,6 +350,7 @@ def state_walk_ws(
   stages: int | None = None,
   seq_table: jax.Array | None = None,
   marks: jax.Array | None = None,
+  state_every_chunks: int | None = None,
   interpret=None,
 ):
   """The state walk and the output, per (batch, head, value tile) (module docstring).
@@ -371,11 +379,14 @@ def state_walk_ws(
     marks: None, or the non-finite guard in the loads (docs/mosaic_gpu.md#the-guard-in-the-loads):
       `[B, H, Tp]` float32, 1 where a token's output is to be nan (nonfinite.py's marks); k and v
       are cleaned in place as they land, and the output is nan where marked or non-finite.
+    state_every_chunks: None, or e: also return the float32 state after every e chunks,
+      transposed, `[B, H, NC // e, V, K]` (row j after chunks [0, (j + 1) e); unpacked rows),
+      written by the chain from its registers (docs/operator.md#block-boundary-states).
     interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()`.
 
   Returns:
-    `(o [B, Tp, H, V], final state transposed or None)`, and with `store_states` the two
-    per-chunk arrays after them.
+    `(o [B, Tp, H, V], final state transposed or None)`, with `store_states` the two per-chunk
+    arrays after them, and with `state_every_chunks` the block states last.
   """
   dims = walk_dims(q, k, v, t0, mask_rows, block_v)
   batch, padded, heads, key_dim, value_dim, r, c, nc, group = dims
@@ -397,6 +408,8 @@ def state_walk_ws(
     staged=staged, n_copies=9 + 2 * r + (marks is not None), warpgroups=3, packed=packed,
     marks=marks is not None,
   )  # fmt: skip
+  if state_every_chunks is not None and (packed or state_every_chunks < 1):
+    raise ValueError(f"state_every_chunks={state_every_chunks}: a positive count, unpacked rows")
   if marks is not None and (packed or marks.shape != (batch, heads, padded)):
     raise ValueError(f"marks: shape {marks.shape}, expected {(batch, heads, padded)}, unpacked")
 
@@ -406,13 +419,19 @@ def state_walk_ws(
   if store_states:
     out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, key_dim), dtype))
     out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, N), dtype))
+  if state_every_chunks is not None:
+    blocks = nc // state_every_chunks
+    out_type.append(jax.ShapeDtypeStruct((batch, heads, blocks, value_dim, key_dim), F32))
   in_names = ["q_ref", "k_ref", "v_ref", "t0_ref", "g_ref", "gr_ref", "beta_ref", "m_ref", "sc_ref"]
   in_names += ["h0_ref"] * (initial_state_t is not None) + ["tab_ref"] * packed
   in_names += ["mk_ref"] * (marks is not None)
   out_names = ["o_ref"] + ["ht_ref"] * output_final_state
   out_names += ["states_ref", "vnew_ref"] * store_states
+  out_names += ["blk_ref"] * (state_every_chunks is not None)
   names = in_names + out_names
-  absent = {n: None for n in ("h0_ref", "tab_ref", "mk_ref", "ht_ref", "states_ref", "vnew_ref")}
+  absent = {
+    n: None for n in ("h0_ref", "tab_ref", "mk_ref", "ht_ref", "states_ref", "vnew_ref", "blk_ref")
+  }
 
   def body(*refs, **scratch_refs):
     w = bind(
@@ -420,6 +439,7 @@ def state_walk_ws(
       m_shape=mask_rows.shape, stages=stages, r=r, c=c, dk=key_dim // r, key_dim=key_dim,
       dtype=dtype, householder=householder, masked_keys=masked_keys, staged=staged,
       store_states=store_states, warpgroups=3, clean=marks is not None,
+      every=state_every_chunks,
     )  # fmt: skip
     pl.when(w.wg == 2)(lambda: producer(w))
     pl.when(w.wg == 0)(lambda: chain(w))
@@ -448,6 +468,4 @@ def state_walk_ws(
   outs = list(outs)
   o = outs.pop(0)
   final = outs.pop(0) if output_final_state else None
-  if store_states:
-    return o, final, outs[0], outs[1]
-  return o, final
+  return (o, final, *outs)

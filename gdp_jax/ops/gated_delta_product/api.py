@@ -235,7 +235,7 @@ def gated_delta_product(
   scale = check_scale(scale)
   state_every = check_state_every(state_every, chunk_size)
   check_options(options)
-  problem = Problem(q.dtype, dim_k, dim_v, r, cu_seqlens is not None, state_every is not None)
+  problem = Problem(q.dtype, dim_k, dim_v, r, cu_seqlens is not None, state_every)
   impl = cast(GatedDeltaProductImplementation, REGISTRY.resolve(implementation, problem=problem))
   registry.check_backward(backward, impl)
   # None with explicit options keeps options.precision; else None follows jax's default.

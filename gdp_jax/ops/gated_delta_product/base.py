@@ -30,7 +30,7 @@ class Problem(NamedTuple):
   value_dim: int
   key_blocks: int  # r
   packed: bool  # cu_seqlens given
-  block_states: bool = False  # state_every given (block_states.py)
+  state_every: int | None = None  # block states (block_states.py)
 
 
 @dataclasses.dataclass(frozen=True)

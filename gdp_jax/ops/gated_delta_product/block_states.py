@@ -5,7 +5,8 @@ Plain rows: states [B, T // N, HV, K, V] float32, row j the state after tokens [
 Packed rows (cu_seqlens): [1, T // N, HV, K, V], the blocks of each sequence counted from its own
 start, sequence n's in rows [c[n], c[n + 1]) (c = `varlen.block_offsets`), zeros after the last.
 "reference" keeps them from its scan; "xla" and "triton" sample the states their walk over the
-chunks computes (each chunk's start state); "triton" has no derivatives here.
+chunks computes (each chunk's start state), "mosaic_gpu"'s walk writes them (plain rows);
+"triton" and "mosaic_gpu" have no derivatives here.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ f32 = jnp.float32
 i32 = jnp.int32
 
 NO_DERIVATIVES = (
-  "gated_delta_product(..., state_every=N) with implementation='triton' (or 'pallas') has no "
-  "derivatives: its kernels' states are a forward-only output. Differentiate a call without "
-  "state_every, or use implementation='xla' (or 'reference'), which JAX differentiates with the "
-  "states"
+  "gated_delta_product(..., state_every=N) with implementation='triton', 'mosaic_gpu' (or "
+  "'pallas') has no derivatives: its kernels' states are a forward-only output. Differentiate "
+  "a call without state_every, or use implementation='xla' (or 'reference'), which JAX "
+  "differentiates with the states"
 )
 
 
@@ -228,7 +229,21 @@ def _triton_forward(impl, q, k, v, g, beta, mask, h0, scale, chunk, every, cu_se
   return o, final, states
 
 
-FORMS = {"reference": _reference, "xla": _xla, "triton": _triton}
+def _mosaic_gpu(impl, q, k, v, g, beta, mask, h0, scale, chunk, every, cu_seqlens):
+  """The Hopper forward's walk writing the state after every `every` tokens from its registers
+  (mosaic_gpu.py, walk_ws.py); plain rows only (its `unsupported` declines packed ones); no
+  derivatives."""
+  rows = q.shape[1] // every
+  run = lambda *a: impl.block_states(*a, scale, every)
+  o, final, h, marks = raise_if_differentiated(run, NO_DERIVATIVES)(q, k, v, g, beta, mask, h0)
+  states = jnp.moveaxis(h[:, :, :rows], 2, 1)  # [B, rows, H, K, V], row j after (j + 1) every
+  if marks is not None:
+    token = jnp.broadcast_to((jnp.arange(rows, dtype=i32) + 1) * every - 1, states.shape[:2])
+    states = _mark(states, marks, token)
+  return o, final, states
+
+
+FORMS = {"reference": _reference, "xla": _xla, "triton": _triton, "mosaic_gpu": _mosaic_gpu}
 
 
 def run(impl, q, k, v, g, beta, mask, initial_state, scale, chunk_size, every, cu_seqlens=None):

@@ -79,6 +79,7 @@ class _Static(NamedTuple):
   interpret: bool
   fused: bool = True  # the forward without gradient in one kernel (fused_forward.py)
   guard_in_loads: bool = True  # without gradient, the guard inside the kernels' loads
+  every_chunks: int | None = None  # block states: the state after every this many chunks
 
 
 def _params(static):
@@ -111,8 +112,9 @@ def _forward(q, k, v, g, beta, mask, h0, packing, static, save, guard_marks=None
     return_inverse=save,
     store_states=save,
     seq_table=table,
-    fused=static.fused and not save and packing is None,
+    fused=static.fused and not save and packing is None and static.every_chunks is None,
     guard_marks=guard_marks,
+    state_every_chunks=static.every_chunks,
     interpret=_params(static),
   )
   return to_row(o), final, tuple(stored)
@@ -215,6 +217,30 @@ def _operator(q, k, v, g, beta, mask, h0, packing, static):
   return (o, final) if marks is None else nonfinite.mark(o, final, marks)
 
 
+def _with_block_states(q, k, v, g, beta, mask, h0, static):
+  """A call without gradient on unpacked rows that also returns the walk's block states:
+  (o, final, states [B, H, NC // e, K, V] float32, the guard's marks or None). The guard as
+  `_operator`'s; the marks say which states a bad token spoiled (block_states.py marks them)."""
+  marks = None
+  if static.guard and static.guard_in_loads:
+    no_q = jnp.zeros(k.shape[:3] + (1,), k.dtype)
+    (_, _, _, g, beta, mask), marks = nonfinite.clean(
+      no_q, k, v, g, beta, mask, local=True, with_state=True
+    )
+    o, final, (states,) = _forward_once(
+      q, k, v, g, beta, mask, h0, None, static, False, guard_marks=marks.o
+    )
+    return o, nonfinite.mark_final(final, marks), states, marks
+  if static.guard:
+    (q, k, v, g, beta, mask), marks = nonfinite.clean(
+      q, k, v, g, beta, mask, local=True, with_state=True
+    )
+  o, final, (states,) = _forward_once(q, k, v, g, beta, mask, h0, None, static, False)
+  if marks is not None:
+    o, final = nonfinite.mark(o, final, marks)
+  return o, final, states, marks
+
+
 def _operator_fwd(q, k, v, g, beta, mask, h0, packing, static):
   # Differentiated, the guard keeps cleaned copies (the backward's kernels read them): with the
   # cleaning inside all four kernels the training step measured slower on an H200
@@ -297,8 +323,16 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
         return f'{name} = {dim}; implementation="mosaic_gpu" takes {SUPPORTED_DIMS}; {use}'
     if problem.packed and not named:
       return "packed sequences run on the Triton kernels unless mosaic_gpu is named"
-    if problem.block_states:
-      return f'state_every: implementation="mosaic_gpu" does not return block states; {use}'
+    if problem.state_every is not None:
+      c = chunk_tokens(problem.key_blocks)
+      if problem.packed or problem.state_every % c:
+        return (
+          f"state_every={problem.state_every}: the mosaic_gpu kernels write block states on "
+          f"unpacked rows, every multiple of their chunk ({c} tokens at r = "
+          f"{problem.key_blocks}); {use}"
+        )
+      if not named:  # until measured on a GPU against the Triton kernels' (bench_serving.py)
+        return "block states run on the Triton kernels unless mosaic_gpu is named"
     return None
 
   def time_multiple(self, chunk_size, key_blocks):
@@ -319,6 +353,16 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
 
   def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
     return self._run(q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens)
+
+  def block_states(self, q, k, v, g, beta, mask, initial_state, scale, every):
+    """(o, final, states [B, H, T // every, K, V] float32, the guard's marks or None) without
+    gradient, unpacked rows, T a multiple of the chunk and `every` of it (block_states.py)."""
+    static = self._static(scale)._replace(
+      fused=False,
+      guard_in_loads=mask.shape[-1] in LOAD_GUARD_KEY_BLOCKS,
+      every_chunks=every // chunk_tokens(mask.shape[-1]),
+    )
+    return _with_block_states(q, k, v, g, beta, mask.astype(jnp.float32), initial_state, static)
 
   def _run(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
     args = (q, k, v, g, beta, mask, initial_state)
