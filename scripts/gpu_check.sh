@@ -37,6 +37,12 @@
 #   reproducible    bitwise reproducibility of "mosaic_gpu" and "triton" compiled: two runs, and a
 #                   row alone vs within a batch, outputs and gradients
 #                   (scripts/check_reproducible_gpu.py, docs/precision.md#reproducibility)
+#   serving         block states and the verify step (benchmarks/bench_serving.py), then generate
+#                   with a prefix cache and the speculative example (benchmarks/bench_prefix_cache.py)
+#   qwen            Qwen3.5 against transformers on this GPU (scripts/check_qwen3_5_gpu.py; with
+#                   flash-linear-attention installed transformers takes its Triton kernels), then
+#                   the Qwen3.5-shaped layer timed against the JAX model zoos' core
+#                   (benchmarks/bench_qwen3_5_layer.py)
 #   all             tests matrix bench stages memory decode (several commands' worth)
 #
 # Compilation: every section uses jax's persistent compilation cache in .jax_cache/ in the
@@ -56,6 +62,7 @@ OUT="${OUT:-/tmp/gdp_gpu_out}"
 PY="${PY:-python3}"
 SECTIONS_KNOWN="tests tests-forward tests-backward tests-decode matrix matrix-ieee matrix-dims"
 SECTIONS_KNOWN+=" bench stages memory decode compile compile-generate packed reproducible"
+SECTIONS_KNOWN+=" serving qwen"
 sections="${*:-all}"
 if [[ " $sections " == *" list "* ]]; then
   echo "$SECTIONS_KNOWN all"
@@ -204,6 +211,19 @@ fi
 if want compile; then
   "$PY" benchmarks/compile_profile.py --out "$OUT/compile_profile.json" ${COMPILE_ARGS:-} 2>&1 \
       | tee "$OUT/compile_profile.log" | tail -40
+fi
+if want serving; then
+  timeout --signal=INT $((SECTION_TIME_LIMIT / 2)) "$PY" benchmarks/bench_serving.py \
+      --reps 10 --inner 5 --out "$OUT/bench_serving.json" 2>&1 \
+      | tee "$OUT/bench_serving.log" | grep -v "^E[0-9]" | tail -12
+  timeout --signal=INT $((SECTION_TIME_LIMIT / 2)) "$PY" benchmarks/bench_prefix_cache.py \
+      --reps 3 --out "$OUT/prefix_cache.json" 2>&1 | tee "$OUT/prefix_cache.log" | tail -12
+fi
+if want qwen; then
+  timeout --signal=INT $((SECTION_TIME_LIMIT * 2 / 3)) "$PY" scripts/check_qwen3_5_gpu.py \
+      --out "$OUT/qwen3_5_gpu.json" 2>&1 | tee "$OUT/qwen3_5_gpu.log" | tail -6
+  timeout --signal=INT $((SECTION_TIME_LIMIT / 3)) "$PY" benchmarks/bench_qwen3_5_layer.py \
+      --out "$OUT/bench_qwen3_5_layer.json" 2>&1 | tail -6
 fi
 if want reproducible; then
   t0=$SECONDS
