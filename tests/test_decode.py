@@ -383,3 +383,24 @@ def test_kernel_lowers_to_triton(monkeypatch, B, S, Hq, Hkv, D, cache_dtype):
   assert text.count("gpu.barrier") == several
   # Two bf16 dots per product for a bf16 cache (query and weights split in high/low parts).
   assert text.count("tt.dot") == (4 if cache_dtype == jnp.bfloat16 else 2)
+
+
+@pytest.mark.parametrize("B,warps", [(32, 4), (8, 8)])
+def test_split_launches_take_more_warps(monkeypatch, B, warps):
+  # DecodeOptions: 8 warps when the sequence is split (B = 8: 4 splits), else 4 (B = 32)
+  spec = jax.ShapeDtypeStruct
+  cache = spec((B, 8192, 8, 128), jnp.bfloat16)
+  lower_for_h200(  # sets the lowering up for an H200
+    monkeypatch,
+    lambda q, k, v, n: decode_attention.gqa_decode(q, k, v, n, scale=0.1),
+    spec((B, 32, 128), jnp.float32),
+    cache,
+    cache,
+    spec((B,), jnp.int32),
+    clear=(decode_attention.gqa_decode,),
+  )
+  call = lambda q, k, v, n: decode_attention.gqa_decode(q, k, v, n, scale=0.1)
+  args = (spec((B, 32, 128), jnp.float32), cache, cache, spec((B,), jnp.int32))
+  text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  decode_attention.gqa_decode.clear_cache()
+  assert f"num_warps = {warps} : i32" in text

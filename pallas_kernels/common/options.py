@@ -269,6 +269,7 @@ class DecodeOptions:
 
   block_s: int = _DECODE["block_s"]
   num_warps: int = _DECODE["num_warps"]
+  split_num_warps: int = _DECODE["split_num_warps"]  # when the sequence is split over programs
   num_stages: int = _DECODE["num_stages"]
   min_blocks_per_split: int = _DECODE["min_blocks_per_split"]
   resident_per_sm: int = 2

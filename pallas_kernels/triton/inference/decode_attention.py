@@ -259,14 +259,15 @@ def gqa_decode(
   scale,
   block_s=None,
   num_splits=None,
-  num_warps=DEFAULTS.num_warps,
+  num_warps=None,
   num_stages=DEFAULTS.num_stages,
 ):
   """Flash-decoding GQA step. query [B, Hq, D] or [B, Tq, Hq, D]; caches [B, S, Hkv, D] (one
   dtype); lengths [B] int32 (clamped to [0, S] in the kernel); scale a Python float.
 
   Returns float32 in the query's shape. block_s (power of two >= 16), num_splits, num_warps and
-  num_stages are tuning knobs; None picks the defaults above.
+  num_stages are tuning knobs; None picks the defaults above (num_warps: more warps when the
+  sequence is split over several programs, `DecodeOptions.split_num_warps`).
   """
   batch = query.shape[0]
   _, seq_len, kv_heads, dim = key_cache.shape
@@ -279,6 +280,8 @@ def gqa_decode(
   )
   if num_splits is None:
     num_splits = default_num_splits(batch, kv_heads, seq_len, block_s)
+  if num_warps is None:
+    num_warps = DEFAULTS.num_warps if num_splits == 1 else DEFAULTS.split_num_warps
   launch = functools.partial(
     _launch,
     key_cache=key_cache,
