@@ -20,6 +20,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import backend, device
 from pallas_kernels.triton.inference import decode_attention as da
+from pallas_kernels.triton.inference import decode_splits
 from pallas_kernels.triton.inference import paged_decode_attention as pda
 
 f32 = jnp.float32
@@ -38,13 +39,7 @@ def num_splits(batch, kv_heads, seq_len, block_s, defaults):
 def _store_partials(o_ref, m_ref, l_ref, acc, m, l, *, rows, dim, rp, dp):
   """Write one split's (acc [R, D], m [R], l [R]), masking the padded rows and columns."""
   zero = pl.program_id(2) * 0
-  if rp != rows or dp != dim:
-    r_idx = jax.lax.broadcasted_iota(jnp.int32, (rp, dp), 0)
-    d_idx = jax.lax.broadcasted_iota(jnp.int32, (rp, dp), 1)
-    mask = (r_idx < rows) & (d_idx < dim)
-    pltriton.store(o_ref.at[pl.ds(zero, rp), pl.ds(zero, dp)], acc, mask=mask)
-  else:
-    o_ref[...] = acc
+  decode_splits.store_rows(o_ref, acc, zero, rows=rows, dim=dim, rp=rp, dp=dp)
   if rp != rows:
     row_ok = jax.lax.broadcasted_iota(jnp.int32, (rp,), 0) < rows
     pltriton.store(m_ref.at[pl.ds(zero, rp)], m, mask=row_ok)

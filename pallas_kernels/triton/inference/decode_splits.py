@@ -89,7 +89,7 @@ def split_refs(refs, num_splits):
   return o_ref, (acc_ref, m_ref, l_ref, count_ref)
 
 
-def _store_rows(o_ref, x, zero, *, rows, dim, rp, dp):
+def store_rows(o_ref, x, zero, *, rows, dim, rp, dp):
   """Write the [RP, DP] tile x into o_ref [R, D], masking the padded rows and columns. zero: a
   traced 0 (Pallas rejects a static slice past the ref's end)."""
   if rp != rows or dp != dim:
@@ -118,7 +118,7 @@ def finish(o_ref, scratch, acc, m, l, *, shape, num_splits):
   """End of program (b, h, j) (module docstring). o_ref [R, D]; scratch: () with one split,
   else (acc_ref [NS, RP, DP], m_ref [NS, RP], l_ref [NS, RP], counters [B * Hkv])."""
   j = pl.program_id(2)  # read here: the interpreter has no program ids inside `pl.when`
-  store = lambda x: _store_rows(
+  store = lambda x: store_rows(
     o_ref, x, j * 0, rows=shape["rows"], dim=shape["dim"], rp=shape["rp"], dp=shape["dp"]
   )
   if num_splits == 1:
