@@ -154,6 +154,11 @@ def test_block_states_lower_for_cuda(monkeypatch, r):
   mosaic = [line for line in lines if "custom_call" in line and "mosaic_gpu" in line]
   assert len(mosaic) == 2, len(mosaic)
   assert not any("custom_call" in line and "triton" in line for line in lines)
+  # fewer tokens than one block: no block state, an empty array
+  short = spec((batch, 40, heads, dim), jnp.bfloat16), spec((batch, 40, heads), F32)
+  traced = jax.jit(run).trace(short[0], short[0], short[0], short[1], short[1])
+  assert traced.out_info[2].shape == (batch, 0, heads, dim, dim)
+  traced.lower(lowering_platforms=("cuda",))
 
 
 def test_packed_forward_lowers_for_cuda(monkeypatch):
