@@ -15,7 +15,16 @@ GENERATE_OPTIONS) is split per program (prefill, decode loop): trace, lower and 
 of each in the first call, and what each holds (matmuls, loops, Pallas kernels; fusions and GEMMs
 after XLA). `chunk-fwd`: the Triton chunk_fwd alone in its two forms ("blocks" unrolled, "loop"),
 f32 and bf16, per r: compile and run time. Each entry runs in its own processes and caches.
-docs/performance.md#compile-time explains the figures.
+
+  python benchmarks/compile_profile.py --entries kernels --rs 1,2 --phases cold --out k.json
+  python benchmarks/compile_profile.py --entries kernels --lower-only   # any machine, no GPU
+
+`kernels`: each kernel alone (benchmarks/kernel_alone.py: the four Mosaic GPU kernels of the
+operator's training step, the fused forward, the operator's forward and training step, the flash
+attention), each case in a fresh process with an empty persistent cache: trace, lower, compile,
+first and second call of a jit holding that one kernel, and each kernel call's size in the
+lowered text (its serialized module); --kernels picks cases. --lower-only lowers them for an
+H200 without compiling. docs/performance.md#compile-time explains the figures.
 """
 
 from __future__ import annotations
@@ -35,10 +44,12 @@ SHAPE = dict(B=8, T=4096, H=16, K=128, V=128)
 
 
 def _count_pallas_calls(jaxpr) -> int:
+  """Pallas kernels in a jaxpr: Triton's `pallas_call`s and Mosaic GPU's (`mpmd_map`)."""
   count = 0
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
+    if eqn.primitive.name in ("pallas_call", "mpmd_map"):
       count += 1
+      continue
     for value in eqn.params.values():
       for item in value if isinstance(value, tuple | list) else (value,):
         inner = getattr(item, "jaxpr", None)
@@ -292,7 +303,7 @@ def _chunk_fwd_case(r, form, dtype_name):
   return dict(record, form=form, dtype=dtype_name, run_ms=round(1e3 * sorted(times)[5], 4))
 
 
-def run_cases(entries, impls, rs, modes):
+def run_cases(entries, impls, rs, modes, kernel_case=None, lower_only=False):
   """One phase, in this process: every requested case, errors recorded per case."""
   import jax
 
@@ -304,11 +315,16 @@ def run_cases(entries, impls, rs, modes):
     elif entry == "chunk-fwd":
       cases += [(entry, "pallas", r, f"{form}:{dt}") for r in rs for form in ("blocks", "loop")
                 for dt in ("f32", "bf16")]  # fmt: skip
+    elif entry == "kernels":
+      name, _, r = kernel_case.partition(":")
+      impl = "triton" if name.startswith("flash") else "mosaic_gpu"
+      cases.append((entry, impl, int(r) if r else None, name))
     elif entry == "layer" or entry in GENERATE_OPTIONS:
       cases += [(entry, impl, 2 if entry == "layer" else None, "fwdbwd") for impl in impls]
     else:
       raise SystemExit(
-        f"--entries: unknown entry {entry!r} (operator, layer, {', '.join(GENERATE_OPTIONS)})"
+        f"--entries: unknown entry {entry!r} (operator, layer, chunk-fwd, kernels, "
+        f"{', '.join(GENERATE_OPTIONS)})"
       )
   for entry, impl, r, mode in cases:
     record = dict(entry=entry, impl=impl, r=r, mode=mode)
@@ -317,6 +333,13 @@ def run_cases(entries, impls, rs, modes):
         record.update(_generate_case(impl, entry))
       elif entry == "chunk-fwd":
         record.update(_chunk_fwd_case(r, *mode.split(":")))
+      elif entry == "kernels":
+        from benchmarks.kernel_alone import ATTENTION, ATTENTION_SHAPE, case, profile
+
+        shape = tuple(SHAPE[n] for n in "BTHKV")
+        if mode in ATTENTION:  # (not the operator's: the top level's)
+          record["shape"] = dict(zip(("B", "T", "Hq", "Hkv", "D"), ATTENTION_SHAPE))
+        record.update(profile(*case(mode, r, shape), lower_only))
       else:
         fn, args = _operator_case(impl, r, mode) if entry == "operator" else _layer_case(impl)
         record.update(_profile(fn, args))
@@ -353,16 +376,21 @@ def main(argv=None):
   p.add_argument("--out", help="JSON file to write")
   p.add_argument("--entries", default="operator,layer,generate")
   p.add_argument("--impls", default="pallas,xla")
-  p.add_argument("--rs", default="1,2,4,8")
+  p.add_argument("--rs", help="r of the operator's cases (default 1,2,4,8; kernels: 1,2)")
   p.add_argument("--modes", default="fwd,fwdbwd", help="the operator's: fwd, fwdbwd")
   p.add_argument("--phases", default="cold,warm,no-autotune")
   p.add_argument("--shape", default="8,4096,16,128,128", help="B,T,H,K,V of the operator")
+  p.add_argument("--kernels", help="the kernels entry's cases (default all: kernel_alone.py)")
+  p.add_argument("--lower-only", action="store_true", help="kernels: lowered for an H200 only")
   p.add_argument("--phase", help=argparse.SUPPRESS)
   p.add_argument("--cache-dir", help=argparse.SUPPRESS)
+  p.add_argument("--kernel-case", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   SHAPE.update(zip("BTHKV", (int(x) for x in args.shape.split(","))))
   entries = args.entries.split(",")
   impls = args.impls.split(",")
+  if args.rs is None:
+    args.rs = "1,2" if entries == ["kernels"] else "1,2,4,8"
   rs = [int(x) for x in args.rs.split(",")]
 
   if args.phase:  # a child process: one phase
@@ -371,8 +399,16 @@ def main(argv=None):
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    run_cases(entries, impls, rs, args.modes.split(","))
+    if args.lower_only:
+      from benchmarks.compile_model import _as_h200
+
+      _as_h200()
+    run_cases(entries, impls, rs, args.modes.split(","), args.kernel_case, args.lower_only)
     return
+  if args.lower_only and entries != ["kernels"]:
+    raise SystemExit("--lower-only: for --entries kernels only")
+  if ROOT not in sys.path:  # (run as a script: benchmarks/ is on the path, not the repository)
+    sys.path.insert(0, ROOT)
 
   common = [
     "--shape",
@@ -383,13 +419,13 @@ def main(argv=None):
     args.entries,
     "--modes",
     args.modes,
-  ]
+  ] + ["--lower-only"] * args.lower_only
   import jax
 
   meta = dict(
     date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     jax_version=jax.__version__,
-    gpu=jax.devices()[0].device_kind,
+    gpu="NVIDIA H200 (lowered for)" if args.lower_only else jax.devices()[0].device_kind,
     # The command as run from the repository, --out by file name (no machine paths).
     command=" ".join(
       ["python benchmarks/compile_profile.py"]
@@ -409,6 +445,19 @@ def main(argv=None):
   for entry in entries:
     entry_common = list(common)
     entry_common[entry_common.index("--entries") + 1] = entry
+    if entry == "kernels":  # each case in its own processes and cache
+      from benchmarks.kernel_alone import kernel_cases
+
+      names = None if args.kernels is None else args.kernels.split(",")
+      for kernel_case in kernel_cases(names, rs):
+        with tempfile.TemporaryDirectory() as cache:
+          for phase in args.phases.split(","):
+            if phase != "no-autotune":  # (no GEMM for XLA's autotuner in a kernel alone)
+              argv = [*entry_common, "--impls", "mosaic_gpu", "--kernel-case", kernel_case]
+              records += _phase(phase, cache, argv, save)
+              save([])
+        print(f"kernels: {kernel_case} done", flush=True)
+      continue
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as cache2:
       for phase in args.phases.split(","):
         if phase == "no-autotune":
@@ -424,14 +473,16 @@ def main(argv=None):
   for rec in records:
     if "error" in rec:
       print(
-        rec.get("entry", ""), rec.get("impl", ""), rec.get("phase"), "ERROR", rec["error"][:200]
-      )
+        rec.get("entry", ""), rec.get("impl", ""), rec.get("r") or "", rec.get("mode", ""),
+        rec.get("phase"), "ERROR", rec["error"][:200],
+      )  # fmt: skip
       continue
     print(
       f"{rec['entry']:9} {rec['impl']:6} {rec['r'] or '':>2} {rec['mode']:6} {rec['phase']:12} "
       f"{rec.get('trace_s', 0):6.1f} {rec.get('lower_s', 0):6.1f} {rec.get('compile_s', 0):7.1f} "
-      f"{rec['first_call_s']:7.1f} {rec.get('pallas_kernels', '')}"
+      f"{rec.get('first_call_s', 0):7.1f} {rec.get('pallas_kernels', '')}"
       + (f" run {rec['run_ms']:.3f} ms" if "run_ms" in rec else "")
+      + "".join(f" {c['target']} {c['chars'] / 1e3:.0f}k" for c in rec.get("kernel_calls", ()))
     )
     for prog in rec.get("programs", ()):  # generate: its programs
       print(
