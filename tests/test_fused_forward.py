@@ -26,7 +26,7 @@ from pallas_kernels.triton.forward import chunk_fwd, chunk_state_output
 from tests.cases import (
   GRAD_TOLERANCE,
   assert_close,
-  loss_and_grads,
+  grads_program,
   make_inputs,
   outputs_and_grads,
   present_arrays,
@@ -216,11 +216,14 @@ def test_operator_forward_and_gradients():
   # jitted: one compile instead of one per operation; the reference's outputs and gradients
   # from one program (tests/cases.py outputs_and_grads)
   (o_ref, f_ref), g_ref = outputs_and_grads(functools.partial(run, "reference"), inputs)
-  o, f = jax.jit(functools.partial(run, "pallas"))(**inputs)
+  # the pallas forward and both gradients: one program (one compile instead of three)
+  grads, args = grads_program(functools.partial(run, "pallas"), inputs)
+  grads_jnp_bwd, _ = grads_program(functools.partial(run, "pallas", backward="xla"), inputs)
+  (o, f), g_pal, g_jnp_bwd = jax.jit(
+    lambda kw, a: (run("pallas", **kw), grads(*a), grads_jnp_bwd(*a))
+  )(inputs, args)
   assert_close(o, o_ref, F32, "o")
   assert_close(f, f_ref, F32, "final state")
-  g_pal = loss_and_grads(functools.partial(run, "pallas"), inputs)
-  g_jnp_bwd = loss_and_grads(functools.partial(run, "pallas", backward="xla"), inputs)
   assert set(g_pal) == set(g_jnp_bwd) == set(g_ref) == set(inputs)
   for name in g_ref:
     assert g_pal[name].shape == inputs[name].shape, name

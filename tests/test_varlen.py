@@ -736,10 +736,12 @@ def test_batch_must_be_one():
 def test_layer_packed_call_equals_separate_calls(layer_class, kw):
   """Outputs, the per-document caches of a packed prefill and the gradient in x equal those of
   the documents run apart (one row each, right-padded, with `lengths`): neither the short
-  convolution nor the state crosses a document boundary."""
+  convolution nor the state crosses a document boundary. The layers run the operator's
+  recurrence ("reference"): what is checked is the layer's packing, and its programs compile
+  fastest."""
   D = 16
   layer = layer_class(
-    D, 2, 8, expand_v=2, chunk_size=16, implementation="xla", rngs=nnx.Rngs(0), **kw
+    D, 2, 8, expand_v=2, chunk_size=16, implementation="reference", rngs=nnx.Rngs(0), **kw
   )
   lengths = (5, 1, 0, 21)
   cu, width = cu_of(lengths), max(lengths)
