@@ -20,7 +20,7 @@ f32 and bf16, per r: compile and run time. Each entry runs in its own processes 
   python benchmarks/compile_profile.py --entries kernels --lower-only   # any machine, no GPU
 
 `kernels`: each kernel alone (benchmarks/kernel_alone.py: the four Mosaic GPU kernels of the
-operator's training step, the fused forward, the operator's forward and training step, the flash
+operator's training step, the operator's forward and training step, the flash
 attention), each case in a fresh process with an empty persistent cache: trace, lower, compile,
 first and second call of a jit holding that one kernel, and each kernel call's size in the
 lowered text (its serialized module); --kernels picks cases. --lower-only lowers them for an

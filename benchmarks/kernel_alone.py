@@ -1,6 +1,6 @@
 """One kernel alone per jitted function, for compile_profile.py's `kernels` entry: each Mosaic GPU
-kernel of the operator's training step (and the fused forward) on the inputs the operator gives it
-at the benchmark shape, the whole operator for comparison, and the models' flash attention
+kernel of the operator's training step on the inputs the operator gives it at the benchmark
+shape, the whole operator for comparison, and the models' flash attention
 (docs/performance.md#compile-time).
 
 `case(name, r, shape)` returns (function, argument ShapeDtypeStructs): the function holds exactly
@@ -18,9 +18,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-# The kernels of a training step, the fused forward, the operator (forward; value_and_grad of a
+# The kernels of a training step, the operator (forward; value_and_grad of a
 # loss reading o) and the models' flash attention (forward; forward and backward).
-KERNELS = ("chunk_inverse", "state_walk_ws", "state_grad_walk", "chunk_grads", "fused_walk")
+KERNELS = ("chunk_inverse", "state_walk_ws", "state_grad_walk", "chunk_grads")
 OPERATOR = ("operator-fwd", "operator-fwdbwd")
 ATTENTION = ("flash_attention-fwd", "flash_attention-fwdbwd")
 # The attention layers of train-lm's h200 preset (examples/byte_lm/train_lm.py): B, T, Hq, Hkv, D.
@@ -88,7 +88,6 @@ def case(name, r, shape):
   V (the attention's at ATTENTION_SHAPE)."""
   from pallas_kernels.mosaic_gpu import backward_walk, chunk_grads, chunk_inverse, walk_ws
   from pallas_kernels.mosaic_gpu.forward import BLOCK_V
-  from pallas_kernels.mosaic_gpu.fused_forward import fused_walk
 
   if name in OPERATOR:
     return _operator_case(name, r, shape)
@@ -102,9 +101,6 @@ def case(name, r, shape):
   inverse = chunk_inverse.chunk_inverse
   if name == "chunk_inverse":
     return inverse, (k, beta_rows, mask_rows)
-  if name == "fused_walk":
-    fused = functools.partial(fused_walk, block_v=BLOCK_V, output_final_state=True)
-    return (lambda q, k, v, *gates: fused(q, k, v, *gates)), (q, k, v, *gates)
   t0 = jax.eval_shape(inverse, k, beta_rows, mask_rows)
   # the walk as a differentiated call runs it: final state, per-chunk states and new values
   walk = functools.partial(

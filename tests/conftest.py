@@ -248,7 +248,6 @@ LONGEST_FIRST = (
   "tests/test_partitioning.py::test_sharded_inputs_run_the_kernels_per_device",
   "tests/test_mosaic_gpu.py::*",
   "tests/test_sharding.py::test_sharding_group*",
-  "tests/test_fused_forward_mosaic.py::*",
   "tests/test_xla_backward.py::*",
   "tests/test_fused_forward.py::*",
   "tests/test_paged_decode.py::*",

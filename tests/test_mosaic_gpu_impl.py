@@ -98,8 +98,8 @@ def test_inputs_it_cannot_take_are_clear_errors(change, words):
 @pytest.mark.parametrize("r,dim", [(1, 128), (2, 128), (4, 128), (2, 64)])
 def test_lowers_for_cuda_at_benchmark_shape(monkeypatch, r, dim):
   # the public function with implementation="mosaic_gpu", its kernels lowered for the GPU (not
-  # the interpreter) from this CPU: without gradient the forward's two kernels (the fused
-  # forward is opt-in: docs/mosaic_gpu.md#the-fused-forward) and nothing else; a training step
+  # the interpreter) from this CPU: without gradient the forward's two kernels and nothing
+  # else; a training step
   # runs the same two kernels and the backward's two, lowered once for its two layers
   monkeypatch.setattr(REGISTRY, "_table", dict(REGISTRY._table))
   REGISTRY.register(REGISTRY.get("mosaic_gpu").replace(interpret=False))

@@ -8,7 +8,7 @@ groups of 16 rows are solved in float32 first (`diag_solve.py`). The gates enter
 (docs/chunked_form.md#one-inverse-for-w-and-u). k of rank 5 holds the Householder form's
 sub-steps, whose merges start from each token's block inverse
 (docs/mosaic_gpu.md#the-householder-form). Each program walks several chunks, the next chunk's
-loads and the last chunk's store in flight; `invert` serves the fused forward too.
+loads and the last chunk's store in flight.
 """
 
 from __future__ import annotations

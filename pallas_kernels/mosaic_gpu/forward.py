@@ -25,7 +25,6 @@ from pallas_kernels.mosaic_gpu.common import (
   SUPPORTED_DTYPES,
   chunk_tokens,
 )
-from pallas_kernels.mosaic_gpu.fused_forward import fused_walk
 from pallas_kernels.mosaic_gpu.walk_ws import state_walk_ws
 
 N = ROWS_PER_CHUNK
@@ -180,7 +179,6 @@ def forward(
   return_inverse: bool = False,
   store_states: bool = False,
   seq_table: jax.Array | None = None,
-  fused: bool = False,
   guard_marks: jax.Array | None = None,
   state_every_chunks: int | None = None,
   interpret=None,
@@ -216,16 +214,6 @@ def forward(
   marks = None
   if guard_marks is not None:  # [B, T, H] -> [B, H, Tp] float32, the padding unmarked
     marks = jnp.swapaxes(pad_axes(guard_marks.astype(F32), ops.padded - t_len), 1, 2)
-  if fused:
-    if return_inverse or store_states or seq_table is not None or state_every_chunks:
-      raise ValueError("fused=True: no return_inverse, store_states, seq_table or block states")
-    walk_args = (ops.gamma, ops.gamma_rows, ops.beta_rows, ops.mask_rows, ops.scale, h0_t, marks)
-    o, s_t = fused_walk(
-      ops.q, ops.k, ops.v, *walk_args, block_v=BLOCK_V, output_final_state=output_final_state,
-      interpret=interpret,
-    )  # fmt: skip
-    final = None if s_t is None else jnp.swapaxes(s_t, 2, 3)[..., :value_dim]
-    return o[:, :t_len, :, :value_dim], final
   clean = marks is not None
   t0 = chunk_inverse(ops.k, ops.beta_rows, ops.mask_rows, clean=clean, interpret=interpret)
   o, s_t, *states = state_walk_ws(

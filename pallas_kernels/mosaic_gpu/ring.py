@@ -1,6 +1,6 @@
-"""The TMA ring of the warp-specialised walks (`walk_ws.py`, `fused_forward.py`,
-`backward_walk.py`): a producer warpgroup streams each step's tiles into one of `stages`
-shared-memory slots, the consumers release the slot, the producer refills it
+"""The TMA ring of the warp-specialised walks (`walk_ws.py`, `backward_walk.py`): a producer
+warpgroup streams each step's tiles into one of `stages` shared-memory slots, the consumers
+release the slot, the producer refills it
 (docs/mosaic_gpu.md#the-ring, which says why this is not `plgpu.emit_pipeline_warp_specialized`).
 
 Per slot three barriers: `in_bar`, the step's TMA copies landed (one arrival per copy);

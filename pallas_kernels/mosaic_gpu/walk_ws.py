@@ -6,8 +6,7 @@ warpgroups: the producer (2) streams each chunk's q, k, v, T0, gates, beta and m
 the TMA ring (`ring.py`, docs/mosaic_gpu.md#the-ring); warpgroup 1, off the chain, forms the
 block and masked keys and the gated inverse `Ag` in place, then the output; the chain (0) runs
 three dependent products per chunk, its left operands in registers, and publishes `S^T` and
-`v_new^T` for the output. `producer`, `chain` and `output` serve the fused forward too
-(`fused_forward.py`). k and v of rank 5 are the Householder form's sub-steps, one per row
+`v_new^T` for the output. k and v of rank 5 are the Householder form's sub-steps, one per row
 (docs/mosaic_gpu.md#the-householder-form). Every warpgroup waits for the others before it exits
 (an early exit while another still issued wgmmas faulted on sm_90 with jax 0.11.2).
 """
@@ -94,7 +93,7 @@ def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: b
 
 def walk_scratch(*, stages, c, key_dim, bv, r, dtype, masked_keys, staged, n_copies, warpgroups,
                  packed, marks=False) -> dict:  # fmt: skip
-  """The shared memory of a warp-specialised walk (`state_walk_ws`, `fused_forward`): the ring of
+  """The shared memory of the warp-specialised walk (`state_walk_ws`): the ring of
   `stages` input stages, the chain's published tiles, the output's tiles and the barriers; with
   `marks` a per-token row per stage (the non-finite guard's marks, `output`)."""
   vecs = plgpu.SMEM((stages, N), F32)
@@ -155,9 +154,8 @@ def bind(refs: dict, scratch: dict, *, nc: int, group: int, bv: int, m_shape, **
 
 
 def producer(w, registers: int = 40):
-  """The producer warpgroup: streams a chunk's q, k, v (T0 unless `w.t0_ref` is None), gates,
-  beta, mask rows (and marks: `w.mk_ref`) with TMA into the ring, refilling a stage once both
-  consumers released it."""
+  """The producer warpgroup: streams a chunk's q, k, v, T0, gates, beta, mask rows (and marks:
+  `w.mk_ref`) with TMA into the ring, refilling a stage once both consumers released it."""
   set_registers(registers, w.warpgroups)
   c, b, hk, h = w.c, w.b, w.hk, w.h
 
@@ -165,8 +163,7 @@ def producer(w, registers: int = 40):
     n = w.first + i  # the chunk of the i-th step
     rows = pl.ds(n * c, c)
     put(w.q_ref.at[b, rows, hk], w.q_s)
-    if w.t0_ref is not None:
-      put(w.t0_ref.at[b, h, pl.ds(n * N, N)], w.t_s)
+    put(w.t0_ref.at[b, h, pl.ds(n * N, N)], w.t_s)
     put(w.g_ref.at[b, h, rows], w.g_tok, pl.ds(0, c))
     if w.mk_ref is not None:
       put(w.mk_ref.at[b, h, rows], w.mk_tok, pl.ds(0, c))
@@ -215,7 +212,7 @@ def chain(w, registers: int = 232):
     g_end = w.g_last[slot, N - 1]
     stage_s = w.st_pub.at[half] if staged else None
     # Kw = Kb, the keys as loaded (r = 1; Householder): S^T Kw^T need not wait for the stage,
-    # unless the keys are cleaned in it (`w.clean`, fused_forward.py)
+    # unless the keys are cleaned in it (`w.clean`: the guard in the loads)
     early = not w.masked_keys and not w.clean
     if w.r == 1 and not w.masked_keys:  # the mask is one number per token: it scales S^T k^T
       key_decay = key_decay * plgpu.load(w.m_s.at[slot].at[0], layout=COLS)
@@ -259,12 +256,10 @@ def chain(w, registers: int = 232):
     plgpu.wait_smem_to_gmem(0)
 
 
-def output(w, *, gates: bool, registers: int = 232, ahead=None):
-  """The output warpgroup, off the chain. With `gates`, per stage first Kw, Kb (in place) and Ag
-  (in place from T0), then the chain may go (`prep_ready`); without, it waits for another
-  warpgroup to have done that (`fused_forward`). Then `Kb q^T ⊙ D` and, once the chain has
-  published the chunk's `S^T` and `v_new^T`, the output, which it stores. ahead: None, or run
-  first in step `n` (it then waits for the stages' loads: `fused_forward.ahead_of_output`)."""
+def output(w, *, registers: int = 232):
+  """The output warpgroup, off the chain: per stage first Kw, Kb (in place) and Ag (in place
+  from T0), then the chain may go (`prep_ready`); then `Kb q^T ⊙ D` and, once the chain has
+  published the chunk's `S^T` and `v_new^T`, the output, which it stores."""
   set_registers(registers, w.warpgroups)
   if w.tab_ref is None:  # (packed: read with the table, in `bind`)
     plgpu.copy_gmem_to_smem(w.sc_ref, w.sc_s, w.sc_bar)
@@ -279,27 +274,20 @@ def output(w, *, gates: bool, registers: int = 232, ahead=None):
     slot = lax.rem(n, stages)
     half = lax.rem(n, 2)
     rows = pl.ds((w.first + n) * c, c)
-    if ahead is not None:
-      ahead(n)
-    if gates:  # off the chain: Kw, Kb (in place) and Ag (in place), then the chain may go
-      plgpu.barrier_wait(w.in_bar.at[slot])
-      if w.clean:  # the non-finite guard in the loads: no nan or inf reaches a product
-        clean_tile(w.kb_s.at[slot])
-        clean_tile(w.vrep_s.at[slot])
-        plgpu.commit_smem()
-      g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
-      g_c = plgpu.load(w.g_cols.at[slot], layout=COLS)
-      b_c = plgpu.load(w.b_cols.at[slot], layout=COLS)
-      kw = w.kw_s.at[slot] if w.masked_keys else None
-      gate_stage(w.kb_s.at[slot], kw, w.t_s.at[slot], w.m_s.at[slot], g_r, g_c, b_c, w.dk, w.r,
-                 dtype, mask_keys=w.masked_keys)  # fmt: skip
+    # off the chain: Kw, Kb (in place) and Ag (in place), then the chain may go
+    plgpu.barrier_wait(w.in_bar.at[slot])
+    if w.clean:  # the non-finite guard in the loads: no nan or inf reaches a product
+      clean_tile(w.kb_s.at[slot])
+      clean_tile(w.vrep_s.at[slot])
       plgpu.commit_smem()
-      plgpu.barrier_arrive(w.prep_ready.at[slot])
-    else:  # the stage's loads too (seen complete already: transitivity left to no one)
-      if ahead is None:
-        plgpu.barrier_wait(w.in_bar.at[slot])
-      plgpu.barrier_wait(w.prep_ready.at[slot])
-      g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
+    g_r = plgpu.load(w.g_rows.at[slot], layout=ROWS)
+    g_c = plgpu.load(w.g_cols.at[slot], layout=COLS)
+    b_c = plgpu.load(w.b_cols.at[slot], layout=COLS)
+    kw = w.kw_s.at[slot] if w.masked_keys else None
+    gate_stage(w.kb_s.at[slot], kw, w.t_s.at[slot], w.m_s.at[slot], g_r, g_c, b_c, w.dk, w.r,
+               dtype, mask_keys=w.masked_keys)  # fmt: skip
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(w.prep_ready.at[slot])
     # The intra-chunk scores, transposed: (Kb q^T ⊙ D)^T.
     g_t = plgpu.load(w.g_tok.at[slot].at[pl.ds(0, c)], layout=COLS)
     pq = matmul(w.kb_s.at[slot], w.q_s.at[slot].T, pshape)
@@ -443,7 +431,7 @@ def state_walk_ws(
     )  # fmt: skip
     pl.when(w.wg == 2)(lambda: producer(w))
     pl.when(w.wg == 0)(lambda: chain(w))
-    pl.when(w.wg == 1)(lambda: output(w, gates=True))
+    pl.when(w.wg == 1)(lambda: output(w))
     finish(w)
 
   args = [q, k, v, t0, gamma, gamma_rows, beta_rows, mask_rows, scale]

@@ -1,10 +1,10 @@
 """`implementation="mosaic_gpu"`: the Mosaic GPU kernels for Hopper, forward and backward, as one
 operator with its own `jax.custom_vjp` (pallas_kernels/mosaic_gpu/, docs/mosaic_gpu.md).
 
-Forward: `pallas_kernels.mosaic_gpu.forward.forward`: without gradient one warp-specialised
-kernel (fused_forward.py); differentiated the chunks' gate-free inverses, then the state walk,
-which stores its per-chunk states and new values. The backward is the reverse walk
-(backward_walk.py) and the chunk-parallel gradients (chunk_grads.py), summed per token here.
+Forward: `pallas_kernels.mosaic_gpu.forward.forward`: the chunks' gate-free inverses, then the
+state walk, which for a differentiated call stores its per-chunk states and new values. The
+backward is the reverse walk (backward_walk.py) and the chunk-parallel gradients
+(chunk_grads.py), summed per token here.
 They take q, k, v in bfloat16 or float16, K and V in 64 and 128, r in 1, 2, 4, on compute
 capability 9.0 (`serves`, `unsupported`); other calls go to the next implementation of the
 registry (api.py). Packed sequences (cu_seqlens) are gathered into the chunk-aligned layout and
@@ -41,10 +41,6 @@ from pallas_kernels.mosaic_gpu.common import (
 )
 
 SUPPORTED_KEY_BLOCKS = BACKWARD_R  # the forward takes r = 8 too
-# r of the fused forward without gradient by default: none, since the two kernels measured
-# faster on an H200 (benchmarks/results/h200_2026-12-03_mosaic_fused_forward_side_by_side.json,
-# docs/mosaic_gpu.md#the-fused-forward); fused=True asks for it.
-FUSED_KEY_BLOCKS: tuple[int, ...] = ()
 # r of the guard inside the kernels' loads without gradient (docs/mosaic_gpu.md
 # #the-guard-in-the-loads); other r clean copies first, as a differentiated call does.
 LOAD_GUARD_KEY_BLOCKS: tuple[int, ...] = (1,)
@@ -77,7 +73,6 @@ class _Static(NamedTuple):
   scale: float
   guard: bool  # the non-finite guard (docs/precision.md#non-finite-inputs)
   interpret: bool
-  fused: bool = True  # the forward without gradient in one kernel (fused_forward.py)
   guard_in_loads: bool = True  # without gradient, the guard inside the kernels' loads
   every_chunks: int | None = None  # block states: the state after every this many chunks
 
@@ -88,9 +83,8 @@ def _params(static):
 
 def _forward(q, k, v, g, beta, mask, h0, packing, static, save, guard_marks=None):
   """(o, final, stored): the forward kernels; with `save` (a differentiated call) `stored` is
-  what the backward reads (the chunks' inverses, per-chunk states and new values). Without
-  `save` and unpacked, one fused kernel (T0 formed in shared memory, never stored); with `save`
-  the two kernels, since the backward reads T0 (chunk_grads.py)."""
+  what the backward reads (the chunks' inverses, per-chunk states and new values); with block
+  states (`static.every_chunks`) those."""
   to_layout, to_row, table = (lambda x: x), (lambda x: x), None
   if packing is not None:
     to_layout = functools.partial(varlen.pack, lay=packing.layout)
@@ -112,7 +106,6 @@ def _forward(q, k, v, g, beta, mask, h0, packing, static, save, guard_marks=None
     return_inverse=save,
     store_states=save,
     seq_table=table,
-    fused=static.fused and not save and packing is None and static.every_chunks is None,
     guard_marks=guard_marks,
     state_every_chunks=static.every_chunks,
     interpret=_params(static),
@@ -282,8 +275,6 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
   nonfinite_guard: None keeps the options' (on by default, docs/precision.md#non-finite-inputs).
   backward: "pallas" (the Mosaic backward) or "xla" (the jnp backward behind the Mosaic forward:
     a debugging switch).
-  fused: the forward without gradient in one kernel (docs/mosaic_gpu.md#the-fused-forward), or
-    False: the two kernels a differentiated call runs. None: fused for r in `FUSED_KEY_BLOCKS`.
   interpret: None follows pallas_kernels/common/backend.py (the Mosaic GPU interpreter off a
     GPU); False compiles the kernels for the GPU, True interprets them.
   """
@@ -301,7 +292,6 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
   nonfinite_guard: bool | None = None
   backward: str = "pallas"
   interpret: bool | None = None
-  fused: bool | None = None
 
   def serves(self, capability):
     return capability == COMPUTE_CAPABILITY
@@ -343,10 +333,7 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
     if guard is None:
       guard = True if self.options is None else self.options.nonfinite_guard
     interpret = self.interpret if self.interpret is not None else interpret_mode()
-    return _Static(float(scale), bool(guard), bool(interpret), bool(self.fused))
-
-  def _fused(self, key_blocks: int) -> bool:
-    return key_blocks in FUSED_KEY_BLOCKS if self.fused is None else self.fused
+    return _Static(float(scale), bool(guard), bool(interpret))
 
   def __call__(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size):
     return self._run(q, k, v, g, beta, mask, initial_state, scale, chunk_size, None)
@@ -358,7 +345,6 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
     """(o, final, states [B, H, T // every, K, V] float32, the guard's marks or None) without
     gradient, unpacked rows, T a multiple of the chunk and `every` of it (block_states.py)."""
     static = self._static(scale)._replace(
-      fused=False,
       guard_in_loads=mask.shape[-1] in LOAD_GUARD_KEY_BLOCKS,
       every_chunks=every // chunk_tokens(mask.shape[-1]),
     )
@@ -376,7 +362,5 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
       packing = _Packing(lay, varlen.sequence_chunks(lay).T)
     mask = mask.astype(jnp.float32)
     r = mask.shape[-1]
-    static = self._static(scale)._replace(
-      fused=self._fused(r), guard_in_loads=r in LOAD_GUARD_KEY_BLOCKS
-    )
+    static = self._static(scale)._replace(guard_in_loads=r in LOAD_GUARD_KEY_BLOCKS)
     return _operator(q, k, v, g, beta, mask, initial_state, packing, static)
