@@ -172,11 +172,12 @@ def _backward(q, k, v, g, beta, mask, h0, packing, stored, static, do, dfinal):
   )
 
 
-def _clean(q, k, v, g, beta, mask, packing):
-  """The non-finite guard's cleaned inputs and marks (nonfinite.py), per sequence when packed."""
+def _clean(q, k, v, g, beta, mask, packing, with_state=False):
+  """The non-finite guard's cleaned inputs and marks (nonfinite.py), per sequence when packed;
+  `with_state`: also the marks of the states after each token (block states)."""
   if packing is None:
-    return nonfinite.clean(q, k, v, g, beta, mask, local=True)
-  return varlen.clean(q, k, v, g, beta, mask, packing.layout.cu_seqlens)
+    return nonfinite.clean(q, k, v, g, beta, mask, local=True, with_state=with_state)
+  return varlen.clean(q, k, v, g, beta, mask, packing.layout.cu_seqlens, with_state=with_state)
 
 
 # One lowering of each kernel per distinct call (a model's layers: docs/train_lm.md#compile-time)
@@ -184,53 +185,49 @@ _forward_once = jitted_kernels(_forward, static_argnums=(8, 9))
 _backward_once = jitted_kernels(_backward, static_argnums=(9,))
 
 
-def _marks(k, v, g, beta, mask):
+def _marks(k, v, g, beta, mask, with_state=False):
   """The guard in the kernels' loads (a call without gradient on unpacked rows,
   docs/mosaic_gpu.md#the-guard-in-the-loads): the marks and the cleaned g, beta and mask (small);
   k and v stay as they are, the kernels clean them as they land; q's marks are left to the
   kernel (a non-finite output)."""
   no_q = jnp.zeros(k.shape[:3] + (1,), k.dtype)
-  (_, _, _, g, beta, mask), marks = nonfinite.clean(no_q, k, v, g, beta, mask, local=True)
+  (_, _, _, g, beta, mask), marks = nonfinite.clean(
+    no_q, k, v, g, beta, mask, local=True, with_state=with_state
+  )
   return (g, beta, mask), marks
+
+
+def _guarded_forward(q, k, v, g, beta, mask, h0, packing, static, with_state=False):
+  """A call without gradient, the non-finite guard around it: (o, final, the forward's stored
+  outputs (block states with `static.every_chunks`), the guard's marks or None)."""
+  if static.guard and static.guard_in_loads and packing is None:
+    # a bad q spoils only its own token's output, which the kernel writes as nan (non-finite)
+    (g, beta, mask), marks = _marks(k, v, g, beta, mask, with_state)
+    o, final, stored = _forward_once(
+      q, k, v, g, beta, mask, h0, packing, static, False, guard_marks=marks.o
+    )
+    return o, nonfinite.mark_final(final, marks), stored, marks
+  marks = None
+  if static.guard:  # packed rows and r > 1: on cleaned copies
+    (_, k, v, g, beta, mask), marks = _clean(q, k, v, g, beta, mask, packing, with_state)
+  o, final, stored = _forward_once(q, k, v, g, beta, mask, h0, packing, static, False)
+  if marks is not None:
+    o, final = nonfinite.mark(o, final, marks)
+  return o, final, stored, marks
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _operator(q, k, v, g, beta, mask, h0, packing, static):
-  if static.guard and static.guard_in_loads and packing is None:
-    # a bad q spoils only its own token's output, which the kernel writes as nan (non-finite)
-    (g, beta, mask), marks = _marks(k, v, g, beta, mask)
-    o, final, _ = _forward_once(
-      q, k, v, g, beta, mask, h0, packing, static, False, guard_marks=marks.o
-    )
-    return o, nonfinite.mark_final(final, marks)
-  marks = None
-  if static.guard:  # packed: per sequence, on cleaned copies
-    (_, k, v, g, beta, mask), marks = _clean(q, k, v, g, beta, mask, packing)
-  o, final, _ = _forward_once(q, k, v, g, beta, mask, h0, packing, static, False)
-  return (o, final) if marks is None else nonfinite.mark(o, final, marks)
+  return _guarded_forward(q, k, v, g, beta, mask, h0, packing, static)[:2]
 
 
 def _with_block_states(q, k, v, g, beta, mask, h0, static):
   """A call without gradient on unpacked rows that also returns the walk's block states:
-  (o, final, states [B, H, NC // e, K, V] float32, the guard's marks or None). The guard as
-  `_operator`'s; the marks say which states a bad token spoiled (block_states.py marks them)."""
-  marks = None
-  if static.guard and static.guard_in_loads:
-    no_q = jnp.zeros(k.shape[:3] + (1,), k.dtype)
-    (_, _, _, g, beta, mask), marks = nonfinite.clean(
-      no_q, k, v, g, beta, mask, local=True, with_state=True
-    )
-    o, final, (states,) = _forward_once(
-      q, k, v, g, beta, mask, h0, None, static, False, guard_marks=marks.o
-    )
-    return o, nonfinite.mark_final(final, marks), states, marks
-  if static.guard:
-    (q, k, v, g, beta, mask), marks = nonfinite.clean(
-      q, k, v, g, beta, mask, local=True, with_state=True
-    )
-  o, final, (states,) = _forward_once(q, k, v, g, beta, mask, h0, None, static, False)
-  if marks is not None:
-    o, final = nonfinite.mark(o, final, marks)
+  (o, final, states [B, H, NC // e, K, V] float32, the guard's marks or None); the marks say
+  which states a bad token spoiled (block_states.py marks them)."""
+  o, final, (states,), marks = _guarded_forward(
+    q, k, v, g, beta, mask, h0, None, static, with_state=True
+  )
   return o, final, states, marks
 
 

@@ -38,6 +38,11 @@ class CompactStates(NamedTuple):
   bad: jax.Array  # [B, HV, Tq] bool: the state after this token is not finite
 
 
+def _pad_tokens(x):
+  """[B, Tq, ...] -> [B, CHUNK, ...], zeros after the last token."""
+  return jnp.pad(x, [(0, 0), (0, CHUNK - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
 def verify_compact(q, k, v, g, beta, mask, state, scale, kernel=False):
   """q, k [B, Tq, HV, K]; v [B, Tq, HV, V]; g, beta [B, Tq, HV]; mask [Bm, Tm, Hm, r, r];
   state [B, HV, K, V] f32 -> (o [B, Tq, HV, V] in q's dtype, CompactStates). kernel: the
@@ -45,8 +50,7 @@ def verify_compact(q, k, v, g, beta, mask, state, scale, kernel=False):
   t_q, r = q.shape[1], mask.shape[-1]
   (q, k, v, g, beta, mask), marks = nonfinite.clean(q, k, v, g, beta, mask, with_state=True)
   bsz, _, heads, dim_k = k.shape
-  pad = lambda x: jnp.pad(x, [(0, 0), (0, CHUNK - t_q)] + [(0, 0)] * (x.ndim - 2))
-  gamma, seg = xla.gate_cumsum(xla.to_head_major(pad(g)), CHUNK)
+  gamma, seg = xla.gate_cumsum(xla.to_head_major(_pad_tokens(g)), CHUNK)
   if kernel:
     o, v_new = _kernel_tokens(q, k, v, g, beta, mask, state, scale)
   else:
@@ -67,9 +71,8 @@ def _one_chunk(q, k, v, g, beta, mask, state, scale, gamma, seg):
   """The tokens as one chunk of the chunked form (jnp): (o [B, Tq, HV, V], v_new
   [B, HV, Tq, r, V])."""
   t_q, r = q.shape[1], mask.shape[-1]
-  pad = lambda x: jnp.pad(x, [(0, 0), (0, CHUNK - t_q)] + [(0, 0)] * (x.ndim - 2))
-  mask = mask if mask.shape[1] == 1 else pad(mask)
-  q, k, v, g, beta = map(pad, (q, k, v, g, beta))  # no-op tokens after the last
+  mask = mask if mask.shape[1] == 1 else _pad_tokens(mask)
+  q, k, v, g, beta = map(_pad_tokens, (q, k, v, g, beta))  # no-op tokens after the last
   beta_hm = xla.to_head_major(beta)
   ai = xla.solve_tril(xla.chunk_kkt(k, beta_hm, mask, gamma, CHUNK, seg), CHUNK * r)
   w, u = xla.recompute_w_u(k, v, beta_hm, mask, gamma, ai, CHUNK, seg)
