@@ -122,15 +122,15 @@ def test_state_every_must_be_a_positive_multiple_of_the_chunk(every, error):
 
 
 def test_block_states_route_on_hopper():
-  # None and "pallas" keep the Triton kernels for block states; "mosaic_gpu" named takes them
-  # on plain rows every multiple of its chunk (64 tokens at r = 1, 32 at r = 2), else says why
+  # the Mosaic kernels take block states on plain rows every multiple of their chunk (64 tokens
+  # at r = 1, 32 at r = 2); other block states go on to the Triton kernels, and named, it says why
   h200 = SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
   plain = Problem(jnp.bfloat16, 128, 128, 1, False)
   states = plain._replace(state_every=256)
-  assert REGISTRY.resolve(None, h200, plain).name == "mosaic_gpu"
-  for implementation in (None, "pallas"):
-    assert REGISTRY.resolve(implementation, h200, states).name == "triton"
-  assert REGISTRY.resolve("mosaic_gpu", h200, states).name == "mosaic_gpu"
+  for implementation in (None, "pallas", "mosaic_gpu"):
+    assert REGISTRY.resolve(implementation, h200, states).name == "mosaic_gpu"
+  for other in (states._replace(state_every=32), states._replace(packed=True)):
+    assert REGISTRY.resolve(None, h200, other).name == "triton"
   assert REGISTRY.resolve("mosaic_gpu", h200, states._replace(key_blocks=2, state_every=32))
   for bad in (states._replace(state_every=32), states._replace(packed=True)):
     with pytest.raises(ValueError, match="block states on unpacked rows, every multiple"):

@@ -79,21 +79,22 @@ def test_default_per_device(device, expected):
 
 def test_the_first_implementation_that_takes_the_call_runs():
   # the preference list walked per call: on Hopper the Mosaic kernels take half-precision inputs
-  # with K, V in 64, 128 and r in 1, 2, 4; any other call goes on to the Triton kernels, and a
-  # named implementation that cannot take it is a clear error
+  # with K, V in 64, 128 and r in 1, 2, 4, packed or not; any other call goes on to the Triton
+  # kernels, and a named implementation that cannot take it is a clear error
   h200 = _gpu("9.0", "NVIDIA H200")
   ok = Problem(jnp.bfloat16, 128, 128, 2, False)
-  assert _resolve("gated_delta_product", None, h200, ok) == "mosaic_gpu"
+  for taken in (ok, ok._replace(packed=True)):
+    assert _resolve("gated_delta_product", None, h200, taken) == "mosaic_gpu", taken
+    assert _resolve("gated_delta_product", "pallas", h200, taken) == "mosaic_gpu", taken
   for other in (
     ok._replace(dtype=jnp.float32),
     ok._replace(key_dim=32),
     ok._replace(value_dim=256),
     ok._replace(key_blocks=8),
-    ok._replace(packed=True),
+    ok._replace(key_blocks=8, packed=True),
   ):
     assert _resolve("gated_delta_product", None, h200, other) == "triton", other
     assert _resolve("gated_delta_product", "pallas", h200, other) == "triton", other
-  assert _resolve("gated_delta_product", "mosaic_gpu", h200, ok._replace(packed=True))
   with pytest.raises(ValueError, match="takes bfloat16 or float16 only"):
     _resolve("gated_delta_product", "mosaic_gpu", h200, ok._replace(dtype=jnp.float32))
   with pytest.raises(ValueError, match="r = 8 key blocks"):

@@ -8,9 +8,8 @@ backward is the reverse walk (backward_walk.py) and the chunk-parallel gradients
 They take q, k, v in bfloat16 or float16, K and V in 64 and 128, r in 1, 2, 4, on compute
 capability 9.0 (`serves`, `unsupported`); other calls go to the next implementation of the
 registry (api.py). Packed sequences (cu_seqlens) are gathered into the chunk-aligned layout and
-walked one program per sequence (docs/mosaic_gpu.md#packed-sequences), when named: None and
-"pallas" keep the Triton kernels for them. Off a GPU the kernels run in jax's Mosaic GPU
-interpreter (docs/mosaic_gpu.md#testing-without-a-gpu).
+walked one program per sequence (docs/mosaic_gpu.md#packed-sequences). Off a GPU the kernels run
+in jax's Mosaic GPU interpreter (docs/mosaic_gpu.md#testing-without-a-gpu).
 """
 
 from __future__ import annotations
@@ -308,8 +307,6 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
     for name, dim in (("q, k: K", problem.key_dim), ("v: V", problem.value_dim)):
       if dim not in SUPPORTED_DIMS:
         return f'{name} = {dim}; implementation="mosaic_gpu" takes {SUPPORTED_DIMS}; {use}'
-    if problem.packed and not named:
-      return "packed sequences run on the Triton kernels unless mosaic_gpu is named"
     if problem.state_every is not None:
       c = chunk_tokens(problem.key_blocks)
       if problem.packed or problem.state_every % c:
@@ -318,8 +315,6 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
           f"unpacked rows, every multiple of their chunk ({c} tokens at r = "
           f"{problem.key_blocks}); {use}"
         )
-      if not named:  # until measured on a GPU against the Triton kernels' (bench_serving.py)
-        return "block states run on the Triton kernels unless mosaic_gpu is named"
     return None
 
   def time_multiple(self, chunk_size, key_blocks):
