@@ -8,9 +8,9 @@ subprocess with 8 simulated CPU devices:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/partitioning_checks.py
 
 Each case places the inputs with `NamedSharding`s (batch x heads with a per-head mask split
-over the heads, batch x grouped value heads, the sequence, batch x grouped value heads x
-sequence, batch x sequence; two with T = 40, not a multiple of the chunk, which each device pads
-on its own block or piece, so nothing is resharded) and runs
+over the heads and T = 40, not a multiple of the chunk, which each device pads on its own
+block, so nothing is resharded; batch x grouped value heads, the sequence, batch x grouped value
+heads x sequence) and runs
 `gated_delta_product(..., implementation="triton")` and its gradients under one `jax.jit`:
 outputs, final state and every gradient equal one device (the "reference" implementation); o,
 the final state and the gradients keep the inputs' sharding; and the compiled program has no
@@ -20,14 +20,14 @@ A sequence-sharded input runs context parallel: the same checks, and the only da
 collectives are the all-gathers of the small float32 per-piece [.., K, K + V] states (in the
 forward, and again in the backward, which runs the transition call again): "sequence" has
 pieces of half a chunk (the backward differentiates the whole piece again), "batch x grouped
-heads x sequence" and the Householder case whole chunks (the first call's residuals saved),
-"batch x sequence, T = 40" pieces of 10 tokens that each device pads to one chunk (no
-residuals saved: the backward runs the forward again on each piece). "xla batch x sequence"
+heads x sequence" whole chunks (the first call's residuals saved), the Householder case pieces
+of 20 sub-steps that each device pads to whole chunks (no residuals saved: the backward runs the
+forward again on each piece). "xla batch x sequence"
 runs the jnp chunked form ("xla") the same way (whole chunks: its saved chunk inverses and
 states split by chunk), and its jvp under `jax.jit` too; the Pallas cases' jvp under `jax.jit` is
 the operator's NotImplementedError while tracing (reverse mode only).
-The Householder form (the operator over the T * n_h sub-steps) is checked likewise, on a
-batch x heads x sequence mesh.
+The Householder form (the operator over the T * n_h sub-steps, 40 of them) is checked likewise,
+on a batch x heads x sequence mesh.
 The one-token step and dense and paged GQA decode are checked the same way (forward only).
 Each case prints one JSON line {"name", "ok", "detail", "seconds"}; the exit status is 0 when
 every case passed. On a machine with several GPUs, `--real` uses the devices as they are
@@ -71,15 +71,20 @@ TOL = 2e-5
 GRAD_TOL = 1e-4
 B, T, H, K, V = 2, 32, 4, 16, 8
 
-# (name, mesh axes {name: size}, r, mask kind, initial state, grouped value heads[, T]): the
-# axes "data" split the batch, "model" the heads, "seq" the sequence. T = 40 is not a multiple
-# of the chunk (16): each device pads its own block or piece.
+# (name, mesh axes {name: size}, r, mask kind, initial state, grouped value heads[, T[,
+# implementation]]): the axes "data" split the batch, "model" the heads, "seq" the sequence.
+# T = 40 is not a multiple of the chunk (16): each device pads its own block. The paths of the
+# operator's partitioning, one case each: T not a multiple of the chunk without a sequence split
+# (each device pads its block; the backward recomputes the forward) and with one (the
+# Householder case below: each piece padded), whole chunks without a sequence split (residuals
+# saved), a split into pieces of half a chunk ("sequence": the backward differentiates the whole
+# piece again) and into whole chunks (the first call's residuals saved); "xla", the jnp chunked
+# form, on its own path.
 CASES = [
   ("batch x heads, T = 40", {"data": 2, "model": 4}, 2, "head", True, False, 40),
   ("batch x grouped heads", {"data": 2, "model": 2}, 2, "token", True, True),
   ("sequence", {"seq": 4}, 2, "token", False, False),
   ("batch x grouped heads x sequence", {"data": 2, "model": 2, "seq": 2}, 2, "shared", True, True),
-  ("batch x sequence, T = 40", {"data": 2, "seq": 4}, 2, "head", True, False, 40),
   ("xla batch x sequence", {"data": 2, "seq": 2}, 2, "token", True, False, 64, "xla"),
 ]
 
@@ -181,25 +186,28 @@ def check_piece_gathers(moved):
   return f"only all-gathers of the piece states {sorted(set(c[2] for c in moved))}"
 
 
-# The Householder form (the operator over the T * n_h sub-steps): (name, mesh axes).
+# The Householder form (the r = 1 operator over the T * n_h sub-steps): (name, mesh axes, T).
+# T * n_h = 40 sub-steps, not a multiple of the chunk: the sequence in pieces of 10 tokens (20
+# sub-steps) that each device pads to whole chunks (no residuals saved: the backward runs the
+# forward again on each piece), next to a batch and a head split.
 HOUSEHOLDER_CASES = [
-  ("householder batch x heads x sequence", {"data": 2, "model": 2, "seq": 2}),
+  ("householder batch x heads x sequence, T = 20", {"data": 2, "model": 2, "seq": 2}, 20),
 ]
 
 
 def run_householder_case(case, seed):
-  name, axes = case
+  name, axes, t_len = case
   mesh = make_mesh(axes)
   n_h = 2
   rng = np.random.default_rng(seed)
   normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-  k = normal(B, T * n_h, H, K)
+  k = normal(B, t_len * n_h, H, K)
   inp = dict(
-    q=normal(B, T, H, K),
+    q=normal(B, t_len, H, K),
     k=k / jnp.linalg.norm(k, axis=-1, keepdims=True),
-    v=normal(B, T * n_h, H, V),
-    g=-jnp.abs(normal(B, T, H)) * 0.2,
-    beta=jax.nn.sigmoid(normal(B, T * n_h, H)),
+    v=normal(B, t_len * n_h, H, V),
+    g=-jnp.abs(normal(B, t_len, H)) * 0.2,
+    beta=jax.nn.sigmoid(normal(B, t_len * n_h, H)),
     initial_state=normal(B, H, K, V),
   )
   layout = specs(axes, None)

@@ -5,8 +5,8 @@ batch rows and heads, with no gather, and the operator runs context parallel on 
 jax fixes its device count when it starts, so the cases of `tests/partitioning_checks.py` run in
 a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8: inputs sharded over
 batch x grouped value heads, the sequence, batch x grouped heads x sequence and, with T not a
-multiple of the chunk, batch x heads and batch x sequence (and the Householder form on batch x
-heads x sequence, and "xla", the jnp chunked form, on batch x sequence, with a jvp); forward,
+multiple of the chunk, batch x heads and (the Householder form) batch x heads x sequence (and
+"xla", the jnp chunked form, on batch x sequence, with a jvp); forward,
 final state and every gradient against one device, the outputs' and gradients' shardings,
 and the compiled program's collectives (none that move data; with the sequence split only the
 all-gathers of the small per-piece states); the one-token step, GQA decode and paged GQA
