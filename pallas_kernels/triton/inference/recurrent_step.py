@@ -55,6 +55,16 @@ def update_tile(s, q, k, v, decay, beta, m, rows, *, dim_k, kp, block_v, r, scal
   return new, o, us
 
 
+def tile_sizes(dim_k, dim_v, block_v):
+  """(K padded to a power of two of at least 16, the value tile: `block_v`, checked, or the
+  default for V)."""
+  if block_v is None:
+    block_v = min(DEFAULTS.block_v, max(16, pl.next_power_of_2(dim_v)))
+  if block_v < 16 or block_v & (block_v - 1):
+    raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+  return max(16, pl.next_power_of_2(dim_k)), block_v
+
+
 def _kernel(
   q_ref,
   k_ref,
@@ -166,11 +176,7 @@ def recurrent_step(
   batch, heads, dim_k = q.shape
   dim_v = v.shape[-1]
   bm, hm, r, _ = mask.shape
-  kp = max(16, pl.next_power_of_2(dim_k))
-  if block_v is None:
-    block_v = min(DEFAULTS.block_v, max(16, pl.next_power_of_2(dim_v)))
-  if block_v < 16 or block_v & (block_v - 1):
-    raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+  kp, block_v = tile_sizes(dim_k, dim_v, block_v)
   out_dtype = q.dtype if out_dtype is None else out_dtype
   n_v = pl.cdiv(dim_v, block_v)
   out_shape = [

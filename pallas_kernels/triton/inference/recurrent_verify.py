@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import backend
-from pallas_kernels.triton.inference.recurrent_step import DEFAULTS, update_tile
+from pallas_kernels.triton.inference.recurrent_step import DEFAULTS, tile_sizes, update_tile
 
 f32 = jnp.float32
 
@@ -118,12 +118,8 @@ def recurrent_verify(
   batch, heads, tq, dim_k = q.shape
   dim_v = v.shape[-1]
   bm, hm, tm, r, _ = mask.shape
-  kp = max(16, pl.next_power_of_2(dim_k))
+  kp, block_v = tile_sizes(dim_k, dim_v, block_v)
   tp = max(16, pl.next_power_of_2(tq))
-  if block_v is None:
-    block_v = min(DEFAULTS.block_v, max(16, pl.next_power_of_2(dim_v)))
-  if block_v < 16 or block_v & (block_v - 1):
-    raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
   kernel = functools.partial(
     _kernel,
     tq=tq,
