@@ -2,12 +2,14 @@
 
   python benchmarks/profile_ops.py --out ops.json [--impls pallas,triton] [--modes fwd,fwdbwd]
       [--guard on,off] [--r 1] [--shape 8,4096,16,128,128] [--calls 10] [--top 25]
+      [--layouts unpacked,packed64,long30k]
 
 For each case the jitted `gated_delta_product` call (forward, or forward + backward) runs
 `--calls` times under `jax.profiler.trace`; the trace's device events (the GPU planes' kernel
 lines) are summed by name and divided by the number of calls: the time of each kernel and XLA
 fusion per call, the largest first. `jla` in --impls profiles jax-linear-attention's Gated
-DeltaNet (r = 1, no guard) the same way. Kept with the date, jax version, GPU and command.
+DeltaNet (r = 1, no guard) the same way. `--layouts` also profiles the B x T tokens packed into
+one row (benchmarks/bench_varlen.py's layouts: 64 random lengths, one 30k sequence). Kept with the date, jax version, GPU and command.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def jla_program(mode, inputs):
   return jax.jit(jax.grad(loss, range(len(names)))), args
 
 
-def program(impl, mode, inputs, guard):
+def program(impl, mode, inputs, guard, cu_seqlens=None):
   if impl == "jla":
     return jla_program(mode, inputs)
   names = [n for n in NAMES if inputs[n] is not None]
@@ -61,7 +63,9 @@ def program(impl, mode, inputs, guard):
   options = options.replace(nonfinite_guard=guard)
 
   def fwd(*a):
-    o, _ = gated_delta_product(**dict(zip(names, a)), implementation=impl, options=options)
+    o, _ = gated_delta_product(
+      **dict(zip(names, a)), cu_seqlens=cu_seqlens, implementation=impl, options=options
+    )
     return o
 
   if mode == "fwd":
@@ -91,6 +95,27 @@ def device_times(trace_dir, calls):
   return dict(sorted(totals.items(), key=lambda kv: -kv[1])), sorted(seen)
 
 
+def cases(args):
+  """(layout, impl, mode, guard) in the order they run."""
+  for layout in args.layouts.split(","):
+    for impl in args.impls.split(","):
+      for mode in args.modes.split(","):
+        for guard in args.guard.split(",") if impl != "jla" else ["n/a"]:
+          yield layout, impl, mode, guard
+
+
+def packed_inputs(inputs, layout, shape):
+  """(inputs, cu_seqlens or None): the B x T tokens in one row as `layout` packs them
+  (benchmarks/bench_varlen.py)."""
+  if layout == "unpacked":
+    return inputs, None
+  from benchmarks.bench_varlen import layout_inputs
+
+  names = ("q", "k", "v", "g", "beta")
+  args, cu, _ = layout_inputs(layout, inputs, shape, 64, shape[2])
+  return {**inputs, **dict(zip(names, args[:5]))}, args[5]
+
+
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -102,6 +127,7 @@ def main(argv=None):
   p.add_argument("--shape", default="8,4096,16,128,128")
   p.add_argument("--calls", type=int, default=10)
   p.add_argument("--top", type=int, default=25)
+  p.add_argument("--layouts", default="unpacked", help="unpacked, packed64, long30k (r = 1)")
   args = p.parse_args(argv)
   B, T, H, K, V = (int(x) for x in args.shape.split(","))
   inputs = make_inputs(B, T, H, K, V, args.r, DTYPES["bf16"])
@@ -112,25 +138,25 @@ def main(argv=None):
     command=" ".join(["python", "benchmarks/profile_ops.py", *argv]),
     cases=[],
   )
-  for impl in args.impls.split(","):
-    for mode in args.modes.split(","):
-      for guard in args.guard.split(",") if impl != "jla" else ["n/a"]:
-        fn, fn_args = program(impl, mode, inputs, guard == "on")
-        jax.block_until_ready(fn(*fn_args))
-        with tempfile.TemporaryDirectory() as trace_dir:
-          with jax.profiler.trace(trace_dir):
-            for _ in range(args.calls):
-              out = fn(*fn_args)
-            jax.block_until_ready(out)
-          times, lines = device_times(trace_dir, args.calls)
-        top = dict(list(times.items())[: args.top])
-        case = dict(impl=impl, mode=mode, guard=guard, total_ms=round(sum(times.values()), 4))
-        case["device_lines"] = lines
-        case["ms"] = {name: round(ms, 4) for name, ms in top.items()}
-        result["cases"].append(case)
-        print(json.dumps(case), flush=True)
-        with open(args.out, "w") as f:
-          json.dump(result, f, indent=1)
+  for layout, impl, mode, guard in cases(args):
+    case_inputs, cu = packed_inputs(inputs, layout, (B, T, H, K, V))
+    fn, fn_args = program(impl, mode, case_inputs, guard == "on", cu)
+    jax.block_until_ready(fn(*fn_args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir):
+        for _ in range(args.calls):
+          out = fn(*fn_args)
+        jax.block_until_ready(out)
+      times, lines = device_times(trace_dir, args.calls)
+    top = dict(list(times.items())[: args.top])
+    case = dict(impl=impl, mode=mode, guard=guard, layout=layout)
+    case["total_ms"] = round(sum(times.values()), 4)
+    case["device_lines"] = lines
+    case["ms"] = {name: round(ms, 4) for name, ms in top.items()}
+    result["cases"].append(case)
+    print(json.dumps(case), flush=True)
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
