@@ -15,7 +15,9 @@ Qwen3_5ForCausalLM, weights drawn as scripts/make_qwen3_5_golden.py draws them):
     the GPU against its bf16 on the CPU (the same roundings, other summation orders: how far
     two bf16 runs of one model drift apart);
   - our float32 logits against transformers' float32 (JAX's float32 matmuls at "highest", as
-    torch's float32 ones; pass for the tiny model: < 1e-4);
+    torch's float32 ones; pass for the tiny model: < 1e-4; not checked when
+    flash-linear-attention is installed: transformers then runs its Triton kernels, whose
+    float32 products are TF32, docs/qwen3_5.md#bf16);
   - the round trip: our float32 model saved (`save`) and loaded in transformers gives its
     logits unchanged (pass: relative RMS < 1e-6);
   - for the tiny model, the greedy continuation (32 tokens, float32) of ours and transformers'
@@ -26,6 +28,7 @@ Exit status 1 if a check fails; the JSON is written either way.
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import os
@@ -110,8 +113,9 @@ def our_logits(model, ids):
   return np.asarray(nnx.jit(lambda m, t: m(t))(model, ids))
 
 
-def check_folder(name, folder, ids, new_tokens, strict):
-  """One model's rows; `strict`: also the float32 bound and the greedy tokens."""
+def check_folder(name, folder, ids, new_tokens, strict, float32_reference=True):
+  """One model's rows; `strict`: also the greedy tokens, and the float32 bound when
+  `float32_reference` (transformers' float32 is float32: no flash-linear-attention)."""
   import jax.numpy as jnp
   import torch
 
@@ -154,7 +158,9 @@ def check_folder(name, folder, ids, new_tokens, strict):
     row["round_trip_relative_rms"] < 1e-6,
   ]
   if strict:
-    checks += [row["f32_ours_vs_transformers_f32"] < 1e-4, row["greedy_tokens_equal"] == 1.0]
+    checks.append(row["greedy_tokens_equal"] == 1.0)
+  if strict and float32_reference:
+    checks.append(row["f32_ours_vs_transformers_f32"] < 1e-4)
   row["pass"] = bool(all(checks))
   print(name, json.dumps(row), flush=True)
   return row
@@ -190,9 +196,11 @@ def main() -> int:
   result["transformers_kernels"] = {
     name: importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d")
   }
+  result["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+  float32_reference = not result["transformers_kernels"]["fla"]
   golden = np.load(GOLDEN / "golden.npz")
   result["tiny"] = check_folder(
-    "tiny", GOLDEN, golden["input_ids"], golden["greedy"].shape[1], True
+    "tiny", GOLDEN, golden["input_ids"], golden["greedy"].shape[1], True, float32_reference
   )
   if not args.skip_larger:
     with tempfile.TemporaryDirectory() as tmp:
