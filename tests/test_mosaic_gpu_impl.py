@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import re
 import sys
 from types import SimpleNamespace
 
@@ -161,34 +163,44 @@ def test_block_states_lower_for_cuda(monkeypatch, r):
   traced.lower(lowering_platforms=("cuda",))
 
 
+def _result_size(line):
+  """The number of elements of the result of one line of StableHLO text."""
+  dims = re.search(r"-> tensor<([0-9x]+)x[a-z]+[0-9]*>", line).group(1)
+  return math.prod(int(d) for d in dims.split("x"))
+
+
 def test_packed_forward_lowers_for_cuda(monkeypatch):
-  # packed sequences (64 of them in one row of 32k tokens): without gradient the Mosaic forward's
-  # two kernels, its walk one program per sequence; differentiated, the backward's two more (the
-  # reverse walk also one program per sequence), and no Triton kernel
+  # packed sequences (64 of them in one row of 32k tokens, no initial states: the row read in
+  # place, docs/mosaic_gpu.md#packed-sequences-in-place): without gradient the Mosaic forward's
+  # two kernels, its walk one program per piece; differentiated, the backward's two more (the
+  # reverse walk also one program per piece), no gather of the row and no Triton kernel
   monkeypatch.setattr(REGISTRY, "_table", dict(REGISTRY._table))
   REGISTRY.register(REGISTRY.get("mosaic_gpu").replace(interpret=False))
   t_len, heads, dim, num_seqs, r = 32768, 16, 128, 64, 2
   spec = jax.ShapeDtypeStruct
   act, gate = spec((1, t_len, heads, dim), jnp.bfloat16), spec((1, t_len, heads), F32)
-  cu, h0 = spec((num_seqs + 1,), jnp.int32), spec((num_seqs, heads, dim, dim), F32)
+  cu = spec((num_seqs + 1,), jnp.int32)
 
-  def run(q, k, v, g, beta, cu, h0):
+  def run(q, k, v, g, beta, cu):
     return gated_delta_product(
-      q, k, v, g, beta, jnp.ones((heads, r, r)), cu_seqlens=cu, initial_state=h0,
-      output_final_state=True, implementation="mosaic_gpu",
+      q, k, v, g, beta, jnp.ones((heads, r, r)), cu_seqlens=cu, output_final_state=True,
+      implementation="mosaic_gpu",
     )  # fmt: skip
 
-  def value_and_grad(q, k, v, g, beta, cu, h0):
-    def loss(q, k, v, g, beta, h0):
-      return sum(jnp.sum(x.astype(F32)) for x in run(q, k, v, g, beta, cu, h0))
+  def value_and_grad(q, k, v, g, beta, cu):
+    def loss(q, k, v, g, beta):
+      return sum(jnp.sum(x.astype(F32)) for x in run(q, k, v, g, beta, cu))
 
-    return jax.value_and_grad(loss, range(6))(q, k, v, g, beta, h0)
+    return jax.value_and_grad(loss, range(5))(q, k, v, g, beta)
 
   for function in (run, value_and_grad):
-    traced = jax.jit(function).trace(act, act, act, gate, gate, cu, h0)
+    traced = jax.jit(function).trace(act, act, act, gate, gate, cu)
     lines = traced.lower(lowering_platforms=("cuda",)).as_text().splitlines()
     mosaic = [line for line in lines if "custom_call" in line and "mosaic_gpu" in line]
     assert len(mosaic) == (2 if function is run else 4), (function.__name__, len(mosaic))
+    # the row is never gathered into another layout (only the final states' few chunks are)
+    gathered = [_result_size(line) for line in lines if "stablehlo.gather" in line]
+    assert gathered and max(gathered) < t_len * heads * dim, gathered
   # (off a GPU the Triton kernels lower interpreted, as plain HLO: their names would be in the
   # jaxpr)
   jaxpr = str(traced.jaxpr)
@@ -299,6 +311,8 @@ def _run_interpreted():
   row["o_wrong"] = _rel_rms(o.astype(F32), o_wrong.astype(F32))
   row.update(_packed_interpreted())
   row["reverse_walks_with_packed"] = len(walks)
+  row.update(_packed_in_place_interpreted())
+  row["reverse_walks_in_place"] = len(walks)
   row.update(_block_states_interpreted(mosaic_impl))
   return row
 
@@ -376,6 +390,56 @@ def _packed_interpreted():
   )
 
 
+def _packed_in_place_interpreted():
+  """Packed sequences without initial states, the row read in place and walked in pieces
+  (docs/mosaic_gpu.md#packed-sequences-in-place), against the reference: lengths 5, 0, 27, 1,
+  31, 32, 10 at r = 2 (chunks of 32 tokens: several sequences start in one chunk, one ends at a
+  chunk's end, an empty one, one of one token, the last piece a single chunk), two value heads
+  on one key head, a per-token mask; every gradient with the final states in the loss; without
+  gradient a nan in v at token 40 (sequence 4, tokens 33 to 63), head 1, which spoils that
+  sequence from its token on and nothing else."""
+  lengths = (5, 0, 27, 1, 31, 32, 10)
+  cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+  x = _inputs(12, t_len=sum(lengths), heads=2, key_heads=1, value_dim=64)
+  del x["initial_state"]
+  x["mask"] = jax.random.uniform(jax.random.PRNGKey(13), (1, sum(lengths), 2, 2, 2))
+
+  def call(implementation, kw):
+    return gated_delta_product(
+      **kw, scale=0.3, cu_seqlens=cu, output_final_state=True, implementation=implementation
+    )
+
+  def loss(implementation, kw):
+    o, final = call(implementation, kw)
+    return jnp.sum(o.astype(F32) * jnp.cos(o.astype(F32))) + jnp.sum(final**2)
+
+  implementations = ("mosaic_gpu", "reference")
+  grads = {i: jax.jit(jax.grad(functools.partial(loss, i)))(x) for i in implementations}
+  row = {
+    f"in_place_d{name}": _rel_rms(grads["mosaic_gpu"][name].astype(F32), ref.astype(F32))
+    for name, ref in grads["reference"].items()
+  }
+  run = lambda implementation, kw: jax.jit(functools.partial(call, implementation))(kw)
+  (o, final), (o_ref, final_ref) = run("mosaic_gpu", x), run("reference", x)
+  row["in_place_o"] = _rel_rms(o.astype(F32), o_ref.astype(F32))
+  row["in_place_final"] = _rel_rms(final, final_ref)
+  row["in_place_empty_zero"] = bool(jnp.all(final[1] == 0))
+  bad = dict(x, v=x["v"].at[0, 40, 1].set(jnp.nan))
+  (o, final), (o_ref, _) = run("mosaic_gpu", bad), run("reference", bad)
+  spoiled = np.zeros(o.shape[1:3], bool)
+  spoiled[40:64, 1] = True
+  o, o_ref = np.asarray(o[0].astype(F32)), np.asarray(o_ref[0].astype(F32))
+  final_bad = np.zeros(final.shape[:2], bool)
+  final_bad[4, 1] = True
+  row["in_place_nan"] = bool(
+    np.array_equal(np.isnan(o).any(-1), spoiled)
+    and np.isnan(o[spoiled]).all()
+    and np.array_equal(np.isnan(np.asarray(final)).any(axis=(2, 3)), final_bad)
+  )
+  row["in_place_bad_o"] = _rel_rms(o[~spoiled], o_ref[~spoiled])
+  return row
+
+
 @pytest.fixture(scope="module")
 def interpreted():
   return run_interpreted_subprocess(__file__, timeout=300)
@@ -401,6 +465,19 @@ def test_packed_gradients_interpreted_match_the_reference(interpreted):
   assert row["reverse_walks_with_packed"] == 2, row
   for name in ("q", "k", "v", "g", "beta", "mask", "initial_state"):
     assert row["packed_d" + name] < 3e-2, (name, row)
+
+
+def test_packed_in_place_interpreted_matches_the_reference(interpreted):
+  # without initial states the packed row is read in place and walked in pieces
+  # (docs/mosaic_gpu.md#packed-sequences-in-place): outputs, final states (from the pieces'
+  # states) and every gradient through them, and a nan spoiling its own sequence only
+  row = interpreted
+  assert row["reverse_walks_in_place"] == row["reverse_walks_with_packed"] + 1, row
+  assert row["in_place_o"] < 1e-2 and row["in_place_final"] < 1e-2, row
+  assert row["in_place_empty_zero"] and row["in_place_nan"], row
+  assert row["in_place_bad_o"] < 1e-2, row
+  for name in ("q", "k", "v", "g", "beta", "mask"):
+    assert row["in_place_d" + name] < 3e-2, (name, row)
 
 
 def test_a_nan_spoils_nothing_before_it(interpreted):

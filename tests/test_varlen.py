@@ -21,6 +21,7 @@ from gdp_jax import gated_delta_product
 from gdp_jax.layers import GatedDeltaProduct, HouseholderDeltaProduct
 from gdp_jax.ops.gated_delta_product import varlen, xla, xla_backward
 from gdp_jax.ops.validation import normalize_mask
+from pallas_kernels.common.backend import interpret_mode
 from tests.cases import (
   GRAD_TOLERANCE,
   assert_close,
@@ -474,7 +475,8 @@ def test_pallas_state_walks_run_each_sequence_apart():
   assert_close(dv_new[:, :, used * r :], dvl[:, :, used * r :], 1e-6, "dv_new of the unused chunks")
   cut = dict(walk, table=table[:, :2], save_states=False)  # sequences 0 and 1 only
   o_cut, final_cut = chunk_state_output.chunk_state_output(q_row, k_row, w, u, gamma, h0[:2], **cut)
-  assert bool(jnp.all(jnp.isnan(o_cut[:, 27:]))), "rows past the last sequence were written"
+  if interpret_mode():  # compiled, unwritten rows hold whatever memory held
+    assert bool(jnp.all(jnp.isnan(o_cut[:, 27:]))), "rows past the last sequence were written"
   np.testing.assert_array_equal(o_cut[:, :27], o_row[:, :27])
   np.testing.assert_array_equal(final_cut, final[:2])
 

@@ -73,6 +73,7 @@ def state_grad_walk(
   block_v: int = 64,
   stages: int | None = None,
   seq_table: jax.Array | None = None,
+  pieces: bool = False,
   interpret=None,
 ):
   """The reverse walk (module docstring).
@@ -87,6 +88,11 @@ def state_grad_walk(
       walk's table (`walk_ws.state_walk_ws`): program (n, h, v) walks sequence n's chunks, last
       first, from its `dfinal_t [N, H, V, K]` and writes its `d initial_state^T`; chunks of no
       sequence are not walked (their dh^T and dv_new^T stay unwritten).
+    pieces: with seq_table, the forward's pieces of the packed row read in place
+      (`walk_ws.state_walk_ws`, docs/mosaic_gpu.md#packed-sequences-in-place): program p walks
+      its chunks last first from a zero dS, writes nothing of its first step when entry 3 of its
+      row is 1 (a silent step: to dummy outputs, dropped), and adds its `dfinal_t` (the
+      gradient of the state entering its last chunk) to dS after that first step.
 
   Returns:
     `dh^T [B, H, NC, V, K]` (q's dtype; the gradient of the state at the end of each chunk,
@@ -113,6 +119,8 @@ def state_grad_walk(
   m_b, m_h, m_n = mask_rows.shape[:3]
   has_dfinal = dfinal_t is not None
   packed = seq_table is not None
+  if pieces and not (packed and has_dfinal):
+    raise ValueError("pieces: a seq_table and dfinal_t")
   num_states = check_seq_table(seq_table, batch, dfinal_t, "dfinal_t")
   staged = interpret is not None
   bv = block_v
@@ -160,6 +168,9 @@ def state_grad_walk(
     jax.ShapeDtypeStruct((batch, heads, nc, value_dim, N), dtype),
     jax.ShapeDtypeStruct((num_states, heads, value_dim, key_dim), F32),
   ]
+  if pieces:  # where silent steps write
+    out_type.append(jax.ShapeDtypeStruct((1, heads, 1, value_dim, key_dim), dtype))
+    out_type.append(jax.ShapeDtypeStruct((1, heads, 1, value_dim, N), dtype))
 
   def body(*refs, q_s, kb_s, do_s, t_s, dvl_s, g_rows, g_cols, g_chain, b_cols, g_tok, m_s,
            dh_pub, dvn_pub, sc_s, in_bar, prep_ready, in_free, sc_bar, tab_s, done, kw_s=None,
@@ -169,7 +180,7 @@ def state_grad_walk(
     gr_ref, beta_ref, m_ref, sc_ref = (refs.pop(0) for _ in range(4))
     dfinal_ref = refs.pop(0) if has_dfinal else None
     tab_ref = refs.pop(0) if packed else None
-    dh_ref, dvn_ref, dh0_ref = refs
+    dh_ref, dvn_ref, dh0_ref, *dummy_refs = refs
     b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
     hk = lax.div(h, group)  # the key head of value head h
     wg = lax.axis_index("wg")
@@ -178,6 +189,7 @@ def state_grad_walk(
     if packed:  # the sequence's chunks, from its row of the table
       first, count = read_seq_table(tab_ref, sc_ref, tab_s, sc_s, sc_bar, seq, wg)
       b = 0
+    silent_first = tab_s[3] == 1 if pieces else False
     last = first + count - 1  # the chunk of the first step
     cols_v = pl.ds(iv * bv, bv)
     mb = b if m_b > 1 else 0
@@ -207,8 +219,10 @@ def state_grad_walk(
     @pl.when(wg == 0)
     def _chain():
       plgpu.set_max_registers(232, action="increase")
-      if has_dfinal:  # straight from global memory into the WGMMA layout
-        ds0 = plgpu.load(dfinal_ref.at[seq, h, cols_v], layout=WGMMA, optimized=False)
+      # straight from global memory into the WGMMA layout
+      load_dfinal = lambda: plgpu.load(dfinal_ref.at[seq, h, cols_v], layout=WGMMA, optimized=False)
+      if has_dfinal and not pieces:
+        ds0 = load_dfinal()
       else:
         ds0 = plgpu.layout_cast(jnp.zeros((bv, key_dim), F32), WGMMA)
       wshape = (bv, N)
@@ -218,6 +232,8 @@ def state_grad_walk(
         n = last - i
         slot = lax.rem(i, stages)
         half = lax.rem(i, 2)
+        if pieces:  # d(the state entering the last chunk), after the first step
+          ds_t = lax.cond(i == 1, lambda: ds_t + load_dfinal(), lambda: ds_t)
         plgpu.barrier_wait(in_bar.at[slot])
         # the copies of the tiles published two chunks ago have read them
         plgpu.wait_smem_to_gmem(2, wait_read_only=True)
@@ -240,8 +256,18 @@ def state_grad_walk(
         products = ((do_s.at[slot].T, q_s.at[slot]), (u, kw))
         ds_new = matmul_sum(jnp.exp(g_end) * ds_t, products, sshape, stage=xt_s)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dh_pub.at[half], dh_ref.at[b, h, n, cols_v])
-        plgpu.copy_smem_to_gmem(dvn_pub.at[half], dvn_ref.at[b, h, n, cols_v])
+
+        def copy(dh_dst, dvn_dst):
+          plgpu.copy_smem_to_gmem(dh_pub.at[half], dh_dst)
+          plgpu.copy_smem_to_gmem(dvn_pub.at[half], dvn_dst)
+
+        real = lambda: copy(dh_ref.at[b, h, n, cols_v], dvn_ref.at[b, h, n, cols_v])
+        if pieces:
+          silent = (i == 0) & silent_first
+          pl.when(silent)(lambda: copy(*(d.at[0, h, 0, cols_v] for d in dummy_refs)))
+          pl.when(jnp.logical_not(silent))(real)
+        else:
+          real()
         plgpu.barrier_arrive(in_free.at[slot])
         return ds_new
 
@@ -302,7 +328,7 @@ def state_grad_walk(
     args.append(dfinal_t)
   if seq_table is not None:
     args.append(seq_table)
-  dh_t, dv_new, dh0_t = plgpu.kernel(
+  dh_t, dv_new, dh0_t, *_ = plgpu.kernel(
     body,
     out_type=out_type,
     scratch_types=scratch,

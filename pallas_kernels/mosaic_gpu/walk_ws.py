@@ -135,6 +135,7 @@ def bind(refs: dict, scratch: dict, *, nc: int, group: int, bv: int, m_shape, **
   """One program's view of a walk (`producer`, `chain`, `output` read it): the refs, the statics
   and the program's batch row (or sequence), head, key head, value columns and chunks."""
   optional = dict(kw_s=None, xt_s=None, mk_tok=None, mk_ref=None, clean=False, blk_ref=None)
+  optional.update(pieces=False, od_ref=None, sd_ref=None, vd_ref=None)
   w = types.SimpleNamespace(**{**optional, **refs, **scratch, **statics}, bv=bv)
   w.b, w.h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   w.hk = lax.div(w.h, group)  # the key head of value head h
@@ -146,6 +147,9 @@ def bind(refs: dict, scratch: dict, *, nc: int, group: int, bv: int, m_shape, **
       refs["tab_ref"], refs["sc_ref"], w.tab_s, w.sc_s, w.sc_bar, w.seq, w.wg
     )
     w.b = 0
+  # pieces (docs/mosaic_gpu.md#packed-sequences-in-place): the first chunk's writes go to the
+  # dummy outputs when the piece's table row says so (entry 2)
+  w.silent_first = w.tab_s[2] == 1 if w.pieces else False
   w.cols_v = pl.ds(iv * bv, bv)
   w.mb = w.b if m_shape[0] > 1 else 0
   w.mh = w.h if m_shape[1] > 1 else 0
@@ -197,6 +201,8 @@ def chain(w, registers: int = 232):
   def step(n, s_t):
     slot = lax.rem(n, stages)
     half = lax.rem(n, 2)
+    if w.pieces and w.ht_ref is not None:  # a piece's state: the one entering its last chunk
+      when(n == w.count - 1, lambda: put(w.ht_ref.at[w.seq, w.h, w.cols_v], s_t))
     plgpu.barrier_wait(w.in_bar.at[slot])
 
     @pl.when(n >= 2)
@@ -230,8 +236,16 @@ def chain(w, registers: int = 232):
     plgpu.barrier_arrive(w.s_ready.at[half])
     if w.store_states:
       chunk = w.first + n
-      plgpu.copy_smem_to_gmem(w.st_pub.at[half], w.states_ref.at[w.b, w.h, chunk, w.cols_v])
-      plgpu.copy_smem_to_gmem(w.vn_pub.at[half], w.vnew_ref.at[w.b, w.h, chunk, w.cols_v])
+      store_chunk(
+        w,
+        n,
+        lambda: (
+          w.states_ref.at[w.b, w.h, chunk, w.cols_v],
+          w.vnew_ref.at[w.b, w.h, chunk, w.cols_v],
+        ),
+        lambda: (w.sd_ref.at[0, w.h, 0, w.cols_v], w.vd_ref.at[0, w.h, 0, w.cols_v]),
+        (w.st_pub.at[half], w.vn_pub.at[half]),
+      )
     vd_t = (vn_t * bcast_cols(jnp.exp(g_end - g_c), wshape)).astype(dtype)
     s_new = matmul_reg(
       vd_t, w.kb_s.at[slot], (bv, key_dim), init=jnp.exp(g_end) * s_t, stage=w.xt_s
@@ -250,8 +264,10 @@ def chain(w, registers: int = 232):
   for j in range(2):  # consume the last releases of the published tiles
     i = w.count - 2 + j
     when(i >= 0, lambda i=i: plgpu.barrier_wait(w.s_free.at[i % 2]))
-  if w.ht_ref is not None:  # straight from registers to global memory
+  if w.ht_ref is not None and not w.pieces:  # straight from registers to global memory
     w.ht_ref.at[w.seq, w.h, w.cols_v][...] = s_t
+  if w.ht_ref is not None and w.pieces:  # an unused piece (no chunk): zeros
+    when(w.count == 0, lambda: put(w.ht_ref.at[w.seq, w.h, w.cols_v], s0))
   if w.store_states:
     plgpu.wait_smem_to_gmem(0)
 
@@ -307,11 +323,38 @@ def output(w, *, registers: int = 232):
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # o_s[half] of chunk n - 2 has left
     w.o_s.at[half].T[...] = (o_t * scale_v).astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(w.o_s.at[half], w.o_ref.at[w.b, rows, w.h, w.cols_v])
+    store_chunk(
+      w,
+      n,
+      lambda: (w.o_ref.at[w.b, rows, w.h, w.cols_v],),
+      lambda: (w.od_ref.at[0, pl.ds(0, c), w.h, w.cols_v],),
+      (w.o_s.at[half],),
+    )
     return carry
 
   lax.fori_loop(0, w.count, step, None)
   plgpu.wait_smem_to_gmem(0)
+
+
+def put(ref, x) -> None:
+  """ref[...] = x (straight from registers to global memory)."""
+  ref[...] = x
+
+
+def store_chunk(w, n, real, dummy, tiles):
+  """Step n's copies of `tiles` to global memory: to `real()`'s refs, or, for the silent first
+  chunk of a piece, to `dummy()`'s (refs other pieces' silent chunks write too, never read)."""
+
+  def copy(dsts):
+    for tile, dst in zip(tiles, dsts):
+      plgpu.copy_smem_to_gmem(tile, dst)
+
+  if not w.pieces:
+    copy(real())
+    return
+  silent = (n == 0) & w.silent_first
+  pl.when(silent)(lambda: copy(dummy()))
+  pl.when(jnp.logical_not(silent))(lambda: copy(real()))
 
 
 def finish(w):
@@ -337,6 +380,7 @@ def state_walk_ws(
   store_states: bool = False,
   stages: int | None = None,
   seq_table: jax.Array | None = None,
+  pieces: bool = False,
   marks: jax.Array | None = None,
   state_every_chunks: int | None = None,
   interpret=None,
@@ -364,6 +408,12 @@ def state_walk_ws(
       grid's first axis is then the sequence: program (n, h, v) walks sequence n's chunks from
       its initial state (`initial_state_t [N, H, V, K]`) and writes its final state
       (`[N, H, V, K]`); chunks of no sequence are not walked (their output rows stay unwritten).
+    pieces: with seq_table, the packed row read in place, cut into pieces
+      (docs/mosaic_gpu.md#packed-sequences-in-place): row p of the table is (first chunk, chunk
+      count, 1 if the first chunk is walked silently, .): program p walks its chunks from a
+      zero state (no initial_state_t), writes nothing of a silent first chunk (its output,
+      states and v_new go to dummy outputs, dropped), and its "final state" is the state
+      entering its last chunk (zeros for a piece of no chunk).
     marks: None, or the non-finite guard in the loads (docs/mosaic_gpu.md#the-guard-in-the-loads):
       `[B, H, Tp]` float32, 1 where a token's output is to be nan (nonfinite.py's marks); k and v
       are cleaned in place as they land, and the output is nan where marked or non-finite.
@@ -398,8 +448,10 @@ def state_walk_ws(
   )  # fmt: skip
   if state_every_chunks is not None and (packed or state_every_chunks < 1):
     raise ValueError(f"state_every_chunks={state_every_chunks}: a positive count, unpacked rows")
-  if marks is not None and (packed or marks.shape != (batch, heads, padded)):
-    raise ValueError(f"marks: shape {marks.shape}, expected {(batch, heads, padded)}, unpacked")
+  if marks is not None and ((packed and not pieces) or marks.shape != (batch, heads, padded)):
+    raise ValueError(f"marks: shape {marks.shape}, expected {(batch, heads, padded)}, one row")
+  if pieces and (not packed or initial_state_t is not None):
+    raise ValueError("pieces: a seq_table and no initial state")
 
   out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), dtype)]
   if output_final_state:
@@ -410,12 +462,19 @@ def state_walk_ws(
   if state_every_chunks is not None:
     blocks = nc // state_every_chunks
     out_type.append(jax.ShapeDtypeStruct((batch, heads, blocks, value_dim, key_dim), F32))
+  dummies = []  # pieces: where silent chunks write
+  if pieces:
+    dummies.append(jax.ShapeDtypeStruct((1, c, heads, value_dim), dtype))
+  if pieces and store_states:
+    dummies.append(jax.ShapeDtypeStruct((1, heads, 1, value_dim, key_dim), dtype))
+    dummies.append(jax.ShapeDtypeStruct((1, heads, 1, value_dim, N), dtype))
   in_names = ["q_ref", "k_ref", "v_ref", "t0_ref", "g_ref", "gr_ref", "beta_ref", "m_ref", "sc_ref"]
   in_names += ["h0_ref"] * (initial_state_t is not None) + ["tab_ref"] * packed
   in_names += ["mk_ref"] * (marks is not None)
   out_names = ["o_ref"] + ["ht_ref"] * output_final_state
   out_names += ["states_ref", "vnew_ref"] * store_states
   out_names += ["blk_ref"] * (state_every_chunks is not None)
+  out_names += ["od_ref", "sd_ref", "vd_ref"][: len(dummies)]
   names = in_names + out_names
   absent = {
     n: None for n in ("h0_ref", "tab_ref", "mk_ref", "ht_ref", "states_ref", "vnew_ref", "blk_ref")
@@ -427,7 +486,7 @@ def state_walk_ws(
       m_shape=mask_rows.shape, stages=stages, r=r, c=c, dk=key_dim // r, key_dim=key_dim,
       dtype=dtype, householder=householder, masked_keys=masked_keys, staged=staged,
       store_states=store_states, warpgroups=3, clean=marks is not None,
-      every=state_every_chunks,
+      every=state_every_chunks, pieces=pieces,
     )  # fmt: skip
     pl.when(w.wg == 2)(lambda: producer(w))
     pl.when(w.wg == 0)(lambda: chain(w))
@@ -443,7 +502,7 @@ def state_walk_ws(
     args.append(marks)
   outs = plgpu.kernel(
     body,
-    out_type=out_type,
+    out_type=out_type + dummies,
     scratch_types=scratch,
     grid=(num_states, heads, value_dim // bv),
     grid_names=("b", "h", "v"),
@@ -453,7 +512,7 @@ def state_walk_ws(
     interpret=interpret,
     kernel_name=f"gdp_state_walk_ws_r{r}",
   )(*args)
-  outs = list(outs)
+  outs = list(outs)[: len(out_type)]
   o = outs.pop(0)
   final = outs.pop(0) if output_final_state else None
   return (o, final, *outs)

@@ -256,6 +256,7 @@ def gated_delta_product(
     g = jnp.zeros((batch, t_len, heads_v), jnp.float32)
   # a reset (g = -inf) as the chunked forms take it (pallas_kernels/common/gates.py); nan stays
   g = jnp.maximum(g, jnp.asarray(RESET_LOG_DECAY, g.dtype))
+  no_initial_state = initial_state is None  # a packed call then passes None (packed_states)
   if initial_state is None:
     states = batch if num_seqs is None else num_seqs
     initial_state = jnp.zeros((states, heads_v, dim_k, dim_v), jnp.float32)
@@ -269,7 +270,8 @@ def gated_delta_product(
     cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
     o, final, states = block_states.run(impl, *args, state_every, cu)
   elif cu_seqlens is not None:
-    o, final = impl.varlen(*args, jnp.asarray(cu_seqlens))
+    h0 = None if no_initial_state else initial_state
+    o, final = impl.varlen(*args[:6], h0, *args[7:], jnp.asarray(cu_seqlens))
   elif partitioning.partitions() and (impl.pallas or impl.name == "xla"):
     # Sharded inputs under jax.jit: the kernels run per device on their block of batch rows and
     # heads, or context parallel on their piece of the sequence, each device padding its own

@@ -6,7 +6,7 @@ g, beta [B, Tp, HV] (g clamped at RESET_LOG_DECAY); the mask [Bm, Tm, Hm, r, r];
 initial state [B, HV, K, V]; the scale (a Python float) and the chunk size. Tp is T padded with
 no-op tokens to a multiple of `time_multiple` (`run_padded`). It returns (o [B, Tp, HV, V],
 final [B, HV, K, V] float32). `varlen` is the packed form (cu_seqlens, docs/varlen.md): B = 1,
-T not padded, an initial state per sequence.
+T not padded, an initial state per sequence or None (zeros: `packed_states`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ import jax.numpy as jnp
 from gdp_jax.ops.base import Implementation
 from pallas_kernels.common.gates import RESET_LOG_DECAY
 
-__all__ = ["RESET_LOG_DECAY", "GatedDeltaProductImplementation", "Problem", "run_padded"]
+__all__ = [
+  "RESET_LOG_DECAY",
+  "GatedDeltaProductImplementation",
+  "Problem",
+  "packed_states",
+  "run_padded",
+]
 
 
 class Problem(NamedTuple):
@@ -46,6 +52,16 @@ class GatedDeltaProductImplementation(Implementation):
 
   def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
     raise NotImplementedError
+
+
+def packed_states(initial_state, q, v, cu_seqlens):
+  """A `varlen` call's initial states: as given, or float32 zeros `[N, HV, K, V]` for None (a
+  call without initial states; the Hopper kernels read such packed rows in place,
+  docs/mosaic_gpu.md#packed-sequences-in-place)."""
+  if initial_state is not None:
+    return initial_state
+  shape = (cu_seqlens.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[-1])
+  return jnp.zeros(shape, jnp.float32)
 
 
 def run_padded(run, q, k, v, g, beta, mask, initial_state, scale, chunk_size):

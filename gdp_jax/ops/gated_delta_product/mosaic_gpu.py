@@ -7,8 +7,10 @@ backward is the reverse walk (backward_walk.py) and the chunk-parallel gradients
 (chunk_grads.py), summed per token here.
 They take q, k, v in bfloat16 or float16, K and V in 64 and 128, r in 1, 2, 4, on compute
 capability 9.0 (`serves`, `unsupported`); other calls go to the next implementation of the
-registry (api.py). Packed sequences (cu_seqlens) are gathered into the chunk-aligned layout and
-walked one program per sequence (docs/mosaic_gpu.md#packed-sequences). Off a GPU the kernels run
+registry (api.py). Packed sequences (cu_seqlens) without initial states are read in place, the
+row walked in pieces (pieces.py, docs/mosaic_gpu.md#packed-sequences-in-place); with initial
+states gathered into the chunk-aligned layout and walked one program per sequence
+(docs/mosaic_gpu.md#packed-sequences). Off a GPU the kernels run
 in jax's Mosaic GPU interpreter (docs/mosaic_gpu.md#testing-without-a-gpu).
 """
 
@@ -23,8 +25,12 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from gdp_jax.ops.autodiff import raise_if_differentiated, raise_if_forward_mode
-from gdp_jax.ops.gated_delta_product import nonfinite, varlen, xla_backward
-from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation, Problem
+from gdp_jax.ops.gated_delta_product import nonfinite, pieces, varlen, xla_backward
+from gdp_jax.ops.gated_delta_product.base import (
+  GatedDeltaProductImplementation,
+  Problem,
+  packed_states,
+)
 from gdp_jax.ops.heads import sum_key_heads
 from gdp_jax.ops.once import jitted_kernels
 from pallas_kernels.common.backend import interpret_mode
@@ -68,6 +74,14 @@ class _Packing(NamedTuple):
   table: jax.Array  # [N, 4] per sequence: first chunk, chunk count (`varlen.sequence_chunks`)
 
 
+class _Pieces(NamedTuple):
+  """Packed sequences read in place: the walks' table of pieces (`pieces.piece_table`) and the
+  non-finite guard's marks of o (or None: no guard)."""
+
+  table: jax.Array  # [N, 4]
+  marks_o: jax.Array | None  # [1, T, H] bool
+
+
 class _Static(NamedTuple):
   scale: float
   guard: bool  # the non-finite guard (docs/precision.md#non-finite-inputs)
@@ -85,7 +99,10 @@ def _forward(q, k, v, g, beta, mask, h0, packing, static, save, guard_marks=None
   what the backward reads (the chunks' inverses, per-chunk states and new values); with block
   states (`static.every_chunks`) those."""
   to_layout, to_row, table = (lambda x: x), (lambda x: x), None
-  if packing is not None:
+  in_place = isinstance(packing, _Pieces)
+  if in_place:
+    table = packing.table
+  elif packing is not None:
     to_layout = functools.partial(varlen.pack, lay=packing.layout)
     to_row = functools.partial(varlen.unpack, lay=packing.layout)
     q, k, v, g, beta = map(to_layout, (q, k, v, g, beta))
@@ -105,6 +122,7 @@ def _forward(q, k, v, g, beta, mask, h0, packing, static, save, guard_marks=None
     return_inverse=save,
     store_states=save,
     seq_table=table,
+    pieces=in_place,
     guard_marks=guard_marks,
     state_every_chunks=static.every_chunks,
     interpret=_params(static),
@@ -117,7 +135,10 @@ def _backward(q, k, v, g, beta, mask, h0, packing, stored, static, do, dfinal):
   #the-backward): the reverse walk, the chunk-parallel gradients, their per-token sums."""
   t0, states_t, vnew_t = stored
   to_row, table, token_mask = (lambda x: x), None, mask
-  if packing is not None:
+  in_place = isinstance(packing, _Pieces)
+  if in_place:
+    table = packing.table
+  elif packing is not None:
     pack = functools.partial(varlen.pack, lay=packing.layout)
     to_row = functools.partial(varlen.unpack, lay=packing.layout)
     q, k, v, g, beta, do = map(pack, (q, k, v, g, beta, do))
@@ -141,6 +162,7 @@ def _backward(q, k, v, g, beta, mask, h0, packing, stored, static, do, dfinal):
     jnp.swapaxes(dfinal.astype(jnp.float32), 2, 3),
     block_v=mosaic_forward.BLOCK_V,
     seq_table=table,
+    pieces=in_place,
     interpret=params,
   )
   dq, dk, dv, vec = chunk_grads.chunk_grads(
@@ -167,7 +189,7 @@ def _backward(q, k, v, g, beta, mask, h0, packing, stored, static, do, dfinal):
     to_row(time_major(dg)),
     to_row(time_major(dbeta)),
     dmask,
-    jnp.swapaxes(dh0_t, 2, 3),
+    None if h0 is None else jnp.swapaxes(dh0_t, 2, 3),
   )
 
 
@@ -255,10 +277,80 @@ def _operator_bwd(static, residuals, cotangents):
     lambda *a: _backward_once(*a, packing, stored, static, do, dfinal), NO_HIGHER_DERIVATIVES
   )
   grads = backward(*inputs)
-  return (*(d.astype(x.dtype) for d, x in zip(grads, inputs)), None)
+  return (*(None if x is None else d.astype(x.dtype) for d, x in zip(grads, inputs)), None)
 
 
 _operator.defvjp(_operator_fwd, _operator_bwd)
+
+
+def _in_place(q, k, v, g, beta, mask, cu_seqlens, static):
+  """Packed sequences without initial states, the row read in place (pieces.py): each sequence
+  start a reset, the walks over pieces of the row (`_pieces_operator`), the final states carried
+  from the pieces' states (differentiated by JAX); the guard's marks per sequence (the cleaned
+  copies of q, k and v are not used without gradient: the kernels clean as they load)."""
+  t_len = q.shape[1]
+  c = chunk_tokens(mask.shape[-1])
+  cu = varlen.sanitize(cu_seqlens, t_len)
+  marks = None
+  if static.guard:
+    (_, _, _, g, beta, mask), marks = varlen.clean(q, k, v, g, beta, mask, cu)
+  g = pieces.starts_as_resets(g, cu)
+  padded = -(-t_len // c) * c  # identity tokens to whole chunks (the stored states need them)
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - t_len)] + [(0, 0)] * (x.ndim - 2))
+  marks_o = None if marks is None else marks.o
+  rows = (q, k, v, g, beta) + ((marks_o,) if marks is not None else ())
+  rows += (mask,) if mask.shape[1] != 1 else ()
+  if padded != t_len:
+    q, k, v, g, beta, *rest = map(pad, rows)
+    marks_o = rest.pop(0) if marks is not None else None
+    mask = rest[0] if rest else mask
+  walk = _Pieces(pieces.piece_table(cu, padded, c), marks_o)
+  o, piece_states = _pieces_operator(q, k, v, g, beta, mask, walk, static)
+  final = pieces.final_states(piece_states, k, v, g, beta, mask, cu, c)
+  o = o[:, :t_len]
+  if marks is not None:
+    final = nonfinite.mark_final(final, marks)
+  return o, final
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _pieces_operator(q, k, v, g, beta, mask, walk, static):
+  """(o, the pieces' states): the kernels over the pieces; with the guard's marks
+  (`walk.marks_o`) o is nan where marked, without gradient from the guard inside the kernels'
+  loads where r allows it (LOAD_GUARD_KEY_BLOCKS)."""
+  if walk.marks_o is not None and static.guard_in_loads:
+    o, states, _ = _forward_once(
+      q, k, v, g, beta, mask, None, walk, static, False, guard_marks=walk.marks_o
+    )
+    return o, states
+  return _pieces_operator_fwd(q, k, v, g, beta, mask, walk, static, save=False)[0]
+
+
+def _pieces_operator_fwd(q, k, v, g, beta, mask, walk, static, save=True):
+  if walk.marks_o is not None:  # the kernels read cleaned copies
+    q, k, v = (jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype)) for x in (q, k, v))
+  forward = raise_if_differentiated(
+    lambda *a: _forward_once(*a, None, walk, static, save), NO_HIGHER_DERIVATIVES
+  )
+  o, states, stored = forward(q, k, v, g, beta, mask)
+  if walk.marks_o is not None:
+    o = jnp.where(walk.marks_o[..., None], jnp.array(jnp.nan, o.dtype), o)
+  return (o, states), (q, k, v, g, beta, mask, walk, stored)
+
+
+def _pieces_operator_bwd(static, residuals, cotangents):
+  *inputs, walk, stored = residuals
+  do, dstates = cotangents
+  if walk.marks_o is not None:  # a marked output's cotangent never reaches the kernels
+    do = jnp.where(walk.marks_o[..., None], jnp.zeros((), do.dtype), do)
+  backward = raise_if_differentiated(
+    lambda *a: _backward_once(*a, None, walk, stored, static, do, dstates), NO_HIGHER_DERIVATIVES
+  )
+  grads = backward(*inputs)
+  return (*(d.astype(x.dtype) for d, x in zip(grads, inputs)), None)
+
+
+_pieces_operator.defvjp(_pieces_operator_fwd, _pieces_operator_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,14 +437,19 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
   def _run(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
     args = (q, k, v, g, beta, mask, initial_state)
     raise_if_forward_mode((args, scale), NO_HIGHER_DERIVATIVES)
+    mask = mask.astype(jnp.float32)
+    r = mask.shape[-1]
+    static = self._static(scale)._replace(guard_in_loads=r in LOAD_GUARD_KEY_BLOCKS)
+    if cu_seqlens is not None and initial_state is None and self.backward == "pallas":
+      return _in_place(q, k, v, g, beta, mask, cu_seqlens, static)
+    if cu_seqlens is not None:
+      initial_state = packed_states(initial_state, q, v, cu_seqlens)
     if self.backward == "xla":
       forward = self.replace(backward="pallas")
+      args = (q, k, v, g, beta, mask, initial_state)
       return xla_backward.with_xla_backward(forward, *args, cu_seqlens, scale, chunk_size)
     packing = None
     if cu_seqlens is not None:
       lay = varlen.layout(cu_seqlens, q.shape[1], chunk_tokens(mask.shape[-1]))
       packing = _Packing(lay, varlen.sequence_chunks(lay).T)
-    mask = mask.astype(jnp.float32)
-    r = mask.shape[-1]
-    static = self._static(scale)._replace(guard_in_loads=r in LOAD_GUARD_KEY_BLOCKS)
     return _operator(q, k, v, g, beta, mask, initial_state, packing, static)

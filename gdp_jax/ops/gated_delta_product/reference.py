@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax.ops.gated_delta_product import nonfinite, varlen
-from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation
+from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation, packed_states
 from gdp_jax.ops.heads import expand_key_heads
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -130,6 +130,7 @@ class ReferenceGatedDeltaProduct(GatedDeltaProductImplementation):
 
   def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
     del chunk_size
+    initial_state = packed_states(initial_state, q, v, cu_seqlens)
     return gated_delta_product_reference_varlen(
       q, k, v, g, beta, mask, initial_state, scale, cu_seqlens
     )

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 
 from gdp_jax.ops.autodiff import raise_if_differentiated, raise_if_forward_mode
 from gdp_jax.ops.gated_delta_product import nonfinite, varlen, xla_backward
-from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation
+from gdp_jax.ops.gated_delta_product.base import GatedDeltaProductImplementation, packed_states
 from gdp_jax.ops.gated_delta_product.xla_backward import reduce_dmask
 from gdp_jax.ops.heads import sum_key_heads
 from gdp_jax.ops.once import jitted_kernels
@@ -484,6 +484,7 @@ class TritonGatedDeltaProduct(GatedDeltaProductImplementation):
     return self._run(q, k, v, g, beta, mask, initial_state, scale, chunk_size, None)
 
   def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
+    initial_state = packed_states(initial_state, q, v, cu_seqlens)
     return self._run(q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens)
 
   def _run(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):

@@ -23,7 +23,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from gdp_jax.ops.gated_delta_product import nonfinite, varlen
-from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY, GatedDeltaProductImplementation
+from gdp_jax.ops.gated_delta_product.base import (
+  RESET_LOG_DECAY,
+  GatedDeltaProductImplementation,
+  packed_states,
+)
 from gdp_jax.ops.heads import expand_key_heads
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -434,6 +438,7 @@ class XlaGatedDeltaProduct(GatedDeltaProductImplementation):
     return gated_delta_product_xla(q, k, v, g, beta, mask, initial_state, scale, chunk_size)
 
   def varlen(self, q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens):
+    initial_state = packed_states(initial_state, q, v, cu_seqlens)
     return gated_delta_product_xla_varlen(
       q, k, v, g, beta, mask, initial_state, scale, chunk_size, cu_seqlens
     )
