@@ -781,3 +781,32 @@ def test_layer_cu_seqlens_bad_inputs():
     layer(x[:1], jnp.array([6]), cu_seqlens=cu_of((2, 4)))
   with pytest.raises(ValueError, match="cu_seqlens must end at T = 6"):
     layer(x[:1], cu_seqlens=cu_of((2, 3)))
+
+
+def test_piece_table_cuts_at_boundaries():
+  """The in-place pieces (gdp_jax/ops/gated_delta_product/pieces.py, docs/mosaic_gpu.md
+  #packed-sequences-in-place): ten sequences of 40 tokens in chunks of 32 (NC = 13), cut about
+  every 3 chunks. Boundaries (chunks where a sequence starts) 1, 2, 3, 5, 6, 7, 8, 10, 11; cuts
+  at the first boundary at or after 3, 6, 9 (12 has none): 3, 6, 10."""
+  from gdp_jax.ops.gated_delta_product import pieces
+
+  table, bounds = pieces.piece_table(jnp.asarray(cu_of((40,) * 10)), 400, 32, 3)
+  past = 14
+  assert bounds.tolist() == [1, 2, 3, 5, 6, 7, 8, 10, 11, 12, past, past]
+  # first chunk, count, flags (1: forward silent first, 2: reverse silent first), bounds before
+  # the first chunk, the last bound at or before the last chunk
+  assert table[:, :5].tolist() == [
+    [0, 4, 2, 0, 2],
+    [3, 4, 3, 2, 4],
+    [6, 5, 3, 4, 7],
+    [10, 3, 1, 7, 9],
+    [0, 0, 1, 0, 9],
+  ]
+  # every chunk walked by exactly one piece that writes it, forward and reverse
+  first, count, flags = (np.asarray(table[:, i]) for i in range(3))
+  for silent_flag, silent_step in ((1, lambda f, c: f), (2, lambda f, c: f + c - 1)):
+    written = np.zeros(13, int)
+    for f, c, fl in zip(first, count, flags):
+      for chunk in range(f, f + c):
+        written[chunk] += not (fl & silent_flag and chunk == silent_step(f, c))
+    assert written.tolist() == [1] * 13

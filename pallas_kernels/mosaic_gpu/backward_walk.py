@@ -73,7 +73,7 @@ def state_grad_walk(
   block_v: int = 64,
   stages: int | None = None,
   seq_table: jax.Array | None = None,
-  pieces: bool = False,
+  pieces: jax.Array | None = None,
   interpret=None,
 ):
   """The reverse walk (module docstring).
@@ -88,11 +88,12 @@ def state_grad_walk(
       walk's table (`walk_ws.state_walk_ws`): program (n, h, v) walks sequence n's chunks, last
       first, from its `dfinal_t [N, H, V, K]` and writes its `d initial_state^T`; chunks of no
       sequence are not walked (their dh^T and dv_new^T stay unwritten).
-    pieces: with seq_table, the forward's pieces of the packed row read in place
-      (`walk_ws.state_walk_ws`, docs/mosaic_gpu.md#packed-sequences-in-place): program p walks
-      its chunks last first from a zero dS, writes nothing of its first step when entry 3 of its
-      row is 1 (a silent step: to dummy outputs, dropped), and adds its `dfinal_t` (the
-      gradient of the state entering its last chunk) to dS after that first step.
+    pieces: None, or the forward's bounds `[S]` with its table of pieces of the packed row read
+      in place (`walk_ws.state_walk_ws`, docs/mosaic_gpu.md#packed-sequences-in-place): program
+      p walks its chunks last first from a zero dS, writes nothing of its first step when flag 2
+      of its row is set (a silent step: to dummy outputs, dropped), and adds slot j of
+      `dfinal_t [S, H, V, K]` (the gradient of the state entering chunk bounds[j]) to dS once
+      past that chunk (from entry 4 of its row, the last bound of its chunks).
 
   Returns:
     `dh^T [B, H, NC, V, K]` (q's dtype; the gradient of the state at the end of each chunk,
@@ -119,9 +120,10 @@ def state_grad_walk(
   m_b, m_h, m_n = mask_rows.shape[:3]
   has_dfinal = dfinal_t is not None
   packed = seq_table is not None
-  if pieces and not (packed and has_dfinal):
-    raise ValueError("pieces: a seq_table and dfinal_t")
-  num_states = check_seq_table(seq_table, batch, dfinal_t, "dfinal_t")
+  slots = 0 if pieces is None else pieces.shape[0]
+  if slots and not (packed and has_dfinal and dfinal_t.shape[0] == slots):
+    raise ValueError(f"pieces: a seq_table and dfinal_t of {slots} slots")
+  num_states = check_seq_table(seq_table, batch, None if slots else dfinal_t, "dfinal_t")
   staged = interpret is not None
   bv = block_v
   dk = key_dim // r
@@ -153,12 +155,14 @@ def state_grad_walk(
     dvn_pub=smem((2, bv, N), dtype),
     sc_s=plgpu.SMEM((4,), F32),
     **ring.barriers(stages, n_copies),
-    sc_bar=plgpu.Barrier(num_arrivals=2 if packed else 1),
-    tab_s=plgpu.SMEM((4,), jnp.int32),
+    sc_bar=plgpu.Barrier(num_arrivals=(2 if packed else 1) + (slots > 0)),
+    tab_s=plgpu.SMEM((8 if slots else 4,), jnp.int32),
     done=plgpu.Barrier(num_arrivals=3),
   )
   if r > 1:
     scratch["kw_s"] = smem((stages, N, key_dim), dtype)
+  if slots:
+    scratch["bnd_s"] = plgpu.SMEM((slots,), jnp.int32)
   if staged:
     scratch["xt_s"] = smem((bv, N), dtype)
     scratch["pq_s"] = smem((N, c), dtype)
@@ -168,18 +172,19 @@ def state_grad_walk(
     jax.ShapeDtypeStruct((batch, heads, nc, value_dim, N), dtype),
     jax.ShapeDtypeStruct((num_states, heads, value_dim, key_dim), F32),
   ]
-  if pieces:  # where silent steps write
+  if slots:  # where silent steps write
     out_type.append(jax.ShapeDtypeStruct((1, heads, 1, value_dim, key_dim), dtype))
     out_type.append(jax.ShapeDtypeStruct((1, heads, 1, value_dim, N), dtype))
 
   def body(*refs, q_s, kb_s, do_s, t_s, dvl_s, g_rows, g_cols, g_chain, b_cols, g_tok, m_s,
            dh_pub, dvn_pub, sc_s, in_bar, prep_ready, in_free, sc_bar, tab_s, done, kw_s=None,
-           xt_s=None, pq_s=None):  # fmt: skip
+           xt_s=None, pq_s=None, bnd_s=None):  # fmt: skip
     refs = list(refs)
     q_ref, k_ref, do_ref, t0_ref, g_ref = (refs.pop(0) for _ in range(5))
     gr_ref, beta_ref, m_ref, sc_ref = (refs.pop(0) for _ in range(4))
     dfinal_ref = refs.pop(0) if has_dfinal else None
     tab_ref = refs.pop(0) if packed else None
+    bnd_ref = refs.pop(0) if slots else None
     dh_ref, dvn_ref, dh0_ref, *dummy_refs = refs
     b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
     hk = lax.div(h, group)  # the key head of value head h
@@ -187,9 +192,12 @@ def state_grad_walk(
     seq = b  # the state's index: the batch row, or the sequence
     first, count = 0, nc  # the chunks walked (last first)
     if packed:  # the sequence's chunks, from its row of the table
-      first, count = read_seq_table(tab_ref, sc_ref, tab_s, sc_s, sc_bar, seq, wg)
+      bounds = (bnd_ref, bnd_s) if slots else None
+      first, count = read_seq_table(tab_ref, sc_ref, tab_s, sc_s, sc_bar, seq, wg, bounds)
       b = 0
-    silent_first = tab_s[3] == 1 if pieces else False
+    # pieces: the first step silent (flag 2), the slots from the last bound of the chunks on
+    silent_first = lax.div(tab_s[2], 2) == 1 if slots else False
+    last_bound = tab_s[4] if slots else 0
     last = first + count - 1  # the chunk of the first step
     cols_v = pl.ds(iv * bv, bv)
     mb = b if m_b > 1 else 0
@@ -219,21 +227,27 @@ def state_grad_walk(
     @pl.when(wg == 0)
     def _chain():
       plgpu.set_max_registers(232, action="increase")
+
       # straight from global memory into the WGMMA layout
-      load_dfinal = lambda: plgpu.load(dfinal_ref.at[seq, h, cols_v], layout=WGMMA, optimized=False)
-      if has_dfinal and not pieces:
+      def load_dfinal(index=seq):
+        return plgpu.load(dfinal_ref.at[index, h, cols_v], layout=WGMMA, optimized=False)
+
+      if has_dfinal and not slots:
         ds0 = load_dfinal()
       else:
         ds0 = plgpu.layout_cast(jnp.zeros((bv, key_dim), F32), WGMMA)
       wshape = (bv, N)
       sshape = (bv, key_dim)
 
-      def step(i, ds_t):
+      def step(i, carry):
+        ds_t, bound = carry
         n = last - i
         slot = lax.rem(i, stages)
         half = lax.rem(i, 2)
-        if pieces:  # d(the state entering the last chunk), after the first step
-          ds_t = lax.cond(i == 1, lambda: ds_t + load_dfinal(), lambda: ds_t)
+        if slots:  # past a bound chunk: d(the state entering it), from its slot
+          past = (bound >= 0) & (n + 1 == bnd_s[jnp.maximum(bound, 0)])
+          ds_t = lax.cond(past, lambda: ds_t + load_dfinal(bound), lambda: ds_t)
+          bound = bound - past.astype(jnp.int32)
         plgpu.barrier_wait(in_bar.at[slot])
         # the copies of the tiles published two chunks ago have read them
         plgpu.wait_smem_to_gmem(2, wait_read_only=True)
@@ -262,16 +276,16 @@ def state_grad_walk(
           plgpu.copy_smem_to_gmem(dvn_pub.at[half], dvn_dst)
 
         real = lambda: copy(dh_ref.at[b, h, n, cols_v], dvn_ref.at[b, h, n, cols_v])
-        if pieces:
+        if slots:
           silent = (i == 0) & silent_first
           pl.when(silent)(lambda: copy(*(d.at[0, h, 0, cols_v] for d in dummy_refs)))
           pl.when(jnp.logical_not(silent))(real)
         else:
           real()
         plgpu.barrier_arrive(in_free.at[slot])
-        return ds_new
+        return ds_new, bound
 
-      ds_t = lax.fori_loop(0, count, step, ds0)
+      ds_t, _ = lax.fori_loop(0, count, step, (ds0, last_bound))
       dh0_ref.at[seq, h, cols_v][...] = ds_t  # straight from registers to global memory
       plgpu.wait_smem_to_gmem(0)
 
@@ -328,6 +342,8 @@ def state_grad_walk(
     args.append(dfinal_t)
   if seq_table is not None:
     args.append(seq_table)
+  if slots:
+    args.append(pieces)
   dh_t, dv_new, dh0_t, *_ = plgpu.kernel(
     body,
     out_type=out_type,

@@ -282,24 +282,30 @@ def check_seq_table(seq_table, batch: int, state, state_name: str) -> int:
   if seq_table is None:
     return batch
   num_states = seq_table.shape[0]
-  if batch != 1 or seq_table.shape != (num_states, 4) or seq_table.dtype != jnp.int32:
+  width = seq_table.shape[-1]
+  if batch != 1 or seq_table.shape != (num_states, width) or seq_table.dtype != jnp.int32:
     raise ValueError(
       f"seq_table: {seq_table.shape} {seq_table.dtype} with B={batch}: int32 [N, 4], B=1"
     )
+  if width not in (4, 8):
+    raise ValueError(f"seq_table: {seq_table.shape}: rows of 4 (sequences) or 8 (pieces)")
   if state is not None and state.shape[0] != num_states:
     raise ValueError(f"{state_name}: {state.shape}, expected {num_states} states")
   return num_states
 
 
-def read_seq_table(tab_ref, sc_ref, tab_s, sc_s, bar, seq, wg):
+def read_seq_table(tab_ref, sc_ref, tab_s, sc_s, bar, seq, wg, bounds=None):
   """In a walk over packed sequences (three warpgroups): warpgroup 1 copies sequence `seq`'s
-  row of the table and the scale into shared memory, every warpgroup waits for them; returns
-  the sequence's (first chunk, chunk count)."""
+  row of the table and the scale (and `bounds`, a (global, shared) pair: the pieces' bounds)
+  into shared memory, every warpgroup waits for them; returns the sequence's (first chunk,
+  chunk count)."""
 
   @pl.when(wg == 1)
   def _():
     plgpu.copy_gmem_to_smem(tab_ref.at[seq], tab_s, bar)
     plgpu.copy_gmem_to_smem(sc_ref, sc_s, bar)
+    if bounds is not None:
+      plgpu.copy_gmem_to_smem(*bounds, bar)
 
   plgpu.barrier_wait(bar)
   return tab_s[0], tab_s[1]

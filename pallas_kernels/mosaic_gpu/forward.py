@@ -179,7 +179,7 @@ def forward(
   return_inverse: bool = False,
   store_states: bool = False,
   seq_table: jax.Array | None = None,
-  pieces: bool = False,
+  pieces: jax.Array | None = None,
   guard_marks: jax.Array | None = None,
   state_every_chunks: int | None = None,
   interpret=None,
@@ -193,9 +193,9 @@ def forward(
   seq_table: None, or packed sequences in the chunk-aligned padded layout (B = 1, docs/varlen.md):
     int32 `[N, 4]` (first chunk, chunk count, 0, 0) per sequence (`state_walk_ws`); the initial and
     final states are then `[N, H, K, V]`.
-  pieces: with seq_table, the packed row read in place (docs/mosaic_gpu.md
-    #packed-sequences-in-place): the table's rows are pieces (`state_walk_ws`), the "final
-    states" `[P, H, K, V]` the states entering each piece's last chunk.
+  pieces: None, or with seq_table the packed row read in place (docs/mosaic_gpu.md
+    #packed-sequences-in-place): the bounds `[S]` int32, the table's rows pieces
+    (`state_walk_ws`); the "final states" `[S, H, K, V]` the states entering each bound.
   guard_marks: None, or the non-finite guard in the kernels' loads (unpacked rows;
     docs/mosaic_gpu.md#the-guard-in-the-loads): `[B, T, H]` bool, the tokens whose output is to be
     nan (nonfinite.py's `Marks.o`); the kernels clean k and v as they land.
@@ -213,7 +213,7 @@ def forward(
     raise ValueError(f"store_states: T={t_len} and V={value_dim} must be whole chunks and tiles")
   h0_t = state_t(initial_state, vp)
   assert ops.v is not None  # prepare was given v
-  if guard_marks is not None and seq_table is not None and not pieces:
+  if guard_marks is not None and seq_table is not None and pieces is None:
     raise ValueError("guard_marks: one row (chunk-aligned packed rows are cleaned by the caller)")
   marks = None
   if guard_marks is not None:  # [B, T, H] -> [B, H, Tp] float32, the padding unmarked

@@ -92,10 +92,11 @@ def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: b
 
 
 def walk_scratch(*, stages, c, key_dim, bv, r, dtype, masked_keys, staged, n_copies, warpgroups,
-                 packed, marks=False) -> dict:  # fmt: skip
+                 packed, marks=False, slots=0) -> dict:  # fmt: skip
   """The shared memory of the warp-specialised walk (`state_walk_ws`): the ring of
   `stages` input stages, the chain's published tiles, the output's tiles and the barriers; with
-  `marks` a per-token row per stage (the non-finite guard's marks, `output`)."""
+  `marks` a per-token row per stage (the non-finite guard's marks, `output`); with `slots` (pieces)
+  the bounds."""
   vecs = plgpu.SMEM((stages, N), F32)
   scratch = dict(
     q_s=smem((stages, c, key_dim), dtype),
@@ -118,10 +119,12 @@ def walk_scratch(*, stages, c, key_dim, bv, r, dtype, masked_keys, staged, n_cop
     **ring.barriers(stages, n_copies),
     s_ready=plgpu.Barrier(num_barriers=2),
     s_free=plgpu.Barrier(num_barriers=2),
-    sc_bar=plgpu.Barrier(num_arrivals=2 if packed else 1),
-    tab_s=plgpu.SMEM((4,), jnp.int32),
+    sc_bar=plgpu.Barrier(num_arrivals=(2 if packed else 1) + (slots > 0)),
+    tab_s=plgpu.SMEM((8 if slots else 4,), jnp.int32),
     done=plgpu.Barrier(num_arrivals=warpgroups),
   )
+  if slots:
+    scratch["bnd_s"] = plgpu.SMEM((slots,), jnp.int32)
   if masked_keys:
     scratch["kw_s"] = smem((stages, N, key_dim), dtype)
   if staged:
@@ -135,7 +138,7 @@ def bind(refs: dict, scratch: dict, *, nc: int, group: int, bv: int, m_shape, **
   """One program's view of a walk (`producer`, `chain`, `output` read it): the refs, the statics
   and the program's batch row (or sequence), head, key head, value columns and chunks."""
   optional = dict(kw_s=None, xt_s=None, mk_tok=None, mk_ref=None, clean=False, blk_ref=None)
-  optional.update(pieces=False, od_ref=None, sd_ref=None, vd_ref=None)
+  optional.update(pieces=False, od_ref=None, sd_ref=None, vd_ref=None, bnd_ref=None, bnd_s=None)
   w = types.SimpleNamespace(**{**optional, **refs, **scratch, **statics}, bv=bv)
   w.b, w.h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   w.hk = lax.div(w.h, group)  # the key head of value head h
@@ -143,13 +146,16 @@ def bind(refs: dict, scratch: dict, *, nc: int, group: int, bv: int, m_shape, **
   w.seq = w.b  # the state's index: the batch row, or the sequence
   w.first, w.count = 0, nc  # the chunks walked
   if refs.get("tab_ref") is not None:  # the sequence's chunks, from its row of the table
+    bounds = (w.bnd_ref, w.bnd_s) if w.pieces else None
     w.first, w.count = read_seq_table(
-      refs["tab_ref"], refs["sc_ref"], w.tab_s, w.sc_s, w.sc_bar, w.seq, w.wg
+      refs["tab_ref"], refs["sc_ref"], w.tab_s, w.sc_s, w.sc_bar, w.seq, w.wg, bounds
     )
     w.b = 0
   # pieces (docs/mosaic_gpu.md#packed-sequences-in-place): the first chunk's writes go to the
-  # dummy outputs when the piece's table row says so (entry 2)
-  w.silent_first = w.tab_s[2] == 1 if w.pieces else False
+  # dummy outputs when the piece's row says so (its flags), the states entering the bounds to
+  # their slots (from the number of bounds before the first chunk)
+  w.silent_first = lax.rem(w.tab_s[2], 2) == 1 if w.pieces else False
+  w.slot0 = w.tab_s[3] if w.pieces else 0
   w.cols_v = pl.ds(iv * bv, bv)
   w.mb = w.b if m_shape[0] > 1 else 0
   w.mh = w.h if m_shape[1] > 1 else 0
@@ -198,11 +204,15 @@ def chain(w, registers: int = 232):
     s0 = plgpu.layout_cast(jnp.zeros((bv, key_dim), F32), WGMMA)
   wshape = (bv, N)
 
-  def step(n, s_t):
+  def step(n, carry):
+    s_t, bound = carry
     slot = lax.rem(n, stages)
     half = lax.rem(n, 2)
-    if w.pieces and w.ht_ref is not None:  # a piece's state: the one entering its last chunk
-      when(n == w.count - 1, lambda: put(w.ht_ref.at[w.seq, w.h, w.cols_v], s_t))
+    if w.pieces:  # the state entering a bound chunk, to its slot (but for a silent chunk)
+      at_bound = w.first + n == w.bnd_s[bound]
+      keep = at_bound & jnp.logical_not((n == 0) & w.silent_first)
+      when(keep, lambda: put(w.ht_ref.at[bound, w.h, w.cols_v], s_t))
+      bound = bound + at_bound.astype(jnp.int32)
     plgpu.barrier_wait(w.in_bar.at[slot])
 
     @pl.when(n >= 2)
@@ -258,16 +268,14 @@ def chain(w, registers: int = 232):
       def _():  # straight from registers to global memory
         w.blk_ref.at[w.b, w.h, lax.div(ends, w.every) - 1, w.cols_v][...] = s_new
 
-    return s_new
+    return s_new, bound
 
-  s_t = lax.fori_loop(0, w.count, step, s0)
+  s_t, _ = lax.fori_loop(0, w.count, step, (s0, w.slot0))
   for j in range(2):  # consume the last releases of the published tiles
     i = w.count - 2 + j
     when(i >= 0, lambda i=i: plgpu.barrier_wait(w.s_free.at[i % 2]))
   if w.ht_ref is not None and not w.pieces:  # straight from registers to global memory
     w.ht_ref.at[w.seq, w.h, w.cols_v][...] = s_t
-  if w.ht_ref is not None and w.pieces:  # an unused piece (no chunk): zeros
-    when(w.count == 0, lambda: put(w.ht_ref.at[w.seq, w.h, w.cols_v], s0))
   if w.store_states:
     plgpu.wait_smem_to_gmem(0)
 
@@ -380,7 +388,7 @@ def state_walk_ws(
   store_states: bool = False,
   stages: int | None = None,
   seq_table: jax.Array | None = None,
-  pieces: bool = False,
+  pieces: jax.Array | None = None,
   marks: jax.Array | None = None,
   state_every_chunks: int | None = None,
   interpret=None,
@@ -408,12 +416,13 @@ def state_walk_ws(
       grid's first axis is then the sequence: program (n, h, v) walks sequence n's chunks from
       its initial state (`initial_state_t [N, H, V, K]`) and writes its final state
       (`[N, H, V, K]`); chunks of no sequence are not walked (their output rows stay unwritten).
-    pieces: with seq_table, the packed row read in place, cut into pieces
-      (docs/mosaic_gpu.md#packed-sequences-in-place): row p of the table is (first chunk, chunk
-      count, 1 if the first chunk is walked silently, .): program p walks its chunks from a
-      zero state (no initial_state_t), writes nothing of a silent first chunk (its output,
-      states and v_new go to dummy outputs, dropped), and its "final state" is the state
-      entering its last chunk (zeros for a piece of no chunk).
+    pieces: None, or with seq_table the packed row read in place, cut into pieces
+      (docs/mosaic_gpu.md#packed-sequences-in-place, gdp_jax/ops/gated_delta_product/pieces.py):
+      the bounds, int32 `[S]` (S a multiple of 4), and seq_table `[P, 8]`, row p (first chunk,
+      chunk count, flags, the number of bounds before the first chunk, ...): program p walks its
+      chunks from a zero state (no initial_state_t), writes nothing of its first chunk when
+      flag 1 is set (its output, states and v_new go to dummy outputs, dropped), and writes the
+      state entering chunk bounds[j] to slot j of the "final state" `[S, H, V, K]`.
     marks: None, or the non-finite guard in the loads (docs/mosaic_gpu.md#the-guard-in-the-loads):
       `[B, H, Tp]` float32, 1 where a token's output is to be nan (nonfinite.py's marks); k and v
       are cleaned in place as they land, and the output is nan where marked or non-finite.
@@ -444,18 +453,21 @@ def state_walk_ws(
   scratch = walk_scratch(
     stages=stages, c=c, key_dim=key_dim, bv=bv, r=r, dtype=dtype, masked_keys=masked_keys,
     staged=staged, n_copies=9 + 2 * r + (marks is not None), warpgroups=3, packed=packed,
-    marks=marks is not None,
+    marks=marks is not None, slots=0 if pieces is None else pieces.shape[0],
   )  # fmt: skip
   if state_every_chunks is not None and (packed or state_every_chunks < 1):
     raise ValueError(f"state_every_chunks={state_every_chunks}: a positive count, unpacked rows")
-  if marks is not None and ((packed and not pieces) or marks.shape != (batch, heads, padded)):
+  if marks is not None and ((packed and pieces is None) or marks.shape != (batch, heads, padded)):
     raise ValueError(f"marks: shape {marks.shape}, expected {(batch, heads, padded)}, one row")
-  if pieces and (not packed or initial_state_t is not None):
-    raise ValueError("pieces: a seq_table and no initial state")
+  if pieces is not None and (
+    seq_table is None or seq_table.shape[-1] != 8 or initial_state_t is not None
+  ):
+    raise ValueError("pieces: a seq_table [P, 8] and no initial state")
 
   out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), dtype)]
   if output_final_state:
-    out_type.append(jax.ShapeDtypeStruct((num_states, heads, value_dim, key_dim), F32))
+    states = num_states if pieces is None else pieces.shape[0]
+    out_type.append(jax.ShapeDtypeStruct((states, heads, value_dim, key_dim), F32))
   if store_states:
     out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, key_dim), dtype))
     out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, N), dtype))
@@ -463,21 +475,31 @@ def state_walk_ws(
     blocks = nc // state_every_chunks
     out_type.append(jax.ShapeDtypeStruct((batch, heads, blocks, value_dim, key_dim), F32))
   dummies = []  # pieces: where silent chunks write
-  if pieces:
+  if pieces is not None:
     dummies.append(jax.ShapeDtypeStruct((1, c, heads, value_dim), dtype))
-  if pieces and store_states:
+  if pieces is not None and store_states:
     dummies.append(jax.ShapeDtypeStruct((1, heads, 1, value_dim, key_dim), dtype))
     dummies.append(jax.ShapeDtypeStruct((1, heads, 1, value_dim, N), dtype))
   in_names = ["q_ref", "k_ref", "v_ref", "t0_ref", "g_ref", "gr_ref", "beta_ref", "m_ref", "sc_ref"]
   in_names += ["h0_ref"] * (initial_state_t is not None) + ["tab_ref"] * packed
-  in_names += ["mk_ref"] * (marks is not None)
+  in_names += ["mk_ref"] * (marks is not None) + ["bnd_ref"] * (pieces is not None)
   out_names = ["o_ref"] + ["ht_ref"] * output_final_state
   out_names += ["states_ref", "vnew_ref"] * store_states
   out_names += ["blk_ref"] * (state_every_chunks is not None)
   out_names += ["od_ref", "sd_ref", "vd_ref"][: len(dummies)]
   names = in_names + out_names
   absent = {
-    n: None for n in ("h0_ref", "tab_ref", "mk_ref", "ht_ref", "states_ref", "vnew_ref", "blk_ref")
+    n: None
+    for n in (
+      "h0_ref",
+      "tab_ref",
+      "mk_ref",
+      "ht_ref",
+      "states_ref",
+      "vnew_ref",
+      "blk_ref",
+      "bnd_ref",
+    )
   }
 
   def body(*refs, **scratch_refs):
@@ -486,7 +508,7 @@ def state_walk_ws(
       m_shape=mask_rows.shape, stages=stages, r=r, c=c, dk=key_dim // r, key_dim=key_dim,
       dtype=dtype, householder=householder, masked_keys=masked_keys, staged=staged,
       store_states=store_states, warpgroups=3, clean=marks is not None,
-      every=state_every_chunks, pieces=pieces,
+      every=state_every_chunks, pieces=pieces is not None,
     )  # fmt: skip
     pl.when(w.wg == 2)(lambda: producer(w))
     pl.when(w.wg == 0)(lambda: chain(w))
@@ -500,6 +522,8 @@ def state_walk_ws(
     args.append(seq_table)
   if marks is not None:
     args.append(marks)
+  if pieces is not None:
+    args.append(pieces)
   outs = plgpu.kernel(
     body,
     out_type=out_type + dummies,

@@ -34,7 +34,7 @@ from gdp_jax.ops.gated_delta_product.base import (
 from gdp_jax.ops.heads import sum_key_heads
 from gdp_jax.ops.once import jitted_kernels
 from pallas_kernels.common.backend import interpret_mode
-from pallas_kernels.common.device import HOPPER
+from pallas_kernels.common.device import HOPPER, device_info
 from pallas_kernels.common.options import KernelOptions
 from pallas_kernels.mosaic_gpu import backward_walk, chunk_grads
 from pallas_kernels.mosaic_gpu import forward as mosaic_forward
@@ -75,10 +75,11 @@ class _Packing(NamedTuple):
 
 
 class _Pieces(NamedTuple):
-  """Packed sequences read in place: the walks' table of pieces (`pieces.piece_table`) and the
-  non-finite guard's marks of o (or None: no guard)."""
+  """Packed sequences read in place: the walks' table of pieces and bounds
+  (`pieces.piece_table`) and the non-finite guard's marks of o (or None: no guard)."""
 
-  table: jax.Array  # [N, 4]
+  table: jax.Array  # [P, 8]
+  bounds: jax.Array  # [S]
   marks_o: jax.Array | None  # [1, T, H] bool
 
 
@@ -122,7 +123,7 @@ def _forward(q, k, v, g, beta, mask, h0, packing, static, save, guard_marks=None
     return_inverse=save,
     store_states=save,
     seq_table=table,
-    pieces=in_place,
+    pieces=packing.bounds if in_place else None,
     guard_marks=guard_marks,
     state_every_chunks=static.every_chunks,
     interpret=_params(static),
@@ -162,7 +163,7 @@ def _backward(q, k, v, g, beta, mask, h0, packing, stored, static, do, dfinal):
     jnp.swapaxes(dfinal.astype(jnp.float32), 2, 3),
     block_v=mosaic_forward.BLOCK_V,
     seq_table=table,
-    pieces=in_place,
+    pieces=packing.bounds if in_place else None,
     interpret=params,
   )
   dq, dk, dv, vec = chunk_grads.chunk_grads(
@@ -198,7 +199,8 @@ def _clean(q, k, v, g, beta, mask, packing, with_state=False):
   `with_state`: also the marks of the states after each token (block states)."""
   if packing is None:
     return nonfinite.clean(q, k, v, g, beta, mask, local=True, with_state=with_state)
-  return varlen.clean(q, k, v, g, beta, mask, packing.layout.cu_seqlens, with_state=with_state)
+  cu = packing.layout.cu_seqlens
+  return varlen.clean(q, k, v, g, beta, mask, cu, with_state=with_state, local=True)
 
 
 # One lowering of each kernel per distinct call (a model's layers: docs/train_lm.md#compile-time)
@@ -293,7 +295,7 @@ def _in_place(q, k, v, g, beta, mask, cu_seqlens, static):
   cu = varlen.sanitize(cu_seqlens, t_len)
   marks = None
   if static.guard:
-    (_, _, _, g, beta, mask), marks = varlen.clean(q, k, v, g, beta, mask, cu)
+    (_, _, _, g, beta, mask), marks = varlen.clean(q, k, v, g, beta, mask, cu, local=True)
   g = pieces.starts_as_resets(g, cu)
   padded = -(-t_len // c) * c  # identity tokens to whole chunks (the stored states need them)
   pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - t_len)] + [(0, 0)] * (x.ndim - 2))
@@ -304,9 +306,11 @@ def _in_place(q, k, v, g, beta, mask, cu_seqlens, static):
     q, k, v, g, beta, *rest = map(pad, rows)
     marks_o = rest.pop(0) if marks is not None else None
     mask = rest[0] if rest else mask
-  walk = _Pieces(pieces.piece_table(cu, padded, c), marks_o)
-  o, piece_states = _pieces_operator(q, k, v, g, beta, mask, walk, static)
-  final = pieces.final_states(piece_states, k, v, g, beta, mask, cu, c)
+  value_tiles = -(-v.shape[-1] // mosaic_forward.BLOCK_V)
+  per_piece = pieces.chunks_per_piece(padded // c, v.shape[2] * value_tiles, device_info().sm_count)
+  table, bounds = pieces.piece_table(cu, padded, c, per_piece)
+  o, slot_states = _pieces_operator(q, k, v, g, beta, mask, _Pieces(table, bounds, marks_o), static)
+  final = pieces.final_states(slot_states, bounds, k, v, g, beta, mask, cu, c)
   o = o[:, :t_len]
   if marks is not None:
     final = nonfinite.mark_final(final, marks)
@@ -315,7 +319,7 @@ def _in_place(q, k, v, g, beta, mask, cu_seqlens, static):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _pieces_operator(q, k, v, g, beta, mask, walk, static):
-  """(o, the pieces' states): the kernels over the pieces; with the guard's marks
+  """(o, the states entering the bounds): the kernels over the pieces; with the guard's marks
   (`walk.marks_o`) o is nan where marked, without gradient from the guard inside the kernels'
   loads where r allows it (LOAD_GUARD_KEY_BLOCKS)."""
   if walk.marks_o is not None and static.guard_in_loads:

@@ -52,6 +52,30 @@ def _bad_rows(x, batch, t_len, heads, local=False):
   return jnp.broadcast_to(bad, (batch, t_len, heads))
 
 
+def bad_tokens(q, k, v, g, beta, mask, *, local=False, substeps=1):
+  """(bad_state, bad_q), each [B, T, H] bool: the tokens whose k, v, beta, mask (any of their
+  `substeps` sub-steps) or g spoil the state from them on (g: nan or +inf; -inf is a reset),
+  and those whose q is non-finite (their own output only). Arguments as `clean`'s."""
+  batch, t_sub, heads = v.shape[:3]
+  t_len = t_sub // substeps
+  sub_rows = lambda x: _bad_rows(x, batch, t_sub, heads, local)
+  bad_sub = sub_rows(k) | sub_rows(v) | sub_rows(beta)
+  if mask is not None:
+    bad_sub = bad_sub | sub_rows(mask)
+  if substeps > 1:
+    bad_sub = jnp.any(bad_sub.reshape(batch, t_len, substeps, heads), axis=2)
+  bad_state = bad_sub | jnp.isnan(g) | (g == jnp.inf)
+  return bad_state, _bad_rows(q, batch, t_len, heads, local)
+
+
+def cleaned(q, k, v, g, beta, mask):
+  """The inputs with non-finite entries 0 (a nan or +inf g too; g = -inf stays a reset)."""
+  zero = lambda x: jnp.where(_finite(x), x, jnp.zeros((), x.dtype))
+  g = jnp.where(jnp.isnan(g) | (g == jnp.inf), jnp.zeros((), g.dtype), g)
+  mask = None if mask is None else zero(mask)
+  return zero(q), zero(k), zero(v), g, zero(beta), mask
+
+
 def clean(q, k, v, g, beta, mask, *, local=False, substeps=1, with_state=False):
   """(cleaned (q, k, v, g, beta, mask), Marks) for the operator's normalised inputs:
   q, k [B, T, Hk, K] (Hk = H, or a divisor of H: grouped value heads); v [B, T, H, V];
@@ -63,26 +87,15 @@ def clean(q, k, v, g, beta, mask, *, local=False, substeps=1, with_state=False):
   substeps: the Householder form's n_h (householder_delta_product): k, v and beta hold T n_h
   sub-steps, n_h per token, and a bad sub-step spoils the state from its token on.
   with_state: also fill `Marks.state` (else None: no residual more for the kernels' backward)."""
-  batch, t_sub, heads = v.shape[:3]
-  t_len = t_sub // substeps
-  sub_rows = lambda x: _bad_rows(x, batch, t_sub, heads, local)
-  bad_sub = sub_rows(k) | sub_rows(v) | sub_rows(beta)
-  if mask is not None:
-    bad_sub = bad_sub | sub_rows(mask)
-  if substeps > 1:
-    bad_sub = jnp.any(bad_sub.reshape(batch, t_len, substeps, heads), axis=2)
-  bad_state = bad_sub | jnp.isnan(g) | (g == jnp.inf)
-  bad_q = _bad_rows(q, batch, t_len, heads, local)
+  t_len = q.shape[1]
+  bad_state, bad_q = bad_tokens(q, k, v, g, beta, mask, local=local, substeps=substeps)
   # The state is bad from the first bad token on. One reduction over time finds it (a running
   # "or", `lax.cummax`, is a scan of many small kernels on a GPU).
   t = jax.lax.broadcasted_iota(jnp.int32, bad_state.shape, 1)
   first_bad = jnp.min(jnp.where(bad_state, t, t_len), axis=1)  # [B, H]; t_len: none
   spoiled = t >= first_bad[:, None, :]
   marks = Marks(spoiled | bad_q, first_bad < t_len, spoiled if with_state else None)
-  zero = lambda x: jnp.where(_finite(x), x, jnp.zeros((), x.dtype))
-  g = jnp.where(jnp.isnan(g) | (g == jnp.inf), jnp.zeros((), g.dtype), g)
-  mask = None if mask is None else zero(mask)
-  return (zero(q), zero(k), zero(v), g, zero(beta), mask), marks
+  return cleaned(q, k, v, g, beta, mask), marks
 
 
 def mark(o, final, marks):

@@ -2,13 +2,15 @@
 #packed-sequences-in-place): the packed row keeps its chunks at fixed positions, each sequence
 start is a reset, and the walks run one program per piece of the row.
 
-A piece starts at a chunk where a sequence starts (a boundary, walked silently from a zero
-state: the reset inside it makes the state after it exact) and runs to the next boundary, which
-it walks as its own last chunk; what a walk keeps of a piece is the state entering that last
-chunk. Every sequence ends in the last chunk of some piece (or just before it), so its final
-state is that piece's state carried over the chunk's tokens up to the sequence's end
-(`final_states`, in jnp, differentiated by JAX). Everything is traced: new boundaries with the
-same N and T do not recompile.
+A chunk where a sequence starts is a boundary: the reset inside it makes the state after it
+independent of the state before it. The row is cut at some boundaries (about every
+`chunks_per_piece` chunks) into pieces; a piece walks its first chunk, a cut, silently from a
+zero state (the previous piece walks it as its last chunk and writes it), so the pieces' walks
+are independent. Every sequence ends in a boundary chunk or the row's last chunk (or just before
+it), and the walks keep the state entering each of those chunks (a slot each); a sequence's final
+state is that state carried over the chunk's tokens up to the sequence's end (`final_states`, in
+jnp, differentiated by JAX). Everything is traced: new boundaries with the same N and T do not
+recompile.
 """
 
 from __future__ import annotations
@@ -20,36 +22,66 @@ from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY
 from gdp_jax.ops.heads import expand_key_heads
 
 i32 = jnp.int32
+FLAG_FORWARD_SILENT = 1  # the forward walks the piece's first chunk silently
+FLAG_REVERSE_SILENT = 2  # the reverse walk walks its first step (the last chunk) silently
 
 
-def _boundaries(cu, t_len: int, chunk: int):
-  """([N] int32, m): the chunks where sequences 1..N-1 start (each once, increasing, a value
-  past every chunk after the m of them)."""
-  starts = cu[1:-1]
-  chunks = starts // chunk
-  previous = jnp.concatenate([jnp.full((1,), -1, i32), chunks[:-1]])
-  new = (starts < t_len) & (chunks != previous)  # cu is non-decreasing: equal chunks are adjacent
-  past = -(-t_len // chunk) + 1
-  bounds = jnp.sort(jnp.where(new, chunks, past))
-  return jnp.concatenate([bounds, jnp.full((1,), past, i32)]).astype(i32), jnp.sum(new)
+def chunks_per_piece(num_chunks: int, programs_per_piece: int, multiprocessors: int) -> int:
+  """How long a piece may grow (chunks): enough pieces for about two programs per multiprocessor
+  (each piece runs `programs_per_piece`, one per head and value tile), and no more."""
+  pieces = -(-2 * multiprocessors // programs_per_piece)
+  return max(1, -(-num_chunks // pieces))
 
 
-def piece_table(cu, t_len: int, chunk: int):
-  """int32 [N, 4], the walks' table for N sequences (cu sanitised) over T tokens in chunks of
-  `chunk`: row p is (first chunk, chunk count, the forward walks the first chunk silently, the
-  reverse walk walks its first step, the last chunk, silently). With boundaries b_0 < ... <
-  b_{m-1}: piece 0 is chunks [0, b_0], piece p [b_{p-1}, b_p], piece m [b_{m-1}, NC - 1], and the
-  pieces after m walk nothing."""
+def num_slots(num_seqs: int) -> int:
+  """The length of `bounds`: N - 1 boundaries at most, the last chunk, a sentinel; a multiple of
+  4 (one 16-byte copy per 4)."""
+  return -(-(num_seqs + 1) // 4) * 4
+
+
+def piece_table(cu, t_len: int, chunk: int, per_piece: int):
+  """(table [P, 8] int32, bounds [S] int32) for N sequences (cu sanitised) over T tokens in chunks
+  of `chunk`, cut about every `per_piece` chunks (P = NC // per_piece + 1, S = `num_slots(N)`).
+
+  bounds: the boundary chunks and the last chunk, increasing, each once, then a value past every
+  chunk; slot j of the walks is the state entering chunk bounds[j].
+  table row p: (first chunk, chunk count, flags (FLAG_*), the number of bounds before the first
+  chunk, the index of the last bound at or before the last chunk, 0, 0, 0); pieces after the
+  last walk nothing (count 0)."""
   num = cu.shape[0] - 1
   nc = -(-t_len // chunk)
-  bounds, m = _boundaries(cu, t_len, chunk)
-  p = jnp.arange(num, dtype=i32)
-  first = jnp.where(p == 0, 0, bounds[jnp.maximum(p - 1, 0)])
-  last = jnp.where(p < m, bounds[jnp.minimum(p, num - 1)], nc - 1)
-  used = p <= m
+  past = nc + 1
+  starts = cu[1:-1]
+  start_chunks = starts // chunk
+  previous = jnp.concatenate([jnp.full((1,), -1, i32), start_chunks[:-1]])
+  # cu is non-decreasing: the starts in one chunk are adjacent
+  new = (starts < t_len) & (start_chunks != previous)
+  boundaries = jnp.sort(jnp.where(new, start_chunks, past))  # [N - 1]
+  last_chunk = jnp.where(jnp.any(boundaries == nc - 1), past, nc - 1)  # once
+  bounds = jnp.sort(jnp.concatenate([boundaries, last_chunk[None]]))  # [N]
+  bounds = jnp.full((num_slots(num),), past, i32).at[:num].set(bounds.astype(i32))
+  # cuts: the first boundary at or after every multiple of per_piece
+  want = per_piece * jnp.arange(1, nc // per_piece + 1, dtype=i32)
+  at = jnp.searchsorted(boundaries, want, side="left", method="compare_all")
+  cuts = boundaries[jnp.minimum(at, num - 2)] if num > 1 else jnp.full_like(want, past)
+  cuts = jnp.where(at < num - 1, cuts, past)
+  cuts = jnp.where(cuts > 0, cuts, past)  # chunk 0 starts piece 0 anyway
+  prev_cut = jnp.concatenate([jnp.full((1,), -1, i32), cuts[:-1]])
+  cuts = jnp.sort(jnp.where(cuts != prev_cut, cuts, past))  # each once (cuts are increasing)
+  num_cuts = jnp.sum(cuts < past)
+  p = jnp.arange(cuts.shape[0] + 1, dtype=i32)
+  ext = jnp.concatenate([cuts, jnp.full((1,), past, i32)])
+  first = jnp.where(p == 0, 0, ext[jnp.maximum(p - 1, 0)])
+  last = jnp.where(p < num_cuts, ext[p], nc - 1)
+  used = p <= num_cuts
   first = jnp.where(used, first, 0)
   count = jnp.where(used, last - first + 1, 0)
-  return jnp.stack([first, count, p > 0, p < m], axis=1).astype(i32)
+  flags = FLAG_FORWARD_SILENT * (p > 0) + FLAG_REVERSE_SILENT * (p < num_cuts)
+  before_first = jnp.searchsorted(bounds, first, side="left", method="compare_all")
+  last_bound = jnp.searchsorted(bounds, last, side="right", method="compare_all") - 1
+  zero = jnp.zeros_like(p)
+  table = jnp.stack([first, count, flags, before_first, last_bound, zero, zero, zero], axis=1)
+  return table.astype(i32), bounds
 
 
 def starts_as_resets(g, cu):
@@ -60,25 +92,24 @@ def starts_as_resets(g, cu):
   return jnp.where(first[None, :, None], jnp.asarray(RESET_LOG_DECAY, g.dtype), g)
 
 
-def final_states(piece_states, k, v, g, beta, mask, cu, chunk: int):
-  """[N, H, K, V] float32: each sequence's final state from the pieces' states [N, H, K, V]
-  (the state entering each piece's last chunk).
+def final_states(slot_states, bounds, k, v, g, beta, mask, cu, chunk: int):
+  """[N, H, K, V] float32: each sequence's final state from the walks' slots [S, H, K, V] (the
+  state entering chunk bounds[j]).
 
-  Sequence n ends at token e = cu[n + 1] - 1; L = min((e + 1) // chunk, NC - 1) is the last chunk
-  of the piece whose index is the number of boundaries before L, and its tokens up to e (the
-  others identity tokens) carried over from that piece's state give the state after e: a
-  sequence starting inside L forgets the piece's state at its reset (g: `starts_as_resets`).
-  k [1, T, Hk, K], v [1, T, H, V], g, beta [1, T, H], mask [Bm, Tm, Hm, r, r]."""
+  Sequence n ends at token e = cu[n + 1] - 1; L = min((e + 1) // chunk, NC - 1) is a bound (a
+  boundary, or the last chunk), and its tokens up to e (the others identity tokens) carried over
+  from the state entering it give the state after e: a sequence starting inside L forgets that
+  state at its reset (g: `starts_as_resets`). k [1, T, Hk, K], v [1, T, H, V], g, beta [1, T, H],
+  mask [Bm, Tm, Hm, r, r]; non-finite entries are read as 0 (the operator's guard marks the
+  states they spoil)."""
   t_len = k.shape[1]
   nc = -(-t_len // chunk)
-  bounds, _ = _boundaries(cu, t_len, chunk)
   ends = cu[1:]
   last = jnp.minimum(ends // chunk, nc - 1)
-  piece = jnp.searchsorted(bounds, last, side="left", method="compare_all")
+  slot = jnp.searchsorted(bounds, last, side="left", method="compare_all")
   tokens = last[:, None] * chunk + jnp.arange(chunk, dtype=i32)  # [N, C]
   inside = tokens < ends[:, None]
   take = lambda x: jnp.take(x[0], jnp.minimum(tokens, t_len - 1), axis=0)
-  # the tokens up to e, non-finite entries zeroed (the operator's guard marks those states)
   keep = lambda x: jnp.where(
     inside.reshape(inside.shape + (1,) * (x.ndim - 2)) & jnp.isfinite(x), x, 0
   )
@@ -86,8 +117,6 @@ def final_states(piece_states, k, v, g, beta, mask, cu, chunk: int):
   mask_n = mask if mask.shape[1] == 1 else keep(take(mask))
   k_n = expand_key_heads(k_n, v.shape[2])
   q_n = jnp.zeros_like(k_n)  # the outputs are not used
-  _, final = xla.chunked_forward(
-    q_n, k_n, v_n, g_n, beta_n, mask_n, piece_states[piece], 1.0, chunk
-  )
+  _, final = xla.chunked_forward(q_n, k_n, v_n, g_n, beta_n, mask_n, slot_states[slot], 1.0, chunk)
   empty = cu[1:] == cu[:-1]
   return jnp.where(empty[:, None, None, None], 0.0, final)

@@ -252,19 +252,17 @@ def token_boundaries(cu_seqlens, t_len: int):
   return seq, t == cu_seqlens[seq], t == cu_seqlens[seq + 1] - 1
 
 
-def clean(q, k, v, g, beta, mask, cu_seqlens, *, with_state=False):
+def clean(q, k, v, g, beta, mask, cu_seqlens, *, with_state=False, local=False):
   """`nonfinite.clean` per sequence: the cleaned inputs and marks in which a bad token spoils
   the outputs of its own sequence only (from that token on) and that sequence's final state.
 
   q, k: [1, T, Hk, K] (Hk = H or a divisor of H: grouped value heads); v, g, beta: [1, T, H, ...];
-  mask [Bm, Tm, Hm, r, r]; cu_seqlens sanitised [N + 1].
+  mask [Bm, Tm, Hm, r, r]; cu_seqlens sanitised [N + 1]; local as `nonfinite.clean`'s.
   Returns (cleaned inputs, nonfinite.Marks(o [1, T, H], final [N, H], state [1, T, H] with
   with_state)).
   """
-  batch, t_len, heads = v.shape[:3]
-  cleaned, _ = nonfinite.clean(q, k, v, g, beta, mask)
-  bad = lambda x: nonfinite._bad_rows(x, batch, t_len, heads)
-  bad_state = bad(k) | bad(v) | bad(beta) | bad(mask) | jnp.isnan(g) | (g == jnp.inf)
+  t_len = v.shape[1]
+  bad_state, bad_q = nonfinite.bad_tokens(q, k, v, g, beta, mask, local=local)
   t = jnp.arange(t_len, dtype=i32)[None, :, None]
   # the last bad token at or before t; spoiled when it lies in t's own sequence
   last_bad = jax.lax.cummax(jnp.where(bad_state, t, -1), axis=1)
@@ -272,7 +270,8 @@ def clean(q, k, v, g, beta, mask, cu_seqlens, *, with_state=False):
   spoiled = last_bad >= cu_seqlens[seq][None, :, None]
   end = jnp.maximum(cu_seqlens[1:] - 1, 0)
   final = jnp.where((cu_seqlens[1:] > cu_seqlens[:-1])[:, None], spoiled[0, end], False)
-  return cleaned, nonfinite.Marks(spoiled | bad(q), final, spoiled if with_state else None)
+  cleaned = nonfinite.cleaned(q, k, v, g, beta, mask)
+  return cleaned, nonfinite.Marks(spoiled | bad_q, final, spoiled if with_state else None)
 
 
 def block_offsets(cu_seqlens, every: int):
