@@ -398,7 +398,8 @@ def _packed_in_place_interpreted():
   mask; pieces of one chunk (every boundary a cut, the last piece a single silent chunk) and of
   two (bounds inside a piece); every gradient with the final states in the loss; without
   gradient a nan in v at token 40 (sequence 4, tokens 33 to 63), head 1, which spoils that
-  sequence from its token on and nothing else."""
+  sequence from its token on and nothing else, and an inf in q at token 70, which spoils its own
+  outputs only."""
   from gdp_jax.ops.gated_delta_product import pieces
 
   row = {}
@@ -438,10 +439,11 @@ def _packed_in_place_case():
   row["in_place_o"] = _rel_rms(o.astype(F32), o_ref.astype(F32))
   row["in_place_final"] = _rel_rms(final, final_ref)
   row["in_place_empty_zero"] = bool(jnp.all(final[1] == 0))
-  bad = dict(x, v=x["v"].at[0, 40, 1].set(jnp.nan))
+  bad = dict(x, v=x["v"].at[0, 40, 1].set(jnp.nan), q=x["q"].at[0, 70, 0, 3].set(jnp.inf))
   (o, final), (o_ref, _) = run("mosaic_gpu", bad), run("reference", bad)
   spoiled = np.zeros(o.shape[1:3], bool)
   spoiled[40:64, 1] = True
+  spoiled[70, :] = True  # a bad q: its own token's outputs (both value heads of its key head)
   o, o_ref = np.asarray(o[0].astype(F32)), np.asarray(o_ref[0].astype(F32))
   final_bad = np.zeros(final.shape[:2], bool)
   final_bad[4, 1] = True
