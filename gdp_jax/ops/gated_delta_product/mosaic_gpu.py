@@ -334,8 +334,7 @@ def _pieces_operator(q, k, v, g, beta, mask, walk, static):
 def _pieces_operator_fwd(q, k, v, g, beta, mask, walk, static, save=True):
   marks_o = walk.marks_o
   if marks_o is not None:  # the kernels read cleaned copies; a bad q spoils its own output
-    bad_q = jnp.logical_not(jnp.all(jnp.isfinite(q), axis=-1))  # [1, T, Hk]
-    marks_o = marks_o | jnp.repeat(bad_q, v.shape[2] // q.shape[2], axis=2)
+    marks_o = marks_o | nonfinite.bad_rows(q, *v.shape[:3], local=True)
     q, k, v = (jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype)) for x in (q, k, v))
   forward = raise_if_differentiated(
     lambda *a: _forward_once(*a, None, walk, static, save), NO_HIGHER_DERIVATIVES
