@@ -294,9 +294,8 @@ def _in_place(q, k, v, g, beta, mask, cu_seqlens, static):
   c = chunk_tokens(mask.shape[-1])
   cu = varlen.sanitize(cu_seqlens, t_len)
   marks = None
-  if static.guard:  # q's marks are the kernels' (a non-finite output; `_pieces_operator`)
-    no_q = jnp.zeros(k.shape[:3] + (1,), k.dtype)
-    (_, _, _, g, beta, mask), marks = varlen.clean(no_q, k, v, g, beta, mask, cu, local=True)
+  if static.guard:
+    (_, _, _, g, beta, mask), marks = varlen.clean(q, k, v, g, beta, mask, cu, local=True)
   g = pieces.starts_as_resets(g, cu)
   padded = -(-t_len // c) * c  # identity tokens to whole chunks (the stored states need them)
   pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - t_len)] + [(0, 0)] * (x.ndim - 2))
@@ -321,8 +320,8 @@ def _in_place(q, k, v, g, beta, mask, cu_seqlens, static):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _pieces_operator(q, k, v, g, beta, mask, walk, static):
   """(o, the states entering the bounds): the kernels over the pieces; with the guard's marks
-  (`walk.marks_o`) o is nan where marked and where q is not finite, without gradient from the
-  guard inside the kernels' loads where r allows it (LOAD_GUARD_KEY_BLOCKS)."""
+  (`walk.marks_o`) o is nan where marked, without gradient from the guard inside the kernels'
+  loads where r allows it (LOAD_GUARD_KEY_BLOCKS)."""
   if walk.marks_o is not None and static.guard_in_loads:
     o, states, _ = _forward_once(
       q, k, v, g, beta, mask, None, walk, static, False, guard_marks=walk.marks_o
@@ -332,17 +331,15 @@ def _pieces_operator(q, k, v, g, beta, mask, walk, static):
 
 
 def _pieces_operator_fwd(q, k, v, g, beta, mask, walk, static, save=True):
-  marks_o = walk.marks_o
-  if marks_o is not None:  # the kernels read cleaned copies; a bad q spoils its own output
-    marks_o = marks_o | nonfinite.bad_rows(q, *v.shape[:3], local=True)
+  if walk.marks_o is not None:  # the kernels read cleaned copies
     q, k, v = (jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype)) for x in (q, k, v))
   forward = raise_if_differentiated(
     lambda *a: _forward_once(*a, None, walk, static, save), NO_HIGHER_DERIVATIVES
   )
   o, states, stored = forward(q, k, v, g, beta, mask)
-  if marks_o is not None:
-    o = jnp.where(marks_o[..., None], jnp.array(jnp.nan, o.dtype), o)
-  return (o, states), (q, k, v, g, beta, mask, walk._replace(marks_o=marks_o), stored)
+  if walk.marks_o is not None:
+    o = jnp.where(walk.marks_o[..., None], jnp.array(jnp.nan, o.dtype), o)
+  return (o, states), (q, k, v, g, beta, mask, walk, stored)
 
 
 def _pieces_operator_bwd(static, residuals, cotangents):
