@@ -14,7 +14,9 @@ initial states), for
             empty sequence, one of 64 tokens, the others off the chunk grid), one initial state
             each, H = 4, K = V = 128, r = 1 and r = 2 (a per-head mask), float32 inputs with
             precision "highest" (TF32 x 3: the float32 "ieee" backward at r = 1 asks more shared
-            memory than an H200 has) and bfloat16 inputs;
+            memory than an H200 has) and bfloat16 inputs; and each again without initial
+            states ("... in place": the Hopper kernels then read the packed row in place,
+            docs/mosaic_gpu.md#packed-sequences-in-place);
   grouped   unpacked, B = 2, T = 1024, H = 4 key heads, HV = 8 value heads (float32 r = 1,
             bfloat16 r = 2).
 Each array records its relative RMS error sqrt(sum (x - ref)^2 / sum ref^2) and its relative
