@@ -121,7 +121,7 @@ def state_grad_walk(
   has_dfinal = dfinal_t is not None
   packed = seq_table is not None
   slots = 0 if pieces is None else pieces.shape[0]
-  if slots and not (packed and has_dfinal and dfinal_t.shape[0] == slots):
+  if slots and not (packed and dfinal_t is not None and dfinal_t.shape[0] == slots):
     raise ValueError(f"pieces: a seq_table and dfinal_t of {slots} slots")
   num_states = check_seq_table(seq_table, batch, None if slots else dfinal_t, "dfinal_t")
   staged = interpret is not None
@@ -342,7 +342,7 @@ def state_grad_walk(
     args.append(dfinal_t)
   if seq_table is not None:
     args.append(seq_table)
-  if slots:
+  if pieces is not None:
     args.append(pieces)
   dh_t, dv_new, dh0_t, *_ = plgpu.kernel(
     body,
