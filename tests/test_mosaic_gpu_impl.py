@@ -393,27 +393,26 @@ def _packed_interpreted():
 def _packed_in_place_interpreted():
   """Packed sequences without initial states, the row read in place and walked in pieces
   (docs/mosaic_gpu.md#packed-sequences-in-place), against the reference: lengths 5, 0, 27, 1,
-  31, 32, 10 at r = 2 (chunks of 32 tokens: several sequences start in one chunk, one ends at a
-  chunk's end, an empty one, one of one token), two value heads on one key head, a per-token
-  mask; pieces of one chunk (every boundary a cut, the last piece a single silent chunk) and of
-  two (bounds inside a piece); every gradient with the final states in the loss; without
-  gradient a nan in v at token 40 (sequence 4, tokens 33 to 63), head 1, which spoils that
-  sequence from its token on and nothing else, and an inf in q at token 70, which spoils its own
-  outputs only."""
+  31, 32, 20, 20, 10 at r = 2 (chunks of 32 tokens: several sequences start in one chunk, two
+  end at a chunk's end, an empty one, one of one token), two value heads on one key head, a
+  per-token mask, pieces of about two chunks: chunks [0, 2], [2, 4] and [4, 4] (bounds inside a
+  piece, the last piece a single silent chunk); every gradient with the final states in the
+  loss; without gradient a nan in v at token 40 (sequence 4, tokens 33 to 63), head 1, which
+  spoils that sequence from its token on and nothing else, and an inf in q at token 70, which
+  spoils its own outputs only."""
   from gdp_jax.ops.gated_delta_product import pieces
 
-  row = {}
   default = pieces.chunks_per_piece
-  for per_piece in (1, 2):
-    pieces.chunks_per_piece = lambda *a, per_piece=per_piece: per_piece
-    row.update({f"{k}_{per_piece}": v for k, v in _packed_in_place_case().items()})
-  pieces.chunks_per_piece = default
-  return row
+  pieces.chunks_per_piece = lambda *a: 2
+  try:
+    return _packed_in_place_case()
+  finally:
+    pieces.chunks_per_piece = default
 
 
 def _packed_in_place_case():
-  """One run of `_packed_in_place_interpreted`."""
-  lengths = (5, 0, 27, 1, 31, 32, 10)
+  """`_packed_in_place_interpreted` with the pieces set."""
+  lengths = (5, 0, 27, 1, 31, 32, 20, 20, 10)
   cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
   x = _inputs(12, t_len=sum(lengths), heads=2, key_heads=1, value_dim=64)
   del x["initial_state"]
@@ -488,13 +487,12 @@ def test_packed_in_place_interpreted_matches_the_reference(interpreted):
   # (docs/mosaic_gpu.md#packed-sequences-in-place): outputs, final states (from the pieces'
   # states) and every gradient through them, and a nan spoiling its own sequence only
   row = interpreted
-  assert row["reverse_walks_in_place"] == row["reverse_walks_with_packed"] + 2, row
-  for per in (1, 2):  # chunks per piece
-    assert row[f"in_place_o_{per}"] < 1e-2 and row[f"in_place_final_{per}"] < 1e-2, (per, row)
-    assert row[f"in_place_empty_zero_{per}"] and row[f"in_place_nan_{per}"], (per, row)
-    assert row[f"in_place_bad_o_{per}"] < 1e-2, (per, row)
-    for name in ("q", "k", "v", "g", "beta", "mask"):
-      assert row[f"in_place_d{name}_{per}"] < 3e-2, (name, per, row)
+  assert row["reverse_walks_in_place"] == row["reverse_walks_with_packed"] + 1, row
+  assert row["in_place_o"] < 1e-2 and row["in_place_final"] < 1e-2, row
+  assert row["in_place_empty_zero"] and row["in_place_nan"], row
+  assert row["in_place_bad_o"] < 1e-2, row
+  for name in ("q", "k", "v", "g", "beta", "mask"):
+    assert row["in_place_d" + name] < 3e-2, (name, row)
 
 
 def test_a_nan_spoils_nothing_before_it(interpreted):
