@@ -75,6 +75,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 from benchmarks.bench import _Skip, fla_case, make_inputs, time_jax  # noqa: E402
 from gdp_jax import gated_delta_product  # noqa: E402
+from gdp_jax.ops.gated_delta_product import pieces  # noqa: E402
 from pallas_kernels.common import backend as kernel_backend  # noqa: E402
 from tests.cases import GRAD_TOLERANCE, TOLERANCE, cotangents  # noqa: E402
 from tests.cases import make_inputs as random_inputs  # noqa: E402
@@ -404,6 +405,13 @@ def main(argv=None):
   )
   p.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
   p.add_argument(
+    "--programs-per-sm",
+    type=float,
+    default=None,
+    help="the in-place packed walks' pieces aim at this many programs per multiprocessor "
+    "(gdp_jax/ops/gated_delta_product/pieces.py; default its PROGRAMS_PER_MULTIPROCESSOR)",
+  )
+  p.add_argument(
     "--time-limit",
     type=float,
     default=220.0,
@@ -411,6 +419,8 @@ def main(argv=None):
   )
   argv = list(sys.argv[1:] if argv is None else argv)
   args = p.parse_args(argv)
+  if args.programs_per_sm is not None:  # read when a call is traced
+    pieces.PROGRAMS_PER_MULTIPROCESSOR = args.programs_per_sm
   start = time.perf_counter()
   sections = [s.strip() for s in args.sections.split(",") if s.strip()]
   for s in sections:

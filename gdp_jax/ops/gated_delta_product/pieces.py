@@ -15,6 +15,8 @@ recompile.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 from gdp_jax.ops.gated_delta_product import varlen, xla
@@ -26,11 +28,17 @@ FLAG_FORWARD_SILENT = 1  # the forward walks the piece's first chunk silently
 FLAG_REVERSE_SILENT = 2  # the reverse walk walks its first step (the last chunk) silently
 
 
+# Programs per multiprocessor the pieces aim at (benchmarks/bench_varlen.py --programs-per-sm
+# sweeps it; docs/mosaic_gpu.md#packed-sequences-in-place).
+PROGRAMS_PER_MULTIPROCESSOR = 2.0
+
+
 def chunks_per_piece(num_chunks: int, programs_per_piece: int, multiprocessors: int) -> int:
-  """How long a piece may grow (chunks): enough pieces for about two programs per multiprocessor
-  (each piece runs `programs_per_piece`, one per head and value tile), and no more."""
-  pieces = -(-2 * multiprocessors // programs_per_piece)
-  return max(1, -(-num_chunks // pieces))
+  """How long a piece may grow (chunks): enough pieces for about PROGRAMS_PER_MULTIPROCESSOR
+  programs per multiprocessor (each piece runs `programs_per_piece`, one per head and value
+  tile), and no more."""
+  wanted = PROGRAMS_PER_MULTIPROCESSOR * multiprocessors / programs_per_piece
+  return max(1, -(-num_chunks // max(1, math.ceil(wanted))))
 
 
 def num_slots(num_seqs: int) -> int:
