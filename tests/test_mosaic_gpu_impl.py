@@ -347,6 +347,22 @@ def _block_states_interpreted(mosaic_impl):
   return row
 
 
+def _packed_functions(cu):
+  """(call, loss) for packed sequences `cu`: `gated_delta_product`'s (o, final) of an
+  implementation and inputs, and a loss of both."""
+
+  def call(implementation, kw):
+    return gated_delta_product(
+      **kw, scale=0.3, cu_seqlens=cu, output_final_state=True, implementation=implementation
+    )
+
+  def loss(implementation, kw):
+    o, final = call(implementation, kw)
+    return jnp.sum(o.astype(F32) * jnp.cos(o.astype(F32))) + jnp.sum(final**2)
+
+  return call, loss
+
+
 def _packed_interpreted():
   """Packed sequences (the walks one program per sequence) against the reference: lengths 5, 0,
   40, 1, 30 at r = 2 (chunks of 32 tokens; an empty sequence, one of one token, one of two
@@ -360,15 +376,7 @@ def _packed_interpreted():
   x["initial_state"] = 0.3 * jax.random.normal(jax.random.PRNGKey(10), (5, 2, 64, 64))
   clean = dict(x)
   x["v"] = x["v"].at[0, 20, 1].set(jnp.nan)  # token 20: sequence 2 (tokens 5 to 44), head 1
-
-  def call(implementation, kw):
-    return gated_delta_product(
-      **kw, scale=0.3, cu_seqlens=cu, output_final_state=True, implementation=implementation
-    )
-
-  def loss(implementation, kw):
-    o, final = call(implementation, kw)
-    return jnp.sum(o.astype(F32) * jnp.cos(o.astype(F32))) + jnp.sum(final**2)
+  call, loss = _packed_functions(cu)
 
   implementations = ("mosaic_gpu", "reference")
   grads = {i: jax.jit(jax.grad(functools.partial(loss, i)))(clean) for i in implementations}
@@ -417,15 +425,7 @@ def _packed_in_place_case():
   x = _inputs(12, t_len=sum(lengths), heads=2, key_heads=1, value_dim=64)
   del x["initial_state"]
   x["mask"] = jax.random.uniform(jax.random.PRNGKey(13), (1, sum(lengths), 2, 2, 2))
-
-  def call(implementation, kw):
-    return gated_delta_product(
-      **kw, scale=0.3, cu_seqlens=cu, output_final_state=True, implementation=implementation
-    )
-
-  def loss(implementation, kw):
-    o, final = call(implementation, kw)
-    return jnp.sum(o.astype(F32) * jnp.cos(o.astype(F32))) + jnp.sum(final**2)
+  call, loss = _packed_functions(cu)
 
   implementations = ("mosaic_gpu", "reference")
   grads = {i: jax.jit(jax.grad(functools.partial(loss, i)))(x) for i in implementations}
