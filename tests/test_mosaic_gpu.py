@@ -32,8 +32,9 @@ import numpy as np
 import pytest
 
 import gdp_jax
+from gdp_jax.ops.gated_delta_product import pieces
 from pallas_kernels.common import compat
-from pallas_kernels.mosaic_gpu import backward_walk, chunk_grads, common
+from pallas_kernels.mosaic_gpu import backward_walk, chunk_grads, common, walk_shapes
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
 from pallas_kernels.mosaic_gpu.forward import block_rows, forward, householder_forward, mask_rows
 from tests.cases import run_interpreted_subprocess
@@ -356,6 +357,11 @@ def test_backward_kernels_refuse_what_they_cannot_take():
     assert chunk_grads.smem_bytes(128, 128, r, bf, staged=False) <= common.SMEM_LIMIT, r
     need = functools.partial(backward_walk.smem_bytes, 128, 64, r, bf, staged=False)
     assert common.ring_stages("state_grad_walk", lambda n: need(stages=n)) >= 2, r
+    # with the most bounds of packed rows read in place (pieces.MAX_SLOTS) in shared memory
+    for walk in (walk_shapes.smem_bytes, backward_walk.smem_bytes):
+      for key_dim in (64, 128):
+        need = functools.partial(walk, key_dim, 64, r, bf, staged=False, slots=pieces.MAX_SLOTS)
+        assert common.ring_stages("walk", lambda n: need(stages=n)) >= 2, (walk, key_dim, r)
 
 
 if __name__ == "__main__" and "--interpreted" in sys.argv:

@@ -46,15 +46,18 @@ N = ROWS_PER_CHUNK
 SUPPORTED_R = BACKWARD_R
 
 
-def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: bool) -> int:
-  """Shared memory of `state_grad_walk` (tiles and vectors; barriers are a few bytes more)."""
+def smem_bytes(
+  key_dim: int, block_v: int, r: int, dtype, stages: int, staged: bool, slots: int = 0
+) -> int:
+  """Shared memory of `state_grad_walk` (tiles and vectors; barriers are a few bytes more);
+  `slots`: the pieces' bounds (packed rows read in place) and their table row."""
   c = chunk_tokens(r)
   isz = jnp.dtype(dtype).itemsize
   per_stage = (c * key_dim + (2 if r > 1 else 1) * N * key_dim + c * block_v + N * N) * isz
   per_stage += block_v * N * isz  # dv_local
   per_stage += (5 * N + max(c, 32) + r * N) * 4
   fixed = (2 * block_v * key_dim + 2 * N * block_v) * isz
-  fixed += 16 + ((block_v + c) * N * isz if staged else 0)
+  fixed += 16 + ((block_v + c) * N * isz if staged else 0) + (4 * slots + 16 if slots else 0)
   return stages * per_stage + fixed
 
 
@@ -129,7 +132,7 @@ def state_grad_walk(
   dk = key_dim // r
   stages = ring_stages(
     f"state_grad_walk (K={key_dim}, block_v={bv}, r={r})",
-    lambda n: smem_bytes(key_dim, bv, r, dtype, n, staged),
+    lambda n: smem_bytes(key_dim, bv, r, dtype, n, staged, slots),
     stages,
   )
   # q, T0, gamma per token, mask rows, 3 gamma rows, beta rows, do; per block: k

@@ -41,17 +41,20 @@ def walk_dims(q, k, v, t0, mask_rows, block_v):
   return batch, padded, heads, key_dim, value_dim, r, c, nc, heads // key_heads
 
 
-def smem_bytes(key_dim: int, block_v: int, r: int, dtype, stages: int, staged: bool) -> int:
+def smem_bytes(
+  key_dim: int, block_v: int, r: int, dtype, stages: int, staged: bool, slots: int = 0
+) -> int:
   """Shared memory of `state_walk_ws` (tiles and vectors; barriers are a few bytes more).
 
   staged: the interpreter's form, with the chain's left operands staged through `xt_s`.
+  slots: the pieces' bounds (packed rows read in place), and their table row.
   """
   c = chunk_tokens(r)
   isz = jnp.dtype(dtype).itemsize
   per_stage = (c * key_dim + (2 if r > 1 else 1) * N * key_dim + N * block_v + N * N) * isz
   per_stage += (5 * N + max(c, 32) + r * N) * 4
   fixed = (2 * block_v * key_dim + 2 * block_v * N + c * N + 2 * c * block_v) * isz
-  fixed += 16 + (block_v * N * isz if staged else 0)
+  fixed += 16 + (block_v * N * isz if staged else 0) + (4 * slots + 16 if slots else 0)
   return stages * per_stage + fixed
 
 

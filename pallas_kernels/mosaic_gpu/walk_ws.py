@@ -360,7 +360,9 @@ def state_walk_ws(
   bv = block_v
   stages = ring_stages(
     f"state_walk_ws (K={key_dim}, block_v={bv}, r={r})",
-    lambda n: smem_bytes(key_dim, bv, r, dtype, n, staged),
+    lambda n: smem_bytes(
+      key_dim, bv, r, dtype, n, staged, 0 if pieces is None else pieces.shape[0]
+    ),
     stages,
   )
   # q, T0, gamma per token, mask rows, 4 gamma rows, beta rows; per block: k, v

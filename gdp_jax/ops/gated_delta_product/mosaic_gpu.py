@@ -444,7 +444,8 @@ class MosaicGpuGatedDeltaProduct(GatedDeltaProductImplementation):
     mask = mask.astype(jnp.float32)
     r = mask.shape[-1]
     static = self._static(scale)._replace(guard_in_loads=r in LOAD_GUARD_KEY_BLOCKS)
-    if cu_seqlens is not None and initial_state is None and self.backward == "pallas":
+    in_place = cu_seqlens is not None and initial_state is None and self.backward == "pallas"
+    if in_place and pieces.num_slots(cu_seqlens.shape[0] - 1) <= pieces.MAX_SLOTS:
       return _in_place(q, k, v, g, beta, mask, cu_seqlens, static)
     if cu_seqlens is not None:
       initial_state = packed_states(initial_state, q, v, cu_seqlens)

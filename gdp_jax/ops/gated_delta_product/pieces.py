@@ -41,6 +41,12 @@ def chunks_per_piece(num_chunks: int, programs_per_piece: int, multiprocessors: 
   return max(1, -(-num_chunks // max(1, math.ceil(wanted))))
 
 
+# The most bounds the walks take into shared memory beside their ring (32 KB, which their
+# two-stage rings leave room for at every supported K and r; `walk_shapes.smem_bytes`): more
+# sequences take the chunk-aligned layout.
+MAX_SLOTS = 8192
+
+
 def num_slots(num_seqs: int) -> int:
   """The length of `bounds`: N - 1 boundaries at most, the last chunk, a sentinel; a multiple of
   4 (one 16-byte copy per 4)."""
