@@ -154,10 +154,10 @@ def np_gated_delta_rule(q, k, v, g, beta, scale, h0=None):
   return o, S
 
 
-def run_interpreted_subprocess(test_file: str, timeout: int) -> dict:
-  """Run `python test_file --interpreted` with NPROC=8 and return the JSON on its last "RESULT "
-  line: the Mosaic GPU interpreter runs each warpgroup as a thread of XLA's CPU pool, which
-  starves on a 2-core machine unless the pool is larger
+def run_interpreted_subprocess(test_file: str, timeout: int, flag: str = "--interpreted") -> dict:
+  """Run `python test_file --interpreted` (or another `flag`) with NPROC=8 and return the JSON on
+  its last "RESULT " line: the Mosaic GPU interpreter runs each warpgroup as a thread of XLA's CPU
+  pool, which starves on a 2-core machine unless the pool is larger
   (docs/mosaic_gpu.md#testing-without-a-gpu)."""
   import json
   import os
@@ -168,7 +168,7 @@ def run_interpreted_subprocess(test_file: str, timeout: int) -> dict:
   root = pathlib.Path(__file__).resolve().parents[1]
   env = dict(os.environ, NPROC="8", PYTHONPATH=str(root))
   run = subprocess.run(
-    [sys.executable, str(pathlib.Path(test_file).resolve()), "--interpreted"],
+    [sys.executable, str(pathlib.Path(test_file).resolve()), flag],
     cwd=root,
     env=env,
     capture_output=True,
