@@ -31,6 +31,7 @@ from pallas_kernels.mosaic_gpu.common import (
   check_seq_table,
   chunk_tokens,
   compiler_params,
+  copy_tiles,
   gate_stage,
   iota,
   matmul,
@@ -274,17 +275,12 @@ def state_grad_walk(
         ds_new = matmul_sum(jnp.exp(g_end) * ds_t, products, sshape, stage=xt_s)
         plgpu.commit_smem()
 
-        def copy(dh_dst, dvn_dst):
-          plgpu.copy_smem_to_gmem(dh_pub.at[half], dh_dst)
-          plgpu.copy_smem_to_gmem(dvn_pub.at[half], dvn_dst)
-
-        real = lambda: copy(dh_ref.at[b, h, n, cols_v], dvn_ref.at[b, h, n, cols_v])
-        if slots:
-          silent = (i == 0) & silent_first
-          pl.when(silent)(lambda: copy(*(d.at[0, h, 0, cols_v] for d in dummy_refs)))
-          pl.when(jnp.logical_not(silent))(real)
-        else:
-          real()
+        copy_tiles(
+          (dh_pub.at[half], dvn_pub.at[half]),
+          lambda: (dh_ref.at[b, h, n, cols_v], dvn_ref.at[b, h, n, cols_v]),
+          lambda: tuple(d.at[0, h, 0, cols_v] for d in dummy_refs),
+          silent=(i == 0) & silent_first if slots else None,
+        )
         plgpu.barrier_arrive(in_free.at[slot])
         return ds_new, bound
 

@@ -294,6 +294,22 @@ def check_seq_table(seq_table, batch: int, state, state_name: str) -> int:
   return num_states
 
 
+def copy_tiles(tiles, real, dummy=None, silent=None) -> None:
+  """Copies shared-memory `tiles` to global memory: to the refs `real()` gives, or where `silent`
+  (a piece's silent step, docs/mosaic_gpu.md#packed-sequences-in-place) to `dummy()`'s, which
+  other silent steps write too and nothing reads."""
+
+  def copy(dsts):
+    for tile, dst in zip(tiles, dsts):
+      plgpu.copy_smem_to_gmem(tile, dst)
+
+  if silent is None:
+    copy(real())
+    return
+  pl.when(silent)(lambda: copy(dummy()))
+  pl.when(jnp.logical_not(silent))(lambda: copy(real()))
+
+
 def read_seq_table(tab_ref, sc_ref, tab_s, sc_s, bar, seq, wg, bounds=None):
   """In a walk over packed sequences (three warpgroups): warpgroup 1 copies sequence `seq`'s
   row of the table and the scale (and `bounds`, a (global, shared) pair: the pieces' bounds)

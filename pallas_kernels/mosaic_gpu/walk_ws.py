@@ -33,6 +33,7 @@ from pallas_kernels.mosaic_gpu.common import (
   check_seq_table,
   clean_tile,
   compiler_params,
+  copy_tiles,
   gate_stage,
   iota,
   matmul,
@@ -264,19 +265,9 @@ def put(ref, x) -> None:
 
 
 def store_chunk(w, n, real, dummy, tiles):
-  """Step n's copies of `tiles` to global memory: to `real()`'s refs, or, for the silent first
-  chunk of a piece, to `dummy()`'s (refs other pieces' silent chunks write too, never read)."""
-
-  def copy(dsts):
-    for tile, dst in zip(tiles, dsts):
-      plgpu.copy_smem_to_gmem(tile, dst)
-
-  if not w.pieces:
-    copy(real())
-    return
-  silent = (n == 0) & w.silent_first
-  pl.when(silent)(lambda: copy(dummy()))
-  pl.when(jnp.logical_not(silent))(lambda: copy(real()))
+  """Step n's copies of `tiles` to global memory (`common.copy_tiles`): the silent first chunk of
+  a piece to the dummy outputs."""
+  copy_tiles(tiles, real, dummy, silent=(n == 0) & w.silent_first if w.pieces else None)
 
 
 def finish(w):

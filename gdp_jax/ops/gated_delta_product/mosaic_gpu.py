@@ -190,7 +190,7 @@ def _backward(q, k, v, g, beta, mask, h0, packing, stored, static, do, dfinal):
     to_row(time_major(dg)),
     to_row(time_major(dbeta)),
     dmask,
-    None if h0 is None else jnp.swapaxes(dh0_t, 2, 3),
+    jnp.swapaxes(dh0_t, 2, 3),
   )
 
 
@@ -279,7 +279,7 @@ def _operator_bwd(static, residuals, cotangents):
     lambda *a: _backward_once(*a, packing, stored, static, do, dfinal), NO_HIGHER_DERIVATIVES
   )
   grads = backward(*inputs)
-  return (*(None if x is None else d.astype(x.dtype) for d, x in zip(grads, inputs)), None)
+  return (*(d.astype(x.dtype) for d, x in zip(grads, inputs)), None)
 
 
 _operator.defvjp(_operator_fwd, _operator_bwd)
@@ -297,15 +297,13 @@ def _in_place(q, k, v, g, beta, mask, cu_seqlens, static):
   if static.guard:
     (_, _, _, g, beta, mask), marks = varlen.clean(q, k, v, g, beta, mask, cu, local=True)
   g = pieces.starts_as_resets(g, cu)
-  padded = -(-t_len // c) * c  # identity tokens to whole chunks (the stored states need them)
-  pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - t_len)] + [(0, 0)] * (x.ndim - 2))
   marks_o = None if marks is None else marks.o
-  rows = (q, k, v, g, beta) + ((marks_o,) if marks is not None else ())
-  rows += (mask,) if mask.shape[1] != 1 else ()
+  padded = -(-t_len // c) * c  # identity tokens to whole chunks (the stored states need them)
   if padded != t_len:
-    q, k, v, g, beta, *rest = map(pad, rows)
-    marks_o = rest.pop(0) if marks is not None else None
-    mask = rest[0] if rest else mask
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - t_len)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, g, beta = map(pad, (q, k, v, g, beta))
+    mask = mask if mask.shape[1] == 1 else pad(mask)
+    marks_o = None if marks_o is None else pad(marks_o)
   value_tiles = -(-v.shape[-1] // mosaic_forward.BLOCK_V)
   per_piece = pieces.chunks_per_piece(padded // c, v.shape[2] * value_tiles, device_info().sm_count)
   table, bounds = pieces.piece_table(cu, padded, c, per_piece)
@@ -332,7 +330,7 @@ def _pieces_operator(q, k, v, g, beta, mask, walk, static):
 
 def _pieces_operator_fwd(q, k, v, g, beta, mask, walk, static, save=True):
   if walk.marks_o is not None:  # the kernels read cleaned copies
-    q, k, v = (jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype)) for x in (q, k, v))
+    q, k, v = map(nonfinite.zero_nonfinite, (q, k, v))
   forward = raise_if_differentiated(
     lambda *a: _forward_once(*a, None, walk, static, save), NO_HIGHER_DERIVATIVES
   )

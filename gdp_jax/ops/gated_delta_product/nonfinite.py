@@ -68,9 +68,14 @@ def bad_tokens(q, k, v, g, beta, mask, *, local=False, substeps=1):
   return bad_state, _bad_rows(q, batch, t_len, heads, local)
 
 
+def zero_nonfinite(x):
+  """x with its non-finite entries 0."""
+  return jnp.where(_finite(x), x, jnp.zeros((), x.dtype))
+
+
 def cleaned(q, k, v, g, beta, mask):
   """The inputs with non-finite entries 0 (a nan or +inf g too; g = -inf stays a reset)."""
-  zero = lambda x: jnp.where(_finite(x), x, jnp.zeros((), x.dtype))
+  zero = zero_nonfinite
   g = jnp.where(jnp.isnan(g) | (g == jnp.inf), jnp.zeros((), g.dtype), g)
   mask = None if mask is None else zero(mask)
   return zero(q), zero(k), zero(v), g, zero(beta), mask
