@@ -288,14 +288,16 @@ _operator.defvjp(_operator_fwd, _operator_bwd)
 def _in_place(q, k, v, g, beta, mask, cu_seqlens, static):
   """Packed sequences without initial states, the row read in place (pieces.py): each sequence
   start a reset, the walks over pieces of the row (`_pieces_operator`), the final states carried
-  from the pieces' states (differentiated by JAX); the guard's marks per sequence (the cleaned
-  copies of q, k and v are not used without gradient: the kernels clean as they load)."""
+  from the pieces' states (differentiated by JAX); the guard's marks per sequence, q's left out
+  as on unpacked rows (`_marks`: a kernel cleaning in its loads writes a bad q's own output as
+  nan; the differentiated call marks bad q itself, `_pieces_operator_fwd`)."""
   t_len = q.shape[1]
   c = chunk_tokens(mask.shape[-1])
   cu = varlen.sanitize(cu_seqlens, t_len)
   marks = None
   if static.guard:
-    (_, _, _, g, beta, mask), marks = varlen.clean(q, k, v, g, beta, mask, cu, local=True)
+    no_q = jnp.zeros(k.shape[:3] + (1,), k.dtype)
+    (_, _, _, g, beta, mask), marks = varlen.clean(no_q, k, v, g, beta, mask, cu, local=True)
   g = pieces.starts_as_resets(g, cu)
   marks_o = None if marks is None else marks.o
   padded = -(-t_len // c) * c  # identity tokens to whole chunks (the stored states need them)
@@ -329,7 +331,9 @@ def _pieces_operator(q, k, v, g, beta, mask, walk, static):
 
 
 def _pieces_operator_fwd(q, k, v, g, beta, mask, walk, static, save=True):
-  if walk.marks_o is not None:  # the kernels read cleaned copies
+  if walk.marks_o is not None:  # the kernels read cleaned copies; a bad q marks its own token
+    bad_q = nonfinite.bad_rows(q, *walk.marks_o.shape, local=True)
+    walk = walk._replace(marks_o=walk.marks_o | bad_q)
     q, k, v = map(nonfinite.zero_nonfinite, (q, k, v))
   forward = raise_if_differentiated(
     lambda *a: _forward_once(*a, None, walk, static, save), NO_HIGHER_DERIVATIVES

@@ -32,7 +32,7 @@ def _finite(x):
   return jnp.isfinite(x)
 
 
-def _bad_rows(x, batch, t_len, heads, local=False):
+def bad_rows(x, batch, t_len, heads, local=False):
   """[B, T, H, ...] (or broadcastable mask [Bm, Tm, Hm, r, r]) -> [B, T, H]: any non-finite.
   With grouped value heads, q and k have fewer heads than H: key head j // (H // Hk) serves
   value head j (docs/varlen.md#grouped-value-heads). local: x is whole on this device (`clean`)."""
@@ -58,14 +58,14 @@ def bad_tokens(q, k, v, g, beta, mask, *, local=False, substeps=1):
   and those whose q is non-finite (their own output only). Arguments as `clean`'s."""
   batch, t_sub, heads = v.shape[:3]
   t_len = t_sub // substeps
-  sub_rows = lambda x: _bad_rows(x, batch, t_sub, heads, local)
+  sub_rows = lambda x: bad_rows(x, batch, t_sub, heads, local)
   bad_sub = sub_rows(k) | sub_rows(v) | sub_rows(beta)
   if mask is not None:
     bad_sub = bad_sub | sub_rows(mask)
   if substeps > 1:
     bad_sub = jnp.any(bad_sub.reshape(batch, t_len, substeps, heads), axis=2)
   bad_state = bad_sub | jnp.isnan(g) | (g == jnp.inf)
-  return bad_state, _bad_rows(q, batch, t_len, heads, local)
+  return bad_state, bad_rows(q, batch, t_len, heads, local)
 
 
 def zero_nonfinite(x):
