@@ -6,8 +6,10 @@
 
 For each n_h: ours (`gdp_jax.householder_delta_product`, implementation "pallas") and
 flash-linear-attention's `chunk_gated_delta_product` on the same inputs (made in PyTorch, copied
-to JAX), forward and forward + backward (the gradient of sum(o) with respect to q, k, v, g and
-beta), median ms; and the relative RMS difference of the two outputs.
+to JAX), forward and a training step (the gradient with respect to q, k, v, g and beta of a loss
+that reads o's values: benchmarks/bench.py `training_step`, `jax.value_and_grad` for ours, the
+same weighting of o for flash-linear-attention's), median ms; and the relative RMS difference of
+the two outputs.
 
 Beside them, what ours should cost, measured in the same run: the r = 1 operator
 `gated_delta_product` (pallas) over the T*n_h sub-steps on sub-step inputs built beforehand
@@ -26,7 +28,7 @@ smoke run only, e.g. `--shape 1,32,2,16,16 --nh 2 --reps 1 --inner 1 --no-fla`.
 --packed N: the B*T tokens (and their sub-steps) in one row as N packed sequences (`cu_seqlens`;
 N = B: B sequences of T tokens, else N random lengths, seed 0, from
 `benchmarks/bench_varlen.random_lengths`), ours and flash-linear-attention's call with
-`cu_seqlens`, forward and forward + backward, with the unpacked figures of ours beside them in
+`cu_seqlens`, forward and the training step, with the unpacked figures of ours beside them in
 the same run (`unpacked_*`).
 
 Writes JSON with the date, the jax version, the GPU name and the command (docs/performance.md),
@@ -48,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks.bench import command_line, time_jax  # noqa: E402
+from benchmarks.bench import command_line, output_weights, time_jax, training_step  # noqa: E402
 from benchmarks.bench_varlen import cu_of, random_lengths  # noqa: E402
 from gdp_jax import gated_delta_product, householder_delta_product  # noqa: E402
 from gdp_jax.ops.householder.api import to_substeps  # noqa: E402
@@ -98,11 +100,16 @@ def to_jax(x):
 
 
 def _timed(fwd, mode):
-  """jit of fwd (the output), or of the gradient of sum(o) in every input."""
+  """jit of fwd (the output), or of a training step: `training_step`'s loss reading o and its
+  gradient in every input."""
   if mode == "fwd":
     return jax.jit(fwd)
-  loss = lambda *a: jnp.sum(fwd(*a).astype(jnp.float32))
-  return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+  def step(*a):
+    o_shape = jax.eval_shape(fwd, *a).shape
+    return training_step(fwd, o_shape, 5)(*a)
+
+  return jax.jit(step)
 
 
 def ours(nh, mode, cu_seqlens=None, implementation="pallas"):
@@ -150,10 +157,14 @@ def fla_time(inputs, nh, mode, reps, cu_seqlens=None):
   else:
     for t in x.values():
       t.requires_grad_(True)
+    B, T, H = x["q"].shape[:3]
+    # the same fixed weighting of o as ours (`training_step`)
+    o_shape = (B, T, H, x["v"].shape[-1])
+    weights = torch.as_tensor(np.asarray(output_weights(o_shape)), device="cuda")
 
     def fn():
       o, _ = chunk_gated_delta_product(**x, num_householder=nh, **kw)
-      o.float().sum().backward()
+      (o.float() * weights).sum().backward()
 
   fn()
   torch.cuda.synchronize()
