@@ -209,6 +209,6 @@ def test_bench_varlen_smoke(tmp_path):
   assert speed[("packed8", "fwd", "ours")]["sequences"] == 2
   assert speed[("packed64", "fwd", "fla")]["status"] == "skipped"  # no CUDA here
   ratio = res["ratios"]["ours packed8/unpacked fwd"]
-  assert ratio["goal"] == 1.15 and ratio["ratio"] > 0
+  assert ratio["goal"] == 1.10 and ratio["ratio"] > 0
   with pytest.raises(SystemExit):
     mod.main(["--smoke", "--sections", "nope", "--out", str(out)])

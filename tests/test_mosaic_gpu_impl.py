@@ -411,7 +411,53 @@ def _run_in_place_interpreted():
   backward_walk.state_grad_walk = counted
   row = _packed_in_place_interpreted()
   row["reverse_walks_over_pieces"] = walks
+  row.update(_householder_in_place_interpreted())
   return row
+
+
+def _householder_in_place_interpreted():
+  """The Householder form (n_h = 4, chunks of 16 tokens) with packed sequences read in place
+  without gradient, in pieces of one chunk: lengths 3, 0, 37, 1, 13, 16, 9, 32 (starts inside
+  chunks, an empty sequence, one of one token, one ending at a chunk's end); a nan in one
+  sub-step of v (sequence 2) and an inf in q (sequence 5), against the reference."""
+  from gdp_jax import householder_delta_product
+  from gdp_jax.ops.gated_delta_product import pieces
+  from tests.test_householder import hh_inputs
+
+  n_h, lengths = 4, (3, 0, 37, 1, 13, 16, 9, 32)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+  x = hh_inputs(95, n_h, B=1, T=sum(lengths), K=64, V=64, with_state=False, dtype=jnp.bfloat16)
+  x["v"] = x["v"].at[0, n_h * 10 + 1, 1].set(jnp.nan)
+  x["q"] = x["q"].at[0, 56, 0, 3].set(jnp.inf)
+
+  def call(implementation, kw):
+    return householder_delta_product(
+      **kw, num_householder=n_h, cu_seqlens=cu, output_final_state=True, scale=0.3,
+      implementation=implementation, chunk_size=64,
+    )  # fmt: skip
+
+  default = pieces.chunks_per_piece
+  pieces.chunks_per_piece = lambda *a: 1
+  try:
+    traced = str(jax.make_jaxpr(functools.partial(call, "mosaic_gpu"))(x))
+    (o, final), (o_ref, final_ref) = (jax.jit(functools.partial(call, i))(x) for i in
+                                      ("mosaic_gpu", "reference"))  # fmt: skip
+  finally:
+    pieces.chunks_per_piece = default
+  o, o_ref = np.asarray(o[0].astype(F32)), np.asarray(o_ref[0].astype(F32))
+  bad, bad_ref = ~np.isfinite(o).all(-1), ~np.isfinite(o_ref).all(-1)
+  fine = ~bad_ref
+  final, final_ref = np.asarray(final), np.asarray(final_ref)
+  final_bad = ~np.isfinite(final).all(axis=(2, 3))
+  return dict(
+    householder_walk=f"gdp_state_walk_ws_r{n_h}" in traced and "gdp_state_walk_ws_r1" not in traced,
+    householder_bad_same=bool(np.array_equal(bad, bad_ref) and bad_ref.sum() > 1),
+    householder_final_bad_same=bool(
+      np.array_equal(final_bad, ~np.isfinite(final_ref).all(axis=(2, 3))) and final_bad.any()
+    ),
+    householder_o=_rel_rms(o[fine], o_ref[fine]),
+    householder_final=_rel_rms(final[~final_bad], final_ref[~final_bad]),
+  )
 
 
 def _packed_in_place_interpreted():
@@ -515,6 +561,16 @@ def test_packed_in_place_interpreted_matches_the_reference(interpreted_in_place)
   assert row["in_place_bad_o"] < 1e-2, row
   for name in ("q", "k", "v", "g", "beta", "mask"):
     assert row["in_place_d" + name] < 3e-2, (name, row)
+
+
+def test_householder_packed_in_place_interpreted_matches_the_reference(interpreted_in_place):
+  # the Householder form's forward reads packed rows in place too: the walk of n_h rows per
+  # token over pieces (not the r = 1 operator over the sub-steps), a bad sub-step or q spoiling
+  # what the reference spoils
+  row = interpreted_in_place
+  assert row["householder_walk"], row
+  assert row["householder_bad_same"] and row["householder_final_bad_same"], row
+  assert row["householder_o"] < 1e-2 and row["householder_final"] < 1e-2, row
 
 
 def test_a_nan_spoils_nothing_before_it(interpreted):

@@ -260,10 +260,13 @@ def householder_forward(
   scale: float | jax.Array | None = None,
   initial_state: jax.Array | None = None,
   output_final_state: bool = False,
+  seq_table: jax.Array | None = None,
+  pieces: jax.Array | None = None,
   interpret=None,
 ):
   """The Householder form's forward on the Mosaic GPU kernels: `(o [B, T, H, V], final state
-  [B, H, K, V] float32 or None)`.
+  [B, H, K, V] float32 or None)`; with `seq_table` and `pieces` the packed row read in place as
+  `forward`'s (B = 1; the "final states" `[S, H, K, V]` the states entering each bound).
 
   q `[B, T, Hk, K]`, g `[B, T, H]` (or None) one row per token; k `[B, T n_h, Hk, K]`, v
   `[B, T n_h, H, V]`, beta `[B, T n_h, H]` the `n_h` sub-steps of every token, sub-step `a` of
@@ -309,6 +312,8 @@ def householder_forward(
     h0_t,
     block_v=BLOCK_V,
     output_final_state=output_final_state,
+    seq_table=seq_table,
+    pieces=pieces,
     interpret=interpret,
   )
   o = o[:, :t_len, :, :value_dim]

@@ -252,17 +252,18 @@ def token_boundaries(cu_seqlens, t_len: int):
   return seq, t == cu_seqlens[seq], t == cu_seqlens[seq + 1] - 1
 
 
-def clean(q, k, v, g, beta, mask, cu_seqlens, *, with_state=False, local=False):
+def clean(q, k, v, g, beta, mask, cu_seqlens, *, with_state=False, local=False, substeps=1):
   """`nonfinite.clean` per sequence: the cleaned inputs and marks in which a bad token spoils
   the outputs of its own sequence only (from that token on) and that sequence's final state.
 
   q, k: [1, T, Hk, K] (Hk = H or a divisor of H: grouped value heads); v, g, beta: [1, T, H, ...];
-  mask [Bm, Tm, Hm, r, r]; cu_seqlens sanitised [N + 1]; local as `nonfinite.clean`'s.
+  mask [Bm, Tm, Hm, r, r]; cu_seqlens sanitised [N + 1]; local and substeps (k, v and beta with
+  T n_h rows: the Householder form) as `nonfinite.clean`'s.
   Returns (cleaned inputs, nonfinite.Marks(o [1, T, H], final [N, H], state [1, T, H] with
   with_state)).
   """
-  t_len = v.shape[1]
-  bad_state, bad_q = nonfinite.bad_tokens(q, k, v, g, beta, mask, local=local)
+  t_len = g.shape[1]
+  bad_state, bad_q = nonfinite.bad_tokens(q, k, v, g, beta, mask, local=local, substeps=substeps)
   t = jnp.arange(t_len, dtype=i32)[None, :, None]
   # the last bad token at or before t; spoiled when it lies in t's own sequence
   last_bad = jax.lax.cummax(jnp.where(bad_state, t, -1), axis=1)

@@ -251,10 +251,8 @@ def householder_delta_product(
     implementation=implementation,
     precision=precision,
   )
-  if (
-    implementation == "mosaic_gpu"
-    and cu_seqlens is None
-    and householder_mosaic.supported(q, k, v, n_h, chunk_size)
+  if implementation == "mosaic_gpu" and householder_mosaic.supported(
+    q, k, v, n_h, chunk_size, cu_seqlens, initial_state
   ):
     return householder_mosaic.householder_mosaic_gpu(
       q,
@@ -266,7 +264,8 @@ def householder_delta_product(
       scale=scale,
       n_h=n_h,
       output_final_state=output_final_state,
-      substeps=substeps,
+      substeps=functools.partial(substeps, cu_seqlens=cu_seqlens),
+      cu_seqlens=cu_seqlens,
     )
   return substeps(q, k, v, g, beta, initial_state, cu_seqlens=cu_seqlens)
 
