@@ -4,7 +4,7 @@
       [--guard on,off] [--r 1] [--shape 8,4096,16,128,128] [--calls 10] [--top 25]
       [--layouts unpacked,packed64,long30k]
 
-For each case the jitted `gated_delta_product` call (forward, or forward + backward) runs
+For each case the jitted `gated_delta_product` call (forward, or a training step: the loss reading o) runs
 `--calls` times under `jax.profiler.trace`; the trace's device events (the GPU planes' kernel
 lines) are summed by name and divided by the number of calls: the time of each kernel and XLA
 fusion per call, the largest first. `jla` in --impls profiles jax-linear-attention's Gated
@@ -25,11 +25,10 @@ import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
-from benchmarks.bench import DTYPES, make_inputs  # noqa: E402
+from benchmarks.bench import DTYPES, make_inputs, training_step  # noqa: E402
 from gdp_jax import gated_delta_product  # noqa: E402
 from pallas_kernels.common.options import heuristic_options  # noqa: E402
 
@@ -48,10 +47,7 @@ def jla_program(mode, inputs):
     out = jla.ops.linear_attention("gated_deltanet", *a[:3], g=a[3], beta=a[4], impl="mosaic_gpu")
     return out[0] if isinstance(out, tuple) else out
 
-  if mode == "fwd":
-    return jax.jit(fwd), args
-  loss = lambda *a: jnp.sum(fwd(*a).astype(jnp.float32))
-  return jax.jit(jax.grad(loss, range(len(names)))), args
+  return _timed(fwd, mode), args
 
 
 def program(impl, mode, inputs, guard, cu_seqlens=None):
@@ -69,10 +65,19 @@ def program(impl, mode, inputs, guard, cu_seqlens=None):
     )
     return o
 
+  return _timed(fwd, mode), [inputs[n] for n in names]
+
+
+def _timed(fwd, mode):
+  """jit of fwd, or of a training step (`benchmarks/bench.py training_step`: the loss reads o's
+  values, so no output kernel is dropped)."""
   if mode == "fwd":
-    return jax.jit(fwd), [inputs[n] for n in names]
-  loss = lambda *a: jnp.sum(fwd(*a).astype(jnp.float32))
-  return jax.jit(jax.grad(loss, range(len(names)))), [inputs[n] for n in names]
+    return jax.jit(fwd)
+
+  def step(*a):
+    return training_step(fwd, jax.eval_shape(fwd, *a).shape, len(a))(*a)
+
+  return jax.jit(step)
 
 
 def device_times(trace_dir, calls):
