@@ -787,7 +787,8 @@ def test_piece_table_cuts_at_boundaries():
   """The in-place pieces (gdp_jax/ops/gated_delta_product/pieces.py, docs/mosaic_gpu.md
   #packed-sequences-in-place): ten sequences of 40 tokens in chunks of 32 (NC = 13), cut about
   every 3 chunks. Boundaries (chunks where a sequence starts) 1, 2, 3, 5, 6, 7, 8, 10, 11; cuts
-  at the first boundary at or after 3, 6, 9 (12 has none): 3, 6, 10."""
+  at the boundary nearest 3, 6, 9, 12 (the later on a tie): 3, 6, 10, 11; the rows longest
+  piece first (stable)."""
   from gdp_jax.ops.gated_delta_product import pieces
 
   table, bounds = pieces.piece_table(jnp.asarray(cu_of((40,) * 10)), 400, 32, 3)
@@ -796,11 +797,11 @@ def test_piece_table_cuts_at_boundaries():
   # first chunk, count, flags (1: forward silent first, 2: reverse silent first), bounds before
   # the first chunk, the last bound at or before the last chunk
   assert table[:, :5].tolist() == [
+    [6, 5, 3, 4, 7],
     [0, 4, 2, 0, 2],
     [3, 4, 3, 2, 4],
-    [6, 5, 3, 4, 7],
-    [10, 3, 1, 7, 9],
-    [0, 0, 1, 0, 9],
+    [10, 2, 3, 7, 8],
+    [11, 2, 1, 8, 9],
   ]
   # every chunk walked by exactly one piece that writes it, forward and reverse
   first, count, flags = (np.asarray(table[:, i]) for i in range(3))

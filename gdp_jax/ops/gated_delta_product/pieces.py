@@ -34,11 +34,11 @@ PROGRAMS_PER_MULTIPROCESSOR = 2.0
 
 
 def chunks_per_piece(num_chunks: int, programs_per_piece: int, multiprocessors: int) -> int:
-  """How long a piece may grow (chunks): enough pieces for about PROGRAMS_PER_MULTIPROCESSOR
+  """How long a piece may grow (chunks): as many pieces as fit in PROGRAMS_PER_MULTIPROCESSOR
   programs per multiprocessor (each piece runs `programs_per_piece`, one per head and value
-  tile), and no more."""
+  tile; a few more programs than that would start a wave of their own), at least one."""
   wanted = PROGRAMS_PER_MULTIPROCESSOR * multiprocessors / programs_per_piece
-  return max(1, -(-num_chunks // max(1, math.ceil(wanted))))
+  return max(1, -(-num_chunks // max(1, math.floor(wanted))))
 
 
 # The most bounds the walks take into shared memory beside their ring (32 KB, which their
@@ -55,7 +55,9 @@ def num_slots(num_seqs: int) -> int:
 
 def piece_table(cu, t_len: int, chunk: int, per_piece: int):
   """(table [P, 8] int32, bounds [S] int32) for N sequences (cu sanitised) over T tokens in chunks
-  of `chunk`, cut about every `per_piece` chunks (P = NC // per_piece + 1, S = `num_slots(N)`).
+  of `chunk`, cut at the boundary nearest each multiple of `per_piece` chunks (P = NC //
+  per_piece + 1, S = `num_slots(N)`); the rows longest piece first (the walks' programs start in
+  row order: the longest first leave the shortest to fill the last wave).
 
   bounds: the boundary chunks and the last chunk, increasing, each once, then a value past every
   chunk; slot j of the walks is the state entering chunk bounds[j].
@@ -74,11 +76,15 @@ def piece_table(cu, t_len: int, chunk: int, per_piece: int):
   last_chunk = jnp.where(jnp.any(boundaries == nc - 1), past, nc - 1)  # once
   bounds = jnp.sort(jnp.concatenate([boundaries, last_chunk[None]]))  # [N]
   bounds = jnp.full((num_slots(num),), past, i32).at[:num].set(bounds.astype(i32))
-  # cuts: the first boundary at or after every multiple of per_piece
+  # cuts: the boundary nearest every multiple of per_piece (the later one on a tie)
   want = per_piece * jnp.arange(1, nc // per_piece + 1, dtype=i32)
   at = jnp.searchsorted(boundaries, want, side="left", method="compare_all")
-  cuts = boundaries[jnp.minimum(at, num - 2)] if num > 1 else jnp.full_like(want, past)
-  cuts = jnp.where(at < num - 1, cuts, past)
+  if num > 1:
+    after = jnp.where(at < num - 1, boundaries[jnp.minimum(at, num - 2)], past)
+    before = boundaries[jnp.maximum(at - 1, 0)]
+    cuts = jnp.where((at > 0) & (want - before < after - want), before, after)
+  else:
+    cuts = jnp.full_like(want, past)
   cuts = jnp.where(cuts > 0, cuts, past)  # chunk 0 starts piece 0 anyway
   prev_cut = jnp.concatenate([jnp.full((1,), -1, i32), cuts[:-1]])
   cuts = jnp.sort(jnp.where(cuts != prev_cut, cuts, past))  # each once (cuts are increasing)
@@ -95,6 +101,7 @@ def piece_table(cu, t_len: int, chunk: int, per_piece: int):
   last_bound = jnp.searchsorted(bounds, last, side="right", method="compare_all") - 1
   zero = jnp.zeros_like(p)
   table = jnp.stack([first, count, flags, before_first, last_bound, zero, zero, zero], axis=1)
+  table = table[jnp.argsort(-count, stable=True)]
   return table.astype(i32), bounds
 
 
