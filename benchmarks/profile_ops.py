@@ -7,10 +7,10 @@
 For each case the jitted `gated_delta_product` call (forward, or a training step: the loss
 reading o) runs `--calls` times under `jax.profiler.trace`; the trace's device events (the GPU
 planes' kernel lines) are summed by name and divided by the number of calls: the time of each
-kernel and XLA fusion per call, the largest first. `jla` in --impls profiles jax-linear-attention's Gated
-DeltaNet (r = 1, no guard) the same way. `--layouts` also profiles the B x T tokens packed into
-one row (benchmarks/bench_varlen.py's layouts: 64 random lengths, one 30k sequence). Kept with
-the date, jax version, GPU and command.
+kernel and XLA fusion per call, the largest first. `jla` in --impls profiles
+jax-linear-attention's Gated DeltaNet (r = 1, no guard) the same way. `--layouts` also profiles
+the B x T tokens packed into one row (benchmarks/bench_varlen.py's layouts: 64 random lengths,
+one 30k sequence). Kept with the date, jax version, GPU and command.
 """
 
 from __future__ import annotations
