@@ -36,7 +36,7 @@ PROGRAMS_PER_MULTIPROCESSOR = 2.0
 def chunks_per_piece(num_chunks: int, programs_per_piece: int, multiprocessors: int) -> int:
   """How long a piece may grow (chunks): as many pieces as fit in PROGRAMS_PER_MULTIPROCESSOR
   programs per multiprocessor (each piece runs `programs_per_piece`, one per head and value
-  tile; a few more programs than that would start a wave of their own), at least one."""
+  tile; a few more programs than that would start a round of their own), at least one."""
   wanted = PROGRAMS_PER_MULTIPROCESSOR * multiprocessors / programs_per_piece
   return max(1, -(-num_chunks // max(1, math.floor(wanted))))
 
@@ -57,7 +57,7 @@ def piece_table(cu, t_len: int, chunk: int, per_piece: int):
   """(table [P, 8] int32, bounds [S] int32) for N sequences (cu sanitised) over T tokens in chunks
   of `chunk`, cut at the boundary nearest each multiple of `per_piece` chunks (P = NC //
   per_piece + 1, S = `num_slots(N)`); the rows longest piece first (the walks' programs start in
-  row order: the longest first leave the shortest to fill the last wave).
+  row order: the longest first leave the shortest to fill the last round).
 
   bounds: the boundary chunks and the last chunk, increasing, each once, then a value past every
   chunk; slot j of the walks is the state entering chunk bounds[j].
