@@ -34,7 +34,7 @@ from gdp_jax.ops.gated_delta_product.base import (
 from gdp_jax.ops.heads import sum_key_heads
 from gdp_jax.ops.once import jitted_kernels
 from pallas_kernels.common.backend import interpret_mode
-from pallas_kernels.common.device import HOPPER, device_info
+from pallas_kernels.common.device import HOPPER
 from pallas_kernels.common.options import KernelOptions
 from pallas_kernels.mosaic_gpu import backward_walk, chunk_grads
 from pallas_kernels.mosaic_gpu import forward as mosaic_forward
@@ -307,8 +307,7 @@ def _in_place(q, k, v, g, beta, mask, cu_seqlens, static):
     mask = mask if mask.shape[1] == 1 else pad(mask)
     marks_o = None if marks_o is None else pad(marks_o)
   value_tiles = -(-v.shape[-1] // mosaic_forward.BLOCK_V)
-  per_piece = pieces.chunks_per_piece(padded // c, v.shape[2] * value_tiles, device_info().sm_count)
-  table, bounds = pieces.piece_table(cu, padded, c, per_piece)
+  table, bounds = pieces.row_pieces(cu, padded // c, c, v.shape[2] * value_tiles)
   o, slot_states = _pieces_operator(q, k, v, g, beta, mask, _Pieces(table, bounds, marks_o), static)
   final = pieces.final_states(slot_states, bounds, k, v, g, beta, mask, cu, c)
   o = o[:, :t_len]

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from gdp_jax.ops.gated_delta_product import varlen, xla
 from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY
 from gdp_jax.ops.heads import expand_key_heads
+from pallas_kernels.common.device import device_info
 
 i32 = jnp.int32
 FLAG_FORWARD_SILENT = 1  # the forward walks the piece's first chunk silently
@@ -51,6 +52,13 @@ def num_slots(num_seqs: int) -> int:
   """The length of `bounds`: N - 1 boundaries at most, the last chunk, a sentinel; a multiple of
   4 (one 16-byte copy per 4)."""
   return -(-(num_seqs + 1) // 4) * 4
+
+
+def row_pieces(cu, num_chunks: int, chunk: int, programs_per_piece: int):
+  """`piece_table` of a row of `num_chunks` whole chunks, the pieces' length from this device's
+  multiprocessors (`chunks_per_piece`)."""
+  per_piece = chunks_per_piece(num_chunks, programs_per_piece, device_info().sm_count)
+  return piece_table(cu, num_chunks * chunk, chunk, per_piece)
 
 
 def piece_table(cu, t_len: int, chunk: int, per_piece: int):

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from gdp_jax.ops.autodiff import in_forward_mode
 from gdp_jax.ops.gated_delta_product import nonfinite, pieces, varlen
 from pallas_kernels.common.backend import interpret_mode
-from pallas_kernels.common.device import device_info
 from pallas_kernels.mosaic_gpu.common import SUPPORTED_DIMS, SUPPORTED_DTYPES, chunk_tokens
 from pallas_kernels.mosaic_gpu.forward import BLOCK_V, householder_forward
 
@@ -76,10 +75,8 @@ def _packed_forward(q, k, v, g, beta, cu_seqlens, scale, n_h, output_final_state
   g = jnp.zeros(q.shape[:2] + v.shape[2:3], jnp.float32) if g is None else g
   (q, k, v, g, beta, _), marks = varlen.clean(q, k, v, g, beta, None, cu, substeps=n_h, local=True)
   g = pieces.starts_as_resets(g, cu)
-  num_chunks = -(-t_len // c)
   value_tiles = -(-v.shape[-1] // BLOCK_V)
-  per_piece = pieces.chunks_per_piece(num_chunks, heads * value_tiles, device_info().sm_count)
-  table, bounds = pieces.piece_table(cu, num_chunks * c, c, per_piece)
+  table, bounds = pieces.row_pieces(cu, -(-t_len // c), c, heads * value_tiles)
   o, slot_states = householder_forward(
     q,
     k,
