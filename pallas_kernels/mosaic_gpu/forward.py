@@ -120,7 +120,7 @@ def state_t(initial_state: jax.Array | None, value_padded: int) -> jax.Array | N
     return None
   h0_t = jnp.swapaxes(initial_state.astype(F32), 2, 3)  # [B, H, V, K]
   extra = value_padded - h0_t.shape[2]
-  return jnp.pad(h0_t, [(0, 0), (0, 0), (0, extra), (0, 0)]) if extra else h0_t
+  return jnp.pad(h0_t, [(0, 0), (0, 0), (0, extra), (0, 0)]) if extra > 0 else h0_t
 
 
 def chunk_gamma(g, shape, padded: int, c: int) -> jax.Array:
@@ -182,6 +182,7 @@ def forward(
   pieces: jax.Array | None = None,
   guard_marks: jax.Array | None = None,
   state_every_chunks: int | None = None,
+  transitions: bool = False,
   interpret=None,
 ):
   """`o [B, T, H, V]` (dtype of q) and the final state `[B, H, K, V]` float32 (or None); with
@@ -201,6 +202,10 @@ def forward(
     nan (nonfinite.py's `Marks.o`); the kernels clean k and v as they land.
   state_every_chunks: None, or e: last, the float32 state after every e chunks `[B, H, NC // e,
     K, V]` (unpacked rows; `state_walk_ws`).
+  transitions: with pieces cut inside sequences (pieces.split_table), also the pieces'
+    transitions (`state_walk_ws`): the initial state `[P, H, K, V + K]` per piece, the slots'
+    states with V + K columns; then returns `(o, slots, o_id [B, T, H, K], the state after each
+    piece [P, H, K, V + K])`.
   interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
     The interpreter runs the walk's three warpgroups as threads of XLA's CPU client: on a machine
     with fewer than 3 cores set NPROC (for example NPROC=8) before jax starts, or they starve.
@@ -238,9 +243,13 @@ def forward(
     pieces=pieces,
     marks=marks,
     state_every_chunks=state_every_chunks,
+    transitions=transitions,
     interpret=interpret,
   )
   o = o[:, :t_len, :, :value_dim]
+  if transitions:  # V and K need no padding (SUPPORTED_DIMS)
+    o_id, ends_t = states
+    return o, jnp.swapaxes(s_t, 2, 3), o_id[:, :t_len], jnp.swapaxes(ends_t, 2, 3)
   final = None
   if s_t is not None:
     final = jnp.swapaxes(s_t, 2, 3)[..., :value_dim]

@@ -54,6 +54,7 @@ def bind(refs: dict, scratch: dict, *, nc: int, group: int, bv: int, m_shape, **
   and the program's batch row (or sequence), head, key head, value columns and chunks."""
   optional = dict(kw_s=None, xt_s=None, mk_tok=None, mk_ref=None, clean=False, blk_ref=None)
   optional.update(pieces=False, od_ref=None, sd_ref=None, vd_ref=None, bnd_ref=None, bnd_s=None)
+  optional.update(value_tiles=None, vz_ref=None, oid_ref=None, end_ref=None)
   w = types.SimpleNamespace(**{**optional, **refs, **scratch, **statics}, bv=bv)
   w.b, w.h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   w.hk = lax.div(w.h, group)  # the key head of value head h
@@ -71,6 +72,10 @@ def bind(refs: dict, scratch: dict, *, nc: int, group: int, bv: int, m_shape, **
   # their slots (from the number of bounds before the first chunk)
   w.silent_first = lax.rem(w.tab_s[2], 2) == 1 if w.pieces else False
   w.slot0 = w.tab_s[3] if w.pieces else 0
+  # the pieces' transitions (`transitions`): tiles past the value's walk v = 0 over the span
+  w.transition = iv >= w.value_tiles if w.value_tiles is not None else False
+  if w.value_tiles is not None:
+    w.count = jnp.where(w.transition, w.tab_s[5], w.count)
   w.cols_v = pl.ds(iv * bv, bv)
   w.mb = w.b if m_shape[0] > 1 else 0
   w.mh = w.h if m_shape[1] > 1 else 0
@@ -103,7 +108,12 @@ def producer(w, registers: int = 40):
       else:
         k_src, v_src = w.k_ref.at[b, rows, hk], w.v_ref.at[b, rows, h, w.cols_v]
       put(k_src, w.kb_s, pl.ds(a * c, c))
-      put(v_src, w.vrep_s, pl.ds(a * c, c))
+      if w.value_tiles is None:
+        put(v_src, w.vrep_s, pl.ds(a * c, c))
+      else:  # a transition tile reads zeros
+        zeros = w.vz_ref.at[0, pl.ds(0, c), 0]
+        when(w.transition, lambda: put(zeros, w.vrep_s, pl.ds(a * c, c)))
+        when(~w.transition, lambda v_src=v_src: put(v_src, w.vrep_s, pl.ds(a * c, c)))
 
   ring.produce(fill, stages=w.stages, count=w.count, loaded=w.in_bar, free=w.in_free)
 
@@ -191,6 +201,8 @@ def chain(w, registers: int = 232):
     when(i >= 0, lambda i=i: plgpu.barrier_wait(w.s_free.at[i % 2]))
   if w.ht_ref is not None and not w.pieces:  # straight from registers to global memory
     w.ht_ref.at[w.seq, w.h, w.cols_v][...] = s_t
+  if w.end_ref is not None:  # the state after the piece's last walked chunk
+    w.end_ref.at[w.seq, w.h, w.cols_v][...] = s_t
   if w.store_states:
     plgpu.wait_smem_to_gmem(0)
 
@@ -246,13 +258,21 @@ def output(w, *, registers: int = 232):
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # o_s[half] of chunk n - 2 has left
     w.o_s.at[half].T[...] = (o_t * scale_v).astype(dtype)
     plgpu.commit_smem()
-    store_chunk(
-      w,
-      n,
-      lambda: (w.o_ref.at[w.b, rows, w.h, w.cols_v],),
-      lambda: (w.od_ref.at[0, pl.ds(0, c), w.h, w.cols_v],),
-      (w.o_s.at[half],),
-    )
+    if w.value_tiles is None:
+      real = lambda: (w.o_ref.at[w.b, rows, w.h, w.cols_v],)
+      store_chunk(
+        w, n, real, lambda: (w.od_ref.at[0, pl.ds(0, c), w.h, w.cols_v],), (w.o_s.at[half],)
+      )
+    else:  # the pieces' transitions: no silent chunk; a transition tile's output to o_id
+      cols_t = pl.ds((lax.axis_index("v") - w.value_tiles) * w.bv, w.bv)
+      when(
+        w.transition,
+        lambda: copy_tiles((w.o_s.at[half],), lambda: (w.oid_ref.at[w.b, rows, w.h, cols_t],)),
+      )
+      when(
+        ~w.transition,
+        lambda: copy_tiles((w.o_s.at[half],), lambda: (w.o_ref.at[w.b, rows, w.h, w.cols_v],)),
+      )
     return carry
 
   lax.fori_loop(0, w.count, step, None)
@@ -296,6 +316,7 @@ def state_walk_ws(
   pieces: jax.Array | None = None,
   marks: jax.Array | None = None,
   state_every_chunks: int | None = None,
+  transitions: bool = False,
   interpret=None,
 ):
   """The state walk and the output, per (batch, head, value tile) (module docstring).
@@ -334,6 +355,13 @@ def state_walk_ws(
     state_every_chunks: None, or e: also return the float32 state after every e chunks,
       transposed, `[B, H, NC // e, V, K]` (row j after chunks [0, (j + 1) e); unpacked rows),
       written by the chain from its registers (docs/operator.md#block-boundary-states).
+    transitions: with pieces, a long sequence cut anywhere (docs/mosaic_gpu.md
+      #long-sequences-in-pieces): K / block_v more column tiles after V's walk each piece with
+      v = 0 over its table row's chunk count in entry 5 (its span), from the initial state's
+      columns V to V + K (the identity where a piece needs its transition); the states
+      (initial, the slots', and the state after each piece's last walked chunk, returned last,
+      `[P, H, V + K, K]`) have V + K columns, the transition tiles' outputs go to `o_id`
+      `[B, Tp, H, K]`, returned after the final state.
     interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()`.
 
   Returns:
@@ -342,6 +370,7 @@ def state_walk_ws(
   """
   dims = walk_dims(q, k, v, t0, mask_rows, block_v)
   batch, padded, heads, key_dim, value_dim, r, c, nc, group = dims
+  state_dim = value_dim + key_dim * transitions  # the state's columns (transitions: V + K)
   householder = k.ndim == 5
   masked_keys = r > 1 and not householder  # Kb and Kw formed from the keys
   dtype = k.dtype
@@ -367,20 +396,26 @@ def state_walk_ws(
   if marks is not None and ((packed and pieces is None) or marks.shape != (batch, heads, padded)):
     raise ValueError(f"marks: shape {marks.shape}, expected {(batch, heads, padded)}, one row")
   if pieces is not None and (
-    seq_table is None or seq_table.shape[-1] != 8 or initial_state_t is not None
+    seq_table is None or seq_table.shape[-1] != 8 or (initial_state_t is not None) != transitions
   ):
-    raise ValueError("pieces: a seq_table [P, 8] and no initial state")
+    raise ValueError("pieces: a seq_table [P, 8], an initial state with transitions only")
+  if transitions and (pieces is None or store_states or not output_final_state or k.ndim == 5):
+    raise ValueError("transitions: pieces of the operator's row, the slots and no store_states")
 
   out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), dtype)]
   if output_final_state:
     states = num_states if pieces is None else pieces.shape[0]
-    out_type.append(jax.ShapeDtypeStruct((states, heads, value_dim, key_dim), F32))
+    out_type.append(jax.ShapeDtypeStruct((states, heads, state_dim, key_dim), F32))
+  if transitions:
+    out_type.append(jax.ShapeDtypeStruct((batch, padded, heads, key_dim), dtype))
   if store_states:
     out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, key_dim), dtype))
     out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, N), dtype))
   if state_every_chunks is not None:
     blocks = nc // state_every_chunks
     out_type.append(jax.ShapeDtypeStruct((batch, heads, blocks, value_dim, key_dim), F32))
+  if transitions:
+    out_type.append(jax.ShapeDtypeStruct((num_states, heads, state_dim, key_dim), F32))
   dummies = []  # pieces: where silent chunks write
   if pieces is not None:
     dummies.append(jax.ShapeDtypeStruct((1, c, heads, value_dim), dtype))
@@ -390,9 +425,10 @@ def state_walk_ws(
   in_names = ["q_ref", "k_ref", "v_ref", "t0_ref", "g_ref", "gr_ref", "beta_ref", "m_ref", "sc_ref"]
   in_names += ["h0_ref"] * (initial_state_t is not None) + ["tab_ref"] * packed
   in_names += ["mk_ref"] * (marks is not None) + ["bnd_ref"] * (pieces is not None)
-  out_names = ["o_ref"] + ["ht_ref"] * output_final_state
+  in_names += ["vz_ref"] * transitions
+  out_names = ["o_ref"] + ["ht_ref"] * output_final_state + ["oid_ref"] * transitions
   out_names += ["states_ref", "vnew_ref"] * store_states
-  out_names += ["blk_ref"] * (state_every_chunks is not None)
+  out_names += ["blk_ref"] * (state_every_chunks is not None) + ["end_ref"] * transitions
   out_names += ["od_ref", "sd_ref", "vd_ref"][: len(dummies)]
   names = in_names + out_names
   absent = {
@@ -416,6 +452,7 @@ def state_walk_ws(
       dtype=dtype, householder=householder, masked_keys=masked_keys, staged=staged,
       store_states=store_states, warpgroups=3, clean=marks is not None,
       every=state_every_chunks, pieces=pieces is not None,
+      value_tiles=value_dim // bv if transitions else None,
     )  # fmt: skip
     pl.when(w.wg == 2)(lambda: producer(w))
     pl.when(w.wg == 0)(lambda: chain(w))
@@ -431,11 +468,13 @@ def state_walk_ws(
     args.append(marks)
   if pieces is not None:
     args.append(pieces)
+  if transitions:
+    args.append(jnp.zeros((1, c, 1, bv), dtype))
   outs = plgpu.kernel(
     body,
     out_type=out_type + dummies,
     scratch_types=scratch,
-    grid=(num_states, heads, value_dim // bv),
+    grid=(num_states, heads, state_dim // bv),
     grid_names=("b", "h", "v"),
     num_threads=3,
     thread_name="wg",
@@ -446,4 +485,4 @@ def state_walk_ws(
   outs = list(outs)[: len(out_type)]
   o = outs.pop(0)
   final = outs.pop(0) if output_final_state else None
-  return (o, final, *outs)
+  return (o, final, *outs)  # (transitions: o_id first, the pieces' end states last)

@@ -81,6 +81,9 @@ class _Pieces(NamedTuple):
   table: jax.Array  # [P, 8]
   bounds: jax.Array  # [S]
   marks_o: jax.Array | None  # [1, T, H] bool
+  # without gradient: the row cut inside sequences (`pieces.split_table`) and whether to take it
+  split_table: jax.Array | None = None  # [P', 8]
+  split: jax.Array | None = None  # bool
 
 
 class _Static(NamedTuple):
@@ -89,6 +92,7 @@ class _Static(NamedTuple):
   interpret: bool
   guard_in_loads: bool = True  # without gradient, the guard inside the kernels' loads
   every_chunks: int | None = None  # block states: the state after every this many chunks
+  piece_chunks: int | None = None  # packed rows in place: the pieces' length (chunks)
 
 
 def _params(static):
@@ -307,8 +311,13 @@ def _in_place(q, k, v, g, beta, mask, cu_seqlens, static):
     mask = mask if mask.shape[1] == 1 else pad(mask)
     marks_o = None if marks_o is None else pad(marks_o)
   value_tiles = -(-v.shape[-1] // mosaic_forward.BLOCK_V)
-  table, bounds = pieces.row_pieces(cu, padded // c, c, v.shape[2] * value_tiles)
-  o, slot_states = _pieces_operator(q, k, v, g, beta, mask, _Pieces(table, bounds, marks_o), static)
+  per_piece = pieces.piece_length(padded // c, v.shape[2] * value_tiles)
+  table, bounds = pieces.piece_table(cu, padded, c, per_piece)
+  split_table, _ = pieces.split_table(cu, padded, c, per_piece)
+  split = jnp.max(table[:, 1]) > pieces.SPLIT_WHEN_LONGER * per_piece
+  walk = _Pieces(table, bounds, marks_o, split_table, split)
+  static = static._replace(piece_chunks=per_piece)
+  o, slot_states = _pieces_operator(q, k, v, g, beta, mask, walk, static)
   final = pieces.final_states(slot_states, bounds, k, v, g, beta, mask, cu, c)
   o = o[:, :t_len]
   if marks is not None:
@@ -322,11 +331,55 @@ def _pieces_operator(q, k, v, g, beta, mask, walk, static):
   (`walk.marks_o`) o is nan where marked, without gradient from the guard inside the kernels'
   loads where r allows it (LOAD_GUARD_KEY_BLOCKS)."""
   if walk.marks_o is not None and static.guard_in_loads:
-    o, states, _ = _forward_once(
-      q, k, v, g, beta, mask, None, walk, static, False, guard_marks=walk.marks_o
-    )
-    return o, states
+    return _walk_pieces(q, k, v, g, beta, mask, walk, static, walk.marks_o)
   return _pieces_operator_fwd(q, k, v, g, beta, mask, walk, static, save=False)[0]
+
+
+def _walk_pieces(q, k, v, g, beta, mask, walk, static, guard_marks=None):
+  """(o, the slots' states) without gradient: the walks over the pieces cut at sequence
+  boundaries, or where a sequence is longer than the pieces allow (`walk.split`) over pieces cut
+  inside it (`_split_once`)."""
+
+  def at_boundaries(*args):
+    return _forward_once(*args, None, walk, static, False, guard_marks=guard_marks)[:2]
+
+  def inside(*args):
+    return _split_once(*args, walk, static, guard_marks)
+
+  return jax.lax.cond(walk.split, inside, at_boundaries, q, k, v, g, beta, mask)
+
+
+def _split_forward(q, k, v, g, beta, mask, walk, static, guard_marks):
+  """(o, the slots' states): the walks over `walk.split_table`'s pieces from zero, their
+  transitions beside them, the states entering the pieces by a scan, then the outputs and slots
+  corrected (docs/mosaic_gpu.md#long-sequences-in-pieces, pieces.py)."""
+  batch, t_len, heads, value_dim = v.shape
+  num_pieces = walk.split_table.shape[0]
+  h0 = pieces.split_initial_states(num_pieces, heads, k.shape[-1], value_dim)
+  o, slots, o_id, ends = mosaic_forward.forward(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    _kernel_mask(mask, batch, t_len, heads),
+    scale=static.scale,
+    initial_state=h0,
+    output_final_state=True,
+    seq_table=walk.split_table,
+    pieces=walk.bounds,
+    guard_marks=guard_marks,
+    transitions=True,
+    interpret=_params(static),
+  )
+  entering = pieces.entering_states(ends, value_dim)
+  c = chunk_tokens(mask.shape[-1])
+  return pieces.split_outputs(
+    o, o_id, slots, walk.split_table, walk.bounds, entering, static.piece_chunks, c
+  )
+
+
+_split_once = jitted_kernels(_split_forward, static_argnums=(7,))
 
 
 def _pieces_operator_fwd(q, k, v, g, beta, mask, walk, static, save=True):
@@ -334,10 +387,13 @@ def _pieces_operator_fwd(q, k, v, g, beta, mask, walk, static, save=True):
     bad_q = nonfinite.bad_rows(q, *walk.marks_o.shape, local=True)
     walk = walk._replace(marks_o=walk.marks_o | bad_q)
     q, k, v = map(nonfinite.zero_nonfinite, (q, k, v))
-  forward = raise_if_differentiated(
-    lambda *a: _forward_once(*a, None, walk, static, save), NO_HIGHER_DERIVATIVES
-  )
-  o, states, stored = forward(q, k, v, g, beta, mask)
+  if save:
+    forward = raise_if_differentiated(
+      lambda *a: _forward_once(*a, None, walk, static, save), NO_HIGHER_DERIVATIVES
+    )
+    o, states, stored = forward(q, k, v, g, beta, mask)
+  else:
+    (o, states), stored = _walk_pieces(q, k, v, g, beta, mask, walk, static), ()
   if walk.marks_o is not None:
     o = jnp.where(walk.marks_o[..., None], jnp.array(jnp.nan, o.dtype), o)
   return (o, states), (q, k, v, g, beta, mask, walk, stored)

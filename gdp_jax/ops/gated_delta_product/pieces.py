@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 from gdp_jax.ops.gated_delta_product import varlen, xla
@@ -54,10 +55,14 @@ def num_slots(num_seqs: int) -> int:
   return -(-(num_seqs + 1) // 4) * 4
 
 
+def piece_length(num_chunks: int, programs_per_piece: int) -> int:
+  """`chunks_per_piece` on this device's multiprocessors."""
+  return chunks_per_piece(num_chunks, programs_per_piece, device_info().sm_count)
+
+
 def row_pieces(cu, num_chunks: int, chunk: int, programs_per_piece: int):
-  """`piece_table` of a row of `num_chunks` whole chunks, the pieces' length from this device's
-  multiprocessors (`chunks_per_piece`)."""
-  per_piece = chunks_per_piece(num_chunks, programs_per_piece, device_info().sm_count)
+  """`piece_table` of a row of `num_chunks` whole chunks, the pieces' length `piece_length`."""
+  per_piece = piece_length(num_chunks, programs_per_piece)
   return piece_table(cu, num_chunks * chunk, chunk, per_piece)
 
 
@@ -75,15 +80,7 @@ def piece_table(cu, t_len: int, chunk: int, per_piece: int):
   num = cu.shape[0] - 1
   nc = -(-t_len // chunk)
   past = nc + 1
-  starts = cu[1:-1]
-  start_chunks = starts // chunk
-  previous = jnp.concatenate([jnp.full((1,), -1, i32), start_chunks[:-1]])
-  # cu is non-decreasing: the starts in one chunk are adjacent
-  new = (starts < t_len) & (start_chunks != previous)
-  boundaries = jnp.sort(jnp.where(new, start_chunks, past))  # [N - 1]
-  last_chunk = jnp.where(jnp.any(boundaries == nc - 1), past, nc - 1)  # once
-  bounds = jnp.sort(jnp.concatenate([boundaries, last_chunk[None]]))  # [N]
-  bounds = jnp.full((num_slots(num),), past, i32).at[:num].set(bounds.astype(i32))
+  boundaries, bounds = _bounds(cu, t_len, chunk)
   # cuts: the boundary nearest every multiple of per_piece (the later one on a tie)
   want = per_piece * jnp.arange(1, nc // per_piece + 1, dtype=i32)
   at = jnp.searchsorted(boundaries, want, side="left", method="compare_all")
@@ -111,6 +108,110 @@ def piece_table(cu, t_len: int, chunk: int, per_piece: int):
   table = jnp.stack([first, count, flags, before_first, last_bound, zero, zero, zero], axis=1)
   table = table[jnp.argsort(-count, stable=True)]
   return table.astype(i32), bounds
+
+
+def _bounds(cu, t_len: int, chunk: int):
+  """(the boundary chunks, increasing, then values past every chunk [N - 1]; `bounds` [S])."""
+  num = cu.shape[0] - 1
+  nc = -(-t_len // chunk)
+  past = nc + 1
+  starts = cu[1:-1]
+  start_chunks = starts // chunk
+  previous = jnp.concatenate([jnp.full((1,), -1, i32), start_chunks[:-1]])
+  # cu is non-decreasing: the starts in one chunk are adjacent
+  new = (starts < t_len) & (start_chunks != previous)
+  boundaries = jnp.sort(jnp.where(new, start_chunks, past))  # [N - 1]
+  last_chunk = jnp.where(jnp.any(boundaries == nc - 1), past, nc - 1)  # once
+  bounds = jnp.sort(jnp.concatenate([boundaries, last_chunk[None]]))  # [N]
+  bounds = jnp.full((num_slots(num),), past, i32).at[:num].set(bounds.astype(i32))
+  return boundaries.astype(i32), bounds
+
+
+# A row is cut inside sequences (`split_table`) when the boundary cuts leave a piece longer than
+# this many times the balanced length (docs/mosaic_gpu.md#long-sequences-in-pieces).
+SPLIT_WHEN_LONGER = 1.5
+
+
+def split_table(cu, t_len: int, chunk: int, per_piece: int):
+  """(table [P, 8] int32, bounds [S] int32): the row cut every `per_piece` chunks whatever the
+  sequences (P = ceil(NC / per_piece)), a long sequence over several pieces
+  (docs/mosaic_gpu.md#long-sequences-in-pieces). Rows in piece order: (first chunk, chunk count,
+  0 (no silent chunk), the number of bounds before the first chunk, the index of the last bound
+  at or before the last chunk, the span, 0, 0); `bounds` as `piece_table`'s.
+
+  A piece p > 0 walks from a zero state, and its transition (the map of the state entering it)
+  over its span: from its first chunk through the first chunk where a sequence starts (the
+  reset there ends the entering state's reach), or its last chunk."""
+  nc = -(-t_len // chunk)
+  past = nc + 1
+  boundaries, bounds = _bounds(cu, t_len, chunk)
+  p = jnp.arange(-(-nc // per_piece), dtype=i32)
+  first = p * per_piece
+  count = jnp.minimum(per_piece, nc - first)
+  ext = jnp.concatenate([boundaries, jnp.full((1,), past, i32)])
+  reset = ext[jnp.searchsorted(boundaries, first, side="left", method="compare_all")]
+  span = jnp.where(p == 0, 0, jnp.minimum(count, reset - first + 1))
+  before_first = jnp.searchsorted(bounds, first, side="left", method="compare_all")
+  last_bound = jnp.searchsorted(bounds, first + count - 1, side="right", method="compare_all") - 1
+  zero = jnp.zeros_like(p)
+  table = jnp.stack([first, count, zero, before_first, last_bound, span, zero, zero], axis=1)
+  return table.astype(i32), bounds
+
+
+def split_initial_states(num_pieces: int, heads: int, key_dim: int, value_dim: int):
+  """[P, H, K, V + K] float32: the walks of `split_table`'s pieces start from zero (columns up
+  to V) and their transitions from the identity (columns V to V + K; zero for piece 0, which
+  needs none)."""
+  eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (num_pieces, heads, key_dim, key_dim))
+  eye = eye.at[0].set(0.0)
+  return jnp.concatenate([jnp.zeros((num_pieces, heads, key_dim, value_dim), jnp.float32), eye], -1)
+
+
+def entering_states(ends, value_dim: int):
+  """[P, H, K, V] float32: the state entering each piece of `split_table`, from the state after
+  each piece's walk `ends` [P, H, K, V + K] (its walk from zero, then its transition): the
+  state after piece p is E_p + A_p S_p (docs/mosaic_gpu.md#long-sequences-in-pieces), a short
+  scan over the pieces."""
+  walked, transition = ends[..., :value_dim], ends[..., value_dim:]
+
+  def step(state, piece):
+    e, a = piece
+    after = e + jnp.einsum("hkl,hlv->hkv", a, state, precision=jax.lax.Precision.HIGHEST)
+    return after, state
+
+  _, entering = jax.lax.scan(step, jnp.zeros_like(walked[0]), (walked, transition))
+  return entering
+
+
+def split_outputs(o, o_id, slots, table, bounds, entering, per_piece: int, chunk: int):
+  """(o [1, T, H, V], the slots' states [S, H, K, V]) of a row walked in `split_table`'s pieces
+  (docs/mosaic_gpu.md#long-sequences-in-pieces): the walks' o from zero plus the transitions'
+  outputs o_id [1, T, H, K] times the state entering the piece, over each span (o_id is not
+  written past it); a slot inside a span (at most one per piece: the span's last chunk, or the
+  row's last) gains its transition's part of `slots` [S, H, K, V + K] applied to that state."""
+  t_len, heads, value_dim = o.shape[1:]
+  tokens = per_piece * chunk
+  full = t_len // tokens
+  s_lo = entering.astype(o_id.dtype)  # the state as the walk's own products read it
+  parts = []
+  if full:
+    x = o_id[0, : full * tokens].reshape(full, tokens, heads, -1)
+    y = jnp.einsum("pthk,phkv->pthv", x, s_lo[:full])  # (float32 accumulation on a GPU)
+    parts.append(y.reshape(full * tokens, heads, value_dim))
+  if t_len > full * tokens:
+    x = o_id[0, full * tokens :]
+    parts.append(jnp.einsum("thk,hkv->thv", x, s_lo[full]))
+  correction = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+  t = jnp.arange(t_len, dtype=i32)
+  piece = t // tokens
+  # rows apart: a row past the span (never written) drops out in the select
+  inside = (t // chunk - piece * per_piece) < table[piece, 5]
+  o = o + jnp.where(inside[None, :, None, None], correction[None], jnp.zeros((), o.dtype))
+  walked, transition = slots[..., :value_dim], slots[..., value_dim:]
+  j = jnp.minimum(table[:, 3], slots.shape[0] - 1)  # the first bound at or after the first chunk
+  inside = (table[:, 3] < slots.shape[0]) & (bounds[j] < table[:, 0] + table[:, 5])
+  part = jnp.einsum("phkl,phlv->phkv", transition[j], entering, precision=jax.lax.Precision.HIGHEST)
+  return o, walked.at[j].add(jnp.where(inside[:, None, None, None], part, 0.0))
 
 
 def starts_as_resets(g, cu):
