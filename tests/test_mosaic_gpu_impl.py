@@ -412,6 +412,60 @@ def _run_in_place_interpreted():
   row = _packed_in_place_interpreted()
   row["reverse_walks_over_pieces"] = walks
   row.update(_householder_in_place_interpreted())
+  row.update(_long_sequence_in_pieces_interpreted())
+  return row
+
+
+def _long_sequence_in_pieces_interpreted():
+  """A long sequence cut into pieces without gradient (docs/mosaic_gpu.md
+  #long-sequences-in-pieces): lengths 10, 150, 7, 30 at r = 2 (chunks of 32), pieces of two
+  chunks, so the boundary cuts would leave one piece of six chunks and the row is cut inside the
+  long sequence (tests/test_varlen.py checks the tables); a per-token mask, two value heads on
+  one key head. Clean, and with a nan in v at token 100 (head 1; the long sequence runs 10 to
+  159) and an inf in q at token 170, against the reference."""
+  from gdp_jax.ops.gated_delta_product import pieces
+  from pallas_kernels.mosaic_gpu import forward
+
+  walks = []  # the forward walks traced: with transitions or without
+  walk = forward.state_walk_ws
+
+  def counted(*args, **kwargs):
+    walks.append(bool(kwargs.get("transitions")))
+    return walk(*args, **kwargs)
+
+  lengths = (10, 150, 7, 30)
+  cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+  t_len = sum(lengths)
+  x = _inputs(21, t_len=t_len, heads=2, key_heads=1, value_dim=64)
+  del x["initial_state"]
+  x["mask"] = jax.random.uniform(jax.random.PRNGKey(22), (1, t_len, 2, 2, 2))
+  bad = dict(x, v=x["v"].at[0, 100, 1].set(jnp.nan), q=x["q"].at[0, 170, 0, 3].set(jnp.inf))
+  call, _ = _packed_functions(cu)
+  default = pieces.chunks_per_piece
+  pieces.chunks_per_piece = lambda *a: 2
+  forward.state_walk_ws = counted
+  try:
+    jitted = {i: jax.jit(functools.partial(call, i)) for i in ("mosaic_gpu", "reference")}
+    traced = str(jax.make_jaxpr(functools.partial(call, "mosaic_gpu"))(x))
+    results = {
+      (i, label): jitted[i](kw) for i in jitted for label, kw in (("clean", x), ("bad", bad))
+    }
+  finally:
+    pieces.chunks_per_piece = default
+    forward.state_walk_ws = walk
+  row = dict(long_cond="cond[" in traced and sorted(set(walks)) == [False, True])
+  for label in ("clean", "bad"):
+    (o, final), (o_ref, final_ref) = results["mosaic_gpu", label], results["reference", label]
+    o, o_ref = np.asarray(o[0].astype(F32)), np.asarray(o_ref[0].astype(F32))
+    final, final_ref = np.asarray(final), np.asarray(final_ref)
+    fine, final_fine = np.isfinite(o_ref).all(-1), np.isfinite(final_ref).all(axis=(2, 3))
+    row[f"long_{label}_nan_same"] = bool(
+      np.array_equal(np.isfinite(o).all(-1), fine)
+      and np.array_equal(np.isfinite(final).all(axis=(2, 3)), final_fine)
+      and (label == "clean") == bool(fine.all())
+    )
+    row[f"long_{label}_o"] = _rel_rms(o[fine], o_ref[fine])
+    row[f"long_{label}_final"] = _rel_rms(final[final_fine], final_ref[final_fine])
   return row
 
 
@@ -571,6 +625,17 @@ def test_householder_packed_in_place_interpreted_matches_the_reference(interpret
   assert row["householder_walk"], row
   assert row["householder_bad_same"] and row["householder_final_bad_same"], row
   assert row["householder_o"] < 1e-2 and row["householder_final"] < 1e-2, row
+
+
+def test_long_sequence_in_pieces_interpreted_matches_the_reference(interpreted_in_place):
+  # without gradient a long sequence is cut into pieces walked beside their transitions, the
+  # states entering them scanned and the outputs corrected (docs/mosaic_gpu.md
+  # #long-sequences-in-pieces): a conditional between that walk and the boundary cuts' walk
+  row = interpreted_in_place
+  assert row["long_cond"], row
+  for label in ("clean", "bad"):
+    assert row[f"long_{label}_nan_same"], (label, row)
+    assert row[f"long_{label}_o"] < 1e-2 and row[f"long_{label}_final"] < 1e-2, (label, row)
 
 
 def test_a_nan_spoils_nothing_before_it(interpreted):

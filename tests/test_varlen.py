@@ -811,3 +811,41 @@ def test_piece_table_cuts_at_boundaries():
       for chunk in range(f, f + c):
         written[chunk] += not (fl & silent_flag and chunk == silent_step(f, c))
     assert written.tolist() == [1] * 13
+
+
+def test_split_table_cuts_inside_long_sequences():
+  """Without gradient a row whose boundary cuts leave a piece longer than SPLIT_WHEN_LONGER
+  times the pieces' length is cut every `per_piece` chunks (docs/mosaic_gpu.md
+  #long-sequences-in-pieces): lengths 10, 150, 7, 30 in chunks of 32 (NC = 7), pieces of 2
+  chunks. Sequence starts in chunks 0 and 5 (two); each piece after the first carries its
+  transition through the first chunk where a sequence starts, or to its end (the span)."""
+  from gdp_jax.ops.gated_delta_product import pieces
+
+  cu = jnp.asarray(cu_of((10, 150, 7, 30)))
+  boundary, _ = pieces.piece_table(cu, 224, 32, 2)
+  assert int(jnp.max(boundary[:, 1])) > pieces.SPLIT_WHEN_LONGER * 2  # the long piece: 6 chunks
+  table, bounds = pieces.split_table(cu, 224, 32, 2)
+  assert bounds.tolist() == [0, 5, 6, 8, 8, 8, 8, 8]
+  # first chunk, count, flags (none silent), bounds before the first chunk, the last bound at
+  # or before the last chunk, the span
+  assert table[:, :6].tolist() == [
+    [0, 2, 0, 0, 0, 0],
+    [2, 2, 0, 1, 0, 2],
+    [4, 2, 0, 1, 1, 2],
+    [6, 1, 0, 2, 2, 1],
+  ]
+
+
+def test_entering_states_scan_the_pieces():
+  """The state entering piece p + 1 is E_p + A_p S_p (`pieces.entering_states`), checked against
+  the products written out for three pieces."""
+  from gdp_jax.ops.gated_delta_product import pieces
+
+  key = jax.random.split(jax.random.PRNGKey(3), 2)
+  walked = jax.random.normal(key[0], (3, 2, 4, 5))
+  transition = jax.random.normal(key[1], (3, 2, 4, 4))
+  got = pieces.entering_states(jnp.concatenate([walked, transition], -1), 5)
+  mm = lambda a, b: jnp.einsum("hkl,hlv->hkv", a, b, precision="highest")
+  s1 = walked[0] + mm(transition[0], jnp.zeros((2, 4, 5)))
+  s2 = walked[1] + mm(transition[1], s1)
+  np.testing.assert_allclose(got, jnp.stack([jnp.zeros_like(s1), s1, s2]), rtol=1e-5, atol=1e-5)

@@ -204,7 +204,7 @@ def forward(
     K, V]` (unpacked rows; `state_walk_ws`).
   transitions: with pieces cut inside sequences (pieces.split_table), also the pieces'
     transitions (`state_walk_ws`): the initial state `[P, H, K, V + K]` per piece, the slots'
-    states with V + K columns; then returns `(o, slots, o_id [B, T, H, K], the state after each
+    states with V + K columns; then returns `(o, slots, o_id [H, Tp, K], the state after each
     piece [P, H, K, V + K])`.
   interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()` for the Mosaic GPU interpreter.
     The interpreter runs the walk's three warpgroups as threads of XLA's CPU client: on a machine
@@ -249,7 +249,7 @@ def forward(
   o = o[:, :t_len, :, :value_dim]
   if transitions:  # V and K need no padding (SUPPORTED_DIMS)
     o_id, ends_t = states
-    return o, jnp.swapaxes(s_t, 2, 3), o_id[:, :t_len], jnp.swapaxes(ends_t, 2, 3)
+    return o, jnp.swapaxes(s_t, 2, 3), o_id, jnp.swapaxes(ends_t, 2, 3)
   final = None
   if s_t is not None:
     final = jnp.swapaxes(s_t, 2, 3)[..., :value_dim]

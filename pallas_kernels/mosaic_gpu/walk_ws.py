@@ -267,7 +267,7 @@ def output(w, *, registers: int = 232):
       cols_t = pl.ds((lax.axis_index("v") - w.value_tiles) * w.bv, w.bv)
       when(
         w.transition,
-        lambda: copy_tiles((w.o_s.at[half],), lambda: (w.oid_ref.at[w.b, rows, w.h, cols_t],)),
+        lambda: copy_tiles((w.o_s.at[half],), lambda: (w.oid_ref.at[w.h, rows, cols_t],)),
       )
       when(
         ~w.transition,
@@ -361,7 +361,8 @@ def state_walk_ws(
       columns V to V + K (the identity where a piece needs its transition); the states
       (initial, the slots', and the state after each piece's last walked chunk, returned last,
       `[P, H, V + K, K]`) have V + K columns, the transition tiles' outputs go to `o_id`
-      `[B, Tp, H, K]`, returned after the final state.
+      `[H, Tp, K]` (B = 1; head-major for the products that use it), returned after the final
+      state.
     interpret: None on an sm_90 GPU, or `plgpu.InterpretGPUParams()`.
 
   Returns:
@@ -407,7 +408,7 @@ def state_walk_ws(
     states = num_states if pieces is None else pieces.shape[0]
     out_type.append(jax.ShapeDtypeStruct((states, heads, state_dim, key_dim), F32))
   if transitions:
-    out_type.append(jax.ShapeDtypeStruct((batch, padded, heads, key_dim), dtype))
+    out_type.append(jax.ShapeDtypeStruct((heads, padded, key_dim), dtype))
   if store_states:
     out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, key_dim), dtype))
     out_type.append(jax.ShapeDtypeStruct((batch, heads, nc, value_dim, N), dtype))

@@ -186,27 +186,28 @@ def entering_states(ends, value_dim: int):
 def split_outputs(o, o_id, slots, table, bounds, entering, per_piece: int, chunk: int):
   """(o [1, T, H, V], the slots' states [S, H, K, V]) of a row walked in `split_table`'s pieces
   (docs/mosaic_gpu.md#long-sequences-in-pieces): the walks' o from zero plus the transitions'
-  outputs o_id [1, T, H, K] times the state entering the piece, over each span (o_id is not
-  written past it); a slot inside a span (at most one per piece: the span's last chunk, or the
-  row's last) gains its transition's part of `slots` [S, H, K, V + K] applied to that state."""
+  outputs o_id [H, T, K] (head-major) times the state entering the piece, over each span (o_id
+  is not written past it); a slot inside a span (at most one per piece: the span's last chunk,
+  or the row's last) gains its transition's part of `slots` [S, H, K, V + K] applied to that
+  state."""
   t_len, heads, value_dim = o.shape[1:]
   tokens = per_piece * chunk
   full = t_len // tokens
   s_lo = entering.astype(o_id.dtype)  # the state as the walk's own products read it
-  parts = []
+  parts = []  # [H, ., V] (float32 accumulation on a GPU)
   if full:
-    x = o_id[0, : full * tokens].reshape(full, tokens, heads, -1)
-    y = jnp.einsum("pthk,phkv->pthv", x, s_lo[:full])  # (float32 accumulation on a GPU)
-    parts.append(y.reshape(full * tokens, heads, value_dim))
+    x = o_id[:, : full * tokens].reshape(heads, full, tokens, -1)
+    y = jnp.einsum("hptk,phkv->hptv", x, s_lo[:full])
+    parts.append(y.reshape(heads, full * tokens, value_dim))
   if t_len > full * tokens:
-    x = o_id[0, full * tokens :]
-    parts.append(jnp.einsum("thk,hkv->thv", x, s_lo[full]))
-  correction = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    parts.append(jnp.einsum("htk,hkv->htv", o_id[:, full * tokens :], s_lo[full]))
+  correction = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
   t = jnp.arange(t_len, dtype=i32)
   piece = t // tokens
   # rows apart: a row past the span (never written) drops out in the select
   inside = (t // chunk - piece * per_piece) < table[piece, 5]
-  o = o + jnp.where(inside[None, :, None, None], correction[None], jnp.zeros((), o.dtype))
+  correction = jnp.swapaxes(correction, 0, 1)[None]  # [1, T, H, V]
+  o = o + jnp.where(inside[None, :, None, None], correction, jnp.zeros((), o.dtype))
   walked, transition = slots[..., :value_dim], slots[..., value_dim:]
   j = jnp.minimum(table[:, 3], slots.shape[0] - 1)  # the first bound at or after the first chunk
   inside = (table[:, 3] < slots.shape[0]) & (bounds[j] < table[:, 0] + table[:, 5])
