@@ -172,8 +172,11 @@ def _result_size(line):
 def test_packed_forward_lowers_for_cuda(monkeypatch):
   # packed sequences (64 of them in one row of 32k tokens, no initial states: the row read in
   # place, docs/mosaic_gpu.md#packed-sequences-in-place): without gradient the Mosaic forward's
-  # two kernels, its walk one program per piece; differentiated, the backward's two more (the
-  # reverse walk also one program per piece), no gather of the row and no Triton kernel
+  # two kernels in each branch of the conditional (pieces cut at boundaries, or inside a long
+  # sequence with the transitions' walk, its states V + K = 256 columns wide:
+  # docs/mosaic_gpu.md#long-sequences-in-pieces); differentiated, the forward's two and the
+  # backward's two (the reverse walk also one program per piece), no gather of the row and no
+  # Triton kernel
   monkeypatch.setattr(REGISTRY, "_table", dict(REGISTRY._table))
   REGISTRY.register(REGISTRY.get("mosaic_gpu").replace(interpret=False))
   t_len, heads, dim, num_seqs, r = 32768, 16, 128, 64, 2
@@ -197,7 +200,9 @@ def test_packed_forward_lowers_for_cuda(monkeypatch):
     traced = jax.jit(function).trace(act, act, act, gate, gate, cu)
     lines = traced.lower(lowering_platforms=("cuda",)).as_text().splitlines()
     mosaic = [line for line in lines if "custom_call" in line and "mosaic_gpu" in line]
-    assert len(mosaic) == (2 if function is run else 4), (function.__name__, len(mosaic))
+    assert len(mosaic) == 4, (function.__name__, len(mosaic))
+    split = [line for line in mosaic if f"x{heads}x256x{dim}xf32>" in line]
+    assert len(split) == (1 if function is run else 0), (function.__name__, split)
     # the row is never gathered into another layout (only the final states' few chunks are)
     gathered = [_result_size(line) for line in lines if "stablehlo.gather" in line]
     assert gathered and max(gathered) < t_len * heads * dim, gathered

@@ -350,33 +350,12 @@ def _walk_pieces(q, k, v, g, beta, mask, walk, static, guard_marks=None):
 
 
 def _split_forward(q, k, v, g, beta, mask, walk, static, guard_marks):
-  """(o, the slots' states): the walks over `walk.split_table`'s pieces from zero, their
-  transitions beside them, the states entering the pieces by a scan, then the outputs and slots
-  corrected (docs/mosaic_gpu.md#long-sequences-in-pieces, pieces.py)."""
-  batch, t_len, heads, value_dim = v.shape
-  num_pieces = walk.split_table.shape[0]
-  h0 = pieces.split_initial_states(num_pieces, heads, k.shape[-1], value_dim)
-  o, slots, o_id, ends = mosaic_forward.forward(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    _kernel_mask(mask, batch, t_len, heads),
-    scale=static.scale,
-    initial_state=h0,
-    output_final_state=True,
-    seq_table=walk.split_table,
-    pieces=walk.bounds,
-    guard_marks=guard_marks,
-    transitions=True,
-    interpret=_params(static),
-  )
-  entering = pieces.entering_states(ends, value_dim)
-  c = chunk_tokens(mask.shape[-1])
-  return pieces.split_outputs(
-    o, o_id, slots, walk.split_table, walk.bounds, entering, static.piece_chunks, c
-  )
+  """(o, the slots' states) over `walk.split_table`'s pieces (`pieces.split_forward`)."""
+  kernel_mask = _kernel_mask(mask, *v.shape[:3])
+  return pieces.split_forward(
+    q, k, v, g, beta, kernel_mask, walk.split_table, walk.bounds, scale=static.scale,
+    per_piece=static.piece_chunks, guard_marks=guard_marks, interpret=_params(static),
+  )  # fmt: skip
 
 
 _split_once = jitted_kernels(_split_forward, static_argnums=(7,))

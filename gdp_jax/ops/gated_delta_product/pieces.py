@@ -24,6 +24,8 @@ from gdp_jax.ops.gated_delta_product import varlen, xla
 from gdp_jax.ops.gated_delta_product.base import RESET_LOG_DECAY
 from gdp_jax.ops.heads import expand_key_heads
 from pallas_kernels.common.device import device_info
+from pallas_kernels.mosaic_gpu import forward as mosaic_forward
+from pallas_kernels.mosaic_gpu.common import chunk_tokens
 
 i32 = jnp.int32
 FLAG_FORWARD_SILENT = 1  # the forward walks the piece's first chunk silently
@@ -181,6 +183,24 @@ def entering_states(ends, value_dim: int):
 
   _, entering = jax.lax.scan(step, jnp.zeros_like(walked[0]), (walked, transition))
   return entering
+
+
+def split_forward(q, k, v, g, beta, mask, table, bounds, *, scale, per_piece, guard_marks,
+                  interpret):  # fmt: skip
+  """(o, the slots' states [S, H, K, V]) of a packed row read in place over `split_table`'s
+  pieces (mask as `forward.forward` takes it): the walks from zero with their transitions beside
+  them, the states entering the pieces by a scan, the outputs and slots corrected
+  (docs/mosaic_gpu.md#long-sequences-in-pieces)."""
+  heads, value_dim = v.shape[2:]
+  h0 = split_initial_states(table.shape[0], heads, k.shape[-1], value_dim)
+  o, slots, o_id, ends = mosaic_forward.forward(
+    q, k, v, g, beta, mask, scale=scale, initial_state=h0, output_final_state=True,
+    seq_table=table, pieces=bounds, guard_marks=guard_marks, transitions=True,
+    interpret=interpret,
+  )  # fmt: skip
+  entering = entering_states(ends, value_dim)
+  chunk = chunk_tokens(mask.shape[-1])
+  return split_outputs(o, o_id, slots, table, bounds, entering, per_piece, chunk)
 
 
 def split_outputs(o, o_id, slots, table, bounds, entering, per_piece: int, chunk: int):
