@@ -312,8 +312,9 @@ def _in_place(q, k, v, g, beta, mask, cu_seqlens, static):
     marks_o = None if marks_o is None else pad(marks_o)
   value_tiles = -(-v.shape[-1] // mosaic_forward.BLOCK_V)
   per_piece = pieces.piece_length(padded // c, v.shape[2] * value_tiles)
-  table, bounds = pieces.piece_table(cu, padded, c, per_piece)
-  split_table, _ = pieces.split_table(cu, padded, c, per_piece)
+  row = pieces.row_bounds(cu, padded, c)
+  table, bounds = pieces.piece_table(cu, padded, c, per_piece, row)
+  split_table, _ = pieces.split_table(cu, padded, c, per_piece, row)
   split = jnp.max(table[:, 1]) > pieces.SPLIT_WHEN_LONGER * per_piece
   walk = _Pieces(table, bounds, marks_o, split_table, split)
   static = static._replace(piece_chunks=per_piece)

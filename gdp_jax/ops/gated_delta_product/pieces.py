@@ -68,7 +68,7 @@ def row_pieces(cu, num_chunks: int, chunk: int, programs_per_piece: int):
   return piece_table(cu, num_chunks * chunk, chunk, per_piece)
 
 
-def piece_table(cu, t_len: int, chunk: int, per_piece: int):
+def piece_table(cu, t_len: int, chunk: int, per_piece: int, row=None):
   """(table [P, 8] int32, bounds [S] int32) for N sequences (cu sanitised) over T tokens in chunks
   of `chunk`, cut at the boundary nearest each multiple of `per_piece` chunks (P = NC //
   per_piece + 1, S = `num_slots(N)`); the rows longest piece first (the walks' programs start in
@@ -78,11 +78,11 @@ def piece_table(cu, t_len: int, chunk: int, per_piece: int):
   chunk; slot j of the walks is the state entering chunk bounds[j].
   table row p: (first chunk, chunk count, flags (FLAG_*), the number of bounds before the first
   chunk, the index of the last bound at or before the last chunk, 0, 0, 0); pieces after the
-  last walk nothing (count 0)."""
+  last walk nothing (count 0). row: `row_bounds(cu, t_len, chunk)` when already at hand."""
   num = cu.shape[0] - 1
   nc = -(-t_len // chunk)
   past = nc + 1
-  boundaries, bounds = _bounds(cu, t_len, chunk)
+  boundaries, bounds = row_bounds(cu, t_len, chunk) if row is None else row
   # cuts: the boundary nearest every multiple of per_piece (the later one on a tie)
   want = per_piece * jnp.arange(1, nc // per_piece + 1, dtype=i32)
   at = jnp.searchsorted(boundaries, want, side="left", method="compare_all")
@@ -112,8 +112,9 @@ def piece_table(cu, t_len: int, chunk: int, per_piece: int):
   return table.astype(i32), bounds
 
 
-def _bounds(cu, t_len: int, chunk: int):
-  """(the boundary chunks, increasing, then values past every chunk [N - 1]; `bounds` [S])."""
+def row_bounds(cu, t_len: int, chunk: int):
+  """(the boundary chunks, increasing, then values past every chunk [N - 1]; `bounds` [S]):
+  what `piece_table` and `split_table` cut at."""
   num = cu.shape[0] - 1
   nc = -(-t_len // chunk)
   past = nc + 1
@@ -134,19 +135,19 @@ def _bounds(cu, t_len: int, chunk: int):
 SPLIT_WHEN_LONGER = 1.5
 
 
-def split_table(cu, t_len: int, chunk: int, per_piece: int):
+def split_table(cu, t_len: int, chunk: int, per_piece: int, row=None):
   """(table [P, 8] int32, bounds [S] int32): the row cut every `per_piece` chunks whatever the
   sequences (P = ceil(NC / per_piece)), a long sequence over several pieces
   (docs/mosaic_gpu.md#long-sequences-in-pieces). Rows in piece order: (first chunk, chunk count,
   0 (no silent chunk), the number of bounds before the first chunk, the index of the last bound
-  at or before the last chunk, the span, 0, 0); `bounds` as `piece_table`'s.
+  at or before the last chunk, the span, 0, 0); `bounds` as `piece_table`'s (`row` too).
 
   A piece p > 0 walks from a zero state, and its transition (the map of the state entering it)
   over its span: from its first chunk through the first chunk where a sequence starts (the
   reset there ends the entering state's reach), or its last chunk."""
   nc = -(-t_len // chunk)
   past = nc + 1
-  boundaries, bounds = _bounds(cu, t_len, chunk)
+  boundaries, bounds = row_bounds(cu, t_len, chunk) if row is None else row
   p = jnp.arange(-(-nc // per_piece), dtype=i32)
   first = p * per_piece
   count = jnp.minimum(per_piece, nc - first)
